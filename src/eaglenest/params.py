@@ -1,0 +1,177 @@
+"""Typed, strict params: one section per stage, validated all at once before any heavy work.
+
+``params.yaml`` has one top-level key per stage. Each section loads into a pydantic model with
+``extra="forbid"`` and ``strict=True``, so an unknown key, a misspelt key or a value of the wrong type
+is an error, not a silently ignored default. :func:`load_params` collects *every* problem in the file
+and raises one :class:`~eaglenest.errors.ParamsError` listing them all, each naming the key, the value
+given and what is allowed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from eaglenest.errors import ParamsError
+
+BUILTIN_PREFIX = "builtin:"
+
+
+class StrictModel(BaseModel):
+    """Base for every params section: unknown keys and loose types are errors."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class VerifierParams(StrictModel):
+    """``verifier:`` — which LLM the draft is trained for."""
+
+    model: str = Field(
+        default="builtin:smollm2-135m-instruct",
+        min_length=1,
+        description=(
+            "The verifier: 'builtin:<name>' (materialised into models/verifier/), a local directory with "
+            "config.json and safetensors weights, or a model id already in the local Hugging Face cache. "
+            "External models are used in place and recorded by reference, never copied."
+        ),
+    )
+    trust_remote_code: bool = Field(
+        default=False,
+        description="Allow the verifier's own modelling code (config.json 'auto_map') to run. Off by default.",
+    )
+    aux_layers: list[int] | None = Field(
+        default=None,
+        description=(
+            "Decoder layer ids whose residual stream feeds the draft (EAGLE-3 'aux' layers), each in "
+            "1..N-1 for an N-layer verifier, distinct. null means [2, N//2, N-3]."
+        ),
+    )
+    name: str | None = Field(
+        default=None,
+        description=(
+            "The name a server knows the verifier by (recorded in the draft checkpoint). null means the "
+            "built-in's hub id, or the local model's directory name / model id."
+        ),
+    )
+
+    @field_validator("aux_layers")
+    @classmethod
+    def _aux_layers_distinct_positive(cls, value: list[int] | None) -> list[int] | None:
+        if value is None:
+            return None
+        if len(value) == 0:
+            raise ValueError("must list at least one layer id, or be null for the default [2, N//2, N-3]")
+        if len(set(value)) != len(value):
+            raise ValueError("layer ids must be distinct")
+        if min(value) < 1:
+            raise ValueError("layer ids must be >= 1 (0 is the embeddings, not a decoder layer)")
+        return sorted(value)
+
+
+class PrepareParams(StrictModel):
+    """``prepare:`` — conversations in, tokenised training rows out."""
+
+    source: list[str] = Field(
+        default_factory=lambda: ["builtin:chitchat"],
+        min_length=1,
+        description=(
+            "Where conversations come from: 'builtin:chitchat' and/or paths to .json, .jsonl or .parquet "
+            "files of ShareGPT ('conversations': [{from, value}]) or OpenAI-style ('messages': "
+            "[{role, content}]) records. Keep your files under data/conversations/ so DVC tracks them."
+        ),
+    )
+    max_conversations: int | None = Field(
+        default=1024,
+        ge=1,
+        description="Read at most this many conversations (after shuffling with seed); null reads all.",
+    )
+    max_len: int = Field(
+        default=1024,
+        ge=16,
+        description="Truncate each rendered conversation to this many tokens.",
+    )
+    val_fraction: float = Field(
+        default=0.05,
+        gt=0.0,
+        lt=1.0,
+        description="Fraction of kept conversations held out for validation (at least one row).",
+    )
+    seed: int = Field(default=0, description="Seed of the shuffle that picks and splits conversations.")
+
+    @field_validator("source", mode="before")
+    @classmethod
+    def _single_source_to_list(cls, value: Any) -> Any:
+        # A single string is the common case in params.yaml and on `dvc exp run -S`.
+        return [value] if isinstance(value, str) else value
+
+
+class Params(StrictModel):
+    """The whole params.yaml: one section per stage."""
+
+    verifier: VerifierParams = Field(default_factory=VerifierParams, description="The verifier stage.")
+    prepare: PrepareParams = Field(default_factory=PrepareParams, description="The prepare stage.")
+
+
+def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str] | None:
+    """The keys allowed at ``loc``'s parent, for the 'unknown key' message."""
+    current: type[BaseModel] = model
+    for part in loc[:-1]:
+        field = current.model_fields.get(str(part))
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return None
+        current = annotation
+    return list(current.model_fields)
+
+
+def format_validation_error(err: ValidationError, source: str, model: type[BaseModel] = Params) -> str:
+    """Turns a pydantic error into one line per problem: key, value given, what is allowed."""
+    lines = []
+    for problem in err.errors():
+        loc = tuple(problem["loc"])
+        key = ".".join(str(p) for p in loc)
+        value = problem.get("input")
+        if problem["type"] == "extra_forbidden":
+            allowed = _allowed_keys(model, loc)
+            hint = f" (allowed: {', '.join(allowed)})" if allowed else ""
+            lines.append(f"{key}: unknown key{hint}")
+            continue
+        message = problem["msg"].removeprefix("Value error, ")
+        lines.append(f"{key} = {value!r}: {message}")
+    count = len(lines)
+    header = f"{source}: {count} invalid params value{'s' if count > 1 else ''}"
+    return header + "\n" + "\n".join(f"  - {line}" for line in lines)
+
+
+def parse_params(raw: Any, source: str = "params.yaml") -> Params:
+    """Validates an already-parsed params mapping; raises ParamsError listing every problem."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ParamsError(f"{source}: must be a mapping of stage sections, got {type(raw).__name__}")
+    try:
+        return Params.model_validate(raw)
+    except ValidationError as err:
+        raise ParamsError(format_validation_error(err, source)) from None
+
+
+def load_params(path: str | Path = "params.yaml") -> Params:
+    """Reads and validates ``path``; every problem is reported in one ParamsError."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ParamsError(f"{path}: params file not found") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ParamsError(f"{path}: cannot read params file: {err}") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err)
+        raise ParamsError(f"{path}:{where}: not valid YAML: {problem}") from None
+    return parse_params(raw, str(path))

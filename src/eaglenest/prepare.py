@@ -1,0 +1,237 @@
+"""The prepare stage: conversations -> token ids with a loss mask on exactly the assistant tokens.
+
+Each conversation is rendered with the verifier's own chat template. The loss mask is 1 on the tokens
+the verifier would generate as the assistant — the reply's content and its end-of-turn token — and 0 on
+system, user and template tokens (role headers, the newline a template adds after end-of-turn).
+
+Output (speculators' ``prepare-data`` schema, so its ``ArrowDataset`` opens it): a ``datasets``
+``save_to_disk`` folder with ``input_ids``, ``loss_mask`` (int64) and ``seq_len``, train rows first and
+validation rows last, plus ``split.json`` (row counts and the ``train_ratio`` that reproduces the split
+in speculators) and ``val_prompts.jsonl`` (each validation conversation up to its first user turn, for
+evaluation prompts).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eaglenest.atomic import atomic_directory, atomic_write_bytes, atomic_write_json
+from eaglenest.conversations import Conversation, read_sources
+from eaglenest.errors import EaglenestError
+from eaglenest.params import PrepareParams
+
+log = logging.getLogger(__name__)
+
+SPLIT_FILE = "split.json"
+VAL_PROMPTS_FILE = "val_prompts.jsonl"
+DROP_REASONS = ("no_assistant_turn", "no_assistant_tokens_after_truncation")
+
+
+class TemplateError(EaglenestError):
+    """The chat template cannot be used to locate assistant tokens."""
+
+
+@dataclass(frozen=True)
+class PreparedRow:
+    """One conversation as training data.
+
+    Attributes:
+        input_ids: ``[seq]`` token ids of the rendered conversation.
+        loss_mask: ``[seq]`` 1 on assistant tokens (content + end-of-turn), else 0.
+        truncated: Whether ``max_len`` cut the conversation.
+    """
+
+    input_ids: list[int]
+    loss_mask: list[int]
+    truncated: bool
+
+
+def end_of_turn_ids(tokenizer: Any, model_dir: Path | None = None) -> set[int]:
+    """Token ids that end an assistant turn: the tokenizer's EOS and generation_config's eos ids."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    gen_config = model_dir / "generation_config.json" if model_dir else None
+    if gen_config is not None and gen_config.is_file():
+        eos = json.loads(gen_config.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return ids
+
+
+def _render(tokenizer: Any, messages: list[dict[str, str]], *, generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def assistant_char_spans(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character span of each assistant reply in it.
+
+    The span of assistant turn ``j`` runs from the end of ``messages[:j]`` rendered *with* the generation
+    prompt (so the ``<|im_start|>assistant\\n`` header is excluded) to the end of ``messages[:j+1]``.
+    This needs a template whose renderings of prefixes are prefixes of the full rendering; templates that
+    rewrite history (dropping earlier reasoning, say) are refused with a clear message.
+    """
+    full = _render(tokenizer, messages, generation_prompt=False)
+    spans = []
+    for j, message in enumerate(messages):
+        # A conversation opening with the assistant has no prompt to condition on: context only.
+        if message["role"] != "assistant" or j == 0:
+            continue
+        before = _render(tokenizer, messages[:j], generation_prompt=True)
+        through = _render(tokenizer, messages[: j + 1], generation_prompt=False)
+        if not (through.startswith(before) and full.startswith(through)):
+            raise TemplateError(
+                "the verifier's chat template is not prefix-stable (rendering the conversation up to an "
+                "assistant turn is not a prefix of the full rendering), so assistant tokens cannot be "
+                "located; use a template that renders history unchanged"
+            )
+        spans.append((len(before), len(through)))
+    return full, spans
+
+
+def render_with_loss_mask(tokenizer: Any, messages: list[dict[str, str]], max_len: int,
+                          eot_ids: set[int]) -> PreparedRow:
+    """Tokenises one conversation with the chat template and marks the assistant tokens.
+
+    A token is an assistant token when it lies wholly inside an assistant span; within each span, tokens
+    after the last end-of-turn token (template text such as a trailing newline) are not.
+    """
+    full, spans = assistant_char_spans(tokenizer, messages)
+    encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    input_ids: list[int] = list(encoded["input_ids"])
+    offsets: list[tuple[int, int]] = list(encoded["offset_mapping"])
+    loss_mask = [0] * len(input_ids)
+    starts = [start for start, _ in offsets]
+    for span_start, span_end in spans:
+        inside = []
+        for t in range(bisect.bisect_left(starts, span_start), len(input_ids)):
+            if offsets[t][1] > span_end:
+                break
+            inside.append(t)
+        eot_positions = [t for t in inside if input_ids[t] in eot_ids]
+        if eot_positions:  # the reply ends at its end-of-turn token; what follows is template text
+            inside = [t for t in inside if t <= eot_positions[-1]]
+        for t in inside:
+            loss_mask[t] = 1
+    truncated = len(input_ids) > max_len
+    return PreparedRow(input_ids[:max_len], loss_mask[:max_len], truncated)
+
+
+def first_user_turn(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """The conversation up to and including its first user message (an evaluation prompt)."""
+    for i, message in enumerate(messages):
+        if message["role"] == "user":
+            return messages[: i + 1]
+    return []
+
+
+def _trim_trailing_non_assistant(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    # Turns after the last assistant reply teach nothing (mask 0) and cost extraction time.
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
+    return messages[: last + 1]
+
+
+def prepare_dataset(params: PrepareParams, tokenizer: Any, out_dir: Path, metrics_path: Path,
+                    eot_ids: set[int]) -> dict[str, Any]:
+    """The prepare stage: read, shuffle, render, mask, split and write; returns the metrics."""
+    from datasets import Dataset, Features, Sequence, Value
+    from tqdm import tqdm
+
+    if not getattr(tokenizer, "is_fast", False):
+        raise EaglenestError("the verifier's tokenizer has no fast (Rust) version; prepare needs its offsets")
+    started = time.perf_counter()
+    conversations = read_sources(params.source)
+    order = list(range(len(conversations)))
+    random.Random(params.seed).shuffle(order)
+    wanted = params.max_conversations or len(conversations)
+
+    dropped: Counter[str] = Counter({reason: 0 for reason in DROP_REASONS})
+    kept: list[tuple[PreparedRow, Conversation]] = []
+    rendered = 0
+    with tqdm(total=min(wanted, len(conversations)), desc="prepare", unit="conv") as bar:
+        for index in order:
+            if len(kept) >= wanted:
+                break
+            conversation = conversations[index]
+            rendered += 1
+            messages = _trim_trailing_non_assistant(conversation.messages)
+            if not any(m["role"] == "assistant" for m in messages[1:]):
+                dropped["no_assistant_turn"] += 1
+                continue
+            row = render_with_loss_mask(tokenizer, messages, params.max_len, eot_ids)
+            if sum(row.loss_mask) == 0:
+                dropped["no_assistant_tokens_after_truncation"] += 1
+                continue
+            kept.append((row, conversation))
+            bar.update(1)
+
+    if len(kept) < 2:
+        raise EaglenestError(
+            f"prepare kept {len(kept)} of {rendered} conversations from {params.source}; need at least 2 "
+            f"(one train, one validation). Dropped: {dict(dropped)}"
+        )
+    val_rows = max(1, round(len(kept) * params.val_fraction))
+    train_rows = len(kept) - val_rows
+    if train_rows < 1:
+        raise EaglenestError(f"prepare.val_fraction = {params.val_fraction} leaves no training rows of {len(kept)}")
+
+    rows = [row for row, _ in kept]
+    features = Features({
+        "input_ids": Sequence(Value("int64")),
+        "loss_mask": Sequence(Value("int64")),
+        "seq_len": Value("int64"),
+    })
+    dataset = Dataset.from_dict(
+        {
+            "input_ids": [r.input_ids for r in rows],
+            "loss_mask": [r.loss_mask for r in rows],
+            "seq_len": [len(r.input_ids) for r in rows],
+        },
+        features=features,
+    )
+    dataset.set_format(type="torch")  # speculators' ArrowDataset indexes rows as tensors
+    prompts = [
+        json.dumps({"messages": first_user_turn(conv.messages), "origin": conv.origin}) for _, conv in kept[train_rows:]
+    ]
+    with atomic_directory(out_dir) as tmp:
+        dataset.save_to_disk(str(tmp))
+        # speculators splits with split_idx = int(len * train_ratio); the +0.5 keeps float error out.
+        atomic_write_json(tmp / SPLIT_FILE, {
+            "train_rows": train_rows,
+            "val_rows": val_rows,
+            "train_ratio": (train_rows + 0.5) / len(rows),
+        })
+        atomic_write_bytes(tmp / VAL_PROMPTS_FILE, ("\n".join(prompts) + "\n").encode())
+
+    tokens = sum(len(r.input_ids) for r in rows)
+    metrics = {
+        "records_read": len(conversations),
+        "conversations_rendered": rendered,
+        "kept": len(rows),
+        "train_rows": train_rows,
+        "val_rows": val_rows,
+        "dropped": dict(dropped),
+        "truncated": sum(r.truncated for r in rows),
+        "tokens": tokens,
+        "loss_tokens": sum(sum(r.loss_mask) for r in rows),
+        "mean_seq_len": round(tokens / len(rows), 2),
+        "seconds": round(time.perf_counter() - started, 3),
+    }
+    atomic_write_json(metrics_path, metrics)
+    log.info("kept %d of %d conversations (%d tokens, %d loss tokens) -> %s",
+             len(rows), rendered, tokens, metrics["loss_tokens"], out_dir)
+    return metrics
+
+
+def load_split(prepared_dir: Path) -> dict[str, Any]:
+    """The train/val row counts written by prepare."""
+    path = Path(prepared_dir) / SPLIT_FILE
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise EaglenestError(f"{path} does not exist; run the prepare stage first (`dvc repro prepare`)") from None

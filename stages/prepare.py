@@ -1,0 +1,33 @@
+"""DVC stage `prepare`: render conversations with the verifier's chat template into training rows."""
+
+import argparse
+from pathlib import Path
+
+from _guard import require_stage_environment
+
+require_stage_environment("prepare")
+
+from eaglenest.params import load_params  # noqa: E402
+from eaglenest.prepare import end_of_turn_ids, prepare_dataset  # noqa: E402
+from eaglenest.stage import run_stage  # noqa: E402
+from eaglenest.verifier import load_tokenizer, load_verifier_info  # noqa: E402
+
+
+def main(args: argparse.Namespace) -> None:
+    params = load_params(args.params).prepare  # validated before the tokenizer loads
+    _, model_dir = load_verifier_info(Path(args.verifier))
+    tokenizer = load_tokenizer(Path(args.verifier))
+    prepare_dataset(params, tokenizer, Path(args.out), Path(args.metrics), end_of_turn_ids(tokenizer, model_dir))
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--params", default="params.yaml", help="params file")
+    p.add_argument("--verifier", required=True, help="the verifier stage's output folder")
+    p.add_argument("--out", required=True, help="output dataset folder (data/prepared)")
+    p.add_argument("--metrics", required=True, help="metrics JSON (metrics/prepare.json)")
+    return p
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_stage("prepare", main, parser()))
