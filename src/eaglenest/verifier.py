@@ -281,9 +281,13 @@ def load_verifier_info(verifier_dir: Path) -> tuple[VerifierInfo, Path]:
     try:
         info = VerifierInfo.model_validate_json(info_file.read_bytes())
     except FileNotFoundError:
-        raise EaglenestError(f"{info_file} does not exist; run the verifier stage first (`dvc repro verifier`)")
+        raise EaglenestError(
+            f"{info_file} does not exist; run the verifier stage first (`dvc repro verifier`)"
+        ) from None
     except ValueError as err:
-        raise EaglenestError(f"{info_file}: not a valid verifier record ({err}); rerun `dvc repro -f verifier`")
+        raise EaglenestError(
+            f"{info_file}: not a valid verifier record ({err}); rerun `dvc repro -f verifier`"
+        ) from None
     path = Path(verifier_dir) if info.kind == "builtin" else resolve_model_path(info.path, info.kind)
     return info, path
 

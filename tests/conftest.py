@@ -1,0 +1,100 @@
+"""Shared fixtures: tiny tokenizers and verifiers built on the spot, and an offline, isolated DVC."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+# A Phi-3-like template, deliberately unlike SmolLM2's ChatML: the mask logic must not assume ChatML.
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+TINY_SPECIALS = ["<unk>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
+TINY_CORPUS = [
+    "hello there how are you today",
+    "I am fine thanks and you",
+    "the weather is nice, let us go for a walk",
+    "what is the capital of France? Paris is the capital.",
+    "numbers 0 1 2 3 4 5 6 7 8 9 and punctuation ! ? . ,",
+]
+
+
+@pytest.fixture(autouse=True)
+def _isolated_dvc(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DVC's site cache and analytics stay out of the user's machine."""
+    monkeypatch.setenv("DVC_SITE_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "dvc-site-cache"))
+    monkeypatch.setenv("DVC_NO_ANALYTICS", "1")
+
+
+def build_tiny_tokenizer():
+    """A byte-level BPE tokenizer trained on a few sentences, with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=TINY_SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(TINY_CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>", unk_token="<unk>", pad_token="<|end|>")
+    fast.chat_template = TINY_CHAT_TEMPLATE
+    return fast
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    return build_tiny_tokenizer()
+
+
+def build_tiny_verifier(path: Path, num_layers: int = 8, auto_map: bool = False) -> Path:
+    """A random tiny Llama verifier with the tiny tokenizer, saved as a local model folder."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    if auto_map:
+        config_file = path / "config.json"
+        raw = json.loads(config_file.read_text())
+        raw["auto_map"] = {"AutoModelForCausalLM": "modeling_custom.CustomModel"}
+        config_file.write_text(json.dumps(raw))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_verifier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_verifier(tmp_path_factory.mktemp("tiny-verifier"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """SmolLM2-135M-Instruct's real tokenizer and chat template, read from the packaged GGUF."""
+    from transformers import AutoTokenizer
+
+    from eaglenest.verifier import BUILTIN_VERIFIERS, _builtin_gguf
+
+    gguf = _builtin_gguf(BUILTIN_VERIFIERS.get("smollm2-135m-instruct"))
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path

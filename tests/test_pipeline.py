@@ -1,0 +1,104 @@
+"""End to end: the real `dvc repro` of verifier and prepare, and a second repro that skips both."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from datasets import load_from_disk
+
+from .conftest import write_jsonl
+from .helpers import dvc, make_pipeline_repo
+
+STAGES = ("verifier", "prepare")
+
+
+def assert_all_skipped(output: str) -> None:
+    assert "Running stage" not in output, output
+    for stage in STAGES:
+        assert f"Stage '{stage}' didn't change, skipping" in output
+
+
+@pytest.mark.slow
+def test_default_verifier_and_chitchat_through_dvc_repro(tmp_path: Path):
+    repo = make_pipeline_repo(tmp_path / "repo", {"prepare": {"max_conversations": 16, "max_len": 256}})
+
+    first = dvc(["repro", *STAGES], repo)
+    assert "Running stage 'verifier'" in first.stdout and "Running stage 'prepare'" in first.stdout
+
+    info = json.loads((repo / "models/verifier/verifier.json").read_text())
+    assert info["kind"] == "builtin" and info["path"] == "."
+    assert (info["num_layers"], info["hidden_size"], info["vocab_size"]) == (30, 576, 49152)
+    assert info["aux_layers"] == [2, 15, 27] and info["layer_ids"] == [2, 15, 27, 30]
+    assert info["name"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    config = json.loads((repo / "models/verifier/config.json").read_text())
+    assert "quantization_config" not in config and config["dtype"] == "float32"
+    assert (repo / "models/verifier/model.safetensors").stat().st_size > 500_000_000  # fp32, 135M params
+    assert (repo / "models/verifier/chat_template.jinja").is_file()
+
+    metrics = json.loads((repo / "metrics/prepare.json").read_text())
+    assert metrics["kept"] == 16 and metrics["train_rows"] + metrics["val_rows"] == 16
+    dataset = load_from_disk(str(repo / "data/prepared"))
+    assert len(dataset) == 16 and max(int(n) for n in dataset["seq_len"]) <= 256
+    assert metrics["loss_tokens"] == sum(int(m.sum()) for m in dataset["loss_mask"])
+
+    second = dvc(["repro"], repo)
+    assert_all_skipped(second.stdout)
+
+
+@pytest.mark.slow
+def test_own_verifier_and_conversations(tmp_path: Path, tiny_verifier_dir: Path):
+    """The README's path for real users: a local verifier, used in place, and a JSONL of conversations."""
+    repo = make_pipeline_repo(tmp_path / "repo", {
+        "verifier": {"model": str(tiny_verifier_dir)},
+        "prepare": {"source": ["data/conversations/chats.jsonl"], "max_conversations": None, "val_fraction": 0.25},
+    })
+    chat = [{"from": "human", "value": "hello there"}, {"from": "gpt", "value": "I am fine thanks"}]
+    write_jsonl(repo / "data/conversations/chats.jsonl", [{"conversations": chat}] * 8)
+
+    dvc(["repro"], repo)
+    assert sorted(p.name for p in (repo / "models/verifier").iterdir()) == ["verifier.json"]
+    assert json.loads((repo / "metrics/prepare.json").read_text())["kept"] == 8
+
+    # New conversations re-run prepare only; the verifier record is still valid.
+    write_jsonl(repo / "data/conversations/chats.jsonl", [{"conversations": chat}] * 12)
+    again = dvc(["repro"], repo)
+    assert "Stage 'verifier' didn't change, skipping" in again.stdout
+    assert "Running stage 'prepare'" in again.stdout
+    assert json.loads((repo / "metrics/prepare.json").read_text())["kept"] == 12
+    assert_all_skipped(dvc(["repro"], repo).stdout)
+
+
+def test_bad_params_stop_dvc_repro_with_every_problem(tmp_path: Path, tiny_verifier_dir: Path):
+    repo = make_pipeline_repo(tmp_path / "repo", {
+        "verifier": {"model": str(tiny_verifier_dir), "aux_layers": [1, 1]},
+        "prepare": {"max_len": 3, "shuffle": True},
+    })
+    result = dvc(["repro"], repo, check=False)
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert "eaglenest verifier: error: params.yaml: 3 invalid params values" in output
+    assert "verifier.aux_layers = [1, 1]: layer ids must be distinct" in output
+    assert "prepare.max_len = 3: Input should be greater than or equal to 16" in output
+    assert "prepare.shuffle: unknown key" in output
+    assert "Traceback" not in output
+    assert not (repo / "models/verifier").exists()
+
+
+def test_malformed_conversations_stop_prepare_naming_file_and_record(tmp_path: Path, tiny_verifier_dir: Path):
+    repo = make_pipeline_repo(tmp_path / "repo", {
+        "verifier": {"model": str(tiny_verifier_dir)},
+        "prepare": {"source": ["data/conversations/bad.jsonl"]},
+    })
+    (repo / "data/conversations/bad.jsonl").write_text(
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "yo"}]}\n'
+    )
+    result = dvc(["repro"], repo, check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "eaglenest prepare: error: data/conversations/bad.jsonl: line 2: turn 1 has role 'bot'" in output
+    assert "Traceback" not in output
+    assert not (repo / "data/prepared").exists()
+

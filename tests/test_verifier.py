@@ -1,0 +1,89 @@
+"""The verifier stage on local models: recorded by reference, checked before any weights load."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from eaglenest.errors import EaglenestError, ParamsError
+from eaglenest.params import VerifierParams
+from eaglenest.verifier import (
+    INFO_FILE,
+    build_verifier,
+    fingerprint_model_dir,
+    load_tokenizer,
+    load_verifier_info,
+)
+
+from .conftest import build_tiny_verifier
+
+
+def test_local_verifier_is_recorded_not_copied(tmp_path: Path, tiny_verifier_dir: Path):
+    out = tmp_path / "models" / "verifier"
+    info = build_verifier(VerifierParams(model=str(tiny_verifier_dir)), out)
+    assert sorted(p.name for p in out.iterdir()) == [INFO_FILE]  # a pointer, never the weights
+    recorded = json.loads((out / INFO_FILE).read_text())
+    assert recorded["path"] == str(tiny_verifier_dir)
+    assert recorded["kind"] == "local"
+    assert (info.num_layers, info.hidden_size) == (8, 32)
+    assert info.aux_layers == [2, 4, 5]  # [2, N//2, N-3]
+    assert info.layer_ids == [2, 4, 5, 8]
+
+
+def test_default_aux_layers_collide_on_a_6_layer_model(tmp_path: Path):
+    model = build_tiny_verifier(tmp_path / "six", num_layers=6)
+    # [2, 6//2, 6-3] = [2, 3, 3]: refused with the fix, not silently deduplicated.
+    with pytest.raises(ParamsError, match=r"default aux layers \[2, 3, 3\].*collide.*set verifier.aux_layers"):
+        build_verifier(VerifierParams(model=str(model)), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_explicit_aux_layers_and_fingerprint(tmp_path: Path, tiny_verifier_dir: Path):
+    params = VerifierParams(model=str(tiny_verifier_dir), aux_layers=[4, 1, 2], name="org/tiny")
+    info = build_verifier(params, tmp_path / "out")
+    assert info.aux_layers == [1, 2, 4]
+    assert info.layer_ids == [1, 2, 4, 8]
+    assert info.name == "org/tiny"
+    assert info.fingerprint == fingerprint_model_dir(tiny_verifier_dir)
+    loaded, path = load_verifier_info(tmp_path / "out")
+    assert loaded == info and path == tiny_verifier_dir
+    assert load_tokenizer(tmp_path / "out").chat_template
+
+
+def test_fingerprint_changes_with_the_weights(tmp_path: Path):
+    a = build_tiny_verifier(tmp_path / "a", num_layers=8)
+    b = build_tiny_verifier(tmp_path / "b", num_layers=9)
+    assert fingerprint_model_dir(a) != fingerprint_model_dir(b)
+
+
+def test_aux_layer_outside_range_refused_before_weights(tmp_path: Path, tiny_verifier_dir: Path):
+    with pytest.raises(ParamsError, match=r"ids \[8\] fall outside 1..7 for a 8-layer verifier"):
+        build_verifier(VerifierParams(model=str(tiny_verifier_dir), aux_layers=[2, 8]), tmp_path / "out")
+
+
+def test_remote_code_refused_unless_allowed(tmp_path: Path):
+    model = build_tiny_verifier(tmp_path / "custom", auto_map=True)
+    with pytest.raises(ParamsError, match=r"needs its own Python code.*verifier.trust_remote_code: true"):
+        build_verifier(VerifierParams(model=str(model), aux_layers=[1, 2]), tmp_path / "out")
+
+
+def test_unknown_builtin_and_missing_model(tmp_path: Path):
+    with pytest.raises(ParamsError, match=r"unknown built-in; allowed: builtin:smollm2-135m-instruct"):
+        build_verifier(VerifierParams(model="builtin:gpt5"), tmp_path / "out")
+    with pytest.raises(ParamsError, match=r"'nope/not-cached': not a local directory, and not in the local Hugging"):
+        build_verifier(VerifierParams(model="nope/not-cached"), tmp_path / "out")
+    with pytest.raises(ParamsError, match=r"'./no/such/dir': no such directory"):
+        build_verifier(VerifierParams(model="./no/such/dir"), tmp_path / "out")
+
+
+def test_folder_without_config(tmp_path: Path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ParamsError, match=r"config.json does not exist; expected a model folder"):
+        build_verifier(VerifierParams(model=str(tmp_path / "empty")), tmp_path / "out")
+
+
+def test_missing_record_says_which_stage_to_run(tmp_path: Path):
+    with pytest.raises(EaglenestError, match=r"verifier.json does not exist; run the verifier stage first"):
+        load_verifier_info(tmp_path)
