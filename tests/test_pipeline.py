@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 from datasets import load_from_disk
 
 from .conftest import write_jsonl
-from .helpers import dvc, make_pipeline_repo
+from .helpers import VENV_BIN, dvc, make_pipeline_repo, project_env
 
-STAGES = ("verifier", "prepare")
+STAGES = ("verifier", "prepare", "extract")
 
 
 def assert_all_skipped(output: str) -> None:
@@ -22,10 +27,12 @@ def assert_all_skipped(output: str) -> None:
 
 @pytest.mark.slow
 def test_default_verifier_and_chitchat_through_dvc_repro(tmp_path: Path):
-    repo = make_pipeline_repo(tmp_path / "repo", {"prepare": {"max_conversations": 16, "max_len": 256}})
+    repo = make_pipeline_repo(tmp_path / "repo", {"prepare": {"max_conversations": 16, "max_len": 256},
+                                                  "extract": {"batch_tokens": 256}})
 
     first = dvc(["repro", *STAGES], repo)
-    assert "Running stage 'verifier'" in first.stdout and "Running stage 'prepare'" in first.stdout
+    for stage in STAGES:
+        assert f"Running stage '{stage}'" in first.stdout
 
     info = json.loads((repo / "models/verifier/verifier.json").read_text())
     assert info["kind"] == "builtin" and info["path"] == "."
@@ -43,8 +50,33 @@ def test_default_verifier_and_chitchat_through_dvc_repro(tmp_path: Path):
     assert len(dataset) == 16 and max(int(n) for n in dataset["seq_len"]) <= 256
     assert metrics["loss_tokens"] == sum(int(m.sum()) for m in dataset["loss_mask"])
 
+    extract = json.loads((repo / "metrics/extract.json").read_text())
+    assert extract["rows"] == 16 and extract["tokens"] == metrics["tokens"]
+    assert extract["bytes_per_token"] == pytest.approx(4 * 576 * 2 + 8, rel=0.01)  # bf16, 4 slots
+    hs_dir = repo / "data/hidden_states"
+    assert sorted(p.name for p in hs_dir.iterdir()) == sorted(f"hs_{i}.safetensors" for i in range(16))
+
     second = dvc(["repro"], repo)
     assert_all_skipped(second.stdout)
+
+    # kill -9 in the middle of extraction, then `dvc repro` finishes the job bit-identically.
+    reference = {p.name: p.read_bytes() for p in hs_dir.iterdir()}
+    shutil.rmtree(hs_dir)
+    process = subprocess.Popen([str(VENV_BIN / "dvc"), "repro", "extract"], cwd=repo, env=project_env(),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and process.poll() is None:
+        if hs_dir.is_dir() and len(list(hs_dir.glob("hs_*.safetensors"))) >= 4:
+            break
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    finished_before_kill = len(list(hs_dir.glob("hs_*.safetensors")))
+    assert 4 <= finished_before_kill < 16, finished_before_kill
+    resumed = dvc(["repro"], repo)
+    assert "Running stage 'extract'" in resumed.stdout
+    assert {p.name: p.read_bytes() for p in hs_dir.iterdir()} == reference  # no temp file left either
+    assert json.loads((repo / "metrics/extract.json").read_text())["rows_reused"] >= finished_before_kill
 
 
 @pytest.mark.slow

@@ -43,16 +43,17 @@ def _fail(final: Path, err: OSError) -> EaglenestError:
     return EaglenestError(f"could not write {final}: {err.strerror or err} (nothing was left under that name)")
 
 
-def atomic_write_bytes(final: Path, data: bytes) -> None:
-    """Writes ``data`` to ``final`` through a temporary file, fsync and rename."""
+def atomic_write_bytes(final: Path, data: bytes, fsync: bool = True) -> None:
+    """Writes ``data`` to ``final`` through a temporary file and a rename (fsync'd first by default)."""
     final = Path(final)
     tmp = temp_sibling(final)
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as fh:
             fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
+            if fsync:
+                fh.flush()
+                os.fsync(fh.fileno())
         os.replace(tmp, final)
     except OSError as err:
         tmp.unlink(missing_ok=True)

@@ -10,10 +10,10 @@ given and what is allowed.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from eaglenest.errors import ParamsError
 
@@ -84,12 +84,12 @@ class PrepareParams(StrictModel):
         ),
     )
     max_conversations: int | None = Field(
-        default=1024,
+        default=256,
         ge=1,
         description="Read at most this many conversations (after shuffling with seed); null reads all.",
     )
     max_len: int = Field(
-        default=1024,
+        default=512,
         ge=16,
         description="Truncate each rendered conversation to this many tokens.",
     )
@@ -108,11 +108,56 @@ class PrepareParams(StrictModel):
         return [value] if isinstance(value, str) else value
 
 
+class ExtractParams(StrictModel):
+    """``extract:`` — the verifier's hidden states for every prepared row."""
+
+    backend: Literal["hf", "vllm"] = Field(
+        default="hf",
+        description="'hf': transformers on CPU or one GPU (the reference); 'vllm': vLLM 0.33 on GPU ([vllm] extra).",
+    )
+    dtype: Literal["bfloat16", "float32"] = Field(
+        default="bfloat16",
+        description="Storage dtype of the hidden-state files (bf16 halves the disk; training reads bf16).",
+    )
+    batch_tokens: int = Field(
+        default=8192,
+        ge=16,
+        description="hf back end: rows are length-sorted and batched so that rows x longest row <= this.",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto", description="hf back end: 'auto' is CUDA when present, else CPU (fp32 on CPU, bf16 on GPU)."
+    )
+    tensor_parallel_size: int = Field(default=1, ge=1, description="vllm back end: GPUs per model replica.")
+    gpu_memory_utilization: float = Field(
+        default=0.85, gt=0.0, le=1.0, description="vllm back end: fraction of GPU memory vLLM may take."
+    )
+    max_num_seqs: int = Field(default=64, ge=1, description="vllm back end: rows in flight at once.")
+    rank: int = Field(default=0, ge=0, description="This node's shard of the row range (0..world_size-1).")
+    world_size: int = Field(default=1, ge=1, description="Nodes sharing the extraction, each a contiguous shard.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ExtractParams:
+        problems = []
+        if self.rank >= self.world_size:
+            problems.append(f"extract.rank = {self.rank} must be < extract.world_size = {self.world_size}")
+        if self.backend == "hf" and self.tensor_parallel_size != 1:
+            problems.append(
+                f"extract.tensor_parallel_size = {self.tensor_parallel_size} needs extract.backend: vllm "
+                "(the hf back end runs on one device); set it to 1 or switch the back end"
+            )
+        if self.backend == "vllm" and self.device == "cpu":
+            problems.append("extract.device = 'cpu' cannot be used with extract.backend: vllm (GPU only)")
+        if problems:
+            raise ValueError("\n".join(problems))  # one line each in the report
+        return self
+
+
 class Params(StrictModel):
     """The whole params.yaml: one section per stage."""
 
     verifier: VerifierParams = Field(default_factory=VerifierParams, description="The verifier stage.")
     prepare: PrepareParams = Field(default_factory=PrepareParams, description="The prepare stage.")
+    extract: ExtractParams = Field(default_factory=ExtractParams, description="The extract stage.")
 
 
 def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str] | None:
@@ -140,7 +185,10 @@ def format_validation_error(err: ValidationError, source: str, model: type[BaseM
             lines.append(f"{key}: unknown key{hint}")
             continue
         message = problem["msg"].removeprefix("Value error, ")
-        lines.append(f"{key} = {value!r}: {message}")
+        if isinstance(value, dict):  # a cross-field check on a whole section names its own keys
+            lines += message.splitlines()
+        else:
+            lines.append(f"{key} = {value!r}: {message}")
     count = len(lines)
     header = f"{source}: {count} invalid params value{'s' if count > 1 else ''}"
     return header + "\n" + "\n".join(f"  - {line}" for line in lines)

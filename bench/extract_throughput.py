@@ -1,0 +1,82 @@
+"""Benchmark (run by hand): extraction throughput against a bare decoder forward over the same batches.
+
+    .venv/bin/python bench/extract_throughput.py --rows 128
+
+Needs `dvc repro prepare` first (reads models/verifier and data/prepared). Prints tokens/s of (a) the
+verifier's decoder alone (no hooks, no LM head, nothing written) and (b) eaglenest's hf extraction
+(hooks, stacking, bf16 conversion, atomic file writes), their ratio (target >= 0.9) and the peak RSS.
+Bare passes run before and after the extraction, so drift of the machine shows up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from datasets import load_from_disk
+
+from eaglenest.extract import ExtractionJob
+from eaglenest.extract_hf import extract_with_transformers, length_sorted_batches, load_decoder, pad_batch
+from eaglenest.hidden_states import extraction_fingerprint, file_metadata
+from eaglenest.params import load_params
+from eaglenest.verifier import load_verifier_info
+
+
+def bare_forward(model: torch.nn.Module, batches: list[list[int]], input_ids: list[list[int]]) -> float:
+    """Seconds for the decoder alone over the batches."""
+    pad_id = getattr(model.config, "pad_token_id", None) or 0
+    started = time.perf_counter()
+    with torch.inference_mode():
+        for batch in batches:
+            ids, mask = pad_batch([input_ids[r] for r in batch], pad_id)
+            model(input_ids=ids, attention_mask=mask, use_cache=False)
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=128, help="prepared rows to use")
+    parser.add_argument("--verifier", default="models/verifier")
+    parser.add_argument("--prepared", default="data/prepared")
+    args = parser.parse_args()
+
+    params = load_params().extract
+    verifier, model_dir = load_verifier_info(Path(args.verifier))
+    input_ids = load_from_disk(args.prepared).data.column("input_ids").to_pylist()
+    rows = list(range(min(args.rows, len(input_ids))))
+    tokens = sum(len(input_ids[r]) for r in rows)
+    batches = length_sorted_batches(rows, [len(x) for x in input_ids], params.batch_tokens)
+    model = load_decoder(model_dir, verifier.trust_remote_code, torch.device("cpu"))
+    bare_forward(model, batches[:1], input_ids)  # warm-up
+
+    bare_before = bare_forward(model, batches, input_ids)
+    with tempfile.TemporaryDirectory() as tmp:
+        config = extraction_fingerprint(verifier.fingerprint, verifier.layer_ids, params.dtype)
+        job = ExtractionJob(verifier=verifier, model_dir=model_dir, params=params, out_dir=Path(tmp), todo=rows,
+                            input_ids=input_ids, metadata=file_metadata(config, verifier.layer_ids, params.dtype, "hf"))
+        started = time.perf_counter()
+        extract_with_transformers(job)  # loads its own copy of the model: load time excluded below
+        total = time.perf_counter() - started
+        load_started = time.perf_counter()
+        load_decoder(model_dir, verifier.trust_remote_code, torch.device("cpu"))
+        load_seconds = time.perf_counter() - load_started
+        written = job.bytes_written
+    extract_seconds = total - load_seconds
+    bare_after = bare_forward(model, batches, input_ids)
+    bare = (bare_before + bare_after) / 2
+
+    print(f"rows {len(rows)}, tokens {tokens}, batches {len(batches)} (batch_tokens {params.batch_tokens}), "
+          f"torch threads {torch.get_num_threads()}")
+    print(f"bare decoder forward: {tokens / bare_before:.0f} tok/s before, {tokens / bare_after:.0f} tok/s after")
+    print(f"extraction (hf, {params.dtype}): {tokens / extract_seconds:.0f} tok/s "
+          f"(model load {load_seconds:.1f} s excluded), {written / tokens:.0f} bytes/token")
+    print(f"ratio extraction / bare: {bare / extract_seconds:.3f}")
+    print(f"peak RSS: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()

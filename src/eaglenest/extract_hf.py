@@ -1,0 +1,161 @@
+"""The ``hf`` extract back end: transformers on CPU or one GPU, the reference implementation.
+
+Runs only the verifier's decoder (no LM head: unused here, and a fifth of SmolLM2's work) over
+length-sorted batches, capturing with hooks the residual stream after each aux layer (the output of
+decoder layer ``L-1`` is "layer id L") and the input of the final norm (layer id N, pre-norm; transformers'
+own last ``hidden_states`` entry is taken after the norm, so it cannot be used).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from eaglenest.errors import EaglenestError
+
+if TYPE_CHECKING:
+    from eaglenest.extract import ExtractionJob
+
+log = logging.getLogger(__name__)
+
+
+def pick_device(requested: str) -> torch.device:
+    """'auto' is CUDA when present, else CPU; 'cuda' without a GPU is an error."""
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise EaglenestError("extract.device = 'cuda' but torch sees no GPU; use 'auto' or 'cpu'")
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(requested)
+
+
+def load_decoder(model_dir: Path, trust_remote_code: bool, device: torch.device) -> nn.Module:
+    """The verifier's base model (no LM head): fp32 on CPU, where bf16 matmuls are ~4x slower; bf16 on GPU."""
+    from transformers import AutoModel
+    from transformers.utils import logging as hf_logging
+
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    # The checkpoint's lm_head.weight is deliberately not loaded; silence the "UNEXPECTED key" report.
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        model = AutoModel.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust_remote_code)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    return model.to(device).eval()
+
+
+def decoder_parts(model: nn.Module) -> tuple[nn.ModuleList, nn.Module]:
+    """The decoder layers and the final norm of a transformers base model."""
+    for candidate in (model, getattr(model, "language_model", None), getattr(model, "model", None)):
+        layers = getattr(candidate, "layers", None)
+        norm = getattr(candidate, "norm", None)
+        if isinstance(layers, nn.ModuleList) and isinstance(norm, nn.Module):
+            return layers, norm
+    raise EaglenestError(
+        f"cannot find decoder layers and a final norm in {type(model).__name__}; the hf extract back end "
+        "supports decoder-only models with `.layers` and `.norm` (Llama, Qwen, Mistral, ...)"
+    )
+
+
+@contextmanager
+def capture_residual_stream(model: nn.Module, layer_ids: list[int]) -> Iterator[dict[int, torch.Tensor]]:
+    """Hooks that fill ``{layer_id: [batch, seq, hidden]}`` on every forward.
+
+    Layer id L < N is the output of decoder layer L-1; layer id N is the final norm's input.
+    """
+    layers, norm = decoder_parts(model)
+    num_layers = len(layers)
+    captured: dict[int, torch.Tensor] = {}
+    handles = []
+
+    def keep_output(layer_id: int):
+        def hook(_module: nn.Module, _args: Any, output: Any) -> None:
+            captured[layer_id] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    def keep_norm_input(_module: nn.Module, args: tuple[Any, ...]) -> None:
+        captured[num_layers] = args[0]
+
+    for layer_id in layer_ids:
+        if layer_id == num_layers:
+            handles.append(norm.register_forward_pre_hook(keep_norm_input))
+        elif 1 <= layer_id < num_layers:
+            handles.append(layers[layer_id - 1].register_forward_hook(keep_output(layer_id)))
+        else:
+            raise EaglenestError(f"layer id {layer_id} is outside 1..{num_layers}")
+    try:
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def length_sorted_batches(rows: list[int], lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Rows grouped longest first so that ``len(batch) * longest <= batch_tokens`` (padding stays small).
+
+    A row longer than ``batch_tokens`` gets a batch of its own.
+    """
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for row in sorted(rows, key=lambda r: (-lengths[r], r)):
+        longest = lengths[current[0]] if current else lengths[row]
+        if current and (len(current) + 1) * longest > batch_tokens:
+            batches.append(current)
+            current = []
+        current.append(row)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def pad_batch(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ``input_ids`` and ``attention_mask``, both ``[batch, longest]``.
+
+    Right padding keeps every real token's positions and causal context exactly as unpadded.
+    """
+    longest = max(len(s) for s in sequences)
+    input_ids = torch.full((len(sequences), longest), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), longest), dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        input_ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        attention_mask[i, : len(seq)] = 1
+    return input_ids, attention_mask
+
+
+def forward_hidden_states(model: nn.Module, captured: dict[int, torch.Tensor], layer_ids: list[int],
+                          input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """One decoder forward; returns ``[batch, seq, n_slots, hidden]`` in ``layer_ids`` order."""
+    captured.clear()
+    model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    return torch.stack([captured[layer_id] for layer_id in layer_ids], dim=2)
+
+
+def extract_with_transformers(job: ExtractionJob) -> None:
+    """Computes every row in ``job.todo`` and hands each to ``job.write``."""
+    device = pick_device(job.params.device)
+    model = load_decoder(job.model_dir, job.verifier.trust_remote_code, device)
+    pad_id = getattr(model.config, "pad_token_id", None) or 0
+    lengths = [len(ids) for ids in job.input_ids]
+    batches = length_sorted_batches(job.todo, lengths, job.params.batch_tokens)
+    log.info("hf back end on %s: %d rows in %d batches of <= %d tokens", device, len(job.todo), len(batches),
+             job.params.batch_tokens)
+    with capture_residual_stream(model, job.verifier.layer_ids) as captured, torch.inference_mode():
+        for batch in batches:
+            input_ids, attention_mask = pad_batch([job.input_ids[row] for row in batch], pad_id)
+            try:
+                hidden = forward_hidden_states(model, captured, job.verifier.layer_ids, input_ids.to(device),
+                                               attention_mask.to(device))
+            except (torch.OutOfMemoryError, MemoryError):
+                raise EaglenestError(
+                    f"out of memory on {device} for a batch of {len(batch)} rows x {input_ids.shape[1]} tokens; "
+                    f"lower extract.batch_tokens (now {job.params.batch_tokens})"
+                ) from None
+            for i, row in enumerate(batch):
+                job.write(row, hidden[i, : lengths[row]])

@@ -1,0 +1,170 @@
+"""The ``vllm`` extract back end: vLLM 0.33 in-process, on GPU (the ``[vllm]`` extra).
+
+vLLM computes hidden states with its ``extract_hidden_states`` speculative method and writes them through
+the built-in ``ExampleHiddenStatesConnector`` into a staging folder, one ``{request_id}.safetensors`` per
+prompt (``hidden_states [seq, n_layers, hidden]`` in the model dtype, ``token_ids [seq]``), guarded by a
+``.lock`` file until the asynchronous write ends; the path comes back in
+``RequestOutput.kv_transfer_params["hidden_states_path"]``. Each staged file is checked against the
+prepared row and rewritten into ``hs_{row}.safetensors`` with eaglenest's metadata.
+
+vLLM numbers layers as eaglenest does: id L is the residual stream after L decoder layers, and id N is the
+last layer's output *before* the final norm; slots come out in ascending id order (our layer ids are
+sorted). This module is the only place that imports vllm.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import json
+import logging
+import shutil
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from safetensors.torch import load_file
+
+from eaglenest.errors import EaglenestError
+from eaglenest.hidden_states import HIDDEN_KEY, TOKENS_KEY
+
+if TYPE_CHECKING:
+    from eaglenest.extract import ExtractionJob
+
+log = logging.getLogger(__name__)
+
+PROMPTS_PER_CALL = 256  # rows per generate() call: bounds the staging folder and the work lost to a kill
+
+
+class HiddenStateEngine(Protocol):
+    """What the back end needs from vLLM: prompts in, staged hidden-state files out (same order)."""
+
+    def hidden_state_files(self, prompts: Sequence[list[int]]) -> list[Path]: ...
+
+
+def staging_dir_for(out_dir: Path) -> Path:
+    """Next to the output (same filesystem), outside the DVC-tracked folder."""
+    return out_dir.with_name(out_dir.name + ".vllm-staging")
+
+
+def _serving_dtype(model_dir: Path) -> str:
+    """vLLM's dtype: the checkpoint's own, except that an fp32 checkpoint (the CPU-materialised built-in)
+    runs in bf16, as it would be served."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return "auto"
+    return "bfloat16" if config.get("dtype", config.get("torch_dtype")) == "float32" else "auto"
+
+
+def build_llm_kwargs(job: ExtractionJob, staging_dir: Path) -> dict[str, Any]:
+    """The ``vllm.LLM(**kwargs)`` arguments for hidden-state extraction."""
+    params, verifier = job.params, job.verifier
+    longest = max(len(job.input_ids[row]) for row in job.todo)
+    # vLLM refuses a prompt of max_model_len tokens or more (it must leave room for one output token).
+    max_model_len = longest + 1
+    if verifier.max_position_embeddings is not None:
+        max_model_len = min(max_model_len, verifier.max_position_embeddings)
+    return {
+        "model": str(job.model_dir),
+        "trust_remote_code": verifier.trust_remote_code,
+        "tensor_parallel_size": params.tensor_parallel_size,
+        "gpu_memory_utilization": params.gpu_memory_utilization,
+        "max_num_seqs": params.max_num_seqs,
+        "max_model_len": max_model_len,
+        "dtype": _serving_dtype(job.model_dir),
+        # vLLM's docs require chunked prefill off for this method; prefix caching is off so that every
+        # token's hidden state is computed by this request, not shared from another's cache blocks.
+        "enable_chunked_prefill": False,
+        "enable_prefix_caching": False,
+        "speculative_config": {
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(verifier.layer_ids)}},
+        },
+        "kv_transfer_config": {
+            "kv_connector": "ExampleHiddenStatesConnector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": str(staging_dir)},
+        },
+    }
+
+
+class VllmEngine:
+    """The real engine: ``vllm.LLM`` with one output token per prompt."""
+
+    def __init__(self, llm_kwargs: dict[str, Any]) -> None:
+        from vllm import LLM, SamplingParams
+
+        self.llm = LLM(**llm_kwargs)
+        self.sampling = SamplingParams(max_tokens=1, temperature=0.0)
+
+    def hidden_state_files(self, prompts: Sequence[list[int]]) -> list[Path]:
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], self.sampling, use_tqdm=False)
+        files = []
+        for output in outputs:
+            params = output.kv_transfer_params or {}
+            if "hidden_states_path" not in params:
+                raise EaglenestError(
+                    f"vLLM returned no hidden_states_path for request {output.request_id}; is the "
+                    "ExampleHiddenStatesConnector configured (kv_transfer_config)?"
+                )
+            files.append(Path(params["hidden_states_path"]))
+        return files
+
+
+def read_staged(path: Path) -> dict[str, Any]:
+    """Loads a staged file once vLLM's writer has released its lock; removes file and lock afterwards."""
+    lock = Path(str(path) + ".lock")
+    try:
+        if lock.exists():
+            with open(lock) as fh:
+                fcntl.flock(fh, fcntl.LOCK_SH)  # blocks until the writer thread has finished
+                data = load_file(path, device="cpu")
+        else:
+            data = load_file(path, device="cpu")
+    except (OSError, ValueError) as err:
+        raise EaglenestError(f"{path}: cannot read the hidden states vLLM staged: {err}") from None
+    path.unlink(missing_ok=True)
+    lock.unlink(missing_ok=True)
+    return data
+
+
+def collect_row(job: ExtractionJob, row: int, staged: Path) -> None:
+    """Checks a staged file against prepared row ``row`` and writes it into the output layout."""
+    data = read_staged(staged)
+    if HIDDEN_KEY not in data or TOKENS_KEY not in data:
+        raise EaglenestError(f"{staged}: vLLM's file has keys {sorted(data)}, expected {HIDDEN_KEY}, {TOKENS_KEY}")
+    if data[TOKENS_KEY].tolist() != job.input_ids[row]:
+        raise EaglenestError(
+            f"{staged}: vLLM's token_ids differ from prepared row {row} (was the prompt re-tokenised?)"
+        )
+    job.write(row, data[HIDDEN_KEY])
+
+
+EngineFactory = Callable[[dict[str, Any]], HiddenStateEngine]
+
+
+def extract_with_vllm(job: ExtractionJob, engine_factory: EngineFactory | None = None) -> None:
+    """Computes every row in ``job.todo`` with vLLM and hands each to ``job.write``."""
+    if engine_factory is None:
+        if importlib.util.find_spec("vllm") is None:
+            raise EaglenestError(
+                "extract.backend: vllm needs vLLM on a GPU machine: `pip install -e '.[vllm]'`; "
+                "on a CPU use extract.backend: hf"
+            )
+        engine_factory = VllmEngine
+    staging = staging_dir_for(job.out_dir)
+    shutil.rmtree(staging, ignore_errors=True)  # whatever a killed run left behind
+    staging.mkdir(parents=True)
+    engine = engine_factory(build_llm_kwargs(job, staging))
+    try:
+        for start in range(0, len(job.todo), PROMPTS_PER_CALL):
+            rows = job.todo[start : start + PROMPTS_PER_CALL]
+            files = engine.hidden_state_files([job.input_ids[row] for row in rows])
+            if len(files) != len(rows):
+                raise EaglenestError(f"vLLM returned {len(files)} results for {len(rows)} prompts")
+            for row, staged in zip(rows, files, strict=True):
+                collect_row(job, row, staged)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

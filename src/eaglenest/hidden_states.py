@@ -1,0 +1,157 @@
+"""The hidden-state file format shared with vLLM's hidden-state connector and ``speculators train``.
+
+``hs_{i}.safetensors`` holds prepared row ``i``:
+
+* ``hidden_states`` ``[seq, n_aux + 1, hidden]`` — the residual stream after each aux layer (sorted) and,
+  in the last slot, after the last decoder layer *before* the final norm; bf16 or fp32.
+* ``token_ids`` ``[seq]`` int64 — equal to the prepared ``input_ids``.
+
+eaglenest adds one metadata entry to the safetensors header, ``eaglenest``: a JSON object with
+``config`` (a hash of the verifier fingerprint, layer ids and dtype), ``layer_ids``, ``dtype`` and
+``backend``; other readers ignore it. (One key, because safetensors writes several in no fixed order,
+and the files must be bit-identical between runs.) A rerun trusts a file only if its header
+parses, its tensors have the expected keys, dtypes and shapes, its length on disk matches what the header
+promises (so a truncated file is caught without reading it), and its metadata matches the current
+configuration.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save
+
+from eaglenest.atomic import atomic_write_bytes
+
+HIDDEN_KEY = "hidden_states"
+TOKENS_KEY = "token_ids"
+METADATA_KEY = "eaglenest"
+SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float32": "F32", "float16": "F16"}
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+def hs_path(directory: Path, row: int) -> Path:
+    """Where prepared row ``row``'s hidden states live (speculators' and vLLM's naming)."""
+    return Path(directory) / f"hs_{row}.safetensors"
+
+
+def row_index(path: Path) -> int | None:
+    """The row of an ``hs_{i}.safetensors`` file name, or None for any other name."""
+    name = path.name
+    if name.startswith("hs_") and name.endswith(".safetensors") and name[3:-12].isdigit():
+        return int(name[3:-12])
+    return None
+
+
+def extraction_fingerprint(verifier_fingerprint: str, layer_ids: list[int], dtype: str) -> str:
+    """Identifies what a hidden-state file was computed from; a change invalidates every file."""
+    key = json.dumps({"verifier": verifier_fingerprint, "layers": layer_ids, "dtype": dtype}, sort_keys=True)
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+def file_metadata(config: str, layer_ids: list[int], dtype: str, backend: str) -> dict[str, str]:
+    """The safetensors metadata eaglenest writes into every hidden-state file."""
+    info = {"config": config, "layer_ids": layer_ids, "dtype": dtype, "backend": backend}
+    return {METADATA_KEY: json.dumps(info, sort_keys=True)}
+
+
+def write_hidden_states(path: Path, hidden_states: torch.Tensor, token_ids: torch.Tensor,
+                        metadata: dict[str, str]) -> int:
+    """Writes one row atomically; returns the file size in bytes.
+
+    No fsync: a rename is atomic against a killed process, and a file torn by a power loss fails the
+    length check in :func:`check_header` on the next run, which then recomputes it.
+    """
+    data = save({HIDDEN_KEY: hidden_states.contiguous(), TOKENS_KEY: token_ids.to(torch.int64).contiguous()},
+                metadata=metadata)
+    atomic_write_bytes(path, data, fsync=False)
+    return len(data)
+
+
+@dataclass(frozen=True)
+class Header:
+    """A parsed safetensors header: tensor name -> (dtype, shape), plus metadata and sizes."""
+
+    tensors: dict[str, tuple[str, list[int]]]
+    metadata: dict[str, str]
+    expected_size: int
+    actual_size: int
+
+
+def read_header(path: Path) -> Header:
+    """Parses a safetensors header without reading the tensors.
+
+    Raises:
+        ValueError: the file is too short, or its header is not a safetensors header.
+    """
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        prefix = fh.read(8)
+        if len(prefix) < 8:
+            raise ValueError(f"{size} bytes, too short for a safetensors file")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > min(MAX_HEADER_BYTES, size - 8):
+            raise ValueError(f"header length {header_len} does not fit in a {size}-byte file (truncated?)")
+        try:
+            raw = json.loads(fh.read(header_len))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"unreadable safetensors header ({err})") from None
+    if not isinstance(raw, dict):
+        raise ValueError("safetensors header is not an object")
+    metadata = raw.pop("__metadata__", None) or {}
+    tensors: dict[str, tuple[str, list[int]]] = {}
+    data_end = 0
+    for name, entry in raw.items():
+        try:
+            tensors[name] = (str(entry["dtype"]), [int(d) for d in entry["shape"]])
+            data_end = max(data_end, int(entry["data_offsets"][1]))
+        except (KeyError, TypeError, ValueError, IndexError):
+            raise ValueError(f"malformed header entry for tensor {name!r}") from None
+    return Header(tensors=tensors, metadata=metadata, expected_size=8 + header_len + data_end, actual_size=size)
+
+
+def check_header(path: Path, *, seq_len: int, num_slots: int, hidden_size: int, dtype: str,
+                 config: str | None = None) -> str | None:
+    """What is wrong with a hidden-state file's header, or None if it is what we expect.
+
+    Args:
+        path: The file.
+        seq_len: Tokens in the prepared row.
+        num_slots: n_aux + 1.
+        hidden_size: The verifier's hidden size.
+        dtype: Expected storage dtype name ("bfloat16" or "float32").
+        config: Expected ``config`` in the ``eaglenest`` metadata; None skips that check (foreign files).
+    """
+    try:
+        header = read_header(path)
+    except FileNotFoundError:
+        return "missing"
+    except (OSError, ValueError) as err:
+        return f"not a safetensors file: {err}"
+    if header.actual_size != header.expected_size:
+        return f"{header.actual_size} bytes on disk, header promises {header.expected_size} (truncated?)"
+    missing = {HIDDEN_KEY, TOKENS_KEY} - header.tensors.keys()
+    if missing:
+        return f"missing key(s) {sorted(missing)}; has {sorted(header.tensors)}"
+    hs_dtype, hs_shape = header.tensors[HIDDEN_KEY]
+    if hs_dtype != SAFETENSORS_DTYPES[dtype]:
+        return f"{HIDDEN_KEY} dtype {hs_dtype}, expected {SAFETENSORS_DTYPES[dtype]} ({dtype})"
+    if hs_shape != [seq_len, num_slots, hidden_size]:
+        return f"{HIDDEN_KEY} shape {hs_shape}, expected [{seq_len}, {num_slots}, {hidden_size}]"
+    tok_dtype, tok_shape = header.tensors[TOKENS_KEY]
+    if tok_dtype != "I64" or tok_shape != [seq_len]:
+        return f"{TOKENS_KEY} is {tok_dtype} {tok_shape}, expected I64 [{seq_len}]"
+    if config is not None:
+        try:
+            recorded = json.loads(header.metadata.get(METADATA_KEY, "{}")).get("config")
+        except (json.JSONDecodeError, AttributeError):
+            recorded = None
+        if recorded != config:
+            return "computed with another verifier, layer set or dtype"
+    return None
