@@ -9,7 +9,7 @@ require_stage_environment("extract")
 
 from eaglenest.extract import extract_hidden_states  # noqa: E402
 from eaglenest.params import load_params  # noqa: E402
-from eaglenest.stage import run_stage  # noqa: E402
+from eaglenest.stage import run_stage, stage_parser  # noqa: E402
 
 
 def main(args: argparse.Namespace) -> None:
@@ -18,13 +18,12 @@ def main(args: argparse.Namespace) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--params", default="params.yaml", help="params file")
-    p.add_argument("--verifier", required=True, help="the verifier stage's output folder")
-    p.add_argument("--prepared", required=True, help="the prepare stage's dataset folder")
-    p.add_argument("--out", required=True, help="hidden-state folder (data/hidden_states)")
-    p.add_argument("--metrics", required=True, help="metrics JSON (metrics/extract.json)")
-    return p
+    return stage_parser(__doc__, {
+        "verifier": "the verifier stage's output folder",
+        "prepared": "the prepare stage's dataset folder",
+        "out": "hidden-state folder (data/hidden_states)",
+        "metrics": "metrics JSON (metrics/extract.json)",
+    })
 
 
 if __name__ == "__main__":

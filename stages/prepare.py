@@ -9,7 +9,7 @@ require_stage_environment("prepare")
 
 from eaglenest.params import load_params  # noqa: E402
 from eaglenest.prepare import end_of_turn_ids, prepare_dataset  # noqa: E402
-from eaglenest.stage import run_stage  # noqa: E402
+from eaglenest.stage import run_stage, stage_parser  # noqa: E402
 from eaglenest.verifier import load_tokenizer, load_verifier_info  # noqa: E402
 
 
@@ -21,12 +21,11 @@ def main(args: argparse.Namespace) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--params", default="params.yaml", help="params file")
-    p.add_argument("--verifier", required=True, help="the verifier stage's output folder")
-    p.add_argument("--out", required=True, help="output dataset folder (data/prepared)")
-    p.add_argument("--metrics", required=True, help="metrics JSON (metrics/prepare.json)")
-    return p
+    return stage_parser(__doc__, {
+        "verifier": "the verifier stage's output folder",
+        "out": "output dataset folder (data/prepared)",
+        "metrics": "metrics JSON (metrics/prepare.json)",
+    })
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ from _guard import require_stage_environment
 require_stage_environment("verifier")
 
 from eaglenest.params import load_params  # noqa: E402
-from eaglenest.stage import run_stage  # noqa: E402
+from eaglenest.stage import run_stage, stage_parser  # noqa: E402
 from eaglenest.verifier import build_verifier  # noqa: E402
 
 
@@ -17,10 +17,9 @@ def main(args: argparse.Namespace) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--params", default="params.yaml", help="params file")
-    p.add_argument("--out", required=True, help="output folder (models/verifier)")
-    return p
+    return stage_parser(__doc__, {
+        "out": "output folder (models/verifier)",
+    })
 
 
 if __name__ == "__main__":

@@ -190,3 +190,7 @@ def test_bad_flag_combinations_are_refused():
     text = str(info.value)
     assert "extract.rank = 2 must be < extract.world_size = 2" in text
     assert "extract.tensor_parallel_size = 2 needs extract.backend: vllm" in text
+    with pytest.raises(ParamsError, match=r"extract.backend: import needs extract.import_path"):
+        parse_params({"extract": {"backend": "import"}})
+    with pytest.raises(ParamsError, match=r"extract.import_path = 'x' is only read by extract.backend: import"):
+        parse_params({"extract": {"import_path": "x"}})

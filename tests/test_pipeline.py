@@ -16,7 +16,7 @@ from datasets import load_from_disk
 from .conftest import write_jsonl
 from .helpers import VENV_BIN, dvc, make_pipeline_repo, project_env
 
-STAGES = ("verifier", "prepare", "extract")
+STAGES = ("verifier", "prepare", "extract", "convert")
 
 
 def assert_all_skipped(output: str) -> None:
@@ -55,6 +55,11 @@ def test_default_verifier_and_chitchat_through_dvc_repro(tmp_path: Path):
     assert extract["bytes_per_token"] == pytest.approx(4 * 576 * 2 + 8, rel=0.01)  # bf16, 4 slots
     hs_dir = repo / "data/hidden_states"
     assert sorted(p.name for p in hs_dir.iterdir()) == sorted(f"hs_{i}.safetensors" for i in range(16))
+    data = json.loads((repo / "metrics/data.json").read_text())
+    assert data["samples"] == 16 and data["excluded"] == 0 and data["draft_vocab_size"] == 8192
+    assert data["vocab_coverage_train"] == 1.0  # 16 short chats have far fewer than 8192 distinct tokens
+    assert 0.5 < data["vocab_coverage_val"] <= 1.0
+    assert (repo / "data/vocab/d2t-8192.npy").is_file() and (repo / "data/vocab/t2d-8192.npy").is_file()
 
     second = dvc(["repro"], repo)
     assert_all_skipped(second.stdout)
@@ -85,6 +90,7 @@ def test_own_verifier_and_conversations(tmp_path: Path, tiny_verifier_dir: Path)
     repo = make_pipeline_repo(tmp_path / "repo", {
         "verifier": {"model": str(tiny_verifier_dir)},
         "prepare": {"source": ["data/conversations/chats.jsonl"], "max_conversations": None, "val_fraction": 0.25},
+        "convert": {"draft_vocab_size": 64},
     })
     chat = [{"from": "human", "value": "hello there"}, {"from": "gpt", "value": "I am fine thanks"}]
     write_jsonl(repo / "data/conversations/chats.jsonl", [{"conversations": chat}] * 8)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from eaglenest.errors import EaglenestError
 
@@ -14,6 +15,24 @@ def _doctor(_args: argparse.Namespace) -> int:
     return doctor()
 
 
+def _inspect(args: argparse.Namespace) -> int:
+    from eaglenest.inspect_files import inspect_path
+
+    for path in args.paths:
+        print("\n".join(inspect_path(Path(path))))
+    return 0
+
+
+def _import(args: argparse.Namespace) -> int:
+    from eaglenest.importers import import_dump
+
+    counts = import_dump(args.format, Path(args.source), Path(args.out), args.val_fraction)
+    print(f"imported {counts['samples']} samples ({counts['layers']} layers x {counts['hidden_size']}) into "
+          f"{args.out}\nuse it with params: prepare.source: [import:{args.out}], extract.backend: import, "
+          f"extract.import_path: {args.out}/hidden_states")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="eaglenest", description=__doc__)
@@ -22,6 +41,20 @@ def build_parser() -> argparse.ArgumentParser:
         "doctor", help="check the interpreter, the installed packages and the device"
     )
     doctor.set_defaults(func=_doctor)
+
+    inspect = commands.add_parser(
+        "inspect", help="show keys, shapes, dtypes, value ranges and token counts of dumps and checkpoints"
+    )
+    inspect.add_argument("paths", nargs="+", help="a .safetensors/.pt/.npy file, a checkpoint, dataset or folder")
+    inspect.set_defaults(func=_inspect)
+
+    importer = commands.add_parser("import", help="turn hidden states dumped by other tools into eaglenest's layout")
+    importer.add_argument("--format", required=True,
+                          help="speculators-pt (one .pt per sample) or speculators (0.9 / vLLM hs_{i}.safetensors)")
+    importer.add_argument("source", help="the dump (a folder)")
+    importer.add_argument("--out", required=True, help="output folder: a dataset with hidden_states/ inside")
+    importer.add_argument("--val-fraction", type=float, default=0.05, help="last rows held out for validation")
+    importer.set_defaults(func=_import)
     return parser
 
 

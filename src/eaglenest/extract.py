@@ -21,16 +21,20 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 from eaglenest.atomic import atomic_write_json, remove_stale_temps
 from eaglenest.errors import EaglenestError
 from eaglenest.hidden_states import (
+    HIDDEN_KEY,
+    SAFETENSORS_DTYPES,
     TOKENS_KEY,
     TORCH_DTYPES,
     check_header,
     extraction_fingerprint,
     file_metadata,
     hs_path,
+    read_header,
     row_index,
     write_hidden_states,
 )
@@ -94,9 +98,34 @@ def _vllm_backend(job: ExtractionJob) -> None:
     extract_with_vllm(job)
 
 
+def _import_backend(job: ExtractionJob) -> None:
+    """Copies ``hs_{row}.safetensors`` from extract.import_path, checking tokens, shape and values."""
+    from eaglenest.convert import check_hidden_state_file
+
+    source = Path(job.params.import_path or "")
+    if not source.is_dir():
+        raise EaglenestError(f"extract.import_path = {str(source)!r}: no such folder")
+    for row in job.todo:
+        path = hs_path(source, row)
+        problem = check_hidden_state_file(path, job.input_ids[row], job.verifier, _stored_dtype(path))
+        if problem is not None:
+            raise EaglenestError(f"{path}: {problem}")
+        job.write(row, load_file(path)[HIDDEN_KEY])
+
+
+def _stored_dtype(path: Path) -> str:
+    """The dtype name of a file's hidden states ('bfloat16' if unreadable: the check reports why)."""
+    try:
+        stored = read_header(path).tensors[HIDDEN_KEY][0]
+    except (OSError, ValueError, KeyError):
+        return "bfloat16"
+    return {v: k for k, v in SAFETENSORS_DTYPES.items()}.get(stored, "bfloat16")
+
+
 BACKENDS: Registry[Backend] = Registry("extract back end")
 BACKENDS.register("hf", _hf_backend)
 BACKENDS.register("vllm", _vllm_backend)
+BACKENDS.register("import", _import_backend)
 
 
 def shard_rows(num_rows: int, rank: int, world_size: int) -> range:

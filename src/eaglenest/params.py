@@ -80,7 +80,8 @@ class PrepareParams(StrictModel):
         description=(
             "Where conversations come from: 'builtin:chitchat' and/or paths to .json, .jsonl or .parquet "
             "files of ShareGPT ('conversations': [{from, value}]) or OpenAI-style ('messages': "
-            "[{role, content}]) records. Keep your files under data/conversations/ so DVC tracks them."
+            "[{role, content}]) records. Keep your files under data/conversations/ so DVC tracks them. "
+            "'import:<dir>' (alone) takes the rows of a dataset written by `eaglenest import`, in order."
         ),
     )
     max_conversations: int | None = Field(
@@ -111,9 +112,16 @@ class PrepareParams(StrictModel):
 class ExtractParams(StrictModel):
     """``extract:`` — the verifier's hidden states for every prepared row."""
 
-    backend: Literal["hf", "vllm"] = Field(
+    backend: Literal["hf", "vllm", "import"] = Field(
         default="hf",
-        description="'hf': transformers on CPU or one GPU (the reference); 'vllm': vLLM 0.33 on GPU ([vllm] extra).",
+        description=(
+            "'hf': transformers on CPU or one GPU (the reference); 'vllm': vLLM 0.33 on GPU ([vllm] extra); "
+            "'import': take hs_{i}.safetensors from extract.import_path (see `eaglenest import`)."
+        ),
+    )
+    import_path: str | None = Field(
+        default=None,
+        description="With backend 'import': the folder of hs_{i}.safetensors matching the imported prepared rows.",
     )
     dtype: Literal["bfloat16", "float32"] = Field(
         default="bfloat16",
@@ -145,11 +153,36 @@ class ExtractParams(StrictModel):
                 f"extract.tensor_parallel_size = {self.tensor_parallel_size} needs extract.backend: vllm "
                 "(the hf back end runs on one device); set it to 1 or switch the back end"
             )
+        if self.backend == "import" and not self.import_path:
+            problems.append("extract.backend: import needs extract.import_path (a folder of hs_{i}.safetensors)")
+        if self.backend != "import" and self.import_path:
+            problems.append(
+                f"extract.import_path = {self.import_path!r} is only read by extract.backend: import; "
+                "remove it or switch the back end"
+            )
         if self.backend == "vllm" and self.device == "cpu":
             problems.append("extract.device = 'cpu' cannot be used with extract.backend: vllm (GPU only)")
         if problems:
             raise ValueError("\n".join(problems))  # one line each in the report
         return self
+
+
+class ConvertParams(StrictModel):
+    """``convert:`` — validate the hidden states and build the draft vocabulary."""
+
+    draft_vocab_size: int | None = Field(
+        default=8192,
+        ge=1,
+        description=(
+            "Tokens the draft predicts: the most frequent loss-masked tokens of the train split (speculators' "
+            "d2t/t2d). 8192 suits SmolLM2's 49152; null keeps the verifier's full vocabulary."
+        ),
+    )
+    on_bad: Literal["fail", "skip"] = Field(
+        default="fail",
+        description="A row whose hidden states fail validation: 'fail' stops; 'skip' excludes it (recorded).",
+    )
+    workers: int = Field(default=2, ge=1, description="Threads reading hidden-state files during validation.")
 
 
 class Params(StrictModel):
@@ -158,6 +191,7 @@ class Params(StrictModel):
     verifier: VerifierParams = Field(default_factory=VerifierParams, description="The verifier stage.")
     prepare: PrepareParams = Field(default_factory=PrepareParams, description="The prepare stage.")
     extract: ExtractParams = Field(default_factory=ExtractParams, description="The extract stage.")
+    convert: ConvertParams = Field(default_factory=ConvertParams, description="The convert stage.")
 
 
 def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str] | None:

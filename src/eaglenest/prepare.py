@@ -25,7 +25,7 @@ from typing import Any
 
 from eaglenest.atomic import atomic_directory, atomic_write_bytes, atomic_write_json
 from eaglenest.conversations import Conversation, read_sources
-from eaglenest.errors import EaglenestError
+from eaglenest.errors import EaglenestError, InputFileError, ParamsError
 from eaglenest.params import PrepareParams
 
 log = logging.getLogger(__name__)
@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 SPLIT_FILE = "split.json"
 VAL_PROMPTS_FILE = "val_prompts.jsonl"
 DROP_REASONS = ("no_assistant_turn", "no_assistant_tokens_after_truncation")
+IMPORT_PREFIX = "import:"
 
 
 class TemplateError(EaglenestError):
@@ -139,8 +140,16 @@ def _trim_trailing_non_assistant(messages: list[dict[str, str]]) -> list[dict[st
 def prepare_dataset(params: PrepareParams, tokenizer: Any, out_dir: Path, metrics_path: Path,
                     eot_ids: set[int]) -> dict[str, Any]:
     """The prepare stage: read, shuffle, render, mask, split and write; returns the metrics."""
-    from datasets import Dataset, Features, Sequence, Value
     from tqdm import tqdm
+
+    imported = [s for s in params.source if s.startswith(IMPORT_PREFIX)]
+    if imported:
+        if len(params.source) != 1:
+            raise ParamsError(
+                f"prepare.source = {params.source}: an '{IMPORT_PREFIX}' source must be the only one "
+                "(its rows are matched to imported hidden states by position)"
+            )
+        return prepare_imported(params, Path(imported[0].removeprefix(IMPORT_PREFIX)), out_dir, metrics_path)
 
     if not getattr(tokenizer, "is_fast", False):
         raise EaglenestError("the verifier's tokenizer has no fast (Rust) version; prepare needs its offsets")
@@ -175,56 +184,118 @@ def prepare_dataset(params: PrepareParams, tokenizer: Any, out_dir: Path, metric
             f"prepare kept {len(kept)} of {rendered} conversations from {params.source}; need at least 2 "
             f"(one train, one validation). Dropped: {dict(dropped)}"
         )
-    val_rows = max(1, round(len(kept) * params.val_fraction))
-    train_rows = len(kept) - val_rows
-    if train_rows < 1:
-        raise EaglenestError(f"prepare.val_fraction = {params.val_fraction} leaves no training rows of {len(kept)}")
-
+    train_rows = _train_rows(len(kept), params.val_fraction)
     rows = [row for row, _ in kept]
+    prompts = [{"messages": first_user_turn(conv.messages), "origin": conv.origin} for _, conv in kept[train_rows:]]
+    write_prepared(out_dir, [r.input_ids for r in rows], [r.loss_mask for r in rows], train_rows, prompts)
+    metrics = {
+        "records_read": len(conversations),
+        "conversations_rendered": rendered,
+        "kept": len(rows),
+        "train_rows": train_rows,
+        "val_rows": len(rows) - train_rows,
+        "dropped": dict(dropped),
+        "truncated": sum(r.truncated for r in rows),
+        **_token_counts([r.input_ids for r in rows], [r.loss_mask for r in rows]),
+        "seconds": round(time.perf_counter() - started, 3),
+    }
+    atomic_write_json(metrics_path, metrics)
+    log.info("kept %d of %d conversations (%d tokens, %d loss tokens) -> %s",
+             len(rows), rendered, metrics["tokens"], metrics["loss_tokens"], out_dir)
+    return metrics
+
+
+def _train_rows(kept: int, val_fraction: float) -> int:
+    val_rows = max(1, round(kept * val_fraction))
+    if kept - val_rows < 1:
+        raise EaglenestError(f"prepare.val_fraction = {val_fraction} leaves no training rows of {kept}")
+    return kept - val_rows
+
+
+def _token_counts(input_ids: list[list[int]], loss_mask: list[list[int]]) -> dict[str, Any]:
+    tokens = sum(len(ids) for ids in input_ids)
+    return {"tokens": tokens, "loss_tokens": sum(sum(m) for m in loss_mask),
+            "mean_seq_len": round(tokens / len(input_ids), 2)}
+
+
+def write_prepared(out_dir: Path, input_ids: list[list[int]], loss_mask: list[list[int]], train_rows: int,
+                   val_prompts: list[dict[str, Any]]) -> None:
+    """Writes the prepared dataset (speculators' schema, torch format), split.json and val_prompts.jsonl."""
+    with atomic_directory(out_dir) as tmp:
+        write_prepared_into(tmp, input_ids, loss_mask, train_rows, val_prompts)
+
+
+def write_prepared_into(directory: Path, input_ids: list[list[int]], loss_mask: list[list[int]], train_rows: int,
+                        val_prompts: list[dict[str, Any]]) -> None:
+    """:func:`write_prepared` into an existing folder (for callers that add files and rename it themselves)."""
+    from datasets import Dataset, Features, Sequence, Value
+
     features = Features({
         "input_ids": Sequence(Value("int64")),
         "loss_mask": Sequence(Value("int64")),
         "seq_len": Value("int64"),
     })
     dataset = Dataset.from_dict(
-        {
-            "input_ids": [r.input_ids for r in rows],
-            "loss_mask": [r.loss_mask for r in rows],
-            "seq_len": [len(r.input_ids) for r in rows],
-        },
+        {"input_ids": input_ids, "loss_mask": loss_mask, "seq_len": [len(ids) for ids in input_ids]},
         features=features,
     )
     dataset.set_format(type="torch")  # speculators' ArrowDataset indexes rows as tensors
-    prompts = [
-        json.dumps({"messages": first_user_turn(conv.messages), "origin": conv.origin}) for _, conv in kept[train_rows:]
-    ]
-    with atomic_directory(out_dir) as tmp:
-        dataset.save_to_disk(str(tmp))
-        # speculators splits with split_idx = int(len * train_ratio); the +0.5 keeps float error out.
-        atomic_write_json(tmp / SPLIT_FILE, {
-            "train_rows": train_rows,
-            "val_rows": val_rows,
-            "train_ratio": (train_rows + 0.5) / len(rows),
-        })
-        atomic_write_bytes(tmp / VAL_PROMPTS_FILE, ("\n".join(prompts) + "\n").encode())
-
-    tokens = sum(len(r.input_ids) for r in rows)
-    metrics = {
-        "records_read": len(conversations),
-        "conversations_rendered": rendered,
-        "kept": len(rows),
+    dataset.save_to_disk(str(directory))
+    # speculators splits with split_idx = int(len * train_ratio); the +0.5 keeps float error out.
+    atomic_write_json(directory / SPLIT_FILE, {
         "train_rows": train_rows,
-        "val_rows": val_rows,
-        "dropped": dict(dropped),
-        "truncated": sum(r.truncated for r in rows),
-        "tokens": tokens,
-        "loss_tokens": sum(sum(r.loss_mask) for r in rows),
-        "mean_seq_len": round(tokens / len(rows), 2),
+        "val_rows": len(input_ids) - train_rows,
+        "train_ratio": (train_rows + 0.5) / len(input_ids),
+    })
+    lines = "".join(json.dumps(prompt) + "\n" for prompt in val_prompts)
+    atomic_write_bytes(directory / VAL_PROMPTS_FILE, lines.encode())
+
+
+def prepare_imported(params: PrepareParams, source: Path, out_dir: Path, metrics_path: Path) -> dict[str, Any]:
+    """Takes rows of an existing prepare-data dataset (``eaglenest import`` output, or speculators') in order.
+
+    Order is kept, and nothing is dropped or truncated, because row ``i`` must stay row ``i`` of the imported
+    hidden states. ``prepare.max_conversations`` takes the first N rows.
+    """
+    from datasets import load_from_disk
+
+    started = time.perf_counter()
+    try:
+        table = load_from_disk(str(source)).data
+    except FileNotFoundError:
+        raise InputFileError(
+            f"prepare.source: {source} is not a dataset folder (`eaglenest import` writes one)"
+        ) from None
+    missing = {"input_ids", "loss_mask"} - set(table.column_names)
+    if missing:
+        raise InputFileError(f"{source}: dataset lacks column(s) {sorted(missing)}; has {table.column_names}")
+    count = min(params.max_conversations or table.num_rows, table.num_rows)
+    input_ids = table.column("input_ids").to_pylist()[:count]
+    loss_mask = table.column("loss_mask").to_pylist()[:count]
+    for row, (ids, mask) in enumerate(zip(input_ids, loss_mask, strict=True)):
+        if len(ids) != len(mask):
+            raise InputFileError(f"{source}: row {row}: {len(ids)} input_ids but {len(mask)} loss_mask values")
+        if len(ids) > params.max_len:
+            raise InputFileError(
+                f"{source}: row {row} has {len(ids)} tokens > prepare.max_len = {params.max_len}; imported rows "
+                "are never truncated (their hidden states would no longer match): raise prepare.max_len"
+            )
+    if count < 2:
+        raise EaglenestError(f"{source}: {count} rows; need at least 2 (one train, one validation)")
+    train_rows = _train_rows(count, params.val_fraction)
+    write_prepared(out_dir, input_ids, loss_mask, train_rows, [])
+    metrics = {
+        "records_read": table.num_rows,
+        "conversations_rendered": 0,
+        "kept": count,
+        "train_rows": train_rows,
+        "val_rows": count - train_rows,
+        "dropped": {reason: 0 for reason in DROP_REASONS},
+        "truncated": 0,
+        **_token_counts(input_ids, loss_mask),
         "seconds": round(time.perf_counter() - started, 3),
     }
     atomic_write_json(metrics_path, metrics)
-    log.info("kept %d of %d conversations (%d tokens, %d loss tokens) -> %s",
-             len(rows), rendered, tokens, metrics["loss_tokens"], out_dir)
     return metrics
 
 

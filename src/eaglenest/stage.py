@@ -10,6 +10,20 @@ from collections.abc import Callable, Sequence
 from eaglenest.errors import EaglenestError
 
 
+def stage_parser(description: str | None, paths: dict[str, str]) -> argparse.ArgumentParser:
+    """A stage's argument parser: ``--params`` plus one required ``--<name>`` per path dvc.yaml passes.
+
+    Args:
+        description: The stage script's docstring.
+        paths: Option name (without dashes) -> help text.
+    """
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--params", default="params.yaml", help="params file")
+    for name, help_text in paths.items():
+        parser.add_argument(f"--{name}", required=True, help=help_text)
+    return parser
+
+
 def run_stage(name: str, body: Callable[[argparse.Namespace], None], parser: argparse.ArgumentParser,
               argv: Sequence[str] | None = None) -> int:
     """Parses ``argv``, runs ``body`` and turns an EaglenestError into one line on stderr and exit 2.
