@@ -16,7 +16,7 @@ from datasets import load_from_disk
 from .conftest import write_jsonl
 from .helpers import VENV_BIN, dvc, make_pipeline_repo, project_env
 
-STAGES = ("verifier", "prepare", "extract", "convert")
+STAGES = ("verifier", "prepare", "extract", "convert", "train")
 
 
 def assert_all_skipped(output: str) -> None:
@@ -28,7 +28,8 @@ def assert_all_skipped(output: str) -> None:
 @pytest.mark.slow
 def test_default_verifier_and_chitchat_through_dvc_repro(tmp_path: Path):
     repo = make_pipeline_repo(tmp_path / "repo", {"prepare": {"max_conversations": 16, "max_len": 256},
-                                                  "extract": {"batch_tokens": 256}})
+                                                  "extract": {"batch_tokens": 256},
+                                                  "train": {"steps": 4, "eval_every": 2, "total_seq_len": 512}})
 
     first = dvc(["repro", *STAGES], repo)
     for stage in STAGES:
@@ -60,6 +61,13 @@ def test_default_verifier_and_chitchat_through_dvc_repro(tmp_path: Path):
     assert data["vocab_coverage_train"] == 1.0  # 16 short chats have far fewer than 8192 distinct tokens
     assert 0.5 < data["vocab_coverage_val"] <= 1.0
     assert (repo / "data/vocab/d2t-8192.npy").is_file() and (repo / "data/vocab/t2d-8192.npy").is_file()
+    train = json.loads((repo / "metrics/train.json").read_text())
+    assert train["steps"] == 4 and len(train["val_acc"]) == 3 and train["tau_sim"] >= 1.0
+    draft = json.loads((repo / "models/draft/config.json").read_text())
+    assert draft["speculators_config"]["verifier"]["name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert draft["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27] and draft["draft_vocab_size"] == 8192
+    shown = dvc(["metrics", "show", "--json"], repo).stdout
+    assert '"tau_sim"' in shown and '"vocab_coverage_val"' in shown and '"bytes_per_token"' in shown
 
     second = dvc(["repro"], repo)
     assert_all_skipped(second.stdout)
@@ -91,6 +99,7 @@ def test_own_verifier_and_conversations(tmp_path: Path, tiny_verifier_dir: Path)
         "verifier": {"model": str(tiny_verifier_dir)},
         "prepare": {"source": ["data/conversations/chats.jsonl"], "max_conversations": None, "val_fraction": 0.25},
         "convert": {"draft_vocab_size": 64},
+        "train": {"steps": 2, "eval_every": 1, "total_seq_len": 256},
     })
     chat = [{"from": "human", "value": "hello there"}, {"from": "gpt", "value": "I am fine thanks"}]
     write_jsonl(repo / "data/conversations/chats.jsonl", [{"conversations": chat}] * 8)

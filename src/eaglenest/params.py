@@ -185,6 +185,38 @@ class ConvertParams(StrictModel):
     workers: int = Field(default=2, ge=1, description="Threads reading hidden-state files during validation.")
 
 
+class TrainParams(StrictModel):
+    """``train:`` — the EAGLE-3 draft (speculators' Eagle3DraftModel), trained with training-time test."""
+
+    num_layers: int = Field(default=1, ge=1, description="Draft decoder layers.")
+    ttt_steps: int = Field(
+        default=3, ge=1, description="Training-time-test unroll depth; also the draft's speculative_tokens."
+    )
+    ttt_step_loss_decay: float = Field(default=1.0, gt=0.0, description="Loss weight factor per TTT step.")
+    total_seq_len: int = Field(
+        default=2048, ge=16, description="Tokens per packed training batch (rows are packed, never split)."
+    )
+    steps: int = Field(default=200, ge=1, description="Optimizer steps.")
+    lr: float = Field(default=1e-3, gt=0.0, le=1.0, description="Peak AdamW learning rate.")
+    weight_decay: float = Field(default=0.0, ge=0.0, description="AdamW weight decay.")
+    warmup_steps: int = Field(default=10, ge=0, description="Linear warm-up steps before the cosine decay.")
+    min_lr_ratio: float = Field(default=0.1, ge=0.0, le=1.0, description="Cosine decay floor, as a fraction of lr.")
+    grad_clip: float = Field(default=1.0, ge=0.0, description="Max gradient norm; 0 turns clipping off.")
+    eval_every: int = Field(default=50, ge=1, description="Validate every this many steps (and at the end).")
+    checkpoint_every: int = Field(default=50, ge=1, description="Save a resumable checkpoint every this many steps.")
+    seed: int = Field(default=0, description="Seed of weights init, data order and everything random.")
+    attention: Literal["auto", "sdpa", "eager", "simple_flex_attention"] = Field(
+        default="auto", description="Draft attention: auto is sdpa on CPU, simple_flex_attention on GPU."
+    )
+    loss: str = Field(default="kl_div", min_length=1, description="speculators loss name (kl_div, ce, tv, ...).")
+    device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto: CUDA when present.")
+    norm_before_residual: bool = Field(default=True, description="Written explicitly into the draft config.")
+    verifier_name: str | None = Field(
+        default=None,
+        description="Verifier name recorded in the draft (what a server is given); null uses verifier.name.",
+    )
+
+
 class Params(StrictModel):
     """The whole params.yaml: one section per stage."""
 
@@ -192,6 +224,7 @@ class Params(StrictModel):
     prepare: PrepareParams = Field(default_factory=PrepareParams, description="The prepare stage.")
     extract: ExtractParams = Field(default_factory=ExtractParams, description="The extract stage.")
     convert: ConvertParams = Field(default_factory=ConvertParams, description="The convert stage.")
+    train: TrainParams = Field(default_factory=TrainParams, description="The train stage.")
 
 
 def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str] | None:

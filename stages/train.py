@@ -1,0 +1,36 @@
+"""DVC stage `train`: the EAGLE-3 draft, trained with training-time test, logged with dvclive, resumable."""
+
+import argparse
+from pathlib import Path
+
+from _guard import require_stage_environment
+
+require_stage_environment("train")
+
+from eaglenest.params import load_params  # noqa: E402
+from eaglenest.stage import run_stage, stage_parser  # noqa: E402
+from eaglenest.train import TrainInputs, train_draft  # noqa: E402
+
+
+def main(args: argparse.Namespace) -> None:
+    params = load_params(args.params).train
+    train_draft(params, TrainInputs(
+        verifier=Path(args.verifier), prepared=Path(args.prepared), hidden_states=Path(args.hidden_states),
+        vocab=Path(args.vocab), out=Path(args.out), metrics=Path(args.metrics), live_dir=Path(args.live),
+    ))
+
+
+def parser() -> argparse.ArgumentParser:
+    return stage_parser(__doc__, {
+        "verifier": "the verifier stage's output folder",
+        "prepared": "the prepare stage's dataset folder",
+        "hidden-states": "the extract stage's folder",
+        "vocab": "the convert stage's vocabulary folder",
+        "out": "the draft checkpoint folder (models/draft)",
+        "metrics": "metrics JSON (metrics/train.json)",
+        "live": "dvclive folder (dvclive/train)",
+    })
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_stage("train", main, parser()))

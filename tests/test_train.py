@@ -1,0 +1,149 @@
+"""train: a tiny verifier's draft learns on CPU, saves a speculators checkpoint, resumes exactly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import eaglenest.train as train_module
+from eaglenest.convert import convert
+from eaglenest.errors import EaglenestError, ParamsError
+from eaglenest.extract import extract_hidden_states
+from eaglenest.params import ConvertParams, ExtractParams, TrainParams, parse_params
+from eaglenest.train import TrainInputs, pack_batches, tau_from_conditional, train_draft
+
+from .test_extract import pipeline_until_prepare
+
+FAST = {"total_seq_len": 256, "lr": 3e-3, "warmup_steps": 2}
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory, tiny_verifier_dir: Path) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("train")
+    verifier_dir, prepared = pipeline_until_prepare(root, tiny_verifier_dir, rows=40)
+    hs = root / "hs"
+    extract_hidden_states(ExtractParams(), verifier_dir, prepared, hs, root / "extract.json")
+    convert(ConvertParams(draft_vocab_size=64), "bfloat16", verifier_dir, prepared, hs, root / "vocab",
+            root / "data.json")
+    return {"verifier": verifier_dir, "prepared": prepared, "hs": hs, "vocab": root / "vocab",
+            "model": tiny_verifier_dir}
+
+
+def inputs_in(paths: dict[str, Path], out: Path) -> TrainInputs:
+    return TrainInputs(verifier=paths["verifier"], prepared=paths["prepared"], hidden_states=paths["hs"],
+                       vocab=paths["vocab"], out=out / "draft", metrics=out / "train.json",
+                       live_dir=out / "dvclive", checkpoints=out / "checkpoints")
+
+
+def read_tsv(path: Path) -> list[tuple[int, float]]:
+    rows = path.read_text().splitlines()[1:]
+    return [(int(r.split("\t")[0]), float(r.split("\t")[1])) for r in rows]
+
+
+def test_draft_learns_and_saves_a_speculators_checkpoint(converted: dict[str, Path], tmp_path: Path):
+    params = TrainParams(steps=20, eval_every=10, verifier_name=str(converted["model"]), **FAST)
+    metrics = train_draft(params, inputs_in(converted, tmp_path))
+
+    # Accuracy of the first TTT step rises clearly above the untrained draft's.
+    acc = read_tsv(tmp_path / "dvclive/plots/metrics/val/acc_0.tsv")
+    assert [step for step, _ in acc] == [0, 10, 20]
+    assert acc[-1][1] > acc[0][1] + 0.1, acc
+    assert len(read_tsv(tmp_path / "dvclive/plots/metrics/train/loss.tsv")) == 20
+    assert metrics["steps"] == 20 and len(metrics["val_acc"]) == 3
+    assert metrics["tau_sim"] == pytest.approx(tau_from_conditional(metrics["val_cond_acc"]), abs=1e-3)
+    assert json.loads((tmp_path / "train.json").read_text()) == metrics
+
+    config = json.loads((tmp_path / "draft/config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3"
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    assert config["norm_before_residual"] is True
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
+    assert config["draft_vocab_size"] == 64
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str(converted["model"])
+    weights = load_file(tmp_path / "draft/model.safetensors")
+    assert weights["d2t"].shape == (64,) and weights["t2d"].shape == (300,)
+    assert "verifier_lm_head.weight" not in weights
+
+    from speculators import SpeculatorModel
+
+    loaded = SpeculatorModel.from_pretrained(str(tmp_path / "draft"))
+    assert type(loaded).__name__ == "Eagle3DraftModel"
+    assert torch.equal(loaded.state_dict()["fc.weight"], weights["fc.weight"])
+    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
+
+
+def test_resume_after_a_kill_matches_an_uninterrupted_run(converted: dict[str, Path], tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch):
+    params = TrainParams(steps=12, eval_every=6, checkpoint_every=4, **FAST)
+    reference = train_draft(params, inputs_in(converted, tmp_path / "a"))
+
+    original = train_module._save_checkpoint
+
+    def save_then_die(path, model, optimizer, scheduler, step):
+        original(path, model, optimizer, scheduler, step)
+        if step == 8:
+            raise KeyboardInterrupt  # as if killed right after the step-8 checkpoint
+
+    monkeypatch.setattr(train_module, "_save_checkpoint", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        train_draft(params, inputs_in(converted, tmp_path / "b"))
+    monkeypatch.setattr(train_module, "_save_checkpoint", original)
+    resumed = train_draft(params, inputs_in(converted, tmp_path / "b"))
+
+    assert resumed["resumed_from_step"] == 8 and resumed["steps_this_run"] == 4
+    a = load_file(tmp_path / "a/draft/model.safetensors")
+    b = load_file(tmp_path / "b/draft/model.safetensors")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6)
+    assert resumed["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-5)
+    loss_steps = [step for step, _ in read_tsv(tmp_path / "b/dvclive/plots/metrics/train/loss.tsv")]
+    assert loss_steps == list(range(1, 13))  # the history continues without duplicates
+
+
+def test_changed_params_never_resume_a_stale_run(converted: dict[str, Path], tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch):
+    original = train_module._save_checkpoint
+
+    def save_then_die(*args):
+        original(*args)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_module, "_save_checkpoint", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        train_draft(TrainParams(steps=8, checkpoint_every=4, **FAST), inputs_in(converted, tmp_path))
+    monkeypatch.setattr(train_module, "_save_checkpoint", original)
+    changed = {**FAST, "lr": 1e-3}
+    metrics = train_draft(TrainParams(steps=8, checkpoint_every=4, **changed), inputs_in(converted, tmp_path))
+    assert metrics["resumed_from_step"] == 0
+
+
+def test_bad_params_are_refused_before_training(converted: dict[str, Path], tmp_path: Path):
+    with pytest.raises(ParamsError) as info:
+        parse_params({"train": {"ttt_steps": 0, "attention": "flash", "total_seq_len": 8}})
+    text = str(info.value)
+    assert "train.ttt_steps = 0: Input should be greater than or equal to 1" in text
+    assert "train.attention = 'flash': Input should be 'auto', 'sdpa', 'eager' or 'simple_flex_attention'" in text
+    assert "train.total_seq_len = 8" in text
+    with pytest.raises(EaglenestError, match=r"train.total_seq_len = 16 is shorter than prepared row \d+ "
+                                             r"\(\d+ tokens; \d+ rows in all\); raise it to at least \d+"):
+        train_draft(TrainParams(total_seq_len=16), inputs_in(converted, tmp_path))
+    assert not (tmp_path / "draft").exists()
+
+
+def test_packing_is_deterministic_and_bounded():
+    lengths = [10, 20, 30, 40, 50, 60]
+    a = pack_batches(list(range(6)), lengths, 70, seed=1, epoch=0)
+    assert a == pack_batches(list(range(6)), lengths, 70, seed=1, epoch=0)
+    assert a != pack_batches(list(range(6)), lengths, 70, seed=1, epoch=1)
+    assert sorted(sum(a, [])) == list(range(6))
+    assert all(sum(lengths[r] for r in batch) <= 70 for batch in a)
+
+
+def test_tau_from_conditional_accuracies():
+    assert tau_from_conditional([1.0, 1.0, 1.0]) == 4.0
+    assert tau_from_conditional([0.0, 1.0]) == 1.0
+    assert tau_from_conditional([0.5, 0.5]) == pytest.approx(1.75)
