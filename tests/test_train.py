@@ -147,3 +147,56 @@ def test_tau_from_conditional_accuracies():
     assert tau_from_conditional([1.0, 1.0, 1.0]) == 4.0
     assert tau_from_conditional([0.0, 1.0]) == 1.0
     assert tau_from_conditional([0.5, 0.5]) == pytest.approx(1.75)
+
+
+@pytest.mark.slow
+def test_two_cpu_processes_match_one_on_the_same_global_batch(tmp_path: Path, tiny_verifier_dir: Path):
+    """torchrun with 2 gloo processes vs 1 process: same rows per step, same losses and weights."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from eaglenest.params import VerifierParams
+    from eaglenest.prepare import write_prepared
+    from eaglenest.verifier import build_verifier
+
+    from .helpers import REPO, project_env
+
+    # 8 train rows of equal length and loss-token count (different content), 2 validation rows: every step
+    # uses all train rows, as 1 sequence of 192 tokens or as 2 processes x 96.
+    generator = torch.Generator().manual_seed(0)
+    ids = [torch.randint(5, 300, (24,), generator=generator).tolist() for _ in range(10)]
+    masks = [[0] * 8 + [1] * 16 for _ in range(10)]
+    write_prepared(tmp_path / "prepared", ids, masks, train_rows=8, val_prompts=[])
+    build_verifier(VerifierParams(model=str(tiny_verifier_dir), aux_layers=[1, 3, 5]), tmp_path / "verifier")
+    extract_hidden_states(ExtractParams(dtype="float32"), tmp_path / "verifier", tmp_path / "prepared",
+                          tmp_path / "hs", tmp_path / "extract.json")
+    convert(ConvertParams(draft_vocab_size=None), "float32", tmp_path / "verifier", tmp_path / "prepared",
+            tmp_path / "hs", tmp_path / "vocab", tmp_path / "data.json")
+    results = {}
+    for nproc, seq_len in ((1, 192), (2, 96)):
+        run = tmp_path / f"run{nproc}"
+        run.mkdir()
+        train = {"steps": 3, "eval_every": 3, "total_seq_len": seq_len, "lr": 3e-3, "warmup_steps": 0,
+                 "nproc": nproc}
+        (run / "params.yaml").write_text(yaml.safe_dump({"train": train, "extract": {"dtype": "float32"}}))
+        result = subprocess.run(
+            [sys.executable, str(REPO / "stages/train.py"), "--params", "params.yaml",
+             "--verifier", str(tmp_path / "verifier"), "--prepared", str(tmp_path / "prepared"),
+             "--hidden-states", str(tmp_path / "hs"), "--vocab", str(tmp_path / "vocab"), "--out", "draft",
+             "--metrics", "train.json", "--live", "dvclive"],
+            cwd=run, env=project_env(), capture_output=True, text=True, timeout=600,
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+        results[nproc] = json.loads((run / "train.json").read_text())
+        assert results[nproc]["processes"] == nproc
+    one = read_tsv(tmp_path / "run1/dvclive/plots/metrics/train/loss.tsv")
+    two = read_tsv(tmp_path / "run2/dvclive/plots/metrics/train/loss.tsv")
+    assert [s for s, _ in one] == [s for s, _ in two] == [1, 2, 3]
+    for (_, a), (_, b) in zip(one, two, strict=True):
+        assert a == pytest.approx(b, rel=1e-4)
+    a = load_file(tmp_path / "run1/draft/model.safetensors")
+    b = load_file(tmp_path / "run2/draft/model.safetensors")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5)

@@ -210,6 +210,10 @@ class TrainParams(StrictModel):
     )
     loss: str = Field(default="kl_div", min_length=1, description="speculators loss name (kl_div, ce, tv, ...).")
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto: CUDA when present.")
+    nproc: int = Field(
+        default=1, ge=1,
+        description="Processes for DDP (gloo on CPU, NCCL on GPU); the stage starts torchrun itself when > 1.",
+    )
     norm_before_residual: bool = Field(default=True, description="Written explicitly into the draft config.")
     verifier_name: str | None = Field(
         default=None,

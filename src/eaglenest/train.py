@@ -19,8 +19,11 @@ import hashlib
 import json
 import logging
 import math
+import os
 import random
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -144,6 +147,59 @@ def run_fingerprint(params: TrainParams, verifier: VerifierInfo, inputs: TrainIn
     return digest.hexdigest()[:24]
 
 
+@dataclass(frozen=True)
+class Distributed:
+    """This process's place in a torchrun job (rank 0 of 1 when not distributed)."""
+
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            torch.distributed.barrier()
+
+    def mean(self, value: float) -> float:
+        """The mean of ``value`` over all processes."""
+        if self.world_size == 1:
+            return value
+        tensor = torch.tensor([value], dtype=torch.float64)
+        torch.distributed.all_reduce(tensor)
+        return float(tensor.item()) / self.world_size
+
+    def sum(self, value: float) -> float:
+        if self.world_size == 1:
+            return value
+        tensor = torch.tensor([value], dtype=torch.float64)
+        torch.distributed.all_reduce(tensor)
+        return float(tensor.item())
+
+
+def init_distributed(device: torch.device) -> tuple[Distributed, torch.device]:
+    """Joins the torchrun job if there is one (gloo on CPU, NCCL on GPU)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        return Distributed(), device
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(backend)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    return Distributed(torch.distributed.get_rank(), world_size), device
+
+
+def relaunch_with_torchrun(nproc: int, script: str, argv: list[str]) -> int:
+    """Runs ``script argv`` under torchrun with ``nproc`` processes on this machine; returns its exit code."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               script, *argv]
+    log.info("starting %d training processes: %s", nproc, " ".join(command))
+    return subprocess.call(command)
+
+
 def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
@@ -206,7 +262,7 @@ def train_draft(params: TrainParams, inputs: TrainInputs) -> dict[str, Any]:
             f"({lengths[too_long[0]]} tokens; {len(too_long)} rows in all); raise it to at least "
             f"{max(lengths)} or lower prepare.max_len"
         )
-    device = pick_device(params.device)
+    dist, device = init_distributed(pick_device(params.device))
     attention = params.attention if params.attention != "auto" else (
         "simple_flex_attention" if device.type == "cuda" else "sdpa")
     loss_config = resolve_loss_config(params.loss, "fused" if device.type == "cuda" else "eager")
@@ -219,13 +275,12 @@ def train_draft(params: TrainParams, inputs: TrainInputs) -> dict[str, Any]:
             "cpu", enabled=False)
 
     split = load_split(inputs.prepared)
-    transfer = FileTransfer(inputs.hidden_states)
-    # One dataset over all rows (train_ratio=1.0): row i is file hs_i; the split is by row lists from convert.
-    dataset = ArrowDataset(max_len=params.total_seq_len, datapath=inputs.prepared, transfer=transfer,
-                           on_missing="raise", hidden_states_dtype=hs_dtype)
-    n_aux = len(verifier.aux_layers)
-    collate = CollateFn(max_len=params.total_seq_len, hidden_size=verifier.hidden_size, num_target_layers=n_aux,
-                        dtype=hs_dtype)
+    # One dataset over all rows (row i is file hs_i); train/val come from convert's row lists.
+    dataset = ArrowDataset(max_len=params.total_seq_len, datapath=inputs.prepared,
+                           transfer=FileTransfer(inputs.hidden_states), on_missing="raise",
+                           hidden_states_dtype=hs_dtype)
+    collate = CollateFn(max_len=params.total_seq_len, hidden_size=verifier.hidden_size,
+                        num_target_layers=len(verifier.aux_layers), dtype=hs_dtype)
     model = build_draft(verifier, model_dir, params, vocab["draft_vocab_size"], d2t, t2d, attention).to(device)
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -233,40 +288,47 @@ def train_draft(params: TrainParams, inputs: TrainInputs) -> dict[str, Any]:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(params))
 
     fingerprint = run_fingerprint(params, verifier, inputs)
-    checkpoint_dir = inputs.checkpoints / fingerprint
-    checkpoint_path = checkpoint_dir / CHECKPOINT_FILE
-    start_step = 0
-    torch.manual_seed(params.seed)
-    if checkpoint_path.is_file():
-        state = torch.load(checkpoint_path, map_location="cpu", weights_only=True)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["rng"])
-        start_step = int(state["step"])
-        log.info("resuming run %s from step %d (%s)", fingerprint, start_step, checkpoint_path)
-    elif inputs.live_dir.exists():
-        shutil.rmtree(inputs.live_dir)
-    if start_step:
-        _trim_live_history(inputs.live_dir, start_step)
+    checkpoint_path = inputs.checkpoints / fingerprint / CHECKPOINT_FILE
+    start_step = _resume(checkpoint_path, model, optimizer, scheduler, params.seed)
+    if dist.is_main:
+        if start_step:
+            log.info("resuming run %s from step %d (%s)", fingerprint, start_step, checkpoint_path)
+            _trim_live_history(inputs.live_dir, start_step)
+        elif inputs.live_dir.exists():
+            shutil.rmtree(inputs.live_dir)
+    dist.barrier()
+    # Each process packs its own share of the rows; the global batch is world_size packed sequences.
     val_batches = pack_batches(rows["val"], lengths, params.total_seq_len, params.seed, epoch=0)
-    train_batches = PackedBatches(rows["train"], lengths, params.total_seq_len, params.seed).from_step(start_step)
+    my_rows = rows["train"][dist.rank :: dist.world_size]
+    train_batches = PackedBatches(my_rows, lengths, params.total_seq_len, params.seed).from_step(start_step)
+    network = (torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda"
+                                                         else None) if dist.world_size > 1 else model)
 
-    live = Live(dir=str(inputs.live_dir), dvcyaml=False, save_dvc_exp=False, resume=start_step > 0, report=None)
     # dvclive step s holds what was measured after s optimizer steps (step 0: the untrained draft).
-    live.step = start_step
-    def log_evaluation(result: dict[str, Any]) -> None:
-        live.log_metric("val/loss", result["val_loss"])
-        for i, (full, cond) in enumerate(zip(result["val_acc"], result["val_cond_acc"], strict=True)):
-            live.log_metric(f"val/acc_{i}", full)
-            live.log_metric(f"val/cond_acc_{i}", cond)
-        live.log_metric("val/tau_sim", result["tau_sim"])
+    live = (Live(dir=str(inputs.live_dir), dvcyaml=False, save_dvc_exp=False, resume=start_step > 0, report=None)
+            if dist.is_main else None)
+
+    def validate(step: int) -> dict[str, Any]:
+        """Rank 0 validates on the unwrapped model (no collectives); the others wait."""
+        result: dict[str, Any] = {}
+        if live is not None:
+            result = evaluate_draft(model, dataset, collate, val_batches, device, forward_kwargs,
+                                    params.ttt_steps, autocast)
+            live.step = step
+            live.log_metric("val/loss", result["val_loss"])
+            for i, (full, cond) in enumerate(zip(result["val_acc"], result["val_cond_acc"], strict=True)):
+                live.log_metric(f"val/acc_{i}", full)
+                live.log_metric(f"val/cond_acc_{i}", cond)
+            live.log_metric("val/tau_sim", result["tau_sim"])
+            log.info("step %d: val loss %.4f, acc %s, tau_sim %.3f", step, result["val_loss"],
+                     [round(a, 3) for a in result["val_acc"]], result["tau_sim"])
+        dist.barrier()
+        return result
 
     if start_step == 0:  # the curves start at the untrained draft, so progress shows
-        log_evaluation(evaluate_draft(model, dataset, collate, val_batches, device, forward_kwargs,
-                                      params.ttt_steps, autocast))
+        validate(0)
     started = time.perf_counter()
-    trained_tokens = 0
+    trained_tokens = 0.0
     train_loss = float("nan")
     evaluation: dict[str, Any] = {}
     for step in range(start_step, params.steps):
@@ -274,55 +336,70 @@ def train_draft(params: TrainParams, inputs: TrainInputs) -> dict[str, Any]:
         batch_rows = next(train_batches)
         batch = _to_device(collate([dataset[i] for i in batch_rows]), device)
         with autocast():
-            _, loss, _ = model(**batch, **forward_kwargs)
-        loss.backward()
+            _, loss, _ = network(**batch, **forward_kwargs)
+        loss.backward()  # DDP averages the gradients over processes here
         if params.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(trainable, params.grad_clip)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        tokens = sum(lengths[r] for r in batch_rows)
-        trained_tokens += tokens
-        train_loss = loss.item()
         done = step + 1
-        live.step = done
+        tokens = dist.sum(sum(lengths[r] for r in batch_rows))
+        trained_tokens += tokens
+        train_loss = dist.mean(loss.item())
         if not math.isfinite(train_loss):
-            raise EaglenestError(f"training loss became {train_loss} at step {step + 1}; lower train.lr ({params.lr})")
-        live.log_metric("train/loss", train_loss)
-        live.log_metric("train/lr", scheduler.get_last_lr()[0])
-        live.log_metric("train/tokens_per_s", tokens / (time.perf_counter() - step_started))
+            raise EaglenestError(f"training loss became {train_loss} at step {done}; lower train.lr ({params.lr})")
+        if live is not None:
+            live.step = done
+            live.log_metric("train/loss", train_loss)
+            live.log_metric("train/lr", scheduler.get_last_lr()[0])
+            live.log_metric("train/tokens_per_s", tokens / (time.perf_counter() - step_started))
         if done % params.eval_every == 0 or done == params.steps:
-            evaluation = evaluate_draft(model, dataset, collate, val_batches, device, forward_kwargs,
-                                        params.ttt_steps, autocast)
-            log_evaluation(evaluation)
-            log.info("step %d: train loss %.4f, val loss %.4f, acc %s, tau_sim %.3f", done, train_loss,
-                     evaluation["val_loss"], [round(a, 3) for a in evaluation["val_acc"]], evaluation["tau_sim"])
+            evaluation = validate(done)
         if done % params.checkpoint_every == 0 and done < params.steps:
-            _save_checkpoint(checkpoint_path, model, optimizer, scheduler, done)
+            if dist.is_main:
+                _save_checkpoint(checkpoint_path, model, optimizer, scheduler, done)
+            dist.barrier()
     seconds = time.perf_counter() - started
-    live.end()
 
-    verifier_name = params.verifier_name or verifier.name
-    save_draft(model, inputs.out, verifier_name)
-    metrics = {
-        "steps": params.steps,
-        "steps_this_run": params.steps - start_step,
-        "resumed_from_step": start_step,
-        "train_loss": round(train_loss, 6),
-        "val_loss": round(evaluation["val_loss"], 6),
-        "val_acc": [round(a, 6) for a in evaluation["val_acc"]],
-        "val_cond_acc": [round(a, 6) for a in evaluation["val_cond_acc"]],
-        "tau_sim": round(evaluation["tau_sim"], 4),
-        "tokens_per_s": round(trained_tokens / seconds, 1) if trained_tokens else None,
-        "seconds": round(seconds, 3),
-        "device": device.type,
-        "train_rows": len(rows["train"]),
-        "val_rows": len(rows["val"]),
-        "split_train_rows": split["train_rows"],
-    }
-    atomic_write_json(inputs.metrics, metrics)
-    shutil.rmtree(checkpoint_dir, ignore_errors=True)  # finished: the draft itself is the result
+    metrics: dict[str, Any] = {}
+    if live is not None:
+        live.end()
+        save_draft(model, inputs.out, params.verifier_name or verifier.name)
+        metrics = {
+            "steps": params.steps,
+            "steps_this_run": params.steps - start_step,
+            "resumed_from_step": start_step,
+            "train_loss": round(train_loss, 6),
+            "val_loss": round(evaluation["val_loss"], 6),
+            "val_acc": [round(a, 6) for a in evaluation["val_acc"]],
+            "val_cond_acc": [round(a, 6) for a in evaluation["val_cond_acc"]],
+            "tau_sim": round(evaluation["tau_sim"], 4),
+            "tokens_per_s": round(trained_tokens / seconds, 1) if trained_tokens else None,
+            "seconds": round(seconds, 3),
+            "device": device.type,
+            "processes": dist.world_size,
+            "train_rows": len(rows["train"]),
+            "val_rows": len(rows["val"]),
+            "split_train_rows": split["train_rows"],
+        }
+        atomic_write_json(inputs.metrics, metrics)
+        shutil.rmtree(checkpoint_path.parent, ignore_errors=True)  # finished: the draft itself is the result
+    dist.barrier()
     return metrics
+
+
+def _resume(checkpoint_path: Path, model: Any, optimizer: Any, scheduler: Any, seed: int) -> int:
+    """Loads a checkpoint if this run has one; returns the step to continue from (0: a fresh start)."""
+    torch.manual_seed(seed)
+    if not checkpoint_path.is_file():
+        return 0
+    state = torch.load(checkpoint_path, map_location="cpu", weights_only=True)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["rng"])
+    return int(state["step"])
 
 
 def _save_checkpoint(path: Path, model: Any, optimizer: Any, scheduler: Any, step: int) -> None:
