@@ -35,10 +35,9 @@ def main() -> None:
     if args.total_seq_len:
         updates["total_seq_len"] = args.total_seq_len
     params = params.model_copy(update=updates)
+    from hs_connectors import FileTransfer
     from speculators.losses import resolve_loss_config
     from speculators.train.data import ArrowDataset, CollateFn
-
-    from hs_connectors import FileTransfer
 
     verifier, model_dir = load_verifier_info(Path("models/verifier"))
     vocab, d2t, t2d = load_vocab(Path("data/vocab"))
