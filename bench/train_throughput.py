@@ -37,6 +37,7 @@ def main() -> None:
     params = params.model_copy(update=updates)
     from hs_connectors import FileTransfer
     from speculators.losses import resolve_loss_config
+    from speculators.models.eagle3.data import shift_batch
     from speculators.train.data import ArrowDataset, CollateFn
 
     verifier, model_dir = load_verifier_info(Path("models/verifier"))
@@ -51,7 +52,8 @@ def main() -> None:
                            transfer=FileTransfer(Path("data/hidden_states")), on_missing="raise",
                            hidden_states_dtype=torch.float32)
     collate = CollateFn(max_len=params.total_seq_len, hidden_size=verifier.hidden_size,
-                        num_target_layers=len(verifier.aux_layers), dtype=torch.float32)
+                        num_target_layers=len(verifier.aux_layers), dtype=torch.float32,
+                        preprocess=shift_batch)
     collated = [collate([dataset[i] for i in b]) for b in batches]
     model = build_draft(verifier, model_dir, params, vocab["draft_vocab_size"], d2t, t2d, "sdpa")
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=params.lr)

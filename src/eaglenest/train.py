@@ -3,7 +3,10 @@
 The loop is ours so that it runs on a CPU as well as a GPU: device picked automatically, fp32 on CPU and
 bf16 autocast on GPU, ``sdpa`` draft attention and the eager loss on CPU (speculators' fused losses need
 Triton). Data comes through speculators' ``ArrowDataset`` + ``FileTransfer`` over ``data/hidden_states``
-and its ``CollateFn``, which packs rows into one ``[1, total_seq_len]`` sequence per step.
+and its ``CollateFn``, which packs rows into one ``[1, total_seq_len]`` sequence per step, after
+speculators' ``shift_batch``: position t pairs the verifier's aux hidden states g_t with the *next* token
+x_{t+1}, and the target is the verifier's distribution at t+1 — the draft predicts x_{t+2}, as it will when
+serving.
 
 Resume: every ``train.checkpoint_every`` steps the model, optimizer, scheduler, RNG state and step are
 saved under ``.eaglenest/train-checkpoints/<fingerprint>/``, outside DVC's outputs (DVC deletes those
@@ -249,6 +252,7 @@ def train_draft(params: TrainParams, inputs: TrainInputs) -> dict[str, Any]:
     from dvclive import Live
     from hs_connectors import FileTransfer
     from speculators.losses import resolve_loss_config
+    from speculators.models.eagle3.data import shift_batch
     from speculators.train.data import ArrowDataset, CollateFn
 
     verifier, model_dir = load_verifier_info(inputs.verifier)
@@ -280,7 +284,7 @@ def train_draft(params: TrainParams, inputs: TrainInputs) -> dict[str, Any]:
                            transfer=FileTransfer(inputs.hidden_states), on_missing="raise",
                            hidden_states_dtype=hs_dtype)
     collate = CollateFn(max_len=params.total_seq_len, hidden_size=verifier.hidden_size,
-                        num_target_layers=len(verifier.aux_layers), dtype=hs_dtype)
+                        num_target_layers=len(verifier.aux_layers), dtype=hs_dtype, preprocess=shift_batch)
     model = build_draft(verifier, model_dir, params, vocab["draft_vocab_size"], d2t, t2d, attention).to(device)
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
