@@ -221,6 +221,29 @@ class TrainParams(StrictModel):
     )
 
 
+class EvaluateParams(StrictModel):
+    """``evaluate:`` — real speculative decoding: acceptance, lossless check, speed-up, n-gram baseline."""
+
+    backend: Literal["hf", "vllm"] = Field(
+        default="hf", description="'hf': the transformers reference (CPU or GPU); 'vllm': vLLM 0.33 (GPU)."
+    )
+    prompts: str | None = Field(
+        default=None,
+        description="A JSONL file of {'messages': [...]} or {'prompt': '...'} records; null uses held-out "
+        "validation conversations (their first user turn).",
+    )
+    num_prompts: int = Field(default=16, ge=1, description="Prompts to decode.")
+    max_new_tokens: int = Field(default=64, ge=1, description="Tokens generated per prompt.")
+    num_speculative_tokens: int | None = Field(
+        default=None, ge=1, description="K, drafts per verify step; null uses the draft's speculative_tokens."
+    )
+    temperature: float = Field(
+        default=0.0, ge=0.0, description="0: greedy, checked lossless; > 0: speculative sampling."
+    )
+    seed: int = Field(default=0, description="Seed for sampling.")
+    gpu_memory_utilization: float = Field(default=0.85, gt=0.0, le=1.0, description="vllm back end only.")
+
+
 class Params(StrictModel):
     """The whole params.yaml: one section per stage."""
 
@@ -229,6 +252,7 @@ class Params(StrictModel):
     extract: ExtractParams = Field(default_factory=ExtractParams, description="The extract stage.")
     convert: ConvertParams = Field(default_factory=ConvertParams, description="The convert stage.")
     train: TrainParams = Field(default_factory=TrainParams, description="The train stage.")
+    evaluate: EvaluateParams = Field(default_factory=EvaluateParams, description="The evaluate stage.")
 
 
 def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str] | None:

@@ -249,11 +249,12 @@ def _trim_live_history(live_dir: Path, start_step: int) -> None:
 def train_draft(params: TrainParams, inputs: TrainInputs) -> dict[str, Any]:
     """The train stage; returns the metrics it writes."""
     from datasets import load_from_disk
-    from dvclive import Live
     from hs_connectors import FileTransfer
     from speculators.losses import resolve_loss_config
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.data import ArrowDataset, CollateFn
+
+    from dvclive import Live
 
     verifier, model_dir = load_verifier_info(inputs.verifier)
     vocab, d2t, t2d = load_vocab(inputs.vocab)
