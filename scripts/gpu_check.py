@@ -1,11 +1,13 @@
-"""GPU check (one GPU, after `pip install -e '.[vllm]'`): hf and vllm extraction agree layer by layer.
+"""GPU check (one GPU, after `pip install -e '.[vllm]'`): hf and vllm back ends agree.
 
     bash scripts/gpu_check.sh            # or: python scripts/gpu_check.py --rows 32 --work /tmp/gpu-check
 
 Builds the default verifier (SmolLM2-135M-Instruct), prepares ``--rows`` chitchat conversations, extracts
 their hidden states with both back ends in bf16, and compares every layer slot of every row. Prints one
 line per layer slot (cosine similarity, relative mean abs difference) and exits non-zero if any slot is
-outside the bf16 tolerance. Budget: well under 10 minutes, most of it vLLM's start-up.
+outside the bf16 tolerance. Then trains a short draft on the GPU and evaluates it with both back ends
+(transformers reference and vLLM's own EAGLE-3 with its spec-decode counters), printing both metric sets.
+Budget: under 10 minutes, most of it vLLM's start-ups.
 """
 
 from __future__ import annotations
@@ -19,10 +21,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from eaglenest.convert import convert
+from eaglenest.evaluate import evaluate
 from eaglenest.extract import extract_hidden_states
 from eaglenest.hidden_states import hs_path
-from eaglenest.params import ExtractParams, PrepareParams, VerifierParams
+from eaglenest.params import ConvertParams, EvaluateParams, ExtractParams, PrepareParams, TrainParams, VerifierParams
 from eaglenest.prepare import end_of_turn_ids, prepare_dataset
+from eaglenest.train import TrainInputs, train_draft
 from eaglenest.verifier import build_verifier, load_tokenizer, load_verifier_info
 
 # bf16 kernels differ between transformers and vLLM (fused norms, attention); these bound honest noise.
@@ -73,6 +78,19 @@ def main() -> int:
         failed |= not ok
         print(f"layer {result['layer']:>3}: min cosine {result['min_cosine']:.5f}, "
               f"relative mean abs diff {result['relative_diff']:.4f} {'ok' if ok else 'FAIL'}")
+    # A short draft trained on the GPU, then evaluated by both back ends on the same prompts.
+    convert(ConvertParams(), "bfloat16", verifier_dir, prepared, args.work / "hs_hf", args.work / "vocab",
+            args.work / "data.json")
+    train_draft(TrainParams(steps=60, eval_every=30, total_seq_len=2048), TrainInputs(
+        verifier=verifier_dir, prepared=prepared, hidden_states=args.work / "hs_hf", vocab=args.work / "vocab",
+        out=args.work / "draft", metrics=args.work / "train.json", live_dir=args.work / "live",
+        checkpoints=args.work / "ck"))
+    for backend in ("hf", "vllm"):
+        params = EvaluateParams(backend=backend, num_prompts=8, max_new_tokens=64, prompts=None)
+        metrics = evaluate(params, verifier_dir, prepared, args.work / "draft", args.work / f"eval_{backend}.json",
+                           args.work / f"eval_plots_{backend}")
+        print(f"evaluate {backend}: {json.dumps(metrics)}")
+        failed |= metrics["lossless_fraction"] < 1.0 if backend == "hf" else metrics["tau"] < 1.0
     print(f"gpu_check: {'FAIL' if failed else 'PASS'} in {time.perf_counter() - started:.0f} s")
     return 1 if failed else 0
 

@@ -16,7 +16,7 @@ from datasets import load_from_disk
 from .conftest import write_jsonl
 from .helpers import VENV_BIN, dvc, make_pipeline_repo, project_env
 
-STAGES = ("verifier", "prepare", "extract", "convert", "train")
+STAGES = ("verifier", "prepare", "extract", "convert", "train", "evaluate")
 
 
 def assert_all_skipped(output: str) -> None:
@@ -29,7 +29,8 @@ def assert_all_skipped(output: str) -> None:
 def test_default_verifier_and_chitchat_through_dvc_repro(tmp_path: Path):
     repo = make_pipeline_repo(tmp_path / "repo", {"prepare": {"max_conversations": 16, "max_len": 256},
                                                   "extract": {"batch_tokens": 256},
-                                                  "train": {"steps": 4, "eval_every": 2, "total_seq_len": 512}})
+                                                  "train": {"steps": 4, "eval_every": 2, "total_seq_len": 512},
+                                                  "evaluate": {"num_prompts": 2, "max_new_tokens": 8}})
 
     first = dvc(["repro", *STAGES], repo)
     for stage in STAGES:
@@ -66,6 +67,11 @@ def test_default_verifier_and_chitchat_through_dvc_repro(tmp_path: Path):
     draft = json.loads((repo / "models/draft/config.json").read_text())
     assert draft["speculators_config"]["verifier"]["name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert draft["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27] and draft["draft_vocab_size"] == 8192
+    evaluation = json.loads((repo / "metrics/eval.json").read_text())
+    assert evaluation["lossless_fraction"] == 1.0 and evaluation["num_prompts"] == 2
+    assert 1.0 <= evaluation["tau"] <= 4.0 and len(evaluation["per_position_acceptance"]) == 3
+    assert evaluation["tokens_per_s_plain"] > 0 and evaluation["speedup"] > 0
+    assert json.loads((repo / "metrics/eval_plots/tau.json").read_text())[0]["drafter"] == "eagle3"
     shown = dvc(["metrics", "show", "--json"], repo).stdout
     assert '"tau_sim"' in shown and '"vocab_coverage_val"' in shown and '"bytes_per_token"' in shown
 
@@ -100,6 +106,7 @@ def test_own_verifier_and_conversations(tmp_path: Path, tiny_verifier_dir: Path)
         "prepare": {"source": ["data/conversations/chats.jsonl"], "max_conversations": None, "val_fraction": 0.25},
         "convert": {"draft_vocab_size": 64},
         "train": {"steps": 2, "eval_every": 1, "total_seq_len": 256},
+        "evaluate": {"num_prompts": 1, "max_new_tokens": 4},
     })
     chat = [{"from": "human", "value": "hello there"}, {"from": "gpt", "value": "I am fine thanks"}]
     write_jsonl(repo / "data/conversations/chats.jsonl", [{"conversations": chat}] * 8)
