@@ -33,6 +33,13 @@ def _import(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    from eaglenest.report import write_report
+
+    print(write_report(Path(args.repo), args.revisions, args.base, Path(args.out)))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="eaglenest", description=__doc__)
@@ -55,6 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
     importer.add_argument("--out", required=True, help="output folder: a dataset with hidden_states/ inside")
     importer.add_argument("--val-fraction", type=float, default=0.05, help="last rows held out for validation")
     importer.set_defaults(func=_import)
+
+    report = commands.add_parser("report", help="Markdown report of metrics and plots (as images) against a base")
+    report.add_argument("revisions", nargs="*", help="git revisions, DVC experiment names or 'workspace' "
+                                                      "(default: workspace)")
+    report.add_argument("--base", default="HEAD", help="the revision to compare against (default: HEAD)")
+    report.add_argument("--out", default="report", help="output folder (report.md and PNG plots)")
+    report.add_argument("--repo", default=".", help="the repository (default: the current folder)")
+    report.set_defaults(func=_report)
     return parser
 
 
