@@ -31,11 +31,12 @@ demo: setup
 	dvc repro
 	@dvc metrics show
 
+# The tests run with outbound network blocked (scripts/offline.sh): nothing may need a model hub.
 test: setup
-	$(PY) -m pytest -q
+	scripts/offline.sh $(PY) -m pytest -q
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow"
+	scripts/offline.sh $(PY) -m pytest -q -m "not slow"
 
 lint: setup
 	$(VENV)/bin/ruff check .

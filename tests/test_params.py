@@ -92,3 +92,9 @@ def test_aux_layers_checked_against_layer_count(aux, explicit, message):
 
 def test_aux_layers_sorted():
     assert check_aux_layers([20, 3, 10], 30, explicit=True) == [3, 10, 20]
+
+
+def test_a_bad_combination_is_reported_next_to_an_unrelated_bad_value():
+    text = "\n".join(problems({"extract": {"rank": 5, "batch_tokens": "x"}}))
+    assert "extract.batch_tokens = 'x': Input should be a valid integer" in text
+    assert "extract.rank = 5 must be < extract.world_size = 1" in text

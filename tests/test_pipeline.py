@@ -72,6 +72,8 @@ def test_default_verifier_and_chitchat_through_dvc_repro(tmp_path: Path):
     assert 1.0 <= evaluation["tau"] <= 4.0 and len(evaluation["per_position_acceptance"]) == 3
     assert evaluation["tokens_per_s_plain"] > 0 and evaluation["speedup"] > 0
     assert json.loads((repo / "metrics/eval_plots/tau.json").read_text())[0]["drafter"] == "eagle3"
+    assert evaluation["acceptance_pos_1"] == evaluation["per_position_acceptance"][0]
+    assert train["val_acc_2"] == train["val_acc"][2]
     shown = dvc(["metrics", "show", "--json"], repo).stdout
     assert '"tau_sim"' in shown and '"vocab_coverage_val"' in shown and '"bytes_per_token"' in shown
 

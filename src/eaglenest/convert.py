@@ -198,6 +198,21 @@ def load_vocab(vocab_dir: Path) -> tuple[dict[str, Any], torch.Tensor | None, to
     if vocab["full_vocabulary"]:
         return vocab, None, None
     size = vocab["draft_vocab_size"]
-    d2t = torch.from_numpy(np.load(vocab_dir / f"d2t-{size}.npy", allow_pickle=False))
-    t2d = torch.from_numpy(np.load(vocab_dir / f"t2d-{size}.npy", allow_pickle=False))
+    d2t = _load_npy(vocab_dir / f"d2t-{size}.npy", np.int64, (size,))
+    t2d = _load_npy(vocab_dir / f"t2d-{size}.npy", np.bool_, (vocab["verifier_vocab_size"],))
+    if int(t2d.sum()) != size or not torch.equal(torch.nonzero(t2d).flatten(), torch.arange(size) + d2t):
+        raise InputFileError(f"{vocab_dir}: d2t-{size}.npy and t2d-{size}.npy disagree (target = i + d2t[i])")
     return vocab, d2t, t2d
+
+
+def _load_npy(path: Path, dtype: Any, shape: tuple[int, ...]) -> torch.Tensor:
+    """A vocabulary array, checked: never unpickled, expected dtype and shape."""
+    try:
+        array = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise InputFileError(f"{path}: missing; run `dvc repro convert`") from None
+    except (OSError, ValueError, EOFError) as err:
+        raise InputFileError(f"{path}: not a readable .npy file ({err})") from None
+    if array.dtype != dtype or array.shape != shape:
+        raise InputFileError(f"{path}: {array.dtype} {list(array.shape)}, expected {np.dtype(dtype)} {list(shape)}")
+    return torch.from_numpy(array)

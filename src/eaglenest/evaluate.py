@@ -78,12 +78,42 @@ def load_draft(draft_dir: Path, model_dir: Path) -> Any:
         raise EaglenestError(f"{draft_dir}: not a readable speculators checkpoint: {err}") from None
     config.speculators_config.verifier.name_or_path = str(model_dir)
     config.transformer_layer_config._attn_implementation = "sdpa"  # noqa: SLF001 (explicit masks below)
+    _check_draft_weights(draft_dir, Eagle3DraftModel(config))
     model = Eagle3DraftModel.from_pretrained(str(draft_dir), config=config)
     model.load_verifier_weights()  # fills anything the checkpoint leaves out (NaN-initialised otherwise)
     for name in ("embed_tokens.weight", "lm_head.weight", "fc.weight"):
         if not torch.isfinite(model.state_dict()[name]).all():
             raise EaglenestError(f"{draft_dir}: {name} was not loaded (non-finite values)")
     return model.float().eval()
+
+
+def _check_draft_weights(draft_dir: Path, expected_model: Any) -> None:
+    """Every tensor the draft needs is in the checkpoint with its shape.
+
+    speculators' from_pretrained leaves a missing or renamed weight at its random initial value without a
+    word, so the file is checked against the model's own state dict first.
+    """
+    from eaglenest.hidden_states import read_header
+
+    weights = draft_dir / "model.safetensors"
+    try:
+        header = read_header(weights)
+    except FileNotFoundError:
+        raise InputFileError(f"{weights}: missing; run `dvc repro train`") from None
+    except (OSError, ValueError) as err:
+        raise InputFileError(f"{weights}: not a safetensors file: {err}") from None
+    if header.actual_size != header.expected_size:
+        raise InputFileError(f"{weights}: truncated ({header.actual_size} of {header.expected_size} bytes)")
+    skipped = set(getattr(expected_model, "_keys_to_ignore_on_save", None) or [])
+    for name, tensor in expected_model.state_dict().items():
+        if name in skipped:
+            continue
+        if name not in header.tensors:
+            raise InputFileError(f"{weights}: missing tensor {name} {list(tensor.shape)}")
+        if header.tensors[name][1] != list(tensor.shape):
+            raise InputFileError(
+                f"{weights}: tensor {name} has shape {header.tensors[name][1]}, expected {list(tensor.shape)}"
+            )
 
 
 def summarize(k: int, verify_steps: int, accepted: int, per_position: list[int]) -> dict[str, Any]:
@@ -182,7 +212,9 @@ def _hf_generate(model: Any, prompt: list[int], params: EvaluateParams, eos: set
 
 def write_eval_outputs(metrics: dict[str, Any], metrics_path: Path, plots_dir: Path) -> None:
     """metrics/eval.json plus the two plot tables dvc.yaml declares."""
-    atomic_write_json(metrics_path, metrics)
+    # Lists again under flat names (acceptance_pos_1..K): `dvc metrics diff` shows scalars only.
+    flat = {f"acceptance_pos_{i + 1}": rate for i, rate in enumerate(metrics["per_position_acceptance"])}
+    atomic_write_json(metrics_path, {**metrics, **flat})
     acceptance = [
         {"position": i + 1, "drafter": name, "acceptance": rate}
         for name, rates in (("eagle3", metrics["per_position_acceptance"]),

@@ -143,25 +143,34 @@ class ExtractParams(StrictModel):
     rank: int = Field(default=0, ge=0, description="This node's shard of the row range (0..world_size-1).")
     world_size: int = Field(default=1, ge=1, description="Nodes sharing the extraction, each a contiguous shard.")
 
-    @model_validator(mode="after")
-    def _consistent(self) -> ExtractParams:
+    @staticmethod
+    def consistency_problems(values: dict[str, Any]) -> list[str]:
+        """Bad combinations of otherwise valid values, one line each (values of a wrong type are skipped)."""
         problems = []
-        if self.rank >= self.world_size:
-            problems.append(f"extract.rank = {self.rank} must be < extract.world_size = {self.world_size}")
-        if self.backend == "hf" and self.tensor_parallel_size != 1:
+        rank, world_size = values.get("rank"), values.get("world_size")
+        if isinstance(rank, int) and isinstance(world_size, int) and rank >= world_size >= 1:
+            problems.append(f"extract.rank = {rank} must be < extract.world_size = {world_size}")
+        backend, import_path = values.get("backend"), values.get("import_path")
+        tp = values.get("tensor_parallel_size")
+        if backend == "hf" and isinstance(tp, int) and tp > 1:
             problems.append(
-                f"extract.tensor_parallel_size = {self.tensor_parallel_size} needs extract.backend: vllm "
+                f"extract.tensor_parallel_size = {tp} needs extract.backend: vllm "
                 "(the hf back end runs on one device); set it to 1 or switch the back end"
             )
-        if self.backend == "import" and not self.import_path:
+        if backend == "import" and not import_path:
             problems.append("extract.backend: import needs extract.import_path (a folder of hs_{i}.safetensors)")
-        if self.backend != "import" and self.import_path:
+        if backend != "import" and import_path:
             problems.append(
-                f"extract.import_path = {self.import_path!r} is only read by extract.backend: import; "
+                f"extract.import_path = {import_path!r} is only read by extract.backend: import; "
                 "remove it or switch the back end"
             )
-        if self.backend == "vllm" and self.device == "cpu":
+        if backend == "vllm" and values.get("device") == "cpu":
             problems.append("extract.device = 'cpu' cannot be used with extract.backend: vllm (GPU only)")
+        return problems
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ExtractParams:
+        problems = self.consistency_problems(self.model_dump())
         if problems:
             raise ValueError("\n".join(problems))  # one line each in the report
         return self
@@ -267,7 +276,25 @@ def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str] | N
     return list(current.model_fields)
 
 
-def format_validation_error(err: ValidationError, source: str, model: type[BaseModel] = Params) -> str:
+def _cross_field_problems(raw: dict[str, Any]) -> list[str]:
+    """Combination problems of every section, found even when other values failed validation.
+
+    pydantic runs a section's cross-field check only once all its fields are valid, which would hide a
+    bad combination behind an unrelated typo; this reports everything in one go.
+    """
+    problems = []
+    for section, field in Params.model_fields.items():
+        model = field.annotation
+        values = raw.get(section)
+        check = getattr(model, "consistency_problems", None)
+        if check is not None and isinstance(values, dict):
+            defaults = {name: f.get_default(call_default_factory=True) for name, f in model.model_fields.items()}
+            problems += check({**defaults, **values})
+    return problems
+
+
+def format_validation_error(err: ValidationError, source: str, model: type[BaseModel] = Params,
+                            raw: dict[str, Any] | None = None) -> str:
     """Turns a pydantic error into one line per problem: key, value given, what is allowed."""
     lines = []
     for problem in err.errors():
@@ -284,6 +311,7 @@ def format_validation_error(err: ValidationError, source: str, model: type[BaseM
             lines += message.splitlines()
         else:
             lines.append(f"{key} = {value!r}: {message}")
+    lines += [problem for problem in _cross_field_problems(raw or {}) if problem not in lines]
     count = len(lines)
     header = f"{source}: {count} invalid params value{'s' if count > 1 else ''}"
     return header + "\n" + "\n".join(f"  - {line}" for line in lines)
@@ -298,7 +326,7 @@ def parse_params(raw: Any, source: str = "params.yaml") -> Params:
     try:
         return Params.model_validate(raw)
     except ValidationError as err:
-        raise ParamsError(format_validation_error(err, source)) from None
+        raise ParamsError(format_validation_error(err, source, raw=raw)) from None
 
 
 def load_params(path: str | Path = "params.yaml") -> Params:

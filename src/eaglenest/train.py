@@ -341,9 +341,15 @@ def train_draft(params: TrainParams, inputs: TrainInputs) -> dict[str, Any]:
         step_started = time.perf_counter()
         batch_rows = next(train_batches)
         batch = _to_device(collate([dataset[i] for i in batch_rows]), device)
-        with autocast():
-            _, loss, _ = network(**batch, **forward_kwargs)
-        loss.backward()  # DDP averages the gradients over processes here
+        try:
+            with autocast():
+                _, loss, _ = network(**batch, **forward_kwargs)
+            loss.backward()  # DDP averages the gradients over processes here
+        except (torch.OutOfMemoryError, MemoryError):
+            raise EaglenestError(
+                f"out of memory on {device} for a batch of {params.total_seq_len} tokens x {params.ttt_steps} "
+                f"TTT steps; lower train.total_seq_len or train.ttt_steps"
+            ) from None
         if params.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(trainable, params.grad_clip)
         optimizer.step()
@@ -381,6 +387,8 @@ def train_draft(params: TrainParams, inputs: TrainInputs) -> dict[str, Any]:
             "val_loss": round(evaluation["val_loss"], 6),
             "val_acc": [round(a, 6) for a in evaluation["val_acc"]],
             "val_cond_acc": [round(a, 6) for a in evaluation["val_cond_acc"]],
+            # The same per TTT step under flat names: `dvc metrics diff` shows scalars only.
+            **{f"val_acc_{i}": round(a, 6) for i, a in enumerate(evaluation["val_acc"])},
             "tau_sim": round(evaluation["tau_sim"], 4),
             # Real (unpadded) tokens per second of training steps; validation time is not counted.
             "tokens_per_s": round(trained_tokens / step_seconds, 1) if trained_tokens else None,
