@@ -254,16 +254,38 @@ def test_bad_prompts_file(trained: dict[str, Path], tmp_path: Path, content: str
 # ------------------------------------------------------------------------------------------------- kills
 
 
-def kill_during(repo: Path, stage: str, ready, rng: random.Random) -> None:
-    """Starts `dvc repro STAGE`, waits until ``ready()`` (work has begun), then kill -9s it after a random delay."""
+def kill_during(repo: Path, stage: str, ready, rng: random.Random) -> bool:
+    """Starts `dvc repro STAGE`, waits until ``ready()`` (work has begun), then kill -9s it after a random delay.
+
+    Returns False when the stage finished before the kill landed (nothing was interrupted).
+    """
     process = subprocess.Popen([str(VENV_BIN / "dvc"), "repro", stage], cwd=repo, env=project_env(),
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and process.poll() is None and not ready():
-        time.sleep(0.02)
-    time.sleep(rng.uniform(0.0, 0.4))
-    os.killpg(process.pid, signal.SIGKILL)
+        time.sleep(0.01)
+    time.sleep(rng.uniform(0.0, 0.15))
+    if process.poll() is not None:
+        return False
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:  # it ended between the poll and the kill
+        process.wait()
+        return False
     process.wait()
+    return True
+
+
+def kill_five_times(repo: Path, stage: str, ready_factory, reset, rng: random.Random) -> None:
+    """Five kills that really interrupted the stage; a run that finished first is reset and retried."""
+    kills = attempts = 0
+    while kills < 5:
+        attempts += 1
+        assert attempts <= 15, f"only {kills} kills landed in {attempts} attempts"
+        if kill_during(repo, stage, ready_factory(), rng):
+            kills += 1
+        else:
+            reset()
 
 
 def no_temporaries(*folders: Path) -> bool:
@@ -293,18 +315,30 @@ def test_kill_9_during_extract_and_train_five_times_each(tmp_path: Path, tiny_ve
     import shutil
 
     shutil.rmtree(hs_dir)  # extract again from an empty folder, killed 5 times
-    for _ in range(5):
+
+    def new_hidden_state_file():
         before = len(list(hs_dir.glob("hs_*.safetensors"))) if hs_dir.is_dir() else 0
-        kill_during(repo, "extract", lambda b=before: len(list(hs_dir.glob("hs_*.safetensors"))) > b, rng)
+        return lambda: hs_dir.is_dir() and len(list(hs_dir.glob("hs_*.safetensors"))) > before
+
+    def fewer_hidden_states():  # a run finished uninterrupted: take half the files away and go on
+        for path in sorted(hs_dir.glob("hs_*.safetensors"))[::2]:
+            path.unlink()
+
+    kill_five_times(repo, "extract", new_hidden_state_file, fewer_hidden_states, rng)
     dvc(["repro", "extract"], repo)
     assert {p.name: p.read_bytes() for p in hs_dir.iterdir()} == reference_hs  # bit-identical, nothing extra
 
     checkpoints = repo / ".eaglenest/train-checkpoints"
     shutil.rmtree(draft)  # train again, killed 5 times, each time after a newer checkpoint was written
-    for _ in range(5):
+
+    def newer_checkpoint():
         started = time.time()
-        kill_during(repo, "train", lambda t=started: any(p.stat().st_mtime > t
-                                                          for p in checkpoints.rglob("checkpoint.pt")), rng)
+        return lambda: any(p.stat().st_mtime > started for p in checkpoints.rglob("checkpoint.pt"))
+
+    def retrain():  # a run finished uninterrupted: drop the draft so the next `dvc repro` trains again
+        shutil.rmtree(draft, ignore_errors=True)
+
+    kill_five_times(repo, "train", newer_checkpoint, retrain, rng)
     final = dvc(["repro"], repo)
     assert "Running stage 'train'" in final.stdout
     resumed = json.loads((repo / "metrics/train.json").read_text())
