@@ -9,15 +9,18 @@ require_stage_environment("prepare")
 
 from eaglenest.params import load_params  # noqa: E402
 from eaglenest.prepare import end_of_turn_ids, prepare_dataset  # noqa: E402
+from eaglenest.regenerate import verifier_regenerator  # noqa: E402
 from eaglenest.stage import run_stage, stage_parser  # noqa: E402
 from eaglenest.verifier import load_tokenizer, load_verifier_info  # noqa: E402
 
 
 def main(args: argparse.Namespace) -> None:
     params = load_params(args.params).prepare  # validated before the tokenizer loads
-    _, model_dir = load_verifier_info(Path(args.verifier))
+    info, model_dir = load_verifier_info(Path(args.verifier))
     tokenizer = load_tokenizer(Path(args.verifier))
-    prepare_dataset(params, tokenizer, Path(args.out), Path(args.metrics), end_of_turn_ids(tokenizer, model_dir))
+    eot = end_of_turn_ids(tokenizer, model_dir)
+    regenerator = verifier_regenerator(params, info, model_dir, tokenizer, eot) if params.regenerate else None
+    prepare_dataset(params, tokenizer, Path(args.out), Path(args.metrics), eot, regenerator)
 
 
 def parser() -> argparse.ArgumentParser:

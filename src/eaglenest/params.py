@@ -101,6 +101,13 @@ class PrepareParams(StrictModel):
         description="Fraction of kept conversations held out for validation (at least one row).",
     )
     seed: int = Field(default=0, description="Seed of the shuffle that picks and splits conversations.")
+    regenerate: bool = Field(
+        default=False,
+        description="Self-distillation: the verifier rewrites every assistant turn given the conversation so far.",
+    )
+    regenerate_temperature: float = Field(default=0.0, ge=0.0, description="Sampling temperature; 0 is greedy.")
+    regenerate_max_new_tokens: int = Field(default=128, ge=1, description="Longest regenerated reply.")
+    regenerate_batch_size: int = Field(default=8, ge=1, description="Conversations generated together.")
 
     @field_validator("source", mode="before")
     @classmethod

@@ -19,6 +19,7 @@ import logging
 import random
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -137,8 +138,11 @@ def _trim_trailing_non_assistant(messages: list[dict[str, str]]) -> list[dict[st
     return messages[: last + 1]
 
 
+Regenerator = Callable[[list[list[dict[str, str]]]], tuple[list[list[dict[str, str]]], Any]]
+
+
 def prepare_dataset(params: PrepareParams, tokenizer: Any, out_dir: Path, metrics_path: Path,
-                    eot_ids: set[int]) -> dict[str, Any]:
+                    eot_ids: set[int], regenerator: Regenerator | None = None) -> dict[str, Any]:
     """The prepare stage: read, shuffle, render, mask, split and write; returns the metrics."""
     from tqdm import tqdm
 
@@ -159,11 +163,25 @@ def prepare_dataset(params: PrepareParams, tokenizer: Any, out_dir: Path, metric
     random.Random(params.seed).shuffle(order)
     wanted = params.max_conversations or len(conversations)
 
+    regeneration = None
+    last = len(order)
+    if regenerator is not None:
+        # Regenerate exactly the conversations that will be kept (the first `wanted` with a reply), before
+        # rendering; the loop below then stops after them, so no original reply slips in.
+        candidates = [i for i in order
+                      if any(m["role"] == "assistant" for m in _trim_trailing_non_assistant(
+                          conversations[i].messages)[1:])][:wanted]
+        regenerated, regeneration = regenerator(
+            [_trim_trailing_non_assistant(conversations[i].messages) for i in candidates])
+        conversations = list(conversations)
+        for i, messages in zip(candidates, regenerated, strict=True):
+            conversations[i] = Conversation(origin=conversations[i].origin, messages=messages)
+        last = order.index(candidates[-1]) + 1 if candidates else 0
     dropped: Counter[str] = Counter({reason: 0 for reason in DROP_REASONS})
     kept: list[tuple[PreparedRow, Conversation]] = []
     rendered = 0
     with tqdm(total=min(wanted, len(conversations)), desc="prepare", unit="conv") as bar:
-        for index in order:
+        for index in order[:last]:
             if len(kept) >= wanted:
                 break
             conversation = conversations[index]
@@ -198,6 +216,11 @@ def prepare_dataset(params: PrepareParams, tokenizer: Any, out_dir: Path, metric
         "truncated": sum(r.truncated for r in rows),
         **_token_counts([r.input_ids for r in rows], [r.loss_mask for r in rows]),
         "seconds": round(time.perf_counter() - started, 3),
+        "regenerated_turns": regeneration.turns if regeneration else 0,
+        "regenerated_tokens": regeneration.tokens if regeneration else 0,
+        "regenerate_cache_hits": regeneration.cache_hits if regeneration else 0,
+        "regenerate_tokens_per_s": (round(regeneration.tokens / regeneration.seconds, 1)
+                                    if regeneration and regeneration.tokens else None),
     }
     atomic_write_json(metrics_path, metrics)
     log.info("kept %d of %d conversations (%d tokens, %d loss tokens) -> %s",

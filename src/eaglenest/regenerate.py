@@ -1,0 +1,132 @@
+"""Self-distillation: the verifier rewrites every assistant turn of a conversation, given the turns before.
+
+A draft must predict what the *verifier* says, not what a data set's humans said. With
+``prepare.regenerate: true`` each assistant turn j is replaced by the verifier's own reply to
+``messages[:j]`` (earlier assistant turns already regenerated), rendered with its chat template and
+generation prompt. Conversations are batched (left padding, KV cache through ``generate``) turn by turn.
+
+Results are cached in ``.eaglenest/regenerate-cache/<key>.json`` keyed by the verifier fingerprint, the
+regeneration params and the original messages, so re-running prepare for an unrelated param change (or
+after a kill) regenerates nothing twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eaglenest.atomic import atomic_write_json
+
+log = logging.getLogger(__name__)
+
+CACHE_ROOT = Path(".eaglenest") / "regenerate-cache"
+
+
+@dataclass
+class RegenerationStats:
+    """What regeneration did, for metrics/prepare.json."""
+
+    conversations: int = 0
+    cache_hits: int = 0
+    turns: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+
+def cache_key(messages: list[dict[str, str]], fingerprint: str, temperature: float, max_new_tokens: int,
+              max_len: int, seed: int) -> str:
+    payload = json.dumps([fingerprint, temperature, max_new_tokens, max_len, seed, messages], sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:32]
+
+
+def regenerate(conversations: list[list[dict[str, str]]], model: Any, tokenizer: Any, *, fingerprint: str,
+               temperature: float, max_new_tokens: int, max_len: int, batch_size: int, seed: int,
+               eos_ids: set[int], cache_dir: Path = CACHE_ROOT) -> tuple[list[list[dict[str, str]]], RegenerationStats]:
+    """The conversations with every assistant turn (after the first message) rewritten by the verifier."""
+    stats = RegenerationStats(conversations=len(conversations))
+    started = time.perf_counter()
+    results: list[list[dict[str, str]] | None] = [None] * len(conversations)
+    keys = [cache_key(c, fingerprint, temperature, max_new_tokens, max_len, seed) for c in conversations]
+    todo = []
+    for i, key in enumerate(keys):
+        cached = cache_dir / f"{key}.json"
+        if cached.is_file():
+            results[i] = json.loads(cached.read_text())
+            stats.cache_hits += 1
+        else:
+            todo.append(i)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
+    for start in range(0, len(todo), batch_size):
+        batch = todo[start : start + batch_size]
+        histories = [[dict(m) for m in conversations[i]] for i in batch]
+        longest = max(len(h) for h in histories)
+        for turn in range(1, longest):
+            rows = [b for b, h in enumerate(histories) if turn < len(h) and h[turn]["role"] == "assistant"]
+            prompts = []
+            for b in rows:
+                text = tokenizer.apply_chat_template(histories[b][:turn], tokenize=False, add_generation_prompt=True)
+                prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+            # A turn whose context already fills max_len would be truncated away: keep it as it is.
+            pairs = [(b, p) for b, p in zip(rows, prompts, strict=True) if len(p) < max_len]
+            if not pairs:
+                continue
+            replies = _generate([p for _, p in pairs], model, pad_id, temperature, max_new_tokens, eos_ids,
+                                seed + start + turn)
+            for (b, _), reply in zip(pairs, replies, strict=True):
+                stats.turns += 1
+                stats.tokens += len(reply)
+                histories[b][turn]["content"] = tokenizer.decode(reply, skip_special_tokens=True).strip()
+        for i, history in zip(batch, histories, strict=True):
+            results[i] = history
+            atomic_write_json(cache_dir / f"{keys[i]}.json", history)
+        log.info("regenerated %d / %d conversations", min(start + batch_size, len(todo)), len(todo))
+    stats.seconds = time.perf_counter() - started
+    return [r for r in results if r is not None], stats
+
+
+def _generate(prompts: list[list[int]], model: Any, pad_id: int, temperature: float, max_new_tokens: int,
+              eos_ids: set[int], seed: int) -> list[list[int]]:
+    """Batched generation with left padding; each reply cut after its first end-of-turn token."""
+    longest = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), longest), dtype=torch.long)
+    for i, prompt in enumerate(prompts):  # left padding: every prompt ends where generation starts
+        input_ids[i, longest - len(prompt) :] = torch.tensor(prompt)
+        attention_mask[i, longest - len(prompt) :] = 1
+    torch.manual_seed(seed)
+    with torch.inference_mode():
+        output = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                                do_sample=temperature > 0, temperature=temperature if temperature > 0 else None,
+                                top_k=None, top_p=None, eos_token_id=sorted(eos_ids), pad_token_id=pad_id)
+    replies = []
+    for row in output[:, longest:].tolist():
+        reply = []
+        for token in row:
+            reply.append(token)
+            if token in eos_ids:
+                break
+        replies.append(reply)
+    return replies
+
+
+def verifier_regenerator(params: Any, info: Any, model_dir: Path, tokenizer: Any, eos_ids: set[int]):
+    """The prepare stage's regenerator: loads the verifier (fp32 on CPU) only when called."""
+
+    def run(conversations: list[list[dict[str, str]]]) -> tuple[list[list[dict[str, str]]], RegenerationStats]:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                     trust_remote_code=info.trust_remote_code).eval()
+        return regenerate(conversations, model, tokenizer, fingerprint=info.fingerprint,
+                          temperature=params.regenerate_temperature, max_new_tokens=params.regenerate_max_new_tokens,
+                          max_len=params.max_len, batch_size=params.regenerate_batch_size, seed=params.seed,
+                          eos_ids=eos_ids)
+
+    return run

@@ -1,0 +1,82 @@
+"""Self-distillation: regenerated replies are the verifier's own greedy continuations, masked exactly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from eaglenest.params import PrepareParams
+from eaglenest.prepare import end_of_turn_ids, prepare_dataset
+from eaglenest.regenerate import regenerate
+
+from .conftest import write_jsonl
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "I am fine"}],
+    [{"role": "user", "content": "what is the capital of France?"}, {"role": "assistant", "content": "Paris"},
+     {"role": "user", "content": "and the weather?"}, {"role": "assistant", "content": "nice"}],
+    [{"role": "system", "content": "be brief"}, {"role": "user", "content": "numbers 0 1 2"},
+     {"role": "assistant", "content": "3 4 5"}],
+]
+
+
+def greedy_reply(model, tokenizer, history, eos, max_new_tokens) -> str:
+    """The verifier's own greedy continuation of one conversation prefix, unbatched."""
+    text = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, eos_token_id=sorted(eos), pad_token_id=sorted(eos)[0])
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+
+
+def test_regenerated_turns_are_the_verifiers_greedy_replies(tiny_verifier_dir: Path, tmp_path: Path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_verifier_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_verifier_dir)
+    eos = end_of_turn_ids(tokenizer, tiny_verifier_dir)
+    out, stats = regenerate(CONVERSATIONS, model, tokenizer, fingerprint="f", temperature=0.0, max_new_tokens=12,
+                            max_len=512, batch_size=2, seed=0, eos_ids=eos, cache_dir=tmp_path / "cache")
+    assert stats.turns == 4 and stats.cache_hits == 0 and stats.tokens > 0
+    for original, regenerated in zip(CONVERSATIONS, out, strict=True):
+        assert [m["role"] for m in regenerated] == [m["role"] for m in original]
+        for j, message in enumerate(regenerated):
+            if message["role"] == "assistant":
+                # conditioned on the regenerated history, exactly as the verifier would have continued
+                assert message["content"] == greedy_reply(model, tokenizer, regenerated[:j], eos, 12)
+            else:
+                assert message == original[j]
+    again, stats = regenerate(CONVERSATIONS, None, tokenizer, fingerprint="f", temperature=0.0, max_new_tokens=12,
+                              max_len=512, batch_size=2, seed=0, eos_ids=eos, cache_dir=tmp_path / "cache")
+    assert again == out and stats.cache_hits == 3 and stats.turns == 0  # nothing regenerated twice
+
+
+def test_prepare_with_regeneration_masks_exactly_the_new_replies(tiny_verifier_dir: Path, tmp_path: Path):
+    from datasets import load_from_disk
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_verifier_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_verifier_dir)
+    eos = end_of_turn_ids(tokenizer, tiny_verifier_dir)
+    source = write_jsonl(tmp_path / "c.jsonl", [{"messages": c} for c in CONVERSATIONS] * 2)
+    seen: list[list[dict[str, str]]] = []
+
+    def regenerator(conversations):
+        result, stats = regenerate(conversations, model, tokenizer, fingerprint="f", temperature=0.0,
+                                   max_new_tokens=8, max_len=512, batch_size=4, seed=0, eos_ids=eos,
+                                   cache_dir=tmp_path / "cache")
+        seen.extend(result)
+        return result, stats
+
+    params = PrepareParams(source=[str(source)], max_conversations=None, val_fraction=0.2, regenerate=True)
+    metrics = prepare_dataset(params, tokenizer, tmp_path / "prepared", tmp_path / "m.json", eos, regenerator)
+    assert metrics["kept"] == 6 and metrics["regenerated_turns"] > 0
+    rows = load_from_disk(str(tmp_path / "prepared")).with_format(None)
+    replies = sorted(m["content"] for c in seen for m in c if m["role"] == "assistant")
+    masked = []
+    for row in rows:
+        ids = [t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m]
+        # each masked run is one reply followed by its end-of-turn token
+        text = tokenizer.decode(ids)
+        masked += [part.strip() for part in text.split("<|end|>") if part.strip()]
+    assert sorted(masked) == sorted(r for r in replies if r)
