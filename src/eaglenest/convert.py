@@ -40,25 +40,31 @@ VOCAB_FILE = "vocab.json"
 SHOW_BAD = 5
 
 
-def check_hidden_state_file(path: Path, input_ids: list[int], verifier: VerifierInfo, dtype: str) -> str | None:
-    """Everything wrong with one row's file (header, tokens, finiteness), or None."""
+def read_hidden_state_file(path: Path, input_ids: list[int], verifier: VerifierInfo, dtype: str | None
+                           ) -> tuple[str | None, dict[str, torch.Tensor] | None]:
+    """(problem, None) for a bad file — header, tokens, finiteness — or (None, its tensors), in one read."""
     problem = check_header(path, seq_len=len(input_ids), num_slots=len(verifier.layer_ids),
                            hidden_size=verifier.hidden_size, dtype=dtype)
     if problem is not None:
-        return problem
+        return problem, None
     try:
         data = load_file(path)
     except (OSError, SafetensorError) as err:
-        return f"unreadable: {err}"
+        return f"unreadable: {err}", None
     if data[TOKENS_KEY].tolist() != input_ids:
         first = next(i for i, (a, b) in enumerate(zip(data[TOKENS_KEY].tolist(), input_ids, strict=True)) if a != b)
-        return f"token_ids differ from the prepared input_ids (first at position {first})"
+        return f"token_ids differ from the prepared input_ids (first at position {first})", None
     hidden = data[HIDDEN_KEY]
     finite = torch.isfinite(hidden)
     if not bool(finite.all()):
         bad = (~finite).nonzero()[0].tolist()
-        return f"{int((~finite).sum())} non-finite values (first at token {bad[0]}, slot {bad[1]})"
-    return None
+        return f"{int((~finite).sum())} non-finite values (first at token {bad[0]}, slot {bad[1]})", None
+    return None, data
+
+
+def check_hidden_state_file(path: Path, input_ids: list[int], verifier: VerifierInfo, dtype: str) -> str | None:
+    """Everything wrong with one row's file (header, tokens, finiteness), or None."""
+    return read_hidden_state_file(path, input_ids, verifier, dtype)[0]
 
 
 def validate_hidden_states(input_ids: list[list[int]], hs_dir: Path, verifier: VerifierInfo, dtype: str,

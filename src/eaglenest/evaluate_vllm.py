@@ -11,6 +11,7 @@ plain speed. Only this module imports vllm.
 from __future__ import annotations
 
 import importlib.util
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -73,8 +74,6 @@ def evaluate_draft_vllm(params: EvaluateParams, verifier_dir: Path, prepared_dir
     info, model_dir = load_verifier_info(verifier_dir)
     tokenizer = load_tokenizer(verifier_dir)
     prompts = load_prompts(params, prepared_dir, tokenizer)
-    import json
-
     k = params.num_speculative_tokens or json.loads((draft_dir / "config.json").read_text())[
         "speculators_config"]["proposal_methods"][0]["speculative_tokens"]
     sampling = SamplingParams(max_tokens=params.max_new_tokens, temperature=params.temperature, seed=params.seed)

@@ -21,20 +21,17 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
 
 from eaglenest.atomic import atomic_write_json, remove_stale_temps
 from eaglenest.errors import EaglenestError
 from eaglenest.hidden_states import (
     HIDDEN_KEY,
-    SAFETENSORS_DTYPES,
     TOKENS_KEY,
     TORCH_DTYPES,
     check_header,
     extraction_fingerprint,
     file_metadata,
     hs_path,
-    read_header,
     row_index,
     write_hidden_states,
 )
@@ -100,26 +97,18 @@ def _vllm_backend(job: ExtractionJob) -> None:
 
 def _import_backend(job: ExtractionJob) -> None:
     """Copies ``hs_{row}.safetensors`` from extract.import_path, checking tokens, shape and values."""
-    from eaglenest.convert import check_hidden_state_file
+    from eaglenest.convert import read_hidden_state_file
 
     source = Path(job.params.import_path or "")
     if not source.is_dir():
         raise EaglenestError(f"extract.import_path = {str(source)!r}: no such folder")
     for row in job.todo:
         path = hs_path(source, row)
-        problem = check_hidden_state_file(path, job.input_ids[row], job.verifier, _stored_dtype(path))
+        # Any float dtype is accepted here: job.write converts to extract.dtype.
+        problem, data = read_hidden_state_file(path, job.input_ids[row], job.verifier, None)
         if problem is not None:
             raise EaglenestError(f"{path}: {problem}")
-        job.write(row, load_file(path)[HIDDEN_KEY])
-
-
-def _stored_dtype(path: Path) -> str:
-    """The dtype name of a file's hidden states ('bfloat16' if unreadable: the check reports why)."""
-    try:
-        stored = read_header(path).tensors[HIDDEN_KEY][0]
-    except (OSError, ValueError, KeyError):
-        return "bfloat16"
-    return {v: k for k, v in SAFETENSORS_DTYPES.items()}.get(stored, "bfloat16")
+        job.write(row, data[HIDDEN_KEY])
 
 
 BACKENDS: Registry[Backend] = Registry("extract back end")

@@ -116,7 +116,7 @@ def read_header(path: Path) -> Header:
     return Header(tensors=tensors, metadata=metadata, expected_size=8 + header_len + data_end, actual_size=size)
 
 
-def check_header(path: Path, *, seq_len: int, num_slots: int, hidden_size: int, dtype: str,
+def check_header(path: Path, *, seq_len: int, num_slots: int, hidden_size: int, dtype: str | None,
                  config: str | None = None) -> str | None:
     """What is wrong with a hidden-state file's header, or None if it is what we expect.
 
@@ -125,7 +125,8 @@ def check_header(path: Path, *, seq_len: int, num_slots: int, hidden_size: int, 
         seq_len: Tokens in the prepared row.
         num_slots: n_aux + 1.
         hidden_size: The verifier's hidden size.
-        dtype: Expected storage dtype name ("bfloat16" or "float32").
+        dtype: Expected storage dtype name ("bfloat16" or "float32"); None accepts any float dtype
+            (files made by other tools, converted on the way in).
         config: Expected ``config`` in the ``eaglenest`` metadata; None skips that check (foreign files).
     """
     try:
@@ -140,7 +141,10 @@ def check_header(path: Path, *, seq_len: int, num_slots: int, hidden_size: int, 
     if missing:
         return f"missing key(s) {sorted(missing)}; has {sorted(header.tensors)}"
     hs_dtype, hs_shape = header.tensors[HIDDEN_KEY]
-    if hs_dtype != SAFETENSORS_DTYPES[dtype]:
+    if dtype is None:
+        if hs_dtype not in SAFETENSORS_DTYPES.values():
+            return f"{HIDDEN_KEY} dtype {hs_dtype}, expected one of {sorted(SAFETENSORS_DTYPES.values())}"
+    elif hs_dtype != SAFETENSORS_DTYPES[dtype]:
         return f"{HIDDEN_KEY} dtype {hs_dtype}, expected {SAFETENSORS_DTYPES[dtype]} ({dtype})"
     if hs_shape != [seq_len, num_slots, hidden_size]:
         return f"{HIDDEN_KEY} shape {hs_shape}, expected [{seq_len}, {num_slots}, {hidden_size}]"

@@ -168,11 +168,9 @@ def prepare_dataset(params: PrepareParams, tokenizer: Any, out_dir: Path, metric
     if regenerator is not None:
         # Regenerate exactly the conversations that will be kept (the first `wanted` with a reply), before
         # rendering; the loop below then stops after them, so no original reply slips in.
-        candidates = [i for i in order
-                      if any(m["role"] == "assistant" for m in _trim_trailing_non_assistant(
-                          conversations[i].messages)[1:])][:wanted]
-        regenerated, regeneration = regenerator(
-            [_trim_trailing_non_assistant(conversations[i].messages) for i in candidates])
+        trimmed = {i: _trim_trailing_non_assistant(conversations[i].messages) for i in order}
+        candidates = [i for i in order if any(m["role"] == "assistant" for m in trimmed[i][1:])][:wanted]
+        regenerated, regeneration = regenerator([trimmed[i] for i in candidates])
         conversations = list(conversations)
         for i, messages in zip(candidates, regenerated, strict=True):
             conversations[i] = Conversation(origin=conversations[i].origin, messages=messages)

@@ -167,13 +167,10 @@ class Distributed:
 
     def mean(self, value: float) -> float:
         """The mean of ``value`` over all processes."""
-        if self.world_size == 1:
-            return value
-        tensor = torch.tensor([value], dtype=torch.float64)
-        torch.distributed.all_reduce(tensor)
-        return float(tensor.item()) / self.world_size
+        return self.sum(value) / self.world_size
 
     def sum(self, value: float) -> float:
+        """The sum of ``value`` over all processes."""
         if self.world_size == 1:
             return value
         tensor = torch.tensor([value], dtype=torch.float64)
