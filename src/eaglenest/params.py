@@ -94,6 +94,11 @@ class PrepareParams(StrictModel):
         ge=16,
         description="Truncate each rendered conversation to this many tokens.",
     )
+    max_assistant_turns: int | None = Field(
+        default=None,
+        ge=1,
+        description="Keep each conversation up to its N-th assistant reply; null keeps every reply.",
+    )
     val_fraction: float = Field(
         default=0.05,
         gt=0.0,

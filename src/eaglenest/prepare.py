@@ -132,10 +132,16 @@ def first_user_turn(messages: list[dict[str, str]]) -> list[dict[str, str]]:
     return []
 
 
-def _trim_trailing_non_assistant(messages: list[dict[str, str]]) -> list[dict[str, str]]:
-    # Turns after the last assistant reply teach nothing (mask 0) and cost extraction time.
-    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
-    return messages[: last + 1]
+def trim_conversation(messages: list[dict[str, str]], max_assistant_turns: int | None) -> list[dict[str, str]]:
+    """The conversation up to its last kept assistant reply (at most ``max_assistant_turns`` of them).
+
+    Turns after the last assistant reply teach nothing (mask 0) and cost extraction time. A reply as the
+    very first message has no prompt, so it is context and not counted.
+    """
+    replies = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i > 0]
+    if max_assistant_turns is not None:
+        replies = replies[:max_assistant_turns]
+    return messages[: replies[-1] + 1] if replies else messages[:1]
 
 
 Regenerator = Callable[[list[list[dict[str, str]]]], tuple[list[list[dict[str, str]]], Any]]
@@ -168,7 +174,7 @@ def prepare_dataset(params: PrepareParams, tokenizer: Any, out_dir: Path, metric
     if regenerator is not None:
         # Regenerate exactly the conversations that will be kept (the first `wanted` with a reply), before
         # rendering; the loop below then stops after them, so no original reply slips in.
-        trimmed = {i: _trim_trailing_non_assistant(conversations[i].messages) for i in order}
+        trimmed = {i: trim_conversation(conversations[i].messages, params.max_assistant_turns) for i in order}
         candidates = [i for i in order if any(m["role"] == "assistant" for m in trimmed[i][1:])][:wanted]
         regenerated, regeneration = regenerator([trimmed[i] for i in candidates])
         conversations = list(conversations)
@@ -184,7 +190,7 @@ def prepare_dataset(params: PrepareParams, tokenizer: Any, out_dir: Path, metric
                 break
             conversation = conversations[index]
             rendered += 1
-            messages = _trim_trailing_non_assistant(conversation.messages)
+            messages = trim_conversation(conversation.messages, params.max_assistant_turns)
             if not any(m["role"] == "assistant" for m in messages[1:]):
                 dropped["no_assistant_turn"] += 1
                 continue
