@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eaglenest.params import PrepareParams
 from eaglenest.prepare import end_of_turn_ids, prepare_dataset
-from eaglenest.regenerate import regenerate
+from eaglenest.regenerate import hf_reply_generator, regenerate
 
 from .conftest import write_jsonl
 
@@ -36,8 +38,9 @@ def test_regenerated_turns_are_the_verifiers_greedy_replies(tiny_verifier_dir: P
     model = AutoModelForCausalLM.from_pretrained(tiny_verifier_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(tiny_verifier_dir)
     eos = end_of_turn_ids(tokenizer, tiny_verifier_dir)
-    out, stats = regenerate(CONVERSATIONS, model, tokenizer, fingerprint="f", temperature=0.0, max_new_tokens=12,
-                            max_len=512, batch_size=2, seed=0, eos_ids=eos, cache_dir=tmp_path / "cache")
+    replies = hf_reply_generator(model, tokenizer, 0.0, 12, eos)
+    out, stats = regenerate(CONVERSATIONS, replies, tokenizer, fingerprint="f", temperature=0.0, max_new_tokens=12,
+                            max_len=512, batch_size=2, seed=0, cache_dir=tmp_path / "cache")
     assert stats.turns == 4 and stats.cache_hits == 0 and stats.tokens > 0
     for original, regenerated in zip(CONVERSATIONS, out, strict=True):
         assert [m["role"] for m in regenerated] == [m["role"] for m in original]
@@ -48,7 +51,7 @@ def test_regenerated_turns_are_the_verifiers_greedy_replies(tiny_verifier_dir: P
             else:
                 assert message == original[j]
     again, stats = regenerate(CONVERSATIONS, None, tokenizer, fingerprint="f", temperature=0.0, max_new_tokens=12,
-                              max_len=512, batch_size=2, seed=0, eos_ids=eos, cache_dir=tmp_path / "cache")
+                              max_len=512, batch_size=2, seed=0, cache_dir=tmp_path / "cache")
     assert again == out and stats.cache_hits == 3 and stats.turns == 0  # nothing regenerated twice
 
 
@@ -62,9 +65,9 @@ def test_prepare_with_regeneration_masks_exactly_the_new_replies(tiny_verifier_d
     seen: list[list[dict[str, str]]] = []
 
     def regenerator(conversations):
-        result, stats = regenerate(conversations, model, tokenizer, fingerprint="f", temperature=0.0,
-                                   max_new_tokens=8, max_len=512, batch_size=4, seed=0, eos_ids=eos,
-                                   cache_dir=tmp_path / "cache")
+        result, stats = regenerate(conversations, hf_reply_generator(model, tokenizer, 0.0, 8, eos), tokenizer,
+                                   fingerprint="f", temperature=0.0, max_new_tokens=8, max_len=512, batch_size=4,
+                                   seed=0, cache_dir=tmp_path / "cache")
         seen.extend(result)
         return result, stats
 
@@ -80,3 +83,65 @@ def test_prepare_with_regeneration_masks_exactly_the_new_replies(tiny_verifier_d
         text = tokenizer.decode(ids)
         masked += [part.strip() for part in text.split("<|end|>") if part.strip()]
     assert sorted(masked) == sorted(r for r in replies if r)
+
+
+def test_trim_keeps_the_first_n_replies():
+    from eaglenest.prepare import trim_conversation
+
+    two = CONVERSATIONS[1] + [{"role": "user", "content": "bye"}]
+    assert trim_conversation(two, None) == CONVERSATIONS[1]  # trailing user turn dropped
+    assert trim_conversation(two, 1) == CONVERSATIONS[1][:2]
+    assert trim_conversation([{"role": "assistant", "content": "hi"}], 1) == [{"role": "assistant", "content": "hi"}]
+
+
+class _FakeCompletion:
+    def __init__(self, token_ids):
+        self.token_ids = token_ids
+
+
+class _FakeRequestOutput:
+    def __init__(self, token_ids):
+        self.outputs = [_FakeCompletion(token_ids)]
+
+
+def test_vllm_regeneration_arguments(tiny_verifier_dir: Path):
+    from eaglenest.regenerate_vllm import build_regenerate_llm_kwargs, build_sampling_kwargs
+
+    info, model_dir = load_verifier_info_for(tiny_verifier_dir)
+    params = PrepareParams(regenerate=True, regenerate_backend="vllm", max_len=256, regenerate_max_new_tokens=64,
+                           regenerate_temperature=0.7, regenerate_gpu_memory_utilization=0.5)
+    llm = build_regenerate_llm_kwargs(params, info, model_dir)
+    assert llm["model"] == str(model_dir) and llm["gpu_memory_utilization"] == 0.5
+    assert llm["max_model_len"] == min(256 + 64, info.max_position_embeddings or 10**9)
+    assert llm["trust_remote_code"] is False
+    sampling = build_sampling_kwargs(params, {7, 3}, seed=11)
+    assert sampling == {"temperature": 0.7, "max_tokens": 64, "stop_token_ids": [3, 7], "seed": 11}
+
+
+def load_verifier_info_for(tiny_verifier_dir: Path):
+    """verifier.json for the tiny model, as the verifier stage writes it."""
+    import tempfile
+
+    from eaglenest.params import VerifierParams
+    from eaglenest.verifier import build_verifier, load_verifier_info
+
+    out = Path(tempfile.mkdtemp()) / "verifier"
+    build_verifier(VerifierParams(model=str(tiny_verifier_dir)), out)
+    return load_verifier_info(out)
+
+
+def test_vllm_replies_are_cut_after_the_end_of_turn_token():
+    from eaglenest.regenerate_vllm import replies_from_outputs
+
+    outputs = [_FakeRequestOutput((5, 6, 2, 9)), _FakeRequestOutput([5, 6]), _FakeRequestOutput([])]
+    assert replies_from_outputs(outputs, {2}) == [[5, 6, 2], [5, 6], []]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
+def test_vllm_regeneration_without_vllm_says_how_to_install(tiny_verifier_dir: Path):
+    from eaglenest.errors import EaglenestError
+    from eaglenest.regenerate_vllm import vllm_reply_generator
+
+    info, model_dir = load_verifier_info_for(tiny_verifier_dir)
+    with pytest.raises(EaglenestError, match=r"prepare.regenerate_backend: vllm needs vLLM on a GPU machine"):
+        vllm_reply_generator(PrepareParams(regenerate_backend="vllm"), info, model_dir, {2})

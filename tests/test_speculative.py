@@ -59,6 +59,15 @@ def test_oracle_draft_gives_tau_k_plus_one(verifier: VerifierRunner):
     assert metrics["verify_steps"] == 5
 
 
+def test_decoding_stops_when_an_accepted_draft_ends_the_turn(verifier: VerifierRunner):
+    reference, _ = plain_decode(verifier, PROMPT, 12, eos_ids=set())
+    eos = {reference[2]}  # the oracle's first round proposes reference[1..3]: the end of turn is accepted
+    plain, _ = plain_decode(verifier, PROMPT, 12, eos_ids=eos)
+    result = speculative_decode(verifier, ScriptedDrafter(reference), PROMPT, K, 12, eos_ids=eos)
+    assert result.tokens == plain == reference[:3]
+    assert result.verify_steps == 1  # no round is spent generating past the end of the reply
+
+
 def test_always_wrong_draft_gives_tau_one(verifier: VerifierRunner):
     reference, _ = plain_decode(verifier, PROMPT, 12, eos_ids=set())
     result = speculative_decode(verifier, ScriptedDrafter(reference, wrong=True), PROMPT, K, 12, eos_ids=set())

@@ -112,7 +112,15 @@ class PrepareParams(StrictModel):
     )
     regenerate_temperature: float = Field(default=0.0, ge=0.0, description="Sampling temperature; 0 is greedy.")
     regenerate_max_new_tokens: int = Field(default=128, ge=1, description="Longest regenerated reply.")
-    regenerate_batch_size: int = Field(default=8, ge=1, description="Conversations generated together.")
+    regenerate_batch_size: int = Field(
+        default=8, ge=1, description="Conversations generated together (vllm: requests per generate() call)."
+    )
+    regenerate_backend: Literal["hf", "vllm"] = Field(
+        default="hf", description="'hf': transformers generate (CPU or GPU); 'vllm': vLLM 0.33 on GPU ([vllm] extra)."
+    )
+    regenerate_gpu_memory_utilization: float = Field(
+        default=0.85, gt=0.0, le=1.0, description="vllm regeneration: fraction of GPU memory vLLM may take."
+    )
 
     @field_validator("source", mode="before")
     @classmethod

@@ -3,7 +3,9 @@
 A draft must predict what the *verifier* says, not what a data set's humans said. With
 ``prepare.regenerate: true`` each assistant turn j is replaced by the verifier's own reply to
 ``messages[:j]`` (earlier assistant turns already regenerated), rendered with its chat template and
-generation prompt. Conversations are batched (left padding, KV cache through ``generate``) turn by turn.
+generation prompt. Conversations are batched turn by turn; a back end turns a batch of prompts into
+replies: ``hf`` (transformers ``generate`` with left padding and a KV cache, CPU or GPU, here) or ``vllm``
+(vLLM on GPU, :mod:`eaglenest.regenerate_vllm`).
 
 Results are cached in ``.eaglenest/regenerate-cache/<key>.json`` keyed by the verifier fingerprint, the
 regeneration params and the original messages, so re-running prepare for an unrelated param change (or
@@ -16,6 +18,7 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +30,9 @@ from eaglenest.atomic import atomic_write_json
 log = logging.getLogger(__name__)
 
 CACHE_ROOT = Path(".eaglenest") / "regenerate-cache"
+
+# (prompts as token ids, seed) -> one reply per prompt, each ending at its first end-of-turn token if any
+ReplyGenerator = Callable[[list[list[int]], int], list[list[int]]]
 
 
 @dataclass
@@ -46,10 +52,13 @@ def cache_key(messages: list[dict[str, str]], fingerprint: str, temperature: flo
     return hashlib.sha256(payload.encode()).hexdigest()[:32]
 
 
-def regenerate(conversations: list[list[dict[str, str]]], model: Any, tokenizer: Any, *, fingerprint: str,
-               temperature: float, max_new_tokens: int, max_len: int, batch_size: int, seed: int,
-               eos_ids: set[int], cache_dir: Path = CACHE_ROOT) -> tuple[list[list[dict[str, str]]], RegenerationStats]:
-    """The conversations with every assistant turn (after the first message) rewritten by the verifier."""
+def regenerate(conversations: list[list[dict[str, str]]], generate_replies: ReplyGenerator | None, tokenizer: Any, *,
+               fingerprint: str, temperature: float, max_new_tokens: int, max_len: int, batch_size: int, seed: int,
+               cache_dir: Path = CACHE_ROOT) -> tuple[list[list[dict[str, str]]], RegenerationStats]:
+    """The conversations with every assistant turn (after the first message) rewritten by the verifier.
+
+    ``generate_replies`` may be None when every conversation is already cached.
+    """
     stats = RegenerationStats(conversations=len(conversations))
     started = time.perf_counter()
     results: list[list[dict[str, str]] | None] = [None] * len(conversations)
@@ -62,7 +71,8 @@ def regenerate(conversations: list[list[dict[str, str]]], model: Any, tokenizer:
             stats.cache_hits += 1
         else:
             todo.append(i)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
+    if todo and generate_replies is None:
+        raise ValueError("regenerate: conversations to generate but no reply generator")
     for start in range(0, len(todo), batch_size):
         batch = todo[start : start + batch_size]
         histories = [[dict(m) for m in conversations[i]] for i in batch]
@@ -77,8 +87,7 @@ def regenerate(conversations: list[list[dict[str, str]]], model: Any, tokenizer:
             pairs = [(b, p) for b, p in zip(rows, prompts, strict=True) if len(p) < max_len]
             if not pairs:
                 continue
-            replies = _generate([p for _, p in pairs], model, pad_id, temperature, max_new_tokens, eos_ids,
-                                seed + start + turn)
+            replies = generate_replies([p for _, p in pairs], seed + start + turn)
             for (b, _), reply in zip(pairs, replies, strict=True):
                 stats.turns += 1
                 stats.tokens += len(reply)
@@ -89,6 +98,25 @@ def regenerate(conversations: list[list[dict[str, str]]], model: Any, tokenizer:
         log.info("regenerated %d / %d conversations", min(start + batch_size, len(todo)), len(todo))
     stats.seconds = time.perf_counter() - started
     return [r for r in results if r is not None], stats
+
+
+def hf_reply_generator(model: Any, tokenizer: Any, temperature: float, max_new_tokens: int,
+                       eos_ids: set[int]) -> ReplyGenerator:
+    """The ``hf`` back end: transformers ``generate`` on the verifier already loaded."""
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
+
+    def generate_replies(prompts: list[list[int]], seed: int) -> list[list[int]]:
+        return _generate(prompts, model, pad_id, temperature, max_new_tokens, eos_ids, seed)
+
+    return generate_replies
+
+
+def cut_after_end_of_turn(tokens: list[int], eos_ids: set[int]) -> list[int]:
+    """The reply up to and including its first end-of-turn token (generation pads or runs on after it)."""
+    for i, token in enumerate(tokens):
+        if token in eos_ids:
+            return tokens[: i + 1]
+    return tokens
 
 
 def _generate(prompts: list[list[int]], model: Any, pad_id: int, temperature: float, max_new_tokens: int,
@@ -105,28 +133,35 @@ def _generate(prompts: list[list[int]], model: Any, pad_id: int, temperature: fl
         output = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
                                 do_sample=temperature > 0, temperature=temperature if temperature > 0 else None,
                                 top_k=None, top_p=None, eos_token_id=sorted(eos_ids), pad_token_id=pad_id)
-    replies = []
-    for row in output[:, longest:].tolist():
-        reply = []
-        for token in row:
-            reply.append(token)
-            if token in eos_ids:
-                break
-        replies.append(reply)
-    return replies
+    return [cut_after_end_of_turn(row, eos_ids) for row in output[:, longest:].tolist()]
 
 
 def verifier_regenerator(params: Any, info: Any, model_dir: Path, tokenizer: Any, eos_ids: set[int]):
-    """The prepare stage's regenerator: loads the verifier (fp32 on CPU) only when called."""
+    """The prepare stage's regenerator: loads the verifier on ``prepare.regenerate_backend`` only when some
+    conversation is not cached."""
 
-    def run(conversations: list[list[dict[str, str]]]) -> tuple[list[list[dict[str, str]]], RegenerationStats]:
+    def load_reply_generator() -> ReplyGenerator:
+        if params.regenerate_backend == "vllm":
+            from eaglenest.regenerate_vllm import vllm_reply_generator
+
+            return vllm_reply_generator(params, info, model_dir, eos_ids)
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                      trust_remote_code=info.trust_remote_code).eval()
-        return regenerate(conversations, model, tokenizer, fingerprint=info.fingerprint,
+        return hf_reply_generator(model, tokenizer, params.regenerate_temperature, params.regenerate_max_new_tokens,
+                                  eos_ids)
+
+    def run(conversations: list[list[dict[str, str]]]) -> tuple[list[list[dict[str, str]]], RegenerationStats]:
+        loaded: list[ReplyGenerator] = []
+
+        def generate_replies(prompts: list[list[int]], seed: int) -> list[list[int]]:
+            if not loaded:  # a fully cached rerun never loads the verifier
+                loaded.append(load_reply_generator())
+            return loaded[0](prompts, seed)
+
+        return regenerate(conversations, generate_replies, tokenizer, fingerprint=info.fingerprint,
                           temperature=params.regenerate_temperature, max_new_tokens=params.regenerate_max_new_tokens,
-                          max_len=params.max_len, batch_size=params.regenerate_batch_size, seed=params.seed,
-                          eos_ids=eos_ids)
+                          max_len=params.max_len, batch_size=params.regenerate_batch_size, seed=params.seed)
 
     return run

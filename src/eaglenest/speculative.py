@@ -170,7 +170,8 @@ def speculative_decode(verifier: VerifierRunner, drafter: Drafter, prompt: list[
     next_token = _choose(logits[-1], temperature, generator)
     drafter.start(prompt, aux, next_token)
     result = DecodeResult(tokens=[next_token], accepted_per_position=[0] * k)
-    while len(result.tokens) < max_new_tokens and next_token not in eos_ids:
+    finished = next_token in eos_ids
+    while len(result.tokens) < max_new_tokens and not finished:
         drafts, q = drafter.propose(min(k, max_new_tokens - len(result.tokens)), temperature, generator)
         logits, aux = verifier.extend([next_token, *drafts])  # [len(drafts) + 1, V]
         accepted, bonus = _verify(drafts, q, logits, temperature, generator)
@@ -183,7 +184,9 @@ def speculative_decode(verifier: VerifierRunner, drafter: Drafter, prompt: list[
         new_tokens = drafts[:accepted] + [bonus]
         for token in new_tokens:
             result.tokens.append(token)
-            if token in eos_ids or len(result.tokens) >= max_new_tokens:
+            # An accepted draft can be the end of turn: the reply ends there, as plain decoding's would.
+            finished = token in eos_ids
+            if finished or len(result.tokens) >= max_new_tokens:
                 break
         next_token = bonus
         drafter.accept(kept, aux[: accepted + 1], bonus)

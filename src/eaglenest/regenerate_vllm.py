@@ -1,0 +1,70 @@
+"""The ``vllm`` regeneration back end: the verifier writes replies with vLLM 0.33 on GPU (the ``[vllm]`` extra).
+
+One ``LLM.generate`` call per batch of prompts (``prepare.regenerate_batch_size``; vLLM schedules them with
+continuous batching, so a large batch is the fast setting). Prompts go in as token ids, rendered by the
+same chat template as the ``hf`` back end; each request stops at the verifier's end-of-turn tokens, which
+stay in the returned ``token_ids`` as they do on the ``hf`` path. This module and
+:mod:`eaglenest.extract_vllm` / :mod:`eaglenest.evaluate_vllm` are the only places that import vllm.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+from eaglenest.errors import EaglenestError
+from eaglenest.extract_vllm import _serving_dtype
+from eaglenest.regenerate import ReplyGenerator, cut_after_end_of_turn
+
+
+def build_regenerate_llm_kwargs(params: Any, info: Any, model_dir: Path) -> dict[str, Any]:
+    """The ``vllm.LLM(**kwargs)`` arguments for regeneration."""
+    # A prompt is at most prepare.max_len tokens (longer contexts are not regenerated) plus the reply.
+    max_model_len = params.max_len + params.regenerate_max_new_tokens
+    if info.max_position_embeddings is not None:
+        max_model_len = min(max_model_len, info.max_position_embeddings)
+    return {
+        "model": str(model_dir),
+        "trust_remote_code": info.trust_remote_code,
+        "dtype": _serving_dtype(model_dir),
+        "max_model_len": max_model_len,
+        "gpu_memory_utilization": params.regenerate_gpu_memory_utilization,
+        "seed": params.seed,
+    }
+
+
+def build_sampling_kwargs(params: Any, eos_ids: set[int], seed: int) -> dict[str, Any]:
+    """The ``vllm.SamplingParams(**kwargs)`` of one batch."""
+    return {
+        "temperature": params.regenerate_temperature,  # 0 is greedy in vLLM
+        "max_tokens": params.regenerate_max_new_tokens,
+        "stop_token_ids": sorted(eos_ids),
+        "seed": seed,
+    }
+
+
+def replies_from_outputs(outputs: list[Any], eos_ids: set[int]) -> list[list[int]]:
+    """Token ids of each ``RequestOutput``'s first completion, cut after the first end-of-turn token."""
+    return [cut_after_end_of_turn(list(output.outputs[0].token_ids), eos_ids) for output in outputs]
+
+
+def vllm_reply_generator(params: Any, info: Any, model_dir: Path, eos_ids: set[int]) -> ReplyGenerator:
+    """Loads the verifier into vLLM once; returns the prompts -> replies function."""
+    if importlib.util.find_spec("vllm") is None:
+        raise EaglenestError(
+            "prepare.regenerate_backend: vllm needs vLLM on a GPU machine: `pip install -e '.[vllm]'`; "
+            "on a CPU use prepare.regenerate_backend: hf"
+        )
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(**build_regenerate_llm_kwargs(params, info, model_dir))
+
+    def generate_replies(prompts: list[list[int]], seed: int) -> list[list[int]]:
+        sampling = SamplingParams(**build_sampling_kwargs(params, eos_ids, seed))
+        outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sampling, use_tqdm=False)
+        if len(outputs) != len(prompts):
+            raise EaglenestError(f"vLLM returned {len(outputs)} replies for {len(prompts)} prompts")
+        return replies_from_outputs(outputs, eos_ids)
+
+    return generate_replies
