@@ -22,7 +22,8 @@ def tiny_repo(tmp_path_factory: pytest.TempPathFactory, tiny_verifier_dir: Path)
     """A committed pipeline on the tiny verifier, run once (the base revision)."""
     repo = make_pipeline_repo(tmp_path_factory.mktemp("exp") / "repo", {
         "verifier": {"model": str(tiny_verifier_dir), "aux_layers": [1, 3, 5]},
-        "prepare": {"source": ["data/conversations/chats.jsonl"], "max_conversations": None, "val_fraction": 0.25},
+        "prepare": {"source": ["data/conversations/chats.jsonl"], "max_conversations": None, "val_fraction": 0.25,
+                    "regenerate": False},
         "convert": {"draft_vocab_size": 64},
         "train": {"steps": 4, "eval_every": 2, "total_seq_len": 256, "lr": 0.001},
         "evaluate": {"num_prompts": 2, "max_new_tokens": 6},

@@ -296,7 +296,8 @@ def no_temporaries(*folders: Path) -> bool:
 def test_kill_9_during_extract_and_train_five_times_each(tmp_path: Path, tiny_verifier_dir: Path):
     repo = make_pipeline_repo(tmp_path / "repo", {
         "verifier": {"model": str(tiny_verifier_dir), "aux_layers": [1, 3, 5]},
-        "prepare": {"source": ["data/conversations/chats.jsonl"], "max_conversations": None},
+        "prepare": {"source": ["data/conversations/chats.jsonl"], "max_conversations": None,
+                    "regenerate": False},
         "extract": {"batch_tokens": 16},
         "convert": {"draft_vocab_size": 64},
         "train": {"steps": 120, "eval_every": 60, "checkpoint_every": 3, "total_seq_len": 256, "lr": 0.003},

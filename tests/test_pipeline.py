@@ -51,6 +51,8 @@ def test_default_verifier_and_chitchat_through_dvc_repro(tmp_path: Path):
     dataset = load_from_disk(str(repo / "data/prepared"))
     assert len(dataset) == 16 and max(int(n) for n in dataset["seq_len"]) <= 256
     assert metrics["loss_tokens"] == sum(int(m.sum()) for m in dataset["loss_mask"])
+    # the defaults regenerate each kept conversation's first reply with the verifier itself
+    assert metrics["regenerated_turns"] == 16 and metrics["regenerate_tokens_per_s"] > 0
 
     extract = json.loads((repo / "metrics/extract.json").read_text())
     assert extract["rows"] == 16 and extract["tokens"] == metrics["tokens"]
@@ -58,15 +60,15 @@ def test_default_verifier_and_chitchat_through_dvc_repro(tmp_path: Path):
     hs_dir = repo / "data/hidden_states"
     assert sorted(p.name for p in hs_dir.iterdir()) == sorted(f"hs_{i}.safetensors" for i in range(16))
     data = json.loads((repo / "metrics/data.json").read_text())
-    assert data["samples"] == 16 and data["excluded"] == 0 and data["draft_vocab_size"] == 8192
-    assert data["vocab_coverage_train"] == 1.0  # 16 short chats have far fewer than 8192 distinct tokens
+    assert data["samples"] == 16 and data["excluded"] == 0 and data["draft_vocab_size"] == 4096
+    assert data["vocab_coverage_train"] == 1.0  # 16 short chats have far fewer than 4096 distinct tokens
     assert 0.5 < data["vocab_coverage_val"] <= 1.0
-    assert (repo / "data/vocab/d2t-8192.npy").is_file() and (repo / "data/vocab/t2d-8192.npy").is_file()
+    assert (repo / "data/vocab/d2t-4096.npy").is_file() and (repo / "data/vocab/t2d-4096.npy").is_file()
     train = json.loads((repo / "metrics/train.json").read_text())
     assert train["steps"] == 4 and len(train["val_acc"]) == 3 and train["tau_sim"] >= 1.0
     draft = json.loads((repo / "models/draft/config.json").read_text())
     assert draft["speculators_config"]["verifier"]["name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
-    assert draft["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27] and draft["draft_vocab_size"] == 8192
+    assert draft["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27] and draft["draft_vocab_size"] == 4096
     evaluation = json.loads((repo / "metrics/eval.json").read_text())
     assert evaluation["lossless_fraction"] == 1.0 and evaluation["num_prompts"] == metrics["val_rows"] == 1
     assert 1.0 <= evaluation["tau"] <= 4.0 and len(evaluation["per_position_acceptance"]) == 3

@@ -85,7 +85,7 @@ class PrepareParams(StrictModel):
         ),
     )
     max_conversations: int | None = Field(
-        default=256,
+        default=896,
         ge=1,
         description="Read at most this many conversations (after shuffling with seed); null reads all.",
     )
@@ -95,7 +95,7 @@ class PrepareParams(StrictModel):
         description="Truncate each rendered conversation to this many tokens.",
     )
     max_assistant_turns: int | None = Field(
-        default=None,
+        default=1,
         ge=1,
         description="Keep each conversation up to its N-th assistant reply; null keeps every reply.",
     )
@@ -107,13 +107,13 @@ class PrepareParams(StrictModel):
     )
     seed: int = Field(default=0, description="Seed of the shuffle that picks and splits conversations.")
     regenerate: bool = Field(
-        default=False,
+        default=True,
         description="Self-distillation: the verifier rewrites every assistant turn given the conversation so far.",
     )
     regenerate_temperature: float = Field(default=0.0, ge=0.0, description="Sampling temperature; 0 is greedy.")
-    regenerate_max_new_tokens: int = Field(default=128, ge=1, description="Longest regenerated reply.")
+    regenerate_max_new_tokens: int = Field(default=64, ge=1, description="Longest regenerated reply.")
     regenerate_batch_size: int = Field(
-        default=8, ge=1, description="Conversations generated together (vllm: requests per generate() call)."
+        default=64, ge=1, description="Conversations generated together (vllm: requests per generate() call)."
     )
     regenerate_backend: Literal["hf", "vllm"] = Field(
         default="hf", description="'hf': transformers generate (CPU or GPU); 'vllm': vLLM 0.33 on GPU ([vllm] extra)."
@@ -200,7 +200,7 @@ class ConvertParams(StrictModel):
     """``convert:`` — validate the hidden states and build the draft vocabulary."""
 
     draft_vocab_size: int | None = Field(
-        default=8192,
+        default=4096,
         ge=1,
         description=(
             "Tokens the draft predicts: the most frequent loss-masked tokens of the train split (speculators' "
@@ -225,7 +225,7 @@ class TrainParams(StrictModel):
     total_seq_len: int = Field(
         default=1024, ge=16, description="Tokens per packed training batch (rows are packed, never split)."
     )
-    steps: int = Field(default=300, ge=1, description="Optimizer steps.")
+    steps: int = Field(default=450, ge=1, description="Optimizer steps.")
     lr: float = Field(default=1e-3, gt=0.0, le=1.0, description="Peak AdamW learning rate.")
     weight_decay: float = Field(default=0.0, ge=0.0, description="AdamW weight decay.")
     warmup_steps: int = Field(default=10, ge=0, description="Linear warm-up steps before the cosine decay.")

@@ -73,6 +73,9 @@ def regenerate(conversations: list[list[dict[str, str]]], generate_replies: Repl
             todo.append(i)
     if todo and generate_replies is None:
         raise ValueError("regenerate: conversations to generate but no reply generator")
+    # Batch conversations of similar length: a batch is left-padded to its longest prompt, and one long
+    # prompt among short ones made generation ~3x slower (40 against 110 tok/s for SmolLM2 on 2 cores).
+    todo.sort(key=lambda i: sum(len(m["content"]) for m in conversations[i][:-1]))
     for start in range(0, len(todo), batch_size):
         batch = todo[start : start + batch_size]
         histories = [[dict(m) for m in conversations[i]] for i in batch]
