@@ -225,7 +225,7 @@ class TrainParams(StrictModel):
     total_seq_len: int = Field(
         default=1024, ge=16, description="Tokens per packed training batch (rows are packed, never split)."
     )
-    steps: int = Field(default=450, ge=1, description="Optimizer steps.")
+    steps: int = Field(default=550, ge=1, description="Optimizer steps.")
     lr: float = Field(default=1e-3, gt=0.0, le=1.0, description="Peak AdamW learning rate.")
     weight_decay: float = Field(default=0.0, ge=0.0, description="AdamW weight decay.")
     warmup_steps: int = Field(default=10, ge=0, description="Linear warm-up steps before the cosine decay.")
