@@ -104,10 +104,10 @@ class _FakeRequestOutput:
         self.outputs = [_FakeCompletion(token_ids)]
 
 
-def test_vllm_regeneration_arguments(tiny_verifier_dir: Path):
+def test_vllm_regeneration_arguments(tiny_verifier_dir: Path, tmp_path: Path):
     from eaglenest.regenerate_vllm import build_regenerate_llm_kwargs, build_sampling_kwargs
 
-    info, model_dir = load_verifier_info_for(tiny_verifier_dir)
+    info, model_dir = load_verifier_info_for(tiny_verifier_dir, tmp_path)
     params = PrepareParams(regenerate=True, regenerate_backend="vllm", max_len=256, regenerate_max_new_tokens=64,
                            regenerate_temperature=0.7, regenerate_gpu_memory_utilization=0.5)
     llm = build_regenerate_llm_kwargs(params, info, model_dir)
@@ -118,14 +118,12 @@ def test_vllm_regeneration_arguments(tiny_verifier_dir: Path):
     assert sampling == {"temperature": 0.7, "max_tokens": 64, "stop_token_ids": [3, 7], "seed": 11}
 
 
-def load_verifier_info_for(tiny_verifier_dir: Path):
+def load_verifier_info_for(tiny_verifier_dir: Path, tmp_path: Path):
     """verifier.json for the tiny model, as the verifier stage writes it."""
-    import tempfile
-
     from eaglenest.params import VerifierParams
     from eaglenest.verifier import build_verifier, load_verifier_info
 
-    out = Path(tempfile.mkdtemp()) / "verifier"
+    out = tmp_path / "verifier"
     build_verifier(VerifierParams(model=str(tiny_verifier_dir)), out)
     return load_verifier_info(out)
 
@@ -138,10 +136,10 @@ def test_vllm_replies_are_cut_after_the_end_of_turn_token():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
-def test_vllm_regeneration_without_vllm_says_how_to_install(tiny_verifier_dir: Path):
+def test_vllm_regeneration_without_vllm_says_how_to_install(tiny_verifier_dir: Path, tmp_path: Path):
     from eaglenest.errors import EaglenestError
     from eaglenest.regenerate_vllm import vllm_reply_generator
 
-    info, model_dir = load_verifier_info_for(tiny_verifier_dir)
+    info, model_dir = load_verifier_info_for(tiny_verifier_dir, tmp_path)
     with pytest.raises(EaglenestError, match=r"prepare.regenerate_backend: vllm needs vLLM on a GPU machine"):
         vllm_reply_generator(PrepareParams(regenerate_backend="vllm"), info, model_dir, {2})

@@ -47,7 +47,7 @@ def staging_dir_for(out_dir: Path) -> Path:
     return out_dir.with_name(out_dir.name + ".vllm-staging")
 
 
-def _serving_dtype(model_dir: Path) -> str:
+def serving_dtype(model_dir: Path) -> str:
     """vLLM's dtype: the checkpoint's own, except that an fp32 checkpoint (the CPU-materialised built-in)
     runs in bf16, as it would be served."""
     try:
@@ -72,7 +72,7 @@ def build_llm_kwargs(job: ExtractionJob, staging_dir: Path) -> dict[str, Any]:
         "gpu_memory_utilization": params.gpu_memory_utilization,
         "max_num_seqs": params.max_num_seqs,
         "max_model_len": max_model_len,
-        "dtype": _serving_dtype(job.model_dir),
+        "dtype": serving_dtype(job.model_dir),
         # vLLM's docs require chunked prefill off for this method; prefix caching is off so that every
         # token's hidden state is computed by this request, not shared from another's cache blocks.
         "enable_chunked_prefill": False,

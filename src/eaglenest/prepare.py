@@ -14,6 +14,7 @@ evaluation prompts).
 from __future__ import annotations
 
 import bisect
+import itertools
 import json
 import logging
 import random
@@ -124,6 +125,14 @@ def render_with_loss_mask(tokenizer: Any, messages: list[dict[str, str]], max_le
     return PreparedRow(input_ids[:max_len], loss_mask[:max_len], truncated)
 
 
+def cut_after_end_of_turn(tokens: list[int], eot_ids: set[int]) -> list[int]:
+    """The tokens up to and including the first end-of-turn token (generation pads or runs on after it)."""
+    for i, token in enumerate(tokens):
+        if token in eot_ids:
+            return tokens[: i + 1]
+    return tokens
+
+
 def first_user_turn(messages: list[dict[str, str]]) -> list[dict[str, str]]:
     """The conversation up to and including its first user message (an evaluation prompt)."""
     for i, message in enumerate(messages):
@@ -142,6 +151,10 @@ def trim_conversation(messages: list[dict[str, str]], max_assistant_turns: int |
     if max_assistant_turns is not None:
         replies = replies[:max_assistant_turns]
     return messages[: replies[-1] + 1] if replies else messages[:1]
+
+
+def _has_reply(messages: list[dict[str, str]]) -> bool:
+    return any(m["role"] == "assistant" for m in messages[1:])
 
 
 Regenerator = Callable[[list[list[dict[str, str]]]], tuple[list[list[dict[str, str]]], Any]]
@@ -174,13 +187,13 @@ def prepare_dataset(params: PrepareParams, tokenizer: Any, out_dir: Path, metric
     if regenerator is not None:
         # Regenerate exactly the conversations that will be kept (the first `wanted` with a reply), before
         # rendering; the loop below then stops after them, so no original reply slips in.
-        trimmed = {i: trim_conversation(conversations[i].messages, params.max_assistant_turns) for i in order}
-        candidates = [i for i in order if any(m["role"] == "assistant" for m in trimmed[i][1:])][:wanted]
-        regenerated, regeneration = regenerator([trimmed[i] for i in candidates])
+        trimmed = ((i, trim_conversation(conversations[i].messages, params.max_assistant_turns)) for i in order)
+        candidates = list(itertools.islice(((i, m) for i, m in trimmed if _has_reply(m)), wanted))
+        regenerated, regeneration = regenerator([messages for _, messages in candidates])
         conversations = list(conversations)
-        for i, messages in zip(candidates, regenerated, strict=True):
+        for (i, _), messages in zip(candidates, regenerated, strict=True):
             conversations[i] = Conversation(origin=conversations[i].origin, messages=messages)
-        last = order.index(candidates[-1]) + 1 if candidates else 0
+        last = order.index(candidates[-1][0]) + 1 if candidates else 0
     dropped: Counter[str] = Counter({reason: 0 for reason in DROP_REASONS})
     kept: list[tuple[PreparedRow, Conversation]] = []
     rendered = 0
@@ -191,7 +204,7 @@ def prepare_dataset(params: PrepareParams, tokenizer: Any, out_dir: Path, metric
             conversation = conversations[index]
             rendered += 1
             messages = trim_conversation(conversation.messages, params.max_assistant_turns)
-            if not any(m["role"] == "assistant" for m in messages[1:]):
+            if not _has_reply(messages):
                 dropped["no_assistant_turn"] += 1
                 continue
             row = render_with_loss_mask(tokenizer, messages, params.max_len, eot_ids)

@@ -14,6 +14,7 @@ after a kill) regenerates nothing twice.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 
 from eaglenest.atomic import atomic_write_json
+from eaglenest.prepare import cut_after_end_of_turn
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +41,6 @@ ReplyGenerator = Callable[[list[list[int]], int], list[list[int]]]
 class RegenerationStats:
     """What regeneration did, for metrics/prepare.json."""
 
-    conversations: int = 0
     cache_hits: int = 0
     turns: int = 0
     tokens: int = 0
@@ -59,7 +60,7 @@ def regenerate(conversations: list[list[dict[str, str]]], generate_replies: Repl
 
     ``generate_replies`` may be None when every conversation is already cached.
     """
-    stats = RegenerationStats(conversations=len(conversations))
+    stats = RegenerationStats()
     started = time.perf_counter()
     results: list[list[dict[str, str]] | None] = [None] * len(conversations)
     keys = [cache_key(c, fingerprint, temperature, max_new_tokens, max_len, seed) for c in conversations]
@@ -114,14 +115,6 @@ def hf_reply_generator(model: Any, tokenizer: Any, temperature: float, max_new_t
     return generate_replies
 
 
-def cut_after_end_of_turn(tokens: list[int], eos_ids: set[int]) -> list[int]:
-    """The reply up to and including its first end-of-turn token (generation pads or runs on after it)."""
-    for i, token in enumerate(tokens):
-        if token in eos_ids:
-            return tokens[: i + 1]
-    return tokens
-
-
 def _generate(prompts: list[list[int]], model: Any, pad_id: int, temperature: float, max_new_tokens: int,
               eos_ids: set[int], seed: int) -> list[list[int]]:
     """Batched generation with left padding; each reply cut after its first end-of-turn token."""
@@ -143,6 +136,7 @@ def verifier_regenerator(params: Any, info: Any, model_dir: Path, tokenizer: Any
     """The prepare stage's regenerator: loads the verifier on ``prepare.regenerate_backend`` only when some
     conversation is not cached."""
 
+    @functools.cache  # loaded on the first uncached conversation: a fully cached rerun never loads the verifier
     def load_reply_generator() -> ReplyGenerator:
         if params.regenerate_backend == "vllm":
             from eaglenest.regenerate_vllm import vllm_reply_generator
@@ -155,14 +149,10 @@ def verifier_regenerator(params: Any, info: Any, model_dir: Path, tokenizer: Any
         return hf_reply_generator(model, tokenizer, params.regenerate_temperature, params.regenerate_max_new_tokens,
                                   eos_ids)
 
+    def generate_replies(prompts: list[list[int]], seed: int) -> list[list[int]]:
+        return load_reply_generator()(prompts, seed)
+
     def run(conversations: list[list[dict[str, str]]]) -> tuple[list[list[dict[str, str]]], RegenerationStats]:
-        loaded: list[ReplyGenerator] = []
-
-        def generate_replies(prompts: list[list[int]], seed: int) -> list[list[int]]:
-            if not loaded:  # a fully cached rerun never loads the verifier
-                loaded.append(load_reply_generator())
-            return loaded[0](prompts, seed)
-
         return regenerate(conversations, generate_replies, tokenizer, fingerprint=info.fingerprint,
                           temperature=params.regenerate_temperature, max_new_tokens=params.regenerate_max_new_tokens,
                           max_len=params.max_len, batch_size=params.regenerate_batch_size, seed=params.seed)

@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from eaglenest.errors import EaglenestError
-from eaglenest.extract_vllm import _serving_dtype
-from eaglenest.regenerate import ReplyGenerator, cut_after_end_of_turn
+from eaglenest.extract_vllm import serving_dtype
+from eaglenest.prepare import cut_after_end_of_turn
+from eaglenest.regenerate import ReplyGenerator
 
 
 def build_regenerate_llm_kwargs(params: Any, info: Any, model_dir: Path) -> dict[str, Any]:
@@ -27,7 +28,7 @@ def build_regenerate_llm_kwargs(params: Any, info: Any, model_dir: Path) -> dict
     return {
         "model": str(model_dir),
         "trust_remote_code": info.trust_remote_code,
-        "dtype": _serving_dtype(model_dir),
+        "dtype": serving_dtype(model_dir),
         "max_model_len": max_model_len,
         "gpu_memory_utilization": params.regenerate_gpu_memory_utilization,
         "seed": params.seed,

@@ -26,6 +26,8 @@ from typing import Any, Protocol
 import torch
 from transformers import DynamicCache
 
+from eaglenest.prepare import cut_after_end_of_turn
+
 
 def truncate_cache(cache: Any, length: int) -> None:
     """Keeps the first ``length`` positions of a transformers cache."""
@@ -190,7 +192,7 @@ def speculative_decode(verifier: VerifierRunner, drafter: Drafter, prompt: list[
                 break
         next_token = bonus
         drafter.accept(kept, aux[: accepted + 1], bonus)
-    result.tokens = _cut_at_eos(result.tokens[:max_new_tokens], eos_ids)
+    result.tokens = cut_after_end_of_turn(result.tokens[:max_new_tokens], eos_ids)
     result.seconds = time.perf_counter() - started
     return result
 
@@ -220,13 +222,6 @@ def _verify(drafts: list[int], q: list[torch.Tensor] | None, logits: torch.Tenso
         total = float(residual.sum())
         return i, _sample(residual / total if total > 0 else p[i], generator)
     return len(drafts), _sample(p[len(drafts)], generator)
-
-
-def _cut_at_eos(tokens: list[int], eos_ids: set[int]) -> list[int]:
-    for i, token in enumerate(tokens):
-        if token in eos_ids:
-            return tokens[: i + 1]
-    return tokens
 
 
 def plain_decode(verifier: VerifierRunner, prompt: list[int], max_new_tokens: int, eos_ids: set[int],
