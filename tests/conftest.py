@@ -126,11 +126,11 @@ def smollm2_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A DVC repo of the default pipeline (SmolLM2, chitchat) run through `train` on a tiny configuration:
     models/verifier, data/prepared, data/hidden_states, data/vocab and models/draft. Built once per session
     (about 3 minutes on 2 cores); EAGLENEST_TEST_SMOLLM2_REPO points at an existing one while developing."""
-    from .helpers import dvc, make_pipeline_repo
+    from .helpers import VENV_BIN, make_pipeline_repo, run
 
     existing = os.environ.get("EAGLENEST_TEST_SMOLLM2_REPO")
     if existing:
         return Path(existing)
     repo = make_pipeline_repo(tmp_path_factory.mktemp("smollm2") / "repo", SMOLLM2_TINY_PARAMS)
-    dvc(["repro", "train"], repo)
+    run([str(VENV_BIN / "dvc"), "repro", "train"], repo, timeout=2400)  # minutes when the machine is busy
     return repo

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,11 +13,19 @@ from safetensors.torch import load_file, save_file
 
 from eaglenest.errors import EaglenestError
 from eaglenest.extract import ExtractionJob, extract_hidden_states
-from eaglenest.extract_vllm import build_llm_kwargs, extract_with_vllm, staging_dir_for
+from eaglenest.extract_vllm import (
+    WAVES_PER_CALL,
+    build_llm_kwargs,
+    extract_with_vllm,
+    read_staged,
+    staging_dir_for,
+)
 from eaglenest.hidden_states import hs_path
 from eaglenest.params import ExtractParams
 from eaglenest.verifier import load_verifier_info
+from eaglenest.vllm_support import VllmBuild
 
+from .conftest import requires_vllm
 from .test_extract import pipeline_until_prepare
 
 
@@ -29,8 +39,10 @@ class FakeEngine:
             "eagle_aux_hidden_state_layer_ids"]
         self.corrupt_tokens = corrupt_tokens
         self.calls = 0
+        self.call_sizes: list[int] = []
 
     def hidden_state_files(self, prompts):
+        self.call_sizes.append(len(prompts))
         files = []
         for prompt in prompts:
             self.calls += 1
@@ -45,7 +57,7 @@ class FakeEngine:
         return files
 
 
-def make_job(tmp_path: Path, tiny_verifier_dir: Path) -> tuple[ExtractionJob, Path]:
+def make_job(tmp_path: Path, tiny_verifier_dir: Path, max_num_seqs: int = 64) -> tuple[ExtractionJob, Path]:
     verifier_dir, prepared = pipeline_until_prepare(tmp_path, tiny_verifier_dir)
     verifier, model_dir = load_verifier_info(verifier_dir)
     from datasets import load_from_disk
@@ -54,12 +66,16 @@ def make_job(tmp_path: Path, tiny_verifier_dir: Path) -> tuple[ExtractionJob, Pa
     out = tmp_path / "data" / "hidden_states"
     out.mkdir(parents=True)
     job = ExtractionJob(verifier=verifier, model_dir=model_dir,
-                        params=ExtractParams(backend="vllm", tensor_parallel_size=2, gpu_memory_utilization=0.5),
+                        params=ExtractParams(backend="vllm", tensor_parallel_size=2, gpu_memory_utilization=0.5,
+                                         max_num_seqs=max_num_seqs),
                         out_dir=out, todo=list(range(len(input_ids))), input_ids=input_ids)
     return job, prepared
 
 
-def test_llm_arguments(tmp_path: Path, tiny_verifier_dir: Path):
+@pytest.mark.parametrize("kind", ["cpu", "gpu"])
+def test_llm_arguments(tmp_path: Path, tiny_verifier_dir: Path, monkeypatch: pytest.MonkeyPatch, kind: str):
+    monkeypatch.setattr("eaglenest.vllm_support.installed_build", lambda: VllmBuild(kind, "vllm", "0"))
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     job, _ = make_job(tmp_path, tiny_verifier_dir)
     kwargs = build_llm_kwargs(job, tmp_path / "stage")
     assert kwargs["model"] == str(tiny_verifier_dir)
@@ -69,11 +85,17 @@ def test_llm_arguments(tmp_path: Path, tiny_verifier_dir: Path):
         "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 5, 8]}},
     }
     assert kwargs["kv_transfer_config"] == {
-        "kv_connector": "ExampleHiddenStatesConnector",
+        "kv_connector": "EaglenestHiddenStatesConnector",
+        "kv_connector_module_path": "eaglenest.vllm_connector",
         "kv_role": "kv_producer",
         "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "stage")},
     }
-    assert (kwargs["tensor_parallel_size"], kwargs["gpu_memory_utilization"]) == (2, 0.5)
+    assert kwargs["tensor_parallel_size"] == 2
+    if kind == "gpu":
+        assert kwargs["gpu_memory_utilization"] == 0.5 and "enforce_eager" not in kwargs
+    else:  # the CPU build: no GPU memory to share, eager graphs, a KV cache sized by the environment
+        assert "gpu_memory_utilization" not in kwargs and kwargs["enforce_eager"] is True
+        assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert kwargs["max_model_len"] == max(len(ids) for ids in job.input_ids) + 1
     assert kwargs["enable_chunked_prefill"] is False and kwargs["trust_remote_code"] is False
     assert kwargs["dtype"] == "bfloat16"  # the tiny checkpoint is fp32: served in bf16
@@ -95,6 +117,30 @@ def test_staged_files_are_moved_into_the_layout(tmp_path: Path, tiny_verifier_di
     assert not staging_dir_for(job.out_dir).exists()  # staged files and lock files are gone
 
 
+def test_an_engine_that_fails_to_start_leaves_no_staging(tmp_path: Path, tiny_verifier_dir: Path):
+    job, _ = make_job(tmp_path, tiny_verifier_dir)
+
+    def failing_engine(kwargs: dict) -> FakeEngine:
+        raise EaglenestError("extract.backend: vllm could not start")
+
+    with pytest.raises(EaglenestError, match="could not start"):
+        extract_with_vllm(job, engine_factory=failing_engine)
+    assert not staging_dir_for(job.out_dir).exists()
+
+
+def test_rows_go_to_vllm_a_few_waves_per_call(tmp_path: Path, tiny_verifier_dir: Path):
+    """Rows are written after their generate() call: calls of WAVES_PER_CALL x max_num_seqs rows bound the
+    work a kill loses and the staging folder's size."""
+    job, _ = make_job(tmp_path, tiny_verifier_dir, max_num_seqs=1)
+    engines: list[FakeEngine] = []
+    extract_with_vllm(job, engine_factory=lambda kwargs: engines.append(FakeEngine(kwargs)) or engines[-1])
+    rows = len(job.todo)
+    assert rows > WAVES_PER_CALL
+    assert engines[0].call_sizes == [WAVES_PER_CALL] * (rows // WAVES_PER_CALL) + (
+        [rows % WAVES_PER_CALL] if rows % WAVES_PER_CALL else [])
+    assert engines[0].kwargs["max_num_seqs"] == 1
+
+
 def test_token_mismatch_from_vllm_is_an_error(tmp_path: Path, tiny_verifier_dir: Path):
     job, _ = make_job(tmp_path, tiny_verifier_dir)
     with pytest.raises(EaglenestError, match=r"vLLM's token_ids differ from prepared row"):
@@ -102,18 +148,54 @@ def test_token_mismatch_from_vllm_is_an_error(tmp_path: Path, tiny_verifier_dir:
     assert not list(job.out_dir.glob("hs_*.safetensors"))
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
-def test_vllm_backend_without_vllm_says_how_to_install(tmp_path: Path, tiny_verifier_dir: Path):
+def test_vllm_backend_without_vllm_says_how_to_install(tmp_path: Path, tiny_verifier_dir: Path,
+                                                        monkeypatch: pytest.MonkeyPatch):
+    # Runs whether or not vLLM is installed here: the check reads only the installation's metadata.
+    monkeypatch.setattr("eaglenest.vllm_support.installed_build", lambda: None)
     verifier_dir, prepared = pipeline_until_prepare(tmp_path, tiny_verifier_dir)
-    with pytest.raises(EaglenestError, match=r"extract.backend: vllm needs vLLM on a GPU machine"):
+    with pytest.raises(EaglenestError, match=r"^extract.backend: vllm needs vLLM, which this interpreter lacks; "
+                                             r"install vLLM's (CPU|GPU) build: .*or set extract.backend: hf$"):
         extract_hidden_states(ExtractParams(backend="vllm"), verifier_dir, prepared, tmp_path / "hs",
                               tmp_path / "m.json")
+    assert not staging_dir_for(tmp_path / "hs").exists()  # refused before anything was staged
 
 
 def test_vllm_is_never_imported_by_the_base_package():
-    import sys
+    # A fresh interpreter: other tests of this session may have imported vllm already.
+    code = "import sys, eaglenest.cli, eaglenest.extract, eaglenest.extract_vllm; print('vllm' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
 
-    import eaglenest.cli  # noqa: F401
-    import eaglenest.extract  # noqa: F401
 
-    assert "vllm" not in sys.modules
+@requires_vllm
+def test_connector_writes_a_cpu_buffer_in_block_order(tmp_path: Path):
+    """The CPU write path on a synthetic buffer: a request's blocks out of order, its last block part-filled."""
+    import fcntl
+    from concurrent.futures import ThreadPoolExecutor
+
+    from eaglenest.vllm_connector import EaglenestHiddenStatesConnector, PendingSave
+
+    blocks, slots, block_size, hidden = 6, 3, 4, 5
+    kv_cache = torch.randn(blocks, slots, block_size, hidden)  # [num_blocks, n, bs, hidden], as vLLM lays it out
+    connector = object.__new__(EaglenestHiddenStatesConnector)  # the engine's config is not needed for a write
+    connector._kv_cache, connector._block_size, connector._is_tp_rank_zero = kv_cache, block_size, True
+    connector._req_futures, connector._req_copy_events, connector._lock_fds = {}, {}, {}
+    connector.use_lock = True
+    connector._executor = ThreadPoolExecutor(1)
+    path = tmp_path / "req-1.safetensors"
+    lock_fd = os.open(str(path) + ".lock", os.O_CREAT | os.O_WRONLY, 0o644)  # as wait_for_save pre-creates it
+    fcntl.flock(lock_fd, fcntl.LOCK_EX)
+    connector._lock_fds["req-1"] = lock_fd
+
+    tokens = torch.arange(6, dtype=torch.int64)
+    # Tokens 0-3 sit in block 4, tokens 4-5 in the first two slots of block 1.
+    expected = torch.cat([kv_cache[4], kv_cache[1, :, :2]], dim=1).permute(1, 0, 2).clone()  # [6, n, hidden]
+    connector._submit_async_write(PendingSave("req-1", str(path), tokens, block_ids=[4, 1]))
+    assert connector._req_copy_events["req-1"].query()  # get_finished may report the request at once
+    kv_cache.zero_()  # the blocks are reused once reported: the write must not read them any more
+
+    data = read_staged(path)  # waits for the writer's lock
+    connector._executor.shutdown(wait=True)
+    assert torch.equal(data["token_ids"], tokens)
+    assert torch.equal(data["hidden_states"], expected)
+    assert not path.exists() and not Path(str(path) + ".lock").exists()

