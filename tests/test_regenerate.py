@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
+import json
+import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,8 +15,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from eaglenest.params import PrepareParams
 from eaglenest.prepare import end_of_turn_ids, prepare_dataset
 from eaglenest.regenerate import hf_reply_generator, regenerate
+from eaglenest.vllm_support import installed_build
 
-from .conftest import write_jsonl
+from .conftest import requires_vllm, write_jsonl
+from .helpers import project_env
 
 CONVERSATIONS = [
     [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "I am fine"}],
@@ -111,9 +116,19 @@ def test_vllm_regeneration_arguments(tiny_verifier_dir: Path, tmp_path: Path):
     params = PrepareParams(regenerate=True, regenerate_backend="vllm", max_len=256, regenerate_max_new_tokens=64,
                            regenerate_temperature=0.7, regenerate_gpu_memory_utilization=0.5)
     llm = build_regenerate_llm_kwargs(params, info, model_dir)
-    assert llm["model"] == str(model_dir) and llm["gpu_memory_utilization"] == 0.5
+    assert llm["model"] == str(model_dir)
     assert llm["max_model_len"] == min(256 + 64, info.max_position_embeddings or 10**9)
-    assert llm["trust_remote_code"] is False
+    assert llm["trust_remote_code"] is False and llm["seed"] == params.seed
+    assert llm["dtype"] == "bfloat16"  # regenerate_vllm_dtype auto: the fp32 tiny checkpoint runs in bf16
+    build = installed_build()
+    if build is not None and build.kind == "cpu":
+        # vLLM's CPU build has no GPU memory to share; its graph runs eagerly (compiling costs minutes)
+        assert "gpu_memory_utilization" not in llm and llm["enforce_eager"] is True
+    else:
+        assert llm["gpu_memory_utilization"] == 0.5 and "enforce_eager" not in llm
+    exact = build_regenerate_llm_kwargs(params.model_copy(update={"regenerate_vllm_dtype": "float32"}), info,
+                                        model_dir)
+    assert exact["dtype"] == "float32"
     sampling = build_sampling_kwargs(params, {7, 3}, seed=11)
     assert sampling == {"temperature": 0.7, "max_tokens": 64, "stop_token_ids": [3, 7], "seed": 11}
 
@@ -135,11 +150,130 @@ def test_vllm_replies_are_cut_after_the_end_of_turn_token():
     assert replies_from_outputs(outputs, {2}) == [[5, 6, 2], [5, 6], []]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
-def test_vllm_regeneration_without_vllm_says_how_to_install(tiny_verifier_dir: Path, tmp_path: Path):
+def test_vllm_regeneration_without_vllm_says_how_to_install(tiny_verifier_dir: Path, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch):
+    from eaglenest import vllm_support
     from eaglenest.errors import EaglenestError
     from eaglenest.regenerate_vllm import vllm_reply_generator
 
+    # Runs whether vLLM is installed or not: the check reads the installation through installed_build().
+    monkeypatch.setattr(vllm_support, "installed_build", lambda: None)
     info, model_dir = load_verifier_info_for(tiny_verifier_dir, tmp_path)
-    with pytest.raises(EaglenestError, match=r"prepare.regenerate_backend: vllm needs vLLM on a GPU machine"):
+    with pytest.raises(EaglenestError, match=r"prepare\.regenerate_backend: vllm needs vLLM, which this interpreter "
+                                             r"lacks; install vLLM's (CPU|GPU) build: .*or set "
+                                             r"prepare\.regenerate_backend: hf"):
         vllm_reply_generator(PrepareParams(regenerate_backend="vllm"), info, model_dir, {2})
+
+
+# --- Real vLLM against the hf back end ------------------------------------------------------------------
+# vLLM's engine core is a spawned process, so vllm.LLM may only be created under `if __name__ ==
+# "__main__"`: the vllm side runs as this script, in its own interpreter, which also keeps vLLM's memory
+# and global state out of the pytest process.
+VLLM_REGENERATION_SCRIPT = """
+import json, sys
+from pathlib import Path
+
+from eaglenest.params import PrepareParams
+from eaglenest.prepare import end_of_turn_ids
+from eaglenest.regenerate import regenerate
+from eaglenest.regenerate_vllm import vllm_reply_generator
+from eaglenest.verifier import load_tokenizer, load_verifier_info
+
+if __name__ == "__main__":
+    verifier_dir, job, out = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text()), Path(sys.argv[3])
+    params = PrepareParams(**job["params"])
+    info, model_dir = load_verifier_info(verifier_dir)
+    tokenizer = load_tokenizer(verifier_dir)
+    eos = end_of_turn_ids(tokenizer, model_dir)
+    generate = vllm_reply_generator(params, info, model_dir, eos)
+    calls = []
+
+    def recorded(prompts, seed):
+        replies = generate(prompts, seed)
+        calls.extend(zip(prompts, replies))
+        return replies
+
+    regenerate(job["conversations"], recorded, tokenizer, fingerprint="vllm", temperature=params.regenerate_temperature,
+               max_new_tokens=params.regenerate_max_new_tokens, max_len=params.max_len,
+               batch_size=params.regenerate_batch_size, seed=params.seed, cache_dir=out.parent / "vllm-cache")
+    out.write_text(json.dumps(calls))
+"""
+
+
+def chitchat_first_replies(count: int, seed: int = 0) -> list[list[dict[str, str]]]:
+    """The first ``count`` conversations the prepare stage would pick from the built-in chitchat set (same
+    shuffle), each cut after its first assistant reply."""
+    from eaglenest.conversations import read_sources
+    from eaglenest.prepare import trim_conversation
+
+    conversations = read_sources(["builtin:chitchat"])
+    order = list(range(len(conversations)))
+    random.Random(seed).shuffle(order)
+    picked = []
+    for i in order:
+        messages = trim_conversation(conversations[i].messages, 1)
+        if any(m["role"] == "assistant" for m in messages[1:]):
+            picked.append(messages)
+        if len(picked) == count:
+            break
+    return picked
+
+
+def recorded_hf_replies(model, tokenizer, eos, conversations, params: PrepareParams, cache_dir: Path,
+                        batch_size: int) -> dict[tuple[int, ...], list[int]]:
+    """prompt token ids -> reply token ids, from eaglenest's own hf back end."""
+    calls: dict[tuple[int, ...], list[int]] = {}
+    generate = hf_reply_generator(model, tokenizer, params.regenerate_temperature, params.regenerate_max_new_tokens,
+                                  eos)
+
+    def recorded(prompts, seed):
+        replies = generate(prompts, seed)
+        calls.update((tuple(p), r) for p, r in zip(prompts, replies, strict=True))
+        return replies
+
+    regenerate(conversations, recorded, tokenizer, fingerprint="hf", temperature=params.regenerate_temperature,
+               max_new_tokens=params.regenerate_max_new_tokens, max_len=params.max_len, batch_size=batch_size,
+               seed=params.seed, cache_dir=cache_dir)
+    return calls
+
+
+@pytest.mark.slow
+@requires_vllm
+def test_vllm_regeneration_equals_hf_token_for_token_in_float32(smollm2_repo: Path, tmp_path: Path):
+    """At temperature 0 in float32 both back ends write the same replies, token for token, for the real
+    SmolLM2 verifier on chitchat conversations."""
+    from eaglenest.verifier import load_tokenizer, load_verifier_info
+
+    verifier_dir = smollm2_repo / "models" / "verifier"
+    params = PrepareParams(regenerate_backend="vllm", regenerate_vllm_dtype="float32", regenerate_temperature=0.0,
+                           regenerate_max_new_tokens=48, max_len=256, regenerate_batch_size=8)
+    conversations = chitchat_first_replies(8)
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"params": params.model_dump(), "conversations": conversations}))
+    script = tmp_path / "regenerate_vllm.py"
+    script.write_text(VLLM_REGENERATION_SCRIPT)
+    result = subprocess.run([sys.executable, str(script), str(verifier_dir), str(job), str(tmp_path / "vllm.json")],
+                            cwd=tmp_path, env=project_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    vllm = {tuple(p): r for p, r in json.loads((tmp_path / "vllm.json").read_text())}
+
+    info, model_dir = load_verifier_info(verifier_dir)
+    tokenizer = load_tokenizer(verifier_dir)
+    eos = end_of_turn_ids(tokenizer, model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = recorded_hf_replies(model, tokenizer, eos, conversations, params, tmp_path / "hf-cache", batch_size=8)
+    assert len(hf) == len(conversations) and set(vllm) == set(hf)
+    assert all(len(r) > 0 for r in hf.values())
+    differing = [p for p in hf if hf[p] != vllm[p]]
+    if differing:
+        # Tell apart vLLM's numerics from hf's batching (left padding changes fp32 sums): the same prompts,
+        # generated by hf one at a time.
+        alone = recorded_hf_replies(model, tokenizer, eos, conversations, params, tmp_path / "hf-alone", batch_size=1)
+        report = []
+        for p in differing:
+            first = next((i for i, (a, b) in enumerate(zip(hf[p], vllm[p], strict=False)) if a != b),
+                         min(len(hf[p]), len(vllm[p])))
+            report.append(f"prompt of {len(p)} tokens: first difference at reply token {first}; "
+                          f"hf batched {hf[p][first:first + 4]}, hf alone {alone[p][first:first + 4]}, "
+                          f"vllm {vllm[p][first:first + 4]}")
+        pytest.fail(f"{len(differing)} of {len(hf)} replies differ:\n" + "\n".join(report))
