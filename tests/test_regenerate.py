@@ -58,6 +58,10 @@ def test_regenerated_turns_are_the_verifiers_greedy_replies(tiny_verifier_dir: P
     again, stats = regenerate(CONVERSATIONS, None, tokenizer, fingerprint="f", temperature=0.0, max_new_tokens=12,
                               max_len=512, batch_size=2, seed=0, cache_dir=tmp_path / "cache")
     assert again == out and stats.cache_hits == 3 and stats.turns == 0  # nothing regenerated twice
+    # another back end or dtype writes other replies: its cache entries are its own
+    with pytest.raises(ValueError, match="no reply generator"):
+        regenerate(CONVERSATIONS, None, tokenizer, fingerprint="f", temperature=0.0, max_new_tokens=12, max_len=512,
+                   batch_size=2, seed=0, generator="vllm-bfloat16", cache_dir=tmp_path / "cache")
 
 
 def test_prepare_with_regeneration_masks_exactly_the_new_replies(tiny_verifier_dir: Path, tmp_path: Path):

@@ -86,5 +86,33 @@ def test_a_verifier_vllm_cannot_load_is_refused_before_the_engine_starts(tmp_pat
 
 
 @requires_vllm
-def test_a_llama_verifier_is_loadable(tiny_verifier_dir: Path):
-    vllm_support.check_loadable(tiny_verifier_dir, "the verifier")  # LlamaForCausalLM: no error
+def test_a_llama_verifier_with_a_supported_head_size_is_loadable(tmp_path: Path):
+    # SmolLM2-135M's shape: hidden 576 over 9 heads is a head size of 64
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 576,
+                                                      "num_attention_heads": 9}))
+    vllm_support.check_loadable(tmp_path, "the verifier")
+
+
+@pytest.mark.slow
+@requires_vllm
+def test_a_verifier_the_vllm_engine_cannot_run_stops_prepare_in_one_line(tmp_path: Path, tiny_verifier_dir: Path):
+    """The tiny Llama is a known architecture, but vLLM's CPU build has no attention kernel for its head size
+    (8): the engine would die at the first request; prepare says so in one line, before it starts, and
+    writes nothing."""
+    from .conftest import write_jsonl
+    from .helpers import dvc, make_pipeline_repo
+
+    repo = make_pipeline_repo(tmp_path / "repo", {
+        "verifier": {"model": str(tiny_verifier_dir)},
+        "prepare": {"source": ["data/conversations/chats.jsonl"], "regenerate_backend": "vllm"},
+    })
+    chat = [{"from": "human", "value": "hello there"}, {"from": "gpt", "value": "I am fine thanks"}]
+    write_jsonl(repo / "data/conversations/chats.jsonl", [{"conversations": chat}] * 4)
+    result = dvc(["repro", "prepare"], repo, check=False)
+    assert result.returncode != 0
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if "eaglenest prepare: error:" in line]
+    assert len(errors) == 1, result.stdout + result.stderr
+    assert "vLLM's CPU build cannot run the verifier: attention head size 8 has no CPU kernel" in errors[0]
+    assert "use the hf back end" in errors[0] and "Traceback" not in result.stdout + result.stderr
+    assert not (repo / "data/prepared").exists()
+    assert not list((repo / "data").glob("*prepared*tmp*"))

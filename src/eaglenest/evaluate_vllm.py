@@ -28,7 +28,7 @@ from eaglenest.vllm_support import (
     create_llm,
     draft_tokens,
     engine_kwargs,
-    first_line,
+    generate,
     require_vllm,
 )
 
@@ -128,16 +128,7 @@ def _token_ids(outputs: list[Any]) -> list[list[int]]:
 
 
 def _generate(llm: Any, requests: list[dict[str, Any]], sampling: Any) -> list[Any]:
-    """``llm.generate``, with an engine that dies mid-run (an unsupported kernel, memory) as one line."""
-    from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
-
-    try:
-        return llm.generate(requests, sampling, use_tqdm=False)
-    except (EngineDeadError, EngineGenerateError, RuntimeError) as err:
-        raise EaglenestError(
-            f"{PARAM}: vllm failed while decoding: {first_line(err)} (vLLM's log above has the root cause); "
-            "use evaluate.backend: hf"
-        ) from None
+    return generate(llm, requests, sampling, PARAM)
 
 
 def _single_stream(llm: Any, requests: list[dict[str, Any]], sampling: Any) -> tuple[list[Any], float]:

@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 
 from eaglenest.errors import EaglenestError
 from eaglenest.hidden_states import HIDDEN_KEY, TOKENS_KEY
-from eaglenest.vllm_support import clamp_max_model_len, create_llm, engine_kwargs, require_vllm
+from eaglenest.vllm_support import clamp_max_model_len, create_llm, engine_kwargs, generate, require_vllm
 
 # Where vLLM finds our connector: a class name and the module it lives in (eaglenest.vllm_connector, which
 # imports vllm and so is named here as a string, not imported).
@@ -97,7 +97,7 @@ class VllmEngine:
         self.sampling = SamplingParams(max_tokens=1, temperature=0.0)
 
     def hidden_state_files(self, prompts: Sequence[list[int]]) -> list[Path]:
-        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], self.sampling, use_tqdm=False)
+        outputs = generate(self.llm, [{"prompt_token_ids": list(p)} for p in prompts], self.sampling, "extract.backend")
         files = []
         for output in outputs:
             params = output.kv_transfer_params or {}

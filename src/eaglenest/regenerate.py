@@ -48,14 +48,21 @@ class RegenerationStats:
 
 
 def cache_key(messages: list[dict[str, str]], fingerprint: str, temperature: float, max_new_tokens: int,
-              max_len: int, seed: int) -> str:
-    payload = json.dumps([fingerprint, temperature, max_new_tokens, max_len, seed, messages], sort_keys=True)
+              max_len: int, seed: int, generator: str) -> str:
+    """The cache file name of one conversation's regeneration.
+
+    ``generator`` names the back end and its dtype (``hf-float32``, ``vllm-bfloat16``): a bf16 engine
+    writes different replies from an fp32 one, so switching back end or dtype must not reuse them.
+    """
+    payload = json.dumps([fingerprint, temperature, max_new_tokens, max_len, seed, generator, messages],
+                         sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:32]
 
 
 def regenerate(conversations: list[list[dict[str, str]]], generate_replies: ReplyGenerator | None, tokenizer: Any, *,
                fingerprint: str, temperature: float, max_new_tokens: int, max_len: int, batch_size: int, seed: int,
-               cache_dir: Path = CACHE_ROOT) -> tuple[list[list[dict[str, str]]], RegenerationStats]:
+               generator: str = "hf-float32", cache_dir: Path = CACHE_ROOT
+               ) -> tuple[list[list[dict[str, str]]], RegenerationStats]:
     """The conversations with every assistant turn (after the first message) rewritten by the verifier.
 
     ``generate_replies`` may be None when every conversation is already cached.
@@ -63,7 +70,7 @@ def regenerate(conversations: list[list[dict[str, str]]], generate_replies: Repl
     stats = RegenerationStats()
     started = time.perf_counter()
     results: list[list[dict[str, str]] | None] = [None] * len(conversations)
-    keys = [cache_key(c, fingerprint, temperature, max_new_tokens, max_len, seed) for c in conversations]
+    keys = [cache_key(c, fingerprint, temperature, max_new_tokens, max_len, seed, generator) for c in conversations]
     todo = []
     for i, key in enumerate(keys):
         cached = cache_dir / f"{key}.json"
@@ -152,9 +159,17 @@ def verifier_regenerator(params: Any, info: Any, model_dir: Path, tokenizer: Any
     def generate_replies(prompts: list[list[int]], seed: int) -> list[list[int]]:
         return load_reply_generator()(prompts, seed)
 
+    if params.regenerate_backend == "vllm":
+        from eaglenest.vllm_support import serving_dtype
+
+        generator = f"vllm-{serving_dtype(model_dir, params.regenerate_vllm_dtype)}"
+    else:
+        generator = "hf-float32"
+
     def run(conversations: list[list[dict[str, str]]]) -> tuple[list[list[dict[str, str]]], RegenerationStats]:
         return regenerate(conversations, generate_replies, tokenizer, fingerprint=info.fingerprint,
                           temperature=params.regenerate_temperature, max_new_tokens=params.regenerate_max_new_tokens,
-                          max_len=params.max_len, batch_size=params.regenerate_batch_size, seed=params.seed)
+                          max_len=params.max_len, batch_size=params.regenerate_batch_size, seed=params.seed,
+                          generator=generator)
 
     return run

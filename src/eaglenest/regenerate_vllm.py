@@ -16,7 +16,9 @@ from typing import Any
 from eaglenest.errors import EaglenestError
 from eaglenest.prepare import cut_after_end_of_turn
 from eaglenest.regenerate import ReplyGenerator
-from eaglenest.vllm_support import clamp_max_model_len, create_llm, engine_kwargs, require_vllm
+from eaglenest.vllm_support import clamp_max_model_len, create_llm, engine_kwargs, generate, require_vllm
+
+PARAM = "prepare.regenerate_backend"
 
 
 def build_regenerate_llm_kwargs(params: Any, info: Any, model_dir: Path) -> dict[str, Any]:
@@ -47,14 +49,14 @@ def replies_from_outputs(outputs: list[Any], eos_ids: set[int]) -> list[list[int
 
 def vllm_reply_generator(params: Any, info: Any, model_dir: Path, eos_ids: set[int]) -> ReplyGenerator:
     """Loads the verifier into vLLM once; returns the prompts -> replies function."""
-    require_vllm("prepare.regenerate_backend")
+    require_vllm(PARAM)
     from vllm import SamplingParams
 
-    llm = create_llm(build_regenerate_llm_kwargs(params, info, model_dir), "prepare.regenerate_backend")
+    llm = create_llm(build_regenerate_llm_kwargs(params, info, model_dir), PARAM)
 
     def generate_replies(prompts: list[list[int]], seed: int) -> list[list[int]]:
         sampling = SamplingParams(**build_sampling_kwargs(params, eos_ids, seed))
-        outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sampling, use_tqdm=False)
+        outputs = generate(llm, [{"prompt_token_ids": list(p)} for p in prompts], sampling, PARAM)
         if len(outputs) != len(prompts):
             raise EaglenestError(f"vLLM returned {len(outputs)} replies for {len(prompts)} prompts")
         return replies_from_outputs(outputs, eos_ids)

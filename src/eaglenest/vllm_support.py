@@ -20,7 +20,6 @@ import importlib.util
 import json
 import logging
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -147,6 +146,25 @@ def check_loadable(model_dir: Path, what: str, trust_remote_code: bool = False) 
             f"{model_dir}: vLLM cannot load {what}: architecture {unknown} is in neither vLLM's model registry "
             "nor transformers; use the hf back end for it"
         )
+    build = installed_build()
+    if build is not None and build.kind == "cpu":
+        _check_cpu_head_size(config, model_dir, what)
+
+
+def _check_cpu_head_size(config: dict[str, Any], model_dir: Path, what: str) -> None:
+    """vLLM's CPU attention has kernels for a fixed list of head sizes; any other fails at the first request,
+    inside the engine process. Checked here from config.json instead."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    text = config.get("text_config") or config  # multimodal configs nest the language model's
+    heads = text.get("num_attention_heads")
+    head_size = text.get("head_dim") or (text["hidden_size"] // heads if heads and "hidden_size" in text else None)
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if head_size is not None and head_size not in supported:
+        raise EaglenestError(
+            f"{model_dir}: vLLM's CPU build cannot run {what}: attention head size {head_size} has no CPU kernel "
+            f"(it has {supported}); use the hf back end for this model, or vLLM's GPU build"
+        )
 
 
 def draft_tokens(draft_dir: Path, name: str) -> int:
@@ -223,11 +241,22 @@ def create_llm(kwargs: dict[str, Any], param: str, what: str = "the verifier") -
         ) from None
 
 
+def generate(llm: Any, requests: list[dict[str, Any]], sampling: Any, param: str) -> list[Any]:
+    """``llm.generate`` without a progress bar; an engine that dies mid-run (a kernel it lacks, memory) is
+    one line naming ``param``, after vLLM's own log of the root cause."""
+    from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
+    try:
+        return llm.generate(requests, sampling, use_tqdm=False)
+    except (EngineDeadError, EngineGenerateError, RuntimeError) as err:
+        raise EaglenestError(
+            f"{param}: vllm failed while generating: {first_line(err)} (vLLM's log above has the root cause); "
+            "use the hf back end"
+        ) from None
+
+
 def first_line(err: BaseException) -> str:
     """An exception as one line: its type and the first line of its message."""
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0] if text else ''}"
 
-
-# prompts (token ids) -> outputs (token ids), in order
-GenerateFn = Callable[[list[list[int]]], list[list[int]]]
