@@ -24,6 +24,9 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+# vLLM would otherwise report usage statistics to its developers' server.
+export VLLM_NO_USAGE_STATS := 1
+export DO_NOT_TRACK := 1
 # Stages run `python` from PATH: put the project's interpreter first.
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 

@@ -10,7 +10,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from eaglenest.evaluate import summarize
-from eaglenest.evaluate_vllm import counters_to_metrics, read_counters
 from eaglenest.speculative import (
     EagleDrafter,
     VerifierRunner,
@@ -123,34 +122,6 @@ def test_ngram_baseline_replays_prompt_lookup():
     steps, accepted, per_position = ngram_acceptance([1, 2, 3, 4, 1, 2], [3, 4, 1, 2, 9], k=3)
     assert (steps, accepted) == (2, 3) and per_position == [1, 1, 1]
     assert ngram_acceptance([1, 2], [7, 8, 9], k=2) == (3, 0, [0, 0])
-
-
-class Counter:
-    def __init__(self, name, value):
-        self.name, self.value = name, value
-
-
-class Vector:
-    def __init__(self, name, values):
-        self.name, self.values = name, values
-
-
-def test_vllm_counters_to_metrics_on_recorded_values():
-    # Values as vLLM's get_metrics() reports them, cumulative: a warm-up snapshot, then the run.
-    before = read_counters([Counter("vllm:spec_decode_num_drafts", 10),
-                            Counter("vllm:spec_decode_num_draft_tokens", 30),
-                            Counter("vllm:spec_decode_num_accepted_tokens", 12),
-                            Vector("vllm:spec_decode_num_accepted_tokens_per_pos", [6, 4, 2]),
-                            Counter("vllm:num_requests_running", 0)])
-    after = read_counters([Counter("vllm:spec_decode_num_drafts", 110),
-                           Counter("vllm:spec_decode_num_draft_tokens", 330),
-                           Counter("vllm:spec_decode_num_accepted_tokens", 192),
-                           Vector("vllm:spec_decode_num_accepted_tokens_per_pos", [86, 64, 42])])
-    metrics = counters_to_metrics(before, after, k=3)
-    assert metrics["verify_steps"] == 100
-    assert metrics["tau"] == pytest.approx(1 + 180 / 100)
-    assert metrics["per_position_acceptance"] == [0.8, 0.6, 0.4]
-    assert metrics["draft_acceptance_rate"] == pytest.approx(180 / 300)
 
 
 def test_incremental_drafting_matches_the_training_forward(verifier: VerifierRunner, tiny_verifier_dir: Path):

@@ -85,7 +85,7 @@ def build_command(verifier_dir: Path, draft_dir: Path, host: str, port: int, dty
             "--dtype", serving_dtype(model_dir, dtype)]
     if info.trust_remote_code:
         argv.append("--trust-remote-code")
-    env: dict[str, str] = {}
+    env: dict[str, str] = {"VLLM_NO_USAGE_STATS": "1"}  # nothing leaves the machine
     if cpu_build:
         # As in vllm_support.engine_kwargs: graph compilation costs minutes on a few cores and gains little
         # for small verifiers; the CPU KV cache needs a size.

@@ -213,6 +213,9 @@ def engine_kwargs(model_dir: Path, *, trust_remote_code: bool, dtype: str, max_m
         "max_model_len": max_model_len,
         "seed": seed,
     }
+    # Nothing leaves the machine: vLLM would otherwise report usage statistics to its developers' server.
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
     build = installed_build()
     if build is not None and build.kind == "cpu":
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KVCACHE_GIB)
