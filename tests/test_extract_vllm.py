@@ -173,7 +173,12 @@ def test_connector_writes_a_cpu_buffer_in_block_order(tmp_path: Path):
     import fcntl
     from concurrent.futures import ThreadPoolExecutor
 
+    from eaglenest import extract_vllm, vllm_connector
     from eaglenest.vllm_connector import EaglenestHiddenStatesConnector, PendingSave
+
+    # extract_vllm names the connector by strings (importing it would import vllm): they must find it
+    assert getattr(vllm_connector, extract_vllm.CONNECTOR_NAME) is EaglenestHiddenStatesConnector
+    assert vllm_connector.__name__ == extract_vllm.CONNECTOR_MODULE
 
     blocks, slots, block_size, hidden = 6, 3, 4, 5
     kv_cache = torch.randn(blocks, slots, block_size, hidden)  # [num_blocks, n, bs, hidden], as vLLM lays it out

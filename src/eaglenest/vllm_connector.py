@@ -28,9 +28,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     extract_from_kv_cache,
 )
 
-CONNECTOR_NAME = "EaglenestHiddenStatesConnector"
-CONNECTOR_MODULE = __name__
-
 
 class CompletedEvent:
     """Stands in for the CUDA event of a host copy that has, on the CPU, already happened."""
