@@ -9,7 +9,8 @@ require_stage_environment("prepare")
 
 from eaglenest.params import load_params  # noqa: E402
 from eaglenest.prepare import end_of_turn_ids, prepare_dataset  # noqa: E402
-from eaglenest.regenerate import verifier_regenerator  # noqa: E402
+from eaglenest.regenerate import verifier_generator  # noqa: E402
+from eaglenest.self_instruct import self_instruct_writer  # noqa: E402
 from eaglenest.stage import run_stage, stage_parser  # noqa: E402
 from eaglenest.verifier import load_tokenizer, load_verifier_info  # noqa: E402
 
@@ -19,8 +20,10 @@ def main(args: argparse.Namespace) -> None:
     info, model_dir = load_verifier_info(Path(args.verifier))
     tokenizer = load_tokenizer(Path(args.verifier))
     eot = end_of_turn_ids(tokenizer, model_dir)
-    regenerator = verifier_regenerator(params, info, model_dir, tokenizer, eot) if params.regenerate else None
-    prepare_dataset(params, tokenizer, Path(args.out), Path(args.metrics), eot, regenerator)
+    generator = verifier_generator(params, info, model_dir, tokenizer, eot) if params.regenerate else None
+    prepare_dataset(params, tokenizer, Path(args.out), Path(args.metrics), eot,
+                    regenerator=generator.regenerate if generator else None,
+                    prompt_writer=self_instruct_writer(params, info, generator, tokenizer, eot) if generator else None)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -164,16 +164,12 @@ def read_file(path: Path) -> Iterator[Conversation]:
         yield Conversation(origin=where, messages=normalise_record(record, where))
 
 
-def read_sources(sources: list[str]) -> list[Conversation]:
-    """All conversations of every source in prepare.source, in order."""
-    conversations: list[Conversation] = []
-    for source in sources:
-        if source.startswith(BUILTIN_PREFIX):
-            name = source.removeprefix(BUILTIN_PREFIX)
-            if name not in BUILTIN_SOURCES:
-                allowed = ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_SOURCES.names())
-                raise ParamsError(f"prepare.source: {source!r} is not a built-in source; allowed: {allowed}")
-            conversations.extend(BUILTIN_SOURCES.get(name)())
-        else:
-            conversations.extend(read_file(Path(source)))
-    return conversations
+def read_source(source: str) -> list[Conversation]:
+    """Every conversation of one ``prepare.source`` entry (a built-in data set or a file), in order."""
+    if source.startswith(BUILTIN_PREFIX):
+        name = source.removeprefix(BUILTIN_PREFIX)
+        if name not in BUILTIN_SOURCES:
+            allowed = ", ".join(BUILTIN_PREFIX + n for n in [*BUILTIN_SOURCES.names(), "self-instruct"])
+            raise ParamsError(f"prepare.source: {source!r} is not a built-in source; allowed: {allowed}")
+        return list(BUILTIN_SOURCES.get(name)())
+    return list(read_file(Path(source)))

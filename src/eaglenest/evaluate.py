@@ -45,23 +45,24 @@ from eaglenest.atomic import atomic_write_json
 from eaglenest.errors import EaglenestError, InputFileError
 from eaglenest.lossless import lossless_counts
 from eaglenest.params import EvaluateParams
-from eaglenest.prepare import VAL_PROMPTS_FILE, end_of_turn_ids
-from eaglenest.speculative import EagleDrafter, VerifierRunner, ngram_acceptance, plain_decode, speculative_decode
+from eaglenest.prepare import VAL_PROMPTS_FILE, cut_after_end_of_turn, end_of_turn_ids
+from eaglenest.speculative import EagleDrafter, VerifierRunner, ngram_acceptance, speculative_decode
 from eaglenest.verifier import load_tokenizer, load_verifier_info
 
 log = logging.getLogger(__name__)
 
 
-def load_prompts(params: EvaluateParams, prepared_dir: Path, tokenizer: Any) -> list[list[int]]:
-    """Token ids of the evaluation prompts, rendered with the chat template and its generation prompt."""
-    source = Path(params.prompts) if params.prompts else prepared_dir / VAL_PROMPTS_FILE
+def load_prompts(source: Path, num_prompts: int, tokenizer: Any, param: str = "evaluate.prompts"
+                 ) -> list[dict[str, Any]]:
+    """The first ``num_prompts`` records of a prompts file, each ``{"messages", "token_ids"}``: the messages
+    (a bare ``prompt`` becomes one user message) and their chat-template rendering with the generation prompt."""
     try:
         lines = source.read_text(encoding="utf-8").splitlines()
     except FileNotFoundError:
-        raise InputFileError(f"{source}: prompts file not found (evaluate.prompts)") from None
+        raise InputFileError(f"{source}: prompts file not found ({param})") from None
     except UnicodeDecodeError as err:
         raise InputFileError(f"{source}: not UTF-8 text ({err.reason})") from None
-    prompts: list[list[int]] = []
+    prompts: list[dict[str, Any]] = []
     for line_no, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -70,20 +71,55 @@ def load_prompts(params: EvaluateParams, prepared_dir: Path, tokenizer: Any) -> 
         except json.JSONDecodeError as err:
             raise InputFileError(f"{source}: line {line_no}: not valid JSON: {err.msg}") from None
         if isinstance(record, dict) and isinstance(record.get("messages"), list) and record["messages"]:
-            text = tokenizer.apply_chat_template(record["messages"], tokenize=False, add_generation_prompt=True)
+            messages = record["messages"]
         elif isinstance(record, dict) and isinstance(record.get("prompt"), str) and record["prompt"].strip():
-            text = tokenizer.apply_chat_template([{"role": "user", "content": record["prompt"]}], tokenize=False,
-                                                 add_generation_prompt=True)
+            messages = [{"role": "user", "content": record["prompt"]}]
         else:
             raise InputFileError(
                 f"{source}: line {line_no}: expected {{'messages': [...]}} or {{'prompt': '...'}}"
             )
-        prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
-        if len(prompts) == params.num_prompts:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        prompts.append({"messages": messages, "token_ids": tokenizer(text, add_special_tokens=False)["input_ids"]})
+        if len(prompts) == num_prompts:
             break
     if not prompts:
-        raise InputFileError(f"{source}: no prompts (use evaluate.prompts, or prepare rows with conversations)")
+        raise InputFileError(f"{source}: no prompts ({param})")
     return prompts
+
+
+def load_prompt_sets(params: EvaluateParams, prepared_dir: Path, tokenizer: Any) -> dict[str, list[list[int]]]:
+    """Token ids of each evaluation set: ``val`` (held-out conversations, or evaluate.prompts) and, with
+    evaluate.general_prompts, ``general``, which must share no prompt with the training rows."""
+    val_source = Path(params.prompts) if params.prompts else prepared_dir / VAL_PROMPTS_FILE
+    sets = {"val": load_prompts(val_source, params.num_prompts, tokenizer)}
+    if params.general_prompts:
+        general = load_prompts(Path(params.general_prompts), params.num_prompts, tokenizer, "evaluate.general_prompts")
+        check_disjoint(general, prepared_dir, tokenizer, f"evaluate.general_prompts ({params.general_prompts})")
+        sets["general"] = general
+    return {name: [p["token_ids"] for p in prompts] for name, prompts in sets.items()}
+
+
+def check_disjoint(prompts: list[dict[str, Any]], prepared_dir: Path, tokenizer: Any, what: str) -> None:
+    """Refuses a set whose user messages appear in a training row: it would measure recall, not generalization.
+
+    Raises:
+        InputFileError: naming the set and the first prompt found in the training rows.
+    """
+    from datasets import load_from_disk
+
+    from eaglenest.prepare import load_split
+
+    train_rows = load_split(prepared_dir)["train_rows"]
+    dataset = load_from_disk(str(prepared_dir)).with_format(None)
+    texts = tokenizer.batch_decode(dataset[:train_rows]["input_ids"])
+    for number, prompt in enumerate(prompts, start=1):
+        for message in prompt["messages"]:
+            content = message["content"].strip()
+            if message["role"] == "user" and any(content in text for text in texts):
+                raise InputFileError(
+                    f"{what}: prompt {number} ({content[:60]!r}) is also in the training rows of {prepared_dir}: an "
+                    "evaluation set must be disjoint from training; remove it from the set or from prepare.source"
+                )
 
 
 def load_draft(draft_dir: Path, model_dir: Path) -> Any:
@@ -145,14 +181,13 @@ def summarize(k: int, verify_steps: int, accepted: int, per_position: list[int])
     }
 
 
-def evaluate_draft_hf(params: EvaluateParams, verifier_dir: Path, prepared_dir: Path, draft_dir: Path
-                      ) -> dict[str, Any]:
-    """Speculative vs plain decoding with transformers; returns the metrics."""
+def evaluate_draft_hf(params: EvaluateParams, verifier_dir: Path, prompt_sets: dict[str, list[list[int]]],
+                      draft_dir: Path) -> dict[str, dict[str, Any]]:
+    """Speculative decoding against transformers' own ``generate`` on each prompt set; metrics per set."""
     from transformers import AutoModelForCausalLM
 
     info, model_dir = load_verifier_info(verifier_dir)
     tokenizer = load_tokenizer(verifier_dir)
-    prompts = load_prompts(params, prepared_dir, tokenizer)
     draft = load_draft(draft_dir, model_dir)
     k = params.num_speculative_tokens or int(
         draft.config.speculators_config.proposal_methods[0].speculative_tokens)
@@ -164,27 +199,30 @@ def evaluate_draft_hf(params: EvaluateParams, verifier_dir: Path, prepared_dir: 
     generator = torch.Generator().manual_seed(params.seed)
 
     # Warm-up: the first forward passes allocate and pick kernels; keep them out of every timing.
-    speculative_decode(verifier, drafter, prompts[0], k, min(8, params.max_new_tokens), eos)
-    plain_decode(verifier, prompts[0], min(8, params.max_new_tokens), eos)
+    first = next(iter(prompt_sets.values()))[0]
+    speculative_decode(verifier, drafter, first, k, min(8, params.max_new_tokens), eos)
+    _hf_generate(verifier_model, first, params, eos, tokenizer, min(8, params.max_new_tokens))
+    return {name: _evaluate_set_hf(prompts, params, verifier, verifier_model, drafter, tokenizer, eos, k, generator)
+            for name, prompts in prompt_sets.items()}
 
-    totals = {"plain_loop_s": 0.0, "generate_s": 0.0, "spec_s": 0.0, "plain_tokens": 0, "spec_tokens": 0,
-              "generate_tokens": 0}
+
+def _evaluate_set_hf(prompts: list[list[int]], params: EvaluateParams, verifier: VerifierRunner, verifier_model: Any,
+                     drafter: EagleDrafter, tokenizer: Any, eos: set[int], k: int, generator: torch.Generator
+                     ) -> dict[str, Any]:
+    """One prompt set: each prompt decoded alone by ``generate`` (the plain reference, tokens and time) and
+    by speculative decoding; the n-gram baseline replayed on the plain output."""
+    generate_s = spec_s = 0.0
     steps = accepted = 0
     per_position = [0] * k
     ngram = [0, 0, [0] * k]
     plains: list[list[int]] = []
     specs: list[list[int]] = []
     for prompt in prompts:
-        plain, plain_s = plain_decode(verifier, prompt, params.max_new_tokens, eos, params.temperature, generator)
-        generated, generate_s = _hf_generate(verifier_model, prompt, params, eos, tokenizer)
+        plain, seconds = _hf_generate(verifier_model, prompt, params, eos, tokenizer)
+        generate_s += seconds
         spec = speculative_decode(verifier, drafter, prompt, k, params.max_new_tokens, eos, params.temperature,
                                   generator)
-        totals["plain_loop_s"] += plain_s
-        totals["plain_tokens"] += len(plain)
-        totals["generate_s"] += generate_s
-        totals["generate_tokens"] += len(generated)
-        totals["spec_s"] += spec.seconds
-        totals["spec_tokens"] += len(spec.tokens)
+        spec_s += spec.seconds
         steps += spec.verify_steps
         accepted += spec.accepted
         per_position = [a + b for a, b in zip(per_position, spec.accepted_per_position, strict=True)]
@@ -195,14 +233,12 @@ def evaluate_draft_hf(params: EvaluateParams, verifier_dir: Path, prepared_dir: 
         ngram[1] += n_accepted
         ngram[2] = [a + b for a, b in zip(ngram[2], n_per_position, strict=True)]
 
-    plain_rate = max(totals["plain_tokens"] / totals["plain_loop_s"], totals["generate_tokens"] / totals["generate_s"])
-    spec_rate = totals["spec_tokens"] / totals["spec_s"]
+    plain_rate = sum(map(len, plains)) / generate_s
+    spec_rate = sum(map(len, specs)) / spec_s
     baseline = summarize(k, ngram[0], ngram[1], ngram[2])
-    metrics = {
+    return {
         **summarize(k, steps, accepted, per_position),
         "tokens_per_s_plain": round(plain_rate, 2),
-        "tokens_per_s_plain_loop": round(totals["plain_tokens"] / totals["plain_loop_s"], 2),
-        "tokens_per_s_generate": round(totals["generate_tokens"] / totals["generate_s"], 2),
         "tokens_per_s_spec": round(spec_rate, 2),
         "speedup": round(spec_rate / plain_rate, 4),
         **lossless_counts(plains, specs, None, None),  # float32: the exact rule
@@ -216,61 +252,112 @@ def evaluate_draft_hf(params: EvaluateParams, verifier_dir: Path, prepared_dir: 
         "dtype": "float32",
         "backend": "hf",
     }
-    return metrics
 
 
-def _hf_generate(model: Any, prompt: list[int], params: EvaluateParams, eos: set[int], tokenizer: Any
-                 ) -> tuple[list[int], float]:
-    """transformers' own generate(): the other plain baseline."""
+def _hf_generate(model: Any, prompt: list[int], params: EvaluateParams, eos: set[int], tokenizer: Any,
+                 max_new_tokens: int | None = None) -> tuple[list[int], float]:
+    """transformers' own ``generate()``, one prompt: (tokens up to the first end-of-turn, seconds).
+
+    It is the plain reference: speculative decoding shares none of its code (cache, runner, sampling).
+    """
     started = time.perf_counter()
     with torch.inference_mode():
         output = model.generate(
             torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=params.max_new_tokens, do_sample=params.temperature > 0,
+            max_new_tokens=max_new_tokens or params.max_new_tokens, do_sample=params.temperature > 0,
             temperature=params.temperature if params.temperature > 0 else None, top_k=None, top_p=None,
             eos_token_id=sorted(eos), pad_token_id=tokenizer.pad_token_id or sorted(eos)[0],
         )
-    return output[0, len(prompt):].tolist(), time.perf_counter() - started
+    seconds = time.perf_counter() - started
+    return cut_after_end_of_turn(output[0, len(prompt):].tolist(), eos), seconds
 
 
-def write_eval_outputs(metrics: dict[str, Any], metrics_path: Path, plots_dir: Path) -> None:
-    """metrics/eval.json plus the two plot tables dvc.yaml declares."""
-    # Lists again under flat names (acceptance_pos_1..K): `dvc metrics diff` shows scalars only.
-    flat = {f"acceptance_pos_{i + 1}": rate for i, rate in enumerate(metrics["per_position_acceptance"])}
-    atomic_write_json(metrics_path, {**metrics, **flat})
-    acceptance = [
-        {"position": i + 1, "drafter": name, "acceptance": rate}
-        for name, rates in (("eagle3", metrics["per_position_acceptance"]),
-                            ("ngram", metrics.get("per_position_acceptance_ngram", [])))
-        for i, rate in enumerate(rates)
-    ]
+# The scalars repeated under flat per-set names (tau_general, vllm_speedup_val, ...), so that
+# `dvc metrics diff` shows every set and back end side by side; the full figures stay under "sets".
+FLAT_PER_SET = ("tau", "speedup", "speedup_batched", "lossless_fraction", "identical_fraction", "tau_ngram",
+                "tokens_per_s_plain", "tokens_per_s_spec")
+
+
+def flat_metrics(results: dict[str, dict[str, dict[str, Any]]], primary: str) -> dict[str, Any]:
+    """``results[backend][set]`` as one flat mapping: the primary back end's ``val`` figures under their own
+    names (as before there were sets), then ``{backend_}{metric}_{set}`` for every set, where the primary
+    back end has no prefix; per-position acceptance as ``acceptance_pos_{i}[_{set}]``."""
+    flat: dict[str, Any] = dict(results[primary]["val"])
+    flat.update({f"acceptance_pos_{i + 1}": rate
+                 for i, rate in enumerate(results[primary]["val"]["per_position_acceptance"])})
+    for backend, sets in results.items():
+        prefix = "" if backend == primary else f"{backend}_"
+        for set_name, metrics in sets.items():
+            for key in FLAT_PER_SET:
+                if key in metrics:
+                    flat[f"{prefix}{key}_{set_name}"] = metrics[key]
+            for i, rate in enumerate(metrics["per_position_acceptance"]):
+                flat[f"{prefix}acceptance_pos_{i + 1}_{set_name}"] = rate
+    flat["sets"] = {set_name: {backend: results[backend][set_name] for backend in results}
+                    for set_name in results[primary]}
+    return flat
+
+
+def write_eval_outputs(results: dict[str, dict[str, dict[str, Any]]], primary: str, metrics_path: Path,
+                       plots_dir: Path) -> dict[str, Any]:
+    """metrics/eval.json plus the two plot tables dvc.yaml declares (every set and back end); returns the
+    flat metrics."""
+    flat = flat_metrics(results, primary)
+    atomic_write_json(metrics_path, flat)
+    acceptance, tau = [], []
+    for backend, sets in results.items():
+        for set_name, metrics in sets.items():
+            for drafter, rates in (("eagle3", metrics["per_position_acceptance"]),
+                                   ("ngram", metrics.get("per_position_acceptance_ngram", []))):
+                label = f"{drafter} {backend} {set_name}"
+                acceptance += [{"position": i + 1, "drafter": label, "acceptance": rate}
+                               for i, rate in enumerate(rates)]
+            tau += [{"drafter": f"eagle3 {backend} {set_name}", "tau": metrics["tau"]},
+                    {"drafter": f"ngram {backend} {set_name}", "tau": metrics["tau_ngram"]}]
+    k = results[primary]["val"]["num_speculative_tokens"]
     atomic_write_json(plots_dir / "acceptance.json", acceptance)
-    atomic_write_json(plots_dir / "tau.json", [
-        {"drafter": "eagle3", "tau": metrics["tau"]},
-        {"drafter": "ngram", "tau": metrics["tau_ngram"]},
-        {"drafter": "upper bound (K+1)", "tau": metrics["num_speculative_tokens"] + 1},
-    ])
+    atomic_write_json(plots_dir / "tau.json", [*tau, {"drafter": "upper bound (K+1)", "tau": k + 1}])
+    return flat
 
 
 def evaluate(params: EvaluateParams, verifier_dir: Path, prepared_dir: Path, draft_dir: Path, metrics_path: Path,
              plots_dir: Path) -> dict[str, Any]:
-    """The evaluate stage."""
-    if params.backend == "vllm":
-        from eaglenest.evaluate_vllm import evaluate_draft_vllm
+    """The evaluate stage: every back end of evaluate.backend on every prompt set."""
+    tokenizer = load_tokenizer(verifier_dir)
+    prompt_sets = load_prompt_sets(params, prepared_dir, tokenizer)
+    results: dict[str, dict[str, dict[str, Any]]] = {}
+    for backend in params.backends:
+        if backend == "vllm":
+            from eaglenest.evaluate_vllm import evaluate_draft_vllm
 
-        metrics = evaluate_draft_vllm(params, verifier_dir, prepared_dir, draft_dir)
-    else:
-        metrics = evaluate_draft_hf(params, verifier_dir, prepared_dir, draft_dir)
-    write_eval_outputs(metrics, metrics_path, plots_dir)
-    log.info("tau %.3f (n-gram %.3f), speed-up %.3f, lossless %.2f", metrics["tau"], metrics["tau_ngram"],
-             metrics["speedup"], metrics["lossless_fraction"])
-    if params.temperature == 0 and metrics["lossless_fraction"] < 1.0:
-        rule = ("identical tokens" if metrics.get("lossless_rule", "exact") == "exact" else
-                f"identical, or a near-tie flipped within evaluate.bf16_tie_margin={params.bf16_tie_margin}")
-        raise EaglenestError(
-            f"lossless_fraction = {metrics['lossless_fraction']} < 1.0 at temperature 0 "
-            f"(evaluate.backend: {metrics['backend']}, rule: {rule}): greedy speculative decoding left plain "
-            f"greedy decoding on some of {metrics['num_prompts']} prompts: the verification (acceptance rule) is "
-            f"wrong, whatever the draft; see divergence_gaps in {metrics_path}"
-        )
+            results[backend] = evaluate_draft_vllm(params, verifier_dir, prompt_sets, draft_dir)
+        else:
+            results[backend] = evaluate_draft_hf(params, verifier_dir, prompt_sets, draft_dir)
+        for set_name, metrics in results[backend].items():
+            log.info("%s, %s prompts: tau %.3f (n-gram %.3f), speed-up %.3f, lossless %.2f", backend, set_name,
+                     metrics["tau"], metrics["tau_ngram"], metrics["speedup"], metrics["lossless_fraction"])
+    primary = params.backends[0]
+    metrics = write_eval_outputs(results, primary, metrics_path, plots_dir)
+    for backend, sets in results.items():
+        for set_name, figures in sets.items():
+            _require_lossless(params, figures, backend, set_name, metrics_path)
     return metrics
+
+
+def _require_lossless(params: EvaluateParams, metrics: dict[str, Any], backend: str, set_name: str,
+                      metrics_path: Path) -> None:
+    """At temperature 0 every prompt must be lossless; otherwise the verification is wrong, whatever the draft.
+
+    Raises:
+        EaglenestError: naming the back end, the set and the rule.
+    """
+    if params.temperature > 0 or metrics["lossless_fraction"] >= 1.0:
+        return
+    rule = ("identical tokens" if metrics.get("lossless_rule", "exact") == "exact" else
+            f"identical, or a near-tie flipped within evaluate.bf16_tie_margin={params.bf16_tie_margin}")
+    raise EaglenestError(
+        f"lossless_fraction = {metrics['lossless_fraction']} < 1.0 at temperature 0 (evaluate.backend: {backend}, "
+        f"{set_name} prompts, rule: {rule}): greedy speculative decoding left plain greedy decoding on some of "
+        f"{metrics['num_prompts']} prompts: the verification (acceptance rule) is wrong, whatever the draft; see "
+        f"divergence_gaps under sets.{set_name}.{backend} in {metrics_path}"
+    )

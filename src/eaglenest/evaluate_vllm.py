@@ -164,27 +164,24 @@ def _engine_dtype(llm: Any, requested: str) -> str:
     return str(dtype).removeprefix("torch.") if dtype is not None else requested
 
 
-def evaluate_draft_vllm(params: EvaluateParams, verifier_dir: Path, prepared_dir: Path, draft_dir: Path
-                        ) -> dict[str, Any]:
-    """Speculative vs plain decoding in vLLM; the hf back end's metric names plus the batched figures."""
+def evaluate_draft_vllm(params: EvaluateParams, verifier_dir: Path, prompt_sets: dict[str, list[list[int]]],
+                        draft_dir: Path) -> dict[str, dict[str, Any]]:
+    """Speculative vs plain decoding in vLLM on each prompt set; the hf back end's metric names plus the batched
+    figures, per set. Each engine starts once for every set."""
     require_vllm(PARAM)
     from vllm import SamplingParams
 
-    from eaglenest.evaluate import load_prompts
-    from eaglenest.speculative import ngram_acceptance
-    from eaglenest.verifier import load_tokenizer, load_verifier_info
+    from eaglenest.verifier import load_verifier_info
 
     info, model_dir = load_verifier_info(verifier_dir)
-    tokenizer = load_tokenizer(verifier_dir)
-    prompts = load_prompts(params, prepared_dir, tokenizer)
     trained_k = draft_tokens(draft_dir, "evaluate: the draft")  # checked before a minute of engine start
     k = params.num_speculative_tokens or trained_k
     greedy = params.temperature == 0
-    requests = [{"prompt_token_ids": p} for p in prompts]
+    requests = {name: [{"prompt_token_ids": p} for p in prompts] for name, prompts in prompt_sets.items()}
+    longest = max(len(p) for prompts in prompt_sets.values() for p in prompts)
     common = engine_kwargs(
         model_dir, trust_remote_code=info.trust_remote_code, dtype=params.vllm_dtype,
-        max_model_len=clamp_max_model_len(max(map(len, prompts)) + params.max_new_tokens + k + 1,
-                                          info.max_position_embeddings),
+        max_model_len=clamp_max_model_len(longest + params.max_new_tokens + k + 1, info.max_position_embeddings),
         # Both engines may hold GPU memory at once (a stopped engine frees it lazily).
         gpu_memory_utilization=params.gpu_memory_utilization / 2, seed=params.seed,
     )
@@ -193,26 +190,46 @@ def evaluate_draft_vllm(params: EvaluateParams, verifier_dir: Path, prepared_dir
     # the vocabulary per token, small next to a verifier forward, so its speed stays a fair baseline.
     plain_sampling = SamplingParams(max_tokens=params.max_new_tokens, temperature=params.temperature,
                                     seed=params.seed, logprobs=TIE_CANDIDATES if greedy else None)
+    warm_up = next(iter(requests.values()))[:1]
 
     plain_llm = create_llm(common, PARAM, what="the verifier")
     dtype = _engine_dtype(plain_llm, common["dtype"])
-    _generate(plain_llm, requests[:1], plain_sampling)  # warm-up: first forwards allocate, pick kernels
-    plain_single, plain_single_s = _single_stream(plain_llm, requests, plain_sampling)
-    plain_batched, plain_batched_s = _batched(plain_llm, requests, plain_sampling)
+    _generate(plain_llm, warm_up, plain_sampling)  # warm-up: first forwards allocate, pick kernels
+    plain = {name: (_single_stream(plain_llm, reqs, plain_sampling), _batched(plain_llm, reqs, plain_sampling))
+             for name, reqs in requests.items()}
     _close(plain_llm)
 
     spec_llm = create_llm({**common, "disable_log_stats": False, "speculative_config": {
         "method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}},
         PARAM, what=f"the verifier with the EAGLE-3 draft {draft_dir}")
-    # The counters must cover the single-stream pass exactly: snapshot around it, after the warm-up.
-    _generate(spec_llm, requests[:1], sampling)
-    before = read_counters(spec_llm.get_metrics())
-    spec_single, spec_single_s = _single_stream(spec_llm, requests, sampling)
-    after = read_counters(spec_llm.get_metrics())
-    spec_batched, spec_batched_s = _batched(spec_llm, requests, sampling)
+    _generate(spec_llm, warm_up, sampling)
+    spec = {}
+    for name, reqs in requests.items():
+        # The counters must cover the single-stream pass exactly: snapshot around it, after the warm-up.
+        before = read_counters(spec_llm.get_metrics())
+        single = _single_stream(spec_llm, reqs, sampling)
+        after = read_counters(spec_llm.get_metrics())
+        spec[name] = (single, _batched(spec_llm, reqs, sampling), before, after)
     _close(spec_llm)
 
-    check_counters(counter_delta(before, after, k), k)
+    results = {}
+    for name, prompts in prompt_sets.items():
+        (plain_single, plain_single_s), (plain_batched, plain_batched_s) = plain[name]
+        (spec_single, spec_single_s), (spec_batched, spec_batched_s), before, after = spec[name]
+        check_counters(counter_delta(before, after, k), k)
+        results[name] = _set_metrics(params, prompts, k, dtype, greedy, before, after,
+                                     plain_single, plain_single_s, plain_batched, plain_batched_s,
+                                     spec_single, spec_single_s, spec_batched, spec_batched_s)
+    return results
+
+
+def _set_metrics(params: EvaluateParams, prompts: list[list[int]], k: int, dtype: str, greedy: bool,
+                 before: dict[str, Any], after: dict[str, Any], plain_single: list[Any], plain_single_s: float,
+                 plain_batched: list[Any], plain_batched_s: float, spec_single: list[Any], spec_single_s: float,
+                 spec_batched: list[Any], spec_batched_s: float) -> dict[str, Any]:
+    """One prompt set's metrics from its outputs, timings and counter snapshots."""
+    from eaglenest.speculative import ngram_acceptance
+
     plain_tokens = _token_ids(plain_single)
     spec_tokens = _token_ids(spec_single)
     plain_top = ([[top_candidates(position) for position in (o.outputs[0].logprobs or [])] for o in plain_single]

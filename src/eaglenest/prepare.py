@@ -14,21 +14,20 @@ evaluation prompts).
 from __future__ import annotations
 
 import bisect
-import itertools
 import json
 import logging
 import random
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from eaglenest.atomic import atomic_directory, atomic_write_bytes, atomic_write_json
-from eaglenest.conversations import Conversation, read_sources
+from eaglenest.conversations import Conversation, read_source
 from eaglenest.errors import EaglenestError, InputFileError, ParamsError
-from eaglenest.params import PrepareParams
+from eaglenest.params import SELF_INSTRUCT_SOURCE, PrepareParams
 
 log = logging.getLogger(__name__)
 
@@ -158,18 +157,99 @@ def _has_reply(messages: list[dict[str, str]]) -> bool:
 
 
 Regenerator = Callable[[list[list[dict[str, str]]]], tuple[list[list[dict[str, str]]], Any]]
+# count -> (that many user prompts written by the verifier, stats): builtin:self-instruct
+PromptWriter = Callable[[int], tuple[list[str], Any]]
+
+
+def source_quotas(entries: list[Any], wanted: int | None) -> dict[str, int | None]:
+    """Conversations to take from each source: ``wanted`` split by weight (largest remainder), None = all.
+
+    Raises:
+        ParamsError: when a source with a weight > 0 would get no conversation at all.
+    """
+    weighted = [(e.source, e.weight) for e in entries if e.weight > 0]
+    if wanted is None:
+        return {name: None for name, _ in weighted}
+    total = sum(w for _, w in weighted)
+    exact = [(name, wanted * w / total) for name, w in weighted]
+    quotas = {name: int(share) for name, share in exact}
+    by_remainder = sorted(exact, key=lambda item: item[1] - int(item[1]), reverse=True)
+    for name, _ in by_remainder[: wanted - sum(quotas.values())]:
+        quotas[name] += 1
+    empty = [name for name, quota in quotas.items() if quota == 0]
+    if empty:
+        raise ParamsError(
+            f"prepare.max_conversations = {wanted} gives {', '.join(empty)} no conversation at its weight; "
+            "raise max_conversations or the weight, or set the weight to 0"
+        )
+    return quotas
+
+
+@dataclass
+class PickStats:
+    """What picking the mix did, for metrics/prepare.json."""
+
+    records_read: int = 0
+    no_reply: int = 0
+    per_source: dict[str, int] = field(default_factory=dict)
+    prompts: Any = None
+
+
+def pick_conversations(params: PrepareParams, prompt_writer: PromptWriter | None
+                       ) -> tuple[list[Conversation], PickStats]:
+    """The conversations of the mix, in training order, each trimmed to its kept replies.
+
+    Each source is shuffled with ``prepare.seed`` and gives its first ``quota`` conversations that have a
+    reply; generated prompts get an empty reply for regeneration to write. With several sources the union
+    is shuffled again, so the validation split (the last rows) holds every kind.
+    """
+    quotas = source_quotas(params.source, params.max_conversations)
+    picked: list[Conversation] = []
+    stats = PickStats()
+    for name, quota in quotas.items():
+        chosen: list[Conversation] = []
+        if name == SELF_INSTRUCT_SOURCE:
+            if prompt_writer is None:
+                raise ParamsError(f"prepare.source {name} needs the verifier (prepare.regenerate: true)")
+            texts, stats.prompts = prompt_writer(quota or 0)
+            stats.records_read += len(texts)
+            chosen = [Conversation(origin=f"{name}:{i}", messages=[{"role": "user", "content": text},
+                                                                   {"role": "assistant", "content": ""}])
+                      for i, text in enumerate(texts)]
+        else:
+            conversations = read_source(name)
+            stats.records_read += len(conversations)
+            order = list(range(len(conversations)))
+            random.Random(params.seed).shuffle(order)
+            for i in order:
+                if quota is not None and len(chosen) == quota:
+                    break
+                messages = trim_conversation(conversations[i].messages, params.max_assistant_turns)
+                if _has_reply(messages):
+                    chosen.append(Conversation(conversations[i].origin, messages))
+                else:
+                    stats.no_reply += 1
+        if not chosen:
+            raise InputFileError(f"prepare.source: {name} yielded no conversation with a user prompt and a reply")
+        stats.per_source[name] = len(chosen)
+        picked.extend(chosen)
+    if len(quotas) > 1:
+        random.Random(params.seed).shuffle(picked)
+    return picked, stats
 
 
 def prepare_dataset(params: PrepareParams, tokenizer: Any, out_dir: Path, metrics_path: Path,
-                    eot_ids: set[int], regenerator: Regenerator | None = None) -> dict[str, Any]:
-    """The prepare stage: read, shuffle, render, mask, split and write; returns the metrics."""
+                    eot_ids: set[int], regenerator: Regenerator | None = None,
+                    prompt_writer: PromptWriter | None = None) -> dict[str, Any]:
+    """The prepare stage: read the mix, regenerate, render, mask, split and write; returns the metrics."""
     from tqdm import tqdm
 
-    imported = [s for s in params.source if s.startswith(IMPORT_PREFIX)]
+    names = params.source_names
+    imported = [s for s in names if s.startswith(IMPORT_PREFIX)]
     if imported:
-        if len(params.source) != 1:
+        if len(names) != 1:
             raise ParamsError(
-                f"prepare.source = {params.source}: an '{IMPORT_PREFIX}' source must be the only one "
+                f"prepare.source = {names}: an '{IMPORT_PREFIX}' source must be the only one "
                 "(its rows are matched to imported hidden states by position)"
             )
         return prepare_imported(params, Path(imported[0].removeprefix(IMPORT_PREFIX)), out_dir, metrics_path)
@@ -177,46 +257,29 @@ def prepare_dataset(params: PrepareParams, tokenizer: Any, out_dir: Path, metric
     if not getattr(tokenizer, "is_fast", False):
         raise EaglenestError("the verifier's tokenizer has no fast (Rust) version; prepare needs its offsets")
     started = time.perf_counter()
-    conversations = read_sources(params.source)
-    order = list(range(len(conversations)))
-    random.Random(params.seed).shuffle(order)
-    wanted = params.max_conversations or len(conversations)
-
+    conversations, picks = pick_conversations(params, prompt_writer)
+    prompt_stats = picks.prompts
     regeneration = None
-    last = len(order)
     if regenerator is not None:
-        # Regenerate exactly the conversations that will be kept (the first `wanted` with a reply), before
-        # rendering; the loop below then stops after them, so no original reply slips in.
-        trimmed = ((i, trim_conversation(conversations[i].messages, params.max_assistant_turns)) for i in order)
-        candidates = list(itertools.islice(((i, m) for i, m in trimmed if _has_reply(m)), wanted))
-        regenerated, regeneration = regenerator([messages for _, messages in candidates])
-        conversations = list(conversations)
-        for (i, _), messages in zip(candidates, regenerated, strict=True):
-            conversations[i] = Conversation(origin=conversations[i].origin, messages=messages)
-        last = order.index(candidates[-1][0]) + 1 if candidates else 0
+        # Regenerate exactly the conversations that will be kept, before rendering, so no original reply slips in.
+        regenerated, regeneration = regenerator([c.messages for c in conversations])
+        conversations = [Conversation(origin=c.origin, messages=m)
+                         for c, m in zip(conversations, regenerated, strict=True)]
     dropped: Counter[str] = Counter({reason: 0 for reason in DROP_REASONS})
+    dropped["no_assistant_turn"] = picks.no_reply
     kept: list[tuple[PreparedRow, Conversation]] = []
     rendered = 0
-    with tqdm(total=min(wanted, len(conversations)), desc="prepare", unit="conv") as bar:
-        for index in order[:last]:
-            if len(kept) >= wanted:
-                break
-            conversation = conversations[index]
-            rendered += 1
-            messages = trim_conversation(conversation.messages, params.max_assistant_turns)
-            if not _has_reply(messages):
-                dropped["no_assistant_turn"] += 1
-                continue
-            row = render_with_loss_mask(tokenizer, messages, params.max_len, eot_ids)
-            if sum(row.loss_mask) == 0:
-                dropped["no_assistant_tokens_after_truncation"] += 1
-                continue
-            kept.append((row, conversation))
-            bar.update(1)
+    for conversation in tqdm(conversations, desc="prepare", unit="conv"):
+        rendered += 1
+        row = render_with_loss_mask(tokenizer, conversation.messages, params.max_len, eot_ids)
+        if sum(row.loss_mask) == 0:
+            dropped["no_assistant_tokens_after_truncation"] += 1
+            continue
+        kept.append((row, conversation))
 
     if len(kept) < 2:
         raise EaglenestError(
-            f"prepare kept {len(kept)} of {rendered} conversations from {params.source}; need at least 2 "
+            f"prepare kept {len(kept)} of {rendered} conversations from {names}; need at least 2 "
             f"(one train, one validation). Dropped: {dict(dropped)}"
         )
     train_rows = _train_rows(len(kept), params.val_fraction)
@@ -224,8 +287,9 @@ def prepare_dataset(params: PrepareParams, tokenizer: Any, out_dir: Path, metric
     prompts = [{"messages": first_user_turn(conv.messages), "origin": conv.origin} for _, conv in kept[train_rows:]]
     write_prepared(out_dir, [r.input_ids for r in rows], [r.loss_mask for r in rows], train_rows, prompts)
     metrics = {
-        "records_read": len(conversations),
+        "records_read": picks.records_read,
         "conversations_rendered": rendered,
+        "picked_per_source": picks.per_source,
         "kept": len(rows),
         "train_rows": train_rows,
         "val_rows": len(rows) - train_rows,
@@ -238,6 +302,13 @@ def prepare_dataset(params: PrepareParams, tokenizer: Any, out_dir: Path, metric
         "regenerate_cache_hits": regeneration.cache_hits if regeneration else 0,
         "regenerate_tokens_per_s": (round(regeneration.tokens / regeneration.seconds, 1)
                                     if regeneration and regeneration.tokens else None),
+        "prompts_written": prompt_stats.written if prompt_stats else 0,
+        "prompts_tried": prompt_stats.tried if prompt_stats else 0,
+        "prompts_unfinished": prompt_stats.unfinished if prompt_stats else 0,
+        "prompts_duplicate": prompt_stats.duplicates if prompt_stats else 0,
+        "prompt_cache_hits": prompt_stats.cache_hits if prompt_stats else 0,
+        "prompt_tokens_per_s": (round(prompt_stats.tokens / prompt_stats.seconds, 1)
+                                if prompt_stats and prompt_stats.tokens and prompt_stats.seconds else None),
     }
     atomic_write_json(metrics_path, metrics)
     log.info("kept %d of %d conversations (%d tokens, %d loss tokens) -> %s",

@@ -19,10 +19,9 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -33,8 +32,27 @@ log = logging.getLogger(__name__)
 
 CACHE_ROOT = Path(".eaglenest") / "regenerate-cache"
 
-# (prompts as token ids, seed) -> one reply per prompt, each ending at its first end-of-turn token if any
-ReplyGenerator = Callable[[list[list[int]], int], list[list[int]]]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How to sample one batch, when it is not the regeneration params' (the prompts the verifier writes).
+
+    Attributes:
+        temperature: Sampling temperature (> 0).
+        max_new_tokens: Longest completion.
+    """
+
+    temperature: float
+    max_new_tokens: int
+
+
+class ReplyGenerator(Protocol):
+    """(prompts as token ids, seed) -> one completion per prompt, each ending at its first end-of-turn token
+    if any. With ``sampling`` given, prompt ``i`` is sampled with its own seed ``seed + i``, so identical
+    prompts give different completions; without it, the regeneration params apply."""
+
+    def __call__(self, prompts: list[list[int]], seed: int, sampling: Sampling | None = None) -> list[list[int]]: ...
 
 
 @dataclass
@@ -116,7 +134,9 @@ def hf_reply_generator(model: Any, tokenizer: Any, temperature: float, max_new_t
     """The ``hf`` back end: transformers ``generate`` on the verifier already loaded."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
 
-    def generate_replies(prompts: list[list[int]], seed: int) -> list[list[int]]:
+    def generate_replies(prompts: list[list[int]], seed: int, sampling: Sampling | None = None) -> list[list[int]]:
+        if sampling is not None:  # rows of one sampled batch differ: they draw from one generator in turn
+            return _generate(prompts, model, pad_id, sampling.temperature, sampling.max_new_tokens, eos_ids, seed)
         return _generate(prompts, model, pad_id, temperature, max_new_tokens, eos_ids, seed)
 
     return generate_replies
@@ -139,9 +159,26 @@ def _generate(prompts: list[list[int]], model: Any, pad_id: int, temperature: fl
     return [cut_after_end_of_turn(row, eos_ids) for row in output[:, longest:].tolist()]
 
 
-def verifier_regenerator(params: Any, info: Any, model_dir: Path, tokenizer: Any, eos_ids: set[int]):
-    """The prepare stage's regenerator: loads the verifier on ``prepare.regenerate_backend`` only when some
-    conversation is not cached."""
+@dataclass(frozen=True)
+class VerifierGenerator:
+    """The verifier as the prepare stage's text generator, loaded on first use.
+
+    Attributes:
+        generate: Prompts -> completions on ``prepare.regenerate_backend``; the verifier loads on the first call,
+            so a fully cached rerun never loads it.
+        name: The back end and its dtype (``hf-float32``, ``vllm-bfloat16``), part of every cache key.
+        regenerate: Conversations -> the same with every assistant turn rewritten (:func:`regenerate`).
+    """
+
+    generate: ReplyGenerator
+    name: str
+    regenerate: Any
+
+
+def verifier_generator(params: Any, info: Any, model_dir: Path, tokenizer: Any, eos_ids: set[int]
+                       ) -> VerifierGenerator:
+    """The prepare stage's generator: loads the verifier on ``prepare.regenerate_backend`` only when some
+    conversation or prompt is not cached."""
 
     @functools.cache  # loaded on the first uncached conversation: a fully cached rerun never loads the verifier
     def load_reply_generator() -> ReplyGenerator:
@@ -156,8 +193,8 @@ def verifier_regenerator(params: Any, info: Any, model_dir: Path, tokenizer: Any
         return hf_reply_generator(model, tokenizer, params.regenerate_temperature, params.regenerate_max_new_tokens,
                                   eos_ids)
 
-    def generate_replies(prompts: list[list[int]], seed: int) -> list[list[int]]:
-        return load_reply_generator()(prompts, seed)
+    def generate_replies(prompts: list[list[int]], seed: int, sampling: Sampling | None = None) -> list[list[int]]:
+        return load_reply_generator()(prompts, seed, sampling)
 
     if params.regenerate_backend == "vllm":
         from eaglenest.vllm_support import serving_dtype
@@ -172,4 +209,4 @@ def verifier_regenerator(params: Any, info: Any, model_dir: Path, tokenizer: Any
                           max_len=params.max_len, batch_size=params.regenerate_batch_size, seed=params.seed,
                           generator=generator)
 
-    return run
+    return VerifierGenerator(generate=generate_replies, name=generator, regenerate=run)

@@ -15,7 +15,7 @@ from typing import Any
 
 from eaglenest.errors import EaglenestError
 from eaglenest.prepare import cut_after_end_of_turn
-from eaglenest.regenerate import ReplyGenerator
+from eaglenest.regenerate import ReplyGenerator, Sampling
 from eaglenest.vllm_support import clamp_max_model_len, create_llm, engine_kwargs, generate, require_vllm
 
 PARAM = "prepare.regenerate_backend"
@@ -54,9 +54,13 @@ def vllm_reply_generator(params: Any, info: Any, model_dir: Path, eos_ids: set[i
 
     llm = create_llm(build_regenerate_llm_kwargs(params, info, model_dir), PARAM)
 
-    def generate_replies(prompts: list[list[int]], seed: int) -> list[list[int]]:
-        sampling = SamplingParams(**build_sampling_kwargs(params, eos_ids, seed))
-        outputs = generate(llm, [{"prompt_token_ids": list(p)} for p in prompts], sampling, PARAM)
+    def generate_replies(prompts: list[list[int]], seed: int, sampling: Sampling | None = None) -> list[list[int]]:
+        if sampling is None:
+            per_request: Any = SamplingParams(**build_sampling_kwargs(params, eos_ids, seed))
+        else:  # one seed per request: the same prompt prefix must give different samples
+            per_request = [SamplingParams(temperature=sampling.temperature, max_tokens=sampling.max_new_tokens,
+                                          stop_token_ids=sorted(eos_ids), seed=seed + i) for i in range(len(prompts))]
+        outputs = generate(llm, [{"prompt_token_ids": list(p)} for p in prompts], per_request, PARAM)
         if len(outputs) != len(prompts):
             raise EaglenestError(f"vLLM returned {len(outputs)} replies for {len(prompts)} prompts")
         return replies_from_outputs(outputs, eos_ids)
