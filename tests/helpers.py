@@ -41,6 +41,7 @@ def make_pipeline_repo(dest: Path, params_overrides: dict | None = None) -> Path
         shutil.copy(REPO / name, dest / name)
     for name in ("stages", "src"):
         shutil.copytree(REPO / name, dest / name, ignore=ignore)
+    shutil.copytree(REPO / "data" / "eval", dest / "data" / "eval")  # the general evaluation set
     (dest / "data" / "conversations").mkdir(parents=True)
     (dest / "data" / "conversations" / ".gitkeep").touch()
     params = yaml.safe_load((dest / "params.yaml").read_text())

@@ -240,15 +240,17 @@ def test_corrupt_draft_checkpoint(trained: dict[str, Path], tmp_path: Path, dama
     ('{"text": "hi"}\n', r"prompts.jsonl: line 1: expected \{'messages': \[...\]\} or \{'prompt': '...'\}"),
     ("", r"prompts.jsonl: no prompts"),
 ])
-def test_bad_prompts_file(trained: dict[str, Path], tmp_path: Path, content: str, message: str):
-    from eaglenest.evaluate import load_prompts
+@pytest.mark.parametrize("which", ["prompts", "general_prompts"])
+def test_bad_prompts_file(trained: dict[str, Path], tmp_path: Path, content: str, message: str, which: str):
+    from eaglenest.evaluate import load_prompt_sets
     from eaglenest.params import EvaluateParams
     from eaglenest.verifier import load_tokenizer
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(content)
     with pytest.raises(InputFileError, match=message):
-        load_prompts(EvaluateParams(prompts=str(prompts)), trained["prepared"], load_tokenizer(trained["verifier"]))
+        load_prompt_sets(EvaluateParams(**{"general_prompts": None, which: str(prompts)}), trained["prepared"],
+                         load_tokenizer(trained["verifier"]))
 
 
 # ------------------------------------------------------------------------------------------------- kills
@@ -301,7 +303,7 @@ def test_kill_9_during_extract_and_train_five_times_each(tmp_path: Path, tiny_ve
         "extract": {"batch_tokens": 16},
         "convert": {"draft_vocab_size": 64},
         "train": {"steps": 120, "eval_every": 60, "checkpoint_every": 3, "total_seq_len": 256, "lr": 0.003},
-        "evaluate": {"num_prompts": 1, "max_new_tokens": 4},
+        "evaluate": {"num_prompts": 1, "max_new_tokens": 4, "backend": "hf"},  # no vLLM kernel for head size 8
     })
     chats = [{"conversations": [{"from": "human", "value": f"hello there {i}"},
                                 {"from": "gpt", "value": "I am fine thanks and you " * (1 + i % 3)}]}

@@ -112,7 +112,7 @@ def test_own_verifier_and_conversations(tmp_path: Path, tiny_verifier_dir: Path)
                     "regenerate_backend": "hf"},
         "convert": {"draft_vocab_size": 64},
         "train": {"steps": 2, "eval_every": 1, "total_seq_len": 256},
-        "evaluate": {"num_prompts": 1, "max_new_tokens": 4},
+        "evaluate": {"num_prompts": 1, "max_new_tokens": 4, "backend": "hf"},
     })
     chat = [{"from": "human", "value": "hello there"}, {"from": "gpt", "value": "I am fine thanks"}]
     write_jsonl(repo / "data/conversations/chats.jsonl", [{"conversations": chat}] * 8)

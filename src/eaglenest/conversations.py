@@ -173,3 +173,8 @@ def read_source(source: str) -> list[Conversation]:
             raise ParamsError(f"prepare.source: {source!r} is not a built-in source; allowed: {allowed}")
         return list(BUILTIN_SOURCES.get(name)())
     return list(read_file(Path(source)))
+
+
+def read_sources(sources: list[str]) -> list[Conversation]:
+    """Every conversation of several sources, in order (each as :func:`read_source` reads it)."""
+    return [conversation for source in sources for conversation in read_source(source)]

@@ -111,7 +111,7 @@ def check_disjoint(prompts: list[dict[str, Any]], prepared_dir: Path, tokenizer:
 
     train_rows = load_split(prepared_dir)["train_rows"]
     dataset = load_from_disk(str(prepared_dir)).with_format(None)
-    texts = tokenizer.batch_decode(dataset[:train_rows]["input_ids"])
+    texts = [tokenizer.decode(ids) for ids in dataset[:train_rows]["input_ids"]]
     for number, prompt in enumerate(prompts, start=1):
         for message in prompt["messages"]:
             content = message["content"].strip()

@@ -198,7 +198,7 @@ class PrepareParams(StrictModel):
                 names.append(entry.get("source"))
                 weights.append(entry.get("weight", 1.0))
         numeric = [w for w in weights if isinstance(w, int | float)]
-        if numeric and len(numeric) == len(weights) and not any(w > 0 for w in numeric):
+        if numeric and len(numeric) == len(weights) and all(w == 0 for w in numeric):
             problems.append("prepare.source: every weight is 0, so nothing would be read; give a source a weight > 0")
         if SELF_INSTRUCT_SOURCE in names:
             if values.get("regenerate") is False:

@@ -49,8 +49,9 @@ class Sampling:
 
 class ReplyGenerator(Protocol):
     """(prompts as token ids, seed) -> one completion per prompt, each ending at its first end-of-turn token
-    if any. With ``sampling`` given, prompt ``i`` is sampled with its own seed ``seed + i``, so identical
-    prompts give different completions; without it, the regeneration params apply."""
+    if any. With ``sampling`` given, it replaces the regeneration params, and identical prompts in one batch
+    give different completions (they draw from one random stream in turn); without it, the regeneration
+    params apply."""
 
     def __call__(self, prompts: list[list[int]], seed: int, sampling: Sampling | None = None) -> list[list[int]]: ...
 

@@ -57,9 +57,13 @@ def vllm_reply_generator(params: Any, info: Any, model_dir: Path, eos_ids: set[i
     def generate_replies(prompts: list[list[int]], seed: int, sampling: Sampling | None = None) -> list[list[int]]:
         if sampling is None:
             per_request: Any = SamplingParams(**build_sampling_kwargs(params, eos_ids, seed))
-        else:  # one seed per request: the same prompt prefix must give different samples
-            per_request = [SamplingParams(temperature=sampling.temperature, max_tokens=sampling.max_new_tokens,
-                                          stop_token_ids=sorted(eos_ids), seed=seed + i) for i in range(len(prompts))]
+        else:
+            # Requests share the engine's random stream (seeded once, prepare.seed), so identical prompt
+            # prefixes still sample differently. Per-request seeds would be reproducible across batch shapes,
+            # but vLLM's CPU build fails on them once it preempts a request ("CPU Generator does not use
+            # offset"); the prompt cache keeps each written batch, which makes reruns reproducible anyway.
+            per_request = SamplingParams(temperature=sampling.temperature, max_tokens=sampling.max_new_tokens,
+                                         stop_token_ids=sorted(eos_ids))
         outputs = generate(llm, [{"prompt_token_ids": list(p)} for p in prompts], per_request, PARAM)
         if len(outputs) != len(prompts):
             raise EaglenestError(f"vLLM returned {len(outputs)} replies for {len(prompts)} prompts")

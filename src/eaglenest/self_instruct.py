@@ -112,7 +112,7 @@ def write_prompts(count: int, generate: ReplyGenerator, tokenizer: Any, eot_ids:
     while len(prompts) < count and stats.tried < _MAX_TRIES_PER_PROMPT * count:
         first = batch * batch_size
         batch_hints = [hints[(first + i) % len(hints)] for i in range(batch_size)]
-        batch_seed = seed * 1_000_003 + first  # prompt i of the batch samples with batch_seed + i
+        batch_seed = seed * 1_000_003 + first  # the batch's seed (hf); vLLM draws from its engine's stream
         cached = cache_dir / f"{_batch_key(fingerprint, generator, sampling, batch_seed, batch_hints)}.json"
         if cached.is_file():
             completions = json.loads(cached.read_text())

@@ -1,0 +1,166 @@
+"""prepare.source as a weighted mix, and builtin:self-instruct (prompts the verifier writes) with a scripted
+generator: quotas, dedup, unfinished prompts, the cache, and the one-line errors for a mix that yields nothing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from datasets import load_from_disk
+
+from eaglenest.errors import EaglenestError, InputFileError, ParamsError
+from eaglenest.params import SELF_INSTRUCT_SOURCE, PrepareParams, parse_params
+from eaglenest.prepare import end_of_turn_ids, prepare_dataset, source_quotas
+from eaglenest.regenerate import Sampling
+from eaglenest.self_instruct import user_prefix, write_prompts
+
+from .conftest import write_jsonl
+
+
+def _entries(*pairs):
+    return PrepareParams(source=[{"source": s, "weight": w} for s, w in pairs]).source
+
+
+def test_quotas_split_max_conversations_by_weight_with_largest_remainder():
+    assert source_quotas(_entries(("a.jsonl", 3), ("b.jsonl", 1)), 10) == {"a.jsonl": 8, "b.jsonl": 2}
+    assert source_quotas(_entries(("a.jsonl", 1), ("b.jsonl", 1), ("c.jsonl", 1)), 10) == {
+        "a.jsonl": 4, "b.jsonl": 3, "c.jsonl": 3}
+    assert source_quotas(_entries(("a.jsonl", 1), ("b.jsonl", 0)), 7) == {"a.jsonl": 7}  # weight 0: left out
+    assert source_quotas(_entries(("a.jsonl", 1), ("b.jsonl", 2)), None) == {"a.jsonl": None, "b.jsonl": None}
+
+
+def test_a_source_whose_weight_buys_no_conversation_is_refused():
+    with pytest.raises(ParamsError, match=r"max_conversations = 3 gives b.jsonl no conversation"):
+        source_quotas(_entries(("a.jsonl", 100), ("b.jsonl", 1)), 3)
+
+
+@pytest.mark.parametrize(("prepare", "message"), [
+    ({"source": []}, "prepare.source"),
+    ({"source": [{"source": "a.jsonl", "weight": 0}]}, "every weight is 0"),
+    ({"source": [{"source": "a.jsonl", "weight": -1}]}, "greater than or equal to 0"),
+    ({"source": [SELF_INSTRUCT_SOURCE], "regenerate": False}, "set prepare.regenerate: true"),
+    ({"source": [SELF_INSTRUCT_SOURCE], "max_conversations": None}, "set prepare.max_conversations"),
+    ({"source": ["a.jsonl", {"source": "a.jsonl", "weight": 2}]}, "lists a.jsonl more than once"),
+    ({"source": [{"source": "a.jsonl", "share": 2}]}, "unknown key"),
+])
+def test_bad_mixes_are_one_line_naming_the_param(prepare, message):
+    with pytest.raises(ParamsError) as err:
+        parse_params({"prepare": prepare})
+    problems = str(err.value).splitlines()[1:]
+    assert len(problems) == 1, problems
+    assert problems[0].lstrip(" -").startswith(("prepare.source", "prepare.max_conversations")) and message in problems[0]
+
+
+def test_string_entries_have_weight_one():
+    params = parse_params({"prepare": {"source": ["a.jsonl", {"source": "b.jsonl", "weight": 2}]}}).prepare
+    assert [(e.source, e.weight) for e in params.source] == [("a.jsonl", 1.0), ("b.jsonl", 2.0)]
+
+
+def _chats(tmp_path: Path, name: str, count: int, tag: str) -> Path:
+    return write_jsonl(tmp_path / name, [
+        {"messages": [{"role": "user", "content": f"{tag} question {i}"},
+                      {"role": "assistant", "content": f"{tag} answer {i}"}]} for i in range(count)
+    ])
+
+
+def test_the_mix_takes_each_source_s_quota_and_spreads_them_over_the_split(tmp_path, tiny_tokenizer):
+    a, b = _chats(tmp_path, "a.jsonl", 30, "apple"), _chats(tmp_path, "b.jsonl", 30, "pear")
+    params = PrepareParams(source=[{"source": str(a), "weight": 3}, {"source": str(b), "weight": 1}],
+                           max_conversations=20, val_fraction=0.25, regenerate=False)
+    metrics = prepare_dataset(params, tiny_tokenizer, tmp_path / "out", tmp_path / "m.json",
+                              end_of_turn_ids(tiny_tokenizer))
+    assert metrics["picked_per_source"] == {str(a): 15, str(b): 5} and metrics["kept"] == 20
+    texts = [tiny_tokenizer.decode(ids) for ids in load_from_disk(str(tmp_path / "out")).with_format(None)["input_ids"]]
+    assert sum("apple" in t for t in texts) == 15 and sum("pear" in t for t in texts) == 5
+    val = [json.loads(line) for line in (tmp_path / "out" / "val_prompts.jsonl").read_text().splitlines()]
+    assert len(val) == 5 and all(p["origin"].startswith((str(a), str(b))) for p in val)
+
+
+def test_a_source_that_yields_no_conversation_stops_prepare(tmp_path, tiny_tokenizer):
+    lonely = write_jsonl(tmp_path / "lonely.jsonl", [{"messages": [{"role": "user", "content": "hello there"}]}])
+    good = _chats(tmp_path, "good.jsonl", 10, "apple")
+    params = PrepareParams(source=[str(good), str(lonely)], max_conversations=10, regenerate=False)
+    with pytest.raises(InputFileError, match=r"prepare.source: .*lonely.jsonl yielded no conversation"):
+        prepare_dataset(params, tiny_tokenizer, tmp_path / "out", tmp_path / "m.json", end_of_turn_ids(tiny_tokenizer))
+    assert not (tmp_path / "out").exists()
+
+
+class ScriptedVerifier:
+    """A ReplyGenerator that 'writes' prompts from a script: each call takes the next completions."""
+
+    def __init__(self, tokenizer, script: list[str | None]):
+        self.tokenizer, self.script, self.calls = tokenizer, list(script), []
+        self.eot = tokenizer.convert_tokens_to_ids("<|end|>")
+
+    def __call__(self, prompts, seed, sampling=None):
+        self.calls.append((len(prompts), seed, sampling))
+        out = []
+        for _ in prompts:
+            text = self.script.pop(0) if self.script else None
+            # None: a prompt still unfinished at max_new_tokens (no end-of-turn token)
+            ids = self.tokenizer("hello there how are you", add_special_tokens=False)["input_ids"] if text is None \
+                else self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.eot]
+            out.append(ids)
+        return out
+
+
+def _write(tokenizer, verifier, count, cache_dir, **overrides):
+    kwargs = {"fingerprint": "f", "generator": "scripted", "sampling": Sampling(1.0, 16),
+              "hints": ["", "The user asks for help with code."], "seed": 0, "batch_size": 4, "cache_dir": cache_dir}
+    return write_prompts(count, verifier, tokenizer, {verifier.eot}, **{**kwargs, **overrides})
+
+
+def test_self_instruct_keeps_finished_distinct_prompts_and_caches_every_batch(tmp_path, tiny_tokenizer):
+    script = ["what is the weather", None, "What  is the WEATHER", "let us go for a walk", "", "numbers 1 2 3",
+              None, "how are you today"]
+    verifier = ScriptedVerifier(tiny_tokenizer, script)
+    prompts, stats = _write(tiny_tokenizer, verifier, 4, tmp_path / "cache")
+    assert prompts == ["what is the weather", "let us go for a walk", "numbers 1 2 3", "how are you today"]
+    assert (stats.tried, stats.unfinished, stats.duplicates) == (8, 2, 2)  # a repeat (case, spaces) and an empty one
+    # one seed per batch, from prepare.seed and the batch's first prompt
+    assert [(n, seed) for n, seed, _ in verifier.calls] == [(4, 0), (4, 4)]
+    assert all(s == Sampling(1.0, 16) for *_, s in verifier.calls)
+
+    again, stats = _write(tiny_tokenizer, ScriptedVerifier(tiny_tokenizer, []), 4, tmp_path / "cache")
+    assert again == prompts and stats.cache_hits == 8  # nothing generated twice
+    fresh = ScriptedVerifier(tiny_tokenizer, ["a new one"] * 8)
+    _write(tiny_tokenizer, fresh, 4, tmp_path / "cache", sampling=Sampling(0.7, 16))
+    assert fresh.calls, "another temperature is another cache entry"
+
+
+def test_self_instruct_that_writes_nothing_usable_names_the_param(tmp_path, tiny_tokenizer):
+    verifier = ScriptedVerifier(tiny_tokenizer, [None] * 100)
+    with pytest.raises(EaglenestError, match=r"prepare.source builtin:self-instruct: the verifier wrote no usable "
+                                             r"prompt in 16 tries \(16 ran past prepare.prompt_max_new_tokens = 16"):
+        _write(tiny_tokenizer, verifier, 4, tmp_path / "cache")
+
+
+def test_user_prefix_is_the_template_up_to_the_user_message(tiny_tokenizer):
+    plain = tiny_tokenizer.decode(user_prefix(tiny_tokenizer, ""))
+    hinted = tiny_tokenizer.decode(user_prefix(tiny_tokenizer, "The user asks for help with code."))
+    assert plain == "<|user|>\n"
+    assert hinted == "<|system|>\nThe user asks for help with code.<|end|>\n<|user|>\n"
+
+
+def test_self_instruct_conversations_are_regenerated_and_masked(tmp_path, tiny_tokenizer):
+    """The prompts become user turns whose (empty) replies regeneration writes; the mask covers the replies."""
+    chats = _chats(tmp_path, "chats.jsonl", 10, "apple")
+    written = ["what is the weather", "let us go for a walk", "numbers 1 2 3", "how are you today"]
+
+    def prompt_writer(count):
+        return written[:count], None
+
+    def regenerator(conversations):
+        out = [[*m[:-1], {"role": "assistant", "content": "I am fine thanks"}] for m in conversations]
+        return out, None
+
+    params = PrepareParams(source=[{"source": SELF_INSTRUCT_SOURCE, "weight": 1}, {"source": str(chats), "weight": 1}],
+                           max_conversations=8, val_fraction=0.25)
+    metrics = prepare_dataset(params, tiny_tokenizer, tmp_path / "out", tmp_path / "m.json",
+                              end_of_turn_ids(tiny_tokenizer), regenerator, prompt_writer)
+    assert metrics["picked_per_source"] == {SELF_INSTRUCT_SOURCE: 4, str(chats): 4}
+    dataset = load_from_disk(str(tmp_path / "out"))
+    for ids, mask in zip(dataset["input_ids"], dataset["loss_mask"], strict=True):
+        masked = tiny_tokenizer.decode([t for t, m in zip(ids.tolist(), mask.tolist(), strict=True) if m])
+        assert masked == "I am fine thanks<|end|>"
