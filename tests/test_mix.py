@@ -49,7 +49,8 @@ def test_bad_mixes_are_one_line_naming_the_param(prepare, message):
         parse_params({"prepare": prepare})
     problems = str(err.value).splitlines()[1:]
     assert len(problems) == 1, problems
-    assert problems[0].lstrip(" -").startswith(("prepare.source", "prepare.max_conversations")) and message in problems[0]
+    assert problems[0].lstrip(" -").startswith(("prepare.source", "prepare.max_conversations"))
+    assert message in problems[0]
 
 
 def test_string_entries_have_weight_one():

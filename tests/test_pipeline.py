@@ -73,8 +73,14 @@ def test_default_verifier_and_chitchat_through_dvc_repro(tmp_path: Path):
     assert evaluation["lossless_fraction"] == 1.0 and evaluation["num_prompts"] == metrics["val_rows"] == 1
     assert 1.0 <= evaluation["tau"] <= 4.0 and len(evaluation["per_position_acceptance"]) == 3
     assert evaluation["tokens_per_s_plain"] > 0 and evaluation["speedup"] > 0
-    assert json.loads((repo / "metrics/eval_plots/tau.json").read_text())[0]["drafter"] == "eagle3"
+    assert json.loads((repo / "metrics/eval_plots/tau.json").read_text())[0]["drafter"] == "eagle3 hf val"
     assert evaluation["acceptance_pos_1"] == evaluation["per_position_acceptance"][0]
+    # both sets, both back ends (hf the reference, vLLM's own EAGLE-3 on its CPU build), under flat names
+    assert evaluation["tau_val"] == evaluation["tau"] and evaluation["sets"]["general"]["hf"]["num_prompts"] == 2
+    for name in ("tau_general", "speedup_general", "lossless_fraction_general", "tau_ngram_general",
+                 "vllm_tau_val", "vllm_tau_general", "vllm_speedup_general", "vllm_speedup_batched_general"):
+        assert isinstance(evaluation[name], float), name
+    assert evaluation["lossless_fraction_general"] == evaluation["vllm_lossless_fraction_general"] == 1.0
     assert train["val_acc_2"] == train["val_acc"][2]
     shown = dvc(["metrics", "show", "--json"], repo).stdout
     assert '"tau_sim"' in shown and '"vocab_coverage_val"' in shown and '"bytes_per_token"' in shown

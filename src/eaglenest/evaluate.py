@@ -310,7 +310,7 @@ def write_eval_outputs(results: dict[str, dict[str, dict[str, Any]]], primary: s
             for drafter, rates in (("eagle3", metrics["per_position_acceptance"]),
                                    ("ngram", metrics.get("per_position_acceptance_ngram", []))):
                 label = f"{drafter} {backend} {set_name}"
-                acceptance += [{"position": i + 1, "drafter": label, "acceptance": rate}
+                acceptance += [{"position": i + 1, "drafter": label, "series": f"{label} {i + 1}", "acceptance": rate}
                                for i, rate in enumerate(rates)]
             tau += [{"drafter": f"eagle3 {backend} {set_name}", "tau": metrics["tau"]},
                     {"drafter": f"ngram {backend} {set_name}", "tau": metrics["tau_ngram"]}]
