@@ -55,9 +55,8 @@ def test_aux_layer_zero_is_refused():
 
 
 def test_single_source_string_becomes_a_list():
-    assert parse_params({"prepare": {"source": "data/conversations/a.jsonl"}}).prepare.source == [
-        "data/conversations/a.jsonl"
-    ]
+    prepare = parse_params({"prepare": {"source": "data/conversations/a.jsonl"}}).prepare
+    assert prepare.source_names == ["data/conversations/a.jsonl"] and prepare.source[0].weight == 1.0
 
 
 def test_yaml_syntax_error_names_the_line(tmp_path: Path):
