@@ -380,7 +380,7 @@ class EvaluateParams(StrictModel):
         description="The 'general' set, the same JSONL format: prompts of kinds the training mix may not hold, "
         "disjoint from the training rows (checked); its figures are reported as *_general. null: no such set.",
     )
-    num_prompts: int = Field(default=16, ge=1, description="Prompts to decode per set.")
+    num_prompts: int = Field(default=12, ge=1, description="Prompts to decode per set.")
     max_new_tokens: int = Field(default=64, ge=1, description="Tokens generated per prompt.")
     num_speculative_tokens: int | None = Field(
         default=None, ge=1, description="K, drafts per verify step; null uses the draft's speculative_tokens."
