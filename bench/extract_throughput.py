@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from datasets import load_from_disk
 
-from eaglenest.extract import ExtractionJob
-from eaglenest.extract_hf import extract_with_transformers, length_sorted_batches, load_decoder, pad_batch
+from eaglenest.extract.hf import extract_with_transformers, length_sorted_batches, load_decoder, pad_batch
+from eaglenest.extract.job import ExtractionJob
 from eaglenest.hidden_states import extraction_fingerprint, file_metadata
 from eaglenest.params import load_params
 from eaglenest.verifier import load_verifier_info

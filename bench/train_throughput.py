@@ -11,17 +11,17 @@ Prints both tokens/s and their ratio (target >= 0.85).
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from datasets import load_from_disk
 
-from eaglenest.convert import ROWS_FILE, load_vocab
+from eaglenest.convert import load_vocab
 from eaglenest.params import load_params
-from eaglenest.train import TrainInputs, build_draft, pack_batches, train_draft
+from eaglenest.train import TrainInputs, train_draft
+from eaglenest.train.data import load_training_data, pack_batches
+from eaglenest.train.model import build_draft, draft_runtime
 from eaglenest.verifier import load_verifier_info
 
 
@@ -35,30 +35,20 @@ def main() -> None:
     if args.total_seq_len:
         updates["total_seq_len"] = args.total_seq_len
     params = params.model_copy(update=updates)
-    from hs_connectors import FileTransfer
-    from speculators.losses import resolve_loss_config
-    from speculators.models.eagle3.data import shift_batch
-    from speculators.train.data import ArrowDataset, CollateFn
-
     verifier, model_dir = load_verifier_info(Path("models/verifier"))
     vocab, d2t, t2d = load_vocab(Path("data/vocab"))
-    rows = json.loads((Path("data/vocab") / ROWS_FILE).read_text())
-    lengths = load_from_disk("data/prepared").data.column("seq_len").to_pylist()
-    batches = pack_batches(rows["train"], lengths, params.total_seq_len, params.seed, 0)[: args.steps]
-    tokens = sum(lengths[r] for b in batches for r in b)
+    runtime = draft_runtime(params, torch.device("cpu"))
+    # The train stage's own data setup: speculators' ArrowDataset and CollateFn, its packing and order.
+    data = load_training_data(params, verifier, Path("data/prepared"), Path("data/hidden_states"), Path("data/vocab"),
+                              runtime.hs_dtype)
+    batches = pack_batches(data.rows["train"], data.lengths, params.total_seq_len, params.seed, 0)[: args.steps]
+    tokens = sum(data.lengths[r] for b in batches for r in b)
 
     # (b) bare: batches collated up front, then only forward + backward + optimizer step.
-    dataset = ArrowDataset(max_len=params.total_seq_len, datapath="data/prepared",
-                           transfer=FileTransfer(Path("data/hidden_states")), on_missing="raise",
-                           hidden_states_dtype=torch.float32)
-    collate = CollateFn(max_len=params.total_seq_len, hidden_size=verifier.hidden_size,
-                        num_target_layers=len(verifier.aux_layers), dtype=torch.float32,
-                        preprocess=shift_batch)
-    collated = [collate([dataset[i] for i in b]) for b in batches]
-    model = build_draft(verifier, model_dir, params, vocab["draft_vocab_size"], d2t, t2d, "sdpa")
+    collated = [data.batch(b, runtime.device) for b in batches]
+    model = build_draft(verifier, model_dir, params, vocab["draft_vocab_size"], d2t, t2d, runtime.attention)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=params.lr)
-    kwargs = {"ttt_steps": params.ttt_steps, "ttt_step_loss_decay": 1.0,
-              "loss_config": resolve_loss_config(params.loss, "eager")}
+    kwargs = {**runtime.forward_kwargs, "ttt_step_loss_decay": 1.0}
     started = time.perf_counter()
     for batch in collated:
         _, loss, _ = model(**batch, **kwargs)

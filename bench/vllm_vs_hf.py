@@ -74,11 +74,11 @@ def chitchat_conversations(count: int, *, from_end: bool = False, seed: int = 0)
 
 def regeneration_worker(args: argparse.Namespace) -> dict[str, Any]:
     """Regenerates the conversations with one back end; returns timings and every reply's token ids."""
-    import torch
 
+    from eaglenest.chat import end_of_turn_ids
     from eaglenest.params import PrepareParams
-    from eaglenest.prepare import end_of_turn_ids
-    from eaglenest.regenerate import hf_reply_generator, regenerate
+    from eaglenest.regenerate import BACKENDS, regenerate
+    from eaglenest.regenerate.job import GeneratorJob
     from eaglenest.verifier import load_tokenizer, load_verifier_info
 
     verifier_dir = args.repo / "models" / "verifier"
@@ -91,16 +91,8 @@ def regeneration_worker(args: argparse.Namespace) -> dict[str, Any]:
                            regenerate_max_new_tokens=args.max_new_tokens, regenerate_batch_size=batch_size,
                            max_len=args.max_len)
     started = time.perf_counter()
-    if args.backend == "vllm":
-        from eaglenest.regenerate_vllm import vllm_reply_generator
-
-        generate = vllm_reply_generator(params, info, model_dir, eos)
-    else:
-        from transformers import AutoModelForCausalLM
-
-        # As verifier_regenerator loads it for the prepare stage.
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        generate = hf_reply_generator(model, tokenizer, 0.0, args.max_new_tokens, eos)
+    # As the prepare stage loads it (greedy: regenerate_temperature defaults to 0).
+    generate = BACKENDS.get(args.backend).load(GeneratorJob(params, info, model_dir, tokenizer, eos))
     load_s = time.perf_counter() - started
     calls: list[tuple[list[int], list[int]]] = []
 

@@ -7,8 +7,9 @@ from _guard import require_stage_environment
 
 require_stage_environment("prepare")
 
+from eaglenest.chat import end_of_turn_ids  # noqa: E402
 from eaglenest.params import load_params  # noqa: E402
-from eaglenest.prepare import end_of_turn_ids, prepare_dataset  # noqa: E402
+from eaglenest.prepare import prepare_dataset  # noqa: E402
 from eaglenest.regenerate import verifier_generator  # noqa: E402
 from eaglenest.self_instruct import self_instruct_writer  # noqa: E402
 from eaglenest.stage import run_stage, stage_parser  # noqa: E402

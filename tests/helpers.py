@@ -1,7 +1,10 @@
-"""Running the real CLI tools (dvc, the stage scripts) in temporary git + DVC repositories."""
+"""Shared by the test modules: running the real CLI tools (dvc, the stage scripts) in temporary git + DVC
+repositories, and the first stages' code on a tiny verifier."""
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import shutil
 import subprocess
@@ -9,6 +12,13 @@ import sys
 from pathlib import Path
 
 import yaml
+
+from eaglenest.chat import end_of_turn_ids
+from eaglenest.params import PrepareParams, VerifierParams
+from eaglenest.prepare import prepare_dataset
+from eaglenest.verifier import build_verifier
+
+from .conftest import build_tiny_tokenizer, write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -58,3 +68,57 @@ def make_pipeline_repo(dest: Path, params_overrides: dict | None = None) -> Path
 
 def dvc(args: list[str], repo: Path, check: bool = True, env: dict[str, str] | None = None):
     return run([str(VENV_BIN / "dvc"), *args], repo, env=env, check=check)
+
+
+TEXTS = ["hello there", "what is the capital of France?", "the weather is nice", "I am fine thanks and you"]
+
+
+def pipeline_until_prepare(tmp: Path, model_dir: Path, rows: int = 10) -> tuple[Path, Path]:
+    """Runs the verifier and prepare stages' code on a tiny model and synthetic chats of varied length."""
+    verifier_dir = tmp / "models" / "verifier"
+    build_verifier(VerifierParams(model=str(model_dir), aux_layers=[1, 3, 5]), verifier_dir)
+    records = []
+    for i in range(rows):
+        user = " ".join(TEXTS[: 1 + i % 4])
+        records.append({"messages": [{"role": "user", "content": user},
+                                     {"role": "assistant", "content": TEXTS[i % 4] * (1 + i % 3)}]})
+    source = write_jsonl(tmp / "chats.jsonl", records)
+    tokenizer = build_tiny_tokenizer()
+    prepared = tmp / "data" / "prepared"
+    prepare_dataset(PrepareParams(source=[str(source)], max_conversations=None, val_fraction=0.2), tokenizer,
+                    prepared, tmp / "metrics" / "prepare.json", end_of_turn_ids(tokenizer))
+    return verifier_dir, prepared
+
+
+def evaluate_params(repo: Path, dest: Path, **evaluate: object) -> Path:
+    """``repo``'s params with ``evaluate`` values on top, written under ``dest``."""
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    # The back ends are compared on the held-out set; the general set would double each run's time.
+    params["evaluate"].update({"general_prompts": None, **evaluate})
+    path = dest / "params.yaml"
+    path.write_text(yaml.safe_dump(params, sort_keys=False))
+    return path
+
+
+def run_evaluate(repo: Path, dest: Path, *, wrapper: Path | None = None, env: dict[str, str] | None = None,
+                 **evaluate: object) -> tuple[subprocess.CompletedProcess[str], dict]:
+    """The real stage script on ``repo``'s verifier, prompts and draft; every output goes under ``dest``."""
+    dest.mkdir(parents=True, exist_ok=True)
+    stage = str(REPO / "stages" / "evaluate.py")
+    script = [str(wrapper), stage] if wrapper else [stage]
+    cmd = [sys.executable, *script, "--params", str(evaluate_params(repo, dest, **evaluate)),
+           "--verifier", str(repo / "models" / "verifier"), "--prepared", str(repo / "data" / "prepared"),
+           "--draft", str(repo / "models" / "draft"), "--metrics", str(dest / "eval.json"),
+           "--plots", str(dest / "plots")]
+    result = subprocess.run(cmd, cwd=dest, env=project_env(**(env or {})), capture_output=True, text=True,
+                            timeout=900)
+    metrics_file = dest / "eval.json"
+    return result, json.loads(metrics_file.read_text()) if metrics_file.exists() else {}
+
+
+@functools.cache
+def hf_reference(repo: str, dest: str) -> dict:
+    """The hf back end's metrics on ``repo``'s draft and prompts (cached: test_serve compares with it too)."""
+    result, metrics = run_evaluate(Path(repo), Path(dest), backend="hf")
+    assert result.returncode == 0, result.stderr
+    return metrics

@@ -19,7 +19,7 @@ from eaglenest.inspect_files import inspect_path
 from eaglenest.params import ConvertParams, ExtractParams, PrepareParams
 from eaglenest.prepare import prepare_dataset
 
-from .test_extract import pipeline_until_prepare
+from .helpers import pipeline_until_prepare
 
 
 @pytest.fixture

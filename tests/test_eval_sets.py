@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from eaglenest.errors import InputFileError
-from eaglenest.evaluate import flat_metrics, load_prompt_sets, write_eval_outputs
+from eaglenest.evaluate import flat_metrics, write_eval_outputs
+from eaglenest.evaluate.prompts import load_prompt_sets
 from eaglenest.params import EvaluateParams, parse_params
 from eaglenest.prepare import write_prepared
 

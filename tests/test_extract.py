@@ -12,15 +12,13 @@ from safetensors.torch import load_file, save_file
 
 from eaglenest.errors import EaglenestError, ParamsError
 from eaglenest.extract import extract_hidden_states, shard_rows
-from eaglenest.extract_hf import length_sorted_batches
+from eaglenest.extract.hf import length_sorted_batches
 from eaglenest.hidden_states import check_header, hs_path
-from eaglenest.params import ExtractParams, PrepareParams, VerifierParams, parse_params
-from eaglenest.prepare import end_of_turn_ids, load_split, prepare_dataset
-from eaglenest.verifier import build_verifier
+from eaglenest.params import ExtractParams, parse_params
+from eaglenest.prepare import load_split
 
-from .conftest import build_tiny_tokenizer, build_tiny_verifier, write_jsonl
-
-TEXTS = ["hello there", "what is the capital of France?", "the weather is nice", "I am fine thanks and you"]
+from .conftest import build_tiny_tokenizer, build_tiny_verifier
+from .helpers import pipeline_until_prepare
 
 
 def build_tiny_qwen3(path: Path) -> Path:
@@ -34,23 +32,6 @@ def build_tiny_qwen3(path: Path) -> Path:
     Qwen3ForCausalLM(config).save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
-
-
-def pipeline_until_prepare(tmp: Path, model_dir: Path, rows: int = 10) -> tuple[Path, Path]:
-    """Runs the verifier and prepare stages' code on a tiny model and synthetic chats of varied length."""
-    verifier_dir = tmp / "models" / "verifier"
-    build_verifier(VerifierParams(model=str(model_dir), aux_layers=[1, 3, 5]), verifier_dir)
-    records = []
-    for i in range(rows):
-        user = " ".join(TEXTS[: 1 + i % 4])
-        records.append({"messages": [{"role": "user", "content": user},
-                                     {"role": "assistant", "content": TEXTS[i % 4] * (1 + i % 3)}]})
-    source = write_jsonl(tmp / "chats.jsonl", records)
-    tokenizer = build_tiny_tokenizer()
-    prepared = tmp / "data" / "prepared"
-    prepare_dataset(PrepareParams(source=[str(source)], max_conversations=None, val_fraction=0.2), tokenizer,
-                    prepared, tmp / "metrics" / "prepare.json", end_of_turn_ids(tokenizer))
-    return verifier_dir, prepared
 
 
 def reference_hidden_states(model_dir: Path, input_ids: list[int], layer_ids: list[int]) -> torch.Tensor:

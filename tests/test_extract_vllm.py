@@ -12,8 +12,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eaglenest.errors import EaglenestError
-from eaglenest.extract import ExtractionJob, extract_hidden_states
-from eaglenest.extract_vllm import (
+from eaglenest.extract import extract_hidden_states
+from eaglenest.extract.job import ExtractionJob
+from eaglenest.extract.vllm import (
     WAVES_PER_CALL,
     build_llm_kwargs,
     extract_with_vllm,
@@ -26,7 +27,7 @@ from eaglenest.verifier import load_verifier_info
 from eaglenest.vllm_support import VllmBuild
 
 from .conftest import requires_vllm
-from .test_extract import pipeline_until_prepare
+from .helpers import pipeline_until_prepare
 
 
 class FakeEngine:
@@ -86,7 +87,7 @@ def test_llm_arguments(tmp_path: Path, tiny_verifier_dir: Path, monkeypatch: pyt
     }
     assert kwargs["kv_transfer_config"] == {
         "kv_connector": "EaglenestHiddenStatesConnector",
-        "kv_connector_module_path": "eaglenest.vllm_connector",
+        "kv_connector_module_path": "eaglenest.extract.vllm_connector",
         "kv_role": "kv_producer",
         "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "stage")},
     }
@@ -162,7 +163,7 @@ def test_vllm_backend_without_vllm_says_how_to_install(tmp_path: Path, tiny_veri
 
 def test_vllm_is_never_imported_by_the_base_package():
     # A fresh interpreter: other tests of this session may have imported vllm already.
-    code = "import sys, eaglenest.cli, eaglenest.extract, eaglenest.extract_vllm; print('vllm' in sys.modules)"
+    code = "import sys, eaglenest.cli, eaglenest.extract, eaglenest.extract.vllm; print('vllm' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
 
@@ -173,8 +174,9 @@ def test_connector_writes_a_cpu_buffer_in_block_order(tmp_path: Path):
     import fcntl
     from concurrent.futures import ThreadPoolExecutor
 
-    from eaglenest import extract_vllm, vllm_connector
-    from eaglenest.vllm_connector import EaglenestHiddenStatesConnector, PendingSave
+    from eaglenest.extract import vllm as extract_vllm
+    from eaglenest.extract import vllm_connector
+    from eaglenest.extract.vllm_connector import EaglenestHiddenStatesConnector, PendingSave
 
     # extract_vllm names the connector by strings (importing it would import vllm): they must find it
     assert getattr(vllm_connector, extract_vllm.CONNECTOR_NAME) is EaglenestHiddenStatesConnector

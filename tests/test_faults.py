@@ -58,6 +58,15 @@ def params_files(draw):
     return raw
 
 
+def _problem_lines(raw: dict) -> list[str]:
+    """The problem lines parse_params reports for ``raw`` (none when it validates)."""
+    try:
+        parse_params(raw)
+    except ParamsError as err:
+        return [line.strip().removeprefix("- ") for line in str(err).splitlines()[1:]]
+    return []
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(params_files())
 def test_random_params_either_validate_or_name_every_bad_key(raw):
@@ -72,11 +81,21 @@ def test_random_params_either_validate_or_name_every_bad_key(raw):
         if section not in Params.model_fields:
             assert f"{section}: unknown key" in message
             continue
+        model = Params.model_fields[section].annotation
+        defaults = {name: f.get_default(call_default_factory=True) for name, f in model.model_fields.items()}
+
+        def combinations(values: dict, model=model, defaults=defaults) -> list[str]:
+            check = getattr(model, "consistency_problems", None)
+            return check({**defaults, **values}) if check is not None else []
+
+        # A bad combination of this section's values is reported, line for line.
+        for line in combinations(values):
+            assert line in message, (section, line, message)
         for key, value in values.items():
-            try:  # each value alone: if it is bad by itself, the combined report must name it
-                parse_params({section: {key: value}})
-            except ParamsError:
-                assert f"{section}.{key}" in message or "extract." in message, (section, key, message)
+            # A value bad by itself (not only next to the defaults of other keys) is named, whatever else is wrong.
+            alone = _problem_lines({section: {key: value}})
+            if any(line not in combinations({key: value}) for line in alone):
+                assert f"{section}.{key}" in message, (section, key, alone, message)
 
 
 # ------------------------------------------------------------------------------------------ failed writes
@@ -117,7 +136,7 @@ def test_disk_full_during_extraction_then_rerun(tmp_path: Path, tiny_verifier_di
     from eaglenest.extract import extract_hidden_states
     from eaglenest.params import ExtractParams
 
-    from .test_extract import pipeline_until_prepare
+    from .helpers import pipeline_until_prepare
 
     verifier_dir, prepared = pipeline_until_prepare(tmp_path, tiny_verifier_dir, rows=10)
     real_open, writes = open, {"n": 0}
@@ -142,11 +161,11 @@ def test_disk_full_during_extraction_then_rerun(tmp_path: Path, tiny_verifier_di
 
 def test_out_of_memory_says_which_param_to_lower(tmp_path: Path, tiny_verifier_dir: Path,
                                                  monkeypatch: pytest.MonkeyPatch):
-    import eaglenest.extract_hf as extract_hf
+    import eaglenest.extract.hf as extract_hf
     from eaglenest.extract import extract_hidden_states
     from eaglenest.params import ExtractParams
 
-    from .test_extract import pipeline_until_prepare
+    from .helpers import pipeline_until_prepare
 
     verifier_dir, prepared = pipeline_until_prepare(tmp_path, tiny_verifier_dir, rows=4)
 
@@ -168,7 +187,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory, tiny_verifier_dir: Path) -
     from eaglenest.params import ConvertParams, ExtractParams, TrainParams
     from eaglenest.train import TrainInputs, train_draft
 
-    from .test_extract import pipeline_until_prepare
+    from .helpers import pipeline_until_prepare
 
     root = tmp_path_factory.mktemp("faults")
     verifier_dir, prepared = pipeline_until_prepare(root, tiny_verifier_dir, rows=12)
@@ -217,7 +236,7 @@ def test_corrupt_vocabulary_files(trained: dict[str, Path], tmp_path: Path, dama
 def test_corrupt_draft_checkpoint(trained: dict[str, Path], tmp_path: Path, damage: str, message: str):
     import shutil
 
-    from eaglenest.evaluate import load_draft
+    from eaglenest.evaluate.hf import load_draft
 
     draft = tmp_path / "draft"
     shutil.copytree(trained["draft"], draft)
@@ -242,7 +261,7 @@ def test_corrupt_draft_checkpoint(trained: dict[str, Path], tmp_path: Path, dama
 ])
 @pytest.mark.parametrize("which", ["prompts", "general_prompts"])
 def test_bad_prompts_file(trained: dict[str, Path], tmp_path: Path, content: str, message: str, which: str):
-    from eaglenest.evaluate import load_prompt_sets
+    from eaglenest.evaluate.prompts import load_prompt_sets
     from eaglenest.params import EvaluateParams
     from eaglenest.verifier import load_tokenizer
 

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 from datasets import load_from_disk
 
+from eaglenest.chat import end_of_turn_ids
 from eaglenest.errors import EaglenestError, InputFileError, ParamsError
 from eaglenest.params import SELF_INSTRUCT_SOURCE, PrepareParams, parse_params
-from eaglenest.prepare import end_of_turn_ids, prepare_dataset, source_quotas
+from eaglenest.prepare import prepare_dataset, source_quotas
 from eaglenest.regenerate import Sampling
 from eaglenest.self_instruct import user_prefix, write_prompts
 

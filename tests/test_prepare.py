@@ -9,10 +9,10 @@ import pytest
 import torch
 from datasets import load_from_disk
 
+from eaglenest.chat import end_of_turn_ids
+from eaglenest.errors import TemplateError
 from eaglenest.params import PrepareParams
 from eaglenest.prepare import (
-    TemplateError,
-    end_of_turn_ids,
     first_user_turn,
     load_split,
     prepare_dataset,

@@ -12,9 +12,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from eaglenest.chat import end_of_turn_ids
 from eaglenest.params import PrepareParams
-from eaglenest.prepare import end_of_turn_ids, prepare_dataset
-from eaglenest.regenerate import hf_reply_generator, regenerate
+from eaglenest.prepare import prepare_dataset
+from eaglenest.regenerate import regenerate
+from eaglenest.regenerate.hf import hf_reply_generator
 from eaglenest.vllm_support import installed_build
 
 from .conftest import requires_vllm, write_jsonl
@@ -114,7 +116,7 @@ class _FakeRequestOutput:
 
 
 def test_vllm_regeneration_arguments(tiny_verifier_dir: Path, tmp_path: Path):
-    from eaglenest.regenerate_vllm import build_regenerate_llm_kwargs, build_sampling_kwargs
+    from eaglenest.regenerate.vllm import build_regenerate_llm_kwargs, build_sampling_kwargs
 
     info, model_dir = load_verifier_info_for(tiny_verifier_dir, tmp_path)
     params = PrepareParams(regenerate=True, regenerate_backend="vllm", max_len=256, regenerate_max_new_tokens=64,
@@ -148,7 +150,7 @@ def load_verifier_info_for(tiny_verifier_dir: Path, tmp_path: Path):
 
 
 def test_vllm_replies_are_cut_after_the_end_of_turn_token():
-    from eaglenest.regenerate_vllm import replies_from_outputs
+    from eaglenest.regenerate.vllm import replies_from_outputs
 
     outputs = [_FakeRequestOutput((5, 6, 2, 9)), _FakeRequestOutput([5, 6]), _FakeRequestOutput([])]
     assert replies_from_outputs(outputs, {2}) == [[5, 6, 2], [5, 6], []]
@@ -158,7 +160,8 @@ def test_vllm_regeneration_without_vllm_says_how_to_install(tiny_verifier_dir: P
                                                               monkeypatch: pytest.MonkeyPatch):
     from eaglenest import vllm_support
     from eaglenest.errors import EaglenestError
-    from eaglenest.regenerate_vllm import vllm_reply_generator
+    from eaglenest.regenerate.job import GeneratorJob
+    from eaglenest.regenerate.vllm import vllm_reply_generator
 
     # Runs whether vLLM is installed or not: the check reads the installation through installed_build().
     monkeypatch.setattr(vllm_support, "installed_build", lambda: None)
@@ -166,7 +169,7 @@ def test_vllm_regeneration_without_vllm_says_how_to_install(tiny_verifier_dir: P
     with pytest.raises(EaglenestError, match=r"prepare\.regenerate_backend: vllm needs vLLM, which this interpreter "
                                              r"lacks; install vLLM's (CPU|GPU) build: .*or set "
                                              r"prepare\.regenerate_backend: hf"):
-        vllm_reply_generator(PrepareParams(regenerate_backend="vllm"), info, model_dir, {2})
+        vllm_reply_generator(GeneratorJob(PrepareParams(regenerate_backend="vllm"), info, model_dir, None, {2}))
 
 
 # --- Real vLLM against the hf back end ------------------------------------------------------------------
@@ -178,9 +181,10 @@ import json, sys
 from pathlib import Path
 
 from eaglenest.params import PrepareParams
-from eaglenest.prepare import end_of_turn_ids
+from eaglenest.chat import end_of_turn_ids
 from eaglenest.regenerate import regenerate
-from eaglenest.regenerate_vllm import vllm_reply_generator
+from eaglenest.regenerate.job import GeneratorJob
+from eaglenest.regenerate.vllm import vllm_reply_generator
 from eaglenest.verifier import load_tokenizer, load_verifier_info
 
 if __name__ == "__main__":
@@ -189,7 +193,7 @@ if __name__ == "__main__":
     info, model_dir = load_verifier_info(verifier_dir)
     tokenizer = load_tokenizer(verifier_dir)
     eos = end_of_turn_ids(tokenizer, model_dir)
-    generate = vllm_reply_generator(params, info, model_dir, eos)
+    generate = vllm_reply_generator(GeneratorJob(params, info, model_dir, tokenizer, eos))
     calls = []
 
     def recorded(prompts, seed):

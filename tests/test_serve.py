@@ -22,8 +22,7 @@ from eaglenest import cli
 from eaglenest.prepare import VAL_PROMPTS_FILE
 
 from .conftest import requires_vllm
-from .helpers import project_env
-from .test_vllm_evaluate import hf_reference
+from .helpers import hf_reference, project_env
 
 
 def free_port() -> int:

@@ -14,9 +14,11 @@ from eaglenest.convert import convert
 from eaglenest.errors import EaglenestError, ParamsError
 from eaglenest.extract import extract_hidden_states
 from eaglenest.params import ConvertParams, ExtractParams, TrainParams, parse_params
-from eaglenest.train import TrainInputs, pack_batches, tau_from_conditional, train_draft
+from eaglenest.train import TrainInputs, train_draft
+from eaglenest.train.data import pack_batches
+from eaglenest.train.validation import tau_from_conditional
 
-from .test_extract import pipeline_until_prepare
+from .helpers import pipeline_until_prepare
 
 FAST = {"total_seq_len": 256, "lr": 3e-3, "warmup_steps": 2}
 
@@ -81,17 +83,17 @@ def test_resume_after_a_kill_matches_an_uninterrupted_run(converted: dict[str, P
     params = TrainParams(steps=12, eval_every=6, checkpoint_every=4, **FAST)
     reference = train_draft(params, inputs_in(converted, tmp_path / "a"))
 
-    original = train_module._save_checkpoint
+    original = train_module.save_checkpoint
 
     def save_then_die(path, model, optimizer, scheduler, step):
         original(path, model, optimizer, scheduler, step)
         if step == 8:
             raise KeyboardInterrupt  # as if killed right after the step-8 checkpoint
 
-    monkeypatch.setattr(train_module, "_save_checkpoint", save_then_die)
+    monkeypatch.setattr(train_module, "save_checkpoint", save_then_die)
     with pytest.raises(KeyboardInterrupt):
         train_draft(params, inputs_in(converted, tmp_path / "b"))
-    monkeypatch.setattr(train_module, "_save_checkpoint", original)
+    monkeypatch.setattr(train_module, "save_checkpoint", original)
     resumed = train_draft(params, inputs_in(converted, tmp_path / "b"))
 
     assert resumed["resumed_from_step"] == 8 and resumed["steps_this_run"] == 4
@@ -106,16 +108,16 @@ def test_resume_after_a_kill_matches_an_uninterrupted_run(converted: dict[str, P
 
 def test_changed_params_never_resume_a_stale_run(converted: dict[str, Path], tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch):
-    original = train_module._save_checkpoint
+    original = train_module.save_checkpoint
 
     def save_then_die(*args):
         original(*args)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(train_module, "_save_checkpoint", save_then_die)
+    monkeypatch.setattr(train_module, "save_checkpoint", save_then_die)
     with pytest.raises(KeyboardInterrupt):
         train_draft(TrainParams(steps=8, checkpoint_every=4, **FAST), inputs_in(converted, tmp_path))
-    monkeypatch.setattr(train_module, "_save_checkpoint", original)
+    monkeypatch.setattr(train_module, "save_checkpoint", original)
     changed = {**FAST, "lr": 1e-3}
     metrics = train_draft(TrainParams(steps=8, checkpoint_every=4, **changed), inputs_in(converted, tmp_path))
     assert metrics["resumed_from_step"] == 0

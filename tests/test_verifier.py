@@ -52,10 +52,41 @@ def test_explicit_aux_layers_and_fingerprint(tmp_path: Path, tiny_verifier_dir: 
     assert load_tokenizer(tmp_path / "out").chat_template
 
 
-def test_fingerprint_changes_with_the_weights(tmp_path: Path):
-    a = build_tiny_verifier(tmp_path / "a", num_layers=8)
-    b = build_tiny_verifier(tmp_path / "b", num_layers=9)
-    assert fingerprint_model_dir(a) != fingerprint_model_dir(b)
+def _copy_with_weights(source: Path, dest: Path, change) -> Path:
+    """``source`` copied to ``dest`` with only model.safetensors rewritten: ``change(tensors)``; config.json,
+    tokenizer and the rest are the same bytes."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, dest)
+    tensors = load_file(source / "model.safetensors")
+    change(tensors)
+    save_file(tensors, dest / "model.safetensors", metadata={"format": "pt"})
+    assert (dest / "config.json").read_bytes() == (source / "config.json").read_bytes()
+    return dest
+
+
+def test_fingerprint_changes_with_the_weights_layout_alone(tmp_path: Path, tiny_verifier_dir: Path):
+    name = "model.layers.0.mlp.up_proj.weight"
+
+    def to_half(tensors):
+        tensors[name] = tensors[name].half()
+
+    changed = _copy_with_weights(tiny_verifier_dir, tmp_path / "half", to_half)
+    same = _copy_with_weights(tiny_verifier_dir, tmp_path / "same", lambda tensors: None)
+    assert fingerprint_model_dir(same) == fingerprint_model_dir(tiny_verifier_dir)
+    assert fingerprint_model_dir(changed) != fingerprint_model_dir(tiny_verifier_dir)
+
+
+@pytest.mark.xfail(strict=True, reason="issue 16: the fingerprint reads config.json and the safetensors headers, "
+                                       "not the weights' values, so a same-shape fine-tune is not told apart")
+def test_fingerprint_changes_with_the_weights_values_alone(tmp_path: Path, tiny_verifier_dir: Path):
+    def perturb(tensors):
+        tensors["model.layers.0.mlp.up_proj.weight"] += 0.01
+
+    changed = _copy_with_weights(tiny_verifier_dir, tmp_path / "tuned", perturb)
+    assert fingerprint_model_dir(changed) != fingerprint_model_dir(tiny_verifier_dir)
 
 
 def test_aux_layer_outside_range_refused_before_weights(tmp_path: Path, tiny_verifier_dir: Path):

@@ -4,27 +4,22 @@ acceptance rule."""
 
 from __future__ import annotations
 
-import functools
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from eaglenest.errors import EaglenestError
-from eaglenest.evaluate_vllm import (
+from eaglenest.evaluate.lossless import TIE_CANDIDATES, first_divergence, lossless_counts
+from eaglenest.evaluate.vllm import (
     check_counters,
     counter_delta,
-    counters_to_metrics,
+    counters_to_acceptance,
     read_counters,
     top_candidates,
 )
-from eaglenest.lossless import TIE_CANDIDATES, first_divergence, lossless_counts
 
 from .conftest import requires_vllm
-from .helpers import REPO, project_env
+from .helpers import REPO, hf_reference, run_evaluate
 
 
 class Counter:
@@ -118,7 +113,7 @@ def test_counters_sum_over_engines_and_subtract_the_warm_up():
     delta = counter_delta(before, after, 3)
     assert delta == {"drafts": 200, "draft_tokens": 600, "accepted": 360, "per_position": [160, 120, 80]}
     check_counters(delta, 3)
-    metrics = counters_to_metrics(before, after, 3)
+    metrics = counters_to_acceptance(before, after, 3).summary()
     assert metrics["tau"] == pytest.approx(2.8) and metrics["verify_steps"] == 200
     assert metrics["per_position_acceptance"] == [0.8, 0.6, 0.4]
     assert metrics["draft_acceptance_rate"] == pytest.approx(0.6)
@@ -146,39 +141,6 @@ def test_inconsistent_counters_are_one_line_errors(delta, message):
 
 
 # --- the real stage (slow) -----------------------------------------------------------------------------
-def _params(repo: Path, dest: Path, **evaluate: object) -> Path:
-    params = yaml.safe_load((repo / "params.yaml").read_text())
-    # The back ends are compared on the held-out set; the general set would double each run's time.
-    params["evaluate"].update({"general_prompts": None, **evaluate})
-    path = dest / "params.yaml"
-    path.write_text(yaml.safe_dump(params, sort_keys=False))
-    return path
-
-
-def run_evaluate(repo: Path, dest: Path, *, wrapper: Path | None = None, env: dict[str, str] | None = None,
-                 **evaluate: object) -> tuple[subprocess.CompletedProcess[str], dict]:
-    """The real stage script on ``repo``'s verifier, prompts and draft; every output goes under ``dest``."""
-    dest.mkdir(parents=True, exist_ok=True)
-    stage = str(REPO / "stages" / "evaluate.py")
-    script = [str(wrapper), stage] if wrapper else [stage]
-    cmd = [sys.executable, *script, "--params", str(_params(repo, dest, **evaluate)),
-           "--verifier", str(repo / "models" / "verifier"), "--prepared", str(repo / "data" / "prepared"),
-           "--draft", str(repo / "models" / "draft"), "--metrics", str(dest / "eval.json"),
-           "--plots", str(dest / "plots")]
-    result = subprocess.run(cmd, cwd=dest, env=project_env(**(env or {})), capture_output=True, text=True,
-                            timeout=900)
-    metrics_file = dest / "eval.json"
-    return result, json.loads(metrics_file.read_text()) if metrics_file.exists() else {}
-
-
-@functools.cache
-def hf_reference(repo: str, dest: str) -> dict:
-    """The hf back end's metrics on ``repo``'s draft and prompts (cached: test_serve compares with it too)."""
-    result, metrics = run_evaluate(Path(repo), Path(dest), backend="hf")
-    assert result.returncode == 0, result.stderr
-    return metrics
-
-
 def _assert_consistent(metrics: dict) -> None:
     k = metrics["num_speculative_tokens"]
     assert metrics["verify_steps"] > 0 and 1.0 <= metrics["tau"] <= k + 1

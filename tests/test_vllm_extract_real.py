@@ -24,7 +24,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from eaglenest.extract_vllm import WAVES_PER_CALL, staging_dir_for
+from eaglenest.extract.vllm import WAVES_PER_CALL, staging_dir_for
 from eaglenest.hidden_states import HIDDEN_KEY, TOKENS_KEY, hs_path
 
 from .conftest import requires_vllm

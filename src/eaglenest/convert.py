@@ -23,12 +23,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
 from eaglenest.atomic import atomic_directory, atomic_write_json
 from eaglenest.errors import EaglenestError, InputFileError
-from eaglenest.hidden_states import HIDDEN_KEY, TOKENS_KEY, check_header, hs_path
+from eaglenest.hidden_states import hs_path, read_hidden_state_file
 from eaglenest.params import ConvertParams
 from eaglenest.prepare import load_split
 from eaglenest.verifier import VerifierInfo, load_verifier_info
@@ -38,28 +36,6 @@ log = logging.getLogger(__name__)
 ROWS_FILE = "rows.json"
 VOCAB_FILE = "vocab.json"
 SHOW_BAD = 5
-
-
-def read_hidden_state_file(path: Path, input_ids: list[int], verifier: VerifierInfo, dtype: str | None
-                           ) -> tuple[str | None, dict[str, torch.Tensor] | None]:
-    """(problem, None) for a bad file — header, tokens, finiteness — or (None, its tensors), in one read."""
-    problem = check_header(path, seq_len=len(input_ids), num_slots=len(verifier.layer_ids),
-                           hidden_size=verifier.hidden_size, dtype=dtype)
-    if problem is not None:
-        return problem, None
-    try:
-        data = load_file(path)
-    except (OSError, SafetensorError) as err:
-        return f"unreadable: {err}", None
-    if data[TOKENS_KEY].tolist() != input_ids:
-        first = next(i for i, (a, b) in enumerate(zip(data[TOKENS_KEY].tolist(), input_ids, strict=True)) if a != b)
-        return f"token_ids differ from the prepared input_ids (first at position {first})", None
-    hidden = data[HIDDEN_KEY]
-    finite = torch.isfinite(hidden)
-    if not bool(finite.all()):
-        bad = (~finite).nonzero()[0].tolist()
-        return f"{int((~finite).sum())} non-finite values (first at token {bad[0]}, slot {bad[1]})", None
-    return None, data
 
 
 def check_hidden_state_file(path: Path, input_ids: list[int], verifier: VerifierInfo, dtype: str) -> str | None:

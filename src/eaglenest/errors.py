@@ -16,3 +16,7 @@ class ParamsError(EaglenestError):
 
 class InputFileError(EaglenestError):
     """An input file is missing, malformed or inconsistent; the message names the file."""
+
+
+class TemplateError(EaglenestError):
+    """The chat template cannot be used to locate assistant tokens."""

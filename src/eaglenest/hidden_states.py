@@ -22,11 +22,16 @@ import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from safetensors.torch import save
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save
 
 from eaglenest.atomic import atomic_write_bytes
+
+if TYPE_CHECKING:
+    from eaglenest.verifier import VerifierInfo
 
 HIDDEN_KEY = "hidden_states"
 TOKENS_KEY = "token_ids"
@@ -159,3 +164,25 @@ def check_header(path: Path, *, seq_len: int, num_slots: int, hidden_size: int, 
         if recorded != config:
             return "computed with another verifier, layer set or dtype"
     return None
+
+
+def read_hidden_state_file(path: Path, input_ids: list[int], verifier: VerifierInfo, dtype: str | None
+                           ) -> tuple[str | None, dict[str, torch.Tensor] | None]:
+    """(problem, None) for a bad file — header, tokens, finiteness — or (None, its tensors), in one read."""
+    problem = check_header(path, seq_len=len(input_ids), num_slots=len(verifier.layer_ids),
+                           hidden_size=verifier.hidden_size, dtype=dtype)
+    if problem is not None:
+        return problem, None
+    try:
+        data = load_file(path)
+    except (OSError, SafetensorError) as err:
+        return f"unreadable: {err}", None
+    if data[TOKENS_KEY].tolist() != input_ids:
+        first = next(i for i, (a, b) in enumerate(zip(data[TOKENS_KEY].tolist(), input_ids, strict=True)) if a != b)
+        return f"token_ids differ from the prepared input_ids (first at position {first})", None
+    hidden = data[HIDDEN_KEY]
+    finite = torch.isfinite(hidden)
+    if not bool(finite.all()):
+        bad = (~finite).nonzero()[0].tolist()
+        return f"{int((~finite).sum())} non-finite values (first at token {bad[0]}, slot {bad[1]})", None
+    return None, data

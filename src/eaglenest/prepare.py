@@ -26,7 +26,7 @@ from typing import Any
 
 from eaglenest.atomic import atomic_directory, atomic_write_bytes, atomic_write_json
 from eaglenest.conversations import Conversation, read_source
-from eaglenest.errors import EaglenestError, InputFileError, ParamsError
+from eaglenest.errors import EaglenestError, InputFileError, ParamsError, TemplateError
 from eaglenest.params import SELF_INSTRUCT_SOURCE, PrepareParams
 
 log = logging.getLogger(__name__)
@@ -35,10 +35,6 @@ SPLIT_FILE = "split.json"
 VAL_PROMPTS_FILE = "val_prompts.jsonl"
 DROP_REASONS = ("no_assistant_turn", "no_assistant_tokens_after_truncation")
 IMPORT_PREFIX = "import:"
-
-
-class TemplateError(EaglenestError):
-    """The chat template cannot be used to locate assistant tokens."""
 
 
 @dataclass(frozen=True)
@@ -54,16 +50,6 @@ class PreparedRow:
     input_ids: list[int]
     loss_mask: list[int]
     truncated: bool
-
-
-def end_of_turn_ids(tokenizer: Any, model_dir: Path | None = None) -> set[int]:
-    """Token ids that end an assistant turn: the tokenizer's EOS and generation_config's eos ids."""
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    gen_config = model_dir / "generation_config.json" if model_dir else None
-    if gen_config is not None and gen_config.is_file():
-        eos = json.loads(gen_config.read_text()).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    return ids
 
 
 def _render(tokenizer: Any, messages: list[dict[str, str]], *, generation_prompt: bool) -> str:
@@ -122,14 +108,6 @@ def render_with_loss_mask(tokenizer: Any, messages: list[dict[str, str]], max_le
             loss_mask[t] = 1
     truncated = len(input_ids) > max_len
     return PreparedRow(input_ids[:max_len], loss_mask[:max_len], truncated)
-
-
-def cut_after_end_of_turn(tokens: list[int], eot_ids: set[int]) -> list[int]:
-    """The tokens up to and including the first end-of-turn token (generation pads or runs on after it)."""
-    for i, token in enumerate(tokens):
-        if token in eot_ids:
-            return tokens[: i + 1]
-    return tokens
 
 
 def first_user_turn(messages: list[dict[str, str]]) -> list[dict[str, str]]:

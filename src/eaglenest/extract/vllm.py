@@ -4,7 +4,7 @@ vLLM computes hidden states with its ``extract_hidden_states`` speculative metho
 hidden-states connector into a staging folder, one ``{request_id}.safetensors`` per prompt
 (``hidden_states [seq, n_layers, hidden]``, ``token_ids [seq]``), guarded by a ``.lock`` file until the
 asynchronous write ends; the path comes back in ``RequestOutput.kv_transfer_params["hidden_states_path"]``.
-The connector is ours, :class:`eaglenest.vllm_connector.EaglenestHiddenStatesConnector`, loaded through
+The connector is ours, :class:`eaglenest.extract.vllm_connector.EaglenestHiddenStatesConnector`, loaded through
 ``kv_connector_module_path``: vLLM's own ``ExampleHiddenStatesConnector`` on a GPU, plus a CPU write path.
 Each staged file is checked against the prepared row and rewritten into ``hs_{row}.safetensors`` with
 eaglenest's metadata, in ``extract.dtype`` (vLLM stages float32 on the CPU whatever it computes in).
@@ -22,21 +22,19 @@ import shutil
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from safetensors.torch import load_file
 
 from eaglenest.errors import EaglenestError
+from eaglenest.extract.job import ExtractionJob
 from eaglenest.hidden_states import HIDDEN_KEY, TOKENS_KEY
-from eaglenest.vllm_support import clamp_max_model_len, create_llm, engine_kwargs, generate, require_vllm
+from eaglenest.vllm_support import create_llm, engine_kwargs, generate
 
-# Where vLLM finds our connector: a class name and the module it lives in (eaglenest.vllm_connector, which
-# imports vllm and so is named here as a string, not imported).
+# Where vLLM finds our connector: a class name and the module it lives in (eaglenest.extract.vllm_connector,
+# which imports vllm at module level and so is named here as a string, not imported).
 CONNECTOR_NAME = "EaglenestHiddenStatesConnector"
-CONNECTOR_MODULE = "eaglenest.vllm_connector"
-
-if TYPE_CHECKING:
-    from eaglenest.extract import ExtractionJob
+CONNECTOR_MODULE = "eaglenest.extract.vllm_connector"
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +60,7 @@ def build_llm_kwargs(job: ExtractionJob, staging_dir: Path) -> dict[str, Any]:
     params, verifier = job.params, job.verifier
     longest = max(len(job.input_ids[row]) for row in job.todo)
     # vLLM refuses a prompt of max_model_len tokens or more (it must leave room for one output token).
-    common = engine_kwargs(job.model_dir, trust_remote_code=verifier.trust_remote_code, dtype=params.vllm_dtype,
-                           max_model_len=clamp_max_model_len(longest + 1, verifier.max_position_embeddings),
+    common = engine_kwargs(job.model_dir, verifier, dtype=params.vllm_dtype, context_tokens=longest + 1,
                            gpu_memory_utilization=params.gpu_memory_utilization)
     return {
         **common,
@@ -151,7 +148,6 @@ def extract_with_vllm(job: ExtractionJob, engine_factory: EngineFactory | None =
             (tests pass a fake).
     """
     if engine_factory is None:
-        require_vllm("extract.backend")
         engine_factory = VllmEngine
     staging = staging_dir_for(job.out_dir)
     shutil.rmtree(staging, ignore_errors=True)  # whatever a killed run left behind

@@ -14,26 +14,21 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from safetensors import safe_open
 
 from eaglenest.atomic import atomic_write_json, remove_stale_temps
 from eaglenest.errors import EaglenestError
+from eaglenest.extract.job import Backend, ExtractionJob
 from eaglenest.hidden_states import (
-    HIDDEN_KEY,
     TOKENS_KEY,
-    TORCH_DTYPES,
     check_header,
     extraction_fingerprint,
     file_metadata,
     hs_path,
     row_index,
-    write_hidden_states,
 )
 from eaglenest.params import ExtractParams
 from eaglenest.registry import Registry
@@ -42,79 +37,28 @@ from eaglenest.verifier import VerifierInfo, load_verifier_info
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class ExtractionJob:
-    """Everything a back end needs, and the one way it hands results back (:meth:`write`).
-
-    Attributes:
-        verifier: The verifier stage's record.
-        model_dir: The verifier's weights on this machine.
-        params: The extract params.
-        out_dir: ``data/hidden_states``.
-        todo: Prepared row indices to compute, in any order.
-        input_ids: Token ids of every prepared row (indexed by row).
-        on_row: Called after each row is written with (row, tokens); drives the progress bar.
-    """
-
-    verifier: VerifierInfo
-    model_dir: Path
-    params: ExtractParams
-    out_dir: Path
-    todo: list[int]
-    input_ids: list[list[int]]
-    on_row: Callable[[int, int], None] = lambda row, tokens: None
-    bytes_written: int = 0
-    metadata: dict[str, str] = field(default_factory=dict)
-
-    def write(self, row: int, hidden_states: torch.Tensor) -> None:
-        """Stores one row's ``[seq, n_aux + 1, hidden]`` hidden states atomically, in the storage dtype."""
-        expected = (len(self.input_ids[row]), len(self.verifier.layer_ids), self.verifier.hidden_size)
-        if tuple(hidden_states.shape) != expected:
-            raise EaglenestError(
-                f"{self.params.backend} back end returned hidden states of shape {tuple(hidden_states.shape)} "
-                f"for row {row}, expected {expected}"
-            )
-        tokens = torch.tensor(self.input_ids[row], dtype=torch.int64)
-        stored = hidden_states.to(device="cpu", dtype=TORCH_DTYPES[self.params.dtype])
-        self.bytes_written += write_hidden_states(hs_path(self.out_dir, row), stored, tokens, self.metadata)
-        self.on_row(row, len(tokens))
+BACKENDS: Registry[Backend] = Registry("extract back end")
 
 
-Backend = Callable[[ExtractionJob], None]
-
-
-def _hf_backend(job: ExtractionJob) -> None:
-    from eaglenest.extract_hf import extract_with_transformers
+@BACKENDS.entry("hf")
+def _hf(job: ExtractionJob) -> None:
+    from eaglenest.extract.hf import extract_with_transformers
 
     extract_with_transformers(job)
 
 
-def _vllm_backend(job: ExtractionJob) -> None:
-    from eaglenest.extract_vllm import extract_with_vllm  # imports vllm: GPU machines only
+@BACKENDS.entry("vllm")
+def _vllm(job: ExtractionJob) -> None:
+    from eaglenest.extract.vllm import extract_with_vllm  # imports vllm once its engine starts
 
     extract_with_vllm(job)
 
 
-def _import_backend(job: ExtractionJob) -> None:
-    """Copies ``hs_{row}.safetensors`` from extract.import_path, checking tokens, shape and values."""
-    from eaglenest.convert import read_hidden_state_file
+@BACKENDS.entry("import")
+def _import(job: ExtractionJob) -> None:
+    from eaglenest.extract.imported import copy_hidden_state_files
 
-    source = Path(job.params.import_path or "")
-    if not source.is_dir():
-        raise EaglenestError(f"extract.import_path = {str(source)!r}: no such folder")
-    for row in job.todo:
-        path = hs_path(source, row)
-        # Any float dtype is accepted here: job.write converts to extract.dtype.
-        problem, data = read_hidden_state_file(path, job.input_ids[row], job.verifier, None)
-        if problem is not None:
-            raise EaglenestError(f"{path}: {problem}")
-        job.write(row, data[HIDDEN_KEY])
-
-
-BACKENDS: Registry[Backend] = Registry("extract back end")
-BACKENDS.register("hf", _hf_backend)
-BACKENDS.register("vllm", _vllm_backend)
-BACKENDS.register("import", _import_backend)
+    copy_hidden_state_files(job)
 
 
 def shard_rows(num_rows: int, rank: int, world_size: int) -> range:

@@ -10,27 +10,23 @@ time (single stream, what a chat user sees: ``speedup``) and all in one ``genera
 ``..._num_accepted_tokens`` (Counters; Prometheus adds ``_total`` on ``/metrics``) and
 ``..._num_accepted_tokens_per_pos`` (a Vector, one value per position). They are process-wide and
 cumulative, so tau and acceptance come from snapshots taken just before and after the single-stream pass:
-the same decoding the lossless check and ``speedup`` describe. Only this module imports vllm.
+the same decoding the lossless check and ``speedup`` describe. They map one to one onto
+:class:`~eaglenest.evaluate.acceptance.Acceptance`, so tau and the rates use the hf back end's formulas.
+vllm is imported once the first engine has started (:func:`eaglenest.vllm_support.create_llm`).
 """
 
 from __future__ import annotations
 
 import gc
 import time
-from pathlib import Path
 from typing import Any
 
 from eaglenest.errors import EaglenestError
-from eaglenest.lossless import TIE_CANDIDATES, lossless_counts
-from eaglenest.params import EvaluateParams
-from eaglenest.vllm_support import (
-    clamp_max_model_len,
-    create_llm,
-    draft_tokens,
-    engine_kwargs,
-    generate,
-    require_vllm,
-)
+from eaglenest.evaluate.acceptance import Acceptance
+from eaglenest.evaluate.job import EvaluationJob, Timed, set_metrics
+from eaglenest.evaluate.lossless import TIE_CANDIDATES
+from eaglenest.verifier import load_verifier_info
+from eaglenest.vllm_support import create_llm, draft_tokens, engine_kwargs, generate
 
 PARAM = "evaluate.backend"
 DRAFTS = "vllm:spec_decode_num_drafts"
@@ -100,17 +96,11 @@ def check_counters(delta: dict[str, Any], k: int) -> None:
         )
 
 
-def counters_to_metrics(before: dict[str, Any], after: dict[str, Any], k: int) -> dict[str, Any]:
-    """tau, per-position acceptance and draft acceptance rate from two counter snapshots (vLLM's formulas)."""
+def counters_to_acceptance(before: dict[str, Any], after: dict[str, Any], k: int) -> Acceptance:
+    """What one decoding added to vLLM's counters, as acceptance counts (a draft is one verify step)."""
     delta = counter_delta(before, after, k)
-    drafts = delta["drafts"]
-    return {
-        "tau": round(1 + delta["accepted"] / drafts, 4) if drafts else 1.0,  # vLLM's mean acceptance length
-        "per_position_acceptance": [round(c / drafts, 4) if drafts else 0.0 for c in delta["per_position"][:k]],
-        "draft_acceptance_rate": round(delta["accepted"] / delta["draft_tokens"], 4) if delta["draft_tokens"]
-        else 0.0,
-        "verify_steps": drafts,
-    }
+    return Acceptance(k, steps=delta["drafts"], drafted=delta["draft_tokens"], accepted=delta["accepted"],
+                      per_position=delta["per_position"][:k])
 
 
 def top_candidates(position_logprobs: dict[int, Any]) -> list[tuple[int, float]]:
@@ -164,35 +154,31 @@ def _engine_dtype(llm: Any, requested: str) -> str:
     return str(dtype).removeprefix("torch.") if dtype is not None else requested
 
 
-def evaluate_draft_vllm(params: EvaluateParams, verifier_dir: Path, prompt_sets: dict[str, list[list[int]]],
-                        draft_dir: Path) -> dict[str, dict[str, Any]]:
+def evaluate_draft_vllm(job: EvaluationJob) -> dict[str, dict[str, Any]]:
     """Speculative vs plain decoding in vLLM on each prompt set; the hf back end's metric names plus the batched
     figures, per set. Each engine starts once for every set."""
-    require_vllm(PARAM)
-    from vllm import SamplingParams
-
-    from eaglenest.verifier import load_verifier_info
-
-    info, model_dir = load_verifier_info(verifier_dir)
+    params, draft_dir = job.params, job.draft_dir
+    info, model_dir = load_verifier_info(job.verifier_dir)
     trained_k = draft_tokens(draft_dir, "evaluate: the draft")  # checked before a minute of engine start
     k = params.num_speculative_tokens or trained_k
     greedy = params.temperature == 0
-    requests = {name: [{"prompt_token_ids": p} for p in prompts] for name, prompts in prompt_sets.items()}
-    longest = max(len(p) for prompts in prompt_sets.values() for p in prompts)
+    requests = {name: [{"prompt_token_ids": p} for p in prompts] for name, prompts in job.prompt_sets.items()}
+    longest = max(len(p) for prompts in job.prompt_sets.values() for p in prompts)
     common = engine_kwargs(
-        model_dir, trust_remote_code=info.trust_remote_code, dtype=params.vllm_dtype,
-        max_model_len=clamp_max_model_len(longest + params.max_new_tokens + k + 1, info.max_position_embeddings),
+        model_dir, info, dtype=params.vllm_dtype, context_tokens=longest + params.max_new_tokens + k + 1,
         # Both engines may hold GPU memory at once (a stopped engine frees it lazily).
         gpu_memory_utilization=params.gpu_memory_utilization / 2, seed=params.seed,
     )
+    warm_up = next(iter(requests.values()))[:1]
+
+    plain_llm = create_llm(common, PARAM, what="the verifier")
+    from vllm import SamplingParams  # importable now: create_llm checked the build and started the engine
+
     sampling = SamplingParams(max_tokens=params.max_new_tokens, temperature=params.temperature, seed=params.seed)
     # The plain run also reports its top log-probs (for the near-tie rule); a log-softmax and top-k over
     # the vocabulary per token, small next to a verifier forward, so its speed stays a fair baseline.
     plain_sampling = SamplingParams(max_tokens=params.max_new_tokens, temperature=params.temperature,
                                     seed=params.seed, logprobs=TIE_CANDIDATES if greedy else None)
-    warm_up = next(iter(requests.values()))[:1]
-
-    plain_llm = create_llm(common, PARAM, what="the verifier")
     dtype = _engine_dtype(plain_llm, common["dtype"])
     _generate(plain_llm, warm_up, plain_sampling)  # warm-up: first forwards allocate, pick kernels
     plain = {name: (_single_stream(plain_llm, reqs, plain_sampling), _batched(plain_llm, reqs, plain_sampling))
@@ -212,57 +198,18 @@ def evaluate_draft_vllm(params: EvaluateParams, verifier_dir: Path, prompt_sets:
         spec[name] = (single, _batched(spec_llm, reqs, sampling), before, after)
     _close(spec_llm)
 
+    # float32 is held to exact equality; below it a flipped near-tie is allowed (evaluate's docstring).
+    tie_margin = params.bf16_tie_margin if greedy and dtype != "float32" else None
     results = {}
-    for name, prompts in prompt_sets.items():
+    for name, prompts in job.prompt_sets.items():
         (plain_single, plain_single_s), (plain_batched, plain_batched_s) = plain[name]
         (spec_single, spec_single_s), (spec_batched, spec_batched_s), before, after = spec[name]
         check_counters(counter_delta(before, after, k), k)
-        results[name] = _set_metrics(params, prompts, k, dtype, greedy, before, after,
-                                     plain_single, plain_single_s, plain_batched, plain_batched_s,
-                                     spec_single, spec_single_s, spec_batched, spec_batched_s)
+        plain_tops = ([[top_candidates(position) for position in (o.outputs[0].logprobs or [])]
+                       for o in plain_single] if greedy else None)
+        batched = (Timed(_token_ids(plain_batched), plain_batched_s), Timed(_token_ids(spec_batched), spec_batched_s))
+        results[name] = set_metrics(
+            job, prompts, k, counters_to_acceptance(before, after, k), Timed(_token_ids(plain_single), plain_single_s),
+            Timed(_token_ids(spec_single), spec_single_s), backend="vllm", dtype=dtype, batched=batched,
+            plain_tops=plain_tops, tie_margin=tie_margin)
     return results
-
-
-def _set_metrics(params: EvaluateParams, prompts: list[list[int]], k: int, dtype: str, greedy: bool,
-                 before: dict[str, Any], after: dict[str, Any], plain_single: list[Any], plain_single_s: float,
-                 plain_batched: list[Any], plain_batched_s: float, spec_single: list[Any], spec_single_s: float,
-                 spec_batched: list[Any], spec_batched_s: float) -> dict[str, Any]:
-    """One prompt set's metrics from its outputs, timings and counter snapshots."""
-    from eaglenest.speculative import ngram_acceptance
-
-    plain_tokens = _token_ids(plain_single)
-    spec_tokens = _token_ids(spec_single)
-    plain_top = ([[top_candidates(position) for position in (o.outputs[0].logprobs or [])] for o in plain_single]
-                 if greedy else None)
-    # float32 is held to exact equality; below it a flipped near-tie is allowed (evaluate's docstring).
-    tie_margin = params.bf16_tie_margin if greedy and dtype != "float32" else None
-
-    ngram = [ngram_acceptance(p, out, k) for p, out in zip(prompts, plain_tokens, strict=True)]
-    ngram_steps = sum(n[0] for n in ngram)
-
-    def rate(outputs: list[Any], seconds: float) -> float:
-        return sum(len(o.outputs[0].token_ids) for o in outputs) / seconds
-
-    plain_rate, spec_rate = rate(plain_single, plain_single_s), rate(spec_single, spec_single_s)
-    plain_batched_rate, spec_batched_rate = rate(plain_batched, plain_batched_s), rate(spec_batched, spec_batched_s)
-    return {
-        **counters_to_metrics(before, after, k),
-        "tokens_per_s_plain": round(plain_rate, 2),
-        "tokens_per_s_spec": round(spec_rate, 2),
-        "speedup": round(spec_rate / plain_rate, 4),
-        "tokens_per_s_plain_batched": round(plain_batched_rate, 2),
-        "tokens_per_s_spec_batched": round(spec_batched_rate, 2),
-        "speedup_batched": round(spec_batched_rate / plain_batched_rate, 4),
-        **lossless_counts(plain_tokens, spec_tokens, plain_top, tie_margin),
-        "lossless_rule": "exact" if tie_margin is None else "near_tie",
-        **({"bf16_tie_margin": tie_margin} if tie_margin is not None else {}),
-        "tau_ngram": round(1 + sum(n[1] for n in ngram) / ngram_steps, 4) if ngram_steps else 1.0,
-        "per_position_acceptance_ngram": [round(sum(n[2][i] for n in ngram) / ngram_steps, 4) if ngram_steps
-                                          else 0.0 for i in range(k)],
-        "num_speculative_tokens": k,
-        "num_prompts": len(prompts),
-        "max_new_tokens": params.max_new_tokens,
-        "temperature": params.temperature,
-        "dtype": dtype,
-        "backend": "vllm",
-    }

@@ -20,13 +20,14 @@ counts it (1 + accepted / drafts).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 from transformers import DynamicCache
 
-from eaglenest.prepare import cut_after_end_of_turn
+from eaglenest.chat import cut_after_end_of_turn
+from eaglenest.evaluate.acceptance import Acceptance
 
 
 def truncate_cache(cache: Any, length: int) -> None:
@@ -149,12 +150,10 @@ class EagleDrafter:
 
 @dataclass
 class DecodeResult:
-    """One prompt's speculative decoding."""
+    """One prompt's speculative decoding: its output, its acceptance counts and its wall time."""
 
     tokens: list[int]
-    verify_steps: int = 0
-    accepted: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
+    acceptance: Acceptance
     seconds: float = 0.0
 
 
@@ -171,7 +170,7 @@ def speculative_decode(verifier: VerifierRunner, drafter: Drafter, prompt: list[
     logits, aux = verifier.extend(prompt)
     next_token = _choose(logits[-1], temperature, generator)
     drafter.start(prompt, aux, next_token)
-    result = DecodeResult(tokens=[next_token], accepted_per_position=[0] * k)
+    result = DecodeResult(tokens=[next_token], acceptance=Acceptance(k))
     finished = next_token in eos_ids
     while len(result.tokens) < max_new_tokens and not finished:
         # Always K drafts, even when fewer tokens are left to emit: vLLM does the same and counts every
@@ -181,10 +180,7 @@ def speculative_decode(verifier: VerifierRunner, drafter: Drafter, prompt: list[
         drafts, q = drafter.propose(k, temperature, generator)
         logits, aux = verifier.extend([next_token, *drafts])  # [len(drafts) + 1, V]
         accepted, bonus = _verify(drafts, q, logits, temperature, generator)
-        result.verify_steps += 1
-        result.accepted += accepted
-        for i in range(accepted):
-            result.accepted_per_position[i] += 1
+        result.acceptance.add_step(len(drafts), accepted)
         kept = [next_token, *drafts[:accepted]]  # now in the verifier's cache for good
         verifier.truncate(verifier.length - (len(drafts) - accepted))
         new_tokens = drafts[:accepted] + [bonus]
@@ -226,50 +222,3 @@ def _verify(drafts: list[int], q: list[torch.Tensor] | None, logits: torch.Tenso
         total = float(residual.sum())
         return i, _sample(residual / total if total > 0 else p[i], generator)
     return len(drafts), _sample(p[len(drafts)], generator)
-
-
-def plain_decode(verifier: VerifierRunner, prompt: list[int], max_new_tokens: int, eos_ids: set[int],
-                 temperature: float = 0.0, generator: torch.Generator | None = None) -> tuple[list[int], float]:
-    """Token-by-token decoding with the same cache machinery: (tokens, seconds)."""
-    started = time.perf_counter()
-    verifier.reset()
-    logits, _ = verifier.extend(prompt, want_aux=False)
-    tokens = [_choose(logits[-1], temperature, generator)]
-    while len(tokens) < max_new_tokens and tokens[-1] not in eos_ids:
-        logits, _ = verifier.extend([tokens[-1]], want_aux=False)
-        tokens.append(_choose(logits[-1], temperature, generator))
-    return tokens, time.perf_counter() - started
-
-
-def ngram_acceptance(prompt: list[int], output: list[int], k: int, max_ngram: int = 3) -> tuple[int, int, list[int]]:
-    """Prompt-lookup drafting replayed on a greedy output: (verify steps, accepted, accepted per position).
-
-    At each step the longest suffix (up to ``max_ngram`` tokens) of the sequence so far that occurred
-    earlier proposes the ``k`` tokens that followed it; greedy verification accepts the prefix that
-    matches the verifier's output. A step with no match drafts nothing and accepts 0, so tau counts it.
-    Greedy decoding is deterministic, so replaying on its output gives exactly the live figures.
-    """
-    sequence = list(prompt)
-    position, steps, accepted_total = 0, 0, 0
-    per_position = [0] * k
-    while position < len(output):
-        proposal = _lookup(sequence + output[:position], k, max_ngram)
-        accepted = 0
-        while accepted < len(proposal) and position + accepted < len(output) \
-                and proposal[accepted] == output[position + accepted]:
-            accepted += 1
-        steps += 1
-        accepted_total += accepted
-        for i in range(accepted):
-            per_position[i] += 1
-        position += accepted + 1
-    return steps, accepted_total, per_position
-
-
-def _lookup(sequence: list[int], k: int, max_ngram: int) -> list[int]:
-    for n in range(min(max_ngram, len(sequence) - 1), 0, -1):
-        suffix = sequence[-n:]
-        for start in range(len(sequence) - n - 1, -1, -1):  # most recent earlier occurrence first
-            if sequence[start : start + n] == suffix:
-                return sequence[start + n : start + n + k]
-    return []

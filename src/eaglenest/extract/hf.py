@@ -12,26 +12,16 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
+from eaglenest.device import pick_device
 from eaglenest.errors import EaglenestError
-
-if TYPE_CHECKING:
-    from eaglenest.extract import ExtractionJob
+from eaglenest.extract.job import ExtractionJob
 
 log = logging.getLogger(__name__)
-
-
-def pick_device(requested: str) -> torch.device:
-    """'auto' is CUDA when present, else CPU; 'cuda' without a GPU is an error."""
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise EaglenestError("extract.device = 'cuda' but torch sees no GPU; use 'auto' or 'cpu'")
-    if requested == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(requested)
 
 
 def load_decoder(model_dir: Path, trust_remote_code: bool, device: torch.device) -> nn.Module:
@@ -139,7 +129,7 @@ def forward_hidden_states(model: nn.Module, captured: dict[int, torch.Tensor], l
 
 def extract_with_transformers(job: ExtractionJob) -> None:
     """Computes every row in ``job.todo`` and hands each to ``job.write``."""
-    device = pick_device(job.params.device)
+    device = pick_device(job.params.device, "extract.device")
     model = load_decoder(job.model_dir, job.verifier.trust_remote_code, device)
     pad_id = getattr(model.config, "pad_token_id", None) or 0
     lengths = [len(ids) for ids in job.input_ids]

@@ -4,8 +4,9 @@ A draft must predict what the *verifier* says, not what a data set's humans said
 ``prepare.regenerate: true`` each assistant turn j is replaced by the verifier's own reply to
 ``messages[:j]`` (earlier assistant turns already regenerated), rendered with its chat template and
 generation prompt. Conversations are batched turn by turn; a back end turns a batch of prompts into
-replies: ``hf`` (transformers ``generate`` with left padding and a KV cache, CPU or GPU, here) or ``vllm``
-(vLLM on GPU, :mod:`eaglenest.regenerate_vllm`).
+replies: ``hf`` (transformers ``generate``, :mod:`eaglenest.regenerate.hf`) or ``vllm`` (vLLM's GPU or CPU
+build, :mod:`eaglenest.regenerate.vllm`), registered in :data:`BACKENDS`. The same generator writes the
+prompts of ``builtin:self-instruct`` (:mod:`eaglenest.self_instruct`).
 
 Results are cached in ``.eaglenest/regenerate-cache/<key>.json`` keyed by the verifier fingerprint, the
 regeneration params and the original messages, so re-running prepare for an unrelated param change (or
@@ -21,39 +22,19 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
-
-import torch
+from typing import Any
 
 from eaglenest.atomic import atomic_write_json
-from eaglenest.prepare import cut_after_end_of_turn
+from eaglenest.params import PrepareParams
+from eaglenest.regenerate.job import GeneratorJob, ReplyBackend, ReplyGenerator, Sampling
+from eaglenest.registry import Registry
+from eaglenest.verifier import VerifierInfo
+from eaglenest.vllm_support import serving_dtype
 
 log = logging.getLogger(__name__)
 
 CACHE_ROOT = Path(".eaglenest") / "regenerate-cache"
 
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How to sample one batch, when it is not the regeneration params' (the prompts the verifier writes).
-
-    Attributes:
-        temperature: Sampling temperature (> 0).
-        max_new_tokens: Longest completion.
-    """
-
-    temperature: float
-    max_new_tokens: int
-
-
-class ReplyGenerator(Protocol):
-    """(prompts as token ids, seed) -> one completion per prompt, each ending at its first end-of-turn token
-    if any. With ``sampling`` given, it replaces the regeneration params, and identical prompts in one batch
-    give different completions (they draw from one random stream in turn); without it, the regeneration
-    params apply."""
-
-    def __call__(self, prompts: list[list[int]], seed: int, sampling: Sampling | None = None) -> list[list[int]]: ...
 
 
 @dataclass
@@ -130,36 +111,6 @@ def regenerate(conversations: list[list[dict[str, str]]], generate_replies: Repl
     return [r for r in results if r is not None], stats
 
 
-def hf_reply_generator(model: Any, tokenizer: Any, temperature: float, max_new_tokens: int,
-                       eos_ids: set[int]) -> ReplyGenerator:
-    """The ``hf`` back end: transformers ``generate`` on the verifier already loaded."""
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
-
-    def generate_replies(prompts: list[list[int]], seed: int, sampling: Sampling | None = None) -> list[list[int]]:
-        if sampling is not None:  # rows of one sampled batch differ: they draw from one generator in turn
-            return _generate(prompts, model, pad_id, sampling.temperature, sampling.max_new_tokens, eos_ids, seed)
-        return _generate(prompts, model, pad_id, temperature, max_new_tokens, eos_ids, seed)
-
-    return generate_replies
-
-
-def _generate(prompts: list[list[int]], model: Any, pad_id: int, temperature: float, max_new_tokens: int,
-              eos_ids: set[int], seed: int) -> list[list[int]]:
-    """Batched generation with left padding; each reply cut after its first end-of-turn token."""
-    longest = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(prompts), longest), dtype=torch.long)
-    for i, prompt in enumerate(prompts):  # left padding: every prompt ends where generation starts
-        input_ids[i, longest - len(prompt) :] = torch.tensor(prompt)
-        attention_mask[i, longest - len(prompt) :] = 1
-    torch.manual_seed(seed)
-    with torch.inference_mode():
-        output = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
-                                do_sample=temperature > 0, temperature=temperature if temperature > 0 else None,
-                                top_k=None, top_p=None, eos_token_id=sorted(eos_ids), pad_token_id=pad_id)
-    return [cut_after_end_of_turn(row, eos_ids) for row in output[:, longest:].tolist()]
-
-
 @dataclass(frozen=True)
 class VerifierGenerator:
     """The verifier as the prepare stage's text generator, loaded on first use.
@@ -176,33 +127,38 @@ class VerifierGenerator:
     regenerate: Any
 
 
-def verifier_generator(params: Any, info: Any, model_dir: Path, tokenizer: Any, eos_ids: set[int]
+BACKENDS: Registry[ReplyBackend] = Registry("regeneration back end")
+
+
+def _load_hf(job: GeneratorJob) -> ReplyGenerator:
+    from eaglenest.regenerate.hf import load_hf_generator
+
+    return load_hf_generator(job)
+
+
+def _load_vllm(job: GeneratorJob) -> ReplyGenerator:
+    from eaglenest.regenerate.vllm import vllm_reply_generator  # imports vllm once its engine starts
+
+    return vllm_reply_generator(job)
+
+
+BACKENDS.register("hf", ReplyBackend(dtype=lambda job: "float32", load=_load_hf))
+BACKENDS.register("vllm", ReplyBackend(
+    dtype=lambda job: serving_dtype(job.model_dir, job.params.regenerate_vllm_dtype), load=_load_vllm))
+
+
+def verifier_generator(params: PrepareParams, info: VerifierInfo, model_dir: Path, tokenizer: Any, eos_ids: set[int]
                        ) -> VerifierGenerator:
-    """The prepare stage's generator: loads the verifier on ``prepare.regenerate_backend`` only when some
+    """The prepare stage's generator on ``prepare.regenerate_backend``: it loads the verifier only when some
     conversation or prompt is not cached."""
-
-    @functools.cache  # loaded on the first uncached conversation: a fully cached rerun never loads the verifier
-    def load_reply_generator() -> ReplyGenerator:
-        if params.regenerate_backend == "vllm":
-            from eaglenest.regenerate_vllm import vllm_reply_generator
-
-            return vllm_reply_generator(params, info, model_dir, eos_ids)
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                     trust_remote_code=info.trust_remote_code).eval()
-        return hf_reply_generator(model, tokenizer, params.regenerate_temperature, params.regenerate_max_new_tokens,
-                                  eos_ids)
+    job = GeneratorJob(params, info, model_dir, tokenizer, eos_ids)
+    backend = BACKENDS.get(params.regenerate_backend)
+    load = functools.cache(lambda: backend.load(job))  # a fully cached rerun never loads the verifier
 
     def generate_replies(prompts: list[list[int]], seed: int, sampling: Sampling | None = None) -> list[list[int]]:
-        return load_reply_generator()(prompts, seed, sampling)
+        return load()(prompts, seed, sampling)
 
-    if params.regenerate_backend == "vllm":
-        from eaglenest.vllm_support import serving_dtype
-
-        generator = f"vllm-{serving_dtype(model_dir, params.regenerate_vllm_dtype)}"
-    else:
-        generator = "hf-float32"
+    generator = f"{params.regenerate_backend}-{backend.dtype(job)}"
 
     def run(conversations: list[list[dict[str, str]]]) -> tuple[list[list[dict[str, str]]], RegenerationStats]:
         return regenerate(conversations, generate_replies, tokenizer, fingerprint=info.fingerprint,

@@ -1,0 +1,119 @@
+"""Training data: speculators' ArrowDataset and CollateFn over the hidden-state files, packed into batches.
+
+speculators' ``CollateFn`` packs rows into one ``[1, total_seq_len]`` sequence per step, after
+``shift_batch``: position t pairs the verifier's aux hidden states g_t with the *next* token x_{t+1}, and
+the target is the verifier's distribution at t+1, so the draft predicts x_{t+2}, as it will when serving.
+The order is a pure function of (seed, epoch), so a resumed run sees exactly the batches the uninterrupted
+one would have.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eaglenest.convert import ROWS_FILE
+from eaglenest.errors import EaglenestError
+from eaglenest.params import TrainParams
+from eaglenest.verifier import VerifierInfo
+
+
+@dataclass(frozen=True)
+class TrainingData:
+    """The rows to train and validate on, and how to turn a batch of row indices into model inputs.
+
+    Attributes:
+        dataset: speculators' ArrowDataset over every prepared row (row i is file ``hs_i``).
+        collate: speculators' CollateFn: a list of rows -> one packed ``[1, total_seq_len]`` batch.
+        rows: ``{"train": [...], "val": [...]}`` from the convert stage (bad rows already left out).
+        lengths: Tokens of every prepared row.
+    """
+
+    dataset: Any
+    collate: Any
+    rows: dict[str, list[int]]
+    lengths: list[int]
+
+    def batch(self, rows: list[int], device: torch.device) -> dict[str, Any]:
+        """The packed model inputs of ``rows`` on ``device``."""
+        return to_device(self.collate([self.dataset[i] for i in rows]), device)
+
+
+def load_training_data(params: TrainParams, verifier: VerifierInfo, prepared: Path, hidden_states: Path, vocab: Path,
+                       hs_dtype: torch.dtype) -> TrainingData:
+    """Opens the data; refuses a prepared row longer than ``train.total_seq_len`` (one line, with the fix).
+
+    Args:
+        params: The train params.
+        verifier: The verifier stage's record (hidden size, aux layers).
+        prepared: The prepare stage's dataset folder.
+        hidden_states: The extract stage's folder.
+        vocab: The convert stage's folder (its ``rows.json``).
+        hs_dtype: The dtype hidden states are loaded in (bf16 on GPU, fp32 on CPU).
+    """
+    from datasets import load_from_disk
+    from hs_connectors import FileTransfer
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.data import ArrowDataset, CollateFn
+
+    rows = json.loads((vocab / ROWS_FILE).read_text())
+    lengths = load_from_disk(str(prepared)).data.column("seq_len").to_pylist()
+    too_long = [row for row in rows["train"] + rows["val"] if lengths[row] > params.total_seq_len]
+    if too_long:
+        raise EaglenestError(
+            f"train.total_seq_len = {params.total_seq_len} is shorter than prepared row {too_long[0]} "
+            f"({lengths[too_long[0]]} tokens; {len(too_long)} rows in all); raise it to at least "
+            f"{max(lengths)} or lower prepare.max_len"
+        )
+    dataset = ArrowDataset(max_len=params.total_seq_len, datapath=prepared, transfer=FileTransfer(hidden_states),
+                           on_missing="raise", hidden_states_dtype=hs_dtype)
+    collate = CollateFn(max_len=params.total_seq_len, hidden_size=verifier.hidden_size,
+                        num_target_layers=len(verifier.aux_layers), dtype=hs_dtype, preprocess=shift_batch)
+    return TrainingData(dataset, collate, rows, lengths)
+
+
+def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """Every tensor of a collated batch moved to ``device``."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def pack_batches(rows: list[int], lengths: list[int], total_seq_len: int, seed: int, epoch: int) -> list[list[int]]:
+    """Rows shuffled by (seed, epoch) and packed greedily into batches of at most total_seq_len tokens."""
+    order = list(rows)
+    random.Random(f"{seed}:{epoch}").shuffle(order)
+    batches: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for row in order:
+        if current and used + lengths[row] > total_seq_len:
+            batches.append(current)
+            current, used = [], 0
+        current.append(row)
+        used += lengths[row]
+    if current:
+        batches.append(current)
+    return batches
+
+
+class PackedBatches:
+    """Step -> batch of row indices, deterministic in (seed, epoch), so a resumed run continues exactly."""
+
+    def __init__(self, rows: list[int], lengths: list[int], total_seq_len: int, seed: int) -> None:
+        self.rows, self.lengths, self.total_seq_len, self.seed = rows, lengths, total_seq_len, seed
+
+    def from_step(self, step: int) -> Iterator[list[int]]:
+        epoch = 0
+        while True:
+            batches = pack_batches(self.rows, self.lengths, self.total_seq_len, self.seed, epoch)
+            for batch in batches:
+                if step > 0:
+                    step -= 1
+                    continue
+                yield batch
+            epoch += 1

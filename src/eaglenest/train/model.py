@@ -1,0 +1,80 @@
+"""The draft model: speculators' Eagle3DraftModel built for the verifier, and saved in speculators' format."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eaglenest.atomic import atomic_directory
+from eaglenest.params import TrainParams
+from eaglenest.verifier import VerifierInfo
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """How the draft runs on this device: fp32 with ``sdpa`` attention and the eager loss on CPU (speculators'
+    fused losses need Triton), bf16 autocast with flex attention and the fused loss on GPU.
+
+    Attributes:
+        device: Where the model and batches live.
+        attention: The draft's attention implementation.
+        hs_dtype: The dtype hidden states are loaded in.
+        forward_kwargs: What every forward of the draft gets (TTT steps, loss decay, loss config).
+        autocast: A fresh autocast context for one forward (a no-op on CPU).
+    """
+
+    device: torch.device
+    attention: str
+    hs_dtype: torch.dtype
+    forward_kwargs: dict[str, Any]
+    autocast: Callable[[], AbstractContextManager[Any]]
+
+
+def draft_runtime(params: TrainParams, device: torch.device) -> Runtime:
+    """The :class:`Runtime` for ``device``; ``train.attention: auto`` picks by device."""
+    from speculators.losses import resolve_loss_config
+
+    cuda = device.type == "cuda"
+    attention = params.attention if params.attention != "auto" else ("simple_flex_attention" if cuda else "sdpa")
+    loss_config = resolve_loss_config(params.loss, "fused" if cuda else "eager")
+
+    def autocast() -> AbstractContextManager[Any]:
+        return torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
+
+    return Runtime(device=device, attention=attention, hs_dtype=torch.bfloat16 if cuda else torch.float32,
+                   forward_kwargs={"ttt_steps": params.ttt_steps, "ttt_step_loss_decay": params.ttt_step_loss_decay,
+                                   "loss_config": loss_config},
+                   autocast=autocast)
+
+
+def build_draft(verifier: VerifierInfo, model_dir: Path, params: TrainParams, draft_vocab_size: int,
+                d2t: torch.Tensor | None, t2d: torch.Tensor | None, attention: str) -> Any:
+    """speculators' Eagle3DraftModel for this verifier, with its embedding, LM head and norm frozen."""
+    from speculators.models.eagle3 import Eagle3DraftModel
+    from speculators.train.cli import create_transformer_layer_config
+
+    layer_config = create_transformer_layer_config(
+        str(model_dir), num_layers=params.num_layers, draft_arch="llama", hidden_act=None,
+        sliding_window=verifier.max_position_embeddings or 4096,
+        full_attention_indices=list(range(params.num_layers)),  # plain causal attention, as vLLM serves it
+        trust_remote_code=verifier.trust_remote_code,
+    )
+    torch.manual_seed(params.seed)
+    return Eagle3DraftModel.from_training_args(
+        verifier_config=layer_config, t2d=t2d, d2t=d2t, draft_vocab_size=draft_vocab_size,
+        norm_before_residual=params.norm_before_residual, ttt_steps=params.ttt_steps,
+        verifier_name_or_path=str(model_dir), target_layer_ids=list(verifier.aux_layers),
+        draft_attn_impl=attention, trust_remote_code=verifier.trust_remote_code,
+    )
+
+
+def save_draft(model: Any, out_dir: Path, verifier_name: str) -> None:
+    """Writes the speculators checkpoint; the recorded verifier is the name a server knows, not a local path."""
+    model.config.speculators_config.verifier.name_or_path = verifier_name
+    with atomic_directory(out_dir) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
