@@ -126,6 +126,7 @@ def test_self_instruct_keeps_finished_distinct_prompts_and_caches_every_batch(tm
 
     again, stats = _write(tiny_tokenizer, ScriptedVerifier(tiny_tokenizer, []), 4, tmp_path / "cache")
     assert again == prompts and stats.cache_hits == 8  # nothing generated twice
+    assert stats.tokens == 0  # nor counted as generated: prompt_tokens_per_s is then null, not a huge rate
     fresh = ScriptedVerifier(tiny_tokenizer, ["a new one"] * 8)
     _write(tiny_tokenizer, fresh, 4, tmp_path / "cache", sampling=Sampling(0.7, 16))
     assert fresh.calls, "another temperature is another cache entry"

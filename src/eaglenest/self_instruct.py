@@ -54,7 +54,8 @@ _MAX_TRIES_PER_PROMPT = 4
 
 @dataclass
 class PromptStats:
-    """What prompt writing did, for metrics/prepare.json."""
+    """What prompt writing did, for metrics/prepare.json (``tokens``: generated in this run, cached batches
+    excluded, so that prompt_tokens_per_s is a generation rate)."""
 
     written: int = 0
     tried: int = 0
@@ -120,10 +121,10 @@ def write_prompts(count: int, generate: ReplyGenerator, tokenizer: Any, eot_ids:
         else:
             completions = generate([prefixes[h] for h in batch_hints], batch_seed, sampling)
             atomic_write_json(cached, completions)
+            stats.tokens += sum(map(len, completions))  # generated now: what prompt_tokens_per_s measures
         batch += 1
         for completion in completions:
             stats.tried += 1
-            stats.tokens += len(completion)
             if not completion or completion[-1] not in eot_ids:  # cut at max_new_tokens: an unfinished request
                 stats.unfinished += 1
                 continue

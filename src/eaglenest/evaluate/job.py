@@ -73,8 +73,9 @@ def set_metrics(job: EvaluationJob, prompts: list[list[int]], k: int, acceptance
         backend: The back end's name.
         dtype: The dtype the verifier ran in.
         batched: (plain, speculative) with all prompts in one call, where the back end batches.
-        plain_tops: Per prompt and output position, plain decoding's top candidates (below float32 only).
-        tie_margin: With ``plain_tops``, the near-tie rule's margin; None is the exact rule.
+        plain_tops: Per prompt and output position, plain decoding's top candidates, where the back end records
+            them (vLLM at temperature 0): the divergence gaps are measured with them.
+        tie_margin: The near-tie rule's margin (below float32); None is the exact rule.
 
     Returns:
         tau and acceptance, speed, the lossless counts and the n-gram baseline replayed on the plain output.

@@ -11,7 +11,7 @@ the CPU: the rows are gathered with the same slot mapping and cloned (the buffer
 reused once the request is reported finished), and the write thread gets an already-completed event. On a
 GPU it defers to the parent unchanged. The extract back end selects it with
 ``kv_transfer_config={"kv_connector": "EaglenestHiddenStatesConnector",
-"kv_connector_module_path": "eaglenest.vllm_connector", ...}``; speculators' ``hs_connectors`` package
+"kv_connector_module_path": "eaglenest.extract.vllm_connector", ...}``; speculators' ``hs_connectors`` package
 extends the same parent the same way. This module imports vllm, so only vLLM's engine imports it.
 """
 
