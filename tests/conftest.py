@@ -35,6 +35,14 @@ def _isolated_dvc(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.
     monkeypatch.setenv("DVC_NO_ANALYTICS", "1")
 
 
+@pytest.fixture(autouse=True)
+def _isolated_weight_hashes(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process verifier stages remember weight hashes in the session's temp folder, not the checkout."""
+    from eaglenest import verifier
+
+    monkeypatch.setattr(verifier, "WEIGHT_HASH_CACHE", tmp_path_factory.getbasetemp() / "weight-hashes.json")
+
+
 def build_tiny_tokenizer():
     """A byte-level BPE tokenizer trained on a few sentences, with a chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

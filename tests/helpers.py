@@ -122,3 +122,25 @@ def hf_reference(repo: str, dest: str) -> dict:
     result, metrics = run_evaluate(Path(repo), Path(dest), backend="hf")
     assert result.returncode == 0, result.stderr
     return metrics
+
+
+def equal_length_training_data(root: Path, model_dir: Path) -> None:
+    """verifier, prepared, hs and vocab under ``root``: 8 train rows of equal length and loss-token count
+    (different content) and 2 validation rows, so that every step can use all train rows, as 1 sequence of
+    192 tokens or as 2 processes x 96."""
+    import torch
+
+    from eaglenest.convert import convert
+    from eaglenest.extract import extract_hidden_states
+    from eaglenest.params import ConvertParams, ExtractParams
+    from eaglenest.prepare import write_prepared
+
+    generator = torch.Generator().manual_seed(0)
+    ids = [torch.randint(5, 300, (24,), generator=generator).tolist() for _ in range(10)]
+    masks = [[0] * 8 + [1] * 16 for _ in range(10)]
+    write_prepared(root / "prepared", ids, masks, train_rows=8, val_prompts=[])
+    build_verifier(VerifierParams(model=str(model_dir), aux_layers=[1, 3, 5]), root / "verifier")
+    extract_hidden_states(ExtractParams(dtype="float32"), root / "verifier", root / "prepared", root / "hs",
+                          root / "extract.json")
+    convert(ConvertParams(draft_vocab_size=None), "float32", root / "verifier", root / "prepared", root / "hs",
+            root / "vocab", root / "data.json")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from datasets import load_from_disk
+from safetensors.torch import load_file, save_file
 
 from .conftest import write_jsonl
 from .helpers import VENV_BIN, dvc, make_pipeline_repo, project_env
@@ -111,8 +112,10 @@ def test_default_verifier_and_chitchat_through_dvc_repro(tmp_path: Path):
 @pytest.mark.slow
 def test_own_verifier_and_conversations(tmp_path: Path, tiny_verifier_dir: Path):
     """The README's path for real users: a local verifier, used in place, and a JSONL of conversations."""
+    model = tmp_path / "my-verifier"
+    shutil.copytree(tiny_verifier_dir, model)
     repo = make_pipeline_repo(tmp_path / "repo", {
-        "verifier": {"model": str(tiny_verifier_dir)},
+        "verifier": {"model": str(model)},
         # vLLM's CPU build has no attention kernel for the tiny model's head size 8: hf regenerates here
         "prepare": {"source": ["data/conversations/chats.jsonl"], "max_conversations": None, "val_fraction": 0.25,
                     "regenerate_backend": "hf"},
@@ -134,6 +137,21 @@ def test_own_verifier_and_conversations(tmp_path: Path, tiny_verifier_dir: Path)
     assert "Running stage 'prepare'" in again.stdout
     assert json.loads((repo / "metrics/prepare.json").read_text())["kept"] == 12
     assert_all_skipped(dvc(["repro"], repo).stdout)
+
+    # A fine-tune of the same shape copied over the same folder: the verifier stage, run again, sees other
+    # weights, and every stage made with the old ones runs again; no regenerated reply is reused.
+    weights = load_file(model / "model.safetensors")
+    weights["model.layers.2.mlp.down_proj.weight"] += 0.01
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    old_fingerprint = json.loads((repo / "models/verifier/verifier.json").read_text())["fingerprint"]
+    dvc(["repro", "-f", "verifier"], repo)
+    assert json.loads((repo / "models/verifier/verifier.json").read_text())["fingerprint"] != old_fingerprint
+    tuned = dvc(["repro"], repo)
+    for stage in ("prepare", "extract", "convert", "train", "evaluate"):
+        assert f"Running stage '{stage}'" in tuned.stdout, stage
+    prepared = json.loads((repo / "metrics/prepare.json").read_text())
+    assert prepared["regenerate_cache_hits"] == 0 and prepared["regenerated_turns"] == 12
+    assert json.loads((repo / "metrics/extract.json").read_text())["rows_reused"] == 0
 
 
 def test_bad_params_stop_dvc_repro_with_every_problem(tmp_path: Path, tiny_verifier_dir: Path):

@@ -159,23 +159,9 @@ def test_two_cpu_processes_match_one_on_the_same_global_batch(tmp_path: Path, ti
 
     import yaml
 
-    from eaglenest.params import VerifierParams
-    from eaglenest.prepare import write_prepared
-    from eaglenest.verifier import build_verifier
+    from .helpers import REPO, equal_length_training_data, project_env
 
-    from .helpers import REPO, project_env
-
-    # 8 train rows of equal length and loss-token count (different content), 2 validation rows: every step
-    # uses all train rows, as 1 sequence of 192 tokens or as 2 processes x 96.
-    generator = torch.Generator().manual_seed(0)
-    ids = [torch.randint(5, 300, (24,), generator=generator).tolist() for _ in range(10)]
-    masks = [[0] * 8 + [1] * 16 for _ in range(10)]
-    write_prepared(tmp_path / "prepared", ids, masks, train_rows=8, val_prompts=[])
-    build_verifier(VerifierParams(model=str(tiny_verifier_dir), aux_layers=[1, 3, 5]), tmp_path / "verifier")
-    extract_hidden_states(ExtractParams(dtype="float32"), tmp_path / "verifier", tmp_path / "prepared",
-                          tmp_path / "hs", tmp_path / "extract.json")
-    convert(ConvertParams(draft_vocab_size=None), "float32", tmp_path / "verifier", tmp_path / "prepared",
-            tmp_path / "hs", tmp_path / "vocab", tmp_path / "data.json")
+    equal_length_training_data(tmp_path, tiny_verifier_dir)
     results = {}
     for nproc, seq_len in ((1, 192), (2, 96)):
         run = tmp_path / f"run{nproc}"

@@ -79,9 +79,8 @@ def test_fingerprint_changes_with_the_weights_layout_alone(tmp_path: Path, tiny_
     assert fingerprint_model_dir(changed) != fingerprint_model_dir(tiny_verifier_dir)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16: the fingerprint reads config.json and the safetensors headers, "
-                                       "not the weights' values, so a same-shape fine-tune is not told apart")
 def test_fingerprint_changes_with_the_weights_values_alone(tmp_path: Path, tiny_verifier_dir: Path):
+    """A fine-tune of the same shape: same config, same safetensors header, other bytes."""
     def perturb(tensors):
         tensors["model.layers.0.mlp.up_proj.weight"] += 0.01
 
@@ -118,3 +117,25 @@ def test_folder_without_config(tmp_path: Path):
 def test_missing_record_says_which_stage_to_run(tmp_path: Path):
     with pytest.raises(EaglenestError, match=r"verifier.json does not exist; run the verifier stage first"):
         load_verifier_info(tmp_path)
+
+
+def test_weight_hashes_are_read_once_per_path_size_and_mtime(tmp_path: Path, tiny_verifier_dir: Path,
+                                                             monkeypatch: pytest.MonkeyPatch):
+    import hashlib
+    import os
+
+    from eaglenest import verifier as verifier_module
+
+    model = _copy_with_weights(tiny_verifier_dir, tmp_path / "model", lambda tensors: None)
+    cache = tmp_path / "hashes.json"
+    first = fingerprint_model_dir(model, cache)
+    reads = []
+    real_sha256 = hashlib.sha256
+    monkeypatch.setattr(verifier_module.hashlib, "sha256", lambda *a: reads.append(a) or real_sha256(*a))
+    assert fingerprint_model_dir(model, cache) == first
+    assert len(reads) == 1  # the folder digest only: the weights' hash came from the cache
+    weights = model / "model.safetensors"
+    stat = weights.stat()
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))  # touched: hashed again
+    assert fingerprint_model_dir(model, cache) == first and len(reads) == 3
+    assert json.loads(cache.read_text())[str(weights.resolve())]["mtime_ns"] == stat.st_mtime_ns + 1_000_000_000

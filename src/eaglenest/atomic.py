@@ -10,7 +10,7 @@ import contextlib
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +24,22 @@ def temp_sibling(final: Path) -> Path:
     return final.with_name(f".{final.name}{TMP_MARKER}{os.getpid()}")
 
 
-def remove_stale_temps(directory: Path) -> int:
-    """Deletes temporaries left by killed writers in ``directory``; returns how many."""
+def remove_stale_temps(directory: Path, mine: Callable[[str], bool] | None = None) -> int:
+    """Deletes temporaries left by killed writers in ``directory``; returns how many.
+
+    Args:
+        directory: The folder.
+        mine: Given the final name a temporary was written for, whether this process owns it; None owns
+            all. Writers sharing a folder (extract shards on several nodes) must not delete each other's
+            temporaries while they are being written.
+    """
     removed = 0
     if not directory.is_dir():
         return 0
     for entry in directory.iterdir():
         if entry.name.startswith(".") and TMP_MARKER in entry.name:
+            if mine is not None and not mine(entry.name[1:].split(TMP_MARKER)[0]):
+                continue
             if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry, ignore_errors=True)
             else:

@@ -35,9 +35,14 @@ if TYPE_CHECKING:
 
 HIDDEN_KEY = "hidden_states"
 TOKENS_KEY = "token_ids"
+# fp8 files carry one float32 scale per token, named and shaped as speculators' hs_connectors FP8 connector
+# writes them, so its FP8Transfer reads eaglenest's files and eaglenest reads its.
+SCALES_KEY = "hidden_states_scales"
+FP8 = "float8_e4m3fn"
 METADATA_KEY = "eaglenest"
-SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float32": "F32", "float16": "F16"}
-TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float32": "F32", "float16": "F16", FP8: "F8_E4M3"}
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16,
+                FP8: torch.float8_e4m3fn}
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 
@@ -66,15 +71,42 @@ def file_metadata(config: str, layer_ids: list[int], dtype: str, backend: str) -
     return {METADATA_KEY: json.dumps(info, sort_keys=True)}
 
 
-def write_hidden_states(path: Path, hidden_states: torch.Tensor, token_ids: torch.Tensor,
+def encode_hidden_states(hidden_states: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
+    """``[seq, slots, hidden]`` hidden states as stored in ``dtype``: the tensor itself, or for fp8 the
+    quantized tensor and its per-token scales ``[seq, 1, 1]`` (speculators' own quantizer, so the bytes
+    are those its FP8 connector writes)."""
+    if dtype == FP8:
+        from hs_connectors.fp8_utils import quantize_tensor_to_fp8
+
+        quantized, scales = quantize_tensor_to_fp8(hidden_states)
+        return {HIDDEN_KEY: quantized, SCALES_KEY: scales.float()}
+    return {HIDDEN_KEY: hidden_states.to(TORCH_DTYPES[dtype])}
+
+
+def decode_hidden_states(data: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The hidden states of a file's tensors: fp8 dequantized with its scales (in float32), any other dtype
+    as stored."""
+    hidden = data[HIDDEN_KEY]
+    if SCALES_KEY in data:
+        return hidden.float() * data[SCALES_KEY].float()
+    return hidden
+
+
+def write_hidden_states(path: Path, hidden_states: dict[str, torch.Tensor], token_ids: torch.Tensor,
                         metadata: dict[str, str]) -> int:
     """Writes one row atomically; returns the file size in bytes.
+
+    Args:
+        path: The ``hs_{row}.safetensors`` file.
+        hidden_states: The stored tensors, from :func:`encode_hidden_states`.
+        token_ids: ``[seq]`` the prepared row's tokens.
+        metadata: eaglenest's metadata entry (:func:`file_metadata`).
 
     No fsync: a rename is atomic against a killed process, and a file torn by a power loss fails the
     length check in :func:`check_header` on the next run, which then recomputes it.
     """
-    data = save({HIDDEN_KEY: hidden_states.contiguous(), TOKENS_KEY: token_ids.to(torch.int64).contiguous()},
-                metadata=metadata)
+    tensors = {name: tensor.contiguous() for name, tensor in hidden_states.items()}
+    data = save({**tensors, TOKENS_KEY: token_ids.to(torch.int64).contiguous()}, metadata=metadata)
     atomic_write_bytes(path, data, fsync=False)
     return len(data)
 
@@ -130,8 +162,8 @@ def check_header(path: Path, *, seq_len: int, num_slots: int, hidden_size: int, 
         seq_len: Tokens in the prepared row.
         num_slots: n_aux + 1.
         hidden_size: The verifier's hidden size.
-        dtype: Expected storage dtype name ("bfloat16" or "float32"); None accepts any float dtype
-            (files made by other tools, converted on the way in).
+        dtype: Expected storage dtype name ("bfloat16", "float32", "float8_e4m3fn", ...); None accepts any
+            of them (files made by other tools, converted on the way in).
         config: Expected ``config`` in the ``eaglenest`` metadata; None skips that check (foreign files).
     """
     try:
@@ -153,6 +185,12 @@ def check_header(path: Path, *, seq_len: int, num_slots: int, hidden_size: int, 
         return f"{HIDDEN_KEY} dtype {hs_dtype}, expected {SAFETENSORS_DTYPES[dtype]} ({dtype})"
     if hs_shape != [seq_len, num_slots, hidden_size]:
         return f"{HIDDEN_KEY} shape {hs_shape}, expected [{seq_len}, {num_slots}, {hidden_size}]"
+    if hs_dtype == SAFETENSORS_DTYPES[FP8]:
+        if SCALES_KEY not in header.tensors:
+            return f"fp8 {HIDDEN_KEY} without {SCALES_KEY} (the per-token scales): cannot be dequantized"
+        scales_dtype, scales_shape = header.tensors[SCALES_KEY]
+        if scales_dtype != "F32" or scales_shape != [seq_len, 1, 1]:
+            return f"{SCALES_KEY} is {scales_dtype} {scales_shape}, expected F32 [{seq_len}, 1, 1]"
     tok_dtype, tok_shape = header.tensors[TOKENS_KEY]
     if tok_dtype != "I64" or tok_shape != [seq_len]:
         return f"{TOKENS_KEY} is {tok_dtype} {tok_shape}, expected I64 [{seq_len}]"
@@ -168,7 +206,8 @@ def check_header(path: Path, *, seq_len: int, num_slots: int, hidden_size: int, 
 
 def read_hidden_state_file(path: Path, input_ids: list[int], verifier: VerifierInfo, dtype: str | None
                            ) -> tuple[str | None, dict[str, torch.Tensor] | None]:
-    """(problem, None) for a bad file — header, tokens, finiteness — or (None, its tensors), in one read."""
+    """(problem, None) for a bad file — header, tokens, finiteness — or (None, its tensors), in one read; an fp8
+    file's hidden states come back dequantized (float32)."""
     problem = check_header(path, seq_len=len(input_ids), num_slots=len(verifier.layer_ids),
                            hidden_size=verifier.hidden_size, dtype=dtype)
     if problem is not None:
@@ -180,9 +219,9 @@ def read_hidden_state_file(path: Path, input_ids: list[int], verifier: VerifierI
     if data[TOKENS_KEY].tolist() != input_ids:
         first = next(i for i, (a, b) in enumerate(zip(data[TOKENS_KEY].tolist(), input_ids, strict=True)) if a != b)
         return f"token_ids differ from the prepared input_ids (first at position {first})", None
-    hidden = data[HIDDEN_KEY]
+    hidden = decode_hidden_states(data)
     finite = torch.isfinite(hidden)
     if not bool(finite.all()):
         bad = (~finite).nonzero()[0].tolist()
         return f"{int((~finite).sum())} non-finite values (first at token {bad[0]}, slot {bad[1]})", None
-    return None, data
+    return None, {TOKENS_KEY: data[TOKENS_KEY], HIDDEN_KEY: hidden}  # fp8 already dequantized

@@ -28,13 +28,21 @@ from safetensors.torch import load_file
 
 from eaglenest.atomic import atomic_directory
 from eaglenest.errors import InputFileError
-from eaglenest.hidden_states import HIDDEN_KEY, TOKENS_KEY, hs_path, write_hidden_states
+from eaglenest.hidden_states import (
+    HIDDEN_KEY,
+    SCALES_KEY,
+    TOKENS_KEY,
+    decode_hidden_states,
+    hs_path,
+    write_hidden_states,
+)
 from eaglenest.prepare import write_prepared_into
 from eaglenest.registry import Registry
 
 log = logging.getLogger(__name__)
 
-Sample = tuple[list[int], list[int], torch.Tensor]  # input_ids, loss_mask, hidden_states [seq, slots, hidden]
+# input_ids, loss_mask, and the stored hidden-state tensors: hidden_states [seq, slots, hidden] (+ fp8 scales)
+Sample = tuple[list[int], list[int], dict[str, torch.Tensor]]
 
 
 def _natural_key(path: Path) -> tuple:
@@ -71,7 +79,7 @@ def load_pt_sample(path: Path) -> Sample:
     shapes = {tuple(t.shape) for t in layers}
     if len(shapes) != 1 or next(iter(shapes))[0] != seq or len(next(iter(shapes))) != 2:
         raise InputFileError(f"{path}: hidden_states tensors have shapes {sorted(shapes)}, expected [{seq}, hidden]")
-    return input_ids.long().tolist(), loss_mask.long().tolist(), torch.stack(list(layers), dim=1)
+    return input_ids.long().tolist(), loss_mask.long().tolist(), {HIDDEN_KEY: torch.stack(list(layers), dim=1)}
 
 
 def read_speculators_pt(source: Path) -> Iterator[Sample]:
@@ -104,7 +112,8 @@ def read_speculators(source: Path) -> Iterator[Sample]:
         input_ids = ids_column[row].as_py()
         if data[TOKENS_KEY].tolist() != input_ids:
             raise InputFileError(f"{path}: token_ids differ from row {row}'s input_ids in {source}")
-        yield input_ids, mask_column[row].as_py(), data[HIDDEN_KEY]
+        # fp8 files keep their bytes and scales: nothing is requantized on the way in.
+        yield input_ids, mask_column[row].as_py(), {k: v for k, v in data.items() if k in (HIDDEN_KEY, SCALES_KEY)}
 
 
 IMPORT_FORMATS: Registry[Callable[[Path], Iterator[Sample]]] = Registry("import format")
@@ -125,15 +134,16 @@ def import_dump(fmt: str, source: Path, out: Path, val_fraction: float = 0.05) -
     slots = hidden = None
     with atomic_directory(out) as tmp:
         hs_dir = tmp / "hidden_states"
-        for row, (input_ids, loss_mask, states) in enumerate(tqdm(IMPORT_FORMATS.get(fmt)(source), desc="import")):
+        for row, (input_ids, loss_mask, stored) in enumerate(tqdm(IMPORT_FORMATS.get(fmt)(source), desc="import")):
+            states = stored[HIDDEN_KEY]
             if slots is None:
                 slots, hidden = states.shape[1], states.shape[2]
             elif states.shape[1:] != (slots, hidden):
                 raise InputFileError(f"{source}: sample {row} has {tuple(states.shape[1:])} layers x hidden, "
                                      f"sample 0 has ({slots}, {hidden})")
-            if not bool(torch.isfinite(states).all()):
+            if not bool(torch.isfinite(decode_hidden_states(stored)).all()):
                 raise InputFileError(f"{source}: sample {row} has non-finite hidden states")
-            write_hidden_states(hs_path(hs_dir, row), states, torch.tensor(input_ids), {})
+            write_hidden_states(hs_path(hs_dir, row), stored, torch.tensor(input_ids), {})
             all_ids.append(input_ids)
             all_masks.append(loss_mask)
         if len(all_ids) < 2:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from eaglenest.errors import InputFileError
-from eaglenest.hidden_states import HIDDEN_KEY, TOKENS_KEY, read_header
+from eaglenest.hidden_states import HIDDEN_KEY, SCALES_KEY, TOKENS_KEY, decode_hidden_states, read_header
 
 MAX_TENSORS_LISTED = 40
 
@@ -68,8 +68,11 @@ def describe_safetensors(path: Path) -> list[str]:
         lines.append(f"  metadata: {json.dumps(header.metadata)[:300]}")
     if HIDDEN_KEY in header.tensors:  # a hidden-state file: per-slot statistics
         data = load_file(path)
-        hidden = data[HIDDEN_KEY]
-        lines.append(_describe_tensor(HIDDEN_KEY, hidden))
+        stored = data[HIDDEN_KEY]
+        hidden = decode_hidden_states(data)  # statistics of the values training sees (fp8: dequantized)
+        dtype = str(stored.dtype).removeprefix("torch.")
+        lines.append(f"  {HIDDEN_KEY}: {dtype} {list(stored.shape)}  {_stats(hidden)}"
+                     + (f"  (dequantized with {SCALES_KEY})" if SCALES_KEY in data else ""))
         if hidden.dim() == 3:
             for slot in range(hidden.shape[1]):
                 lines.append(f"    slot {slot}: {_stats(hidden[:, slot])}")

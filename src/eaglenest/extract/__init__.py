@@ -30,7 +30,7 @@ from eaglenest.hidden_states import (
     hs_path,
     row_index,
 )
-from eaglenest.params import ExtractParams
+from eaglenest.params import ExtractParams, parse_params
 from eaglenest.registry import Registry
 from eaglenest.verifier import VerifierInfo, load_verifier_info
 
@@ -59,6 +59,13 @@ def _import(job: ExtractionJob) -> None:
     from eaglenest.extract.imported import copy_hidden_state_files
 
     copy_hidden_state_files(job)
+
+
+def shard_params(params: ExtractParams, rank: int | None, world_size: int | None) -> ExtractParams:
+    """``params`` with the shard given on the command line, validated as params are (one line naming both)."""
+    values = params.model_dump()
+    values.update({k: v for k, v in (("rank", rank), ("world_size", world_size)) if v is not None})
+    return parse_params({"extract": values}, source="--rank/--world-size").extract
 
 
 def shard_rows(num_rows: int, rank: int, world_size: int) -> range:
@@ -115,7 +122,8 @@ def extract_hidden_states(params: ExtractParams, verifier_dir: Path, prepared_di
     _check_context(input_ids, rows, verifier)
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    removed = remove_stale_temps(out_dir)
+    # Shards on several nodes may share one folder: each clears only the temporaries of its own rows.
+    removed = remove_stale_temps(out_dir, mine=lambda name: row_index(Path(name)) in rows)
     for path in out_dir.glob("hs_*.safetensors"):
         index = row_index(path)
         if index is not None and index >= len(input_ids):  # left over from a larger dataset

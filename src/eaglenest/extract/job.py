@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from eaglenest.errors import EaglenestError
-from eaglenest.hidden_states import TORCH_DTYPES, hs_path, write_hidden_states
+from eaglenest.hidden_states import encode_hidden_states, hs_path, write_hidden_states
 from eaglenest.params import ExtractParams
 from eaglenest.verifier import VerifierInfo
 
@@ -49,7 +49,7 @@ class ExtractionJob:
                 f"for row {row}, expected {expected}"
             )
         tokens = torch.tensor(self.input_ids[row], dtype=torch.int64)
-        stored = hidden_states.to(device="cpu", dtype=TORCH_DTYPES[self.params.dtype])
+        stored = encode_hidden_states(hidden_states.to(device="cpu"), self.params.dtype)
         self.bytes_written += write_hidden_states(hs_path(self.out_dir, row), stored, tokens, self.metadata)
         self.on_row(row, len(tokens))
 

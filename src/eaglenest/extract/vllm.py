@@ -50,9 +50,11 @@ class HiddenStateEngine(Protocol):
     def hidden_state_files(self, prompts: Sequence[list[int]]) -> list[Path]: ...
 
 
-def staging_dir_for(out_dir: Path) -> Path:
-    """Next to the output (same filesystem), outside the DVC-tracked folder."""
-    return out_dir.with_name(out_dir.name + ".vllm-staging")
+def staging_dir_for(out_dir: Path, rank: int = 0, world_size: int = 1) -> Path:
+    """Next to the output (same filesystem), outside the DVC-tracked folder; one per shard, since the shards of
+    a multi-node extraction may share the output folder and each clears its staging folder on start."""
+    suffix = ".vllm-staging" if world_size == 1 else f".vllm-staging-{rank}-of-{world_size}"
+    return out_dir.with_name(out_dir.name + suffix)
 
 
 def build_llm_kwargs(job: ExtractionJob, staging_dir: Path) -> dict[str, Any]:
@@ -149,7 +151,7 @@ def extract_with_vllm(job: ExtractionJob, engine_factory: EngineFactory | None =
     """
     if engine_factory is None:
         engine_factory = VllmEngine
-    staging = staging_dir_for(job.out_dir)
+    staging = staging_dir_for(job.out_dir, job.params.rank, job.params.world_size)
     shutil.rmtree(staging, ignore_errors=True)  # whatever a killed run left behind
     staging.mkdir(parents=True)
     per_call = WAVES_PER_CALL * job.params.max_num_seqs

@@ -58,7 +58,7 @@ def load_training_data(params: TrainParams, verifier: VerifierInfo, prepared: Pa
         hs_dtype: The dtype hidden states are loaded in (bf16 on GPU, fp32 on CPU).
     """
     from datasets import load_from_disk
-    from hs_connectors import FileTransfer
+    from hs_connectors import FP8Transfer
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.data import ArrowDataset, CollateFn
 
@@ -71,8 +71,11 @@ def load_training_data(params: TrainParams, verifier: VerifierInfo, prepared: Pa
             f"({lengths[too_long[0]]} tokens; {len(too_long)} rows in all); raise it to at least "
             f"{max(lengths)} or lower prepare.max_len"
         )
-    dataset = ArrowDataset(max_len=params.total_seq_len, datapath=prepared, transfer=FileTransfer(hidden_states),
-                           on_missing="raise", hidden_states_dtype=hs_dtype)
+    # speculators' FP8Transfer reads every file as its FileTransfer does, and dequantizes those stored in fp8
+    # (extract.dtype: float8_e4m3fn) with their per-token scales.
+    transfer = FP8Transfer(hidden_states, dequantize_dtype=hs_dtype)
+    dataset = ArrowDataset(max_len=params.total_seq_len, datapath=prepared, transfer=transfer, on_missing="raise",
+                           hidden_states_dtype=hs_dtype)
     collate = CollateFn(max_len=params.total_seq_len, hidden_size=verifier.hidden_size,
                         num_target_layers=len(verifier.aux_layers), dtype=hs_dtype, preprocess=shift_batch)
     return TrainingData(dataset, collate, rows, lengths)

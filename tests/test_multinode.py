@@ -1,0 +1,128 @@
+"""Several nodes, one data set: extract shards writing into one shared folder give the files one process
+writes, and torchrun's rendezvous joins training processes started as separate nodes."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from eaglenest.convert import convert
+from eaglenest.extract import extract_hidden_states
+from eaglenest.hidden_states import hs_path
+from eaglenest.params import ConvertParams, ExtractParams
+
+from .helpers import REPO, equal_length_training_data, pipeline_until_prepare, project_env
+
+ROWS = 10
+
+
+def extract_shard_command(root: Path, out: Path, rank: int, world_size: int) -> list[str]:
+    """The extract stage script run as one node of a multi-node extraction (README)."""
+    return [sys.executable, str(REPO / "stages" / "extract.py"), "--params", str(root / "params.yaml"),
+            "--verifier", str(root / "models" / "verifier"), "--prepared", str(root / "data" / "prepared"),
+            "--out", str(out), "--metrics", str(root / f"extract-{rank}-of-{world_size}.json"),
+            "--rank", str(rank), "--world-size", str(world_size)]
+
+
+@pytest.fixture
+def prepared(tmp_path: Path, tiny_verifier_dir: Path) -> Path:
+    pipeline_until_prepare(tmp_path, tiny_verifier_dir, rows=ROWS)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"extract": {"dtype": "bfloat16"}}))
+    return tmp_path
+
+
+def test_two_shards_in_one_folder_write_the_files_of_one_process(prepared: Path):
+    root = prepared
+    shared, single = root / "shared", root / "single"
+    # Both shards at once, into one folder, as two nodes on a shared filesystem would.
+    shards = [subprocess.Popen(extract_shard_command(root, shared, rank, 2), cwd=root, env=project_env(),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    for shard in shards:
+        output, _ = shard.communicate(timeout=600)
+        assert shard.returncode == 0, output
+    counts = [json.loads((root / f"extract-{rank}-of-2.json").read_text())["rows_computed"] for rank in (0, 1)]
+    assert counts == [5, 5]
+    verifier, prepared_dir = root / "models" / "verifier", root / "data" / "prepared"
+    extract_hidden_states(ExtractParams(), verifier, prepared_dir, single, root / "single.json")
+    for row in range(ROWS):
+        assert hs_path(shared, row).read_bytes() == hs_path(single, row).read_bytes(), row
+    # The union is a complete extraction: the unsharded stage (as `dvc repro extract` runs it) computes nothing.
+    again = extract_hidden_states(ExtractParams(), verifier, prepared_dir, shared, root / "again.json")
+    assert (again["rows_computed"], again["rows_reused"]) == (0, ROWS)
+    metrics = convert(ConvertParams(draft_vocab_size=64), "bfloat16", verifier, prepared_dir, shared, root / "vocab",
+                      root / "data.json")
+    assert metrics["excluded"] == 0
+
+
+def test_a_shard_leaves_the_other_shards_temporaries(prepared: Path):
+    """A node starting late must not delete a file another node is writing (rows 0-4 are rank 0's)."""
+    shared = prepared / "shared"
+    shared.mkdir()
+    theirs, mine = shared / ".hs_0.safetensors.tmp-99999", shared / ".hs_7.safetensors.tmp-99999"
+    theirs.write_bytes(b"half a file")
+    mine.write_bytes(b"left by a killed run")
+    extract_hidden_states(ExtractParams(rank=1, world_size=2), prepared / "models" / "verifier",
+                          prepared / "data" / "prepared", shared, prepared / "extract.json")
+    assert theirs.exists() and not mine.exists()
+    assert sorted(p.name for p in shared.glob("hs_*")) == sorted(f"hs_{row}.safetensors" for row in range(5, 10))
+
+
+def test_a_bad_shard_on_the_command_line_is_one_line(prepared: Path):
+    result = subprocess.run(extract_shard_command(prepared, prepared / "shared", 2, 2), cwd=prepared,
+                            env=project_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == "  - extract.rank = 2 must be < extract.world_size = 2"
+    assert "Traceback" not in result.stderr and not (prepared / "shared").exists()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_nodes_joined_by_torchrun_rendezvous_train_as_one_process(tmp_path: Path, tiny_verifier_dir: Path):
+    """Two torchrun launches of 1 process each (--nnodes 2, c10d rendezvous), as on two machines, against the
+    stage run in one process on the same global batch: same losses and weights."""
+    equal_length_training_data(tmp_path, tiny_verifier_dir)
+    paths = ["--verifier", str(tmp_path / "verifier"), "--prepared", str(tmp_path / "prepared"),
+             "--hidden-states", str(tmp_path / "hs"), "--vocab", str(tmp_path / "vocab"), "--out", "draft",
+             "--metrics", "train.json", "--live", "dvclive"]
+    train = {"steps": 3, "eval_every": 3, "lr": 3e-3, "warmup_steps": 0}
+    one, two = tmp_path / "one", tmp_path / "two"
+    for run, seq_len in ((one, 192), (two, 96)):
+        run.mkdir()
+        (run / "params.yaml").write_text(yaml.safe_dump({"train": {**train, "total_seq_len": seq_len},
+                                                         "extract": {"dtype": "float32"}}))
+    stage = str(REPO / "stages" / "train.py")
+    result = subprocess.run([sys.executable, stage, "--params", "params.yaml", *paths], cwd=one, env=project_env(),
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    endpoint = f"127.0.0.1:{_free_port()}"
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
+                               "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+                               "--rdzv-id=eaglenest-test", stage, "--params", "params.yaml", *paths],
+                              cwd=two, env=project_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for node in (0, 1)]
+    for node in nodes:
+        output, _ = node.communicate(timeout=600)
+        assert node.returncode == 0, output
+    assert json.loads((two / "train.json").read_text())["processes"] == 2
+    for name in ("loss",):
+        a = (one / f"dvclive/plots/metrics/train/{name}.tsv").read_text().splitlines()[1:]
+        b = (two / f"dvclive/plots/metrics/train/{name}.tsv").read_text().splitlines()[1:]
+        assert len(a) == len(b) == 3
+        for x, y in zip(a, b, strict=True):
+            assert float(x.split("\t")[1]) == pytest.approx(float(y.split("\t")[1]), rel=1e-4)
+    a, b = load_file(one / "draft/model.safetensors"), load_file(two / "draft/model.safetensors")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5)
