@@ -126,12 +126,18 @@ def test_resume_recomputes_only_bad_or_missing_files(tmp_path: Path, tiny_verifi
     assert again["rows_computed"] == 0 and again["tokens_per_s"] is None
 
 
-def test_changed_dtype_recomputes_everything(tmp_path: Path, tiny_verifier_dir: Path):
+def test_changed_dtype_recomputes_everything(tmp_path: Path, tiny_verifier_dir: Path, caplog: pytest.LogCaptureFixture):
     verifier_dir, prepared = pipeline_until_prepare(tmp_path, tiny_verifier_dir)
     out = tmp_path / "hs"
     extract_hidden_states(ExtractParams(dtype="bfloat16"), verifier_dir, prepared, out, tmp_path / "m.json")
-    metrics = extract_hidden_states(ExtractParams(dtype="float32"), verifier_dir, prepared, out, tmp_path / "m.json")
-    assert metrics["rows_computed"] == metrics["rows"]
+    with caplog.at_level("INFO", logger="eaglenest.extract"):
+        metrics = extract_hidden_states(ExtractParams(dtype="float32"), verifier_dir, prepared, out,
+                                        tmp_path / "m.json")
+    assert metrics["rows_computed"] == metrics["rows"] == 10
+    # three files named, the rest counted: one line per reason, not one per file
+    recomputing = [r.getMessage() for r in caplog.records if r.getMessage().startswith("recomputing")]
+    assert len(recomputing) == 4
+    assert recomputing[-1] == "recomputing 10 files in all: hidden_states dtype BF16, expected F32 (float32)"
     assert check_header(hs_path(out, 0), seq_len=load_file(hs_path(out, 0))["token_ids"].numel(), num_slots=4,
                         hidden_size=32, dtype="float32") is None
     written = json.loads((tmp_path / "m.json").read_text())

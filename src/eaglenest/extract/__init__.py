@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -73,24 +74,48 @@ def shard_rows(num_rows: int, rank: int, world_size: int) -> range:
     return range(num_rows * rank // world_size, num_rows * (rank + 1) // world_size)
 
 
-def file_is_valid(path: Path, input_ids: list[int], verifier: VerifierInfo, dtype: str, config: str) -> bool:
-    """True if ``path`` holds this row's hidden states for this configuration (header + token ids)."""
+# Files recomputed for one reason are logged this many times by name, then counted: a changed dtype or verifier
+# invalidates every file, and a million log lines would hide everything else.
+SHOW_RECOMPUTED = 3
+
+
+def file_problem(path: Path, input_ids: list[int], verifier: VerifierInfo, dtype: str, config: str) -> str | None:
+    """Why ``path`` does not hold this row's hidden states for this configuration (header, then token ids), or
+    None when it does; "missing" when there is no file."""
     problem = check_header(path, seq_len=len(input_ids), num_slots=len(verifier.layer_ids),
                            hidden_size=verifier.hidden_size, dtype=dtype, config=config)
     if problem is not None:
-        if problem != "missing":
-            log.info("recomputing %s: %s", path.name, problem)
-        return False
+        return problem
     try:
         with safe_open(str(path), framework="pt") as fh:
             tokens = fh.get_tensor(TOKENS_KEY)
     except (OSError, ValueError, RuntimeError) as err:  # safetensors raises SafetensorError(Exception)
-        log.info("recomputing %s: %s", path.name, err)
-        return False
+        return str(err)
     if tokens.tolist() != input_ids:
-        log.info("recomputing %s: token_ids differ from the prepared row", path.name)
-        return False
-    return True
+        return "token_ids differ from the prepared row"
+    return None
+
+
+def rows_to_compute(out_dir: Path, rows: range, input_ids: list[list[int]], verifier: VerifierInfo, dtype: str,
+                    config: str) -> list[int]:
+    """The rows of ``rows`` without a valid file; why each existing file is recomputed is logged, the first
+    ``SHOW_RECOMPUTED`` by name and the rest counted per reason."""
+    todo: list[int] = []
+    reasons: Counter[str] = Counter()
+    for row in rows:
+        path = hs_path(out_dir, row)
+        problem = file_problem(path, input_ids[row], verifier, dtype, config)
+        if problem is None:
+            continue
+        todo.append(row)
+        if problem != "missing":
+            reasons[problem] += 1
+            if reasons[problem] <= SHOW_RECOMPUTED:
+                log.info("recomputing %s: %s", path.name, problem)
+    for problem, count in reasons.items():
+        if count > SHOW_RECOMPUTED:
+            log.info("recomputing %d files in all: %s", count, problem)
+    return todo
 
 
 def _check_context(input_ids: list[list[int]], rows: range, verifier: VerifierInfo) -> None:
@@ -130,8 +155,7 @@ def extract_hidden_states(params: ExtractParams, verifier_dir: Path, prepared_di
             path.unlink()
             removed += 1
     config = extraction_fingerprint(verifier.fingerprint, verifier.layer_ids, params.dtype)
-    todo = [row for row in rows
-            if not file_is_valid(hs_path(out_dir, row), input_ids[row], verifier, params.dtype, config)]
+    todo = rows_to_compute(out_dir, rows, input_ids, verifier, params.dtype, config)
     log.info("%d rows in shard %d/%d: %d already extracted, %d to compute; %d stale files removed",
              len(rows), params.rank, params.world_size, len(rows) - len(todo), len(todo), removed)
 
