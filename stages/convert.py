@@ -15,7 +15,7 @@ from eaglenest.stage import run_stage, stage_parser  # noqa: E402
 def main(args: argparse.Namespace) -> None:
     params = load_params(args.params)
     convert(params.convert, params.extract.dtype, Path(args.verifier), Path(args.prepared), Path(args.hidden_states),
-            Path(args.out), Path(args.metrics))
+            Path(args.out), Path(args.metrics), store=params.extract.store)
 
 
 def parser() -> argparse.ArgumentParser:

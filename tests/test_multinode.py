@@ -4,6 +4,7 @@ writes, and torchrun's rendezvous joins training processes started as separate n
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -15,7 +16,9 @@ import yaml
 from safetensors.torch import load_file
 
 from eaglenest.convert import convert
+from eaglenest.errors import EaglenestError
 from eaglenest.extract import extract_hidden_states
+from eaglenest.extract.shards import SHARDS_DIR
 from eaglenest.hidden_states import hs_path
 from eaglenest.params import ConvertParams, ExtractParams
 
@@ -50,6 +53,7 @@ def test_two_shards_in_one_folder_write_the_files_of_one_process(prepared: Path)
         assert shard.returncode == 0, output
     counts = [json.loads((root / f"extract-{rank}-of-2.json").read_text())["rows_computed"] for rank in (0, 1)]
     assert counts == [5, 5]
+    assert sorted(p.name for p in (shared / SHARDS_DIR).iterdir()) == ["rank-0-of-2.json", "rank-1-of-2.json"]
     verifier, prepared_dir = root / "models" / "verifier", root / "data" / "prepared"
     extract_hidden_states(ExtractParams(), verifier, prepared_dir, single, root / "single.json")
     for row in range(ROWS):
@@ -57,6 +61,7 @@ def test_two_shards_in_one_folder_write_the_files_of_one_process(prepared: Path)
     # The union is a complete extraction: the unsharded stage (as `dvc repro extract` runs it) computes nothing.
     again = extract_hidden_states(ExtractParams(), verifier, prepared_dir, shared, root / "again.json")
     assert (again["rows_computed"], again["rows_reused"]) == (0, ROWS)
+    assert not (shared / SHARDS_DIR).exists()  # joined: the folder is what one process writes
     metrics = convert(ConvertParams(draft_vocab_size=64), "bfloat16", verifier, prepared_dir, shared, root / "vocab",
                       root / "data.json")
     assert metrics["excluded"] == 0
@@ -81,6 +86,36 @@ def test_a_bad_shard_on_the_command_line_is_one_line(prepared: Path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == "  - extract.rank = 2 must be < extract.world_size = 2"
     assert "Traceback" not in result.stderr and not (prepared / "shared").exists()
+
+
+def test_a_node_with_another_world_size_is_refused(prepared: Path):
+    """Rank 0 of 2 took rows 0-4; a node started as rank 1 of 3 (rows 3-5) would overlap it and leave 6-9 out."""
+    verifier, prepared_dir, shared = prepared / "models" / "verifier", prepared / "data" / "prepared", prepared / "s"
+    extract_hidden_states(ExtractParams(rank=0, world_size=2), verifier, prepared_dir, shared, prepared / "e0.json")
+    with pytest.raises(EaglenestError, match=r"rank-0-of-2.json: rank 0 of extract.world_size 2 \(rows 0..4\) finished "
+                                             r"in this folder, and this node runs rank 1 of extract.world_size 3 "
+                                             r"\(rows 3..5\): their rows overlap"):
+        extract_hidden_states(ExtractParams(rank=1, world_size=3), verifier, prepared_dir, shared, prepared / "e1.json")
+    assert sorted(p.name for p in shared.glob("hs_*")) == [f"hs_{row}.safetensors" for row in range(5)]
+
+
+def test_the_join_refuses_a_gap_and_different_world_sizes(prepared: Path):
+    verifier, prepared_dir, shared = prepared / "models" / "verifier", prepared / "data" / "prepared", prepared / "s"
+    extract_hidden_states(ExtractParams(rank=0, world_size=2), verifier, prepared_dir, shared, prepared / "e0.json")
+    # Rank 1 never ran: the join names its rows and the command instead of computing them on one node.
+    with pytest.raises(EaglenestError, match=r"rows 5..9 have no finished shard \(ranks \[1\] of extract.world_size 2 "
+                                             r"never finished\); run them with .*--rank 1 --world-size 2"):
+        extract_hidden_states(ExtractParams(), verifier, prepared_dir, shared, prepared / "join.json")
+    assert len(list(shared.glob("hs_*"))) == 5
+    # A stray record of another world size (a node started with a typo, which then finished).
+    extract_hidden_states(ExtractParams(rank=2, world_size=3), verifier, prepared_dir, shared, prepared / "e2.json")
+    with pytest.raises(EaglenestError, match=r"shards of different extract.world_size wrote here \(rank 0 of "
+                                             r"extract.world_size 2 \(rows 0..4\); rank 2 of extract.world_size 3"):
+        extract_hidden_states(ExtractParams(), verifier, prepared_dir, shared, prepared / "join.json")
+    # The fix the message gives: delete the records, and this node computes what is missing.
+    shutil.rmtree(shared / SHARDS_DIR)
+    joined = extract_hidden_states(ExtractParams(), verifier, prepared_dir, shared, prepared / "join.json")
+    assert (joined["rows_computed"], joined["rows_reused"]) == (1, ROWS - 1)  # row 5; 6-9 were rank 2's
 
 
 def _free_port() -> int:

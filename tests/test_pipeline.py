@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from datasets import load_from_disk
 from safetensors.torch import load_file, save_file
 
@@ -109,6 +110,12 @@ def test_default_verifier_and_chitchat_through_dvc_repro(tmp_path: Path):
     assert json.loads((repo / "metrics/extract.json").read_text())["rows_reused"] >= finished_before_kill
 
 
+def draft_hash(repo: Path) -> str:
+    """models/draft's hash as dvc.lock records it."""
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())
+    return next(out["md5"] for out in lock["stages"]["train"]["outs"] if out["path"] == "models/draft")
+
+
 @pytest.mark.slow
 def test_own_verifier_and_conversations(tmp_path: Path, tiny_verifier_dir: Path):
     """The README's path for real users: a local verifier, used in place, and a JSONL of conversations."""
@@ -152,6 +159,23 @@ def test_own_verifier_and_conversations(tmp_path: Path, tiny_verifier_dir: Path)
     prepared = json.loads((repo / "metrics/prepare.json").read_text())
     assert prepared["regenerate_cache_hits"] == 0 and prepared["regenerated_turns"] == 12
     assert json.loads((repo / "metrics/extract.json").read_text())["rows_reused"] == 0
+
+    # extract.store: online: extract writes a manifest, train computes the hidden states, evaluate follows;
+    # prepare is not touched, and a second repro has nothing to do.
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params["extract"]["store"] = "online"
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    draft_before = draft_hash(repo)
+    online = dvc(["repro"], repo)
+    assert "Stage 'prepare' didn't change, skipping" in online.stdout
+    for stage in ("extract", "convert", "train"):
+        assert f"Running stage '{stage}'" in online.stdout, stage
+    # evaluate runs again unless online training reproduced the stored-file draft byte for byte (it does here)
+    assert ("Running stage 'evaluate'" in online.stdout) != (draft_hash(repo) == draft_before)
+    assert [p.name for p in (repo / "data/hidden_states").iterdir()] == ["manifest.json"]
+    assert json.loads((repo / "metrics/train.json").read_text())["hidden_states"] == "online"
+    assert json.loads((repo / "metrics/eval.json").read_text())["lossless_fraction"] == 1.0
+    assert_all_skipped(dvc(["repro"], repo).stdout)
 
 
 def test_bad_params_stop_dvc_repro_with_every_problem(tmp_path: Path, tiny_verifier_dir: Path):

@@ -26,7 +26,7 @@ import torch
 
 from eaglenest.atomic import atomic_directory, atomic_write_json
 from eaglenest.errors import EaglenestError, InputFileError
-from eaglenest.hidden_states import hs_path, read_hidden_state_file
+from eaglenest.hidden_states import MANIFEST_FILE, hs_path, read_hidden_state_file, read_online_manifest
 from eaglenest.params import ConvertParams
 from eaglenest.prepare import load_split
 from eaglenest.verifier import VerifierInfo, load_verifier_info
@@ -90,8 +90,12 @@ def _bad_files_message(problems: dict[int, str], hs_dir: Path, total: int) -> st
 
 
 def convert(params: ConvertParams, dtype: str, verifier_dir: Path, prepared_dir: Path, hs_dir: Path,
-            out_dir: Path, metrics_path: Path) -> dict[str, Any]:
-    """The convert stage; returns the metrics it writes."""
+            out_dir: Path, metrics_path: Path, store: str = "files") -> dict[str, Any]:
+    """The convert stage; returns the metrics it writes.
+
+    With ``extract.store: online`` there are no files to validate: the manifest is checked against the prepared
+    rows and the verifier instead, every row is usable, and the train stage checks each row it computes.
+    """
     from datasets import load_from_disk
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
@@ -108,7 +112,15 @@ def convert(params: ConvertParams, dtype: str, verifier_dir: Path, prepared_dir:
     if not hs_dir.is_dir():
         raise InputFileError(f"{hs_dir}: no hidden-state folder; run `dvc repro extract` first")
 
-    problems = validate_hidden_states(input_ids, hs_dir, verifier, dtype, params.workers)
+    if store == "online":
+        read_online_manifest(hs_dir, verifier, input_ids)
+        problems: dict[int, str] = {}
+    else:
+        if (hs_dir / MANIFEST_FILE).is_file():
+            raise InputFileError(
+                f"{hs_dir / MANIFEST_FILE}: an online extraction, but extract.store is files; run `dvc repro extract`"
+            )
+        problems = validate_hidden_states(input_ids, hs_dir, verifier, dtype, params.workers)
     if problems and params.on_bad == "fail":
         raise InputFileError(_bad_files_message(problems, hs_dir, len(input_ids)))
     for row in sorted(problems)[:SHOW_BAD]:
@@ -149,8 +161,9 @@ def convert(params: ConvertParams, dtype: str, verifier_dir: Path, prepared_dir:
         })
 
     tokens = sum(len(input_ids[row]) for row in usable)
-    size = sum(hs_path(hs_dir, row).stat().st_size for row in usable)
+    size = 0 if store == "online" else sum(hs_path(hs_dir, row).stat().st_size for row in usable)
     metrics = {
+        "store": store,
         "samples": len(usable),
         "train_samples": len(train),
         "val_samples": len(val),

@@ -245,11 +245,21 @@ class ExtractParams(StrictModel):
         default=None,
         description="With backend 'import': the folder of hs_{i}.safetensors matching the imported prepared rows.",
     )
+    store: Literal["files", "online"] = Field(
+        default="files",
+        description=(
+            "'files': one hs_{i}.safetensors per row in data/hidden_states (DVC-tracked, reused by every training "
+            "run); 'online': nothing stored, the train stage computes each batch's hidden states from the verifier "
+            "(hf back end, on train.device) and extract writes only data/hidden_states/manifest.json."
+        ),
+    )
     dtype: Literal["bfloat16", "float32", "float8_e4m3fn"] = Field(
         default="bfloat16",
         description=(
             "Storage dtype of the hidden-state files: bfloat16 halves float32's disk; float8_e4m3fn halves it again "
-            "(one float32 scale per token, in speculators' hs_connectors FP8 layout; training dequantizes it)."
+            "(one float32 scale per token, in speculators' hs_connectors FP8 layout; training dequantizes it). "
+            "With store: online, the precision computed hidden states are rounded to before training, so online "
+            "trains on what files would hold."
         ),
     )
     batch_tokens: int = Field(
@@ -294,6 +304,17 @@ class ExtractParams(StrictModel):
                 f"extract.import_path = {import_path!r} is only read by extract.backend: import; "
                 "remove it or switch the back end"
             )
+        if values.get("store") == "online":
+            if backend != "hf":
+                problems.append(
+                    f"extract.store: online computes hidden states inside the train stage with transformers; "
+                    f"extract.backend: {backend} cannot (set extract.backend: hf, or extract.store: files)"
+                )
+            if isinstance(world_size, int) and world_size > 1:
+                problems.append(
+                    f"extract.store: online stores nothing to shard (extract.world_size = {world_size}); set "
+                    "extract.world_size: 1 and share the work with train.nproc (each process computes its batches)"
+                )
         if backend == "vllm" and values.get("device") != "auto":
             problems.append(
                 f"extract.device = {values.get('device')!r} is read by the hf back end only; vllm runs where its "

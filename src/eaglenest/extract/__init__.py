@@ -13,6 +13,7 @@ temporaries left by a killed run are deleted.
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from collections import Counter
 from pathlib import Path
@@ -23,17 +24,22 @@ from safetensors import safe_open
 from eaglenest.atomic import atomic_write_json, remove_stale_temps
 from eaglenest.errors import EaglenestError
 from eaglenest.extract.job import Backend, ExtractionJob
+from eaglenest.extract.shards import SHARDS_DIR, check_join, check_shard_start, shard_rows, write_record
 from eaglenest.hidden_states import (
+    MANIFEST_FILE,
     TOKENS_KEY,
     check_header,
     extraction_fingerprint,
     file_metadata,
     hs_path,
+    online_manifest,
     row_index,
 )
 from eaglenest.params import ExtractParams, parse_params
 from eaglenest.registry import Registry
 from eaglenest.verifier import VerifierInfo, load_verifier_info
+
+__all__ = ["BACKENDS", "extract_hidden_states", "shard_params", "shard_rows"]
 
 log = logging.getLogger(__name__)
 
@@ -67,11 +73,6 @@ def shard_params(params: ExtractParams, rank: int | None, world_size: int | None
     values = params.model_dump()
     values.update({k: v for k, v in (("rank", rank), ("world_size", world_size)) if v is not None})
     return parse_params({"extract": values}, source="--rank/--world-size").extract
-
-
-def shard_rows(num_rows: int, rank: int, world_size: int) -> range:
-    """The contiguous slice of rows that node ``rank`` of ``world_size`` extracts."""
-    return range(num_rows * rank // world_size, num_rows * (rank + 1) // world_size)
 
 
 # Files recomputed for one reason are logged this many times by name, then counted: a changed dtype or verifier
@@ -147,6 +148,9 @@ def extract_hidden_states(params: ExtractParams, verifier_dir: Path, prepared_di
     _check_context(input_ids, rows, verifier)
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    if params.store == "online":
+        return _write_online_manifest(params, verifier, input_ids, out_dir, metrics_path)
+    (out_dir / MANIFEST_FILE).unlink(missing_ok=True)  # files again: a manifest would say "online"
     # Shards on several nodes may share one folder: each clears only the temporaries of its own rows.
     removed = remove_stale_temps(out_dir, mine=lambda name: row_index(Path(name)) in rows)
     for path in out_dir.glob("hs_*.safetensors"):
@@ -155,6 +159,10 @@ def extract_hidden_states(params: ExtractParams, verifier_dir: Path, prepared_di
             path.unlink()
             removed += 1
     config = extraction_fingerprint(verifier.fingerprint, verifier.layer_ids, params.dtype)
+    if params.world_size > 1:
+        check_shard_start(out_dir, params.rank, params.world_size, rows, len(input_ids), config)
+    else:  # the join of a multi-node extraction, or a plain single-node run
+        check_join(out_dir, len(input_ids), config)
     todo = rows_to_compute(out_dir, rows, input_ids, verifier, params.dtype, config)
     log.info("%d rows in shard %d/%d: %d already extracted, %d to compute; %d stale files removed",
              len(rows), params.rank, params.world_size, len(rows) - len(todo), len(todo), removed)
@@ -180,9 +188,12 @@ def extract_hidden_states(params: ExtractParams, verifier_dir: Path, prepared_di
     missing = [row for row in rows if not hs_path(out_dir, row).is_file()]
     if missing:
         raise EaglenestError(f"{len(missing)} rows have no hidden states after extraction (first: row {missing[0]})")
+    if params.world_size > 1:
+        write_record(out_dir, params.rank, params.world_size, rows, len(input_ids), config)
     tokens = sum(len(input_ids[row]) for row in rows)
     size = sum(hs_path(out_dir, row).stat().st_size for row in rows)
     metrics = {
+        "store": params.store,
         "rows": len(rows),
         "rows_computed": len(todo),
         "rows_reused": len(rows) - len(todo),
@@ -192,6 +203,41 @@ def extract_hidden_states(params: ExtractParams, verifier_dir: Path, prepared_di
         "tokens_per_s": round(todo_tokens / seconds, 1) if todo else None,
         "bytes": size,
         "bytes_per_token": round(size / tokens, 1),
+        "dtype": params.dtype,
+        "backend": params.backend,
+    }
+    atomic_write_json(metrics_path, metrics)
+    return metrics
+
+
+def _write_online_manifest(params: ExtractParams, verifier: VerifierInfo, input_ids: list[list[int]], out_dir: Path,
+                           metrics_path: Path) -> dict[str, Any]:
+    """``extract.store: online``: no hidden states, only the manifest the train stage computes them against.
+
+    Files of an earlier ``store: files`` run are deleted: the folder is a DVC output, and keeping them would
+    keep their terabytes in the workspace and cache for nothing (``dvc checkout`` of that commit brings them
+    back).
+    """
+    removed = remove_stale_temps(out_dir)
+    for path in out_dir.glob("hs_*.safetensors"):
+        path.unlink()
+        removed += 1
+    shutil.rmtree(out_dir / SHARDS_DIR, ignore_errors=True)
+    manifest = online_manifest(verifier, params.dtype, input_ids)
+    atomic_write_json(out_dir / MANIFEST_FILE, manifest)
+    log.info("extract.store: online: %d rows (%d tokens) will be computed by the train stage; %d stored files "
+             "removed", manifest["rows"], manifest["tokens"], removed)
+    size = (out_dir / MANIFEST_FILE).stat().st_size
+    metrics = {
+        "store": "online",
+        "rows": len(input_ids),
+        "rows_computed": 0,
+        "rows_reused": 0,
+        "tokens": manifest["tokens"],
+        "seconds": 0.0,
+        "tokens_per_s": None,
+        "bytes": size,
+        "bytes_per_token": round(size / max(1, int(manifest["tokens"])), 4),
         "dtype": params.dtype,
         "backend": params.backend,
     }

@@ -127,6 +127,21 @@ def forward_hidden_states(model: nn.Module, captured: dict[int, torch.Tensor], l
     return torch.stack([captured[layer_id] for layer_id in layer_ids], dim=2)
 
 
+def hidden_states_of_rows(model: nn.Module, captured: dict[int, torch.Tensor], layer_ids: list[int],
+                          sequences: list[list[int]], pad_id: int, device: torch.device, fix: str) -> torch.Tensor:
+    """One right-padded decoder forward over ``sequences``: ``[batch, longest, n_slots, hidden]``.
+
+    Running out of memory is one line: the batch's size, then ``fix``.
+    """
+    input_ids, attention_mask = pad_batch(sequences, pad_id)
+    try:
+        return forward_hidden_states(model, captured, layer_ids, input_ids.to(device), attention_mask.to(device))
+    except (torch.OutOfMemoryError, MemoryError):
+        raise EaglenestError(
+            f"out of memory on {device} for a batch of {len(sequences)} rows x {input_ids.shape[1]} tokens; {fix}"
+        ) from None
+
+
 def extract_with_transformers(job: ExtractionJob) -> None:
     """Computes every row in ``job.todo`` and hands each to ``job.write``."""
     device = pick_device(job.params.device, "extract.device")
@@ -138,14 +153,8 @@ def extract_with_transformers(job: ExtractionJob) -> None:
              job.params.batch_tokens)
     with capture_residual_stream(model, job.verifier.layer_ids) as captured, torch.inference_mode():
         for batch in batches:
-            input_ids, attention_mask = pad_batch([job.input_ids[row] for row in batch], pad_id)
-            try:
-                hidden = forward_hidden_states(model, captured, job.verifier.layer_ids, input_ids.to(device),
-                                               attention_mask.to(device))
-            except (torch.OutOfMemoryError, MemoryError):
-                raise EaglenestError(
-                    f"out of memory on {device} for a batch of {len(batch)} rows x {input_ids.shape[1]} tokens; "
-                    f"lower extract.batch_tokens (now {job.params.batch_tokens})"
-                ) from None
+            hidden = hidden_states_of_rows(model, captured, job.verifier.layer_ids,
+                                           [job.input_ids[row] for row in batch], pad_id, device,
+                                           f"lower extract.batch_tokens (now {job.params.batch_tokens})")
             for i, row in enumerate(batch):
                 job.write(row, hidden[i, : lengths[row]])

@@ -75,7 +75,8 @@ def train_draft(params: TrainParams, inputs: TrainInputs) -> dict[str, Any]:
     vocab, d2t, t2d = load_vocab(inputs.vocab)
     dist, device = init_distributed(pick_device(params.device, "train.device"))
     runtime = draft_runtime(params, device)
-    data = load_training_data(params, verifier, inputs.prepared, inputs.hidden_states, inputs.vocab, runtime.hs_dtype)
+    data = load_training_data(params, verifier, inputs.prepared, inputs.hidden_states, inputs.vocab, runtime.hs_dtype,
+                              model_dir=model_dir, device=device)
     rows, lengths = data.rows, data.lengths
     model = build_draft(verifier, model_dir, params, vocab["draft_vocab_size"], d2t, t2d, runtime.attention)
     model = model.to(device)
@@ -179,6 +180,7 @@ def train_draft(params: TrainParams, inputs: TrainInputs) -> dict[str, Any]:
             "seconds": round(seconds, 3),
             "device": device.type,
             "processes": dist.world_size,
+            "hidden_states": "online" if data.online is not None else "files",
             "train_rows": len(rows["train"]),
             "val_rows": len(rows["val"]),
             "split_train_rows": load_split(inputs.prepared)["train_rows"],

@@ -42,6 +42,7 @@ def run_fingerprint(params: TrainParams, verifier: VerifierInfo, prepared: Path,
     _hash_files([p for p in prepared.iterdir() if p.is_file()], digest, full=True)
     _hash_files([p for p in vocab.iterdir() if p.is_file()], digest, full=True)
     _hash_files(list(hidden_states.glob("hs_*.safetensors")), digest, full=False)
+    _hash_files(list(hidden_states.glob("manifest.json")), digest, full=True)  # extract.store: online
     return digest.hexdigest()[:24]
 
 

@@ -20,7 +20,9 @@ import torch
 
 from eaglenest.convert import ROWS_FILE
 from eaglenest.errors import EaglenestError
+from eaglenest.hidden_states import MANIFEST_FILE, read_online_manifest
 from eaglenest.params import TrainParams
+from eaglenest.train.online import OnlineTransfer
 from eaglenest.verifier import VerifierInfo
 
 
@@ -39,23 +41,30 @@ class TrainingData:
     collate: Any
     rows: dict[str, list[int]]
     lengths: list[int]
+    online: OnlineTransfer | None = None
 
     def batch(self, rows: list[int], device: torch.device) -> dict[str, Any]:
         """The packed model inputs of ``rows`` on ``device``."""
+        if self.online is not None:  # one verifier forward for the whole batch, not one per row
+            self.online.compute(rows)
         return to_device(self.collate([self.dataset[i] for i in rows]), device)
 
 
 def load_training_data(params: TrainParams, verifier: VerifierInfo, prepared: Path, hidden_states: Path, vocab: Path,
-                       hs_dtype: torch.dtype) -> TrainingData:
+                       hs_dtype: torch.dtype, model_dir: Path | None = None, device: torch.device | None = None
+                       ) -> TrainingData:
     """Opens the data; refuses a prepared row longer than ``train.total_seq_len`` (one line, with the fix).
 
     Args:
         params: The train params.
         verifier: The verifier stage's record (hidden size, aux layers).
         prepared: The prepare stage's dataset folder.
-        hidden_states: The extract stage's folder.
+        hidden_states: The extract stage's folder: ``hs_{i}.safetensors`` files, or the manifest of
+            ``extract.store: online``, whose rows are then computed from the verifier as they are batched.
         vocab: The convert stage's folder (its ``rows.json``).
         hs_dtype: The dtype hidden states are loaded in (bf16 on GPU, fp32 on CPU).
+        model_dir: The verifier's weights (online only).
+        device: Where the verifier runs (online only): the training device.
     """
     from datasets import load_from_disk
     from hs_connectors import FP8Transfer
@@ -71,14 +80,23 @@ def load_training_data(params: TrainParams, verifier: VerifierInfo, prepared: Pa
             f"({lengths[too_long[0]]} tokens; {len(too_long)} rows in all); raise it to at least "
             f"{max(lengths)} or lower prepare.max_len"
         )
-    # speculators' FP8Transfer reads every file as its FileTransfer does, and dequantizes those stored in fp8
-    # (extract.dtype: float8_e4m3fn) with their per-token scales.
-    transfer = FP8Transfer(hidden_states, dequantize_dtype=hs_dtype)
+    online = None
+    if (hidden_states / MANIFEST_FILE).is_file():
+        if model_dir is None or device is None:
+            raise EaglenestError(f"{hidden_states} is an online extraction: its hidden states need the verifier")
+        input_ids = load_from_disk(str(prepared)).data.column("input_ids").to_pylist()
+        manifest = read_online_manifest(hidden_states, verifier, input_ids)
+        online = OnlineTransfer(model_dir, verifier, input_ids, str(manifest["dtype"]), device, hs_dtype)
+        transfer: Any = online
+    else:
+        # speculators' FP8Transfer reads every file as its FileTransfer does, and dequantizes those stored in
+        # fp8 (extract.dtype: float8_e4m3fn) with their per-token scales.
+        transfer = FP8Transfer(hidden_states, dequantize_dtype=hs_dtype)
     dataset = ArrowDataset(max_len=params.total_seq_len, datapath=prepared, transfer=transfer, on_missing="raise",
                            hidden_states_dtype=hs_dtype)
     collate = CollateFn(max_len=params.total_seq_len, hidden_size=verifier.hidden_size,
                         num_target_layers=len(verifier.aux_layers), dtype=hs_dtype, preprocess=shift_batch)
-    return TrainingData(dataset, collate, rows, lengths)
+    return TrainingData(dataset, collate, rows, lengths, online)
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
