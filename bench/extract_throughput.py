@@ -1,6 +1,6 @@
 """Benchmark (run by hand): extraction throughput against a bare decoder forward over the same batches.
 
-    .venv/bin/python bench/extract_throughput.py --rows 128
+    .venv/bin/python bench/extract_throughput.py --rows 128 [--dtype float8_e4m3fn]
 
 Needs `dvc repro prepare` first (reads models/verifier and data/prepared). Prints tokens/s of (a) the
 verifier's decoder alone (no hooks, no LM head, nothing written) and (b) eaglenest's hf extraction
@@ -42,9 +42,12 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=128, help="prepared rows to use")
     parser.add_argument("--verifier", default="models/verifier")
     parser.add_argument("--prepared", default="data/prepared")
+    parser.add_argument("--dtype", default=None, help="storage dtype (default: extract.dtype from params.yaml)")
     args = parser.parse_args()
 
     params = load_params().extract
+    if args.dtype:
+        params = params.model_copy(update={"dtype": args.dtype})
     verifier, model_dir = load_verifier_info(Path(args.verifier))
     input_ids = load_from_disk(args.prepared).data.column("input_ids").to_pylist()
     rows = list(range(min(args.rows, len(input_ids))))
