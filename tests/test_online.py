@@ -15,6 +15,7 @@ from eaglenest.convert import convert
 from eaglenest.errors import EaglenestError, InputFileError, ParamsError
 from eaglenest.extract import extract_hidden_states
 from eaglenest.hidden_states import MANIFEST_FILE, hs_path
+from eaglenest.inspect_files import inspect_path
 from eaglenest.params import ConvertParams, ExtractParams, TrainParams, parse_params
 from eaglenest.prepare import write_prepared
 from eaglenest.train import TrainInputs, train_draft
@@ -114,6 +115,8 @@ def test_online_manifest_switches_back_and_forth(prepared: Path):
     assert metrics["store"] == "online" and metrics["rows"] == ROWS and metrics["rows_computed"] == 0
     manifest = json.loads((hs / MANIFEST_FILE).read_text())
     assert manifest["layer_ids"] == [1, 3, 5, 8] and manifest["dtype"] == "bfloat16"
+    described = "\n".join(inspect_path(hs))
+    assert f"online extraction (nothing stored; the train stage computes them): {ROWS} rows" in described
     # Deterministic: the same rows and verifier give the same bytes, so DVC sees no change.
     before = (hs / MANIFEST_FILE).read_bytes()
     extract_hidden_states(ExtractParams(store="online"), verifier, prepared_dir, hs, prepared / "e3.json")

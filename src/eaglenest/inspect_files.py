@@ -15,7 +15,14 @@ from typing import Any
 import torch
 
 from eaglenest.errors import InputFileError
-from eaglenest.hidden_states import HIDDEN_KEY, SCALES_KEY, TOKENS_KEY, decode_hidden_states, read_header
+from eaglenest.hidden_states import (
+    HIDDEN_KEY,
+    MANIFEST_FILE,
+    SCALES_KEY,
+    TOKENS_KEY,
+    decode_hidden_states,
+    read_header,
+)
 
 MAX_TENSORS_LISTED = 40
 
@@ -149,6 +156,11 @@ def describe_folder(path: Path) -> list[str]:
     kinds = Counter(p.suffix for p in files)
     kinds_text = ", ".join(f"{count} {suffix or 'other'}" for suffix, count in kinds.items())
     lines = [f"{path}: folder, {len(files)} files ({kinds_text})"]
+    if (path / MANIFEST_FILE).is_file():  # extract.store: online
+        manifest = json.loads((path / MANIFEST_FILE).read_text())
+        lines.append(f"online extraction (nothing stored; the train stage computes them): {manifest.get('rows')} rows, "
+                     f"{manifest.get('tokens')} tokens, layers {manifest.get('layer_ids')}, rounded to "
+                     f"{manifest.get('dtype')}")
     tensors = [p for p in files if p.suffix in (".safetensors", ".pt", ".pth", ".npy")]
     if not tensors:
         return lines
