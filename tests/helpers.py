@@ -144,3 +144,13 @@ def equal_length_training_data(root: Path, model_dir: Path) -> None:
                           root / "extract.json")
     convert(ConvertParams(draft_vocab_size=None), "float32", root / "verifier", root / "prepared", root / "hs",
             root / "vocab", root / "data.json")
+
+
+def expected_from_pieces(tokenizer, pieces: list[tuple[str, int]]) -> tuple[list[int], list[int]]:
+    """Tokenises each (text, label) piece alone; the label applies to every token of the piece."""
+    ids, mask = [], []
+    for text, label in pieces:
+        piece_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids += piece_ids
+        mask += [label] * len(piece_ids)
+    return ids, mask

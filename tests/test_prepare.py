@@ -20,6 +20,7 @@ from eaglenest.prepare import (
 )
 
 from .conftest import write_jsonl
+from .helpers import expected_from_pieces
 
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},
@@ -28,16 +29,6 @@ CONVERSATION = [
     {"role": "user", "content": "what is the capital of France?"},
     {"role": "assistant", "content": "Paris is the capital."},
 ]
-
-
-def expected_from_pieces(tokenizer, pieces: list[tuple[str, int]]) -> tuple[list[int], list[int]]:
-    """Tokenises each (text, label) piece alone; the label applies to every token of the piece."""
-    ids, mask = [], []
-    for text, label in pieces:
-        piece_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        ids += piece_ids
-        mask += [label] * len(piece_ids)
-    return ids, mask
 
 
 def tiny_pieces(messages):
@@ -102,7 +93,7 @@ def test_history_rewriting_template_is_refused(tiny_tokenizer):
     original = tiny_tokenizer.chat_template
     tiny_tokenizer.chat_template = rewriting
     try:
-        with pytest.raises(TemplateError, match="not prefix-stable"):
+        with pytest.raises(TemplateError, match=r"chat template cannot be rendered per turn: messages\[:2\] .*fix: "):
             render_with_loss_mask(tiny_tokenizer, CONVERSATION, 10_000, end_of_turn_ids(tiny_tokenizer))
     finally:
         tiny_tokenizer.chat_template = original

@@ -89,6 +89,10 @@ def _normalise_turn(turn: Any, where: str, index: int) -> dict[str, str]:
         )
     if not content.strip():
         raise InputFileError(f"{where}: turn {index} ('{role}') is empty")
+    reasoning = turn.get("reasoning_content")
+    if role == "assistant" and isinstance(reasoning, str) and reasoning.strip():
+        # A reasoning model's thinking, as OpenAI-style APIs return it; reasoning chat templates render it.
+        return {"role": role, "content": content, "reasoning_content": reasoning}
     return {"role": role, "content": content}
 
 

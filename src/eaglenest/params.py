@@ -123,6 +123,15 @@ class PrepareParams(StrictModel):
         ge=1,
         description="Keep each conversation up to its N-th assistant reply; null keeps every reply.",
     )
+    reasoning: Literal["keep", "strip"] | None = Field(
+        default=None,
+        description=(
+            "For verifiers whose chat template handles reasoning (<think> blocks: Qwen3, DeepSeek-R1, Kimi-K2): "
+            "'keep' trains on the thinking tokens too and regenerates with thinking on; 'strip' removes thinking "
+            "from every assistant turn and renders and regenerates with enable_thinking=False. Required for such "
+            "templates (refused when unset); null for templates without reasoning."
+        ),
+    )
     val_fraction: float = Field(
         default=0.05,
         gt=0.0,

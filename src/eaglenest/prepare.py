@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from eaglenest.atomic import atomic_directory, atomic_write_bytes, atomic_write_json
+from eaglenest.chat import chat_template_kwargs, template_handles_reasoning, without_reasoning
 from eaglenest.conversations import Conversation, read_source
 from eaglenest.errors import EaglenestError, InputFileError, ParamsError, TemplateError
 from eaglenest.params import SELF_INSTRUCT_SOURCE, PrepareParams
@@ -33,6 +34,9 @@ log = logging.getLogger(__name__)
 
 SPLIT_FILE = "split.json"
 VAL_PROMPTS_FILE = "val_prompts.jsonl"
+# Written only with prepare.reasoning set: the chat-template arguments the rows were rendered with, so the
+# evaluate stage renders its prompts the same way.
+CHAT_FILE = "chat_template_kwargs.json"
 DROP_REASONS = ("no_assistant_turn", "no_assistant_tokens_after_truncation")
 IMPORT_PREFIX = "import:"
 
@@ -52,45 +56,48 @@ class PreparedRow:
     truncated: bool
 
 
-def _render(tokenizer: Any, messages: list[dict[str, str]], *, generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+def _render(tokenizer: Any, messages: list[dict[str, str]], *, generation_prompt: bool,
+            chat_kwargs: dict[str, Any] | None = None) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
+                                         **(chat_kwargs or {}))
 
 
-def assistant_char_spans(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the character span of each assistant reply in it.
+def assistant_turn_spans(tokenizer: Any, messages: list[dict[str, str]], chat_kwargs: dict[str, Any] | None = None
+                         ) -> list[tuple[str, int, int]]:
+    """Each assistant reply rendered against exactly the context the model saw when it wrote it.
 
-    The span of assistant turn ``j`` runs from the end of ``messages[:j]`` rendered *with* the generation
-    prompt (so the ``<|im_start|>assistant\\n`` header is excluded) to the end of ``messages[:j+1]``.
-    This needs a template whose renderings of prefixes are prefixes of the full rendering; templates that
-    rewrite history (dropping earlier reasoning, say) are refused with a clear message.
+    For assistant turn ``j``: ``before`` is ``messages[:j]`` rendered *with* the generation prompt (what the
+    model is given; its ``<|im_start|>assistant\n`` header, or ``<think>\n\n</think>`` with thinking off, is
+    not the model's), ``through`` is ``messages[:j+1]`` rendered without it; the reply is the span between.
+    Returns ``(through, len(before), len(through))`` per reply.
+
+    Raises:
+        TemplateError: ``before`` is not a prefix of ``through``: the template cannot be rendered per turn.
     """
-    full = _render(tokenizer, messages, generation_prompt=False)
-    spans = []
+    turns = []
     for j, message in enumerate(messages):
         # A conversation opening with the assistant has no prompt to condition on: context only.
         if message["role"] != "assistant" or j == 0:
             continue
-        before = _render(tokenizer, messages[:j], generation_prompt=True)
-        through = _render(tokenizer, messages[: j + 1], generation_prompt=False)
-        if not (through.startswith(before) and full.startswith(through)):
+        before = _render(tokenizer, messages[:j], generation_prompt=True, chat_kwargs=chat_kwargs)
+        through = _render(tokenizer, messages[: j + 1], generation_prompt=False, chat_kwargs=chat_kwargs)
+        if not through.startswith(before):
+            name = getattr(tokenizer, "name_or_path", "") or "the verifier"
             raise TemplateError(
-                "the verifier's chat template is not prefix-stable (rendering the conversation up to an "
-                "assistant turn is not a prefix of the full rendering), so assistant tokens cannot be "
-                "located; use a template that renders history unchanged"
+                f"{name}: its chat template cannot be rendered per turn: messages[:{j}] rendered with the "
+                f"generation prompt is not a prefix of messages[:{j + 1}] rendered with the reply, so the reply's "
+                "tokens cannot be located (with any prepare.reasoning); fix: a chat_template.jinja in the verifier "
+                "folder (verifier.model) that renders the turns before a reply unchanged"
             )
-        spans.append((len(before), len(through)))
-    return full, spans
+        turns.append((through, len(before), len(through)))
+    return turns
 
 
-def render_with_loss_mask(tokenizer: Any, messages: list[dict[str, str]], max_len: int,
-                          eot_ids: set[int]) -> PreparedRow:
-    """Tokenises one conversation with the chat template and marks the assistant tokens.
-
-    A token is an assistant token when it lies wholly inside an assistant span; within each span, tokens
-    after the last end-of-turn token (template text such as a trailing newline) are not.
-    """
-    full, spans = assistant_char_spans(tokenizer, messages)
-    encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+def _tokens_with_mask(tokenizer: Any, text: str, spans: list[tuple[int, int]], max_len: int, eot_ids: set[int]
+                      ) -> PreparedRow:
+    """Tokenises ``text``; a token is an assistant token when it lies wholly inside one of ``spans``, and within
+    each span tokens after the last end-of-turn token (template text such as a trailing newline) are not."""
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     input_ids: list[int] = list(encoded["input_ids"])
     offsets: list[tuple[int, int]] = list(encoded["offset_mapping"])
     loss_mask = [0] * len(input_ids)
@@ -108,6 +115,34 @@ def render_with_loss_mask(tokenizer: Any, messages: list[dict[str, str]], max_le
             loss_mask[t] = 1
     truncated = len(input_ids) > max_len
     return PreparedRow(input_ids[:max_len], loss_mask[:max_len], truncated)
+
+
+def render_rows(tokenizer: Any, messages: list[dict[str, str]], max_len: int, eot_ids: set[int],
+                chat_kwargs: dict[str, Any] | None = None) -> list[PreparedRow]:
+    """One conversation as training rows, with the loss mask on exactly the tokens the model generated.
+
+    A template that renders history unchanged (each turn's rendering is a prefix of the whole conversation's)
+    gives one row with every reply masked in. A template that rewrites history, as reasoning templates do when
+    they drop the thinking of earlier turns, gives one row per reply: the reply rendered after exactly the
+    context the model saw when writing it (so thinking kept in the last turn is trained on, and never shown
+    in a later turn's context where the model would not have seen it).
+    """
+    turns = assistant_turn_spans(tokenizer, messages, chat_kwargs)
+    if not turns:
+        return []
+    full = _render(tokenizer, messages, generation_prompt=False, chat_kwargs=chat_kwargs)
+    if all(full.startswith(through) for through, _, _ in turns):
+        return [_tokens_with_mask(tokenizer, full, [(a, b) for _, a, b in turns], max_len, eot_ids)]
+    return [_tokens_with_mask(tokenizer, through, [(a, b)], max_len, eot_ids) for through, a, b in turns]
+
+
+def render_with_loss_mask(tokenizer: Any, messages: list[dict[str, str]], max_len: int,
+                          eot_ids: set[int]) -> PreparedRow:
+    """The single row of a conversation whose template renders history unchanged (see :func:`render_rows`)."""
+    rows = render_rows(tokenizer, messages, max_len, eot_ids)
+    if len(rows) != 1:
+        raise TemplateError(f"the conversation renders as {len(rows)} rows (its template rewrites history)")
+    return rows[0]
 
 
 def first_user_turn(messages: list[dict[str, str]]) -> list[dict[str, str]]:
@@ -234,8 +269,17 @@ def prepare_dataset(params: PrepareParams, tokenizer: Any, out_dir: Path, metric
 
     if not getattr(tokenizer, "is_fast", False):
         raise EaglenestError("the verifier's tokenizer has no fast (Rust) version; prepare needs its offsets")
+    if template_handles_reasoning(tokenizer) and params.reasoning is None:
+        raise ParamsError(
+            f"prepare.reasoning is unset, but the chat template of {getattr(tokenizer, 'name_or_path', 'the verifier')}"
+            " handles reasoning (<think> blocks); set prepare.reasoning: keep (train on the thinking tokens as well) "
+            "or strip (answers only, rendered and regenerated with thinking off)"
+        )
+    chat_kwargs = chat_template_kwargs(params.reasoning)
     started = time.perf_counter()
     conversations, picks = pick_conversations(params, prompt_writer)
+    if params.reasoning == "strip":
+        conversations = [Conversation(c.origin, without_reasoning(c.messages)) for c in conversations]
     prompt_stats = picks.prompts
     regeneration = None
     if regenerator is not None:
@@ -245,30 +289,37 @@ def prepare_dataset(params: PrepareParams, tokenizer: Any, out_dir: Path, metric
                          for c, m in zip(conversations, regenerated, strict=True)]
     dropped: Counter[str] = Counter({reason: 0 for reason in DROP_REASONS})
     dropped["no_assistant_turn"] = picks.no_reply
-    kept: list[tuple[PreparedRow, Conversation]] = []
+    kept: list[tuple[list[PreparedRow], Conversation]] = []
     rendered = 0
     for conversation in tqdm(conversations, desc="prepare", unit="conv"):
         rendered += 1
-        row = render_with_loss_mask(tokenizer, conversation.messages, params.max_len, eot_ids)
-        if sum(row.loss_mask) == 0:
+        rows_of_conversation = [row for row in render_rows(tokenizer, conversation.messages, params.max_len, eot_ids,
+                                                           chat_kwargs) if sum(row.loss_mask) > 0]
+        if not rows_of_conversation:
             dropped["no_assistant_tokens_after_truncation"] += 1
             continue
-        kept.append((row, conversation))
+        kept.append((rows_of_conversation, conversation))
 
     if len(kept) < 2:
         raise EaglenestError(
             f"prepare kept {len(kept)} of {rendered} conversations from {names}; need at least 2 "
             f"(one train, one validation). Dropped: {dict(dropped)}"
         )
-    train_rows = _train_rows(len(kept), params.val_fraction)
-    rows = [row for row, _ in kept]
-    prompts = [{"messages": first_user_turn(conv.messages), "origin": conv.origin} for _, conv in kept[train_rows:]]
-    write_prepared(out_dir, [r.input_ids for r in rows], [r.loss_mask for r in rows], train_rows, prompts)
+    # Split by conversation: the rows of one conversation (one per reply, for templates that rewrite history)
+    # must not land on both sides.
+    train_conversations = _train_rows(len(kept), params.val_fraction)
+    rows = [row for rows_of_conversation, _ in kept for row in rows_of_conversation]
+    train_rows = sum(len(rows_of_conversation) for rows_of_conversation, _ in kept[:train_conversations])
+    prompts = [{"messages": first_user_turn(conv.messages), "origin": conv.origin}
+               for _, conv in kept[train_conversations:]]
+    write_prepared(out_dir, [r.input_ids for r in rows], [r.loss_mask for r in rows], train_rows, prompts,
+                   chat_kwargs)
     metrics = {
         "records_read": picks.records_read,
         "conversations_rendered": rendered,
         "picked_per_source": picks.per_source,
-        "kept": len(rows),
+        "kept": len(kept),
+        "rows": len(rows),
         "train_rows": train_rows,
         "val_rows": len(rows) - train_rows,
         "dropped": dict(dropped),
@@ -308,10 +359,19 @@ def _token_counts(input_ids: list[list[int]], loss_mask: list[list[int]]) -> dic
 
 
 def write_prepared(out_dir: Path, input_ids: list[list[int]], loss_mask: list[list[int]], train_rows: int,
-                   val_prompts: list[dict[str, Any]]) -> None:
-    """Writes the prepared dataset (speculators' schema, torch format), split.json and val_prompts.jsonl."""
+                   val_prompts: list[dict[str, Any]], chat_kwargs: dict[str, Any] | None = None) -> None:
+    """Writes the prepared dataset (speculators' schema, torch format), split.json and val_prompts.jsonl, and
+    the chat-template arguments when there are any."""
     with atomic_directory(out_dir) as tmp:
         write_prepared_into(tmp, input_ids, loss_mask, train_rows, val_prompts)
+        if chat_kwargs:
+            atomic_write_json(tmp / CHAT_FILE, chat_kwargs)
+
+
+def load_chat_kwargs(prepared_dir: Path) -> dict[str, Any]:
+    """The chat-template arguments prepare rendered with (``prepare.reasoning``), or none."""
+    path = Path(prepared_dir) / CHAT_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def write_prepared_into(directory: Path, input_ids: list[list[int]], loss_mask: list[list[int]], train_rows: int,

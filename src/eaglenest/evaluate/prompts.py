@@ -9,10 +9,11 @@ from typing import Any
 
 from eaglenest.errors import InputFileError
 from eaglenest.params import EvaluateParams
-from eaglenest.prepare import VAL_PROMPTS_FILE, load_split
+from eaglenest.prepare import VAL_PROMPTS_FILE, load_chat_kwargs, load_split
 
 
-def load_prompts(source: Path, num_prompts: int, tokenizer: Any, param: str = "evaluate.prompts"
+def load_prompts(source: Path, num_prompts: int, tokenizer: Any, param: str = "evaluate.prompts",
+                 chat_kwargs: dict[str, Any] | None = None
                  ) -> list[dict[str, Any]]:
     """The first ``num_prompts`` records of a prompts file, each ``{"messages", "token_ids"}``: the messages
     (a bare ``prompt`` becomes one user message) and their chat-template rendering with the generation prompt."""
@@ -38,7 +39,8 @@ def load_prompts(source: Path, num_prompts: int, tokenizer: Any, param: str = "e
             raise InputFileError(
                 f"{source}: line {line_no}: expected {{'messages': [...]}} or {{'prompt': '...'}}"
             )
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                             **(chat_kwargs or {}))
         prompts.append({"messages": messages, "token_ids": tokenizer(text, add_special_tokens=False)["input_ids"]})
         if len(prompts) == num_prompts:
             break
@@ -51,9 +53,12 @@ def load_prompt_sets(params: EvaluateParams, prepared_dir: Path, tokenizer: Any)
     """Token ids of each evaluation set: ``val`` (held-out conversations, or evaluate.prompts) and, with
     evaluate.general_prompts, ``general``, which must share no prompt with the training rows."""
     val_source = Path(params.prompts) if params.prompts else prepared_dir / VAL_PROMPTS_FILE
-    sets = {"val": load_prompts(val_source, params.num_prompts, tokenizer)}
+    # Prompts are rendered as training rendered its conversations (prepare.reasoning's thinking switch).
+    chat_kwargs = load_chat_kwargs(prepared_dir)
+    sets = {"val": load_prompts(val_source, params.num_prompts, tokenizer, chat_kwargs=chat_kwargs)}
     if params.general_prompts:
-        general = load_prompts(Path(params.general_prompts), params.num_prompts, tokenizer, "evaluate.general_prompts")
+        general = load_prompts(Path(params.general_prompts), params.num_prompts, tokenizer, "evaluate.general_prompts",
+                               chat_kwargs)
         check_disjoint(general, prepared_dir, tokenizer, f"evaluate.general_prompts ({params.general_prompts})")
         sets["general"] = general
     return {name: [p["token_ids"] for p in prompts] for name, prompts in sets.items()}

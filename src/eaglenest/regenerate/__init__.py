@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from eaglenest.atomic import atomic_write_json
+from eaglenest.chat import chat_template_kwargs, strip_reasoning
 from eaglenest.params import PrepareParams
 from eaglenest.regenerate.job import GeneratorJob, ReplyBackend, ReplyGenerator, Sampling
 from eaglenest.registry import Registry
@@ -61,12 +62,17 @@ def cache_key(messages: list[dict[str, str]], fingerprint: str, temperature: flo
 
 def regenerate(conversations: list[list[dict[str, str]]], generate_replies: ReplyGenerator | None, tokenizer: Any, *,
                fingerprint: str, temperature: float, max_new_tokens: int, max_len: int, batch_size: int, seed: int,
-               generator: str = "hf-float32", cache_dir: Path = CACHE_ROOT
+               generator: str = "hf-float32", cache_dir: Path = CACHE_ROOT, reasoning: str | None = None
                ) -> tuple[list[list[dict[str, str]]], RegenerationStats]:
     """The conversations with every assistant turn (after the first message) rewritten by the verifier.
 
-    ``generate_replies`` may be None when every conversation is already cached.
+    ``generate_replies`` may be None when every conversation is already cached. ``reasoning`` is
+    ``prepare.reasoning``: prompts are rendered with its chat-template switch (thinking on for ``keep``, off
+    for ``strip``), and with ``strip`` any thinking the verifier wrote anyway is removed from its reply.
     """
+    chat_kwargs = chat_template_kwargs(reasoning)
+    if reasoning is not None:  # replies with and without thinking must never share a cache entry
+        generator = f"{generator}-reasoning-{reasoning}"
     stats = RegenerationStats()
     started = time.perf_counter()
     results: list[list[dict[str, str]] | None] = [None] * len(conversations)
@@ -92,7 +98,8 @@ def regenerate(conversations: list[list[dict[str, str]]], generate_replies: Repl
             rows = [b for b, h in enumerate(histories) if turn < len(h) and h[turn]["role"] == "assistant"]
             prompts = []
             for b in rows:
-                text = tokenizer.apply_chat_template(histories[b][:turn], tokenize=False, add_generation_prompt=True)
+                text = tokenizer.apply_chat_template(histories[b][:turn], tokenize=False, add_generation_prompt=True,
+                                                     **chat_kwargs)
                 prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
             # A turn whose context already fills max_len would be truncated away: keep it as it is.
             pairs = [(b, p) for b, p in zip(rows, prompts, strict=True) if len(p) < max_len]
@@ -102,7 +109,9 @@ def regenerate(conversations: list[list[dict[str, str]]], generate_replies: Repl
             for (b, _), reply in zip(pairs, replies, strict=True):
                 stats.turns += 1
                 stats.tokens += len(reply)
-                histories[b][turn]["content"] = tokenizer.decode(reply, skip_special_tokens=True).strip()
+                text = tokenizer.decode(reply, skip_special_tokens=True).strip()
+                histories[b][turn]["content"] = strip_reasoning(text) if reasoning == "strip" else text
+                histories[b][turn].pop("reasoning_content", None)  # the data set's thinking, not the verifier's
         for i, history in zip(batch, histories, strict=True):
             results[i] = history
             atomic_write_json(cache_dir / f"{keys[i]}.json", history)
@@ -164,6 +173,6 @@ def verifier_generator(params: PrepareParams, info: VerifierInfo, model_dir: Pat
         return regenerate(conversations, generate_replies, tokenizer, fingerprint=info.fingerprint,
                           temperature=params.regenerate_temperature, max_new_tokens=params.regenerate_max_new_tokens,
                           max_len=params.max_len, batch_size=params.regenerate_batch_size, seed=params.seed,
-                          generator=generator)
+                          generator=generator, reasoning=params.reasoning)
 
     return VerifierGenerator(generate=generate_replies, name=generator, regenerate=run)
