@@ -73,10 +73,12 @@ def dvc(args: list[str], repo: Path, check: bool = True, env: dict[str, str] | N
 TEXTS = ["hello there", "what is the capital of France?", "the weather is nice", "I am fine thanks and you"]
 
 
-def pipeline_until_prepare(tmp: Path, model_dir: Path, rows: int = 10) -> tuple[Path, Path]:
+def pipeline_until_prepare(tmp: Path, model_dir: Path, rows: int = 10, trust_remote_code: bool = False
+                           ) -> tuple[Path, Path]:
     """Runs the verifier and prepare stages' code on a tiny model and synthetic chats of varied length."""
     verifier_dir = tmp / "models" / "verifier"
-    build_verifier(VerifierParams(model=str(model_dir), aux_layers=[1, 3, 5]), verifier_dir)
+    build_verifier(VerifierParams(model=str(model_dir), aux_layers=[1, 3, 5], trust_remote_code=trust_remote_code),
+                   verifier_dir)
     records = []
     for i in range(rows):
         user = " ".join(TEXTS[: 1 + i % 4])

@@ -344,3 +344,19 @@ def load_tokenizer(verifier_dir: Path) -> Any:
             "the verifier's own template, so use an instruct/chat model"
         )
     return tokenizer
+
+
+def register_remote_config(model_dir: Path) -> None:
+    """Makes a remote-code verifier's config class known to transformers' AutoConfig.
+
+    speculators 0.9's ``Eagle3DraftModel.load_verifier_weights`` (run when a draft is built and when one is
+    loaded) reads the verifier's config with ``AutoConfig.from_pretrained(path)`` and no
+    ``trust_remote_code``, so a verifier whose model type only its own code defines stops it. Callers load the
+    class here, only with ``verifier.trust_remote_code: true``, and it is registered under its model type.
+    """
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=True)
+    if config.model_type not in CONFIG_MAPPING:
+        AutoConfig.register(config.model_type, type(config), exist_ok=True)

@@ -21,13 +21,16 @@ from eaglenest.evaluate.job import EvaluationJob, Timed, set_metrics
 from eaglenest.evaluate.speculative import EagleDrafter, VerifierRunner, speculative_decode
 from eaglenest.hidden_states import read_header
 from eaglenest.params import EvaluateParams
-from eaglenest.verifier import load_tokenizer, load_verifier_info
+from eaglenest.verifier import load_tokenizer, load_verifier_info, register_remote_config
 
 
-def load_draft(draft_dir: Path, model_dir: Path) -> Any:
+def load_draft(draft_dir: Path, model_dir: Path, trust_remote_code: bool = False) -> Any:
     """The trained draft, with its verifier pointed at the local weights (the recorded name is a server's)."""
     from speculators import SpeculatorModelConfig
     from speculators.models.eagle3 import Eagle3DraftModel
+
+    if trust_remote_code:
+        register_remote_config(model_dir)
 
     try:
         config = SpeculatorModelConfig.from_pretrained(str(draft_dir))
@@ -78,7 +81,7 @@ def evaluate_draft_hf(job: EvaluationJob) -> dict[str, dict[str, Any]]:
     params, verifier_dir, draft_dir = job.params, job.verifier_dir, job.draft_dir
     info, model_dir = load_verifier_info(verifier_dir)
     tokenizer = load_tokenizer(verifier_dir)
-    draft = load_draft(draft_dir, model_dir)
+    draft = load_draft(draft_dir, model_dir, info.trust_remote_code)
     k = params.num_speculative_tokens or int(
         draft.config.speculators_config.proposal_methods[0].speculative_tokens)
     verifier_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,

@@ -12,7 +12,7 @@ import torch
 
 from eaglenest.atomic import atomic_directory
 from eaglenest.params import TrainParams
-from eaglenest.verifier import VerifierInfo
+from eaglenest.verifier import VerifierInfo, register_remote_config
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,8 @@ def build_draft(verifier: VerifierInfo, model_dir: Path, params: TrainParams, dr
         full_attention_indices=list(range(params.num_layers)),  # plain causal attention, as vLLM serves it
         trust_remote_code=verifier.trust_remote_code,
     )
+    if verifier.trust_remote_code:
+        register_remote_config(model_dir)
     torch.manual_seed(params.seed)
     return Eagle3DraftModel.from_training_args(
         verifier_config=layer_config, t2d=t2d, d2t=d2t, draft_vocab_size=draft_vocab_size,

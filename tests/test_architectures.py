@@ -1,0 +1,167 @@
+"""The verifiers people train drafts for, end to end on CPU: tiny random DeepSeek-V3 (MoE + multi-head latent
+attention), Qwen3 and Qwen3-MoE verifiers built from transformers' own classes go through prepare, extract
+(hf), convert, train and evaluate (hf); the stored slots are the verifier's own hidden states, and greedy
+speculative decoding is lossless."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eaglenest.convert import convert
+from eaglenest.extract import extract_hidden_states
+from eaglenest.hidden_states import hs_path
+from eaglenest.params import ConvertParams, ExtractParams, TrainParams
+from eaglenest.train import TrainInputs, train_draft
+
+from .conftest import build_tiny_tokenizer
+from .helpers import REPO, pipeline_until_prepare, run_evaluate
+
+NUM_LAYERS = 6
+AUX_LAYERS = [1, 3, 5]  # pipeline_until_prepare's; the last slot is layer 6, before the final norm
+
+
+def tiny_config(arch: str, vocab_size: int, eos: int, pad: int):
+    """A tiny config of ``arch`` from transformers' own classes (MoE layers and MLA where the family has them)."""
+    from transformers import DeepseekV3Config, Qwen3Config, Qwen3MoeConfig
+
+    common = {"vocab_size": vocab_size, "hidden_size": 32, "num_hidden_layers": NUM_LAYERS, "num_attention_heads": 4,
+              "max_position_embeddings": 512, "eos_token_id": eos, "pad_token_id": pad, "tie_word_embeddings": False}
+    if arch == "deepseek_v3":
+        return DeepseekV3Config(**common, num_key_value_heads=4, intermediate_size=64, moe_intermediate_size=16,
+                                n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                                n_group=1, topk_group=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+                                qk_nope_head_dim=8, v_head_dim=8)
+    if arch == "qwen3":
+        return Qwen3Config(**common, num_key_value_heads=2, head_dim=8, intermediate_size=64)
+    return Qwen3MoeConfig(**common, num_key_value_heads=2, head_dim=8, intermediate_size=64, moe_intermediate_size=16,
+                          num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[])
+
+
+def build_verifier_folder(path: Path, arch: str) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = build_tiny_tokenizer()
+    config = tiny_config(arch, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    assert model.config.model_type == arch
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3", "qwen3_moe"])
+def test_verifier_family_end_to_end(tmp_path: Path, arch: str):
+    from transformers import AutoModelForCausalLM
+
+    model_dir = build_verifier_folder(tmp_path / "verifier-weights", arch)
+    verifier, prepared = pipeline_until_prepare(tmp_path, model_dir, rows=12)
+    hs = tmp_path / "data" / "hidden_states"
+    extract_hidden_states(ExtractParams(dtype="float32"), verifier, prepared, hs, tmp_path / "extract.json")
+
+    # The stored slots are transformers' own hidden states: after layers 1, 3 and 5, and after layer 6 before
+    # the final norm (transformers' last entry is after it).
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    stored = load_file(hs_path(hs, 0))
+    with torch.no_grad():
+        output = model(input_ids=stored["token_ids"][None], output_hidden_states=True)
+        slots = stored["hidden_states"]  # [seq, 4, hidden]
+        for slot, layer in enumerate(AUX_LAYERS):
+            torch.testing.assert_close(slots[:, slot], output.hidden_states[layer][0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(model.model.norm(slots[:, -1]), output.hidden_states[NUM_LAYERS][0],
+                                   rtol=1e-4, atol=1e-5)
+
+    convert(ConvertParams(draft_vocab_size=64), "float32", verifier, prepared, hs, tmp_path / "data" / "vocab",
+            tmp_path / "data.json")
+    metrics = train_draft(TrainParams(steps=4, eval_every=2, total_seq_len=256, warmup_steps=1),
+                          TrainInputs(verifier=verifier, prepared=prepared, hidden_states=hs,
+                                      vocab=tmp_path / "data" / "vocab", out=tmp_path / "models" / "draft",
+                                      metrics=tmp_path / "train.json", live_dir=tmp_path / "dvclive",
+                                      checkpoints=tmp_path / "checkpoints"))
+    assert metrics["steps"] == 4 and torch.isfinite(torch.tensor(metrics["val_loss"]))
+    draft_config = json.loads((tmp_path / "models" / "draft" / "config.json").read_text())
+    assert draft_config["speculators_model_type"] == "eagle3"
+    assert draft_config["transformer_layer_config"]["hidden_size"] == 32
+
+    shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
+    result, evaluation = run_evaluate(tmp_path, tmp_path / "eval", backend="hf", num_prompts=2, max_new_tokens=8)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert evaluation["lossless_fraction"] == 1.0
+    assert evaluation["tau"] >= 1.0
+
+
+CONFIGURATION_CODE = '''from transformers import LlamaConfig
+
+
+class EaglenestCustomConfig(LlamaConfig):
+    model_type = "eaglenest_custom"
+'''
+
+MODELING_CODE = '''from transformers import LlamaForCausalLM, LlamaModel
+
+from .configuration_custom import EaglenestCustomConfig
+
+
+class EaglenestCustomModel(LlamaModel):
+    config_class = EaglenestCustomConfig
+
+
+class EaglenestCustomForCausalLM(LlamaForCausalLM):
+    config_class = EaglenestCustomConfig
+'''
+
+
+def build_remote_code_verifier(path: Path) -> Path:
+    """A verifier whose model type transformers does not know: its classes are Python files in the folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_tiny_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=NUM_LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    (path / "configuration_custom.py").write_text(CONFIGURATION_CODE)
+    (path / "modeling_custom.py").write_text(MODELING_CODE)
+    raw = json.loads((path / "config.json").read_text())
+    raw.update({"model_type": "eaglenest_custom", "architectures": ["EaglenestCustomForCausalLM"],
+                "auto_map": {"AutoConfig": "configuration_custom.EaglenestCustomConfig",
+                             "AutoModel": "modeling_custom.EaglenestCustomModel",
+                             "AutoModelForCausalLM": "modeling_custom.EaglenestCustomForCausalLM"}})
+    (path / "config.json").write_text(json.dumps(raw))
+    return path
+
+
+@pytest.mark.slow
+def test_a_remote_code_verifier_runs_only_with_trust_remote_code(tmp_path: Path):
+    from eaglenest.errors import ParamsError
+    from eaglenest.params import VerifierParams
+    from eaglenest.verifier import build_verifier
+
+    model_dir = build_remote_code_verifier(tmp_path / "custom")
+    with pytest.raises(ParamsError, match=r"needs its own Python code.*verifier.trust_remote_code: true"):
+        build_verifier(VerifierParams(model=str(model_dir), aux_layers=AUX_LAYERS), tmp_path / "refused")
+
+    verifier, prepared = pipeline_until_prepare(tmp_path, model_dir, rows=12, trust_remote_code=True)
+    assert json.loads((verifier / "verifier.json").read_text())["model_type"] == "eaglenest_custom"
+    hs = tmp_path / "data" / "hidden_states"
+    extract_hidden_states(ExtractParams(), verifier, prepared, hs, tmp_path / "extract.json")
+    convert(ConvertParams(draft_vocab_size=64), "bfloat16", verifier, prepared, hs, tmp_path / "data" / "vocab",
+            tmp_path / "data.json")
+    train_draft(TrainParams(steps=2, eval_every=2, total_seq_len=256),
+                TrainInputs(verifier=verifier, prepared=prepared, hidden_states=hs, vocab=tmp_path / "data" / "vocab",
+                            out=tmp_path / "models" / "draft", metrics=tmp_path / "train.json",
+                            live_dir=tmp_path / "dvclive", checkpoints=tmp_path / "checkpoints"))
+    shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
+    result, evaluation = run_evaluate(tmp_path, tmp_path / "eval", backend="hf", num_prompts=2, max_new_tokens=8)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert evaluation["lossless_fraction"] == 1.0
