@@ -80,7 +80,9 @@ def test_verifier_family_end_to_end(tmp_path: Path, arch: str):
 
     convert(ConvertParams(draft_vocab_size=64), "float32", verifier, prepared, hs, tmp_path / "data" / "vocab",
             tmp_path / "data.json")
-    metrics = train_draft(TrainParams(steps=4, eval_every=2, total_seq_len=256, warmup_steps=1),
+    # The Qwen3 verifier gets a draft of its own family's layer (train.draft_arch), the others a Llama layer.
+    draft_arch = "qwen3" if arch == "qwen3" else "llama"
+    metrics = train_draft(TrainParams(steps=4, eval_every=2, total_seq_len=256, warmup_steps=1, draft_arch=draft_arch),
                           TrainInputs(verifier=verifier, prepared=prepared, hidden_states=hs,
                                       vocab=tmp_path / "data" / "vocab", out=tmp_path / "models" / "draft",
                                       metrics=tmp_path / "train.json", live_dir=tmp_path / "dvclive",
@@ -89,6 +91,7 @@ def test_verifier_family_end_to_end(tmp_path: Path, arch: str):
     draft_config = json.loads((tmp_path / "models" / "draft" / "config.json").read_text())
     assert draft_config["speculators_model_type"] == "eagle3"
     assert draft_config["transformer_layer_config"]["hidden_size"] == 32
+    assert draft_config["transformer_layer_config"]["model_type"] == draft_arch
 
     shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
     result, evaluation = run_evaluate(tmp_path, tmp_path / "eval", backend="hf", num_prompts=2, max_new_tokens=8)

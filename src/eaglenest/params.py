@@ -361,6 +361,13 @@ class TrainParams(StrictModel):
     """``train:`` — the EAGLE-3 draft (speculators' Eagle3DraftModel), trained with training-time test."""
 
     num_layers: int = Field(default=1, ge=1, description="Draft decoder layers.")
+    draft_arch: Literal["llama", "qwen3"] = Field(
+        default="llama",
+        description="The draft's decoder layer: speculators 0.9 builds 'llama' and 'qwen3' (per-head q/k norms) "
+        "layers, and vLLM serves both (Eagle3LlamaForCausalLM, Eagle3Qwen3ForCausalLM). Either fits any verifier: "
+        "the draft takes the verifier's hidden size and vocabulary. No MLA (DeepSeek-V3-style) draft layer exists "
+        "in speculators 0.9 (docs/draft-architecture.md).",
+    )
     ttt_steps: int = Field(
         default=3, ge=1, description="Training-time-test unroll depth; also the draft's speculative_tokens."
     )
