@@ -70,12 +70,52 @@ def dvc(args: list[str], repo: Path, check: bool = True, env: dict[str, str] | N
     return run([str(VENV_BIN / "dvc"), *args], repo, env=env, check=check)
 
 
+# Chat templates written for the tiny tokenizer to behave as Qwen3's and Kimi-K2's are documented to: thinking
+# of earlier turns dropped (Qwen3: the reply alone; Kimi-K2: an empty think block), the reply after the last user
+# message keeps <think> (Qwen3 reads it from reasoning_content or the content, Kimi-K2 from reasoning_content),
+# and enable_thinking=False puts an empty think block into the generation prompt.
+QWEN3_LIKE = (
+    "{% set ns = namespace(last_query=-1) %}"
+    "{% for m in messages %}{% if m['role'] == 'user' %}{% set ns.last_query = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' %}"
+    "{% set content = m['content'] %}{% set reasoning = '' %}"
+    "{% if m.reasoning_content is defined and m.reasoning_content is not none %}"
+    "{% set reasoning = m.reasoning_content %}"
+    "{% elif '</think>' in content %}"
+    "{% set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\n') %}"
+    "{% set content = content.split('</think>')[-1].lstrip('\n') %}"
+    "{% endif %}"
+    "{% if loop.index0 > ns.last_query and (loop.last or reasoning) %}"
+    "<|assistant|>\n<think>\n{{ reasoning.strip('\n') }}\n</think>\n\n{{ content.lstrip('\n') }}<|end|>\n"
+    "{% else %}<|assistant|>\n{{ content }}<|end|>\n{% endif %}"
+    "{% else %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+KIMI_K2_LIKE = (
+    "{% set ns = namespace(last_query=-1) %}"
+    "{% for m in messages %}{% if m['role'] == 'user' %}{% set ns.last_query = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' %}<|assistant|>\n"
+    "{% if loop.index0 > ns.last_query %}<think>{{ m.reasoning_content or '' }}</think>"
+    "{% else %}<think></think>{% endif %}"
+    "{{ m['content'] }}<|end|>\n"
+    "{% else %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think></think>{% endif %}{% endif %}"
+)
+
 TEXTS = ["hello there", "what is the capital of France?", "the weather is nice", "I am fine thanks and you"]
 
 
-def pipeline_until_prepare(tmp: Path, model_dir: Path, rows: int = 10, trust_remote_code: bool = False
-                           ) -> tuple[Path, Path]:
-    """Runs the verifier and prepare stages' code on a tiny model and synthetic chats of varied length."""
+def pipeline_until_prepare(tmp: Path, model_dir: Path, rows: int = 10, trust_remote_code: bool = False,
+                           chat_template: str | None = None, reasoning: str | None = None) -> tuple[Path, Path]:
+    """Runs the verifier and prepare stages' code on a tiny model and synthetic chats of varied length (rendered
+    with ``chat_template`` instead of the tiny tokenizer's own, and ``prepare.reasoning``, when given)."""
     verifier_dir = tmp / "models" / "verifier"
     build_verifier(VerifierParams(model=str(model_dir), aux_layers=[1, 3, 5], trust_remote_code=trust_remote_code),
                    verifier_dir)
@@ -86,8 +126,11 @@ def pipeline_until_prepare(tmp: Path, model_dir: Path, rows: int = 10, trust_rem
                                      {"role": "assistant", "content": TEXTS[i % 4] * (1 + i % 3)}]})
     source = write_jsonl(tmp / "chats.jsonl", records)
     tokenizer = build_tiny_tokenizer()
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     prepared = tmp / "data" / "prepared"
-    prepare_dataset(PrepareParams(source=[str(source)], max_conversations=None, val_fraction=0.2), tokenizer,
+    prepare_dataset(PrepareParams(source=[str(source)], max_conversations=None, val_fraction=0.2, reasoning=reasoning),
+                    tokenizer,
                     prepared, tmp / "metrics" / "prepare.json", end_of_turn_ids(tokenizer))
     return verifier_dir, prepared
 

@@ -17,10 +17,11 @@ from eaglenest.convert import convert
 from eaglenest.extract import extract_hidden_states
 from eaglenest.hidden_states import hs_path
 from eaglenest.params import ConvertParams, ExtractParams, TrainParams
+from eaglenest.prepare import load_chat_kwargs
 from eaglenest.train import TrainInputs, train_draft
 
 from .conftest import build_tiny_tokenizer
-from .helpers import REPO, pipeline_until_prepare, run_evaluate
+from .helpers import QWEN3_LIKE, REPO, pipeline_until_prepare, run_evaluate
 
 NUM_LAYERS = 6
 AUX_LAYERS = [1, 3, 5]  # pipeline_until_prepare's; the last slot is layer 6, before the final norm
@@ -43,10 +44,12 @@ def tiny_config(arch: str, vocab_size: int, eos: int, pad: int):
                           num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[])
 
 
-def build_verifier_folder(path: Path, arch: str) -> Path:
+def build_verifier_folder(path: Path, arch: str, chat_template: str | None = None) -> Path:
     from transformers import AutoModelForCausalLM
 
     tokenizer = build_tiny_tokenizer()
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     config = tiny_config(arch, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
@@ -61,8 +64,13 @@ def build_verifier_folder(path: Path, arch: str) -> Path:
 def test_verifier_family_end_to_end(tmp_path: Path, arch: str):
     from transformers import AutoModelForCausalLM
 
-    model_dir = build_verifier_folder(tmp_path / "verifier-weights", arch)
-    verifier, prepared = pipeline_until_prepare(tmp_path, model_dir, rows=12)
+    # The Qwen3 verifier has a Qwen3-like reasoning template, trained on answers only (prepare.reasoning: strip):
+    # prepare, regeneration-free rendering and evaluate's prompts all carry the empty think block.
+    template, reasoning = (QWEN3_LIKE, "strip") if arch == "qwen3" else (None, None)
+    model_dir = build_verifier_folder(tmp_path / "verifier-weights", arch, template)
+    verifier, prepared = pipeline_until_prepare(tmp_path, model_dir, rows=12, chat_template=template,
+                                                reasoning=reasoning)
+    assert load_chat_kwargs(prepared) == ({"enable_thinking": False} if reasoning else {})
     hs = tmp_path / "data" / "hidden_states"
     extract_hidden_states(ExtractParams(dtype="float32"), verifier, prepared, hs, tmp_path / "extract.json")
 
@@ -168,3 +176,20 @@ def test_a_remote_code_verifier_runs_only_with_trust_remote_code(tmp_path: Path)
     result, evaluation = run_evaluate(tmp_path, tmp_path / "eval", backend="hf", num_prompts=2, max_new_tokens=8)
     assert result.returncode == 0, result.stderr[-3000:]
     assert evaluation["lossless_fraction"] == 1.0
+
+
+def test_a_verifier_whose_decoder_layers_cannot_be_located_is_one_line(tmp_path: Path):
+    """GPT-2 keeps its blocks in `.h` and its final norm in `.ln_f`: the hf back end cannot hook them."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from eaglenest.errors import EaglenestError
+
+    tokenizer = build_tiny_tokenizer()
+    model_dir = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=NUM_LAYERS, n_head=4,
+                               n_positions=512)).save_pretrained(model_dir, safe_serialization=True)
+    tokenizer.save_pretrained(model_dir)
+    verifier, prepared = pipeline_until_prepare(tmp_path, model_dir, rows=4)
+    with pytest.raises(EaglenestError, match=r"verifier .*gpt2 \(gpt2, GPT2Model\): no `.layers` list and final "
+                                             r"`.norm` .* fix: extract.backend: vllm"):
+        extract_hidden_states(ExtractParams(), verifier, prepared, tmp_path / "hs", tmp_path / "extract.json")

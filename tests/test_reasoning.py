@@ -22,42 +22,7 @@ from eaglenest.prepare import CHAT_FILE, load_chat_kwargs, load_split, prepare_d
 from eaglenest.regenerate import regenerate
 
 from .conftest import build_tiny_tokenizer, write_jsonl
-from .helpers import expected_from_pieces
-
-QWEN3_LIKE = (
-    "{% set ns = namespace(last_query=-1) %}"
-    "{% for m in messages %}{% if m['role'] == 'user' %}{% set ns.last_query = loop.index0 %}{% endif %}{% endfor %}"
-    "{% for m in messages %}"
-    "{% if m['role'] == 'assistant' %}"
-    "{% set content = m['content'] %}{% set reasoning = '' %}"
-    "{% if m.reasoning_content is defined and m.reasoning_content is not none %}"
-    "{% set reasoning = m.reasoning_content %}"
-    "{% elif '</think>' in content %}"
-    "{% set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\n') %}"
-    "{% set content = content.split('</think>')[-1].lstrip('\n') %}"
-    "{% endif %}"
-    "{% if loop.index0 > ns.last_query and (loop.last or reasoning) %}"
-    "<|assistant|>\n<think>\n{{ reasoning.strip('\n') }}\n</think>\n\n{{ content.lstrip('\n') }}<|end|>\n"
-    "{% else %}<|assistant|>\n{{ content }}<|end|>\n{% endif %}"
-    "{% else %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n"
-    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
-)
-
-KIMI_K2_LIKE = (
-    "{% set ns = namespace(last_query=-1) %}"
-    "{% for m in messages %}{% if m['role'] == 'user' %}{% set ns.last_query = loop.index0 %}{% endif %}{% endfor %}"
-    "{% for m in messages %}"
-    "{% if m['role'] == 'assistant' %}<|assistant|>\n"
-    "{% if loop.index0 > ns.last_query %}<think>{{ m.reasoning_content or '' }}</think>"
-    "{% else %}<think></think>{% endif %}"
-    "{{ m['content'] }}<|end|>\n"
-    "{% else %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n"
-    "{% if enable_thinking is defined and enable_thinking is false %}<think></think>{% endif %}{% endif %}"
-)
+from .helpers import KIMI_K2_LIKE, QWEN3_LIKE, expected_from_pieces
 
 # Thinking inline in the content (as Qwen3 writes it), and in reasoning_content (as Kimi-K2's API returns it).
 INLINE = [

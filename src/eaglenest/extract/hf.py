@@ -47,9 +47,14 @@ def decoder_parts(model: nn.Module) -> tuple[nn.ModuleList, nn.Module]:
         norm = getattr(candidate, "norm", None)
         if isinstance(layers, nn.ModuleList) and isinstance(norm, nn.Module):
             return layers, norm
+    config = getattr(model, "config", None)
+    name = getattr(config, "_name_or_path", "") or type(model).__name__
     raise EaglenestError(
-        f"cannot find decoder layers and a final norm in {type(model).__name__}; the hf extract back end "
-        "supports decoder-only models with `.layers` and `.norm` (Llama, Qwen, Mistral, ...)"
+        f"verifier {name} ({getattr(config, 'model_type', 'unknown model type')}, {type(model).__name__}): no "
+        "`.layers` list and final `.norm` where the hf back end looks for them (Llama, Qwen, Mistral, DeepSeek "
+        "and most decoder-only families have them), so its aux layers cannot be hooked; fix: extract.backend: "
+        "vllm (vLLM's own model classes expose their layers; with extract.store: files), or extract.backend: "
+        "import with hidden states another tool wrote"
     )
 
 
