@@ -193,3 +193,35 @@ def test_a_verifier_whose_decoder_layers_cannot_be_located_is_one_line(tmp_path:
     with pytest.raises(EaglenestError, match=r"verifier .*gpt2 \(gpt2, GPT2Model\): no `.layers` list and final "
                                              r"`.norm` .* fix: extract.backend: vllm"):
         extract_hidden_states(ExtractParams(), verifier, prepared, tmp_path / "hs", tmp_path / "extract.json")
+
+
+@pytest.mark.slow
+def test_deepseek_v3_with_a_reasoning_template_through_dvc_repro(tmp_path: Path):
+    """The issue's target in miniature, through the real `dvc repro`: an MoE + MLA verifier whose Kimi-K2-like
+    template drops earlier turns' thinking, conversations with reasoning_content, thinking kept."""
+    from .conftest import write_jsonl
+    from .helpers import KIMI_K2_LIKE, dvc, make_pipeline_repo
+
+    model = build_verifier_folder(tmp_path / "deepseek", "deepseek_v3", KIMI_K2_LIKE)
+    repo = make_pipeline_repo(tmp_path / "repo", {
+        "verifier": {"model": str(model), "aux_layers": AUX_LAYERS},
+        "prepare": {"source": ["data/conversations/chats.jsonl"], "max_conversations": None, "val_fraction": 0.25,
+                    "max_assistant_turns": None, "regenerate": False, "reasoning": "keep"},
+        "convert": {"draft_vocab_size": 64},
+        "train": {"steps": 2, "eval_every": 1, "total_seq_len": 256},
+        "evaluate": {"num_prompts": 1, "max_new_tokens": 4, "backend": "hf", "general_prompts": None},
+    })
+    records = [{"messages": [
+        {"role": "user", "content": f"hello there {i}"},
+        {"role": "assistant", "content": "I am fine thanks", "reasoning_content": "the weather is nice"},
+        {"role": "user", "content": "what is the capital of France?"},
+        {"role": "assistant", "content": "Paris is the capital.", "reasoning_content": f"numbers {i}"},
+    ]} for i in range(8)]
+    write_jsonl(repo / "data/conversations/chats.jsonl", records)
+
+    dvc(["repro"], repo)
+    prepared = json.loads((repo / "metrics/prepare.json").read_text())
+    assert (prepared["kept"], prepared["rows"], prepared["train_rows"]) == (8, 16, 12)  # one row per reply
+    assert json.loads((repo / "metrics/eval.json").read_text())["lossless_fraction"] == 1.0
+    again = dvc(["repro"], repo)
+    assert "Running stage" not in again.stdout
