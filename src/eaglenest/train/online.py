@@ -7,9 +7,10 @@ on the final norm's input), on the training device. Everything downstream (``Arr
 ``shift_batch``, the draft) is unchanged.
 
 Equivalence with stored training: each row's hidden states are rounded to the manifest's ``dtype`` (bf16, or
-fp8 with per-token scales) exactly as the extract stage would store them, and dequantized by speculators' own
-``FP8Transfer`` code. What remains different is the batching of the verifier's forward (the rows of one packed
-training batch here, length-sorted batches in extract), which moves fp32 results by rounding error only.
+fp8 with per-token scales) exactly as the extract stage would store them, and dequantized by the function
+speculators' ``FP8Transfer`` uses for stored files. What remains different is the batching of the verifier's
+forward (the rows of one packed training batch here, length-sorted batches in extract), which moves fp32
+results by rounding error only.
 """
 
 from __future__ import annotations
@@ -21,12 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hs_connectors import FP8Transfer
+from hs_connectors.fp8_utils import dequantize_fp8_tensor
 from hs_connectors.transfer import HiddenStatesTransfer
 
 from eaglenest.errors import EaglenestError
 from eaglenest.extract.hf import capture_residual_stream, hidden_states_of_rows, load_decoder
-from eaglenest.hidden_states import HIDDEN_KEY, TOKENS_KEY, encode_hidden_states, read_header
+from eaglenest.hidden_states import HIDDEN_KEY, SCALES_KEY, TOKENS_KEY, encode_hidden_states, read_header
 from eaglenest.verifier import VerifierInfo
 
 log = logging.getLogger(__name__)
@@ -95,8 +96,7 @@ class OnlineTransfer(HiddenStatesTransfer):
         self._hooks = ExitStack()
         self._captured = self._hooks.enter_context(capture_residual_stream(self.model, verifier.layer_ids))
         self._ready: dict[int, dict[str, torch.Tensor]] = {}
-        # speculators' FP8Transfer dequantizes exactly as it does for stored fp8 files (a no-op for bf16/fp32).
-        self._dequantizer = FP8Transfer(Path("."), dequantize_dtype=dequantize_dtype)
+        self.dequantize_dtype = dequantize_dtype
 
     def compute(self, rows: list[int]) -> None:
         """One decoder forward over ``rows``, each kept as the extract stage would store it."""
@@ -118,8 +118,11 @@ class OnlineTransfer(HiddenStatesTransfer):
     def get_cached(self, file_idx: int) -> dict[str, torch.Tensor]:
         """Row ``file_idx``'s ``{"hidden_states": [seq, slots, hidden], "token_ids": [seq]}``."""
         self.compute([file_idx])
-        sample = self._dequantizer._dequantize(self._ready.pop(file_idx))  # speculators' own fp8 path
-        return {HIDDEN_KEY: sample[HIDDEN_KEY], TOKENS_KEY: sample[TOKENS_KEY]}
+        sample = self._ready.pop(file_idx)
+        hidden = sample[HIDDEN_KEY]
+        if SCALES_KEY in sample:  # what speculators' FP8Transfer does with a stored fp8 file
+            hidden = dequantize_fp8_tensor(hidden, sample[SCALES_KEY], dtype=self.dequantize_dtype)
+        return {HIDDEN_KEY: hidden, TOKENS_KEY: sample[TOKENS_KEY]}
 
     def get_generated(self, hs_transfer_params: dict[str, Any]) -> None:
         """Part of speculators' transfer interface; never called (every row is "cached")."""
