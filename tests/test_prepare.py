@@ -16,7 +16,7 @@ from eaglenest.prepare import (
     first_user_turn,
     load_split,
     prepare_dataset,
-    render_with_loss_mask,
+    render_rows,
 )
 
 from .conftest import write_jsonl
@@ -52,7 +52,7 @@ def chatml_pieces(messages, default_system: str | None):
 
 
 def test_tiny_template_mask_token_by_token(tiny_tokenizer):
-    row = render_with_loss_mask(tiny_tokenizer, CONVERSATION, 10_000, end_of_turn_ids(tiny_tokenizer))
+    (row,) = render_rows(tiny_tokenizer, CONVERSATION, 10_000, end_of_turn_ids(tiny_tokenizer))
     ids, mask = expected_from_pieces(tiny_tokenizer, tiny_pieces(CONVERSATION))
     assert row.input_ids == ids
     assert row.loss_mask == mask
@@ -61,7 +61,7 @@ def test_tiny_template_mask_token_by_token(tiny_tokenizer):
 
 def test_smollm2_mask_token_by_token(smollm2_tokenizer):
     messages = CONVERSATION[1:]  # no system turn: SmolLM2's template inserts its default one
-    row = render_with_loss_mask(smollm2_tokenizer, messages, 10_000, end_of_turn_ids(smollm2_tokenizer))
+    (row,) = render_rows(smollm2_tokenizer, messages, 10_000, end_of_turn_ids(smollm2_tokenizer))
     default_system = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
     ids, mask = expected_from_pieces(smollm2_tokenizer, chatml_pieces(messages, default_system))
     assert row.input_ids == ids
@@ -74,13 +74,13 @@ def test_smollm2_mask_matches_generation_prompt(smollm2_tokenizer):
     """The first masked token is exactly where the verifier starts generating."""
     prompt = smollm2_tokenizer.apply_chat_template(CONVERSATION[:2], add_generation_prompt=True, tokenize=False)
     prompt_ids = smollm2_tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    row = render_with_loss_mask(smollm2_tokenizer, CONVERSATION[:3], 10_000, end_of_turn_ids(smollm2_tokenizer))
+    (row,) = render_rows(smollm2_tokenizer, CONVERSATION[:3], 10_000, end_of_turn_ids(smollm2_tokenizer))
     assert row.input_ids[: len(prompt_ids)] == prompt_ids
     assert row.loss_mask.index(1) == len(prompt_ids)
 
 
 def test_truncation(tiny_tokenizer):
-    row = render_with_loss_mask(tiny_tokenizer, CONVERSATION, 12, end_of_turn_ids(tiny_tokenizer))
+    (row,) = render_rows(tiny_tokenizer, CONVERSATION, 12, end_of_turn_ids(tiny_tokenizer))
     assert len(row.input_ids) == 12 and len(row.loss_mask) == 12 and row.truncated
 
 
@@ -94,7 +94,7 @@ def test_history_rewriting_template_is_refused(tiny_tokenizer):
     tiny_tokenizer.chat_template = rewriting
     try:
         with pytest.raises(TemplateError, match=r"chat template cannot be rendered per turn: messages\[:2\] .*fix: "):
-            render_with_loss_mask(tiny_tokenizer, CONVERSATION, 10_000, end_of_turn_ids(tiny_tokenizer))
+            render_rows(tiny_tokenizer, CONVERSATION, 10_000, end_of_turn_ids(tiny_tokenizer))
     finally:
         tiny_tokenizer.chat_template = original
 

@@ -136,15 +136,6 @@ def render_rows(tokenizer: Any, messages: list[dict[str, str]], max_len: int, eo
     return [_tokens_with_mask(tokenizer, through, [(a, b)], max_len, eot_ids) for through, a, b in turns]
 
 
-def render_with_loss_mask(tokenizer: Any, messages: list[dict[str, str]], max_len: int,
-                          eot_ids: set[int]) -> PreparedRow:
-    """The single row of a conversation whose template renders history unchanged (see :func:`render_rows`)."""
-    rows = render_rows(tokenizer, messages, max_len, eot_ids)
-    if len(rows) != 1:
-        raise TemplateError(f"the conversation renders as {len(rows)} rows (its template rewrites history)")
-    return rows[0]
-
-
 def first_user_turn(messages: list[dict[str, str]]) -> list[dict[str, str]]:
     """The conversation up to and including its first user message (an evaluation prompt)."""
     for i, message in enumerate(messages):

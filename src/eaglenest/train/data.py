@@ -72,7 +72,8 @@ def load_training_data(params: TrainParams, verifier: VerifierInfo, prepared: Pa
     from speculators.train.data import ArrowDataset, CollateFn
 
     rows = json.loads((vocab / ROWS_FILE).read_text())
-    lengths = load_from_disk(str(prepared)).data.column("seq_len").to_pylist()
+    table = load_from_disk(str(prepared)).data
+    lengths = table.column("seq_len").to_pylist()
     too_long = [row for row in rows["train"] + rows["val"] if lengths[row] > params.total_seq_len]
     if too_long:
         raise EaglenestError(
@@ -84,7 +85,7 @@ def load_training_data(params: TrainParams, verifier: VerifierInfo, prepared: Pa
     if (hidden_states / MANIFEST_FILE).is_file():
         if model_dir is None or device is None:
             raise EaglenestError(f"{hidden_states} is an online extraction: its hidden states need the verifier")
-        input_ids = load_from_disk(str(prepared)).data.column("input_ids").to_pylist()
+        input_ids = table.column("input_ids").to_pylist()
         manifest = read_online_manifest(hidden_states, verifier, input_ids)
         online = OnlineTransfer(model_dir, verifier, input_ids, str(manifest["dtype"]), device, hs_dtype)
         transfer: Any = online
