@@ -132,7 +132,8 @@ def test_two_nodes_joined_by_torchrun_rendezvous_train_as_one_process(tmp_path: 
     paths = ["--verifier", str(tmp_path / "verifier"), "--prepared", str(tmp_path / "prepared"),
              "--hidden-states", str(tmp_path / "hs"), "--vocab", str(tmp_path / "vocab"), "--out", "draft",
              "--metrics", "train.json", "--live", "dvclive"]
-    train = {"steps": 3, "eval_every": 3, "lr": 3e-3, "warmup_steps": 0}
+    # float32: bf16 rounds differently for different batch shapes, and this checks the arithmetic is the same.
+    train = {"steps": 3, "eval_every": 3, "lr": 3e-3, "warmup_steps": 0, "precision": "float32"}
     one, two = tmp_path / "one", tmp_path / "two"
     for run, seq_len in ((one, 192), (two, 96)):
         run.mkdir()

@@ -179,6 +179,7 @@ def train_draft(params: TrainParams, inputs: TrainInputs) -> dict[str, Any]:
             "tokens_per_s": round(trained_tokens / step_seconds, 1) if trained_tokens else None,
             "seconds": round(seconds, 3),
             "device": device.type,
+            "precision": runtime.precision,
             "processes": dist.world_size,
             "hidden_states": "online" if data.online is not None else "files",
             "train_rows": len(rows["train"]),

@@ -17,20 +17,23 @@ from eaglenest.verifier import VerifierInfo, register_remote_config
 
 @dataclass(frozen=True)
 class Runtime:
-    """How the draft runs on this device: fp32 with ``sdpa`` attention and the eager loss on CPU (speculators'
-    fused losses need Triton), bf16 autocast with flex attention and the fused loss on GPU.
+    """How the draft runs on this device: ``sdpa`` attention and the eager loss on CPU (speculators' fused
+    losses need Triton), flex attention and the fused loss on GPU; bf16 autocast where the device computes
+    bf16 natively (``train.precision``).
 
     Attributes:
         device: Where the model and batches live.
         attention: The draft's attention implementation.
         hs_dtype: The dtype hidden states are loaded in.
+        precision: The compute dtype autocast runs the draft in ("float32" or "bfloat16").
         forward_kwargs: What every forward of the draft gets (TTT steps, loss decay, loss config).
-        autocast: A fresh autocast context for one forward (a no-op on CPU).
+        autocast: A fresh autocast context for one forward (disabled in float32).
     """
 
     device: torch.device
     attention: str
     hs_dtype: torch.dtype
+    precision: str
     forward_kwargs: dict[str, Any]
     autocast: Callable[[], AbstractContextManager[Any]]
 
@@ -42,14 +45,24 @@ def draft_runtime(params: TrainParams, device: torch.device) -> Runtime:
     cuda = device.type == "cuda"
     attention = params.attention if params.attention != "auto" else ("simple_flex_attention" if cuda else "sdpa")
     loss_config = resolve_loss_config(params.loss, "fused" if cuda else "eager")
+    precision = params.precision if params.precision != "auto" else (
+        "bfloat16" if cuda or cpu_has_native_bf16() else "float32")
+    bf16 = precision == "bfloat16"
 
     def autocast() -> AbstractContextManager[Any]:
-        return torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
+        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
 
     return Runtime(device=device, attention=attention, hs_dtype=torch.bfloat16 if cuda else torch.float32,
+                   precision=precision,
                    forward_kwargs={"ttt_steps": params.ttt_steps, "ttt_step_loss_decay": params.ttt_step_loss_decay,
                                    "loss_config": loss_config},
                    autocast=autocast)
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX). Elsewhere oneDNN emulates bf16 and
+    autocast would be slower than float32, so ``train.precision: auto`` keeps float32 there."""
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 def build_draft(verifier: VerifierInfo, model_dir: Path, params: TrainParams, draft_vocab_size: int,
