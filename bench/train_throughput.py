@@ -1,6 +1,6 @@
 """Benchmark (run by hand): training tokens/s against a bare forward+backward of the same draft and batches.
 
-    .venv/bin/python bench/train_throughput.py --steps 6 --total-seq-len 2048
+    .venv/bin/python bench/train_throughput.py --steps 6 --total-seq-len 2048 [--precision float32]
 
 Needs `dvc repro convert` first. (a) the full train stage loop (`train_draft`: data loading through
 speculators' ArrowDataset/CollateFn, bookkeeping, logging) for --steps steps without validation; (b) the
@@ -29,11 +29,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--total-seq-len", type=int, default=None)
+    parser.add_argument("--precision", choices=["auto", "float32", "bfloat16"], default=None,
+                        help="override train.precision")
     args = parser.parse_args()
     params = load_params().train
     updates = {"steps": args.steps, "eval_every": 10**6, "checkpoint_every": 10**6, "warmup_steps": 0}
     if args.total_seq_len:
         updates["total_seq_len"] = args.total_seq_len
+    if args.precision:
+        updates["precision"] = args.precision
     params = params.model_copy(update=updates)
     verifier, model_dir = load_verifier_info(Path("models/verifier"))
     vocab, d2t, t2d = load_vocab(Path("data/vocab"))
@@ -51,7 +55,8 @@ def main() -> None:
     kwargs = {**runtime.forward_kwargs, "ttt_step_loss_decay": 1.0}
     started = time.perf_counter()
     for batch in collated:
-        _, loss, _ = model(**batch, **kwargs)
+        with runtime.autocast():  # train.precision, as the stage runs it
+            _, loss, _ = model(**batch, **kwargs)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -66,7 +71,7 @@ def main() -> None:
             metrics=tmp / "train.json", live_dir=tmp / "live", checkpoints=tmp / "ck"))
     loop_tokens_per_s = metrics["tokens_per_s"]  # includes the final validation; see note in README
     print(f"steps {args.steps}, total_seq_len {params.total_seq_len}, tokens {tokens}, "
-          f"threads {torch.get_num_threads()}")
+          f"threads {torch.get_num_threads()}, precision {runtime.precision}")
     print(f"bare forward+backward+step: {tokens / bare:.0f} tok/s")
     print(f"train stage loop: {loop_tokens_per_s:.0f} tok/s")
     print(f"ratio loop / bare: {loop_tokens_per_s / (tokens / bare):.3f}")
