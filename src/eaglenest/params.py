@@ -373,16 +373,16 @@ class TrainParams(StrictModel):
     )
     ttt_step_loss_decay: float = Field(default=1.0, gt=0.0, description="Loss weight factor per TTT step.")
     total_seq_len: int = Field(
-        default=1024, ge=16, description="Tokens per packed training batch (rows are packed, never split)."
+        default=512, ge=16, description="Tokens per packed training batch (rows are packed, never split)."
     )
-    steps: int = Field(default=550, ge=1, description="Optimizer steps.")
+    steps: int = Field(default=1500, ge=1, description="Optimizer steps.")
     lr: float = Field(default=1e-3, gt=0.0, le=1.0, description="Peak AdamW learning rate.")
     weight_decay: float = Field(default=0.0, ge=0.0, description="AdamW weight decay.")
     warmup_steps: int = Field(default=10, ge=0, description="Linear warm-up steps before the cosine decay.")
     min_lr_ratio: float = Field(default=0.1, ge=0.0, le=1.0, description="Cosine decay floor, as a fraction of lr.")
     grad_clip: float = Field(default=1.0, ge=0.0, description="Max gradient norm; 0 turns clipping off.")
-    eval_every: int = Field(default=50, ge=1, description="Validate every this many steps (and at the end).")
-    checkpoint_every: int = Field(default=50, ge=1, description="Save a resumable checkpoint every this many steps.")
+    eval_every: int = Field(default=100, ge=1, description="Validate every this many steps (and at the end).")
+    checkpoint_every: int = Field(default=100, ge=1, description="Save a resumable checkpoint every this many steps.")
     seed: int = Field(default=0, description="Seed of weights init, data order and everything random.")
     attention: Literal["auto", "sdpa", "eager", "simple_flex_attention"] = Field(
         default="auto", description="Draft attention: auto is sdpa on CPU, simple_flex_attention on GPU."
