@@ -149,10 +149,14 @@ def test_precision_auto_follows_the_device(monkeypatch: pytest.MonkeyPatch):
             assert layer(torch.ones(2, 8)).dtype == expected
     monkeypatch.setattr(model_module, "cpu_has_native_bf16", lambda: True)
     assert model_module.draft_runtime(TrainParams(precision="float32"), torch.device("cpu")).precision == "float32"
+    # On a GPU hidden states are loaded in bf16 only for a bf16 draft: a float32 one needs float32 inputs.
+    assert model_module.draft_runtime(TrainParams(), torch.device("cuda")).hs_dtype == torch.bfloat16
+    assert model_module.draft_runtime(TrainParams(precision="float32"), torch.device("cuda")).hs_dtype == torch.float32
 
 
 def test_bf16_and_fp32_training_agree(converted: dict[str, Path], tmp_path: Path):
-    """bf16 autocast only changes the arithmetic: both drafts learn, and their losses stay close."""
+    """bf16 autocast only changes the arithmetic: the validation loss stays within 5 % of float32's, and the
+    weights stay float32."""
     runs = {precision: train_draft(TrainParams(steps=10, eval_every=10, precision=precision, **FAST),
                                    inputs_in(converted, tmp_path / precision))
             for precision in ("float32", "bfloat16")}

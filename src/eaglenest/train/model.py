@@ -52,7 +52,9 @@ def draft_runtime(params: TrainParams, device: torch.device) -> Runtime:
     def autocast() -> AbstractContextManager[Any]:
         return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
 
-    return Runtime(device=device, attention=attention, hs_dtype=torch.bfloat16 if cuda else torch.float32,
+    # Hidden states come in bf16 only where the GPU computes in bf16: a float32 draft on CUDA needs float32
+    # inputs, and on a CPU autocast casts them per matmul anyway.
+    return Runtime(device=device, attention=attention, hs_dtype=torch.bfloat16 if cuda and bf16 else torch.float32,
                    precision=precision,
                    forward_kwargs={"ttt_steps": params.ttt_steps, "ttt_step_loss_decay": params.ttt_step_loss_decay,
                                    "loss_config": loss_config},
