@@ -166,6 +166,59 @@ def test_bf16_and_fp32_training_agree(converted: dict[str, Path], tmp_path: Path
     assert weights["fc.weight"].dtype == torch.float32  # autocast leaves the weights in float32
 
 
+def test_loss_on_every_token_trains_prompts_too_and_validates_replies(converted: dict[str, Path], tmp_path: Path):
+    """train.loss_tokens: all puts the loss on every position of a training batch, prompts included; the
+    validation batches, and every batch under 'replies', keep prepare's loss mask (the assistant turns)."""
+    from eaglenest.train.data import load_training_data
+    from eaglenest.verifier import load_verifier_info
+
+    verifier, _ = load_verifier_info(converted["verifier"])
+    args = (verifier, converted["prepared"], converted["hs"], converted["vocab"], torch.float32)
+    every = load_training_data(TrainParams(loss_tokens="all", **FAST), *args)
+    replies = load_training_data(TrainParams(loss_tokens="replies", **FAST), *args)
+    rows = every.rows["train"][:4]
+    # speculators' shift drops each row's first position; the next ttt_steps - 1 stay unscored, or TTT step k
+    # would score a chain at the end of one row against the first k targets of the next.
+    positions = sum(every.lengths[r] - 1 - (3 - 1) for r in rows)
+    reply_mask = replies.batch(rows, torch.device("cpu"), training=True)["loss_mask"]
+    assert 0 < reply_mask.sum() < positions
+    assert every.batch(rows, torch.device("cpu"), training=True)["loss_mask"].sum() == positions
+    assert torch.equal(every.batch(rows, torch.device("cpu"))["loss_mask"], reply_mask)
+    first_row = every.batch(rows[:1], torch.device("cpu"), training=True)["loss_mask"][0]  # [total_seq_len]
+    assert first_row[:2].tolist() == [0, 0] and first_row[2 : every.lengths[rows[0]] - 1].all()
+
+    metrics = {tokens: train_draft(TrainParams(steps=4, eval_every=4, loss_tokens=tokens, **FAST),
+                                   inputs_in(converted, tmp_path / tokens))
+               for tokens in ("all", "replies")}
+    assert metrics["all"]["loss_tokens"] == "all" and metrics["replies"]["loss_tokens"] == "replies"
+    assert metrics["all"]["train_loss"] != metrics["replies"]["train_loss"]
+
+
+def test_a_checkpoint_that_cannot_be_written_is_one_line_and_keeps_the_last(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch):
+    """A full disk (torch's zip writer: "unexpected pos") stops training with one line naming the checkpoint;
+    no temp file is left and the previous checkpoint still resumes."""
+    from eaglenest.train import checkpoint as checkpoint_module
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    path = tmp_path / "run" / "checkpoint.pt"
+    checkpoint_module.save_checkpoint(path, model, optimizer, scheduler, 100)
+
+    def disk_full(obj, f):
+        Path(f).write_bytes(b"partial")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 88640 vs 88528")
+
+    monkeypatch.setattr(checkpoint_module.torch, "save", disk_full)
+    with pytest.raises(EaglenestError, match=r"could not write the training checkpoint .*checkpoint.pt at step 200 "
+                                             r"\(\[enforce fail.*MiB free there\); free disk space"):
+        checkpoint_module.save_checkpoint(path, model, optimizer, scheduler, 200)
+    assert sorted(p.name for p in path.parent.iterdir()) == ["checkpoint.pt"]
+    monkeypatch.undo()
+    assert checkpoint_module.resume(path, model, optimizer, scheduler, seed=0) == 100
+
+
 def test_packing_is_deterministic_and_bounded():
     lengths = [10, 20, 30, 40, 50, 60]
     a = pack_batches(list(range(6)), lengths, 70, seed=1, epoch=0)

@@ -388,6 +388,15 @@ class TrainParams(StrictModel):
         default="auto", description="Draft attention: auto is sdpa on CPU, simple_flex_attention on GPU."
     )
     loss: str = Field(default="kl_div", min_length=1, description="speculators loss name (kl_div, ce, tv, ...).")
+    loss_tokens: Literal["all", "replies"] = Field(
+        default="all",
+        description="Positions of a training row that carry the loss. 'replies': the assistant turns prepare marked "
+        "(speculators' own loss mask). 'all': every position, prompts and system text included, but each row's first "
+        "ttt_steps - 1 (TTT step k would score them against the row packed before it); the target there "
+        "is still the verifier's own next-token distribution, so a prompt is more distillation signal from the "
+        "same hidden states: at the demo's budget tau_sim rose by 0.04-0.05 on prompts unlike the training mix "
+        "(docs/defaults.md). Validation always measures the replies.",
+    )
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto: CUDA when present.")
     precision: Literal["auto", "float32", "bfloat16"] = Field(
         default="auto",

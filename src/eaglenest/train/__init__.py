@@ -125,7 +125,7 @@ def train_draft(params: TrainParams, inputs: TrainInputs) -> dict[str, Any]:
     for step in range(start_step, params.steps):
         step_started = time.perf_counter()
         batch_rows = next(train_batches)
-        batch = data.batch(batch_rows, device)
+        batch = data.batch(batch_rows, device, training=True)
         try:
             with runtime.autocast():
                 _, loss, _ = network(**batch, **runtime.forward_kwargs)
@@ -180,6 +180,7 @@ def train_draft(params: TrainParams, inputs: TrainInputs) -> dict[str, Any]:
             "seconds": round(seconds, 3),
             "device": device.type,
             "precision": runtime.precision,
+            "loss_tokens": params.loss_tokens,
             "processes": dist.world_size,
             "hidden_states": "online" if data.online is not None else "files",
             "train_rows": len(rows["train"]),

@@ -9,12 +9,14 @@ learning rate never resumes a stale run.
 from __future__ import annotations
 
 import hashlib
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from eaglenest.atomic import temp_sibling
+from eaglenest.errors import EaglenestError
 from eaglenest.params import TrainParams
 from eaglenest.verifier import VerifierInfo
 
@@ -63,8 +65,18 @@ def save_checkpoint(path: Path, model: Any, optimizer: Any, scheduler: Any, step
     """Writes everything a resumed run needs (atomically: a kill mid-write leaves the previous checkpoint)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_sibling(path)
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state(), "step": step}, tmp)
+    try:
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state(), "step": step}, tmp)
+    except (OSError, RuntimeError) as err:
+        # A full disk surfaces from torch's zip writer as "unexpected pos ...": name the file and the free space.
+        tmp.unlink(missing_ok=True)
+        free = shutil.disk_usage(path.parent).free / 2**20
+        raise EaglenestError(
+            f"could not write the training checkpoint {path} at step {step} ({str(err).splitlines()[0]}; "
+            f"{free:.0f} MiB free there); free disk space and run the stage again: it resumes from the last "
+            f"checkpoint"
+        ) from None
     tmp.replace(path)
 
 

@@ -35,6 +35,10 @@ class TrainingData:
         collate: speculators' CollateFn: a list of rows -> one packed ``[1, total_seq_len]`` batch.
         rows: ``{"train": [...], "val": [...]}`` from the convert stage (bad rows already left out).
         lengths: Tokens of every prepared row.
+        online: The verifier computing hidden states per batch (``extract.store: online``), else None.
+        loss_on_every_token: ``train.loss_tokens: all``: training batches carry the loss at every position
+            (``every_token_mask``).
+        ttt_steps: ``train.ttt_steps``: how far speculators shifts targets, so how many positions stay unscored.
     """
 
     dataset: Any
@@ -42,12 +46,30 @@ class TrainingData:
     rows: dict[str, list[int]]
     lengths: list[int]
     online: OnlineTransfer | None = None
+    loss_on_every_token: bool = False
+    ttt_steps: int = 3
 
-    def batch(self, rows: list[int], device: torch.device) -> dict[str, Any]:
-        """The packed model inputs of ``rows`` on ``device``."""
+    def batch(self, rows: list[int], device: torch.device, *, training: bool = False) -> dict[str, Any]:
+        """The packed model inputs of ``rows`` on ``device``; validation batches keep the replies' loss mask."""
         if self.online is not None:  # one verifier forward for the whole batch, not one per row
             self.online.compute(rows)
-        return to_device(self.collate([self.dataset[i] for i in rows]), device)
+        items = [self.dataset[i] for i in rows]
+        if training and self.loss_on_every_token:
+            items = [{**item, "loss_mask": every_token_mask(item["loss_mask"], self.ttt_steps)} for item in items]
+        return to_device(self.collate(items), device)
+
+
+def every_token_mask(loss_mask: torch.Tensor, ttt_steps: int) -> torch.Tensor:
+    """``train.loss_tokens: all``: the loss on every position of a row but its first ``ttt_steps``.
+
+    speculators aligns TTT step k's targets by shifting the packed sequence k positions, so a chain that starts
+    near the end of one row is scored against the first k targets of the next row. A reply mask is 0 there
+    (every row opens with its prompt); an all-ones mask must be too, or rows would be trained on each other.
+    Position 0 is dropped by ``shift_batch``, so zeroing [0, ttt_steps) zeroes the first ttt_steps - 1 positions.
+    """
+    mask = torch.ones_like(loss_mask)  # [seq_len]
+    mask[:ttt_steps] = 0
+    return mask
 
 
 def load_training_data(params: TrainParams, verifier: VerifierInfo, prepared: Path, hidden_states: Path, vocab: Path,
@@ -97,7 +119,8 @@ def load_training_data(params: TrainParams, verifier: VerifierInfo, prepared: Pa
                            hidden_states_dtype=hs_dtype)
     collate = CollateFn(max_len=params.total_seq_len, hidden_size=verifier.hidden_size,
                         num_target_layers=len(verifier.aux_layers), dtype=hs_dtype, preprocess=shift_batch)
-    return TrainingData(dataset, collate, rows, lengths, online)
+    return TrainingData(dataset, collate, rows, lengths, online, loss_on_every_token=params.loss_tokens == "all",
+                        ttt_steps=params.ttt_steps)
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
