@@ -97,3 +97,18 @@ def test_a_bad_combination_is_reported_next_to_an_unrelated_bad_value():
     text = "\n".join(problems({"extract": {"rank": 5, "batch_tokens": "x"}}))
     assert "extract.batch_tokens = 'x': Input should be a valid integer" in text
     assert "extract.rank = 5 must be < extract.world_size = 1" in text
+
+
+def test_tensor_parallelism_needs_a_vllm_back_end_in_every_stage():
+    """A verifier spread over GPUs needs vLLM wherever it runs; the hf back ends load it on one device."""
+    text = "\n".join(problems({
+        "prepare": {"regenerate_backend": "hf", "regenerate_tensor_parallel_size": 4},
+        "extract": {"backend": "hf", "tensor_parallel_size": 4},
+        "evaluate": {"backend": ["hf"], "tensor_parallel_size": 4},
+    }))
+    assert "prepare.regenerate_tensor_parallel_size = 4 needs prepare.regenerate_backend: vllm" in text
+    assert "extract.tensor_parallel_size = 4 needs extract.backend: vllm" in text
+    assert "evaluate.tensor_parallel_size = 4 is only used by the vllm back end" in text
+    params = parse_params({"prepare": {"regenerate_tensor_parallel_size": 8},
+                           "evaluate": {"backend": ["hf", "vllm"], "tensor_parallel_size": 8}})
+    assert params.prepare.regenerate_tensor_parallel_size == 8 and params.evaluate.tensor_parallel_size == 8

@@ -135,6 +135,10 @@ def test_vllm_regeneration_arguments(tiny_verifier_dir: Path, tmp_path: Path):
     exact = build_regenerate_llm_kwargs(params.model_copy(update={"regenerate_vllm_dtype": "float32"}), info,
                                         model_dir)
     assert exact["dtype"] == "float32"
+    assert llm["tensor_parallel_size"] == 1
+    spread = build_regenerate_llm_kwargs(params.model_copy(update={"regenerate_tensor_parallel_size": 8}), info,
+                                         model_dir)
+    assert spread["tensor_parallel_size"] == 8
     sampling = build_sampling_kwargs(params, {7, 3}, seed=11)
     assert sampling == {"temperature": 0.7, "max_tokens": 64, "stop_token_ids": [3, 7], "seed": 11}
 

@@ -4,19 +4,24 @@ acceptance rule."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from eaglenest.errors import EaglenestError
 from eaglenest.evaluate.lossless import TIE_CANDIDATES, first_divergence, lossless_counts
 from eaglenest.evaluate.vllm import (
+    build_evaluate_llm_kwargs,
     check_counters,
     counter_delta,
     counters_to_acceptance,
     read_counters,
     top_candidates,
 )
+from eaglenest.params import EvaluateParams
+from eaglenest.vllm_support import VllmBuild
 
 from .conftest import requires_vllm
 from .helpers import REPO, hf_reference, run_evaluate
@@ -35,6 +40,20 @@ class Vector:
 class Logprob:
     def __init__(self, logprob):
         self.logprob = logprob
+
+
+# --- the engines' arguments ------------------------------------------------------------------------------
+def test_both_engines_share_the_gpu_memory_and_the_tensor_parallel_width(monkeypatch: pytest.MonkeyPatch,
+                                                                        tmp_path: Path):
+    from eaglenest import vllm_support
+
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": "bfloat16"}))
+    monkeypatch.setattr(vllm_support, "installed_build", lambda: VllmBuild("gpu", "vllm", "0.33.0"))
+    verifier = SimpleNamespace(trust_remote_code=False, max_position_embeddings=8192)
+    params = EvaluateParams(gpu_memory_utilization=0.9, tensor_parallel_size=8)
+    kwargs = build_evaluate_llm_kwargs(params, verifier, tmp_path, context_tokens=200)
+    assert kwargs["gpu_memory_utilization"] == pytest.approx(0.45)  # plain and speculative may overlap
+    assert kwargs["tensor_parallel_size"] == 8 and kwargs["max_model_len"] == 200
 
 
 # --- the lossless rule ---------------------------------------------------------------------------------

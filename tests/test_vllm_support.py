@@ -72,6 +72,10 @@ def test_engine_kwargs_per_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
     gpu = vllm_support.engine_kwargs(tmp_path, _verifier(trust_remote_code=True), dtype="float32",
                                      context_tokens=100, gpu_memory_utilization=0.5)
     assert gpu["gpu_memory_utilization"] == 0.5 and "enforce_eager" not in gpu and gpu["trust_remote_code"] is True
+    assert cpu["tensor_parallel_size"] == 1 == gpu["tensor_parallel_size"]
+    spread = vllm_support.engine_kwargs(tmp_path, _verifier(), dtype="auto", context_tokens=100,
+                                        gpu_memory_utilization=0.5, tensor_parallel_size=8)
+    assert spread["tensor_parallel_size"] == 8
 
 
 @pytest.mark.parametrize(("cores", "bind"), [({0, 1}, "0-1"), ({1, 3}, "1,3"), (set(range(8)), None)])

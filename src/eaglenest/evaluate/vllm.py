@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import gc
 import time
+from pathlib import Path
 from typing import Any
 
 from eaglenest.errors import EaglenestError
 from eaglenest.evaluate.acceptance import Acceptance
 from eaglenest.evaluate.job import EvaluationJob, Timed, set_metrics
 from eaglenest.evaluate.lossless import TIE_CANDIDATES
-from eaglenest.verifier import load_verifier_info
+from eaglenest.params import EvaluateParams
+from eaglenest.verifier import VerifierInfo, load_verifier_info
 from eaglenest.vllm_support import create_llm, draft_tokens, engine_kwargs, generate
 
 PARAM = "evaluate.backend"
@@ -154,6 +156,18 @@ def _engine_dtype(llm: Any, requested: str) -> str:
     return str(dtype).removeprefix("torch.") if dtype is not None else requested
 
 
+def build_evaluate_llm_kwargs(params: EvaluateParams, info: VerifierInfo, model_dir: Path, *,
+                              context_tokens: int) -> dict[str, Any]:
+    """The ``vllm.LLM(**kwargs)`` arguments both engines share (the speculative one adds its draft)."""
+    return engine_kwargs(
+        model_dir, info, dtype=params.vllm_dtype, context_tokens=context_tokens,
+        # Both engines may hold GPU memory at once (a stopped engine frees it lazily), so each gets half and
+        # the verifier must fit twice in tensor_parallel_size GPUs.
+        gpu_memory_utilization=params.gpu_memory_utilization / 2, seed=params.seed,
+        tensor_parallel_size=params.tensor_parallel_size,
+    )
+
+
 def evaluate_draft_vllm(job: EvaluationJob) -> dict[str, dict[str, Any]]:
     """Speculative vs plain decoding in vLLM on each prompt set; the hf back end's metric names plus the batched
     figures, per set. Each engine starts once for every set."""
@@ -164,11 +178,7 @@ def evaluate_draft_vllm(job: EvaluationJob) -> dict[str, dict[str, Any]]:
     greedy = params.temperature == 0
     requests = {name: [{"prompt_token_ids": p} for p in prompts] for name, prompts in job.prompt_sets.items()}
     longest = max(len(p) for prompts in job.prompt_sets.values() for p in prompts)
-    common = engine_kwargs(
-        model_dir, info, dtype=params.vllm_dtype, context_tokens=longest + params.max_new_tokens + k + 1,
-        # Both engines may hold GPU memory at once (a stopped engine frees it lazily).
-        gpu_memory_utilization=params.gpu_memory_utilization / 2, seed=params.seed,
-    )
+    common = build_evaluate_llm_kwargs(params, info, model_dir, context_tokens=longest + params.max_new_tokens + k + 1)
     warm_up = next(iter(requests.values()))[:1]
 
     plain_llm = create_llm(common, PARAM, what="the verifier")

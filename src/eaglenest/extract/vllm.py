@@ -63,10 +63,10 @@ def build_llm_kwargs(job: ExtractionJob, staging_dir: Path) -> dict[str, Any]:
     longest = max(len(job.input_ids[row]) for row in job.todo)
     # vLLM refuses a prompt of max_model_len tokens or more (it must leave room for one output token).
     common = engine_kwargs(job.model_dir, verifier, dtype=params.vllm_dtype, context_tokens=longest + 1,
-                           gpu_memory_utilization=params.gpu_memory_utilization)
+                           gpu_memory_utilization=params.gpu_memory_utilization,
+                           tensor_parallel_size=params.tensor_parallel_size)
     return {
         **common,
-        "tensor_parallel_size": params.tensor_parallel_size,
         "max_num_seqs": params.max_num_seqs,
         # vLLM's docs require chunked prefill off for this method; prefix caching is off so that every
         # token's hidden state is computed by this request, not shared from another's cache blocks.

@@ -30,6 +30,7 @@ def build_regenerate_llm_kwargs(params: PrepareParams, info: VerifierInfo, model
         model_dir, info, dtype=params.regenerate_vllm_dtype,
         context_tokens=params.max_len + params.regenerate_max_new_tokens,
         gpu_memory_utilization=params.regenerate_gpu_memory_utilization, seed=params.seed,
+        tensor_parallel_size=params.regenerate_tensor_parallel_size,
     )
 
 
