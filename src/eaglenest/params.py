@@ -43,6 +43,15 @@ class StrictModel(BaseModel):
         return self
 
 
+def width_needs_vllm(values: dict[str, Any], section: str, width_key: str, backend_key: str) -> list[str]:
+    """A tensor-parallel width above 1 with the hf back end, which loads the verifier on one device."""
+    width = values.get(width_key)
+    if isinstance(width, int) and width > 1 and values.get(backend_key) == "hf":
+        return [f"{section}.{width_key} = {width} needs {section}.{backend_key}: vllm (the hf back end runs on one "
+                "device); set it to 1 or switch the back end"]
+    return []
+
+
 class VerifierParams(StrictModel):
     """``verifier:`` — which LLM the draft is trained for."""
 
@@ -241,12 +250,7 @@ class PrepareParams(StrictModel):
                     f"prepare.max_conversations: null keeps every conversation, but {SELF_INSTRUCT_SOURCE} has no "
                     "end: set prepare.max_conversations (it is split across prepare.source by weight)"
                 )
-        tp = values.get("regenerate_tensor_parallel_size")
-        if isinstance(tp, int) and tp > 1 and values.get("regenerate_backend") == "hf":
-            problems.append(
-                f"prepare.regenerate_tensor_parallel_size = {tp} needs prepare.regenerate_backend: vllm (the hf "
-                "back end runs on one device); set it to 1 or switch the back end"
-            )
+        problems += width_needs_vllm(values, "prepare", "regenerate_tensor_parallel_size", "regenerate_backend")
         duplicates = sorted({n for n in names if isinstance(n, str) and names.count(n) > 1})
         if duplicates:
             problems.append(
@@ -320,12 +324,7 @@ class ExtractParams(StrictModel):
         if isinstance(rank, int) and isinstance(world_size, int) and rank >= world_size >= 1:
             problems.append(f"extract.rank = {rank} must be < extract.world_size = {world_size}")
         backend, import_path = values.get("backend"), values.get("import_path")
-        tp = values.get("tensor_parallel_size")
-        if backend == "hf" and isinstance(tp, int) and tp > 1:
-            problems.append(
-                f"extract.tensor_parallel_size = {tp} needs extract.backend: vllm "
-                "(the hf back end runs on one device); set it to 1 or switch the back end"
-            )
+        problems += width_needs_vllm(values, "extract", "tensor_parallel_size", "backend")
         if backend == "import" and not import_path:
             problems.append("extract.backend: import needs extract.import_path (a folder of hs_{i}.safetensors)")
         if backend != "import" and import_path:
