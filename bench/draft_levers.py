@@ -27,16 +27,17 @@ from typing import Any
 
 import torch
 
-from eaglenest.chat import cut_after_end_of_turn, end_of_turn_ids
-from eaglenest.convert import load_vocab
-from eaglenest.evaluate.prompts import load_prompts
-from eaglenest.extract.hf import capture_residual_stream, hidden_states_of_rows, length_sorted_batches, load_decoder
-from eaglenest.params import load_params
-from eaglenest.train import _lr_lambda
-from eaglenest.train.data import PackedBatches, TrainingData, every_token_mask, pack_batches
-from eaglenest.train.model import build_draft, draft_runtime
-from eaglenest.train.validation import validate_draft
-from eaglenest.verifier import load_verifier_info
+from eaglenest.artifacts.verifier import load_verifier_info
+from eaglenest.artifacts.vocab import load_vocab
+from eaglenest.core.chat import cut_after_end_of_turn, end_of_turn_ids
+from eaglenest.core.decoder import capture_residual_stream, hidden_states_of_rows, load_decoder
+from eaglenest.core.params import load_params
+from eaglenest.stages.evaluate.prompts import load_prompts
+from eaglenest.stages.extract.hf import length_sorted_batches
+from eaglenest.stages.train import _lr_lambda
+from eaglenest.stages.train.data import PackedBatches, TrainingData, every_token_mask, pack_batches
+from eaglenest.stages.train.model import build_draft, draft_runtime
+from eaglenest.stages.train.validation import validate_draft
 
 RESULTS = Path("bench/results/levers")
 PROBES = {"general": Path("data/eval/general.jsonl"), "unseen": Path("bench/prompts/unseen.jsonl")}

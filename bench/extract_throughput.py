@@ -19,11 +19,12 @@ from pathlib import Path
 import torch
 from datasets import load_from_disk
 
-from eaglenest.extract.hf import extract_with_transformers, length_sorted_batches, load_decoder, pad_batch
-from eaglenest.extract.job import ExtractionJob
-from eaglenest.hidden_states import extraction_fingerprint, file_metadata
-from eaglenest.params import load_params
-from eaglenest.verifier import load_verifier_info
+from eaglenest.artifacts.hidden_states import extraction_fingerprint, file_metadata
+from eaglenest.artifacts.verifier import load_verifier_info
+from eaglenest.core.decoder import load_decoder, pad_batch
+from eaglenest.core.params import load_params
+from eaglenest.stages.extract.hf import extract_with_transformers, length_sorted_batches
+from eaglenest.stages.extract.job import ExtractionJob
 
 
 def bare_forward(model: torch.nn.Module, batches: list[list[int]], input_ids: list[list[int]]) -> float:

@@ -18,9 +18,9 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from eaglenest.extract import extract_hidden_states
-from eaglenest.params import load_params
-from eaglenest.train import TrainInputs, train_draft
+from eaglenest.core.params import load_params
+from eaglenest.stages.extract import extract_hidden_states
+from eaglenest.stages.train import TrainInputs, train_draft
 
 
 def main() -> None:

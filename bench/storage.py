@@ -18,10 +18,10 @@ from pathlib import Path
 
 from datasets import load_from_disk
 
-from eaglenest.extract import extract_hidden_states
-from eaglenest.params import load_params
-from eaglenest.prepare import write_prepared
-from eaglenest.verifier import load_verifier_info
+from eaglenest.artifacts.prepared import write_prepared
+from eaglenest.artifacts.verifier import load_verifier_info
+from eaglenest.core.params import load_params
+from eaglenest.stages.extract import extract_hidden_states
 
 DTYPES = {"float32": 4, "bfloat16": 2, "float8_e4m3fn": 1}  # bytes per stored value
 # Per token besides the values: the int64 token id, and for fp8 its float32 scale.

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 
-from eaglenest.convert import load_vocab
-from eaglenest.params import load_params
-from eaglenest.train import TrainInputs, train_draft
-from eaglenest.train.data import load_training_data, pack_batches
-from eaglenest.train.model import build_draft, draft_runtime
-from eaglenest.verifier import load_verifier_info
+from eaglenest.artifacts.verifier import load_verifier_info
+from eaglenest.artifacts.vocab import load_vocab
+from eaglenest.core.params import load_params
+from eaglenest.stages.train import TrainInputs, train_draft
+from eaglenest.stages.train.data import load_training_data, pack_batches
+from eaglenest.stages.train.model import build_draft, draft_runtime
 
 
 def main() -> None:

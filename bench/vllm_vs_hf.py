@@ -54,8 +54,8 @@ def chitchat_conversations(count: int, *, from_end: bool = False, seed: int = 0)
             fewer than the set's size minus ``count``).
         seed: The shuffle seed (``prepare.seed``).
     """
-    from eaglenest.conversations import read_sources
-    from eaglenest.prepare import trim_conversation
+    from eaglenest.stages.prepare import trim_conversation
+    from eaglenest.stages.prepare.sources import read_sources
 
     conversations = read_sources(["builtin:chitchat"])
     order = list(range(len(conversations)))
@@ -75,11 +75,11 @@ def chitchat_conversations(count: int, *, from_end: bool = False, seed: int = 0)
 def regeneration_worker(args: argparse.Namespace) -> dict[str, Any]:
     """Regenerates the conversations with one back end; returns timings and every reply's token ids."""
 
-    from eaglenest.chat import end_of_turn_ids
-    from eaglenest.params import PrepareParams
-    from eaglenest.regenerate import BACKENDS, regenerate
-    from eaglenest.regenerate.job import GeneratorJob
-    from eaglenest.verifier import load_tokenizer, load_verifier_info
+    from eaglenest.artifacts.verifier import load_tokenizer, load_verifier_info
+    from eaglenest.core.chat import end_of_turn_ids
+    from eaglenest.core.params import PrepareParams
+    from eaglenest.stages.prepare.regenerate import BACKENDS, regenerate
+    from eaglenest.stages.prepare.regenerate.job import GeneratorJob
 
     verifier_dir = args.repo / "models" / "verifier"
     info, model_dir = load_verifier_info(verifier_dir)

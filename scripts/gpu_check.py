@@ -16,7 +16,7 @@ interpreter, and compares:
    (``evaluate.vllm_dtype: float32``) on the same prompts: tau and the per-position acceptance must agree
    within 1% (relative).
 
-The same code runs whichever vLLM build is installed (eaglenest.vllm_support picks the engine arguments);
+The same code runs whichever vLLM build is installed (eaglenest.core.vllm_support picks the engine arguments);
 it refuses to start without a CUDA device, since the comparison is about the GPU build. Prints one line per
 check and exits 0 (all pass), 1 (a check failed) or 2 (cannot run here). Budget: under 10 minutes, most of
 it vLLM's start-ups.
@@ -44,8 +44,8 @@ def cannot_run_here() -> str | None:
     """Why this machine cannot run the check (no CUDA device, or no vLLM build fitting it), else None."""
     import torch
 
-    from eaglenest.errors import EaglenestError
-    from eaglenest.vllm_support import require_vllm
+    from eaglenest.core.errors import EaglenestError
+    from eaglenest.core.vllm_support import require_vllm
 
     if not torch.cuda.is_available():
         built_for = f"CUDA {torch.version.cuda}" if torch.version.cuda else "the CPU only"
@@ -122,7 +122,7 @@ def compare_hidden_states(dir_a: Path, dir_b: Path, rows: int, layer_ids: list[i
     import torch
     from safetensors.torch import load_file
 
-    from eaglenest.hidden_states import hs_path
+    from eaglenest.artifacts.hidden_states import hs_path
 
     results = []
     for slot, layer in enumerate(layer_ids):
@@ -150,7 +150,7 @@ def main() -> int:
     if reason:
         print(f"gpu_check: cannot run here: {reason}", file=sys.stderr)
         return 2
-    from eaglenest.verifier import load_verifier_info
+    from eaglenest.artifacts.verifier import load_verifier_info
 
     started = time.perf_counter()
     work = args.work.resolve()

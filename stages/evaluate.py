@@ -7,9 +7,9 @@ from _guard import require_stage_environment
 
 require_stage_environment("evaluate")
 
-from eaglenest.evaluate import evaluate  # noqa: E402
-from eaglenest.params import load_params  # noqa: E402
-from eaglenest.stage import run_stage, stage_parser  # noqa: E402
+from eaglenest.core.params import load_params  # noqa: E402
+from eaglenest.core.stage import run_stage, stage_parser  # noqa: E402
+from eaglenest.stages.evaluate import evaluate  # noqa: E402
 
 
 def main(args: argparse.Namespace) -> None:

@@ -7,9 +7,9 @@ from _guard import require_stage_environment
 
 require_stage_environment("extract")
 
-from eaglenest.extract import extract_hidden_states, shard_params  # noqa: E402
-from eaglenest.params import load_params  # noqa: E402
-from eaglenest.stage import run_stage, stage_parser  # noqa: E402
+from eaglenest.core.params import load_params  # noqa: E402
+from eaglenest.core.stage import run_stage, stage_parser  # noqa: E402
+from eaglenest.stages.extract import extract_hidden_states, shard_params  # noqa: E402
 
 
 def main(args: argparse.Namespace) -> None:

@@ -7,13 +7,13 @@ from _guard import require_stage_environment
 
 require_stage_environment("prepare")
 
-from eaglenest.chat import end_of_turn_ids  # noqa: E402
-from eaglenest.params import load_params  # noqa: E402
-from eaglenest.prepare import prepare_dataset  # noqa: E402
-from eaglenest.regenerate import verifier_generator  # noqa: E402
-from eaglenest.self_instruct import self_instruct_writer  # noqa: E402
-from eaglenest.stage import run_stage, stage_parser  # noqa: E402
-from eaglenest.verifier import load_tokenizer, load_verifier_info  # noqa: E402
+from eaglenest.artifacts.verifier import load_tokenizer, load_verifier_info  # noqa: E402
+from eaglenest.core.chat import end_of_turn_ids  # noqa: E402
+from eaglenest.core.params import load_params  # noqa: E402
+from eaglenest.core.stage import run_stage, stage_parser  # noqa: E402
+from eaglenest.stages.prepare import prepare_dataset  # noqa: E402
+from eaglenest.stages.prepare.regenerate import verifier_generator  # noqa: E402
+from eaglenest.stages.prepare.self_instruct import self_instruct_writer  # noqa: E402
 
 
 def main(args: argparse.Namespace) -> None:

@@ -9,11 +9,11 @@ from _guard import require_stage_environment
 
 require_stage_environment("train")
 
-from eaglenest.errors import EaglenestError  # noqa: E402
-from eaglenest.params import load_params  # noqa: E402
-from eaglenest.stage import run_stage, stage_parser  # noqa: E402
-from eaglenest.train import TrainInputs, train_draft  # noqa: E402
-from eaglenest.train.distributed import relaunch_with_torchrun  # noqa: E402
+from eaglenest.core.errors import EaglenestError  # noqa: E402
+from eaglenest.core.params import load_params  # noqa: E402
+from eaglenest.core.stage import run_stage, stage_parser  # noqa: E402
+from eaglenest.stages.train import TrainInputs, train_draft  # noqa: E402
+from eaglenest.stages.train.distributed import relaunch_with_torchrun  # noqa: E402
 
 
 def main(args: argparse.Namespace) -> None:

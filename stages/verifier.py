@@ -7,9 +7,9 @@ from _guard import require_stage_environment
 
 require_stage_environment("verifier")
 
-from eaglenest.params import load_params  # noqa: E402
-from eaglenest.stage import run_stage, stage_parser  # noqa: E402
-from eaglenest.verifier import build_verifier  # noqa: E402
+from eaglenest.core.params import load_params  # noqa: E402
+from eaglenest.core.stage import run_stage, stage_parser  # noqa: E402
+from eaglenest.stages.verifier import build_verifier  # noqa: E402
 
 
 def main(args: argparse.Namespace) -> None:

@@ -38,7 +38,7 @@ def _isolated_dvc(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.
 @pytest.fixture(autouse=True)
 def _isolated_weight_hashes(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """In-process verifier stages remember weight hashes in the session's temp folder, not the checkout."""
-    from eaglenest import verifier
+    from eaglenest.stages import verifier
 
     monkeypatch.setattr(verifier, "WEIGHT_HASH_CACHE", tmp_path_factory.getbasetemp() / "weight-hashes.json")
 
@@ -97,7 +97,7 @@ def smollm2_tokenizer():
     """SmolLM2-135M-Instruct's real tokenizer and chat template, read from the packaged GGUF."""
     from transformers import AutoTokenizer
 
-    from eaglenest.verifier import BUILTIN_VERIFIERS, _builtin_gguf
+    from eaglenest.stages.verifier import BUILTIN_VERIFIERS, _builtin_gguf
 
     gguf = _builtin_gguf(BUILTIN_VERIFIERS.get("smollm2-135m-instruct"))
     return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -112,7 +112,7 @@ def write_jsonl(path: Path, records: list) -> Path:
 # The vLLM tests run whenever vLLM is installed (`make setup` installs its CPU build on a machine without a
 # GPU) and are skipped, with the reason, only where it is absent.
 def _vllm_absent_reason() -> str | None:
-    from eaglenest.vllm_support import installed_build
+    from eaglenest.core.vllm_support import installed_build
 
     build = installed_build()
     return None if build is not None else "vLLM is not installed (make setup VLLM=cpu|gpu installs it)"

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import yaml
 
-from eaglenest.chat import end_of_turn_ids
-from eaglenest.params import PrepareParams, VerifierParams
-from eaglenest.prepare import prepare_dataset
-from eaglenest.verifier import build_verifier
+from eaglenest.core.chat import end_of_turn_ids
+from eaglenest.core.params import PrepareParams, VerifierParams
+from eaglenest.stages.prepare import prepare_dataset
+from eaglenest.stages.verifier import build_verifier
 
 from .conftest import build_tiny_tokenizer, write_jsonl
 
@@ -175,10 +175,10 @@ def equal_length_training_data(root: Path, model_dir: Path) -> None:
     192 tokens or as 2 processes x 96."""
     import torch
 
-    from eaglenest.convert import convert
-    from eaglenest.extract import extract_hidden_states
-    from eaglenest.params import ConvertParams, ExtractParams
-    from eaglenest.prepare import write_prepared
+    from eaglenest.artifacts.prepared import write_prepared
+    from eaglenest.core.params import ConvertParams, ExtractParams
+    from eaglenest.stages.convert import convert
+    from eaglenest.stages.extract import extract_hidden_states
 
     generator = torch.Generator().manual_seed(0)
     ids = [torch.randint(5, 300, (24,), generator=generator).tolist() for _ in range(10)]

@@ -13,12 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eaglenest.convert import convert
-from eaglenest.extract import extract_hidden_states
-from eaglenest.hidden_states import hs_path
-from eaglenest.params import ConvertParams, ExtractParams, TrainParams
-from eaglenest.prepare import load_chat_kwargs
-from eaglenest.train import TrainInputs, train_draft
+from eaglenest.artifacts.hidden_states import hs_path
+from eaglenest.artifacts.prepared import load_chat_kwargs
+from eaglenest.core.params import ConvertParams, ExtractParams, TrainParams
+from eaglenest.stages.convert import convert
+from eaglenest.stages.extract import extract_hidden_states
+from eaglenest.stages.train import TrainInputs, train_draft
 
 from .conftest import build_tiny_tokenizer
 from .helpers import QWEN3_LIKE, REPO, pipeline_until_prepare, run_evaluate
@@ -154,9 +154,9 @@ def build_remote_code_verifier(path: Path) -> Path:
 
 @pytest.mark.slow
 def test_a_remote_code_verifier_runs_only_with_trust_remote_code(tmp_path: Path):
-    from eaglenest.errors import ParamsError
-    from eaglenest.params import VerifierParams
-    from eaglenest.verifier import build_verifier
+    from eaglenest.core.errors import ParamsError
+    from eaglenest.core.params import VerifierParams
+    from eaglenest.stages.verifier import build_verifier
 
     model_dir = build_remote_code_verifier(tmp_path / "custom")
     with pytest.raises(ParamsError, match=r"needs its own Python code.*verifier.trust_remote_code: true"):
@@ -182,7 +182,7 @@ def test_a_verifier_whose_decoder_layers_cannot_be_located_is_one_line(tmp_path:
     """GPT-2 keeps its blocks in `.h` and its final norm in `.ln_f`: the hf back end cannot hook them."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from eaglenest.errors import EaglenestError
+    from eaglenest.core.errors import EaglenestError
 
     tokenizer = build_tiny_tokenizer()
     model_dir = tmp_path / "gpt2"

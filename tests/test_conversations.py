@@ -9,9 +9,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eaglenest.conversations import BUILTIN_SOURCES, read_file, read_sources
-from eaglenest.errors import InputFileError, ParamsError
-from eaglenest.registry import Registry
+from eaglenest.core.errors import InputFileError, ParamsError
+from eaglenest.core.registry import Registry
+from eaglenest.stages.prepare.sources import BUILTIN_SOURCES, read_file, read_sources
 
 from .conftest import write_jsonl
 

@@ -9,15 +9,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eaglenest.cli import main as cli_main
-from eaglenest.convert import convert, load_vocab
-from eaglenest.errors import EaglenestError, InputFileError
-from eaglenest.extract import extract_hidden_states
-from eaglenest.hidden_states import hs_path
-from eaglenest.importers import import_dump
-from eaglenest.inspect_files import inspect_path
-from eaglenest.params import ConvertParams, ExtractParams, PrepareParams
-from eaglenest.prepare import prepare_dataset
+from eaglenest.artifacts.hidden_states import hs_path
+from eaglenest.artifacts.vocab import load_vocab
+from eaglenest.commands.cli import main as cli_main
+from eaglenest.commands.importer import import_dump
+from eaglenest.commands.inspect import inspect_path
+from eaglenest.core.errors import EaglenestError, InputFileError
+from eaglenest.core.params import ConvertParams, ExtractParams, PrepareParams
+from eaglenest.stages.convert import convert
+from eaglenest.stages.extract import extract_hidden_states
+from eaglenest.stages.prepare import prepare_dataset
 
 from .helpers import pipeline_until_prepare
 
@@ -159,8 +160,8 @@ def test_pt_with_pickled_object_is_refused(tmp_path: Path):
 
 def test_import_formats_feed_the_pipeline(tmp_path: Path, tiny_verifier_dir: Path):
     """speculators-pt -> eaglenest layout -> speculators layout again; both run prepare/extract/convert."""
-    from eaglenest.params import VerifierParams
-    from eaglenest.verifier import build_verifier
+    from eaglenest.core.params import VerifierParams
+    from eaglenest.stages.verifier import build_verifier
 
     write_pt_dump(tmp_path / "dump", 6)
     counts = import_dump("speculators-pt", tmp_path / "dump", tmp_path / "imported")

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from eaglenest.errors import InputFileError
-from eaglenest.evaluate import flat_metrics, write_eval_outputs
-from eaglenest.evaluate.prompts import load_prompt_sets
-from eaglenest.params import EvaluateParams, parse_params
-from eaglenest.prepare import write_prepared
+from eaglenest.artifacts.prepared import write_prepared
+from eaglenest.core.errors import InputFileError
+from eaglenest.core.params import EvaluateParams, parse_params
+from eaglenest.stages.evaluate import flat_metrics, write_eval_outputs
+from eaglenest.stages.evaluate.prompts import load_prompt_sets
 
 from .conftest import write_jsonl
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from eaglenest.report import write_report
+from eaglenest.commands.report import write_report
 
 from .conftest import write_jsonl
 from .helpers import dvc, make_pipeline_repo, run

@@ -10,12 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eaglenest.errors import EaglenestError, ParamsError
-from eaglenest.extract import extract_hidden_states, shard_rows
-from eaglenest.extract.hf import length_sorted_batches
-from eaglenest.hidden_states import check_header, hs_path
-from eaglenest.params import ExtractParams, parse_params
-from eaglenest.prepare import load_split
+from eaglenest.artifacts.hidden_states import check_header, hs_path
+from eaglenest.artifacts.prepared import load_split
+from eaglenest.core.errors import EaglenestError, ParamsError
+from eaglenest.core.params import ExtractParams, parse_params
+from eaglenest.stages.extract import extract_hidden_states, shard_rows
+from eaglenest.stages.extract.hf import length_sorted_batches
 
 from .conftest import build_tiny_tokenizer, build_tiny_verifier
 from .helpers import pipeline_until_prepare
@@ -130,7 +130,7 @@ def test_changed_dtype_recomputes_everything(tmp_path: Path, tiny_verifier_dir: 
     verifier_dir, prepared = pipeline_until_prepare(tmp_path, tiny_verifier_dir)
     out = tmp_path / "hs"
     extract_hidden_states(ExtractParams(dtype="bfloat16"), verifier_dir, prepared, out, tmp_path / "m.json")
-    with caplog.at_level("INFO", logger="eaglenest.extract"):
+    with caplog.at_level("INFO", logger="eaglenest.stages.extract"):
         metrics = extract_hidden_states(ExtractParams(dtype="float32"), verifier_dir, prepared, out,
                                         tmp_path / "m.json")
     assert metrics["rows_computed"] == metrics["rows"] == 10

@@ -11,20 +11,20 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eaglenest.errors import EaglenestError
-from eaglenest.extract import extract_hidden_states
-from eaglenest.extract.job import ExtractionJob
-from eaglenest.extract.vllm import (
+from eaglenest.artifacts.hidden_states import hs_path
+from eaglenest.artifacts.verifier import load_verifier_info
+from eaglenest.core.errors import EaglenestError
+from eaglenest.core.params import ExtractParams
+from eaglenest.core.vllm_support import VllmBuild
+from eaglenest.stages.extract import extract_hidden_states
+from eaglenest.stages.extract.job import ExtractionJob
+from eaglenest.stages.extract.vllm import (
     WAVES_PER_CALL,
     build_llm_kwargs,
     extract_with_vllm,
     read_staged,
     staging_dir_for,
 )
-from eaglenest.hidden_states import hs_path
-from eaglenest.params import ExtractParams
-from eaglenest.verifier import load_verifier_info
-from eaglenest.vllm_support import VllmBuild
 
 from .conftest import requires_vllm
 from .helpers import pipeline_until_prepare
@@ -75,7 +75,7 @@ def make_job(tmp_path: Path, tiny_verifier_dir: Path, max_num_seqs: int = 64) ->
 
 @pytest.mark.parametrize("kind", ["cpu", "gpu"])
 def test_llm_arguments(tmp_path: Path, tiny_verifier_dir: Path, monkeypatch: pytest.MonkeyPatch, kind: str):
-    monkeypatch.setattr("eaglenest.vllm_support.installed_build", lambda: VllmBuild(kind, "vllm", "0"))
+    monkeypatch.setattr("eaglenest.core.vllm_support.installed_build", lambda: VllmBuild(kind, "vllm", "0"))
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     job, _ = make_job(tmp_path, tiny_verifier_dir)
     kwargs = build_llm_kwargs(job, tmp_path / "stage")
@@ -87,7 +87,7 @@ def test_llm_arguments(tmp_path: Path, tiny_verifier_dir: Path, monkeypatch: pyt
     }
     assert kwargs["kv_transfer_config"] == {
         "kv_connector": "EaglenestHiddenStatesConnector",
-        "kv_connector_module_path": "eaglenest.extract.vllm_connector",
+        "kv_connector_module_path": "eaglenest.stages.extract.vllm_connector",
         "kv_role": "kv_producer",
         "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "stage")},
     }
@@ -152,7 +152,7 @@ def test_token_mismatch_from_vllm_is_an_error(tmp_path: Path, tiny_verifier_dir:
 def test_vllm_backend_without_vllm_says_how_to_install(tmp_path: Path, tiny_verifier_dir: Path,
                                                         monkeypatch: pytest.MonkeyPatch):
     # Runs whether or not vLLM is installed here: the check reads only the installation's metadata.
-    monkeypatch.setattr("eaglenest.vllm_support.installed_build", lambda: None)
+    monkeypatch.setattr("eaglenest.core.vllm_support.installed_build", lambda: None)
     verifier_dir, prepared = pipeline_until_prepare(tmp_path, tiny_verifier_dir)
     with pytest.raises(EaglenestError, match=r"^extract.backend: vllm needs vLLM, which this interpreter lacks; "
                                              r"install vLLM's (CPU|GPU) build: .*or set extract.backend: hf$"):
@@ -163,7 +163,7 @@ def test_vllm_backend_without_vllm_says_how_to_install(tmp_path: Path, tiny_veri
 
 def test_vllm_is_never_imported_by_the_base_package():
     # A fresh interpreter: other tests of this session may have imported vllm already.
-    code = "import sys, eaglenest.cli, eaglenest.extract, eaglenest.extract.vllm; print('vllm' in sys.modules)"
+    code = "import sys, eaglenest.commands.cli, eaglenest.stages.extract, eaglenest.stages.extract.vllm; print('vllm' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
 
@@ -174,9 +174,9 @@ def test_connector_writes_a_cpu_buffer_in_block_order(tmp_path: Path):
     import fcntl
     from concurrent.futures import ThreadPoolExecutor
 
-    from eaglenest.extract import vllm as extract_vllm
-    from eaglenest.extract import vllm_connector
-    from eaglenest.extract.vllm_connector import EaglenestHiddenStatesConnector, PendingSave
+    from eaglenest.stages.extract import vllm as extract_vllm
+    from eaglenest.stages.extract import vllm_connector
+    from eaglenest.stages.extract.vllm_connector import EaglenestHiddenStatesConnector, PendingSave
 
     # extract_vllm names the connector by strings (importing it would import vllm): they must find it
     assert getattr(vllm_connector, extract_vllm.CONNECTOR_NAME) is EaglenestHiddenStatesConnector

@@ -19,11 +19,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-import eaglenest.atomic as atomic
-from eaglenest.atomic import TMP_MARKER, atomic_write_bytes
-from eaglenest.convert import load_vocab
-from eaglenest.errors import EaglenestError, InputFileError, ParamsError
-from eaglenest.params import Params, parse_params
+import eaglenest.core.atomic as atomic
+from eaglenest.artifacts.vocab import load_vocab
+from eaglenest.core.atomic import TMP_MARKER, atomic_write_bytes
+from eaglenest.core.errors import EaglenestError, InputFileError, ParamsError
+from eaglenest.core.params import Params, parse_params
 
 from .conftest import write_jsonl
 from .helpers import VENV_BIN, dvc, make_pipeline_repo, project_env
@@ -133,8 +133,8 @@ def test_read_only_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 
 def test_disk_full_during_extraction_then_rerun(tmp_path: Path, tiny_verifier_dir: Path,
                                                 monkeypatch: pytest.MonkeyPatch):
-    from eaglenest.extract import extract_hidden_states
-    from eaglenest.params import ExtractParams
+    from eaglenest.core.params import ExtractParams
+    from eaglenest.stages.extract import extract_hidden_states
 
     from .helpers import pipeline_until_prepare
 
@@ -161,9 +161,9 @@ def test_disk_full_during_extraction_then_rerun(tmp_path: Path, tiny_verifier_di
 
 def test_out_of_memory_says_which_param_to_lower(tmp_path: Path, tiny_verifier_dir: Path,
                                                  monkeypatch: pytest.MonkeyPatch):
-    import eaglenest.extract.hf as extract_hf
-    from eaglenest.extract import extract_hidden_states
-    from eaglenest.params import ExtractParams
+    import eaglenest.core.decoder as decoder
+    from eaglenest.core.params import ExtractParams
+    from eaglenest.stages.extract import extract_hidden_states
 
     from .helpers import pipeline_until_prepare
 
@@ -172,7 +172,7 @@ def test_out_of_memory_says_which_param_to_lower(tmp_path: Path, tiny_verifier_d
     def out_of_memory(*args, **kwargs):
         raise MemoryError
 
-    monkeypatch.setattr(extract_hf, "forward_hidden_states", out_of_memory)
+    monkeypatch.setattr(decoder, "forward_hidden_states", out_of_memory)
     with pytest.raises(EaglenestError, match=r"out of memory on cpu .* lower extract.batch_tokens \(now 8192\)"):
         extract_hidden_states(ExtractParams(), verifier_dir, prepared, tmp_path / "hs", tmp_path / "m.json")
 
@@ -182,10 +182,10 @@ def test_out_of_memory_says_which_param_to_lower(tmp_path: Path, tiny_verifier_d
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory, tiny_verifier_dir: Path) -> dict[str, Path]:
-    from eaglenest.convert import convert
-    from eaglenest.extract import extract_hidden_states
-    from eaglenest.params import ConvertParams, ExtractParams, TrainParams
-    from eaglenest.train import TrainInputs, train_draft
+    from eaglenest.core.params import ConvertParams, ExtractParams, TrainParams
+    from eaglenest.stages.convert import convert
+    from eaglenest.stages.extract import extract_hidden_states
+    from eaglenest.stages.train import TrainInputs, train_draft
 
     from .helpers import pipeline_until_prepare
 
@@ -236,7 +236,7 @@ def test_corrupt_vocabulary_files(trained: dict[str, Path], tmp_path: Path, dama
 def test_corrupt_draft_checkpoint(trained: dict[str, Path], tmp_path: Path, damage: str, message: str):
     import shutil
 
-    from eaglenest.evaluate.hf import load_draft
+    from eaglenest.artifacts.draft import load_draft
 
     draft = tmp_path / "draft"
     shutil.copytree(trained["draft"], draft)
@@ -261,9 +261,9 @@ def test_corrupt_draft_checkpoint(trained: dict[str, Path], tmp_path: Path, dama
 ])
 @pytest.mark.parametrize("which", ["prompts", "general_prompts"])
 def test_bad_prompts_file(trained: dict[str, Path], tmp_path: Path, content: str, message: str, which: str):
-    from eaglenest.evaluate.prompts import load_prompt_sets
-    from eaglenest.params import EvaluateParams
-    from eaglenest.verifier import load_tokenizer
+    from eaglenest.artifacts.verifier import load_tokenizer
+    from eaglenest.core.params import EvaluateParams
+    from eaglenest.stages.evaluate.prompts import load_prompt_sets
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(content)

@@ -11,14 +11,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eaglenest.convert import convert
-from eaglenest.errors import InputFileError
-from eaglenest.extract import extract_hidden_states
-from eaglenest.hidden_states import HIDDEN_KEY, SCALES_KEY, TOKENS_KEY, decode_hidden_states, hs_path
-from eaglenest.importers import import_dump
-from eaglenest.inspect_files import inspect_path
-from eaglenest.params import ConvertParams, ExtractParams, TrainParams
-from eaglenest.train import TrainInputs, train_draft
+from eaglenest.artifacts.hidden_states import HIDDEN_KEY, SCALES_KEY, TOKENS_KEY, decode_hidden_states, hs_path
+from eaglenest.commands.importer import import_dump
+from eaglenest.commands.inspect import inspect_path
+from eaglenest.core.errors import InputFileError
+from eaglenest.core.params import ConvertParams, ExtractParams, TrainParams
+from eaglenest.stages.convert import convert
+from eaglenest.stages.extract import extract_hidden_states
+from eaglenest.stages.train import TrainInputs, train_draft
 
 from .helpers import pipeline_until_prepare
 

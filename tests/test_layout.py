@@ -11,8 +11,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "eaglenest"
 # Pipeline order; a module belongs to the stage its path starts with (helpers below every stage belong to none).
 STAGES = {"verifier": 0, "prepare": 1, "conversations": 1, "self_instruct": 1, "regenerate": 1, "extract": 2,
           "convert": 3, "train": 4, "evaluate": 5}
-VLLM_MODULES = {"eaglenest.vllm_support", "eaglenest.extract.vllm", "eaglenest.extract.vllm_connector",
-                "eaglenest.evaluate.vllm", "eaglenest.regenerate.vllm"}
+VLLM_MODULES = {"eaglenest.core.vllm_support", "eaglenest.stages.extract.vllm", "eaglenest.stages.extract.vllm_connector",
+                "eaglenest.stages.evaluate.vllm", "eaglenest.stages.prepare.regenerate.vllm"}
 
 
 def module_name(path: Path) -> str:
@@ -31,7 +31,7 @@ def imports_of(path: Path, modules: dict[str, Path]) -> tuple[set[str], set[str]
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            # `from eaglenest.extract import hf` imports the module eaglenest.extract.hf
+            # `from eaglenest.stages.extract import hf` imports the module eaglenest.stages.extract.hf
             names = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
                      for alias in node.names]
         else:

@@ -15,12 +15,12 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from eaglenest.convert import convert
-from eaglenest.errors import EaglenestError
-from eaglenest.extract import extract_hidden_states
-from eaglenest.extract.shards import SHARDS_DIR
-from eaglenest.hidden_states import hs_path
-from eaglenest.params import ConvertParams, ExtractParams
+from eaglenest.artifacts.hidden_states import hs_path
+from eaglenest.core.errors import EaglenestError
+from eaglenest.core.params import ConvertParams, ExtractParams
+from eaglenest.stages.convert import convert
+from eaglenest.stages.extract import extract_hidden_states
+from eaglenest.stages.extract.shards import SHARDS_DIR
 
 from .helpers import REPO, equal_length_training_data, pipeline_until_prepare, project_env
 

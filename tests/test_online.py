@@ -10,18 +10,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import eaglenest.train.online as online_module
-from eaglenest.convert import convert
-from eaglenest.errors import EaglenestError, InputFileError, ParamsError
-from eaglenest.extract import extract_hidden_states
-from eaglenest.hidden_states import MANIFEST_FILE, hs_path
-from eaglenest.inspect_files import inspect_path
-from eaglenest.params import ConvertParams, ExtractParams, TrainParams, parse_params
-from eaglenest.prepare import write_prepared
-from eaglenest.train import TrainInputs, train_draft
-from eaglenest.train.data import load_training_data
-from eaglenest.train.online import OnlineTransfer
-from eaglenest.verifier import load_verifier_info
+import eaglenest.stages.train.online as online_module
+from eaglenest.artifacts.hidden_states import MANIFEST_FILE, hs_path
+from eaglenest.artifacts.prepared import write_prepared
+from eaglenest.artifacts.verifier import load_verifier_info
+from eaglenest.commands.inspect import inspect_path
+from eaglenest.core.errors import EaglenestError, InputFileError, ParamsError
+from eaglenest.core.params import ConvertParams, ExtractParams, TrainParams, parse_params
+from eaglenest.stages.convert import convert
+from eaglenest.stages.extract import extract_hidden_states
+from eaglenest.stages.train import TrainInputs, train_draft
+from eaglenest.stages.train.data import load_training_data
+from eaglenest.stages.train.online import OnlineTransfer
 
 from .helpers import pipeline_until_prepare
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from eaglenest.errors import ParamsError
-from eaglenest.params import Params, load_params, parse_params
-from eaglenest.verifier import check_aux_layers, default_aux_layers
+from eaglenest.core.errors import ParamsError
+from eaglenest.core.params import Params, load_params, parse_params
+from eaglenest.stages.verifier import check_aux_layers, default_aux_layers
 
 from .helpers import REPO
 

@@ -9,15 +9,11 @@ import pytest
 import torch
 from datasets import load_from_disk
 
-from eaglenest.chat import end_of_turn_ids
-from eaglenest.errors import TemplateError
-from eaglenest.params import PrepareParams
-from eaglenest.prepare import (
-    first_user_turn,
-    load_split,
-    prepare_dataset,
-    render_rows,
-)
+from eaglenest.artifacts.prepared import load_split
+from eaglenest.core.chat import end_of_turn_ids
+from eaglenest.core.errors import TemplateError
+from eaglenest.core.params import PrepareParams
+from eaglenest.stages.prepare import first_user_turn, prepare_dataset, render_rows
 
 from .conftest import write_jsonl
 from .helpers import expected_from_pieces

@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 from datasets import load_from_disk
 
-from eaglenest.chat import chat_template_kwargs, end_of_turn_ids, strip_reasoning, without_reasoning
-from eaglenest.errors import ParamsError
-from eaglenest.params import PrepareParams
-from eaglenest.prepare import CHAT_FILE, load_chat_kwargs, load_split, prepare_dataset, render_rows
-from eaglenest.regenerate import regenerate
+from eaglenest.artifacts.prepared import CHAT_FILE, load_chat_kwargs, load_split
+from eaglenest.core.chat import chat_template_kwargs, end_of_turn_ids, strip_reasoning, without_reasoning
+from eaglenest.core.errors import ParamsError
+from eaglenest.core.params import PrepareParams
+from eaglenest.stages.prepare import prepare_dataset, render_rows
+from eaglenest.stages.prepare.regenerate import regenerate
 
 from .conftest import build_tiny_tokenizer, write_jsonl
 from .helpers import KIMI_K2_LIKE, QWEN3_LIKE, expected_from_pieces
@@ -165,7 +166,7 @@ def test_regeneration_renders_with_the_switch_and_keeps_or_drops_thinking(tmp_pa
 
 
 def test_reasoning_content_is_read_from_conversation_files(tmp_path: Path):
-    from eaglenest.conversations import read_source
+    from eaglenest.stages.prepare.sources import read_source
 
     source = write_jsonl(tmp_path / "chats.jsonl", [{"messages": FIELD}])
     (conversation,) = read_source(str(source))

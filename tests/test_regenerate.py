@@ -12,12 +12,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eaglenest.chat import end_of_turn_ids
-from eaglenest.params import PrepareParams
-from eaglenest.prepare import prepare_dataset
-from eaglenest.regenerate import regenerate
-from eaglenest.regenerate.hf import hf_reply_generator
-from eaglenest.vllm_support import installed_build
+from eaglenest.core.chat import end_of_turn_ids
+from eaglenest.core.params import PrepareParams
+from eaglenest.core.vllm_support import installed_build
+from eaglenest.stages.prepare import prepare_dataset
+from eaglenest.stages.prepare.regenerate import regenerate
+from eaglenest.stages.prepare.regenerate.hf import hf_reply_generator
 
 from .conftest import requires_vllm, write_jsonl
 from .helpers import project_env
@@ -97,7 +97,7 @@ def test_prepare_with_regeneration_masks_exactly_the_new_replies(tiny_verifier_d
 
 
 def test_trim_keeps_the_first_n_replies():
-    from eaglenest.prepare import trim_conversation
+    from eaglenest.stages.prepare import trim_conversation
 
     two = CONVERSATIONS[1] + [{"role": "user", "content": "bye"}]
     assert trim_conversation(two, None) == CONVERSATIONS[1]  # trailing user turn dropped
@@ -116,7 +116,7 @@ class _FakeRequestOutput:
 
 
 def test_vllm_regeneration_arguments(tiny_verifier_dir: Path, tmp_path: Path):
-    from eaglenest.regenerate.vllm import build_regenerate_llm_kwargs, build_sampling_kwargs
+    from eaglenest.stages.prepare.regenerate.vllm import build_regenerate_llm_kwargs, build_sampling_kwargs
 
     info, model_dir = load_verifier_info_for(tiny_verifier_dir, tmp_path)
     params = PrepareParams(regenerate=True, regenerate_backend="vllm", max_len=256, regenerate_max_new_tokens=64,
@@ -145,8 +145,9 @@ def test_vllm_regeneration_arguments(tiny_verifier_dir: Path, tmp_path: Path):
 
 def load_verifier_info_for(tiny_verifier_dir: Path, tmp_path: Path):
     """verifier.json for the tiny model, as the verifier stage writes it."""
-    from eaglenest.params import VerifierParams
-    from eaglenest.verifier import build_verifier, load_verifier_info
+    from eaglenest.artifacts.verifier import load_verifier_info
+    from eaglenest.core.params import VerifierParams
+    from eaglenest.stages.verifier import build_verifier
 
     out = tmp_path / "verifier"
     build_verifier(VerifierParams(model=str(tiny_verifier_dir)), out)
@@ -154,7 +155,7 @@ def load_verifier_info_for(tiny_verifier_dir: Path, tmp_path: Path):
 
 
 def test_vllm_replies_are_cut_after_the_end_of_turn_token():
-    from eaglenest.regenerate.vllm import replies_from_outputs
+    from eaglenest.stages.prepare.regenerate.vllm import replies_from_outputs
 
     outputs = [_FakeRequestOutput((5, 6, 2, 9)), _FakeRequestOutput([5, 6]), _FakeRequestOutput([])]
     assert replies_from_outputs(outputs, {2}) == [[5, 6, 2], [5, 6], []]
@@ -162,10 +163,10 @@ def test_vllm_replies_are_cut_after_the_end_of_turn_token():
 
 def test_vllm_regeneration_without_vllm_says_how_to_install(tiny_verifier_dir: Path, tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch):
-    from eaglenest import vllm_support
-    from eaglenest.errors import EaglenestError
-    from eaglenest.regenerate.job import GeneratorJob
-    from eaglenest.regenerate.vllm import vllm_reply_generator
+    from eaglenest.core import vllm_support
+    from eaglenest.core.errors import EaglenestError
+    from eaglenest.stages.prepare.regenerate.job import GeneratorJob
+    from eaglenest.stages.prepare.regenerate.vllm import vllm_reply_generator
 
     # Runs whether vLLM is installed or not: the check reads the installation through installed_build().
     monkeypatch.setattr(vllm_support, "installed_build", lambda: None)
@@ -184,12 +185,12 @@ VLLM_REGENERATION_SCRIPT = """
 import json, sys
 from pathlib import Path
 
-from eaglenest.params import PrepareParams
-from eaglenest.chat import end_of_turn_ids
-from eaglenest.regenerate import regenerate
-from eaglenest.regenerate.job import GeneratorJob
-from eaglenest.regenerate.vllm import vllm_reply_generator
-from eaglenest.verifier import load_tokenizer, load_verifier_info
+from eaglenest.core.params import PrepareParams
+from eaglenest.core.chat import end_of_turn_ids
+from eaglenest.stages.prepare.regenerate import regenerate
+from eaglenest.stages.prepare.regenerate.job import GeneratorJob
+from eaglenest.stages.prepare.regenerate.vllm import vllm_reply_generator
+from eaglenest.stages.verifier import load_tokenizer, load_verifier_info
 
 if __name__ == "__main__":
     verifier_dir, job, out = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text()), Path(sys.argv[3])
@@ -215,8 +216,8 @@ if __name__ == "__main__":
 def chitchat_first_replies(count: int, seed: int = 0) -> list[list[dict[str, str]]]:
     """The first ``count`` conversations the prepare stage would pick from the built-in chitchat set (same
     shuffle), each cut after its first assistant reply."""
-    from eaglenest.conversations import read_sources
-    from eaglenest.prepare import trim_conversation
+    from eaglenest.stages.prepare import trim_conversation
+    from eaglenest.stages.prepare.sources import read_sources
 
     conversations = read_sources(["builtin:chitchat"])
     order = list(range(len(conversations)))
@@ -254,7 +255,7 @@ def recorded_hf_replies(model, tokenizer, eos, conversations, params: PreparePar
 def test_vllm_regeneration_equals_hf_token_for_token_in_float32(smollm2_repo: Path, tmp_path: Path):
     """At temperature 0 in float32 both back ends write the same replies, token for token, for the real
     SmolLM2 verifier on chitchat conversations."""
-    from eaglenest.verifier import load_tokenizer, load_verifier_info
+    from eaglenest.artifacts.verifier import load_tokenizer, load_verifier_info
 
     verifier_dir = smollm2_repo / "models" / "verifier"
     params = PrepareParams(regenerate_backend="vllm", regenerate_vllm_dtype="float32", regenerate_temperature=0.0,

@@ -14,10 +14,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from eaglenest.chat import cut_after_end_of_turn
-from eaglenest.evaluate.acceptance import Acceptance
-from eaglenest.evaluate.ngram import ngram_acceptance
-from eaglenest.evaluate.speculative import EagleDrafter, VerifierRunner, _verify, speculative_decode
+from eaglenest.core.chat import cut_after_end_of_turn
+from eaglenest.stages.evaluate.acceptance import Acceptance
+from eaglenest.stages.evaluate.ngram import ngram_acceptance
+from eaglenest.stages.evaluate.speculative import EagleDrafter, VerifierRunner, _verify, speculative_decode
 
 K = 3
 PROMPT = [5, 17, 42, 8, 99, 23, 7]
@@ -129,11 +129,11 @@ def test_always_wrong_draft_gives_tau_one(verifier: VerifierRunner):
 
 def test_trained_draft_is_lossless_at_temperature_zero(verifier: VerifierRunner, tmp_path: Path,
                                                        tiny_verifier_dir: Path):
-    from eaglenest.convert import convert
-    from eaglenest.evaluate.hf import load_draft
-    from eaglenest.extract import extract_hidden_states
-    from eaglenest.params import ConvertParams, ExtractParams, TrainParams
-    from eaglenest.train import TrainInputs, train_draft
+    from eaglenest.artifacts.draft import load_draft
+    from eaglenest.core.params import ConvertParams, ExtractParams, TrainParams
+    from eaglenest.stages.convert import convert
+    from eaglenest.stages.extract import extract_hidden_states
+    from eaglenest.stages.train import TrainInputs, train_draft
 
     from .helpers import pipeline_until_prepare
 
@@ -158,9 +158,9 @@ def test_trained_draft_is_lossless_at_temperature_zero(verifier: VerifierRunner,
 @pytest.fixture(scope="module")
 def random_draft(tiny_verifier_dir: Path) -> Any:
     """A random but non-trivial EAGLE-3 draft for the tiny verifier (full vocabulary, no d2t)."""
-    from eaglenest.params import TrainParams
-    from eaglenest.train.model import build_draft
-    from eaglenest.verifier import VerifierInfo
+    from eaglenest.artifacts.verifier import VerifierInfo
+    from eaglenest.core.params import TrainParams
+    from eaglenest.stages.train.model import build_draft
 
     info = VerifierInfo(source="x", kind="local", path=str(tiny_verifier_dir), name="x", fingerprint="x",
                         model_type="llama", num_layers=8, hidden_size=32, vocab_size=VOCAB,

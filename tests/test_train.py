@@ -9,14 +9,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import eaglenest.train as train_module
-from eaglenest.convert import convert
-from eaglenest.errors import EaglenestError, ParamsError
-from eaglenest.extract import extract_hidden_states
-from eaglenest.params import ConvertParams, ExtractParams, TrainParams, parse_params
-from eaglenest.train import TrainInputs, train_draft
-from eaglenest.train.data import pack_batches
-from eaglenest.train.validation import tau_from_conditional
+import eaglenest.stages.train as train_module
+from eaglenest.core.errors import EaglenestError, ParamsError
+from eaglenest.core.params import ConvertParams, ExtractParams, TrainParams, parse_params
+from eaglenest.stages.convert import convert
+from eaglenest.stages.extract import extract_hidden_states
+from eaglenest.stages.train import TrainInputs, train_draft
+from eaglenest.stages.train.data import pack_batches
+from eaglenest.stages.train.validation import tau_from_conditional
 
 from .helpers import pipeline_until_prepare
 
@@ -138,7 +138,7 @@ def test_bad_params_are_refused_before_training(converted: dict[str, Path], tmp_
 
 def test_precision_auto_follows_the_device(monkeypatch: pytest.MonkeyPatch):
     """bf16 autocast where the CPU multiplies bf16 natively, float32 where it would be emulated (slower)."""
-    import eaglenest.train.model as model_module
+    import eaglenest.stages.train.model as model_module
 
     layer = torch.nn.Linear(8, 8)
     for native, expected in ((True, torch.bfloat16), (False, torch.float32)):
@@ -169,8 +169,8 @@ def test_bf16_and_fp32_training_agree(converted: dict[str, Path], tmp_path: Path
 def test_loss_on_every_token_trains_prompts_too_and_validates_replies(converted: dict[str, Path], tmp_path: Path):
     """train.loss_tokens: all puts the loss on every position of a training batch, prompts included; the
     validation batches, and every batch under 'replies', keep prepare's loss mask (the assistant turns)."""
-    from eaglenest.train.data import load_training_data
-    from eaglenest.verifier import load_verifier_info
+    from eaglenest.artifacts.verifier import load_verifier_info
+    from eaglenest.stages.train.data import load_training_data
 
     verifier, _ = load_verifier_info(converted["verifier"])
     args = (verifier, converted["prepared"], converted["hs"], converted["vocab"], torch.float32)
@@ -198,7 +198,7 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line_and_keeps_the_last(tmp_
                                                                             monkeypatch: pytest.MonkeyPatch):
     """A full disk (torch's zip writer: "unexpected pos") stops training with one line naming the checkpoint;
     no temp file is left and the previous checkpoint still resumes."""
-    from eaglenest.train import checkpoint as checkpoint_module
+    from eaglenest.stages.train import checkpoint as checkpoint_module
 
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.AdamW(model.parameters())

@@ -7,15 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from eaglenest.errors import EaglenestError, ParamsError
-from eaglenest.params import VerifierParams
-from eaglenest.verifier import (
-    INFO_FILE,
-    build_verifier,
-    fingerprint_model_dir,
-    load_tokenizer,
-    load_verifier_info,
-)
+from eaglenest.artifacts.verifier import INFO_FILE, load_tokenizer, load_verifier_info
+from eaglenest.core.errors import EaglenestError, ParamsError
+from eaglenest.core.params import VerifierParams
+from eaglenest.stages.verifier import build_verifier, fingerprint_model_dir
 
 from .conftest import build_tiny_verifier
 
@@ -124,7 +119,7 @@ def test_weight_hashes_are_read_once_per_path_size_and_mtime(tmp_path: Path, tin
     import hashlib
     import os
 
-    from eaglenest import verifier as verifier_module
+    from eaglenest.stages import verifier as verifier_module
 
     model = _copy_with_weights(tiny_verifier_dir, tmp_path / "model", lambda tensors: None)
     cache = tmp_path / "hashes.json"

@@ -10,9 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from eaglenest.errors import EaglenestError
-from eaglenest.evaluate.lossless import TIE_CANDIDATES, first_divergence, lossless_counts
-from eaglenest.evaluate.vllm import (
+from eaglenest.core.errors import EaglenestError
+from eaglenest.core.params import EvaluateParams
+from eaglenest.core.vllm_support import VllmBuild
+from eaglenest.stages.evaluate.lossless import TIE_CANDIDATES, first_divergence, lossless_counts
+from eaglenest.stages.evaluate.vllm import (
     build_evaluate_llm_kwargs,
     check_counters,
     counter_delta,
@@ -20,8 +22,6 @@ from eaglenest.evaluate.vllm import (
     read_counters,
     top_candidates,
 )
-from eaglenest.params import EvaluateParams
-from eaglenest.vllm_support import VllmBuild
 
 from .conftest import requires_vllm
 from .helpers import REPO, hf_reference, run_evaluate
@@ -45,7 +45,7 @@ class Logprob:
 # --- the engines' arguments ------------------------------------------------------------------------------
 def test_both_engines_share_the_gpu_memory_and_the_tensor_parallel_width(monkeypatch: pytest.MonkeyPatch,
                                                                         tmp_path: Path):
-    from eaglenest import vllm_support
+    from eaglenest.core import vllm_support
 
     (tmp_path / "config.json").write_text(json.dumps({"dtype": "bfloat16"}))
     monkeypatch.setattr(vllm_support, "installed_build", lambda: VllmBuild("gpu", "vllm", "0.33.0"))

@@ -24,8 +24,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from eaglenest.extract.vllm import WAVES_PER_CALL, staging_dir_for
-from eaglenest.hidden_states import HIDDEN_KEY, TOKENS_KEY, hs_path
+from eaglenest.artifacts.hidden_states import HIDDEN_KEY, TOKENS_KEY, hs_path
+from eaglenest.stages.extract.vllm import WAVES_PER_CALL, staging_dir_for
 
 from .conftest import requires_vllm
 from .helpers import VENV_BIN, dvc, make_pipeline_repo, project_env, run
@@ -61,7 +61,7 @@ def subset_prepared(source: Path, dest: Path) -> None:
     """The first TRAIN_ROWS train rows and VAL_ROWS validation rows of ``source``, as prepare writes them."""
     from datasets import load_from_disk
 
-    from eaglenest.prepare import VAL_PROMPTS_FILE, load_split, write_prepared
+    from eaglenest.artifacts.prepared import VAL_PROMPTS_FILE, load_split, write_prepared
 
     train_rows = load_split(source)["train_rows"]
     dataset = load_from_disk(str(source))

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from eaglenest import vllm_support
-from eaglenest.errors import EaglenestError
-from eaglenest.vllm_support import VllmBuild
+from eaglenest.core import vllm_support
+from eaglenest.core.errors import EaglenestError
+from eaglenest.core.vllm_support import VllmBuild
 
 from .conftest import requires_vllm
 

@@ -1,5 +1,5 @@
 """``python -m eaglenest``: the same as the ``eaglenest`` command."""
 
-from eaglenest.cli import main
+from eaglenest.commands.cli import main
 
 raise SystemExit(main())

@@ -1,0 +1,79 @@
+"""The prepared dataset: what the prepare stage writes and extract, convert, train and evaluate read.
+
+A ``datasets`` ``save_to_disk`` folder in speculators' ``prepare-data`` schema (``input_ids``, ``loss_mask``
+int64 lists, ``seq_len``), train rows first and validation rows last, so speculators' ``ArrowDataset`` opens it;
+beside it ``split.json`` (row counts and the ``train_ratio`` that reproduces the split in speculators),
+``val_prompts.jsonl`` (each validation conversation up to its first user turn, for evaluation prompts) and, only
+with ``prepare.reasoning`` set, ``chat_template_kwargs.json`` (how the rows were rendered, so evaluation renders
+its prompts the same way).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from eaglenest.core.atomic import atomic_directory, atomic_write_bytes, atomic_write_json
+from eaglenest.core.errors import EaglenestError
+
+SPLIT_FILE = "split.json"
+
+
+VAL_PROMPTS_FILE = "val_prompts.jsonl"
+
+
+# Written only with prepare.reasoning set: the chat-template arguments the rows were rendered with, so the
+# evaluate stage renders its prompts the same way.
+CHAT_FILE = "chat_template_kwargs.json"
+
+
+def write_prepared(out_dir: Path, input_ids: list[list[int]], loss_mask: list[list[int]], train_rows: int,
+                   val_prompts: list[dict[str, Any]], chat_kwargs: dict[str, Any] | None = None) -> None:
+    """Writes the prepared dataset (speculators' schema, torch format), split.json and val_prompts.jsonl, and
+    the chat-template arguments when there are any."""
+    with atomic_directory(out_dir) as tmp:
+        write_prepared_into(tmp, input_ids, loss_mask, train_rows, val_prompts)
+        if chat_kwargs:
+            atomic_write_json(tmp / CHAT_FILE, chat_kwargs)
+
+
+def load_chat_kwargs(prepared_dir: Path) -> dict[str, Any]:
+    """The chat-template arguments prepare rendered with (``prepare.reasoning``), or none."""
+    path = Path(prepared_dir) / CHAT_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def write_prepared_into(directory: Path, input_ids: list[list[int]], loss_mask: list[list[int]], train_rows: int,
+                        val_prompts: list[dict[str, Any]]) -> None:
+    """:func:`write_prepared` into an existing folder (for callers that add files and rename it themselves)."""
+    from datasets import Dataset, Features, Sequence, Value
+
+    features = Features({
+        "input_ids": Sequence(Value("int64")),
+        "loss_mask": Sequence(Value("int64")),
+        "seq_len": Value("int64"),
+    })
+    dataset = Dataset.from_dict(
+        {"input_ids": input_ids, "loss_mask": loss_mask, "seq_len": [len(ids) for ids in input_ids]},
+        features=features,
+    )
+    dataset.set_format(type="torch")  # speculators' ArrowDataset indexes rows as tensors
+    dataset.save_to_disk(str(directory))
+    # speculators splits with split_idx = int(len * train_ratio); the +0.5 keeps float error out.
+    atomic_write_json(directory / SPLIT_FILE, {
+        "train_rows": train_rows,
+        "val_rows": len(input_ids) - train_rows,
+        "train_ratio": (train_rows + 0.5) / len(input_ids),
+    })
+    lines = "".join(json.dumps(prompt) + "\n" for prompt in val_prompts)
+    atomic_write_bytes(directory / VAL_PROMPTS_FILE, lines.encode())
+
+
+def load_split(prepared_dir: Path) -> dict[str, Any]:
+    """The train/val row counts written by prepare."""
+    path = Path(prepared_dir) / SPLIT_FILE
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise EaglenestError(f"{path} does not exist; run the prepare stage first (`dvc repro prepare`)") from None

@@ -1,0 +1,106 @@
+"""The ``eaglenest`` command. Heavy imports happen inside the subcommands, so ``doctor`` runs anywhere."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from eaglenest.core.errors import EaglenestError
+
+
+def _doctor(_args: argparse.Namespace) -> int:
+    from eaglenest.commands.doctor import doctor
+
+    return doctor()
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from eaglenest.commands.inspect import inspect_path
+
+    for path in args.paths:
+        print("\n".join(inspect_path(Path(path))))
+    return 0
+
+
+def _import(args: argparse.Namespace) -> int:
+    from eaglenest.commands.importer import import_dump
+
+    counts = import_dump(args.format, Path(args.source), Path(args.out), args.val_fraction)
+    print(f"imported {counts['samples']} samples ({counts['layers']} layers x {counts['hidden_size']}) into "
+          f"{args.out}\nuse it with params: prepare.source: [import:{args.out}], extract.backend: import, "
+          f"extract.import_path: {args.out}/hidden_states")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from eaglenest.commands.report import write_report
+
+    print(write_report(Path(args.repo), args.revisions, args.base, Path(args.out)))
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from eaglenest.commands.serve import serve
+
+    return serve(Path(args.verifier), Path(args.draft), args.host, args.port, args.dtype, args.print_command)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with every subcommand."""
+    parser = argparse.ArgumentParser(prog="eaglenest", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    doctor = commands.add_parser(
+        "doctor", help="check the interpreter, the installed packages and the device"
+    )
+    doctor.set_defaults(func=_doctor)
+
+    inspect = commands.add_parser(
+        "inspect", help="show keys, shapes, dtypes, value ranges and token counts of dumps and checkpoints"
+    )
+    inspect.add_argument("paths", nargs="+", help="a .safetensors/.pt/.npy file, a checkpoint, dataset or folder")
+    inspect.set_defaults(func=_inspect)
+
+    importer = commands.add_parser("import", help="turn hidden states dumped by other tools into eaglenest's layout")
+    importer.add_argument("--format", required=True,
+                          help="speculators-pt (one .pt per sample) or speculators (0.9 / vLLM hs_{i}.safetensors)")
+    importer.add_argument("source", help="the dump (a folder)")
+    importer.add_argument("--out", required=True, help="output folder: a dataset with hidden_states/ inside")
+    importer.add_argument("--val-fraction", type=float, default=0.05, help="last rows held out for validation")
+    importer.set_defaults(func=_import)
+
+    report = commands.add_parser("report", help="Markdown report of metrics and plots (as images) against a base")
+    report.add_argument("revisions", nargs="*", help="git revisions, DVC experiment names or 'workspace' "
+                                                      "(default: workspace)")
+    report.add_argument("--base", default="HEAD", help="the revision to compare against (default: HEAD)")
+    report.add_argument("--out", default="report", help="output folder (report.md and PNG plots)")
+    report.add_argument("--repo", default=".", help="the repository (default: the current folder)")
+    report.set_defaults(func=_report)
+
+    server = commands.add_parser(
+        "serve", help="run vLLM's OpenAI-compatible server for the verifier with the trained EAGLE-3 draft"
+    )
+    server.add_argument("--verifier", default="models/verifier", help="the verifier stage's output folder")
+    server.add_argument("--draft", default="models/draft", help="the train stage's draft checkpoint")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    server.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    server.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="compute dtype; auto serves an fp32 checkpoint in bfloat16 (default: auto)")
+    server.add_argument("--print-command", action="store_true",
+                        help="print the exact server command instead of running it")
+    server.set_defaults(func=_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except EaglenestError as err:
+        print(f"eaglenest {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

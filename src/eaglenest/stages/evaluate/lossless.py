@@ -1,0 +1,92 @@
+"""When is speculative decoding lossless? The rule per back end and dtype, applied to decoded tokens.
+
+Speculative decoding with greedy verification must emit exactly the tokens of plain greedy decoding. That
+holds bit for bit only where the verify forward over K+1 positions computes the same argmax as K+1
+one-token forwards, which float32 does and lower precision does not quite (see :mod:`eaglenest.stages.evaluate`
+for the rule each back end applies). This module holds the comparison; the back ends supply tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Where a speculative output first leaves plain decoding.
+
+    Attributes:
+        position: Index of the first differing output token.
+        plain_token: Plain decoding's token there; None where plain output had already ended.
+        spec_token: Speculative decoding's token there; None where it had already ended.
+        gap: The plain run's top log-prob minus its log-prob of ``spec_token`` there; None when
+            ``spec_token`` is not among the recorded candidates (or none were recorded).
+        spec_rank: ``spec_token``'s rank among the plain run's candidates there (1 = its second choice).
+    """
+
+    position: int
+    plain_token: int | None
+    spec_token: int | None
+    gap: float | None
+    spec_rank: int | None
+
+    def is_near_tie(self, margin: float) -> bool:
+        """The below-float32 rule: speculation took one of plain's top candidates, within ``margin`` of its
+        best."""
+        return self.gap is not None and self.gap <= margin
+
+
+# How many of the plain run's best tokens are recorded per position: enough for a three-way near-tie.
+TIE_CANDIDATES = 5
+# One entry per plain output token: the plain run's top candidates, best first, as (token id, log-prob).
+TopCandidates = list[tuple[int, float]]
+
+
+def first_divergence(plain: list[int], spec: list[int], plain_top: list[TopCandidates] | None = None
+                     ) -> Divergence | None:
+    """The first position where ``spec`` differs from ``plain``; None when the two are identical.
+
+    Args:
+        plain: Plain decoding's output token ids.
+        spec: Speculative decoding's output token ids for the same prompt.
+        plain_top: The plain run's top candidates (token, log-prob) at every output position, if recorded.
+    """
+    if plain == spec:
+        return None
+    position = next((i for i, (a, b) in enumerate(zip(plain, spec, strict=False)) if a != b),
+                    min(len(plain), len(spec)))
+    plain_token = plain[position] if position < len(plain) else None
+    spec_token = spec[position] if position < len(spec) else None
+    top = plain_top[position] if plain_top is not None and position < len(plain_top) else []
+    ranks = {token: rank for rank, (token, _) in enumerate(top)}
+    if plain_token is None or spec_token not in ranks:
+        # One output ended where the other went on, or speculation emitted a token plain decoding did not
+        # even consider: not a flipped near-tie.
+        return Divergence(position, plain_token, spec_token, None, None)
+    rank = ranks[spec_token]
+    return Divergence(position, plain_token, spec_token, round(top[0][1] - top[rank][1], 6), rank)
+
+
+def lossless_counts(plains: list[list[int]], specs: list[list[int]], plain_tops: list[list[TopCandidates]] | None,
+                    tie_margin: float | None) -> dict[str, Any]:
+    """identical_fraction, lossless_fraction and the divergences behind them (see the module docstring).
+
+    Args:
+        plains: Plain outputs, one per prompt.
+        specs: Speculative outputs of the same prompts, same order.
+        plain_tops: The plain run's top candidates per output position, per prompt; needed for the tie rule.
+        tie_margin: None for the exact rule (float32); else the largest top-2 log-prob gap a flipped
+            near-tie may have (``evaluate.bf16_tie_margin``).
+    """
+    divergences = [first_divergence(p, s, plain_tops[i] if plain_tops is not None else None)
+                   for i, (p, s) in enumerate(zip(plains, specs, strict=True))]
+    identical = sum(d is None for d in divergences)
+    lossless = sum(d is None or (tie_margin is not None and d.is_near_tie(tie_margin)) for d in divergences)
+    return {
+        "identical_fraction": round(identical / len(plains), 4),
+        "lossless_fraction": round(lossless / len(plains), 4),
+        # Where outputs parted, how far below plain's best the emitted token was (null: not among plain's
+        # top candidates): what evaluate.bf16_tie_margin is judged against.
+        "divergence_gaps": [d.gap for d in divergences if d is not None],
+    }

