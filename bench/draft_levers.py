@@ -15,7 +15,7 @@ schedule) on any aux layers among them, without re-extracting, and prints `tau_s
 from the conditional accuracies of the TTT steps, as the train stage reports it) on the mix's val split,
 the general set and the unseen set every --every steps. The probe replies are the verifier's greedy ones,
 so `tau_sim` there estimates what the evaluate stage decodes (it runs 0.1-0.15 above the decoded `tau`).
-Results of the session-23 sweep are in docs/defaults.md.
+Results of the sweeps are in docs/defaults.md.
 """
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ from typing import Any
 import torch
 
 from eaglenest.artifacts.verifier import load_verifier_info
-from eaglenest.artifacts.vocab import load_vocab
+from eaglenest.artifacts.vocab import load_rows, load_vocab
 from eaglenest.core.chat import cut_after_end_of_turn, end_of_turn_ids
 from eaglenest.core.decoder import capture_residual_stream, hidden_states_of_rows, load_decoder
 from eaglenest.core.params import load_params
 from eaglenest.stages.evaluate.prompts import load_prompts
 from eaglenest.stages.extract.hf import length_sorted_batches
-from eaglenest.stages.train import _lr_lambda
 from eaglenest.stages.train.data import PackedBatches, TrainingData, every_token_mask, pack_batches
+from eaglenest.stages.train.loop import build_optimization, train_step
 from eaglenest.stages.train.model import build_draft, draft_runtime
 from eaglenest.stages.train.validation import validate_draft
 
@@ -96,7 +96,7 @@ def capture(layers: list[int]) -> None:
     print(f"prepared: {len(sequences)} rows in {time.perf_counter() - started:.0f} s", flush=True)
 
 
-def load_rows(name: str, aux: list[int], final: int, dtype: torch.dtype) -> list[dict[str, torch.Tensor]]:
+def load_captured(name: str, aux: list[int], final: int, dtype: torch.dtype) -> list[dict[str, torch.Tensor]]:
     """One captured set as speculators' dataset items: aux layers concatenated ``[T, len(aux) * hidden]``."""
     stored = torch.load(RESULTS / f"{name}.pt", weights_only=True)
     missing = [a for a in aux + [final] if a not in stored["layer_ids"]]
@@ -115,7 +115,6 @@ def load_rows(name: str, aux: list[int], final: int, dtype: torch.dtype) -> list
 
 def train(args: argparse.Namespace) -> None:
     """Trains one draft on the captured streams and prints tau_sim on the three sets as it goes."""
-    import json
 
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.data import CollateFn
@@ -130,38 +129,33 @@ def train(args: argparse.Namespace) -> None:
     collate = CollateFn(max_len=params.total_seq_len, hidden_size=verifier.hidden_size, num_target_layers=len(aux),
                         dtype=runtime.hs_dtype, preprocess=shift_batch)
 
-    rows = json.loads(Path("data/vocab/rows.json").read_text())
-    items = load_rows("prepared", aux, verifier.num_layers, runtime.hs_dtype)
+    rows = load_rows(Path("data/vocab"))
+    items = load_captured("prepared", aux, verifier.num_layers, runtime.hs_dtype)
     train_rows = rows["train"][: int(len(rows["train"]) * args.train_fraction)]
     if args.loss_on == "all":  # as train.loss_tokens: all; the val rows keep the replies' mask
         for row in train_rows:
             items[row]["loss_mask"] = every_token_mask(items[row]["loss_mask"], params.ttt_steps)
     lengths = [len(item["input_ids"]) for item in items]
-    data = TrainingData(items, collate, {"train": train_rows, "val": rows["val"]}, lengths)
+    data = TrainingData(items, collate, {"train": train_rows, "val": rows["val"]}, lengths, online=None,
+                        loss_on_every_token=False, ttt_steps=params.ttt_steps)  # the mask is set above
     sets = {"val": (data, pack_batches(rows["val"], lengths, params.total_seq_len, params.seed, 0))}
     for name in PROBES:
-        probe = load_rows(name, aux, verifier.num_layers, runtime.hs_dtype)
+        probe = load_captured(name, aux, verifier.num_layers, runtime.hs_dtype)
         probe_lengths = [len(item["input_ids"]) for item in probe]
-        sets[name] = (TrainingData(probe, collate, {"val": list(range(len(probe)))}, probe_lengths),
+        probe_data = TrainingData(probe, collate, {"val": list(range(len(probe)))}, probe_lengths, online=None,
+                                  loss_on_every_token=False, ttt_steps=params.ttt_steps)
+        sets[name] = (probe_data,
                       pack_batches(list(range(len(probe))), probe_lengths, params.total_seq_len, params.seed, 0))
 
     model = build_draft(verifier, model_dir, params, vocab["draft_vocab_size"], d2t, t2d, runtime.attention)
     model.train()
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=params.lr, weight_decay=params.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(params))
+    optimization = build_optimization(model, params)  # the train stage's optimizer, schedule and step
     batches = PackedBatches(train_rows, lengths, params.total_seq_len, params.seed).from_step(0)
     label = (f"aux={aux} layers={args.num_layers} loss_on={args.loss_on} train_rows={len(train_rows)} "
              f"precision={runtime.precision}")
     started = time.perf_counter()
     for step in range(1, params.steps + 1):
-        with runtime.autocast():
-            _, loss, _ = model(**data.batch(next(batches), runtime.device), **runtime.forward_kwargs)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainable, params.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        train_step(model, data.batch(next(batches), runtime.device), runtime, optimization, params)
         if step % args.every == 0 or step == params.steps:
             figures = []
             for name, (set_data, set_batches) in sets.items():

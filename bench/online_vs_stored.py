@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from eaglenest.core.params import load_params
 from eaglenest.stages.extract import extract_hidden_states
-from eaglenest.stages.train import TrainInputs, train_draft
+from eaglenest.stages.train import TrainPaths, train_draft
 
 
 def main() -> None:
@@ -38,7 +38,7 @@ def main() -> None:
                               Path("data/prepared"), manifest_dir, tmp / "extract.json")
         for name, hidden_states in (("stored", Path("data/hidden_states")), ("online", manifest_dir)):
             out = tmp / name
-            results[name] = train_draft(train, TrainInputs(
+            results[name] = train_draft(train, TrainPaths(
                 verifier=Path("models/verifier"), prepared=Path("data/prepared"), hidden_states=hidden_states,
                 vocab=Path("data/vocab"), out=out / "draft", metrics=out / "train.json", live_dir=out / "live",
                 checkpoints=out / "ck"))

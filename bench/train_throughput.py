@@ -20,8 +20,9 @@ import torch
 from eaglenest.artifacts.verifier import load_verifier_info
 from eaglenest.artifacts.vocab import load_vocab
 from eaglenest.core.params import load_params
-from eaglenest.stages.train import TrainInputs, train_draft
+from eaglenest.stages.train import TrainPaths, train_draft
 from eaglenest.stages.train.data import load_training_data, pack_batches
+from eaglenest.stages.train.loop import build_optimization, train_step
 from eaglenest.stages.train.model import build_draft, draft_runtime
 
 
@@ -51,21 +52,16 @@ def main() -> None:
     # (b) bare: batches collated up front, then only forward + backward + optimizer step.
     collated = [data.batch(b, runtime.device) for b in batches]
     model = build_draft(verifier, model_dir, params, vocab["draft_vocab_size"], d2t, t2d, runtime.attention)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=params.lr)
-    kwargs = {**runtime.forward_kwargs, "ttt_step_loss_decay": 1.0}
+    optimization = build_optimization(model, params)
     started = time.perf_counter()
-    for batch in collated:
-        with runtime.autocast():  # train.precision, as the stage runs it
-            _, loss, _ = model(**batch, **kwargs)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    for batch in collated:  # the stage's own step (train.precision's autocast, clipping, schedule)
+        train_step(model, batch, runtime, optimization, params)
     bare = time.perf_counter() - started
 
     # (a) the stage's own loop over the same batches (same seed, epoch 0, first --steps batches).
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        metrics = train_draft(params, TrainInputs(
+        metrics = train_draft(params, TrainPaths(
             verifier=Path("models/verifier"), prepared=Path("data/prepared"),
             hidden_states=Path("data/hidden_states"), vocab=Path("data/vocab"), out=tmp / "draft",
             metrics=tmp / "train.json", live_dir=tmp / "live", checkpoints=tmp / "ck"))

@@ -13,7 +13,7 @@
     ``metrics/prepare.json`` reports (generation only); the engine or model load is reported apart.
     Replies are compared with hf's, token for token.
 (b) evaluation: ``stages/evaluate.py`` of this checkout with ``evaluate.backend`` hf and vllm
-    (``evaluate.vllm_dtype`` bfloat16 and float32) on the same draft and ``--eval-prompts`` held-out
+    (``evaluate.vllm.dtype`` bfloat16 and float32) on the same draft and ``--eval-prompts`` held-out
     chitchat prompts (the last ones of the shuffled set, which no prepare run of this size picks);
     every number of each ``eval.json`` is kept.
 (c) extraction: ``stages/extract.py`` with ``extract.backend`` hf and vllm (bfloat16 and float32 compute;
@@ -77,7 +77,7 @@ def regeneration_worker(args: argparse.Namespace) -> dict[str, Any]:
 
     from eaglenest.artifacts.verifier import load_tokenizer, load_verifier_info
     from eaglenest.core.chat import end_of_turn_ids
-    from eaglenest.core.params import PrepareParams
+    from eaglenest.core.params import PrepareParams, VllmEngineParams
     from eaglenest.stages.prepare.regenerate import BACKENDS, regenerate
     from eaglenest.stages.prepare.regenerate.job import GeneratorJob
 
@@ -87,7 +87,8 @@ def regeneration_worker(args: argparse.Namespace) -> dict[str, Any]:
     eos = end_of_turn_ids(tokenizer, model_dir)
     conversations = chitchat_conversations(args.conversations)
     batch_size = args.batch_size
-    params = PrepareParams(regenerate_backend=args.backend, regenerate_vllm_dtype=args.dtype or "auto",
+    params = PrepareParams(regenerate_backend=args.backend,
+                           regenerate_vllm=VllmEngineParams(dtype=args.dtype or "auto"),
                            regenerate_max_new_tokens=args.max_new_tokens, regenerate_batch_size=batch_size,
                            max_len=args.max_len)
     started = time.perf_counter()
@@ -162,7 +163,7 @@ def evaluation(args: argparse.Namespace, work: Path) -> dict[str, Any]:
              "draft": args.repo / "models" / "draft", "plots": work / "plots"}
     common = {"prompts": str(prompts), "num_prompts": args.eval_prompts, "max_new_tokens": args.max_new_tokens,
               "temperature": 0.0}
-    runs = {"hf": {"backend": "hf"}, **{f"vllm {d}": {"backend": "vllm", "vllm_dtype": d} for d in DTYPES}}
+    runs = {"hf": {"backend": "hf"}, **{f"vllm {d}": {"backend": "vllm", "vllm": {"dtype": d}} for d in DTYPES}}
     results = {}
     for label, values in runs.items():
         log(f"evaluate: {label}")
@@ -174,7 +175,7 @@ def evaluation(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 def extraction(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """extract.backend hf and vllm (bf16, fp32 compute) over the repo's prepared rows."""
-    runs = {"hf": {"backend": "hf"}, **{f"vllm {d}": {"backend": "vllm", "vllm_dtype": d} for d in DTYPES}}
+    runs = {"hf": {"backend": "hf"}, **{f"vllm {d}": {"backend": "vllm", "vllm": {"dtype": d}} for d in DTYPES}}
     results = {}
     for label, values in runs.items():
         log(f"extract: {label}")

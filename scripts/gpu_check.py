@@ -6,14 +6,14 @@ Runs the real stage scripts of this checkout (``stages/*.py``) on the default ve
 (SmolLM2-135M-Instruct) and ``--rows`` built-in chitchat conversations, each back end in its own
 interpreter, and compares:
 
-1. regeneration: ``prepare`` with ``prepare.regenerate_backend`` hf and vllm (``regenerate_vllm_dtype:
+1. regeneration: ``prepare`` with ``prepare.regenerate_backend`` hf and vllm (``regenerate_vllm.dtype:
    float32``, greedy). The prepared rows, which hold the regenerated replies, must be equal token for
    token.
 2. extraction: ``extract`` with ``extract.backend`` hf and vllm (bf16 compute, float32 files) on the same
    prepared rows. Per layer slot: worst cosine similarity and relative mean absolute difference, within
    bf16 tolerance.
 3. evaluation: a short draft trained on the GPU, then ``evaluate`` with ``evaluate.backend`` hf and vllm
-   (``evaluate.vllm_dtype: float32``) on the same prompts: tau and the per-position acceptance must agree
+   (``evaluate.vllm.dtype: float32``) on the same prompts: tau and the per-position acceptance must agree
    within 1% (relative).
 
 The same code runs whichever vLLM build is installed (eaglenest.core.vllm_support picks the engine arguments);
@@ -164,7 +164,7 @@ def main() -> int:
     for backend in ("hf", "vllm"):
         prepared[backend] = work / f"prepared-{backend}"
         pipe.stage("prepare", f"prepare-{backend}",
-                   {"prepare": {"regenerate_backend": backend, "regenerate_vllm_dtype": "float32"}},
+                   {"prepare": {"regenerate_backend": backend, "regenerate_vllm": {"dtype": "float32"}}},
                    verifier=verifier, out=prepared[backend], metrics=work / f"prepare-{backend}.json")
     differing, rows = compare_prepared(prepared["hf"], prepared["vllm"])
     failed |= differing > 0
@@ -176,7 +176,7 @@ def main() -> int:
     for backend in ("hf", "vllm"):
         hidden[backend] = work / f"hs-{backend}"
         pipe.stage("extract", f"extract-{backend}",
-                   {"extract": {"backend": backend, "vllm_dtype": "bfloat16",
+                   {"extract": {"backend": backend, "vllm": {"dtype": "bfloat16"},
                                 "device": "cuda" if backend == "hf" else "auto"}},
                    verifier=verifier, prepared=prepared["hf"], out=hidden[backend],
                    metrics=work / f"extract-{backend}.json")
@@ -191,11 +191,11 @@ def main() -> int:
     pipe.stage("convert", "convert", {}, verifier=verifier, prepared=prepared["hf"],
                hidden_states=hidden["hf"], out=work / "vocab", metrics=work / "data.json")
     pipe.stage("train", "train", {}, verifier=verifier, prepared=prepared["hf"], hidden_states=hidden["hf"],
-               vocab=work / "vocab", out=work / "draft", metrics=work / "train.json", live=work / "live")
+               vocab=work / "vocab", out=work / "draft", metrics=work / "train.json", live_dir=work / "live")
     evals = {}
     for backend in ("hf", "vllm"):
         evals[backend] = pipe.stage("evaluate", f"evaluate-{backend}",
-                                    {"evaluate": {"backend": backend, "vllm_dtype": "float32"}},
+                                    {"evaluate": {"backend": backend, "vllm": {"dtype": "float32"}}},
                                     verifier=verifier, prepared=prepared["hf"], draft=work / "draft",
                                     metrics=work / f"eval-{backend}.json", plots=work / f"plots-{backend}")
         print(f"  evaluate {backend}: {json.dumps(evals[backend])}", flush=True)

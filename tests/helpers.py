@@ -187,7 +187,8 @@ def equal_length_training_data(root: Path, model_dir: Path) -> None:
     build_verifier(VerifierParams(model=str(model_dir), aux_layers=[1, 3, 5]), root / "verifier")
     extract_hidden_states(ExtractParams(dtype="float32"), root / "verifier", root / "prepared", root / "hs",
                           root / "extract.json")
-    convert(ConvertParams(draft_vocab_size=None), "float32", root / "verifier", root / "prepared", root / "hs",
+    convert(ConvertParams(draft_vocab_size=None), ExtractParams(dtype="float32"), root / "verifier",
+            root / "prepared", root / "hs",
             root / "vocab", root / "data.json")
 
 

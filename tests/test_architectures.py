@@ -18,7 +18,7 @@ from eaglenest.artifacts.prepared import load_chat_kwargs
 from eaglenest.core.params import ConvertParams, ExtractParams, TrainParams
 from eaglenest.stages.convert import convert
 from eaglenest.stages.extract import extract_hidden_states
-from eaglenest.stages.train import TrainInputs, train_draft
+from eaglenest.stages.train import TrainPaths, train_draft
 
 from .conftest import build_tiny_tokenizer
 from .helpers import QWEN3_LIKE, REPO, pipeline_until_prepare, run_evaluate
@@ -86,12 +86,13 @@ def test_verifier_family_end_to_end(tmp_path: Path, arch: str):
         torch.testing.assert_close(model.model.norm(slots[:, -1]), output.hidden_states[NUM_LAYERS][0],
                                    rtol=1e-4, atol=1e-5)
 
-    convert(ConvertParams(draft_vocab_size=64), "float32", verifier, prepared, hs, tmp_path / "data" / "vocab",
+    convert(ConvertParams(draft_vocab_size=64), ExtractParams(dtype="float32"), verifier, prepared, hs,
+            tmp_path / "data" / "vocab",
             tmp_path / "data.json")
     # The Qwen3 verifier gets a draft of its own family's layer (train.draft_arch), the others a Llama layer.
     draft_arch = "qwen3" if arch == "qwen3" else "llama"
     metrics = train_draft(TrainParams(steps=4, eval_every=2, total_seq_len=256, warmup_steps=1, draft_arch=draft_arch),
-                          TrainInputs(verifier=verifier, prepared=prepared, hidden_states=hs,
+                          TrainPaths(verifier=verifier, prepared=prepared, hidden_states=hs,
                                       vocab=tmp_path / "data" / "vocab", out=tmp_path / "models" / "draft",
                                       metrics=tmp_path / "train.json", live_dir=tmp_path / "dvclive",
                                       checkpoints=tmp_path / "checkpoints"))
@@ -166,10 +167,11 @@ def test_a_remote_code_verifier_runs_only_with_trust_remote_code(tmp_path: Path)
     assert json.loads((verifier / "verifier.json").read_text())["model_type"] == "eaglenest_custom"
     hs = tmp_path / "data" / "hidden_states"
     extract_hidden_states(ExtractParams(), verifier, prepared, hs, tmp_path / "extract.json")
-    convert(ConvertParams(draft_vocab_size=64), "bfloat16", verifier, prepared, hs, tmp_path / "data" / "vocab",
+    convert(ConvertParams(draft_vocab_size=64), ExtractParams(dtype="bfloat16"), verifier, prepared, hs,
+            tmp_path / "data" / "vocab",
             tmp_path / "data.json")
     train_draft(TrainParams(steps=2, eval_every=2, total_seq_len=256),
-                TrainInputs(verifier=verifier, prepared=prepared, hidden_states=hs, vocab=tmp_path / "data" / "vocab",
+                TrainPaths(verifier=verifier, prepared=prepared, hidden_states=hs, vocab=tmp_path / "data" / "vocab",
                             out=tmp_path / "models" / "draft", metrics=tmp_path / "train.json",
                             live_dir=tmp_path / "dvclive", checkpoints=tmp_path / "checkpoints"))
     shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")

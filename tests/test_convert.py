@@ -33,7 +33,8 @@ def extracted(tmp_path: Path, tiny_verifier_dir: Path) -> dict[str, Path]:
 
 def run_convert(paths: dict[str, Path], **params) -> dict:
     params.setdefault("draft_vocab_size", 64)  # the default 8192 exceeds the tiny verifier's 300 tokens
-    return convert(ConvertParams(**params), "bfloat16", paths["verifier"], paths["prepared"], paths["hs"],
+    return convert(ConvertParams(**params), ExtractParams(dtype="bfloat16"), paths["verifier"], paths["prepared"],
+                   paths["hs"],
                    paths["root"] / "data" / "vocab", paths["root"] / "metrics" / "data.json")
 
 
@@ -177,7 +178,8 @@ def test_import_formats_feed_the_pipeline(tmp_path: Path, tiny_verifier_dir: Pat
                         root / "prepare.json", set())
         extract_hidden_states(ExtractParams(backend="import", import_path=str(tmp_path / name / "hidden_states")),
                               verifier_dir, prepared, hs, root / "extract.json")
-        metrics = convert(ConvertParams(draft_vocab_size=16), "bfloat16", verifier_dir, prepared, hs, root / "vocab",
+        metrics = convert(ConvertParams(draft_vocab_size=16), ExtractParams(dtype="bfloat16"), verifier_dir,
+                          prepared, hs, root / "vocab",
                           root / "data.json")
         assert metrics["samples"] == 6 and metrics["excluded"] == 0
         original = torch.load(tmp_path / "dump" / "data_2.pt", weights_only=True)

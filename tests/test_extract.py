@@ -173,10 +173,10 @@ def test_batches_are_length_sorted_and_bounded():
 
 def test_bad_flag_combinations_are_refused():
     with pytest.raises(ParamsError) as info:
-        parse_params({"extract": {"backend": "hf", "tensor_parallel_size": 2, "rank": 2, "world_size": 2}})
+        parse_params({"extract": {"backend": "hf", "vllm": {"tensor_parallel_size": 2}, "rank": 2, "world_size": 2}})
     text = str(info.value)
     assert "extract.rank = 2 must be < extract.world_size = 2" in text
-    assert "extract.tensor_parallel_size = 2 needs extract.backend: vllm" in text
+    assert "extract.vllm.tensor_parallel_size = 2 needs extract.backend: vllm" in text
     with pytest.raises(ParamsError, match=r"extract.backend: import needs extract.import_path"):
         parse_params({"extract": {"backend": "import"}})
     with pytest.raises(ParamsError, match=r"extract.import_path = 'x' is only read by extract.backend: import"):

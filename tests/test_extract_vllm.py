@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from eaglenest.artifacts.hidden_states import hs_path
 from eaglenest.artifacts.verifier import load_verifier_info
 from eaglenest.core.errors import EaglenestError
-from eaglenest.core.params import ExtractParams
+from eaglenest.core.params import ExtractParams, VllmEngineParams
 from eaglenest.core.vllm_support import VllmBuild
 from eaglenest.stages.extract import extract_hidden_states
 from eaglenest.stages.extract.job import ExtractionJob
@@ -67,8 +67,9 @@ def make_job(tmp_path: Path, tiny_verifier_dir: Path, max_num_seqs: int = 64) ->
     out = tmp_path / "data" / "hidden_states"
     out.mkdir(parents=True)
     job = ExtractionJob(verifier=verifier, model_dir=model_dir,
-                        params=ExtractParams(backend="vllm", tensor_parallel_size=2, gpu_memory_utilization=0.5,
-                                         max_num_seqs=max_num_seqs),
+                        params=ExtractParams(backend="vllm",
+                                             vllm=VllmEngineParams(tensor_parallel_size=2, gpu_memory_utilization=0.5),
+                                             max_num_seqs=max_num_seqs),
                         out_dir=out, todo=list(range(len(input_ids))), input_ids=input_ids)
     return job, prepared
 
@@ -163,7 +164,8 @@ def test_vllm_backend_without_vllm_says_how_to_install(tmp_path: Path, tiny_veri
 
 def test_vllm_is_never_imported_by_the_base_package():
     # A fresh interpreter: other tests of this session may have imported vllm already.
-    code = "import sys, eaglenest.commands.cli, eaglenest.stages.extract, eaglenest.stages.extract.vllm; print('vllm' in sys.modules)"
+    code = ("import sys, eaglenest.commands.cli, eaglenest.stages.extract, eaglenest.stages.extract.vllm; "
+            "print('vllm' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
 

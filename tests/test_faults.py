@@ -185,17 +185,18 @@ def trained(tmp_path_factory: pytest.TempPathFactory, tiny_verifier_dir: Path) -
     from eaglenest.core.params import ConvertParams, ExtractParams, TrainParams
     from eaglenest.stages.convert import convert
     from eaglenest.stages.extract import extract_hidden_states
-    from eaglenest.stages.train import TrainInputs, train_draft
+    from eaglenest.stages.train import TrainPaths, train_draft
 
     from .helpers import pipeline_until_prepare
 
     root = tmp_path_factory.mktemp("faults")
     verifier_dir, prepared = pipeline_until_prepare(root, tiny_verifier_dir, rows=12)
     extract_hidden_states(ExtractParams(), verifier_dir, prepared, root / "hs", root / "e.json")
-    convert(ConvertParams(draft_vocab_size=64), "bfloat16", verifier_dir, prepared, root / "hs", root / "vocab",
+    convert(ConvertParams(draft_vocab_size=64), ExtractParams(dtype="bfloat16"), verifier_dir, prepared, root / "hs",
+            root / "vocab",
             root / "d.json")
     train_draft(TrainParams(steps=2, eval_every=2, total_seq_len=256),
-                TrainInputs(verifier=verifier_dir, prepared=prepared, hidden_states=root / "hs",
+                TrainPaths(verifier=verifier_dir, prepared=prepared, hidden_states=root / "hs",
                             vocab=root / "vocab", out=root / "draft", metrics=root / "t.json",
                             live_dir=root / "live", checkpoints=root / "ck"))
     return {"root": root, "verifier": verifier_dir, "prepared": prepared, "vocab": root / "vocab",

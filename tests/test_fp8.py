@@ -18,7 +18,7 @@ from eaglenest.core.errors import InputFileError
 from eaglenest.core.params import ConvertParams, ExtractParams, TrainParams
 from eaglenest.stages.convert import convert
 from eaglenest.stages.extract import extract_hidden_states
-from eaglenest.stages.train import TrainInputs, train_draft
+from eaglenest.stages.train import TrainPaths, train_draft
 
 from .helpers import pipeline_until_prepare
 
@@ -95,11 +95,12 @@ def test_files_from_speculators_fp8_connector_are_imported_as_they_are(extracted
 
 
 def test_convert_train_and_inspect_run_on_fp8(extracted: dict[str, Path], tmp_path: Path):
-    metrics = convert(ConvertParams(draft_vocab_size=64), FP8, extracted["verifier"], extracted["prepared"],
+    metrics = convert(ConvertParams(draft_vocab_size=64), ExtractParams(dtype=FP8), extracted["verifier"],
+                      extracted["prepared"],
                       extracted["fp8"], tmp_path / "vocab", tmp_path / "data.json")
     assert metrics["excluded"] == 0
     result = train_draft(TrainParams(steps=4, eval_every=4, total_seq_len=256, lr=3e-3, warmup_steps=1),
-                         TrainInputs(verifier=extracted["verifier"], prepared=extracted["prepared"],
+                         TrainPaths(verifier=extracted["verifier"], prepared=extracted["prepared"],
                                      hidden_states=extracted["fp8"], vocab=tmp_path / "vocab", out=tmp_path / "draft",
                                      metrics=tmp_path / "train.json", live_dir=tmp_path / "live",
                                      checkpoints=tmp_path / "ck"))
@@ -129,7 +130,8 @@ def test_a_broken_fp8_file_is_named_with_its_problem(extracted: dict[str, Path],
         data[SCALES_KEY] = data[SCALES_KEY].bfloat16()
     save_file(data, path)
     with pytest.raises(InputFileError) as err:
-        convert(ConvertParams(draft_vocab_size=64), FP8, extracted["verifier"], extracted["prepared"], hs,
+        convert(ConvertParams(draft_vocab_size=64), ExtractParams(dtype=FP8), extracted["verifier"],
+                extracted["prepared"], hs,
                 tmp_path / "vocab", tmp_path / "data.json")
     assert message.replace("SEQ", str(seq)) in str(err.value) and "hs_4.safetensors" in str(err.value)
     assert not (tmp_path / "vocab").exists()

@@ -62,7 +62,8 @@ def test_two_shards_in_one_folder_write_the_files_of_one_process(prepared: Path)
     again = extract_hidden_states(ExtractParams(), verifier, prepared_dir, shared, root / "again.json")
     assert (again["rows_computed"], again["rows_reused"]) == (0, ROWS)
     assert not (shared / SHARDS_DIR).exists()  # joined: the folder is what one process writes
-    metrics = convert(ConvertParams(draft_vocab_size=64), "bfloat16", verifier, prepared_dir, shared, root / "vocab",
+    metrics = convert(ConvertParams(draft_vocab_size=64), ExtractParams(dtype="bfloat16"), verifier, prepared_dir,
+                      shared, root / "vocab",
                       root / "data.json")
     assert metrics["excluded"] == 0
 
@@ -131,7 +132,7 @@ def test_two_nodes_joined_by_torchrun_rendezvous_train_as_one_process(tmp_path: 
     equal_length_training_data(tmp_path, tiny_verifier_dir)
     paths = ["--verifier", str(tmp_path / "verifier"), "--prepared", str(tmp_path / "prepared"),
              "--hidden-states", str(tmp_path / "hs"), "--vocab", str(tmp_path / "vocab"), "--out", "draft",
-             "--metrics", "train.json", "--live", "dvclive"]
+             "--metrics", "train.json", "--live-dir", "dvclive"]
     # float32: bf16 rounds differently for different batch shapes, and this checks the arithmetic is the same.
     train = {"steps": 3, "eval_every": 3, "lr": 3e-3, "warmup_steps": 0, "precision": "float32"}
     one, two = tmp_path / "one", tmp_path / "two"

@@ -19,7 +19,7 @@ from eaglenest.core.errors import EaglenestError, InputFileError, ParamsError
 from eaglenest.core.params import ConvertParams, ExtractParams, TrainParams, parse_params
 from eaglenest.stages.convert import convert
 from eaglenest.stages.extract import extract_hidden_states
-from eaglenest.stages.train import TrainInputs, train_draft
+from eaglenest.stages.train import TrainPaths, train_draft
 from eaglenest.stages.train.data import load_training_data
 from eaglenest.stages.train.online import OnlineTransfer
 
@@ -36,14 +36,14 @@ def extract_and_convert(root: Path, store: str, dtype: str = "bfloat16") -> dict
     out = root / f"{store}-{dtype}"
     verifier, prepared = root / "models" / "verifier", root / "data" / "prepared"
     extract_hidden_states(ExtractParams(store=store, dtype=dtype), verifier, prepared, out / "hs", out / "extract.json")
-    convert(ConvertParams(draft_vocab_size=64), dtype, verifier, prepared, out / "hs", out / "vocab",
-            out / "data.json", store=store)
+    convert(ConvertParams(draft_vocab_size=64), ExtractParams(store=store, dtype=dtype), verifier, prepared, out / "hs",
+            out / "vocab", out / "data.json")
     return {"verifier": verifier, "prepared": prepared, "hs": out / "hs", "vocab": out / "vocab", "out": out}
 
 
 def train_in(paths: dict[str, Path], name: str, **params: object) -> dict:
     out = paths["out"] / name
-    inputs = TrainInputs(verifier=paths["verifier"], prepared=paths["prepared"], hidden_states=paths["hs"],
+    inputs = TrainPaths(verifier=paths["verifier"], prepared=paths["prepared"], hidden_states=paths["hs"],
                          vocab=paths["vocab"], out=out / "draft", metrics=out / "train.json",
                          live_dir=out / "dvclive", checkpoints=out / "checkpoints")
     return train_draft(TrainParams(**{**FAST, **params}), inputs)
@@ -125,7 +125,8 @@ def test_online_manifest_switches_back_and_forth(prepared: Path):
     assert (hs / MANIFEST_FILE).read_bytes() == before
     # convert with store: files refuses the manifest; back to files, the manifest goes and the files return.
     with pytest.raises(InputFileError, match="an online extraction, but extract.store is files"):
-        convert(ConvertParams(draft_vocab_size=64), "bfloat16", verifier, prepared_dir, hs, prepared / "v",
+        convert(ConvertParams(draft_vocab_size=64), ExtractParams(dtype="bfloat16"), verifier, prepared_dir, hs,
+                prepared / "v",
                 prepared / "d.json")
     extract_hidden_states(ExtractParams(), verifier, prepared_dir, hs, prepared / "e4.json")
     assert not (hs / MANIFEST_FILE).exists() and hs_path(hs, ROWS - 1).is_file()
@@ -138,13 +139,13 @@ def test_a_manifest_for_other_rows_is_refused(prepared: Path, tmp_path: Path):
     other = tmp_path / "other-prepared"
     write_prepared(other, [[5, 6, 7, 8]] * 4, [[0, 0, 1, 1]] * 4, train_rows=3, val_prompts=[])
     with pytest.raises(InputFileError, match=r"manifest.json: its rows, rows_sha256 differ .*dvc repro extract"):
-        convert(ConvertParams(draft_vocab_size=64), "bfloat16", verifier, other, hs, tmp_path / "vocab",
-                tmp_path / "d.json", store="online")
+        convert(ConvertParams(draft_vocab_size=64), ExtractParams(store="online"), verifier, other, hs,
+                tmp_path / "vocab", tmp_path / "d.json")
     empty = tmp_path / "no-manifest"
     empty.mkdir()
     with pytest.raises(InputFileError, match="manifest.json: missing, but extract.store is online"):
-        convert(ConvertParams(draft_vocab_size=64), "bfloat16", verifier, prepared_dir, empty, tmp_path / "vocab",
-                tmp_path / "d.json", store="online")
+        convert(ConvertParams(draft_vocab_size=64), ExtractParams(store="online"), verifier, prepared_dir, empty,
+                tmp_path / "vocab", tmp_path / "d.json")
 
 
 def test_a_verifier_that_does_not_fit_is_one_line(prepared: Path, monkeypatch: pytest.MonkeyPatch):

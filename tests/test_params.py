@@ -5,9 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from eaglenest.core.errors import ParamsError
-from eaglenest.core.params import Params, load_params, parse_params
+from eaglenest.core.params import (
+    MOVED_KEYS,
+    EvaluateParams,
+    ExtractParams,
+    Params,
+    PrepareParams,
+    VllmEngineParams,
+    load_params,
+    parse_params,
+)
 from eaglenest.stages.verifier import check_aux_layers, default_aux_layers
 
 from .helpers import REPO
@@ -100,15 +110,79 @@ def test_a_bad_combination_is_reported_next_to_an_unrelated_bad_value():
 
 
 def test_tensor_parallelism_needs_a_vllm_back_end_in_every_stage():
-    """A verifier spread over GPUs needs vLLM wherever it runs; the hf back ends load it on one device."""
-    text = "\n".join(problems({
-        "prepare": {"regenerate_backend": "hf", "regenerate_tensor_parallel_size": 4},
-        "extract": {"backend": "hf", "tensor_parallel_size": 4},
-        "evaluate": {"backend": ["hf"], "tensor_parallel_size": 4},
-    }))
-    assert "prepare.regenerate_tensor_parallel_size = 4 needs prepare.regenerate_backend: vllm" in text
-    assert "extract.tensor_parallel_size = 4 needs extract.backend: vllm" in text
-    assert "evaluate.tensor_parallel_size = 4 is only used by the vllm back end" in text
-    params = parse_params({"prepare": {"regenerate_tensor_parallel_size": 8},
-                           "evaluate": {"backend": ["hf", "vllm"], "tensor_parallel_size": 8}})
-    assert params.prepare.regenerate_tensor_parallel_size == 8 and params.evaluate.tensor_parallel_size == 8
+    """A verifier spread over GPUs needs vLLM wherever it runs; the hf back ends load it on one device. The
+    three refusals come in one report, each naming its section's engine key."""
+    lines = problems({
+        "prepare": {"regenerate_backend": "hf", "regenerate_vllm": {"tensor_parallel_size": 8}},
+        "extract": {"backend": "hf", "vllm": {"tensor_parallel_size": 8}},
+        "evaluate": {"backend": ["hf"], "vllm": {"tensor_parallel_size": 8}},
+    })
+    assert lines[0] == "params.yaml: 3 invalid params values"
+    assert lines[1:] == [
+        "  - prepare.regenerate_vllm.tensor_parallel_size = 8 needs prepare.regenerate_backend: vllm (the hf back "
+        "end runs on one device); set it to 1 or switch the back end",
+        "  - extract.vllm.tensor_parallel_size = 8 needs extract.backend: vllm (the hf back end runs on one "
+        "device); set it to 1 or switch the back end",
+        "  - evaluate.vllm.tensor_parallel_size = 8 is only used by the vllm back end, and evaluate.backend is "
+        "['hf']; set it to 1 or add vllm to evaluate.backend",
+    ]
+    params = parse_params({"prepare": {"regenerate_vllm": {"tensor_parallel_size": 8}},
+                           "evaluate": {"backend": ["hf", "vllm"], "vllm": {"tensor_parallel_size": 8}}})
+    assert params.prepare.regenerate_vllm.tensor_parallel_size == 8 and params.evaluate.vllm.tensor_parallel_size == 8
+
+
+def test_a_width_refusal_comes_with_an_unrelated_bad_value_and_a_missing_engine_section():
+    text = "\n".join(problems({"extract": {"backend": "hf", "vllm": {"tensor_parallel_size": 2}, "batch_tokens": "x"},
+                               "evaluate": {"backend": "hf", "num_prompts": 0}}))
+    assert "extract.batch_tokens = 'x': Input should be a valid integer" in text
+    assert "extract.vllm.tensor_parallel_size = 2 needs extract.backend: vllm" in text
+    assert "evaluate.num_prompts = 0: Input should be greater than or equal to 1" in text  # no vllm: given
+    assert "evaluate.vllm" not in text
+
+
+def test_a_moved_key_says_where_it_went_next_to_other_problems():
+    lines = problems({
+        "prepare": {"regenerate_tensor_parallel_size": 8, "max_len": 4},
+        "extract": {"vllm_dtype": "float32", "gpu_memory_utilization": 0.5, "tensor_parallel_size": 2},
+        "evaluate": {"vllm_dtype": "bfloat16", "gpu_memory_utilization": 0.9, "tensor_parallel_size": 2},
+    })
+    assert lines[0] == "params.yaml: 8 invalid params values"
+    assert "  - prepare.regenerate_tensor_parallel_size moved to prepare.regenerate_vllm.tensor_parallel_size" in lines
+    assert "  - prepare.max_len = 4: Input should be greater than or equal to 16" in lines
+    for section in ("extract", "evaluate"):
+        assert f"  - {section}.vllm_dtype moved to {section}.vllm.dtype" in lines
+        assert f"  - {section}.gpu_memory_utilization moved to {section}.vllm.gpu_memory_utilization" in lines
+        assert f"  - {section}.tensor_parallel_size moved to {section}.vllm.tensor_parallel_size" in lines
+    assert not any("unknown key" in line for line in lines)
+
+
+def test_every_moved_key_names_a_key_that_exists():
+    for old, new in MOVED_KEYS.items():
+        section, sub, key = new.split(".")
+        model = Params.model_fields[section].annotation.model_fields[sub].annotation
+        assert key in model.model_fields, new
+        assert old.split(".")[1] not in Params.model_fields[section].annotation.model_fields, old
+    assert len(MOVED_KEYS) == 9
+
+
+def test_the_three_vllm_back_ends_share_one_engine_model():
+    engine = PrepareParams.model_fields["regenerate_vllm"].annotation
+    assert engine is ExtractParams.model_fields["vllm"].annotation is EvaluateParams.model_fields["vllm"].annotation
+    assert engine is VllmEngineParams
+    assert Params().extract.vllm == VllmEngineParams(dtype="auto", gpu_memory_utilization=0.85, tensor_parallel_size=1)
+
+
+def test_a_nested_override_parses_like_dvc_exp_run_s(tmp_path: Path):
+    """`dvc exp run -S extract.vllm.dtype=float32` writes the nested key into params.yaml; the rest of the
+    engine keeps its values."""
+    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+    raw["extract"]["vllm"]["dtype"] = "float32"
+    raw["prepare"]["regenerate_vllm"]["tensor_parallel_size"] = 2
+    edited = tmp_path / "params.yaml"
+    edited.write_text(yaml.safe_dump(raw, sort_keys=False))
+    params = load_params(edited)
+    assert params.extract.vllm == VllmEngineParams(dtype="float32")
+    assert params.prepare.regenerate_vllm.tensor_parallel_size == 2 and params.evaluate.vllm == VllmEngineParams()
+    text = "\n".join(problems({"extract": {"vllm": {"dtype": "float64", "gpu_memory_utilization": 1.5}}}))
+    assert "extract.vllm.dtype = 'float64': Input should be 'auto', 'float32', 'bfloat16' or 'float16'" in text
+    assert "extract.vllm.gpu_memory_utilization = 1.5: Input should be less than or equal to 1" in text

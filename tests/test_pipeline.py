@@ -210,3 +210,51 @@ def test_malformed_conversations_stop_prepare_naming_file_and_record(tmp_path: P
     assert "Traceback" not in output
     assert not (repo / "data/prepared").exists()
 
+
+
+def changed_stages(repo: Path) -> set[str]:
+    """The stages `dvc status` reports as changed."""
+    return set(json.loads(dvc(["status", "--json"], repo).stdout or "{}"))
+
+
+def append_comment(path: Path) -> None:
+    path.write_text(path.read_text() + "# an edit that changes nothing any stage computes\n")
+
+
+@pytest.mark.slow
+def test_an_edit_re_runs_only_the_stages_that_run_the_edited_code(tmp_path: Path, tiny_verifier_dir: Path):
+    """Each stage depends on exactly the code it runs: commands re-run nothing, the train package re-runs train
+    (and evaluate only if the draft's bytes change), the hidden-state format the stages that read or write it."""
+    model = tmp_path / "my-verifier"
+    shutil.copytree(tiny_verifier_dir, model)
+    repo = make_pipeline_repo(tmp_path / "repo", {
+        "verifier": {"model": str(model)},
+        "prepare": {"source": ["data/conversations/chats.jsonl"], "max_conversations": None, "val_fraction": 0.25,
+                    "regenerate_backend": "hf"},
+        "convert": {"draft_vocab_size": 64},
+        "train": {"steps": 2, "eval_every": 1, "total_seq_len": 256, "precision": "float32"},
+        "evaluate": {"num_prompts": 1, "max_new_tokens": 4, "backend": "hf"},
+    })
+    chat = [{"from": "human", "value": "hello there"}, {"from": "gpt", "value": "I am fine thanks"}]
+    write_jsonl(repo / "data/conversations/chats.jsonl", [{"conversations": chat}] * 8)
+    dvc(["repro"], repo)
+    assert changed_stages(repo) == set()
+    code = repo / "src" / "eaglenest"
+
+    for command in ("report.py", "serve.py", "inspect.py", "cli.py", "importer.py", "doctor.py"):
+        append_comment(code / "commands" / command)
+    assert changed_stages(repo) == set()
+
+    append_comment(code / "stages" / "train" / "loop.py")
+    assert changed_stages(repo) == {"train"}
+    draft_before = draft_hash(repo)
+    rerun = dvc(["repro"], repo)
+    assert "Running stage 'train'" in rerun.stdout
+    for stage in ("verifier", "prepare", "extract", "convert"):
+        assert f"Stage '{stage}' didn't change, skipping" in rerun.stdout, stage
+    # float32 on one process: the same data and seed give the same draft, byte for byte, so evaluate is skipped
+    assert draft_hash(repo) == draft_before
+    assert "Stage 'evaluate' didn't change, skipping" in rerun.stdout
+
+    append_comment(code / "artifacts" / "hidden_states.py")
+    assert changed_stages(repo) == {"extract", "convert", "train"}

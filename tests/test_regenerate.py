@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eaglenest.core.chat import end_of_turn_ids
-from eaglenest.core.params import PrepareParams
+from eaglenest.core.params import PrepareParams, VllmEngineParams
 from eaglenest.core.vllm_support import installed_build
 from eaglenest.stages.prepare import prepare_dataset
 from eaglenest.stages.prepare.regenerate import regenerate
@@ -120,24 +120,24 @@ def test_vllm_regeneration_arguments(tiny_verifier_dir: Path, tmp_path: Path):
 
     info, model_dir = load_verifier_info_for(tiny_verifier_dir, tmp_path)
     params = PrepareParams(regenerate=True, regenerate_backend="vllm", max_len=256, regenerate_max_new_tokens=64,
-                           regenerate_temperature=0.7, regenerate_gpu_memory_utilization=0.5)
+                           regenerate_temperature=0.7, regenerate_vllm=VllmEngineParams(gpu_memory_utilization=0.5))
     llm = build_regenerate_llm_kwargs(params, info, model_dir)
     assert llm["model"] == str(model_dir)
     assert llm["max_model_len"] == min(256 + 64, info.max_position_embeddings or 10**9)
     assert llm["trust_remote_code"] is False and llm["seed"] == params.seed
-    assert llm["dtype"] == "bfloat16"  # regenerate_vllm_dtype auto: the fp32 tiny checkpoint runs in bf16
+    assert llm["dtype"] == "bfloat16"  # regenerate_vllm.dtype auto: the fp32 tiny checkpoint runs in bf16
     build = installed_build()
     if build is not None and build.kind == "cpu":
         # vLLM's CPU build has no GPU memory to share; its graph runs eagerly (compiling costs minutes)
         assert "gpu_memory_utilization" not in llm and llm["enforce_eager"] is True
     else:
         assert llm["gpu_memory_utilization"] == 0.5 and "enforce_eager" not in llm
-    exact = build_regenerate_llm_kwargs(params.model_copy(update={"regenerate_vllm_dtype": "float32"}), info,
-                                        model_dir)
+    exact = build_regenerate_llm_kwargs(
+        params.model_copy(update={"regenerate_vllm": VllmEngineParams(dtype="float32")}), info, model_dir)
     assert exact["dtype"] == "float32"
     assert llm["tensor_parallel_size"] == 1
-    spread = build_regenerate_llm_kwargs(params.model_copy(update={"regenerate_tensor_parallel_size": 8}), info,
-                                         model_dir)
+    spread = build_regenerate_llm_kwargs(
+        params.model_copy(update={"regenerate_vllm": VllmEngineParams(tensor_parallel_size=8)}), info, model_dir)
     assert spread["tensor_parallel_size"] == 8
     sampling = build_sampling_kwargs(params, {7, 3}, seed=11)
     assert sampling == {"temperature": 0.7, "max_tokens": 64, "stop_token_ids": [3, 7], "seed": 11}
@@ -190,7 +190,7 @@ from eaglenest.core.chat import end_of_turn_ids
 from eaglenest.stages.prepare.regenerate import regenerate
 from eaglenest.stages.prepare.regenerate.job import GeneratorJob
 from eaglenest.stages.prepare.regenerate.vllm import vllm_reply_generator
-from eaglenest.stages.verifier import load_tokenizer, load_verifier_info
+from eaglenest.artifacts.verifier import load_tokenizer, load_verifier_info
 
 if __name__ == "__main__":
     verifier_dir, job, out = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text()), Path(sys.argv[3])
@@ -258,7 +258,8 @@ def test_vllm_regeneration_equals_hf_token_for_token_in_float32(smollm2_repo: Pa
     from eaglenest.artifacts.verifier import load_tokenizer, load_verifier_info
 
     verifier_dir = smollm2_repo / "models" / "verifier"
-    params = PrepareParams(regenerate_backend="vllm", regenerate_vllm_dtype="float32", regenerate_temperature=0.0,
+    params = PrepareParams(regenerate_backend="vllm", regenerate_vllm=VllmEngineParams(dtype="float32"),
+                           regenerate_temperature=0.0,
                            regenerate_max_new_tokens=48, max_len=256, regenerate_batch_size=8)
     conversations = chitchat_first_replies(8)
     job = tmp_path / "job.json"

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from eaglenest.commands import cli
 from eaglenest.artifacts.prepared import VAL_PROMPTS_FILE
+from eaglenest.commands import cli
 
 from .conftest import requires_vllm
 from .helpers import hf_reference, project_env

@@ -133,16 +133,17 @@ def test_trained_draft_is_lossless_at_temperature_zero(verifier: VerifierRunner,
     from eaglenest.core.params import ConvertParams, ExtractParams, TrainParams
     from eaglenest.stages.convert import convert
     from eaglenest.stages.extract import extract_hidden_states
-    from eaglenest.stages.train import TrainInputs, train_draft
+    from eaglenest.stages.train import TrainPaths, train_draft
 
     from .helpers import pipeline_until_prepare
 
     verifier_dir, prepared = pipeline_until_prepare(tmp_path, tiny_verifier_dir, rows=20)
     extract_hidden_states(ExtractParams(), verifier_dir, prepared, tmp_path / "hs", tmp_path / "e.json")
-    convert(ConvertParams(draft_vocab_size=64), "bfloat16", verifier_dir, prepared, tmp_path / "hs",
+    convert(ConvertParams(draft_vocab_size=64), ExtractParams(dtype="bfloat16"), verifier_dir, prepared,
+            tmp_path / "hs",
             tmp_path / "vocab", tmp_path / "d.json")
     train_draft(TrainParams(steps=10, eval_every=10, total_seq_len=256, lr=3e-3, warmup_steps=1),
-                TrainInputs(verifier=verifier_dir, prepared=prepared, hidden_states=tmp_path / "hs",
+                TrainPaths(verifier=verifier_dir, prepared=prepared, hidden_states=tmp_path / "hs",
                             vocab=tmp_path / "vocab", out=tmp_path / "draft", metrics=tmp_path / "t.json",
                             live_dir=tmp_path / "live", checkpoints=tmp_path / "ck"))
     drafter = EagleDrafter(load_draft(tmp_path / "draft", tiny_verifier_dir), VOCAB)

@@ -14,7 +14,7 @@ from eaglenest.core.errors import EaglenestError, ParamsError
 from eaglenest.core.params import ConvertParams, ExtractParams, TrainParams, parse_params
 from eaglenest.stages.convert import convert
 from eaglenest.stages.extract import extract_hidden_states
-from eaglenest.stages.train import TrainInputs, train_draft
+from eaglenest.stages.train import TrainPaths, train_draft
 from eaglenest.stages.train.data import pack_batches
 from eaglenest.stages.train.validation import tau_from_conditional
 
@@ -29,14 +29,15 @@ def converted(tmp_path_factory: pytest.TempPathFactory, tiny_verifier_dir: Path)
     verifier_dir, prepared = pipeline_until_prepare(root, tiny_verifier_dir, rows=40)
     hs = root / "hs"
     extract_hidden_states(ExtractParams(), verifier_dir, prepared, hs, root / "extract.json")
-    convert(ConvertParams(draft_vocab_size=64), "bfloat16", verifier_dir, prepared, hs, root / "vocab",
+    convert(ConvertParams(draft_vocab_size=64), ExtractParams(dtype="bfloat16"), verifier_dir, prepared, hs,
+            root / "vocab",
             root / "data.json")
     return {"verifier": verifier_dir, "prepared": prepared, "hs": hs, "vocab": root / "vocab",
             "model": tiny_verifier_dir}
 
 
-def inputs_in(paths: dict[str, Path], out: Path) -> TrainInputs:
-    return TrainInputs(verifier=paths["verifier"], prepared=paths["prepared"], hidden_states=paths["hs"],
+def inputs_in(paths: dict[str, Path], out: Path) -> TrainPaths:
+    return TrainPaths(verifier=paths["verifier"], prepared=paths["prepared"], hidden_states=paths["hs"],
                        vocab=paths["vocab"], out=out / "draft", metrics=out / "train.json",
                        live_dir=out / "dvclive", checkpoints=out / "checkpoints")
 
@@ -257,7 +258,7 @@ def test_two_cpu_processes_match_one_on_the_same_global_batch(tmp_path: Path, ti
             [sys.executable, str(REPO / "stages/train.py"), "--params", "params.yaml",
              "--verifier", str(tmp_path / "verifier"), "--prepared", str(tmp_path / "prepared"),
              "--hidden-states", str(tmp_path / "hs"), "--vocab", str(tmp_path / "vocab"), "--out", "draft",
-             "--metrics", "train.json", "--live", "dvclive"],
+             "--metrics", "train.json", "--live-dir", "dvclive"],
             cwd=run, env=project_env(), capture_output=True, text=True, timeout=600,
         )
         assert result.returncode == 0, result.stdout + result.stderr

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from eaglenest.core.errors import EaglenestError
-from eaglenest.core.params import EvaluateParams
+from eaglenest.core.params import EvaluateParams, VllmEngineParams
 from eaglenest.core.vllm_support import VllmBuild
 from eaglenest.stages.evaluate.lossless import TIE_CANDIDATES, first_divergence, lossless_counts
 from eaglenest.stages.evaluate.vllm import (
@@ -50,7 +50,7 @@ def test_both_engines_share_the_gpu_memory_and_the_tensor_parallel_width(monkeyp
     (tmp_path / "config.json").write_text(json.dumps({"dtype": "bfloat16"}))
     monkeypatch.setattr(vllm_support, "installed_build", lambda: VllmBuild("gpu", "vllm", "0.33.0"))
     verifier = SimpleNamespace(trust_remote_code=False, max_position_embeddings=8192)
-    params = EvaluateParams(gpu_memory_utilization=0.9, tensor_parallel_size=8)
+    params = EvaluateParams(vllm=VllmEngineParams(gpu_memory_utilization=0.9, tensor_parallel_size=8))
     kwargs = build_evaluate_llm_kwargs(params, verifier, tmp_path, context_tokens=200)
     assert kwargs["gpu_memory_utilization"] == pytest.approx(0.45)  # plain and speculative may overlap
     assert kwargs["tensor_parallel_size"] == 8 and kwargs["max_model_len"] == 200
@@ -172,7 +172,7 @@ def _assert_consistent(metrics: dict) -> None:
 def test_vllm_float32_matches_the_hf_reference(smollm2_repo: Path, tmp_path_factory: pytest.TempPathFactory):
     reference = hf_reference(str(smollm2_repo), str(tmp_path_factory.mktemp("hf-reference")))
     result, metrics = run_evaluate(smollm2_repo, tmp_path_factory.mktemp("vllm-fp32"), backend="vllm",
-                                   vllm_dtype="float32")
+                                   vllm={"dtype": "float32"})
     assert result.returncode == 0, result.stderr
     print("hf", {k: reference[k] for k in ("tau", "per_position_acceptance", "speedup")})
     print("vllm fp32", {k: metrics[k] for k in ("tau", "per_position_acceptance", "speedup", "speedup_batched")})
@@ -197,7 +197,7 @@ BF16_PROMPTS = REPO / "tests" / "data" / "bf16_near_tie_prompts.jsonl"
 @requires_vllm
 def test_vllm_bf16_passes_on_near_ties(smollm2_repo: Path, tmp_path: Path):
     prompts = {"prompts": str(BF16_PROMPTS), "num_prompts": 16} if BF16_PROMPTS.exists() else {}
-    result, metrics = run_evaluate(smollm2_repo, tmp_path, backend="vllm", vllm_dtype="bfloat16", **prompts)
+    result, metrics = run_evaluate(smollm2_repo, tmp_path, backend="vllm", vllm={"dtype": "bfloat16"}, **prompts)
     print({k: metrics.get(k) for k in ("tau", "identical_fraction", "lossless_fraction", "divergence_gaps",
                                        "speedup", "speedup_batched")})
     assert result.returncode == 0, result.stderr
@@ -246,7 +246,7 @@ def test_a_broken_acceptance_rule_fails_the_stage(smollm2_repo: Path, tmp_path: 
     # In-process engine core: the patched module is the one the engine runs.
     result, metrics = run_evaluate(
         smollm2_repo, tmp_path / "run", wrapper=wrapper, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-        backend="vllm", vllm_dtype="bfloat16", num_prompts=4, max_new_tokens=24,
+        backend="vllm", vllm={"dtype": "bfloat16"}, num_prompts=4, max_new_tokens=24,
     )
     print(result.stderr[-2000:])
     assert result.returncode == 2

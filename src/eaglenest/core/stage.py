@@ -1,50 +1,98 @@
-"""What every stage entry point shares: argument parsing and the one-line error contract."""
+"""The stage contract: every stage is a :class:`Stage`, and every ``stages/<name>.py`` script is the same lines.
+
+A stage package (``eaglenest.stages.<name>``) defines ``STAGE = Stage(name, paths, run)``:
+
+* ``paths`` is a frozen dataclass of where dvc.yaml puts the stage's inputs and outputs. Each field made with
+  :func:`path_arg` becomes a required ``--<field-name>`` option of the script (underscores as dashes), each made
+  with :func:`int_option` an optional integer one (the few command-line overrides a stage takes, such as a
+  node's shard); fields without either are not on the command line (their defaults serve tests).
+* ``run(params, paths) -> metrics`` gets the whole typed params file, so a stage reads ``params.extract.dtype``
+  itself, and returns the metrics it wrote (empty for a stage without metrics).
+
+:func:`run_stage` parses the command line, loads and validates params.yaml, runs the stage, and turns an
+:class:`~eaglenest.core.errors.EaglenestError` into one line on stderr and exit status 2.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, TypeVar
 
 from eaglenest.core.errors import EaglenestError
+from eaglenest.core.params import Params, load_params
+
+P = TypeVar("P")
+
+_HELP = "eaglenest_help"
+_KIND = "eaglenest_kind"
 
 
-def stage_parser(description: str | None, paths: dict[str, str]) -> argparse.ArgumentParser:
-    """A stage's argument parser: ``--params`` plus one required ``--<name>`` per path dvc.yaml passes.
+def path_arg(help_text: str) -> Any:
+    """A paths-dataclass field that dvc.yaml passes as a required ``--<name> PATH``."""
+    return dataclasses.field(metadata={_HELP: help_text, _KIND: "path"})
 
-    Args:
-        description: The stage script's docstring.
-        paths: Option name (without dashes) -> help text.
+
+def int_option(help_text: str) -> Any:
+    """A paths-dataclass field that the command line may set as ``--<name> N`` (default None)."""
+    return dataclasses.field(default=None, metadata={_HELP: help_text, _KIND: "int"})
+
+
+@dataclass(frozen=True)
+class Stage(Generic[P]):
+    """One pipeline stage.
+
+    Attributes:
+        name: The stage's name in dvc.yaml ("train"), shown in every message.
+        description: One line: what the stage does (the script's ``--help``).
+        paths: The frozen dataclass of the stage's paths and command-line options.
+        run: ``(params, paths) -> metrics``: the stage's work.
     """
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--params", default="params.yaml", help="params file")
-    for name, help_text in paths.items():
-        parser.add_argument(f"--{name}", required=True, help=help_text)
+
+    name: str
+    description: str
+    paths: type[P]
+    run: Callable[[Params, P], dict[str, Any]]
+
+
+def stage_parser(stage: Stage[Any]) -> argparse.ArgumentParser:
+    """The stage script's parser: ``--params`` plus one option per :func:`path_arg` / :func:`int_option` field."""
+    parser = argparse.ArgumentParser(prog=f"stages/{stage.name}.py", description=stage.description)
+    parser.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
+    for field in dataclasses.fields(stage.paths):
+        kind = field.metadata.get(_KIND)
+        option = "--" + field.name.replace("_", "-")
+        if kind == "path":
+            parser.add_argument(option, dest=field.name, type=Path, required=True, help=field.metadata[_HELP])
+        elif kind == "int":
+            parser.add_argument(option, dest=field.name, type=int, help=field.metadata[_HELP])
     return parser
 
 
-def run_stage(name: str, body: Callable[[argparse.Namespace], None], parser: argparse.ArgumentParser,
-              argv: Sequence[str] | None = None) -> int:
-    """Parses ``argv``, runs ``body`` and turns an EaglenestError into one line on stderr and exit 2.
+def run_stage(stage: Stage[Any], argv: Sequence[str] | None = None) -> int:
+    """Parses ``argv``, runs the stage and returns the process exit status.
 
     Args:
-        name: The stage name, shown in messages ("prepare").
-        body: The stage's work, given the parsed arguments.
-        parser: The stage's argument parser (paths come from dvc.yaml's command line).
-        argv: Arguments; None means sys.argv[1:].
+        stage: The stage.
+        argv: Arguments; None means ``sys.argv[1:]``.
 
     Returns:
-        The process exit status.
+        0 on success; 2 after one line naming what the user must fix; 130 when interrupted (a rerun continues).
     """
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"eaglenest {name}: %(message)s")
+    args = vars(stage_parser(stage).parse_args(argv))
+    params_file = args.pop("params")
+    logging.basicConfig(level=logging.INFO, format=f"eaglenest {stage.name}: %(message)s")
     try:
-        body(args)
+        stage.run(load_params(params_file), stage.paths(**args))
     except EaglenestError as err:
-        print(f"eaglenest {name}: error: {err}", file=sys.stderr)
+        print(f"eaglenest {stage.name}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"eaglenest {name}: interrupted; rerun to continue", file=sys.stderr)
+        print(f"eaglenest {stage.name}: interrupted; rerun to continue", file=sys.stderr)
         return 130
     return 0

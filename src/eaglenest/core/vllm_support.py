@@ -30,6 +30,7 @@ from eaglenest.core.errors import EaglenestError
 
 if TYPE_CHECKING:
     from eaglenest.artifacts.verifier import VerifierInfo
+    from eaglenest.core.params import VllmEngineParams
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +38,10 @@ log = logging.getLogger(__name__)
 # plenty for SmolLM2-sized verifiers at the demo's context lengths, and small next to 24 GiB of RAM.
 DEFAULT_CPU_KVCACHE_GIB = "2"
 # On a machine this small, vLLM's CPU build by default reserves one core for its scheduler and computes on the
-# rest: on 2 cores that halves the compute. Binding its threads to every core measured 1.6x the tokens per
-# second for SmolLM2 here (prompts 293 -> 480, replies 318 -> 514 tok/s; docs/defaults.md).
+# rest: on 2 cores that halves the compute. Binding its threads to every core is faster on small machines
+# (docs/defaults.md has the measurement).
 SMALL_MACHINE_CORES = 4
-# The dtypes the vllm back ends accept (their ``*vllm_dtype`` params); "auto" is :func:`serving_dtype`.
+# The dtypes the vllm back ends accept (``VllmEngineParams.dtype``); "auto" is :func:`serving_dtype`.
 VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 SETUP_FIX = {
@@ -171,20 +172,21 @@ def _check_cpu_head_size(config: dict[str, Any], model_dir: Path, what: str) -> 
         )
 
 
-def engine_kwargs(model_dir: Path, verifier: VerifierInfo, *, dtype: str, context_tokens: int,
-                  gpu_memory_utilization: float, seed: int = 0, tensor_parallel_size: int = 1) -> dict[str, Any]:
+def engine_kwargs(model_dir: Path, verifier: VerifierInfo, engine: VllmEngineParams, *, context_tokens: int,
+                  seed: int = 0, gpu_memory_share: float = 1.0) -> dict[str, Any]:
     """The ``vllm.LLM(**kwargs)`` arguments every back end shares; they add their own on top.
 
     Args:
         model_dir: The verifier's weights.
         verifier: The verifier stage's record (remote code, context length).
-        dtype: The back end's ``*vllm_dtype`` param; "auto" is :func:`serving_dtype`.
+        engine: The back end's engine settings (``prepare.regenerate_vllm``, ``extract.vllm``, ``evaluate.vllm``):
+            its dtype ("auto" is :func:`serving_dtype`), its share of GPU memory (ignored on the CPU build) and
+            the GPUs it spreads the verifier over.
         context_tokens: The longest prompt plus output the back end needs; ``max_model_len`` is that, but
             never more than the verifier's own context.
-        gpu_memory_utilization: The back end's share of GPU memory (ignored on the CPU build).
         seed: The engine's random seed.
-        tensor_parallel_size: GPUs one engine spreads the verifier over (the back end's
-            ``*tensor_parallel_size`` param).
+        gpu_memory_share: The part of ``engine.gpu_memory_utilization`` this engine takes: below 1 for a back
+            end whose engines share it (evaluate's two take half each).
 
     On the CPU build the graph is run eagerly: compiling it costs minutes on 2 cores and gains little for
     small verifiers. Its KV cache is sized by ``VLLM_CPU_KVCACHE_SPACE`` (GiB), set here when unset; on a
@@ -194,11 +196,11 @@ def engine_kwargs(model_dir: Path, verifier: VerifierInfo, *, dtype: str, contex
     kwargs: dict[str, Any] = {
         "model": str(model_dir),
         "trust_remote_code": verifier.trust_remote_code,
-        "dtype": serving_dtype(model_dir, dtype),
+        "dtype": serving_dtype(model_dir, engine.dtype),
         "max_model_len": context_tokens if verifier.max_position_embeddings is None
         else min(context_tokens, verifier.max_position_embeddings),
         "seed": seed,
-        "tensor_parallel_size": tensor_parallel_size,
+        "tensor_parallel_size": engine.tensor_parallel_size,
     }
     # Nothing leaves the machine: vLLM would otherwise report usage statistics to its developers' server.
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -214,7 +216,7 @@ def engine_kwargs(model_dir: Path, verifier: VerifierInfo, *, dtype: str, contex
             os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         kwargs["enforce_eager"] = True
     else:
-        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        kwargs["gpu_memory_utilization"] = engine.gpu_memory_utilization * gpu_memory_share
     return kwargs
 
 

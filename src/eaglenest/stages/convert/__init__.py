@@ -8,15 +8,14 @@ first offenders listed; with ``skip`` those rows are excluded from training and 
 
 The draft vocabulary is speculators' own construction (``build_vocab_mappings_from_distribution``): the
 most frequent loss-masked tokens of the *train* split, ties by id, filled deterministically with the
-lowest unused ids when fewer distinct tokens were seen. Files use speculators' names, so ``speculators
-train --data-path`` finds them: ``d2t-{V}.npy`` (int64 ``[V]``, ``target = i + d2t[i]``), ``t2d-{V}.npy``
-(bool ``[verifier_vocab]``) and ``token_freq.pt`` (``{token_id: count}``).
+lowest unused ids when fewer distinct tokens were seen; its files are :mod:`eaglenest.artifacts.vocab`'s.
 """
 
 from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +23,13 @@ import numpy as np
 import torch
 
 from eaglenest.artifacts.hidden_states import MANIFEST_FILE, hs_path, read_hidden_state_file, read_online_manifest
-from eaglenest.artifacts.prepared import load_split
+from eaglenest.artifacts.prepared import load_split, load_table
 from eaglenest.artifacts.verifier import VerifierInfo, load_verifier_info
-from eaglenest.artifacts.vocab import ROWS_FILE, VOCAB_FILE
+from eaglenest.artifacts.vocab import write_vocab
 from eaglenest.core.atomic import atomic_directory, atomic_write_json
 from eaglenest.core.errors import EaglenestError, InputFileError
-from eaglenest.core.params import ConvertParams
+from eaglenest.core.params import ConvertParams, ExtractParams, Params
+from eaglenest.core.stage import Stage, path_arg
 
 log = logging.getLogger(__name__)
 
@@ -87,30 +87,49 @@ def _bad_files_message(problems: dict[int, str], hs_dir: Path, total: int) -> st
     return "\n".join(lines)
 
 
-def convert(params: ConvertParams, dtype: str, verifier_dir: Path, prepared_dir: Path, hs_dir: Path,
-            out_dir: Path, metrics_path: Path, store: str = "files") -> dict[str, Any]:
-    """The convert stage; returns the metrics it writes.
+@dataclass(frozen=True)
+class UsableRows:
+    """The first phase's result: the rows whose hidden states validated, split as prepare split them.
 
-    With ``extract.store: online`` there are no files to validate: the manifest is checked against the prepared
-    rows and the verifier instead, every row is usable, and the train stage checks each row it computes.
+    Attributes:
+        verifier: The verifier stage's record.
+        input_ids: Token ids of every prepared row.
+        loss_mask: Loss mask of every prepared row.
+        train: Usable train rows.
+        val: Usable validation rows.
+        problems: ``{row: problem}`` of the rows left out (``convert.on_bad: skip``).
     """
-    from datasets import load_from_disk
-    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
+    verifier: VerifierInfo
+    input_ids: list[list[int]]
+    loss_mask: list[list[int]]
+    train: list[int]
+    val: list[int]
+    problems: dict[int, str]
+
+    @property
+    def usable(self) -> list[int]:
+        return sorted(self.train + self.val)
+
+
+def find_usable_rows(params: ConvertParams, extract: ExtractParams, verifier_dir: Path, prepared_dir: Path,
+                     hs_dir: Path) -> UsableRows:
+    """Phase 1: every hidden-state file validated against its prepared row (``extract.store: online``: the
+    manifest against the rows, every row usable; the train stage checks each row it computes)."""
     verifier, _ = load_verifier_info(verifier_dir)
     if params.draft_vocab_size is not None and params.draft_vocab_size > verifier.vocab_size:
         raise EaglenestError(
             f"convert.draft_vocab_size = {params.draft_vocab_size} exceeds the verifier's vocabulary of "
             f"{verifier.vocab_size}; use null for the full vocabulary"
         )
-    table = load_from_disk(str(prepared_dir)).data
+    table = load_table(prepared_dir)
     input_ids: list[list[int]] = table.column("input_ids").to_pylist()
     loss_mask: list[list[int]] = table.column("loss_mask").to_pylist()
     split = load_split(prepared_dir)
     if not hs_dir.is_dir():
         raise InputFileError(f"{hs_dir}: no hidden-state folder; run `dvc repro extract` first")
 
-    if store == "online":
+    if extract.store == "online":
         read_online_manifest(hs_dir, verifier, input_ids)
         problems: dict[int, str] = {}
     else:
@@ -118,7 +137,7 @@ def convert(params: ConvertParams, dtype: str, verifier_dir: Path, prepared_dir:
             raise InputFileError(
                 f"{hs_dir / MANIFEST_FILE}: an online extraction, but extract.store is files; run `dvc repro extract`"
             )
-        problems = validate_hidden_states(input_ids, hs_dir, verifier, dtype, params.workers)
+        problems = validate_hidden_states(input_ids, hs_dir, verifier, extract.dtype, params.workers)
     if problems and params.on_bad == "fail":
         raise InputFileError(_bad_files_message(problems, hs_dir, len(input_ids)))
     for row in sorted(problems)[:SHOW_BAD]:
@@ -131,45 +150,57 @@ def convert(params: ConvertParams, dtype: str, verifier_dir: Path, prepared_dir:
             f"after excluding {len(problems)} bad rows, {len(train)} train and {len(val)} validation rows are left; "
             "both need at least one"
         )
+    return UsableRows(verifier, input_ids, loss_mask, train, val, problems)
 
-    train_freq = loss_token_frequencies(input_ids, loss_mask, train)
-    val_freq = loss_token_frequencies(input_ids, loss_mask, val)
+
+def build_vocabulary(params: ConvertParams, rows: UsableRows, out_dir: Path) -> dict[str, Any]:
+    """Phase 2: speculators' draft vocabulary from the train split's loss tokens, written with the usable rows
+    (:mod:`eaglenest.artifacts.vocab`); returns the ``vocab.json`` record."""
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+
+    verifier = rows.verifier
+    train_freq = loss_token_frequencies(rows.input_ids, rows.loss_mask, rows.train)
+    val_freq = loss_token_frequencies(rows.input_ids, rows.loss_mask, rows.val)
     draft_vocab_size = params.draft_vocab_size or verifier.vocab_size
+    if params.draft_vocab_size is None:
+        mapping = None
+        in_draft = torch.ones(verifier.vocab_size, dtype=torch.bool)
+    else:
+        mapping = build_vocab_mappings_from_distribution(train_freq, draft_vocab_size, verifier.vocab_size)
+        in_draft = mapping[1]  # t2d
+    record = {
+        "draft_vocab_size": draft_vocab_size,
+        "verifier_vocab_size": verifier.vocab_size,
+        "full_vocabulary": params.draft_vocab_size is None,
+        "distinct_train_tokens": len(train_freq),
+        "vocab_coverage_train": coverage(train_freq, in_draft),
+        "vocab_coverage_val": coverage(val_freq, in_draft),
+    }
+    problems = rows.problems
     with atomic_directory(out_dir) as tmp:
-        torch.save(train_freq, tmp / "token_freq.pt")
-        if params.draft_vocab_size is None:
-            in_draft = torch.ones(verifier.vocab_size, dtype=torch.bool)
-        else:
-            d2t, t2d = build_vocab_mappings_from_distribution(train_freq, draft_vocab_size, verifier.vocab_size)
-            np.save(tmp / f"d2t-{draft_vocab_size}.npy", d2t.numpy())
-            np.save(tmp / f"t2d-{draft_vocab_size}.npy", t2d.numpy())
-            in_draft = t2d
-        vocab = {
-            "draft_vocab_size": draft_vocab_size,
-            "verifier_vocab_size": verifier.vocab_size,
-            "full_vocabulary": params.draft_vocab_size is None,
-            "distinct_train_tokens": len(train_freq),
-            "vocab_coverage_train": coverage(train_freq, in_draft),
-            "vocab_coverage_val": coverage(val_freq, in_draft),
-        }
-        atomic_write_json(tmp / VOCAB_FILE, vocab)
-        atomic_write_json(tmp / ROWS_FILE, {
-            "train": train, "val": val, "excluded": sorted(problems),
+        write_vocab(tmp, train_freq, mapping, record, {
+            "train": rows.train, "val": rows.val, "excluded": sorted(problems),
             "problems": {str(row): problems[row] for row in sorted(problems)},
         })
+    return record
 
-    tokens = sum(len(input_ids[row]) for row in usable)
-    size = 0 if store == "online" else sum(hs_path(hs_dir, row).stat().st_size for row in usable)
+
+def write_data_metrics(rows: UsableRows, vocab: dict[str, Any], extract: ExtractParams, hs_dir: Path,
+                       metrics_path: Path) -> dict[str, Any]:
+    """Phase 3: what the training set holds (``metrics/data.json``); returns the metrics."""
+    usable, problems = rows.usable, rows.problems
+    tokens = sum(len(rows.input_ids[row]) for row in usable)
+    size = 0 if extract.store == "online" else sum(hs_path(hs_dir, row).stat().st_size for row in usable)
     metrics = {
-        "store": store,
+        "store": extract.store,
         "samples": len(usable),
-        "train_samples": len(train),
-        "val_samples": len(val),
+        "train_samples": len(rows.train),
+        "val_samples": len(rows.val),
         "tokens": tokens,
-        "loss_tokens": sum(sum(loss_mask[row]) for row in usable),
+        "loss_tokens": sum(sum(rows.loss_mask[row]) for row in usable),
         "bytes": size,
         "bytes_per_token": round(size / tokens, 1),
-        "draft_vocab_size": draft_vocab_size,
+        "draft_vocab_size": vocab["draft_vocab_size"],
         "vocab_coverage_train": vocab["vocab_coverage_train"],
         "vocab_coverage_val": vocab["vocab_coverage_val"],
         "excluded": len(problems),
@@ -177,8 +208,44 @@ def convert(params: ConvertParams, dtype: str, verifier_dir: Path, prepared_dir:
     }
     atomic_write_json(metrics_path, metrics)
     log.info("%d rows valid (%d excluded); draft vocabulary %d covers %.1f%% of train, %.1f%% of val loss tokens",
-             len(usable), len(problems), draft_vocab_size, 100 * (vocab["vocab_coverage_train"] or 0),
+             len(usable), len(problems), vocab["draft_vocab_size"], 100 * (vocab["vocab_coverage_train"] or 0),
              100 * (vocab["vocab_coverage_val"] or 0))
     return metrics
 
 
+def convert(params: ConvertParams, extract: ExtractParams, verifier_dir: Path, prepared_dir: Path, hs_dir: Path,
+            out_dir: Path, metrics_path: Path) -> dict[str, Any]:
+    """The convert stage's work: validate, build the vocabulary, count; returns the metrics it writes.
+
+    Args:
+        params: The convert params.
+        extract: The extract params the hidden states were written with (``dtype``, ``store``).
+        verifier_dir: The verifier stage's output folder.
+        prepared_dir: The prepare stage's dataset folder.
+        hs_dir: The extract stage's folder.
+        out_dir: The vocabulary folder (``data/vocab``).
+        metrics_path: ``metrics/data.json``.
+    """
+    rows = find_usable_rows(params, extract, verifier_dir, prepared_dir, hs_dir)
+    vocab = build_vocabulary(params, rows, out_dir)
+    return write_data_metrics(rows, vocab, extract, hs_dir, metrics_path)
+
+
+@dataclass(frozen=True)
+class ConvertPaths:
+    """Where dvc.yaml puts the convert stage's inputs and outputs."""
+
+    verifier: Path = path_arg("the verifier stage's output folder")
+    prepared: Path = path_arg("the prepare stage's dataset folder")
+    hidden_states: Path = path_arg("the extract stage's folder")
+    out: Path = path_arg("vocabulary folder (data/vocab)")
+    metrics: Path = path_arg("metrics JSON (metrics/data.json)")
+
+
+def run(params: Params, paths: ConvertPaths) -> dict[str, Any]:
+    """The convert stage: reads ``extract.dtype`` and ``extract.store``, which its input was written with."""
+    return convert(params.convert, params.extract, paths.verifier, paths.prepared, paths.hidden_states, paths.out,
+                   paths.metrics)
+
+
+STAGE = Stage("convert", "Validate every hidden-state file and build the draft vocabulary.", ConvertPaths, run)

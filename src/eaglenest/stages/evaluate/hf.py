@@ -1,5 +1,5 @@
-"""The ``hf`` evaluate back end: eaglenest's reference speculative decoder (:mod:`eaglenest.stages.evaluate.speculative`)
-against transformers' own ``generate``, in float32 on the CPU or one GPU.
+"""The ``hf`` evaluate back end: eaglenest's reference speculative decoder
+(:mod:`eaglenest.stages.evaluate.speculative`) against transformers' own ``generate``, in float32 on the CPU or one GPU.
 
 ``generate`` is the plain reference: its output is what speculative decoding must reproduce token for token
 at temperature 0, and its speed is the baseline. It shares no code with the speculative decoder (cache,

@@ -160,13 +160,10 @@ def _engine_dtype(llm: Any, requested: str) -> str:
 def build_evaluate_llm_kwargs(params: EvaluateParams, info: VerifierInfo, model_dir: Path, *,
                               context_tokens: int) -> dict[str, Any]:
     """The ``vllm.LLM(**kwargs)`` arguments both engines share (the speculative one adds its draft)."""
-    return engine_kwargs(
-        model_dir, info, dtype=params.vllm_dtype, context_tokens=context_tokens,
-        # Both engines may hold GPU memory at once (a stopped engine frees it lazily), so each gets half and
-        # the verifier must fit twice in tensor_parallel_size GPUs.
-        gpu_memory_utilization=params.gpu_memory_utilization / 2, seed=params.seed,
-        tensor_parallel_size=params.tensor_parallel_size,
-    )
+    # Both engines may hold GPU memory at once (a stopped engine frees it lazily), so each gets half and
+    # the verifier must fit twice in evaluate.vllm.tensor_parallel_size GPUs.
+    return engine_kwargs(model_dir, info, params.vllm, context_tokens=context_tokens, seed=params.seed,
+                         gpu_memory_share=0.5)
 
 
 def evaluate_draft_vllm(job: EvaluationJob) -> dict[str, dict[str, Any]]:

@@ -16,6 +16,7 @@ import logging
 import shutil
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,15 +32,15 @@ from eaglenest.artifacts.hidden_states import (
     online_manifest,
     row_index,
 )
+from eaglenest.artifacts.prepared import load_input_ids
 from eaglenest.artifacts.verifier import VerifierInfo, load_verifier_info
 from eaglenest.core.atomic import atomic_write_json, remove_stale_temps
 from eaglenest.core.errors import EaglenestError
-from eaglenest.core.params import ExtractParams, parse_params
+from eaglenest.core.params import ExtractParams, Params, parse_params
 from eaglenest.core.registry import Registry
+from eaglenest.core.stage import Stage, int_option, path_arg
 from eaglenest.stages.extract.job import Backend, ExtractionJob
 from eaglenest.stages.extract.shards import SHARDS_DIR, check_join, check_shard_start, shard_rows, write_record
-
-__all__ = ["BACKENDS", "extract_hidden_states", "shard_params", "shard_rows"]
 
 log = logging.getLogger(__name__)
 
@@ -132,24 +133,41 @@ def _check_context(input_ids: list[list[int]], rows: range, verifier: VerifierIn
         )
 
 
-def extract_hidden_states(params: ExtractParams, verifier_dir: Path, prepared_dir: Path, out_dir: Path,
-                          metrics_path: Path) -> dict[str, Any]:
-    """The extract stage; returns the metrics it writes."""
-    from datasets import load_from_disk
-    from tqdm import tqdm
+@dataclass(frozen=True)
+class ExtractionPlan:
+    """What this run of the extract stage must do (the first phase's result).
 
+    Attributes:
+        params: The extract params (with this node's shard).
+        verifier: The verifier stage's record.
+        model_dir: The verifier's weights on this machine.
+        input_ids: Token ids of every prepared row.
+        rows: This node's rows (all of them on one node).
+        todo: The rows of ``rows`` without a valid file, to compute.
+        config: The extraction fingerprint every file records.
+        removed: Stale files and temporaries deleted while planning.
+    """
+
+    params: ExtractParams
+    verifier: VerifierInfo
+    model_dir: Path
+    input_ids: list[list[int]]
+    rows: range
+    todo: list[int]
+    config: str
+    removed: int
+
+
+def plan_extraction(params: ExtractParams, verifier_dir: Path, prepared_dir: Path, out_dir: Path) -> ExtractionPlan:
+    """Phase 1: which rows this node extracts, what already validates, and the stale files cleared away."""
     verifier, model_dir = load_verifier_info(verifier_dir)
-    try:
-        dataset = load_from_disk(str(prepared_dir))
-    except FileNotFoundError:
-        raise EaglenestError(f"{prepared_dir}: no prepared dataset; run `dvc repro prepare` first") from None
-    input_ids: list[list[int]] = dataset.data.column("input_ids").to_pylist()
+    input_ids = load_input_ids(prepared_dir)
     rows = shard_rows(len(input_ids), params.rank, params.world_size)
     _check_context(input_ids, rows, verifier)
-
     out_dir.mkdir(parents=True, exist_ok=True)
+    config = extraction_fingerprint(verifier.fingerprint, verifier.layer_ids, params.dtype)
     if params.store == "online":
-        return _write_online_manifest(params, verifier, input_ids, out_dir, metrics_path)
+        return ExtractionPlan(params, verifier, model_dir, input_ids, rows, [], config, 0)
     (out_dir / MANIFEST_FILE).unlink(missing_ok=True)  # files again: a manifest would say "online"
     # Shards on several nodes may share one folder: each clears only the temporaries of its own rows.
     removed = remove_stale_temps(out_dir, mine=lambda name: row_index(Path(name)) in rows)
@@ -158,7 +176,6 @@ def extract_hidden_states(params: ExtractParams, verifier_dir: Path, prepared_di
         if index is not None and index >= len(input_ids):  # left over from a larger dataset
             path.unlink()
             removed += 1
-    config = extraction_fingerprint(verifier.fingerprint, verifier.layer_ids, params.dtype)
     if params.world_size > 1:
         check_shard_start(out_dir, params.rank, params.world_size, rows, len(input_ids), config)
     else:  # the join of a multi-node extraction, or a plain single-node run
@@ -166,10 +183,16 @@ def extract_hidden_states(params: ExtractParams, verifier_dir: Path, prepared_di
     todo = rows_to_compute(out_dir, rows, input_ids, verifier, params.dtype, config)
     log.info("%d rows in shard %d/%d: %d already extracted, %d to compute; %d stale files removed",
              len(rows), params.rank, params.world_size, len(rows) - len(todo), len(todo), removed)
+    return ExtractionPlan(params, verifier, model_dir, input_ids, rows, todo, config, removed)
 
-    todo_tokens = sum(len(input_ids[row]) for row in todo)
+
+def compute_hidden_states(plan: ExtractionPlan, out_dir: Path) -> float:
+    """Phase 2: the back end computes every row of ``plan.todo`` and writes its file; returns the seconds."""
+    from tqdm import tqdm
+
+    params, input_ids = plan.params, plan.input_ids
     started = time.perf_counter()
-    with tqdm(total=len(todo), desc=f"extract ({params.backend})", unit="row") as bar:
+    with tqdm(total=len(plan.todo), desc=f"extract ({params.backend})", unit="row") as bar:
         done_tokens = 0
 
         def on_row(row: int, tokens: int) -> None:
@@ -178,29 +201,34 @@ def extract_hidden_states(params: ExtractParams, verifier_dir: Path, prepared_di
             bar.update(1)
             bar.set_postfix(tok_s=f"{done_tokens / max(time.perf_counter() - started, 1e-9):.0f}")
 
-        job = ExtractionJob(verifier=verifier, model_dir=model_dir, params=params, out_dir=out_dir, todo=todo,
-                            input_ids=input_ids, on_row=on_row,
-                            metadata=file_metadata(config, verifier.layer_ids, params.dtype, params.backend))
-        if todo:
+        job = ExtractionJob(verifier=plan.verifier, model_dir=plan.model_dir, params=params, out_dir=out_dir,
+                            todo=plan.todo, input_ids=input_ids, on_row=on_row,
+                            metadata=file_metadata(plan.config, plan.verifier.layer_ids, params.dtype, params.backend))
+        if plan.todo:
             BACKENDS.get(params.backend)(job)
-    seconds = time.perf_counter() - started
+    return time.perf_counter() - started
 
+
+def finish_extraction(plan: ExtractionPlan, out_dir: Path, metrics_path: Path, seconds: float) -> dict[str, Any]:
+    """Phase 3: every row of the shard has its file; the shard's record (several nodes) and the metrics."""
+    params, input_ids, rows = plan.params, plan.input_ids, plan.rows
     missing = [row for row in rows if not hs_path(out_dir, row).is_file()]
     if missing:
         raise EaglenestError(f"{len(missing)} rows have no hidden states after extraction (first: row {missing[0]})")
     if params.world_size > 1:
-        write_record(out_dir, params.rank, params.world_size, rows, len(input_ids), config)
+        write_record(out_dir, params.rank, params.world_size, rows, len(input_ids), plan.config)
     tokens = sum(len(input_ids[row]) for row in rows)
+    todo_tokens = sum(len(input_ids[row]) for row in plan.todo)
     size = sum(hs_path(out_dir, row).stat().st_size for row in rows)
     metrics = {
         "store": params.store,
         "rows": len(rows),
-        "rows_computed": len(todo),
-        "rows_reused": len(rows) - len(todo),
+        "rows_computed": len(plan.todo),
+        "rows_reused": len(rows) - len(plan.todo),
         "tokens": tokens,
         "seconds": round(seconds, 3),
         # Throughput of what this run computed; null when everything was already there.
-        "tokens_per_s": round(todo_tokens / seconds, 1) if todo else None,
+        "tokens_per_s": round(todo_tokens / seconds, 1) if plan.todo else None,
         "bytes": size,
         "bytes_per_token": round(size / tokens, 1),
         "dtype": params.dtype,
@@ -208,6 +236,16 @@ def extract_hidden_states(params: ExtractParams, verifier_dir: Path, prepared_di
     }
     atomic_write_json(metrics_path, metrics)
     return metrics
+
+
+def extract_hidden_states(params: ExtractParams, verifier_dir: Path, prepared_dir: Path, out_dir: Path,
+                          metrics_path: Path) -> dict[str, Any]:
+    """The extract stage's work: plan, compute what is missing, finish; returns the metrics it writes."""
+    plan = plan_extraction(params, verifier_dir, prepared_dir, out_dir)
+    if params.store == "online":
+        return _write_online_manifest(params, plan.verifier, plan.input_ids, out_dir, metrics_path)
+    seconds = compute_hidden_states(plan, out_dir)
+    return finish_extraction(plan, out_dir, metrics_path, seconds)
 
 
 def _write_online_manifest(params: ExtractParams, verifier: VerifierInfo, input_ids: list[list[int]], out_dir: Path,
@@ -243,3 +281,26 @@ def _write_online_manifest(params: ExtractParams, verifier: VerifierInfo, input_
     }
     atomic_write_json(metrics_path, metrics)
     return metrics
+
+
+@dataclass(frozen=True)
+class ExtractPaths:
+    """Where dvc.yaml puts the extract stage's inputs and outputs, and a node's shard (multi-node extraction)."""
+
+    verifier: Path = path_arg("the verifier stage's output folder")
+    prepared: Path = path_arg("the prepare stage's dataset folder")
+    out: Path = path_arg("hidden-state folder (data/hidden_states)")
+    metrics: Path = path_arg("metrics JSON (metrics/extract.json)")
+    rank: int | None = int_option("this node's shard (overrides extract.rank)")
+    world_size: int | None = int_option("the number of shards (overrides extract.world_size)")
+
+
+def run(params: Params, paths: ExtractPaths) -> dict[str, Any]:
+    """The extract stage, on this node's shard when ``--rank`` / ``--world-size`` are given (README)."""
+    extract = params.extract
+    if paths.rank is not None or paths.world_size is not None:
+        extract = shard_params(extract, paths.rank, paths.world_size)
+    return extract_hidden_states(extract, paths.verifier, paths.prepared, paths.out, paths.metrics)
+
+
+STAGE = Stage("extract", "The verifier's hidden states for every prepared row (resumable).", ExtractPaths, run)

@@ -1,9 +1,7 @@
 """The ``hf`` extract back end: transformers on CPU or one GPU, the reference implementation.
 
-Runs only the verifier's decoder (no LM head: unused here, and a fifth of SmolLM2's work) over
-length-sorted batches, capturing with hooks the residual stream after each aux layer (the output of
-decoder layer ``L-1`` is "layer id L") and the input of the final norm (layer id N, pre-norm; transformers'
-own last ``hidden_states`` entry is taken after the norm, so it cannot be used).
+Runs only the verifier's decoder over length-sorted batches, with :mod:`eaglenest.core.decoder`'s hooks on the
+aux layers and on the final norm's input (the same code online training runs).
 """
 
 from __future__ import annotations

@@ -62,9 +62,7 @@ def build_llm_kwargs(job: ExtractionJob, staging_dir: Path) -> dict[str, Any]:
     params, verifier = job.params, job.verifier
     longest = max(len(job.input_ids[row]) for row in job.todo)
     # vLLM refuses a prompt of max_model_len tokens or more (it must leave room for one output token).
-    common = engine_kwargs(job.model_dir, verifier, dtype=params.vllm_dtype, context_tokens=longest + 1,
-                           gpu_memory_utilization=params.gpu_memory_utilization,
-                           tensor_parallel_size=params.tensor_parallel_size)
+    common = engine_kwargs(job.model_dir, verifier, params.vllm, context_tokens=longest + 1)
     return {
         **common,
         "max_num_seqs": params.max_num_seqs,

@@ -20,12 +20,16 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eaglenest.artifacts.verifier import VerifierInfo
 from eaglenest.core.atomic import atomic_write_json
 from eaglenest.core.errors import EaglenestError
+from eaglenest.core.params import PrepareParams
+from eaglenest.stages.prepare.regenerate import VerifierGenerator
 from eaglenest.stages.prepare.regenerate.job import ReplyGenerator, Sampling
 
 log = logging.getLogger(__name__)
@@ -34,7 +38,7 @@ CACHE_ROOT = Path(".eaglenest") / "prompt-cache"
 PARAM = "prepare.source builtin:self-instruct"
 
 # What the user asks about, one hint per prompt in turn. "" lets the verifier pick; the rest cover the kinds
-# of traffic a chat model serves. Measured in docs/defaults.md (issue 14).
+# of traffic a chat model serves (docs/defaults.md measures the mix they write).
 DEFAULT_HINTS = (
     "",
     "The user asks for an explanation of a concept.",
@@ -48,7 +52,8 @@ DEFAULT_HINTS = (
     "The user asks to summarize, rewrite or translate a text they give.",
 )
 _MARKER = "\x00user-message\x00"
-# Tries per prompt asked for before giving up: SmolLM2 finishes about 2 in 3 prompts within 64 tokens.
+# Tries per prompt asked for before giving up: a small verifier leaves some prompts unfinished within
+# prepare.prompt_max_new_tokens, and a source that yields nothing must stop.
 _MAX_TRIES_PER_PROMPT = 4
 
 
@@ -149,8 +154,10 @@ def write_prompts(count: int, generate: ReplyGenerator, tokenizer: Any, eot_ids:
     return prompts, stats
 
 
-def self_instruct_writer(params: Any, info: Any, generator: Any, tokenizer: Any, eot_ids: set[int]):
-    """The prepare stage's :data:`~eaglenest.stages.prepare.PromptWriter`: ``count`` -> prompts, with the stage's params."""
+def self_instruct_writer(params: PrepareParams, info: VerifierInfo, generator: VerifierGenerator, tokenizer: Any,
+                         eot_ids: set[int]) -> Callable[[int], tuple[list[str], PromptStats]]:
+    """The prepare stage's :data:`~eaglenest.stages.prepare.PromptWriter`: ``count`` -> prompts, with the stage's
+    params, written by ``generator`` (the regeneration back end, on ``prepare.regenerate_vllm`` for vllm)."""
 
     def write(count: int) -> tuple[list[str], PromptStats]:
         hints = list(DEFAULT_HINTS) if params.prompt_hints is None else params.prompt_hints

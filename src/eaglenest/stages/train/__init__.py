@@ -4,16 +4,20 @@ The loop is ours so that it runs on a CPU as well as a GPU (speculators' Trainer
 live beside it: :mod:`~eaglenest.stages.train.data` (speculators' data set and collation, packed batches in a
 deterministic order), :mod:`~eaglenest.stages.train.model` (the draft, and how it runs on this device),
 :mod:`~eaglenest.stages.train.validation` (in-training validation: loss, accuracy, tau_sim),
-:mod:`~eaglenest.stages.train.checkpoint` (resume after a kill) and :mod:`~eaglenest.stages.train.distributed`
-(several processes under torchrun).
+:mod:`~eaglenest.stages.train.loop` (one optimizer step), :mod:`~eaglenest.stages.train.checkpoint` (resume
+after a kill) and :mod:`~eaglenest.stages.train.distributed` (several processes under torchrun). The stage runs in
+three phases: :func:`setup_training`, :func:`fit` and :func:`finish_training`.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import shutil
+import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,12 +26,13 @@ import torch
 
 from eaglenest.artifacts.draft import save_draft
 from eaglenest.artifacts.prepared import load_split
-from eaglenest.artifacts.verifier import load_verifier_info
+from eaglenest.artifacts.verifier import VerifierInfo, load_verifier_info
 from eaglenest.artifacts.vocab import load_vocab
 from eaglenest.core.atomic import atomic_write_json
 from eaglenest.core.device import pick_device
 from eaglenest.core.errors import EaglenestError
-from eaglenest.core.params import TrainParams
+from eaglenest.core.params import Params, TrainParams
+from eaglenest.core.stage import Stage, path_arg
 from eaglenest.stages.train.checkpoint import (
     CHECKPOINT_FILE,
     CHECKPOINT_ROOT,
@@ -36,140 +41,182 @@ from eaglenest.stages.train.checkpoint import (
     save_checkpoint,
     trim_live_history,
 )
-from eaglenest.stages.train.data import PackedBatches, load_training_data, pack_batches
-from eaglenest.stages.train.distributed import init_distributed
-from eaglenest.stages.train.model import build_draft, draft_runtime
+from eaglenest.stages.train.data import PackedBatches, TrainingData, load_training_data, pack_batches
+from eaglenest.stages.train.distributed import Distributed, init_distributed, relaunch_with_torchrun
+from eaglenest.stages.train.loop import Optimization, build_optimization, train_step
+from eaglenest.stages.train.model import Runtime, build_draft, draft_runtime
 from eaglenest.stages.train.validation import validate_draft
 
 log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
-class TrainInputs:
-    """Paths of the train stage's inputs and outputs (from dvc.yaml)."""
+class TrainPaths:
+    """Where dvc.yaml puts the train stage's inputs and outputs; resumable checkpoints live outside them."""
 
-    verifier: Path
-    prepared: Path
-    hidden_states: Path
-    vocab: Path
-    out: Path
-    metrics: Path
-    live_dir: Path
+    verifier: Path = path_arg("the verifier stage's output folder")
+    prepared: Path = path_arg("the prepare stage's dataset folder")
+    hidden_states: Path = path_arg("the extract stage's folder")
+    vocab: Path = path_arg("the convert stage's vocabulary folder")
+    out: Path = path_arg("the draft checkpoint folder (models/draft)")
+    metrics: Path = path_arg("metrics JSON (metrics/train.json)")
+    live_dir: Path = path_arg("dvclive folder (dvclive/train)")
     checkpoints: Path = CHECKPOINT_ROOT
 
 
-def _lr_lambda(params: TrainParams):
-    def factor(step: int) -> float:
-        if step < params.warmup_steps:
-            return (step + 1) / params.warmup_steps
-        progress = (step - params.warmup_steps) / max(1, params.steps - params.warmup_steps)
-        cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-        return params.min_lr_ratio + (1 - params.min_lr_ratio) * cosine
+@dataclass
+class TrainSession:
+    """Everything the fit phase needs, built by :func:`setup_training`.
 
-    return factor
+    Attributes:
+        params: The train params.
+        paths: The stage's paths.
+        verifier: The verifier stage's record.
+        dist: This process's place among the training processes.
+        runtime: How the draft runs on this device.
+        data: The training data.
+        model: The draft (unwrapped).
+        network: What the forward runs: the draft, or its DDP wrapper with several processes.
+        optimization: Optimizer and learning-rate schedule.
+        checkpoint_path: Where this run's resumable checkpoint lives.
+        start_step: The step this run continues from (0: a fresh start).
+        val_batches: The validation rows, packed.
+        train_batches: This process's training batches from ``start_step`` on.
+        live: dvclive's logger on the main process, else None.
+    """
+
+    params: TrainParams
+    paths: TrainPaths
+    verifier: VerifierInfo
+    dist: Distributed
+    runtime: Runtime
+    data: TrainingData
+    model: Any
+    network: Any
+    optimization: Optimization
+    checkpoint_path: Path
+    start_step: int
+    val_batches: list[list[int]]
+    train_batches: Iterator[list[int]]
+    live: Any
 
 
-def train_draft(params: TrainParams, inputs: TrainInputs) -> dict[str, Any]:
-    """The train stage; returns the metrics it writes."""
+@dataclass
+class FitResult:
+    """What the fit phase measured.
+
+    Attributes:
+        train_loss: The last step's training loss (mean over processes).
+        validation: The last validation's figures.
+        seconds: Wall time of the fit, validation and checkpoints included.
+        step_seconds: Time in training steps only.
+        trained_tokens: Real (unpadded) tokens trained on, over all processes.
+    """
+
+    train_loss: float
+    validation: dict[str, Any]
+    seconds: float
+    step_seconds: float
+    trained_tokens: float
+
+
+def setup_training(params: TrainParams, paths: TrainPaths) -> TrainSession:
+    """Phase 1: data, draft, optimizer and the resumed state, on every process."""
     from dvclive import Live
 
-    verifier, model_dir = load_verifier_info(inputs.verifier)
-    vocab, d2t, t2d = load_vocab(inputs.vocab)
+    verifier, model_dir = load_verifier_info(paths.verifier)
+    vocab, d2t, t2d = load_vocab(paths.vocab)
     dist, device = init_distributed(pick_device(params.device, "train.device"))
     runtime = draft_runtime(params, device)
-    data = load_training_data(params, verifier, inputs.prepared, inputs.hidden_states, inputs.vocab, runtime.hs_dtype,
+    data = load_training_data(params, verifier, paths.prepared, paths.hidden_states, paths.vocab, runtime.hs_dtype,
                               model_dir=model_dir, device=device)
-    rows, lengths = data.rows, data.lengths
     model = build_draft(verifier, model_dir, params, vocab["draft_vocab_size"], d2t, t2d, runtime.attention)
     model = model.to(device)
     model.train()
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=params.lr, weight_decay=params.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(params))
+    optimization = build_optimization(model, params)
 
-    fingerprint = run_fingerprint(params, verifier, inputs.prepared, inputs.vocab, inputs.hidden_states)
-    checkpoint_path = inputs.checkpoints / fingerprint / CHECKPOINT_FILE
-    start_step = resume(checkpoint_path, model, optimizer, scheduler, params.seed)
+    fingerprint = run_fingerprint(params, verifier, paths.prepared, paths.vocab, paths.hidden_states)
+    checkpoint_path = paths.checkpoints / fingerprint / CHECKPOINT_FILE
+    start_step = resume(checkpoint_path, model, optimization.optimizer, optimization.scheduler, params.seed)
     if dist.is_main:
         if start_step:
             log.info("resuming run %s from step %d (%s)", fingerprint, start_step, checkpoint_path)
-            trim_live_history(inputs.live_dir, start_step)
-        elif inputs.live_dir.exists():
-            shutil.rmtree(inputs.live_dir)
+            trim_live_history(paths.live_dir, start_step)
+        elif paths.live_dir.exists():
+            shutil.rmtree(paths.live_dir)
     dist.barrier()
     # Each process packs its own share of the rows; the global batch is world_size packed sequences.
+    rows, lengths = data.rows, data.lengths
     val_batches = pack_batches(rows["val"], lengths, params.total_seq_len, params.seed, epoch=0)
     my_rows = rows["train"][dist.rank :: dist.world_size]
     train_batches = PackedBatches(my_rows, lengths, params.total_seq_len, params.seed).from_step(start_step)
     network = (torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda"
                                                          else None) if dist.world_size > 1 else model)
-
     # dvclive step s holds what was measured after s optimizer steps (step 0: the untrained draft).
-    live = (Live(dir=str(inputs.live_dir), dvcyaml=False, save_dvc_exp=False, resume=start_step > 0, report=None)
+    live = (Live(dir=str(paths.live_dir), dvcyaml=False, save_dvc_exp=False, resume=start_step > 0, report=None)
             if dist.is_main else None)
+    return TrainSession(params, paths, verifier, dist, runtime, data, model, network, optimization, checkpoint_path,
+                        start_step, val_batches, train_batches, live)
 
-    def validate(step: int) -> dict[str, Any]:
-        """Rank 0 validates on the unwrapped model (no collectives); the others wait."""
-        result: dict[str, Any] = {}
-        if live is not None:
-            result = validate_draft(model, data, val_batches, runtime)
-            _log_validation(live, step, result)
-        dist.barrier()
-        return result
 
-    if start_step == 0:  # the curves start at the untrained draft, so progress shows
-        validate(0)
+def _validate(session: TrainSession, step: int) -> dict[str, Any]:
+    """Rank 0 validates on the unwrapped model (no collectives); the others wait."""
+    result: dict[str, Any] = {}
+    if session.live is not None:
+        result = validate_draft(session.model, session.data, session.val_batches, session.runtime)
+        _log_validation(session.live, step, result)
+    session.dist.barrier()
+    return result
+
+
+def fit(session: TrainSession) -> FitResult:
+    """Phase 2: the training steps from ``session.start_step``, with validation and checkpoints on schedule."""
+    params, dist, live, device = session.params, session.dist, session.live, session.runtime.device
+    if session.start_step == 0:  # the curves start at the untrained draft, so progress shows
+        _validate(session, 0)
     started = time.perf_counter()
-    step_seconds = 0.0  # time in training steps only, validation and checkpoints excluded
-    trained_tokens = 0.0
-    train_loss = float("nan")
-    validation: dict[str, Any] = {}
-    for step in range(start_step, params.steps):
+    result = FitResult(train_loss=float("nan"), validation={}, seconds=0.0, step_seconds=0.0, trained_tokens=0.0)
+    for step in range(session.start_step, params.steps):
         step_started = time.perf_counter()
-        batch_rows = next(train_batches)
-        batch = data.batch(batch_rows, device, training=True)
-        try:
-            with runtime.autocast():
-                _, loss, _ = network(**batch, **runtime.forward_kwargs)
-            loss.backward()  # DDP averages the gradients over processes here
-        except (torch.OutOfMemoryError, MemoryError):
-            raise EaglenestError(
-                f"out of memory on {device} for a batch of {params.total_seq_len} tokens x {params.ttt_steps} "
-                f"TTT steps; lower train.total_seq_len or train.ttt_steps"
-            ) from None
-        if params.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(trainable, params.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        batch_rows = next(session.train_batches)
+        batch = session.data.batch(batch_rows, device, training=True)
+        loss = train_step(session.network, batch, session.runtime, session.optimization, params)
         done = step + 1
-        step_seconds += time.perf_counter() - step_started
-        tokens = dist.sum(sum(lengths[r] for r in batch_rows))
-        trained_tokens += tokens
-        train_loss = dist.mean(loss.item())
-        if not math.isfinite(train_loss):
-            raise EaglenestError(f"training loss became {train_loss} at step {done}; lower train.lr ({params.lr})")
+        result.step_seconds += time.perf_counter() - step_started
+        tokens = dist.sum(sum(session.data.lengths[r] for r in batch_rows))
+        result.trained_tokens += tokens
+        result.train_loss = dist.mean(loss)
+        if not math.isfinite(result.train_loss):
+            raise EaglenestError(
+                f"training loss became {result.train_loss} at step {done}; lower train.lr ({params.lr})")
         if live is not None:
             live.step = done
-            live.log_metric("train/loss", train_loss)
-            live.log_metric("train/lr", scheduler.get_last_lr()[0])
+            live.log_metric("train/loss", result.train_loss)
+            live.log_metric("train/lr", session.optimization.scheduler.get_last_lr()[0])
             live.log_metric("train/tokens_per_s", tokens / (time.perf_counter() - step_started))
         if done % params.eval_every == 0 or done == params.steps:
-            validation = validate(done)
+            result.validation = _validate(session, done)
         if done % params.checkpoint_every == 0 and done < params.steps:
             if dist.is_main:
-                save_checkpoint(checkpoint_path, model, optimizer, scheduler, done)
+                save_checkpoint(session.checkpoint_path, session.model, session.optimization.optimizer,
+                                session.optimization.scheduler, done)
             dist.barrier()
-    seconds = time.perf_counter() - started
+    result.seconds = time.perf_counter() - started
+    return result
 
+
+def finish_training(session: TrainSession, result: FitResult) -> dict[str, Any]:
+    """Phase 3: the main process saves the draft and the metrics and drops the finished run's checkpoint."""
+    params, paths, data, dist = session.params, session.paths, session.data, session.dist
     metrics: dict[str, Any] = {}
-    if live is not None:
-        live.end()
-        save_draft(model, inputs.out, params.verifier_name or verifier.name)
+    if session.live is not None:
+        session.live.end()
+        save_draft(session.model, paths.out, params.verifier_name or session.verifier.name)
+        validation = result.validation
         metrics = {
             "steps": params.steps,
-            "steps_this_run": params.steps - start_step,
-            "resumed_from_step": start_step,
-            "train_loss": round(train_loss, 6),
+            "steps_this_run": params.steps - session.start_step,
+            "resumed_from_step": session.start_step,
+            "train_loss": round(result.train_loss, 6),
             "val_loss": round(validation["val_loss"], 6),
             "val_acc": [round(a, 6) for a in validation["val_acc"]],
             "val_cond_acc": [round(a, 6) for a in validation["val_cond_acc"]],
@@ -177,21 +224,27 @@ def train_draft(params: TrainParams, inputs: TrainInputs) -> dict[str, Any]:
             **{f"val_acc_{i}": round(a, 6) for i, a in enumerate(validation["val_acc"])},
             "tau_sim": round(validation["tau_sim"], 4),
             # Real (unpadded) tokens per second of training steps; validation time is not counted.
-            "tokens_per_s": round(trained_tokens / step_seconds, 1) if trained_tokens else None,
-            "seconds": round(seconds, 3),
-            "device": device.type,
-            "precision": runtime.precision,
+            "tokens_per_s": round(result.trained_tokens / result.step_seconds, 1) if result.trained_tokens else None,
+            "seconds": round(result.seconds, 3),
+            "device": session.runtime.device.type,
+            "precision": session.runtime.precision,
             "loss_tokens": params.loss_tokens,
             "processes": dist.world_size,
             "hidden_states": "online" if data.online is not None else "files",
-            "train_rows": len(rows["train"]),
-            "val_rows": len(rows["val"]),
-            "split_train_rows": load_split(inputs.prepared)["train_rows"],
+            "train_rows": len(data.rows["train"]),
+            "val_rows": len(data.rows["val"]),
+            "split_train_rows": load_split(paths.prepared)["train_rows"],
         }
-        atomic_write_json(inputs.metrics, metrics)
-        shutil.rmtree(checkpoint_path.parent, ignore_errors=True)  # finished: the draft itself is the result
+        atomic_write_json(paths.metrics, metrics)
+        shutil.rmtree(session.checkpoint_path.parent, ignore_errors=True)  # finished: the draft itself is the result
     dist.barrier()
     return metrics
+
+
+def train_draft(params: TrainParams, paths: TrainPaths) -> dict[str, Any]:
+    """The train stage's work: set up, fit, finish; returns the metrics it writes (empty on other processes)."""
+    session = setup_training(params, paths)
+    return finish_training(session, fit(session))
 
 
 def _log_validation(live: Any, step: int, result: dict[str, Any]) -> None:
@@ -204,3 +257,18 @@ def _log_validation(live: Any, step: int, result: dict[str, Any]) -> None:
     live.log_metric("val/tau_sim", result["tau_sim"])
     log.info("step %d: val loss %.4f, acc %s, tau_sim %.3f", step, result["val_loss"],
              [round(a, 3) for a in result["val_acc"]], result["tau_sim"])
+
+
+def run(params: Params, paths: TrainPaths) -> dict[str, Any]:
+    """The train stage; with ``train.nproc`` > 1 and not yet under torchrun, it starts torchrun on this script."""
+    train = params.train
+    if train.nproc > 1 and "LOCAL_RANK" not in os.environ:
+        code = relaunch_with_torchrun(train.nproc, sys.argv[0], sys.argv[1:])
+        if code != 0:
+            raise EaglenestError(f"the {train.nproc} training processes failed (exit {code}); see their output above")
+        return {}
+    return train_draft(train, paths)
+
+
+STAGE = Stage("train", "The EAGLE-3 draft, trained with training-time test, logged with dvclive, resumable.",
+              TrainPaths, run)

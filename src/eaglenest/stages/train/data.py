@@ -9,7 +9,6 @@ one would have.
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ import torch
 
 from eaglenest.artifacts.hidden_states import MANIFEST_FILE, read_online_manifest
 from eaglenest.artifacts.verifier import VerifierInfo
-from eaglenest.artifacts.vocab import ROWS_FILE
+from eaglenest.artifacts.vocab import load_rows
 from eaglenest.core.errors import EaglenestError
 from eaglenest.core.params import TrainParams
 from eaglenest.stages.train.online import OnlineTransfer
@@ -45,9 +44,9 @@ class TrainingData:
     collate: Any
     rows: dict[str, list[int]]
     lengths: list[int]
-    online: OnlineTransfer | None = None
-    loss_on_every_token: bool = False
-    ttt_steps: int = 3
+    online: OnlineTransfer | None
+    loss_on_every_token: bool
+    ttt_steps: int
 
     def batch(self, rows: list[int], device: torch.device, *, training: bool = False) -> dict[str, Any]:
         """The packed model inputs of ``rows`` on ``device``; validation batches keep the replies' loss mask."""
@@ -93,7 +92,7 @@ def load_training_data(params: TrainParams, verifier: VerifierInfo, prepared: Pa
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.data import ArrowDataset, CollateFn
 
-    rows = json.loads((vocab / ROWS_FILE).read_text())
+    rows = load_rows(vocab)
     table = load_from_disk(str(prepared)).data
     lengths = table.column("seq_len").to_pylist()
     too_long = [row for row in rows["train"] + rows["val"] if lengths[row] > params.total_seq_len]

@@ -1,6 +1,6 @@
 """Training on several processes: torchrun's environment, the process group, and the collectives the loop uses.
 
-``train.processes: N`` (N > 1) relaunches the stage under ``torchrun --standalone`` on this machine; each
+``train.nproc: N`` (N > 1) relaunches the stage under ``torchrun --standalone`` on this machine; each
 process trains on every N-th training row and DDP averages the gradients (gloo on CPU, NCCL on GPU).
 """
 

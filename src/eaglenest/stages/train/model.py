@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,16 +24,27 @@ class Runtime:
         attention: The draft's attention implementation.
         hs_dtype: The dtype hidden states are loaded in.
         precision: The compute dtype autocast runs the draft in ("float32" or "bfloat16").
-        forward_kwargs: What every forward of the draft gets (TTT steps, loss decay, loss config).
-        autocast: A fresh autocast context for one forward (disabled in float32).
+        ttt_steps: ``train.ttt_steps``: how many steps each forward unrolls.
+        ttt_step_loss_decay: ``train.ttt_step_loss_decay``.
+        loss_config: speculators' resolved loss (``train.loss``, in the implementation this device runs).
     """
 
     device: torch.device
     attention: str
     hs_dtype: torch.dtype
     precision: str
-    forward_kwargs: dict[str, Any]
-    autocast: Callable[[], AbstractContextManager[Any]]
+    ttt_steps: int
+    ttt_step_loss_decay: float
+    loss_config: Any
+
+    def autocast(self) -> AbstractContextManager[Any]:
+        """A fresh autocast context for one forward (disabled in float32)."""
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.precision == "bfloat16")
+
+    def forward(self, model: Any, batch: dict[str, Any]) -> tuple[Any, torch.Tensor, dict[str, Any]]:
+        """The draft's TTT forward over a packed batch: (logits, loss, speculators' accuracy sums)."""
+        return model(**batch, ttt_steps=self.ttt_steps, ttt_step_loss_decay=self.ttt_step_loss_decay,
+                     loss_config=self.loss_config)
 
 
 def draft_runtime(params: TrainParams, device: torch.device) -> Runtime:
@@ -46,18 +56,12 @@ def draft_runtime(params: TrainParams, device: torch.device) -> Runtime:
     loss_config = resolve_loss_config(params.loss, "fused" if cuda else "eager")
     precision = params.precision if params.precision != "auto" else (
         "bfloat16" if cuda or cpu_has_native_bf16() else "float32")
-    bf16 = precision == "bfloat16"
-
-    def autocast() -> AbstractContextManager[Any]:
-        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
-
     # Hidden states come in bf16 only where the GPU computes in bf16: a float32 draft on CUDA needs float32
     # inputs, and on a CPU autocast casts them per matmul anyway.
-    return Runtime(device=device, attention=attention, hs_dtype=torch.bfloat16 if cuda and bf16 else torch.float32,
-                   precision=precision,
-                   forward_kwargs={"ttt_steps": params.ttt_steps, "ttt_step_loss_decay": params.ttt_step_loss_decay,
-                                   "loss_config": loss_config},
-                   autocast=autocast)
+    hs_dtype = torch.bfloat16 if cuda and precision == "bfloat16" else torch.float32
+    return Runtime(device=device, attention=attention, hs_dtype=hs_dtype, precision=precision,
+                   ttt_steps=params.ttt_steps, ttt_step_loss_decay=params.ttt_step_loss_decay,
+                   loss_config=loss_config)
 
 
 def cpu_has_native_bf16() -> bool:

@@ -27,12 +27,12 @@ def validate_draft(model: Any, data: TrainingData, batches: list[list[int]], run
     model.eval()
     with torch.no_grad(), runtime.autocast():
         for batch_rows in batches:
-            _, loss, metrics = model(**data.batch(batch_rows, runtime.device), **runtime.forward_kwargs)
+            _, loss, metrics = runtime.forward(model, data.batch(batch_rows, runtime.device))
             losses.append(loss.item())
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
     model.train()
-    ttt_steps = runtime.forward_kwargs["ttt_steps"]
+    ttt_steps = runtime.ttt_steps
     full = [sums[f"full_acc_{i}_sum"] / max(sums[f"full_acc_{i}_total"], 1) for i in range(ttt_steps)]
     cond = [sums[f"cond_acc_{i}_sum"] / max(sums[f"cond_acc_{i}_total"], 1) for i in range(ttt_steps)]
     return {"val_loss": sum(losses) / len(losses), "val_acc": full, "val_cond_acc": cond,

@@ -24,13 +24,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eaglenest.artifacts.verifier import INFO_FILE, VerifierInfo, hf_cache_path
+from eaglenest.artifacts.verifier import VerifierInfo, hf_cache_path, write_verifier_record
 from eaglenest.core.atomic import atomic_directory, atomic_write_json
 from eaglenest.core.errors import EaglenestError, ParamsError
-from eaglenest.core.params import BUILTIN_PREFIX, VerifierParams
+from eaglenest.core.params import BUILTIN_PREFIX, Params, VerifierParams
 from eaglenest.core.registry import Registry
+from eaglenest.core.stage import Stage, path_arg
 
 log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class BuiltinVerifier:
@@ -262,11 +264,26 @@ def build_verifier(params: VerifierParams, out_dir: Path) -> VerifierInfo:
             )
         with atomic_directory(out_dir) as tmp:
             info = materialise_builtin(BUILTIN_VERIFIERS.get(builtin), tmp, params)
-            atomic_write_json(tmp / INFO_FILE, info.model_dump())
+            write_verifier_record(tmp, info)
     else:
         info = record_external(params)
         with atomic_directory(out_dir) as tmp:
-            atomic_write_json(tmp / INFO_FILE, info.model_dump())
+            write_verifier_record(tmp, info)
     return info
+
+
+@dataclass(frozen=True)
+class VerifierPaths:
+    """Where dvc.yaml puts the verifier stage's output."""
+
+    out: Path = path_arg("output folder (models/verifier)")
+
+
+def run(params: Params, paths: VerifierPaths) -> dict[str, Any]:
+    """The verifier stage; it writes no metrics, and returns the record it wrote."""
+    return build_verifier(params.verifier, paths.out).model_dump()
+
+
+STAGE = Stage("verifier", "Resolve verifier.model and record N, hidden size, vocab and aux layers.", VerifierPaths, run)
 
 

@@ -4,9 +4,9 @@ A draft must predict what the *verifier* says, not what a data set's humans said
 ``prepare.regenerate: true`` each assistant turn j is replaced by the verifier's own reply to
 ``messages[:j]`` (earlier assistant turns already regenerated), rendered with its chat template and
 generation prompt. Conversations are batched turn by turn; a back end turns a batch of prompts into
-replies: ``hf`` (transformers ``generate``, :mod:`eaglenest.stages.prepare.regenerate.hf`) or ``vllm`` (vLLM's GPU or CPU
-build, :mod:`eaglenest.stages.prepare.regenerate.vllm`), registered in :data:`BACKENDS`. The same generator writes the
-prompts of ``builtin:self-instruct`` (:mod:`eaglenest.stages.prepare.self_instruct`).
+replies: ``hf`` (transformers ``generate``, :mod:`eaglenest.stages.prepare.regenerate.hf`) or ``vllm``
+(vLLM's GPU or CPU build, :mod:`eaglenest.stages.prepare.regenerate.vllm`), registered in :data:`BACKENDS`.
+The same generator writes the prompts of ``builtin:self-instruct`` (:mod:`eaglenest.stages.prepare.self_instruct`).
 
 Results are cached in ``.eaglenest/regenerate-cache/<key>.json`` keyed by the verifier fingerprint, the
 regeneration params and the original messages, so re-running prepare for an unrelated param change (or
@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,6 @@ log = logging.getLogger(__name__)
 CACHE_ROOT = Path(".eaglenest") / "regenerate-cache"
 
 
-
 @dataclass
 class RegenerationStats:
     """What regeneration did, for metrics/prepare.json."""
@@ -46,6 +46,10 @@ class RegenerationStats:
     turns: int = 0
     tokens: int = 0
     seconds: float = 0.0
+
+
+# Conversations -> the same with every assistant turn rewritten by the verifier, and what that took.
+Regenerator = Callable[[list[list[dict[str, str]]]], tuple[list[list[dict[str, str]]], RegenerationStats]]
 
 
 def cache_key(messages: list[dict[str, str]], fingerprint: str, temperature: float, max_new_tokens: int,
@@ -87,8 +91,8 @@ def regenerate(conversations: list[list[dict[str, str]]], generate_replies: Repl
             todo.append(i)
     if todo and generate_replies is None:
         raise ValueError("regenerate: conversations to generate but no reply generator")
-    # Batch conversations of similar length: a batch is left-padded to its longest prompt, and one long
-    # prompt among short ones made generation ~3x slower (40 against 110 tok/s for SmolLM2 on 2 cores).
+    # Batch conversations of similar length: a batch is left-padded to its longest prompt, so one long prompt
+    # among short ones makes every row of its batch pay for the padding.
     todo.sort(key=lambda i: sum(len(m["content"]) for m in conversations[i][:-1]))
     for start in range(0, len(todo), batch_size):
         batch = todo[start : start + batch_size]
@@ -133,7 +137,7 @@ class VerifierGenerator:
 
     generate: ReplyGenerator
     name: str
-    regenerate: Any
+    regenerate: Regenerator
 
 
 BACKENDS: Registry[ReplyBackend] = Registry("regeneration back end")
@@ -153,7 +157,7 @@ def _load_vllm(job: GeneratorJob) -> ReplyGenerator:
 
 BACKENDS.register("hf", ReplyBackend(dtype=lambda job: "float32", load=_load_hf))
 BACKENDS.register("vllm", ReplyBackend(
-    dtype=lambda job: serving_dtype(job.model_dir, job.params.regenerate_vllm_dtype), load=_load_vllm))
+    dtype=lambda job: serving_dtype(job.model_dir, job.params.regenerate_vllm.dtype), load=_load_vllm))
 
 
 def verifier_generator(params: PrepareParams, info: VerifierInfo, model_dir: Path, tokenizer: Any, eos_ids: set[int]

@@ -4,7 +4,7 @@ One ``LLM.generate`` call per batch of prompts (``prepare.regenerate_batch_size`
 continuous batching, so a large batch is the fast setting). Prompts go in as token ids, rendered by the
 same chat template as the ``hf`` back end; each request stops at the verifier's end-of-turn tokens, which
 stay in the returned ``token_ids`` as they do on the ``hf`` path. At temperature 0 in float32
-(``prepare.regenerate_vllm_dtype``) the replies equal the ``hf`` back end's token for token (tested).
+(``prepare.regenerate_vllm.dtype``) the replies equal the ``hf`` back end's token for token (tested).
 vllm is imported only once the engine has started (:func:`eaglenest.core.vllm_support.create_llm`).
 """
 
@@ -26,12 +26,8 @@ PARAM = "prepare.regenerate_backend"
 def build_regenerate_llm_kwargs(params: PrepareParams, info: VerifierInfo, model_dir: Path) -> dict[str, Any]:
     """The ``vllm.LLM(**kwargs)`` arguments for regeneration."""
     # A prompt is at most prepare.max_len tokens (longer contexts are not regenerated) plus the reply.
-    return engine_kwargs(
-        model_dir, info, dtype=params.regenerate_vllm_dtype,
-        context_tokens=params.max_len + params.regenerate_max_new_tokens,
-        gpu_memory_utilization=params.regenerate_gpu_memory_utilization, seed=params.seed,
-        tensor_parallel_size=params.regenerate_tensor_parallel_size,
-    )
+    return engine_kwargs(model_dir, info, params.regenerate_vllm,
+                         context_tokens=params.max_len + params.regenerate_max_new_tokens, seed=params.seed)
 
 
 def build_sampling_kwargs(params: PrepareParams, eos_ids: set[int], seed: int) -> dict[str, Any]:
