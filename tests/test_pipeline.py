@@ -116,9 +116,11 @@ def draft_hash(repo: Path) -> str:
     return next(out["md5"] for out in lock["stages"]["train"]["outs"] if out["path"] == "models/draft")
 
 
-@pytest.mark.slow
-def test_own_verifier_and_conversations(tmp_path: Path, tiny_verifier_dir: Path):
-    """The README's path for real users: a local verifier, used in place, and a JSONL of conversations."""
+CHAT = [{"from": "human", "value": "hello there"}, {"from": "gpt", "value": "I am fine thanks"}]
+
+
+def tiny_pipeline_repo(tmp_path: Path, tiny_verifier_dir: Path, precision: str = "auto") -> tuple[Path, Path]:
+    """(the verifier folder, the repository): the tiny verifier used in place and 8 one-turn conversations."""
     model = tmp_path / "my-verifier"
     shutil.copytree(tiny_verifier_dir, model)
     repo = make_pipeline_repo(tmp_path / "repo", {
@@ -127,11 +129,18 @@ def test_own_verifier_and_conversations(tmp_path: Path, tiny_verifier_dir: Path)
         "prepare": {"source": ["data/conversations/chats.jsonl"], "max_conversations": None, "val_fraction": 0.25,
                     "regenerate_backend": "hf"},
         "convert": {"draft_vocab_size": 64},
-        "train": {"steps": 2, "eval_every": 1, "total_seq_len": 256},
+        "train": {"steps": 2, "eval_every": 1, "total_seq_len": 256, "precision": precision},
         "evaluate": {"num_prompts": 1, "max_new_tokens": 4, "backend": "hf"},
     })
-    chat = [{"from": "human", "value": "hello there"}, {"from": "gpt", "value": "I am fine thanks"}]
-    write_jsonl(repo / "data/conversations/chats.jsonl", [{"conversations": chat}] * 8)
+    write_jsonl(repo / "data/conversations/chats.jsonl", [{"conversations": CHAT}] * 8)
+    return model, repo
+
+
+@pytest.mark.slow
+def test_own_verifier_and_conversations(tmp_path: Path, tiny_verifier_dir: Path):
+    """The README's path for real users: a local verifier, used in place, and a JSONL of conversations."""
+    model, repo = tiny_pipeline_repo(tmp_path, tiny_verifier_dir)
+    chat = CHAT
 
     dvc(["repro"], repo)
     assert sorted(p.name for p in (repo / "models/verifier").iterdir()) == ["verifier.json"]
@@ -225,18 +234,7 @@ def append_comment(path: Path) -> None:
 def test_an_edit_re_runs_only_the_stages_that_run_the_edited_code(tmp_path: Path, tiny_verifier_dir: Path):
     """Each stage depends on exactly the code it runs: commands re-run nothing, the train package re-runs train
     (and evaluate only if the draft's bytes change), the hidden-state format the stages that read or write it."""
-    model = tmp_path / "my-verifier"
-    shutil.copytree(tiny_verifier_dir, model)
-    repo = make_pipeline_repo(tmp_path / "repo", {
-        "verifier": {"model": str(model)},
-        "prepare": {"source": ["data/conversations/chats.jsonl"], "max_conversations": None, "val_fraction": 0.25,
-                    "regenerate_backend": "hf"},
-        "convert": {"draft_vocab_size": 64},
-        "train": {"steps": 2, "eval_every": 1, "total_seq_len": 256, "precision": "float32"},
-        "evaluate": {"num_prompts": 1, "max_new_tokens": 4, "backend": "hf"},
-    })
-    chat = [{"from": "human", "value": "hello there"}, {"from": "gpt", "value": "I am fine thanks"}]
-    write_jsonl(repo / "data/conversations/chats.jsonl", [{"conversations": chat}] * 8)
+    _, repo = tiny_pipeline_repo(tmp_path, tiny_verifier_dir, precision="float32")
     dvc(["repro"], repo)
     assert changed_stages(repo) == set()
     code = repo / "src" / "eaglenest"
