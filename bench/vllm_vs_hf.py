@@ -103,9 +103,8 @@ def regeneration_worker(args: argparse.Namespace) -> dict[str, Any]:
         return replies
 
     with tempfile.TemporaryDirectory() as cache:
-        _, stats = regenerate(conversations, recorded, tokenizer, fingerprint=args.backend, temperature=0.0,
-                              max_new_tokens=args.max_new_tokens, max_len=args.max_len, batch_size=batch_size,
-                              seed=0, cache_dir=Path(cache))
+        _, stats = regenerate(conversations, recorded, tokenizer, params, fingerprint=args.backend,
+                              cache_dir=Path(cache))
     return {"load_s": round(load_s, 1), "generate_s": round(stats.seconds, 2), "replies": stats.turns,
             "tokens": stats.tokens, "tokens_per_s": round(stats.tokens / stats.seconds, 1), "calls": calls}
 

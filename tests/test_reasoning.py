@@ -150,9 +150,9 @@ def test_regeneration_renders_with_the_switch_and_keeps_or_drops_thinking(tmp_pa
         return [tokenizer(text, add_special_tokens=False)["input_ids"] for _ in prompts]
 
     conversation = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": ""}]
-    out, _ = regenerate([conversation], thinking_verifier, tokenizer, fingerprint="f", temperature=0.0,
-                        max_new_tokens=32, max_len=512, batch_size=4, seed=0, cache_dir=tmp_path / "cache",
-                        reasoning=reasoning)
+    params = PrepareParams(regenerate_max_new_tokens=32, regenerate_batch_size=4, reasoning=reasoning)
+    out, _ = regenerate([conversation], thinking_verifier, tokenizer, params, fingerprint="f",
+                        cache_dir=tmp_path / "cache")
     thinking_off = prompts_seen[0].endswith("<think>\n\n</think>\n\n")
     assert thinking_off == (reasoning == "strip")
     thought = "<think>\nthe weather is nice\n</think>\n\n"
@@ -160,8 +160,8 @@ def test_regeneration_renders_with_the_switch_and_keeps_or_drops_thinking(tmp_pa
     assert out[0][1]["content"] == expected
     # keep, strip and no setting never share cached replies.
     keys = {p.name for p in (tmp_path / "cache").iterdir()}
-    regenerate([conversation], thinking_verifier, tokenizer, fingerprint="f", temperature=0.0, max_new_tokens=32,
-               max_len=512, batch_size=4, seed=0, cache_dir=tmp_path / "cache")
+    unset = params.model_copy(update={"reasoning": None})
+    regenerate([conversation], thinking_verifier, tokenizer, unset, fingerprint="f", cache_dir=tmp_path / "cache")
     assert len({p.name for p in (tmp_path / "cache").iterdir()} - keys) == 1
 
 

@@ -46,8 +46,8 @@ def test_regenerated_turns_are_the_verifiers_greedy_replies(tiny_verifier_dir: P
     tokenizer = AutoTokenizer.from_pretrained(tiny_verifier_dir)
     eos = end_of_turn_ids(tokenizer, tiny_verifier_dir)
     replies = hf_reply_generator(model, tokenizer, 0.0, 12, eos)
-    out, stats = regenerate(CONVERSATIONS, replies, tokenizer, fingerprint="f", temperature=0.0, max_new_tokens=12,
-                            max_len=512, batch_size=2, seed=0, cache_dir=tmp_path / "cache")
+    params = PrepareParams(regenerate_temperature=0.0, regenerate_max_new_tokens=12, regenerate_batch_size=2)
+    out, stats = regenerate(CONVERSATIONS, replies, tokenizer, params, fingerprint="f", cache_dir=tmp_path / "cache")
     assert stats.turns == 4 and stats.cache_hits == 0 and stats.tokens > 0
     for original, regenerated in zip(CONVERSATIONS, out, strict=True):
         assert [m["role"] for m in regenerated] == [m["role"] for m in original]
@@ -57,13 +57,12 @@ def test_regenerated_turns_are_the_verifiers_greedy_replies(tiny_verifier_dir: P
                 assert message["content"] == greedy_reply(model, tokenizer, regenerated[:j], eos, 12)
             else:
                 assert message == original[j]
-    again, stats = regenerate(CONVERSATIONS, None, tokenizer, fingerprint="f", temperature=0.0, max_new_tokens=12,
-                              max_len=512, batch_size=2, seed=0, cache_dir=tmp_path / "cache")
+    again, stats = regenerate(CONVERSATIONS, None, tokenizer, params, fingerprint="f", cache_dir=tmp_path / "cache")
     assert again == out and stats.cache_hits == 3 and stats.turns == 0  # nothing regenerated twice
     # another back end or dtype writes other replies: its cache entries are its own
     with pytest.raises(ValueError, match="no reply generator"):
-        regenerate(CONVERSATIONS, None, tokenizer, fingerprint="f", temperature=0.0, max_new_tokens=12, max_len=512,
-                   batch_size=2, seed=0, generator="vllm-bfloat16", cache_dir=tmp_path / "cache")
+        regenerate(CONVERSATIONS, None, tokenizer, params, fingerprint="f", generator="vllm-bfloat16",
+                   cache_dir=tmp_path / "cache")
 
 
 def test_prepare_with_regeneration_masks_exactly_the_new_replies(tiny_verifier_dir: Path, tmp_path: Path):
@@ -77,8 +76,8 @@ def test_prepare_with_regeneration_masks_exactly_the_new_replies(tiny_verifier_d
 
     def regenerator(conversations):
         result, stats = regenerate(conversations, hf_reply_generator(model, tokenizer, 0.0, 8, eos), tokenizer,
-                                   fingerprint="f", temperature=0.0, max_new_tokens=8, max_len=512, batch_size=4,
-                                   seed=0, cache_dir=tmp_path / "cache")
+                                   PrepareParams(regenerate_max_new_tokens=8, regenerate_batch_size=4),
+                                   fingerprint="f", cache_dir=tmp_path / "cache")
         seen.extend(result)
         return result, stats
 
@@ -206,9 +205,8 @@ if __name__ == "__main__":
         calls.extend(zip(prompts, replies))
         return replies
 
-    regenerate(job["conversations"], recorded, tokenizer, fingerprint="vllm", temperature=params.regenerate_temperature,
-               max_new_tokens=params.regenerate_max_new_tokens, max_len=params.max_len,
-               batch_size=params.regenerate_batch_size, seed=params.seed, cache_dir=out.parent / "vllm-cache")
+    regenerate(job["conversations"], recorded, tokenizer, params, fingerprint="vllm",
+               cache_dir=out.parent / "vllm-cache")
     out.write_text(json.dumps(calls))
 """
 
@@ -244,9 +242,8 @@ def recorded_hf_replies(model, tokenizer, eos, conversations, params: PreparePar
         calls.update((tuple(p), r) for p, r in zip(prompts, replies, strict=True))
         return replies
 
-    regenerate(conversations, recorded, tokenizer, fingerprint="hf", temperature=params.regenerate_temperature,
-               max_new_tokens=params.regenerate_max_new_tokens, max_len=params.max_len, batch_size=batch_size,
-               seed=params.seed, cache_dir=cache_dir)
+    regenerate(conversations, recorded, tokenizer, params.model_copy(update={"regenerate_batch_size": batch_size}),
+               fingerprint="hf", cache_dir=cache_dir)
     return calls
 
 

@@ -64,16 +64,25 @@ def cache_key(messages: list[dict[str, str]], fingerprint: str, temperature: flo
     return hashlib.sha256(payload.encode()).hexdigest()[:32]
 
 
-def regenerate(conversations: list[list[dict[str, str]]], generate_replies: ReplyGenerator | None, tokenizer: Any, *,
-               fingerprint: str, temperature: float, max_new_tokens: int, max_len: int, batch_size: int, seed: int,
-               generator: str = "hf-float32", cache_dir: Path = CACHE_ROOT, reasoning: str | None = None
+def regenerate(conversations: list[list[dict[str, str]]], generate_replies: ReplyGenerator | None, tokenizer: Any,
+               params: PrepareParams, *, fingerprint: str, generator: str = "hf-float32", cache_dir: Path = CACHE_ROOT
                ) -> tuple[list[list[dict[str, str]]], RegenerationStats]:
     """The conversations with every assistant turn (after the first message) rewritten by the verifier.
 
-    ``generate_replies`` may be None when every conversation is already cached. ``reasoning`` is
-    ``prepare.reasoning``: prompts are rendered with its chat-template switch (thinking on for ``keep``, off
-    for ``strip``), and with ``strip`` any thinking the verifier wrote anyway is removed from its reply.
+    Args:
+        conversations: The conversations, each a list of messages.
+        generate_replies: The back end; may be None when every conversation is already cached.
+        tokenizer: The verifier's tokenizer.
+        params: The prepare params: ``regenerate_temperature``, ``regenerate_max_new_tokens``, ``max_len``,
+            ``regenerate_batch_size``, ``seed`` and ``reasoning`` (prompts are rendered with its chat-template
+            switch: thinking on for ``keep``, off for ``strip``; with ``strip`` any thinking the verifier wrote
+            anyway is removed from its reply).
+        fingerprint: The verifier's fingerprint, part of every cache key.
+        generator: The back end and its dtype (``hf-float32``, ``vllm-bfloat16``), part of every cache key.
+        cache_dir: Where regenerated conversations are cached.
     """
+    temperature, max_new_tokens = params.regenerate_temperature, params.regenerate_max_new_tokens
+    max_len, batch_size, seed, reasoning = params.max_len, params.regenerate_batch_size, params.seed, params.reasoning
     chat_kwargs = chat_template_kwargs(reasoning)
     if reasoning is not None:  # replies with and without thinking must never share a cache entry
         generator = f"{generator}-reasoning-{reasoning}"
@@ -174,9 +183,7 @@ def verifier_generator(params: PrepareParams, info: VerifierInfo, model_dir: Pat
     generator = f"{params.regenerate_backend}-{backend.dtype(job)}"
 
     def run(conversations: list[list[dict[str, str]]]) -> tuple[list[list[dict[str, str]]], RegenerationStats]:
-        return regenerate(conversations, generate_replies, tokenizer, fingerprint=info.fingerprint,
-                          temperature=params.regenerate_temperature, max_new_tokens=params.regenerate_max_new_tokens,
-                          max_len=params.max_len, batch_size=params.regenerate_batch_size, seed=params.seed,
-                          generator=generator, reasoning=params.reasoning)
+        return regenerate(conversations, generate_replies, tokenizer, params, fingerprint=info.fingerprint,
+                          generator=generator)
 
     return VerifierGenerator(generate=generate_replies, name=generator, regenerate=run)
