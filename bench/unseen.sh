@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The held-out check of issue 14: the current draft on bench/prompts/unseen.jsonl (kinds the project never
+# The held-out check of generalization: the current draft on bench/prompts/unseen.jsonl (kinds the project never
 # tunes on), with the evaluate stage itself. Run in a checkout whose pipeline has run (`make demo`).
 # Usage: bench/unseen.sh [BACKEND ...]   (default: hf vllm); figures land in bench/results/unseen/.
 set -euo pipefail
