@@ -145,7 +145,6 @@ class ExtractionPlan:
         rows: This node's rows (all of them on one node).
         todo: The rows of ``rows`` without a valid file, to compute.
         config: The extraction fingerprint every file records.
-        removed: Stale files and temporaries deleted while planning.
     """
 
     params: ExtractParams
@@ -155,7 +154,6 @@ class ExtractionPlan:
     rows: range
     todo: list[int]
     config: str
-    removed: int
 
 
 def plan_extraction(params: ExtractParams, verifier_dir: Path, prepared_dir: Path, out_dir: Path) -> ExtractionPlan:
@@ -167,7 +165,7 @@ def plan_extraction(params: ExtractParams, verifier_dir: Path, prepared_dir: Pat
     out_dir.mkdir(parents=True, exist_ok=True)
     config = extraction_fingerprint(verifier.fingerprint, verifier.layer_ids, params.dtype)
     if params.store == "online":
-        return ExtractionPlan(params, verifier, model_dir, input_ids, rows, [], config, 0)
+        return ExtractionPlan(params, verifier, model_dir, input_ids, rows, [], config)
     (out_dir / MANIFEST_FILE).unlink(missing_ok=True)  # files again: a manifest would say "online"
     # Shards on several nodes may share one folder: each clears only the temporaries of its own rows.
     removed = remove_stale_temps(out_dir, mine=lambda name: row_index(Path(name)) in rows)
@@ -183,7 +181,7 @@ def plan_extraction(params: ExtractParams, verifier_dir: Path, prepared_dir: Pat
     todo = rows_to_compute(out_dir, rows, input_ids, verifier, params.dtype, config)
     log.info("%d rows in shard %d/%d: %d already extracted, %d to compute; %d stale files removed",
              len(rows), params.rank, params.world_size, len(rows) - len(todo), len(todo), removed)
-    return ExtractionPlan(params, verifier, model_dir, input_ids, rows, todo, config, removed)
+    return ExtractionPlan(params, verifier, model_dir, input_ids, rows, todo, config)
 
 
 def compute_hidden_states(plan: ExtractionPlan, out_dir: Path) -> float:

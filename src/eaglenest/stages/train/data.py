@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from eaglenest.artifacts.hidden_states import MANIFEST_FILE, read_online_manifest
+from eaglenest.artifacts.prepared import load_table
 from eaglenest.artifacts.verifier import VerifierInfo
 from eaglenest.artifacts.vocab import load_rows
 from eaglenest.core.errors import EaglenestError
@@ -87,13 +88,12 @@ def load_training_data(params: TrainParams, verifier: VerifierInfo, prepared: Pa
         model_dir: The verifier's weights (online only).
         device: Where the verifier runs (online only): the training device.
     """
-    from datasets import load_from_disk
     from hs_connectors import FP8Transfer
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.data import ArrowDataset, CollateFn
 
     rows = load_rows(vocab)
-    table = load_from_disk(str(prepared)).data
+    table = load_table(prepared)
     lengths = table.column("seq_len").to_pylist()
     too_long = [row for row in rows["train"] + rows["val"] if lengths[row] > params.total_seq_len]
     if too_long:
