@@ -31,8 +31,8 @@ from eaglenest.artifacts.verifier import load_verifier_info
 from eaglenest.artifacts.vocab import load_rows, load_vocab
 from eaglenest.core.chat import cut_after_end_of_turn, end_of_turn_ids
 from eaglenest.core.decoder import capture_residual_stream, hidden_states_of_rows, load_decoder
-from eaglenest.core.params import load_params
-from eaglenest.stages.evaluate.prompts import load_prompts
+from eaglenest.core.params import EvalSetParams, load_params
+from eaglenest.stages.evaluate.sets import load_eval_set
 from eaglenest.stages.extract.hf import length_sorted_batches
 from eaglenest.stages.train.data import PackedBatches, TrainingData, every_token_mask, pack_batches
 from eaglenest.stages.train.loop import build_optimization, train_step
@@ -74,11 +74,12 @@ def capture(layers: list[int]) -> None:
     for name, path in PROBES.items():
         started = time.perf_counter()
         sequences, masks = [], []
-        for prompt in load_prompts(path, 10**6, tokenizer):
-            ids = prompt["token_ids"]
+        probe = load_eval_set(EvalSetParams(name=name, source=str(path)), Path("data/prepared"), tokenizer)
+        for conversation in probe.conversations:
+            ids = probe.render(conversation, 0, [], tokenizer)
             with torch.inference_mode():
                 output = lm.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                     max_new_tokens=params.evaluate.max_new_tokens, do_sample=False, top_k=None,
+                                     max_new_tokens=probe.params.max_new_tokens, do_sample=False, top_k=None,
                                      top_p=None, eos_token_id=sorted(eos), pad_token_id=sorted(eos)[0])
             reply = cut_after_end_of_turn(output[0, len(ids):].tolist(), eos)
             sequences.append(ids + reply)

@@ -73,7 +73,8 @@ class Pipeline:
         # float32 files: the extraction comparison then sees only the compute's differences, not storage's
         self.base["extract"]["dtype"] = "float32"
         self.base["train"].update(steps=60, eval_every=30, checkpoint_every=30, total_seq_len=2048)
-        self.base["evaluate"].update(num_prompts=8, max_new_tokens=64, temperature=0.0)
+        self.base["evaluate"].update(sets=[{"name": "val", "source": "val", "num_prompts": 8, "max_new_tokens": 64,
+                                            "headline": True}])
 
     def stage(self, name: str, tag: str, overrides: dict[str, dict[str, Any]], **paths: Path) -> dict[str, Any]:
         """Runs ``stages/<name>.py``; returns its metrics (``paths["metrics"]``) or exits on failure.
@@ -191,13 +192,16 @@ def main() -> int:
     pipe.stage("convert", "convert", {}, verifier=verifier, prepared=prepared["hf"],
                hidden_states=hidden["hf"], out=work / "vocab", metrics=work / "data.json")
     pipe.stage("train", "train", {}, verifier=verifier, prepared=prepared["hf"], hidden_states=hidden["hf"],
-               vocab=work / "vocab", out=work / "draft", metrics=work / "train.json", live_dir=work / "live")
+               vocab=work / "vocab", out=work / "draft", metrics=work / "train.json",
+               details=work / "train_details.json", live_dir=work / "live")
     evals = {}
     for backend in ("hf", "vllm"):
-        evals[backend] = pipe.stage("evaluate", f"evaluate-{backend}",
-                                    {"evaluate": {"backend": backend, "vllm": {"dtype": "float32"}}},
-                                    verifier=verifier, prepared=prepared["hf"], draft=work / "draft",
-                                    metrics=work / f"eval-{backend}.json", plots=work / f"plots-{backend}")
+        pipe.stage("evaluate", f"evaluate-{backend}", {"evaluate": {"backend": backend, "vllm": {"dtype": "float32"}}},
+                   verifier=verifier, prepared=prepared["hf"], draft=work / "draft",
+                   metrics=work / f"eval-{backend}.json", out=work / f"eval-{backend}")
+        details = json.loads((work / f"eval-{backend}" / "details.json").read_text())
+        summary = details["runs"][backend]["sets"]["val"]["summary"]
+        evals[backend] = {"tau": summary["tau"]["value"], "per_position_acceptance": summary["per_position_acceptance"]}
         print(f"  evaluate {backend}: {json.dumps(evals[backend])}", flush=True)
     hf, vllm = evals["hf"], evals["vllm"]
     gaps = [relative_gap(hf["tau"], vllm["tau"])] + [

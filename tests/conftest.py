@@ -125,7 +125,7 @@ SMOLLM2_TINY_PARAMS = {
     "prepare": {"max_conversations": 96, "max_len": 256},
     "extract": {"batch_tokens": 2048},
     "train": {"steps": 120, "eval_every": 40, "checkpoint_every": 40, "total_seq_len": 1024},
-    "evaluate": {"num_prompts": 4, "max_new_tokens": 32},
+    "evaluate": {"sets": [{"name": "val", "source": "val", "num_prompts": 4, "max_new_tokens": 32, "headline": True}]},
 }
 
 

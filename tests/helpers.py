@@ -136,29 +136,54 @@ def pipeline_until_prepare(tmp: Path, model_dir: Path, rows: int = 10, trust_rem
 
 
 def evaluate_params(repo: Path, dest: Path, **evaluate: object) -> Path:
-    """``repo``'s params with ``evaluate`` values on top, written under ``dest``."""
+    """``repo``'s params with ``evaluate`` values on top, written under ``dest``; ``num_prompts`` and
+    ``max_new_tokens`` set the one set's (``val``, the held-out prompts, or ``source``)."""
     params = yaml.safe_load((repo / "params.yaml").read_text())
-    # The back ends are compared on the held-out set; the general set would double each run's time.
-    params["evaluate"].update({"general_prompts": None, **evaluate})
+    one_set = dict(params["evaluate"]["sets"][0])
+    for key in ("num_prompts", "max_new_tokens", "source"):
+        if key in evaluate:
+            one_set[key] = evaluate.pop(key)
+    # The back ends are compared on one set; more would multiply each run's time.
+    params["evaluate"].update({"sets": [one_set], **evaluate})
     path = dest / "params.yaml"
     path.write_text(yaml.safe_dump(params, sort_keys=False))
     return path
 
 
+def set_figures(details: dict, backend: str, set_name: str | None = None) -> dict:
+    """One back end's figures on one set (the first by default) from metrics/eval/details.json, flat:
+    ``tau``, ``speedup`` and ``ngram_tau`` as values, the rest of the summary and the run's settings as they are."""
+    run = details["runs"][backend]
+    entry = run["sets"][set_name or next(iter(run["sets"]))]
+    summary = entry["summary"]
+    flat = {key: value for key, value in summary.items() if not isinstance(value, dict)}
+    flat.update({name: summary[name]["value"] for name in ("tau", "speedup", "ngram_tau", "ngram_speedup")
+                 if name in summary})
+    flat.update(dtype=run["dtype"], num_speculative_tokens=details["num_speculative_tokens"],
+                lossless_rule=entry.get("lossless_rule", "exact"), backend=backend)
+    return flat
+
+
 def run_evaluate(repo: Path, dest: Path, *, wrapper: Path | None = None, env: dict[str, str] | None = None,
                  **evaluate: object) -> tuple[subprocess.CompletedProcess[str], dict]:
-    """The real stage script on ``repo``'s verifier, prompts and draft; every output goes under ``dest``."""
+    """The real stage script on ``repo``'s verifier, prompts and draft; every output goes under ``dest``.
+
+    Returns the run and the first back end's figures on its one set (:func:`set_figures`; empty if it wrote none).
+    """
     dest.mkdir(parents=True, exist_ok=True)
     stage = str(REPO / "stages" / "evaluate.py")
     script = [str(wrapper), stage] if wrapper else [stage]
     cmd = [sys.executable, *script, "--params", str(evaluate_params(repo, dest, **evaluate)),
            "--verifier", str(repo / "models" / "verifier"), "--prepared", str(repo / "data" / "prepared"),
            "--draft", str(repo / "models" / "draft"), "--metrics", str(dest / "eval.json"),
-           "--plots", str(dest / "plots")]
+           "--out", str(dest / "eval")]
     result = subprocess.run(cmd, cwd=dest, env=project_env(**(env or {})), capture_output=True, text=True,
                             timeout=900)
-    metrics_file = dest / "eval.json"
-    return result, json.loads(metrics_file.read_text()) if metrics_file.exists() else {}
+    details_file = dest / "eval" / "details.json"
+    if not details_file.exists():
+        return result, {}
+    details = json.loads(details_file.read_text())
+    return result, set_figures(details, next(iter(details["runs"])))
 
 
 @functools.cache

@@ -94,7 +94,8 @@ def test_verifier_family_end_to_end(tmp_path: Path, arch: str):
     metrics = train_draft(TrainParams(steps=4, eval_every=2, total_seq_len=256, warmup_steps=1, draft_arch=draft_arch),
                           TrainPaths(verifier=verifier, prepared=prepared, hidden_states=hs,
                                       vocab=tmp_path / "data" / "vocab", out=tmp_path / "models" / "draft",
-                                      metrics=tmp_path / "train.json", live_dir=tmp_path / "dvclive",
+                                      metrics=tmp_path / "train.json",
+                                      details=tmp_path / "train_details.json", live_dir=tmp_path / "dvclive",
                                       checkpoints=tmp_path / "checkpoints"))
     assert metrics["steps"] == 4 and torch.isfinite(torch.tensor(metrics["val_loss"]))
     draft_config = json.loads((tmp_path / "models" / "draft" / "config.json").read_text())
@@ -173,6 +174,7 @@ def test_a_remote_code_verifier_runs_only_with_trust_remote_code(tmp_path: Path)
     train_draft(TrainParams(steps=2, eval_every=2, total_seq_len=256),
                 TrainPaths(verifier=verifier, prepared=prepared, hidden_states=hs, vocab=tmp_path / "data" / "vocab",
                             out=tmp_path / "models" / "draft", metrics=tmp_path / "train.json",
+                                                               details=tmp_path / "train_details.json",
                             live_dir=tmp_path / "dvclive", checkpoints=tmp_path / "checkpoints"))
     shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
     result, evaluation = run_evaluate(tmp_path, tmp_path / "eval", backend="hf", num_prompts=2, max_new_tokens=8)

@@ -198,6 +198,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory, tiny_verifier_dir: Path) -
     train_draft(TrainParams(steps=2, eval_every=2, total_seq_len=256),
                 TrainPaths(verifier=verifier_dir, prepared=prepared, hidden_states=root / "hs",
                             vocab=root / "vocab", out=root / "draft", metrics=root / "t.json",
+                                                                      details=root / "t_details.json",
                             live_dir=root / "live", checkpoints=root / "ck"))
     return {"root": root, "verifier": verifier_dir, "prepared": prepared, "vocab": root / "vocab",
             "draft": root / "draft", "model": tiny_verifier_dir}
@@ -257,20 +258,22 @@ def test_corrupt_draft_checkpoint(trained: dict[str, Path], tmp_path: Path, dama
 
 @pytest.mark.parametrize(("content", "message"), [
     ('{"messages": [{"role": "user", "content": "hi"}]}\n{oops\n', r"prompts.jsonl: line 2: not valid JSON"),
-    ('{"text": "hi"}\n', r"prompts.jsonl: line 1: expected \{'messages': \[...\]\} or \{'prompt': '...'\}"),
+    ('{"text": "hi"}\n', r"prompts.jsonl: line 1: expected \{'messages': \[..., user message\]\}, \{'prompt'"),
+    ('{"turns": []}\n', r"prompts.jsonl: line 1: expected"),
     ("", r"prompts.jsonl: no prompts"),
 ])
-@pytest.mark.parametrize("which", ["prompts", "general_prompts"])
-def test_bad_prompts_file(trained: dict[str, Path], tmp_path: Path, content: str, message: str, which: str):
+def test_bad_set_file_is_one_line_naming_the_set_and_the_file(trained: dict[str, Path], tmp_path: Path,
+                                                                content: str, message: str):
     from eaglenest.artifacts.verifier import load_tokenizer
-    from eaglenest.core.params import EvaluateParams
-    from eaglenest.stages.evaluate.prompts import load_prompt_sets
+    from eaglenest.core.params import EvalSetParams
+    from eaglenest.stages.evaluate.sets import load_eval_set
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(content)
-    with pytest.raises(InputFileError, match=message):
-        load_prompt_sets(EvaluateParams(**{"general_prompts": None, which: str(prompts)}), trained["prepared"],
-                         load_tokenizer(trained["verifier"]))
+    with pytest.raises(InputFileError, match="^evaluate.sets: mine: .*" + message) as raised:
+        load_eval_set(EvalSetParams(name="mine", source=str(prompts)), trained["prepared"],
+                      load_tokenizer(trained["verifier"]))
+    assert "\n" not in str(raised.value)
 
 
 # ------------------------------------------------------------------------------------------------- kills
@@ -364,7 +367,7 @@ def test_kill_9_during_extract_and_train_five_times_each(tmp_path: Path, tiny_ve
     kill_five_times(repo, "train", newer_checkpoint, retrain, rng)
     final = dvc(["repro"], repo)
     assert "Running stage 'train'" in final.stdout
-    resumed = json.loads((repo / "metrics/train.json").read_text())
+    resumed = json.loads((repo / "metrics/train_details.json").read_text())
     assert resumed["resumed_from_step"] > 0
     weights = load_file(draft / "model.safetensors")
     for name, tensor in reference_draft.items():

@@ -102,7 +102,8 @@ def test_convert_train_and_inspect_run_on_fp8(extracted: dict[str, Path], tmp_pa
     result = train_draft(TrainParams(steps=4, eval_every=4, total_seq_len=256, lr=3e-3, warmup_steps=1),
                          TrainPaths(verifier=extracted["verifier"], prepared=extracted["prepared"],
                                      hidden_states=extracted["fp8"], vocab=tmp_path / "vocab", out=tmp_path / "draft",
-                                     metrics=tmp_path / "train.json", live_dir=tmp_path / "live",
+                                     metrics=tmp_path / "train.json",
+                                     details=tmp_path / "train_details.json", live_dir=tmp_path / "live",
                                      checkpoints=tmp_path / "ck"))
     assert result["steps"] == 4 and (tmp_path / "draft" / "model.safetensors").is_file()
     assert all(torch.isfinite(torch.tensor(result["val_acc"])))

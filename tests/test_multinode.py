@@ -132,7 +132,7 @@ def test_two_nodes_joined_by_torchrun_rendezvous_train_as_one_process(tmp_path: 
     equal_length_training_data(tmp_path, tiny_verifier_dir)
     paths = ["--verifier", str(tmp_path / "verifier"), "--prepared", str(tmp_path / "prepared"),
              "--hidden-states", str(tmp_path / "hs"), "--vocab", str(tmp_path / "vocab"), "--out", "draft",
-             "--metrics", "train.json", "--live-dir", "dvclive"]
+             "--metrics", "train.json", "--details", "train_details.json", "--live-dir", "dvclive"]
     # float32: bf16 rounds differently for different batch shapes, and this checks the arithmetic is the same.
     train = {"steps": 3, "eval_every": 3, "lr": 3e-3, "warmup_steps": 0, "precision": "float32"}
     one, two = tmp_path / "one", tmp_path / "two"
@@ -153,7 +153,7 @@ def test_two_nodes_joined_by_torchrun_rendezvous_train_as_one_process(tmp_path: 
     for node in nodes:
         output, _ = node.communicate(timeout=600)
         assert node.returncode == 0, output
-    assert json.loads((two / "train.json").read_text())["processes"] == 2
+    assert json.loads((two / "train_details.json").read_text())["processes"] == 2
     for name in ("loss",):
         a = (one / f"dvclive/plots/metrics/train/{name}.tsv").read_text().splitlines()[1:]
         b = (two / f"dvclive/plots/metrics/train/{name}.tsv").read_text().splitlines()[1:]

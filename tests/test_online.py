@@ -45,6 +45,7 @@ def train_in(paths: dict[str, Path], name: str, **params: object) -> dict:
     out = paths["out"] / name
     inputs = TrainPaths(verifier=paths["verifier"], prepared=paths["prepared"], hidden_states=paths["hs"],
                          vocab=paths["vocab"], out=out / "draft", metrics=out / "train.json",
+                                                                  details=out / "train_details.json",
                          live_dir=out / "dvclive", checkpoints=out / "checkpoints")
     return train_draft(TrainParams(**{**FAST, **params}), inputs)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import get_args, get_origin
 
 import pytest
 import yaml
@@ -133,10 +134,10 @@ def test_tensor_parallelism_needs_a_vllm_back_end_in_every_stage():
 
 def test_a_width_refusal_comes_with_an_unrelated_bad_value_and_a_missing_engine_section():
     text = "\n".join(problems({"extract": {"backend": "hf", "vllm": {"tensor_parallel_size": 2}, "batch_tokens": "x"},
-                               "evaluate": {"backend": "hf", "num_prompts": 0}}))
+                               "evaluate": {"backend": "hf", "timed_prompts": 0}}))
     assert "extract.batch_tokens = 'x': Input should be a valid integer" in text
     assert "extract.vllm.tensor_parallel_size = 2 needs extract.backend: vllm" in text
-    assert "evaluate.num_prompts = 0: Input should be greater than or equal to 1" in text  # no vllm: given
+    assert "evaluate.timed_prompts = 0: Input should be greater than or equal to 1" in text  # no vllm: given
     assert "evaluate.vllm" not in text
 
 
@@ -158,11 +159,15 @@ def test_a_moved_key_says_where_it_went_next_to_other_problems():
 
 def test_every_moved_key_names_a_key_that_exists():
     for old, new in MOVED_KEYS.items():
-        section, sub, key = new.split(".")
-        model = Params.model_fields[section].annotation.model_fields[sub].annotation
-        assert key in model.model_fields, new
+        target = new.split(" ")[0]  # "evaluate.sets (each set's num_prompts)": the key, then a hint
+        section, *path = target.split(".")
+        model = Params.model_fields[section].annotation
+        for part in path:
+            assert part in model.model_fields, new
+            annotation = model.model_fields[part].annotation
+            model = get_args(annotation)[0] if get_origin(annotation) is list else annotation
         assert old.split(".")[1] not in Params.model_fields[section].annotation.model_fields, old
-    assert len(MOVED_KEYS) == 9
+    assert len(MOVED_KEYS) == 14
 
 
 def test_the_three_vllm_back_ends_share_one_engine_model():

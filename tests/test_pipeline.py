@@ -27,12 +27,21 @@ def assert_all_skipped(output: str) -> None:
         assert f"Stage '{stage}' didn't change, skipping" in output
 
 
+# HumanEval from the installed package, an MT-bench-format file (both turns asked) and a sampled set.
+MT_BENCH_SAMPLE = Path(__file__).parent / "data" / "mt_bench_sample.jsonl"
+E2E_SETS = [
+    {"name": "humaneval", "source": "builtin:humaneval", "num_prompts": 2, "max_new_tokens": 8, "headline": True},
+    {"name": "mt", "source": str(MT_BENCH_SAMPLE), "num_prompts": 2, "max_new_tokens": 8, "headline": True},
+    {"name": "chat-t07", "source": "builtin:general", "num_prompts": 2, "max_new_tokens": 8, "temperature": 0.7},
+]
+
+
 @pytest.mark.slow
 def test_default_verifier_and_chitchat_through_dvc_repro(tmp_path: Path):
     repo = make_pipeline_repo(tmp_path / "repo", {"prepare": {"max_conversations": 16, "max_len": 256},
                                                   "extract": {"batch_tokens": 256},
                                                   "train": {"steps": 4, "eval_every": 2, "total_seq_len": 512},
-                                                  "evaluate": {"num_prompts": 2, "max_new_tokens": 8}})
+                                                  "evaluate": {"sets": E2E_SETS, "timed_prompts": 2}})
 
     first = dvc(["repro", *STAGES], repo)
     for stage in STAGES:
@@ -66,26 +75,37 @@ def test_default_verifier_and_chitchat_through_dvc_repro(tmp_path: Path):
     assert data["vocab_coverage_train"] == 1.0  # 16 short chats have far fewer than 4096 distinct tokens
     assert 0.5 < data["vocab_coverage_val"] <= 1.0
     assert (repo / "data/vocab/d2t-4096.npy").is_file() and (repo / "data/vocab/t2d-4096.npy").is_file()
-    train = json.loads((repo / "metrics/train.json").read_text())
-    assert train["steps"] == 4 and len(train["val_acc"]) == 3 and train["tau_sim"] >= 1.0
+    train_details = json.loads((repo / "metrics/train_details.json").read_text())
+    assert train_details["steps"] == 4 and len(train_details["val_acc"]) == 3
     draft = json.loads((repo / "models/draft/config.json").read_text())
     assert draft["speculators_config"]["verifier"]["name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert draft["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27] and draft["draft_vocab_size"] == 4096
+    # the headline: per headline set, the serving back end's tau and speed-up with their intervals, n-gram's
     evaluation = json.loads((repo / "metrics/eval.json").read_text())
-    assert evaluation["lossless_fraction"] == 1.0 and evaluation["num_prompts"] == metrics["val_rows"] == 1
-    assert 1.0 <= evaluation["tau"] <= 4.0 and len(evaluation["per_position_acceptance"]) == 3
-    assert evaluation["tokens_per_s_plain"] > 0 and evaluation["speedup"] > 0
-    assert json.loads((repo / "metrics/eval_plots/tau.json").read_text())[0]["drafter"] == "eagle3 hf val"
-    assert evaluation["acceptance_pos_1"] == evaluation["per_position_acceptance"][0]
-    # both sets, both back ends (hf the reference, vLLM's own EAGLE-3 on its CPU build), under flat names
-    assert evaluation["tau_val"] == evaluation["tau"] and evaluation["sets"]["general"]["hf"]["num_prompts"] == 2
-    for name in ("tau_general", "speedup_general", "lossless_fraction_general", "tau_ngram_general",
-                 "vllm_tau_val", "vllm_tau_general", "vllm_speedup_general", "vllm_speedup_batched_general"):
-        assert isinstance(evaluation[name], float), name
-    assert evaluation["lossless_fraction_general"] == evaluation["vllm_lossless_fraction_general"] == 1.0
-    assert train["val_acc_2"] == train["val_acc"][2]
-    shown = dvc(["metrics", "show", "--json"], repo).stdout
-    assert '"tau_sim"' in shown and '"vocab_coverage_val"' in shown and '"bytes_per_token"' in shown
+    assert set(evaluation) == {"humaneval", "mt", "lossless"} and evaluation["lossless"] == 1.0
+    for name in ("humaneval", "mt"):
+        figures = evaluation[name]
+        assert set(figures) == {"vllm_tau", "vllm_tau_ci95", "vllm_speedup", "vllm_speedup_ci95",
+                                "vllm_ngram_speedup"}, figures
+        assert 1.0 <= figures["vllm_tau"] <= 4.0 and figures["vllm_tau_ci95"] >= 0 and figures["vllm_speedup"] > 0
+    records = json.loads((repo / "metrics/eval/records.json").read_text())
+    mt = records["runs"]["vllm"]["sets"]["mt"]["records"]
+    assert [(r["id"], r["turn"]) for r in mt] == [("81", 1), ("81", 2), ("111", 1), ("111", 2)]  # both turns
+    assert mt[1]["prompt_tokens"] > mt[0]["prompt_tokens"] + 8  # turn 2 follows the verifier's own answer
+    humaneval = records["runs"]["hf"]["sets"]["humaneval"]["records"]
+    assert [r["id"] for r in humaneval] == ["HumanEval/0", "HumanEval/1"]
+    details = json.loads((repo / "metrics/eval/details.json").read_text())
+    for backend in ("hf", "vllm"):
+        summary = details["runs"][backend]["sets"]["mt"]["summary"]
+        assert summary["lossless_fraction"] == 1.0 and len(summary["per_position_acceptance"]) == 3
+        assert summary["num_prompts"] == 2 and summary["num_turns"] == 4 and summary["speedup"]["value"] > 0
+        assert set(summary["categories"]) == {"writing", "math"}
+    assert details["runs"]["vllm"]["sets"]["chat-t07"]["temperature"] == 0.7
+    train = json.loads((repo / "metrics/train.json").read_text())
+    assert set(train) == {"tau_sim", "val_loss_all_tokens"} and train["tau_sim"] >= 1.0
+    shown = json.loads(dvc(["metrics", "show", "--json"], repo).stdout)
+    numbers = [v for files in shown[0]["data"].values() for v in _leaves(files["data"])]
+    assert len(numbers) <= 25, numbers
 
     second = dvc(["repro"], repo)
     assert_all_skipped(second.stdout)
@@ -130,7 +150,8 @@ def tiny_pipeline_repo(tmp_path: Path, tiny_verifier_dir: Path, precision: str =
                     "regenerate_backend": "hf"},
         "convert": {"draft_vocab_size": 64},
         "train": {"steps": 2, "eval_every": 1, "total_seq_len": 256, "precision": precision},
-        "evaluate": {"num_prompts": 1, "max_new_tokens": 4, "backend": "hf"},
+        "evaluate": {"backend": "hf", "sets": [
+            {"name": "val", "source": "val", "num_prompts": 1, "max_new_tokens": 4, "headline": True}]},
     })
     write_jsonl(repo / "data/conversations/chats.jsonl", [{"conversations": CHAT}] * 8)
     return model, repo
@@ -182,8 +203,8 @@ def test_own_verifier_and_conversations(tmp_path: Path, tiny_verifier_dir: Path)
     # evaluate runs again unless online training reproduced the stored-file draft byte for byte (it does here)
     assert ("Running stage 'evaluate'" in online.stdout) != (draft_hash(repo) == draft_before)
     assert [p.name for p in (repo / "data/hidden_states").iterdir()] == ["manifest.json"]
-    assert json.loads((repo / "metrics/train.json").read_text())["hidden_states"] == "online"
-    assert json.loads((repo / "metrics/eval.json").read_text())["lossless_fraction"] == 1.0
+    assert json.loads((repo / "metrics/train_details.json").read_text())["hidden_states"] == "online"
+    assert json.loads((repo / "metrics/eval.json").read_text())["lossless"] == 1.0
     assert_all_skipped(dvc(["repro"], repo).stdout)
 
 
@@ -224,6 +245,15 @@ def test_malformed_conversations_stop_prepare_naming_file_and_record(tmp_path: P
 def changed_stages(repo: Path) -> set[str]:
     """The stages `dvc status` reports as changed."""
     return set(json.loads(dvc(["status", "--json"], repo).stdout or "{}"))
+
+
+def _leaves(value: object) -> list:
+    """Every number in a nested metrics document (what `dvc metrics show` counts)."""
+    if isinstance(value, dict):
+        return [leaf for item in value.values() for leaf in _leaves(item)]
+    if isinstance(value, list):
+        return [leaf for item in value for leaf in _leaves(item)]
+    return [value] if isinstance(value, (int, float)) and not isinstance(value, bool) else []
 
 
 def append_comment(path: Path) -> None:

@@ -171,8 +171,8 @@ def test_served_draft_accepts_as_in_process(smollm2_repo: Path, tmp_path: Path,
     import yaml
     from openai import OpenAI
 
-    params = yaml.safe_load((smollm2_repo / "params.yaml").read_text())["evaluate"]
-    num_prompts, max_tokens = params["num_prompts"], params["max_new_tokens"]
+    first_set = yaml.safe_load((smollm2_repo / "params.yaml").read_text())["evaluate"]["sets"][0]
+    num_prompts, max_tokens = first_set["num_prompts"], first_set["max_new_tokens"]
     port = free_port()
     log = tmp_path / "server.log"
     url = f"http://127.0.0.1:{port}"

@@ -145,6 +145,7 @@ def test_trained_draft_is_lossless_at_temperature_zero(verifier: VerifierRunner,
     train_draft(TrainParams(steps=10, eval_every=10, total_seq_len=256, lr=3e-3, warmup_steps=1),
                 TrainPaths(verifier=verifier_dir, prepared=prepared, hidden_states=tmp_path / "hs",
                             vocab=tmp_path / "vocab", out=tmp_path / "draft", metrics=tmp_path / "t.json",
+                                                                              details=tmp_path / "t_details.json",
                             live_dir=tmp_path / "live", checkpoints=tmp_path / "ck"))
     drafter = EagleDrafter(load_draft(tmp_path / "draft", tiny_verifier_dir), VOCAB)
     # Ten steps on a random verifier's data get no draft accepted (measured: 0 of 207), so this test checks

@@ -39,6 +39,7 @@ def converted(tmp_path_factory: pytest.TempPathFactory, tiny_verifier_dir: Path)
 def inputs_in(paths: dict[str, Path], out: Path) -> TrainPaths:
     return TrainPaths(verifier=paths["verifier"], prepared=paths["prepared"], hidden_states=paths["hs"],
                        vocab=paths["vocab"], out=out / "draft", metrics=out / "train.json",
+                                                                details=out / "train_details.json",
                        live_dir=out / "dvclive", checkpoints=out / "checkpoints")
 
 
@@ -58,7 +59,10 @@ def test_draft_learns_and_saves_a_speculators_checkpoint(converted: dict[str, Pa
     assert len(read_tsv(tmp_path / "dvclive/plots/metrics/train/loss.tsv")) == 20
     assert metrics["steps"] == 20 and len(metrics["val_acc"]) == 3
     assert metrics["tau_sim"] == pytest.approx(tau_from_conditional(metrics["val_cond_acc"]), abs=1e-3)
-    assert json.loads((tmp_path / "train.json").read_text()) == metrics
+    assert json.loads((tmp_path / "train_details.json").read_text()) == metrics
+    # the declared metric: tau_sim and the validation loss, named by the tokens it covers (train.loss_tokens)
+    assert json.loads((tmp_path / "train.json").read_text()) == {"tau_sim": metrics["tau_sim"],
+                                                                 "val_loss_all_tokens": metrics["val_loss"]}
 
     config = json.loads((tmp_path / "draft/config.json").read_text())
     assert config["speculators_model_type"] == "eagle3"
@@ -258,11 +262,11 @@ def test_two_cpu_processes_match_one_on_the_same_global_batch(tmp_path: Path, ti
             [sys.executable, str(REPO / "stages/train.py"), "--params", "params.yaml",
              "--verifier", str(tmp_path / "verifier"), "--prepared", str(tmp_path / "prepared"),
              "--hidden-states", str(tmp_path / "hs"), "--vocab", str(tmp_path / "vocab"), "--out", "draft",
-             "--metrics", "train.json", "--live-dir", "dvclive"],
+             "--metrics", "train.json", "--details", "train_details.json", "--live-dir", "dvclive"],
             cwd=run, env=project_env(), capture_output=True, text=True, timeout=600,
         )
         assert result.returncode == 0, result.stdout + result.stderr
-        results[nproc] = json.loads((run / "train.json").read_text())
+        results[nproc] = json.loads((run / "train_details.json").read_text())
         assert results[nproc]["processes"] == nproc
     one = read_tsv(tmp_path / "run1/dvclive/plots/metrics/train/loss.tsv")
     two = read_tsv(tmp_path / "run2/dvclive/plots/metrics/train/loss.tsv")

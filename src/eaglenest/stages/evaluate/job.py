@@ -1,6 +1,7 @@
-"""The evaluate back ends' contract: what a back end is given (:class:`EvaluationJob`), what it returns
-(one metrics mapping per prompt set) and the figures every back end reports the same way
-(:func:`set_metrics`). Back ends import this module, never the stage that dispatches to them.
+"""The evaluate back ends' contract: what a back end is given (:class:`EvaluationJob`), what it returns (one
+records entry per set, the format of :mod:`eaglenest.artifacts.evaluation`) and what every back end does the
+same way: asking a set's turns in order (:func:`ask_turns`) and writing one record per turn
+(:func:`turn_record`). Back ends import this module, never the stage that dispatches to them.
 """
 
 from __future__ import annotations
@@ -8,12 +9,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from eaglenest.core.params import EvaluateParams
-from eaglenest.stages.evaluate.acceptance import Acceptance, total
-from eaglenest.stages.evaluate.lossless import lossless_counts
-from eaglenest.stages.evaluate.ngram import ngram_acceptance
+from eaglenest.stages.evaluate.acceptance import Acceptance
+from eaglenest.stages.evaluate.lossless import TopCandidates, first_divergence
+from eaglenest.stages.evaluate.sets import EvalConversation, EvalSet
 
 
 @dataclass(frozen=True)
@@ -23,77 +24,101 @@ class EvaluationJob:
     Attributes:
         params: The evaluate params.
         verifier_dir: The verifier stage's output folder.
-        prompt_sets: ``{set name: [prompt token ids]}``, each prompt rendered with the generation prompt.
+        sets: The evaluation sets, loaded.
         draft_dir: The train stage's speculators checkpoint.
     """
 
     params: EvaluateParams
     verifier_dir: Path
-    prompt_sets: dict[str, list[list[int]]]
+    sets: list[EvalSet]
     draft_dir: Path
 
 
-# A back end returns {set name: metrics}; the metrics come from set_metrics plus its own extras.
-Backend = Callable[[EvaluationJob], dict[str, dict[str, Any]]]
+# A back end returns {"dtype": ..., "sets": {set name: {"records": [...], ...}}} (artifacts.evaluation).
+Backend = Callable[[EvaluationJob], dict[str, Any]]
 
 
 @dataclass(frozen=True)
-class Timed:
-    """Decoded outputs (token ids, one list per prompt) and the wall time they took."""
+class Turn:
+    """One prompt turn to decode: which conversation, which turn (0-based), its token ids."""
 
-    outputs: list[list[int]]
-    seconds: float
-
-    @property
-    def tokens_per_s(self) -> float:
-        return sum(map(len, self.outputs)) / self.seconds
+    conversation: EvalConversation
+    turn: int
+    prompt: list[int]
 
 
-def speed_metrics(plain: Timed, spec: Timed, suffix: str = "") -> dict[str, float]:
-    """``tokens_per_s_plain{suffix}``, ``tokens_per_s_spec{suffix}`` and ``speedup{suffix}``."""
-    return {
-        f"tokens_per_s_plain{suffix}": round(plain.tokens_per_s, 2),
-        f"tokens_per_s_spec{suffix}": round(spec.tokens_per_s, 2),
-        f"speedup{suffix}": round(spec.tokens_per_s / plain.tokens_per_s, 4),
-    }
+Output = TypeVar("Output")
 
 
-def set_metrics(job: EvaluationJob, prompts: list[list[int]], k: int, acceptance: Acceptance, plain: Timed,
-                spec: Timed, *, backend: str, dtype: str, batched: tuple[Timed, Timed] | None = None,
-                plain_tops: list[Any] | None = None, tie_margin: float | None = None) -> dict[str, Any]:
-    """One prompt set's metrics, as every back end reports them.
+def ask_turns(eval_set: EvalSet, conversations: list[EvalConversation], tokenizer: Any,
+              decode: Callable[[list[list[int]]], list[Output]], tokens_of: Callable[[Output], list[int]]
+              ) -> tuple[list[Turn], list[Output]]:
+    """Every turn of ``conversations``, each later turn asked after the plain decoder's answer to the earlier ones.
+
+    Turns are decoded round by round (all first turns in one ``decode`` call, then all second turns), so a
+    batching back end batches each round. Returns the turns in conversation order (a conversation's turns
+    together) and ``decode``'s output for each.
+    """
+    answers: dict[int, list[str]] = {i: [] for i in range(len(conversations))}
+    decoded: dict[tuple[int, int], tuple[Turn, Output]] = {}
+    for turn in range(max(len(c.turns) for c in conversations)):
+        asked = [i for i, c in enumerate(conversations) if len(c.turns) > turn]
+        turns = [Turn(conversations[i], turn, eval_set.render(conversations[i], turn, answers[i], tokenizer))
+                 for i in asked]
+        for i, item, output in zip(asked, turns, decode([t.prompt for t in turns]), strict=True):
+            answers[i].append(tokenizer.decode(tokens_of(output), skip_special_tokens=True))
+            decoded[(i, turn)] = (item, output)
+    ordered = [decoded[key] for key in sorted(decoded)]
+    return [t for t, _ in ordered], [o for _, o in ordered]
+
+
+def turn_record(item: Turn, acceptance: Acceptance, plain: list[int], spec: list[int], *,
+                plain_top: list[TopCandidates] | None = None, tie_margin: float | None = None,
+                check_lossless: bool = True) -> dict[str, Any]:
+    """One turn's record: the draft's counts, and whether speculation kept plain decoding's tokens.
 
     Args:
-        job: The evaluation.
-        prompts: The set's prompts.
-        k: Drafts per step.
-        acceptance: The draft's counts over the set's single-stream decoding.
-        plain: Plain decoding of each prompt alone (the reference output and the baseline speed).
-        spec: Speculative decoding of each prompt alone.
-        backend: The back end's name.
-        dtype: The dtype the verifier ran in.
-        batched: (plain, speculative) with all prompts in one call, where the back end batches.
-        plain_tops: Per prompt and output position, plain decoding's top candidates, where the back end records
-            them (vLLM at temperature 0): the divergence gaps are measured with them.
-        tie_margin: The near-tie rule's margin (below float32); None is the exact rule.
-
-    Returns:
-        tau and acceptance, speed, the lossless counts and the n-gram baseline replayed on the plain output.
+        item: The turn.
+        acceptance: The draft's counts on it.
+        plain: Plain decoding's output; spec: speculative decoding's.
+        plain_top: The plain run's top candidates per output position, for the near-tie rule.
+        tie_margin: None: the exact rule (float32); else the near-tie rule's margin.
+        check_lossless: False at a sampling temperature, where outputs differ by design (lossless is then
+            not claimed per prompt: the verifier's distribution is kept, not its tokens).
     """
-    ngram = total([ngram_acceptance(p, out, k) for p, out in zip(prompts, plain.outputs, strict=True)], k).summary()
+    divergence = first_divergence(plain, spec, plain_top)
+    lossless = divergence is None or (tie_margin is not None and divergence.is_near_tie(tie_margin))
     return {
-        **acceptance.summary(),
-        **speed_metrics(plain, spec),
-        **(speed_metrics(*batched, suffix="_batched") if batched is not None else {}),
-        **lossless_counts(plain.outputs, spec.outputs, plain_tops, tie_margin),
-        "lossless_rule": "exact" if tie_margin is None else "near_tie",
-        **({"bf16_tie_margin": tie_margin} if tie_margin is not None else {}),
-        "tau_ngram": ngram["tau"],
-        "per_position_acceptance_ngram": ngram["per_position_acceptance"],
-        "num_speculative_tokens": k,
-        "num_prompts": len(prompts),
-        "max_new_tokens": job.params.max_new_tokens,
-        "temperature": job.params.temperature,
-        "dtype": dtype,
-        "backend": backend,
+        "id": item.conversation.id,
+        "turn": item.turn + 1,
+        "category": item.conversation.category,
+        "prompt_tokens": len(item.prompt),
+        "steps": acceptance.steps,
+        "accepted": acceptance.accepted,
+        "drafted": acceptance.drafted,
+        "per_position": list(acceptance.per_position[: acceptance.k]),
+        "identical": divergence is None,
+        "lossless": bool(lossless) if check_lossless else True,
+        **({"divergence": {"position": divergence.position, "plain_token": divergence.plain_token,
+                           "spec_token": divergence.spec_token, "gap": divergence.gap}}
+           if divergence is not None and check_lossless else {}),
+        "plain_tokens": None, "plain_s": None, "spec_tokens": None, "spec_s": None,
     }
+
+
+def add_timing(record: dict[str, Any], drafter: str, tokens: int, seconds: float) -> None:
+    """Records ``drafter``'s (plain, spec or ngram) single-stream decoding of the turn: tokens and seconds."""
+    record[f"{drafter}_tokens"], record[f"{drafter}_s"] = tokens, round(seconds, 6)
+
+
+def add_ngram(record: dict[str, Any], acceptance: Acceptance) -> None:
+    """Records the n-gram baseline's counts on the turn."""
+    record.update(ngram_steps=acceptance.steps, ngram_accepted=acceptance.accepted, ngram_drafted=acceptance.drafted,
+                  ngram_per_position=list(acceptance.per_position[: acceptance.k]))
+
+
+def set_entry(eval_set: EvalSet, records: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    """One set's entry in a back end's result: how it was decoded, and its records."""
+    return {"source": eval_set.params.source, "temperature": eval_set.params.temperature,
+            "max_new_tokens": eval_set.params.max_new_tokens, "chat_template": eval_set.params.chat_template,
+            **extra, "records": records}

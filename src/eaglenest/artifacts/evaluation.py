@@ -1,0 +1,157 @@
+"""What the evaluate stage hands on: per-prompt records, their summaries and the headline figures.
+
+``metrics/eval/records.json`` keeps one record per decoded turn, per back end and set, so that figures can
+be recomputed, resampled and paired between revisions (``eaglenest report BASE HEAD``)::
+
+    {"num_speculative_tokens": K,
+     "runs": {backend: {"dtype": ..., "sets": {set: {"temperature", "max_new_tokens", "source",
+                                                    "ngram_window", "records": [record, ...]}}}}}
+
+A record (one prompt turn):
+
+* ``id``, ``turn`` (1-based), ``category`` — which prompt; ``(id, turn)`` pairs revisions;
+* ``steps``, ``accepted``, ``drafted``, ``per_position`` — the draft's acceptance counts on this turn;
+* ``identical``, ``lossless`` — against plain decoding of the same engine (see the evaluate stage);
+* ``plain_tokens``/``plain_s``, ``spec_tokens``/``spec_s`` — the turn decoded alone (single stream), where it
+  was timed, else null; ``ngram_tokens``/``ngram_s`` the same for the n-gram baseline (vllm);
+* ``ngram_steps``, ``ngram_accepted``, ``ngram_drafted`` — the n-gram baseline's counts: vLLM's own (it counts
+  only steps where the lookup proposed, so its tau is conditional on a match) or, for hf, replayed on the
+  plain output.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from eaglenest.core.bootstrap import Interval, bootstrap, speedup_statistic, tau_statistic
+from eaglenest.core.errors import InputFileError
+
+RECORDS_FILE = "records.json"
+DETAILS_FILE = "details.json"
+
+
+def cluster_sums(records: list[dict[str, Any]], fields: tuple[str, ...]) -> np.ndarray:
+    """``[conversations, len(fields)]``: the fields summed over each conversation's turns (turns of one
+    conversation are resampled together: they share context)."""
+    sums: dict[str, list[float]] = defaultdict(lambda: [0.0] * len(fields))
+    for record in records:
+        row = sums[str(record["id"])]
+        for i, name in enumerate(fields):
+            row[i] += float(record[name])
+    return np.array(list(sums.values()), dtype=np.float64).reshape(-1, len(fields))
+
+
+def tau_interval(records: list[dict[str, Any]], samples: int, seed: int, prefix: str = "") -> Interval:
+    """tau = 1 + accepted / steps over the records, with its bootstrap interval over conversations."""
+    return bootstrap(cluster_sums(records, (f"{prefix}accepted", f"{prefix}steps")), tau_statistic, samples, seed)
+
+
+def timed(records: list[dict[str, Any]], drafter: str = "spec") -> list[dict[str, Any]]:
+    """The records decoded alone for timing (``drafter``: spec or ngram)."""
+    return [r for r in records if r.get(f"{drafter}_s") is not None and r.get("plain_s") is not None]
+
+
+def speedup_interval(records: list[dict[str, Any]], samples: int, seed: int, drafter: str = "spec"
+                     ) -> Interval | None:
+    """Single-stream tokens/s of ``drafter`` over plain decoding on the timed records; None if none was timed."""
+    chosen = timed(records, drafter)
+    if not chosen:
+        return None
+    fields = (f"{drafter}_tokens", f"{drafter}_s", "plain_tokens", "plain_s")
+    return bootstrap(cluster_sums(chosen, fields), speedup_statistic, samples, seed)
+
+
+def summarize(records: list[dict[str, Any]], k: int, samples: int, seed: int) -> dict[str, Any]:
+    """One back end's figures on one set: tau and speed-up with intervals, acceptance per position, the
+    n-gram baseline, lossless counts and tau per category."""
+    steps = sum(r["steps"] for r in records)
+    per_position = [sum(r["per_position"][i] for r in records) for i in range(k)]
+    drafted = sum(r["drafted"] for r in records)
+    ngram_steps = sum(r.get("ngram_steps") or 0 for r in records)
+    summary: dict[str, Any] = {
+        "tau": tau_interval(records, samples, seed).as_dict(),
+        "per_position_acceptance": [round(c / steps, 4) if steps else 0.0 for c in per_position],
+        "draft_acceptance_rate": round(sum(r["accepted"] for r in records) / drafted, 4) if drafted else 0.0,
+        "verify_steps": steps,
+        "num_prompts": len({str(r["id"]) for r in records}),
+        "num_turns": len(records),
+        "identical_fraction": round(sum(bool(r["identical"]) for r in records) / len(records), 4),
+        "lossless_fraction": round(sum(bool(r["lossless"]) for r in records) / len(records), 4),
+    }
+    if ngram_steps:
+        summary["ngram_tau"] = tau_interval(records, samples, seed, prefix="ngram_").as_dict()
+        summary["ngram_per_position_acceptance"] = _ngram_per_position(records, k)
+    for drafter, name in (("spec", "speedup"), ("ngram", "ngram_speedup")):
+        interval = speedup_interval(records, samples, seed, drafter)
+        if interval is not None:
+            chosen = timed(records, drafter)
+            summary[name] = interval.as_dict()
+            summary[f"tokens_per_s_{drafter}"] = round(
+                sum(r[f"{drafter}_tokens"] for r in chosen) / sum(r[f"{drafter}_s"] for r in chosen), 2)
+            summary["tokens_per_s_plain"] = round(
+                sum(r["plain_tokens"] for r in chosen) / sum(r["plain_s"] for r in chosen), 2)
+            summary["timed_turns"] = len(chosen)
+    categories = sorted({r["category"] for r in records if r.get("category")})
+    if categories:
+        summary["categories"] = {
+            category: tau_interval([r for r in records if r.get("category") == category], samples, seed).as_dict()
+            for category in categories}
+    return summary
+
+
+def _ngram_per_position(records: list[dict[str, Any]], k: int) -> list[float]:
+    steps = sum(r.get("ngram_steps") or 0 for r in records)
+    counts = [sum((r.get("ngram_per_position") or [0] * k)[i] for r in records) for i in range(k)]
+    return [round(c / steps, 4) if steps else 0.0 for c in counts]
+
+
+def headline(details: dict[str, Any], headline_sets: list[str], backend: str) -> dict[str, Any]:
+    """The few figures ``metrics/eval.json`` holds: per headline set, the serving back end's tau and speed-up
+    (each with its 95% half-width) and the n-gram baseline's speed-up; ``lossless``, the smallest lossless
+    fraction of any greedy set and back end."""
+    figures: dict[str, Any] = {}
+    for name in headline_sets:
+        summary = details["runs"][backend]["sets"][name]["summary"]
+        entry = {f"{backend}_tau": summary["tau"]["value"], f"{backend}_tau_ci95": summary["tau"]["ci95"]}
+        if "speedup" in summary:
+            entry[f"{backend}_speedup"] = summary["speedup"]["value"]
+            entry[f"{backend}_speedup_ci95"] = summary["speedup"]["ci95"]
+        if "ngram_speedup" in summary:
+            entry[f"{backend}_ngram_speedup"] = summary["ngram_speedup"]["value"]
+        figures[name] = entry
+    greedy = [s["summary"]["lossless_fraction"] for run in details["runs"].values() for s in run["sets"].values()
+              if s["temperature"] == 0]
+    if greedy:
+        figures["lossless"] = min(greedy)
+    return figures
+
+
+def load_records(text: str, where: str) -> dict[str, Any]:
+    """A records.json document, checked for the fields the report reads.
+
+    Raises:
+        InputFileError: naming ``where`` and the first missing field.
+    """
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise InputFileError(f"{where}: not valid JSON: {err.msg}") from None
+    runs = document.get("runs") if isinstance(document, dict) else None
+    if not isinstance(runs, dict) or not isinstance(document.get("num_speculative_tokens"), int):
+        raise InputFileError(f"{where}: expected {{'num_speculative_tokens': K, 'runs': {{backend: ...}}}}")
+    for backend, run in runs.items():
+        for set_name, entry in (run.get("sets") or {}).items():
+            for record in entry.get("records", []):
+                missing = [f for f in ("id", "turn", "steps", "accepted") if f not in record]
+                if missing:
+                    raise InputFileError(f"{where}: runs.{backend}.sets.{set_name}: a record lacks {missing[0]!r}")
+    return document
+
+
+def records_path(eval_dir: Path) -> Path:
+    return eval_dir / RECORDS_FILE
