@@ -50,7 +50,7 @@ $(STAMP): pyproject.toml
 
 demo: setup
 	dvc repro
-	@dvc metrics show
+	@$(VENV)/bin/eaglenest summary
 
 # The tests run with outbound network blocked (scripts/offline.sh): nothing may need a model hub.
 test: setup

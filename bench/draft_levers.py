@@ -62,7 +62,6 @@ def capture(layers: list[int]) -> None:
     from datasets import load_from_disk
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    params = load_params()
     verifier, model_dir = load_verifier_info(Path("models/verifier"))
     layer_ids = sorted(set(layers) | {verifier.num_layers})
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

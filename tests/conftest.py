@@ -142,3 +142,11 @@ def smollm2_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     repo = make_pipeline_repo(tmp_path_factory.mktemp("smollm2") / "repo", SMOLLM2_TINY_PARAMS)
     run([str(VENV_BIN / "dvc"), "repro", "train"], repo, timeout=2400)  # minutes when the machine is busy
     return repo
+
+
+@pytest.fixture
+def native_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU that multiplies bf16 in hardware, whatever this machine's is (vLLM's dtype auto is bf16 there)."""
+    from eaglenest.core import device
+
+    monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: True)

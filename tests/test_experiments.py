@@ -27,7 +27,8 @@ def tiny_repo(tmp_path_factory: pytest.TempPathFactory, tiny_verifier_dir: Path)
         "convert": {"draft_vocab_size": 64},
         "train": {"steps": 4, "eval_every": 2, "total_seq_len": 256, "lr": 0.001},
         # vLLM's CPU build has no attention kernel for the tiny model's head size 8: hf evaluates here
-        "evaluate": {"num_prompts": 2, "max_new_tokens": 6, "backend": "hf"},
+        "evaluate": {"backend": "hf", "sets": [
+            {"name": "val", "source": "val", "num_prompts": 2, "max_new_tokens": 6, "headline": True}]},
     })
     write_jsonl(repo / "data/conversations/chats.jsonl", [{"conversations": CHAT}] * 12)
     dvc(["repro"], repo)
@@ -45,26 +46,27 @@ def test_two_experiments_diff_and_report(tiny_repo: Path, tmp_path: Path):
 
     diff = json.loads(dvc(["exp", "diff", "lr-low", "lr-high", "--json"], tiny_repo).stdout)
     changed = diff["metrics"]["metrics/train.json"]
-    assert "train_loss" in changed and changed["train_loss"]["old"] != changed["train_loss"]["new"]
+    assert "val_loss_all_tokens" in changed
+    assert changed["val_loss_all_tokens"]["old"] != changed["val_loss_all_tokens"]["new"]
     lr = diff["params"]["params.yaml"]["train.lr"]
     assert (lr["old"], lr["new"]) == (0.0001, 0.01)
 
     report = write_report(tiny_repo, ["lr-low", "lr-high"], "HEAD", tmp_path / "report")
     text = report.read_text()
-    assert "| train.train_loss |" in text and "lr-high (change)" in text
+    assert "| train.val_loss_all_tokens |" in text and "lr-high (change)" in text
     images = sorted((tmp_path / "report").glob("*.png"))
-    assert {p.name for p in images} >= {"train_loss.png", "val_accuracy.png", "tau_vs_baseline.png"}
+    assert {p.name for p in images} >= {"loss.png", "val_accuracy.png", "acceptance.png", "tau_per_category.png"}
     for image in images:
         assert image.stat().st_size > 5000 and image.name in text
     from PIL import Image
 
-    pixels = Image.open(tmp_path / "report/train_loss.png").convert("L")
+    pixels = Image.open(tmp_path / "report/loss.png").convert("L")
     assert len(set(pixels.getdata())) > 20  # lines and labels drawn, not a blank canvas
 
 
 @pytest.mark.slow
 def test_evaluate_only_change_reruns_only_evaluate(tiny_repo: Path):
-    result = dvc(["exp", "run", "-S", "evaluate.max_new_tokens=5"], tiny_repo)
+    result = dvc(["exp", "run", "-S", "evaluate.bootstrap_samples=500"], tiny_repo)
     assert "Running stage 'evaluate'" in result.stdout
     for stage in ("verifier", "prepare", "extract", "convert", "train"):
         assert f"Running stage '{stage}'" not in result.stdout

@@ -75,7 +75,8 @@ def make_job(tmp_path: Path, tiny_verifier_dir: Path, max_num_seqs: int = 64) ->
 
 
 @pytest.mark.parametrize("kind", ["cpu", "gpu"])
-def test_llm_arguments(tmp_path: Path, tiny_verifier_dir: Path, monkeypatch: pytest.MonkeyPatch, kind: str):
+def test_llm_arguments(tmp_path: Path, tiny_verifier_dir: Path, monkeypatch: pytest.MonkeyPatch, kind: str,
+                       native_bf16: None):
     monkeypatch.setattr("eaglenest.core.vllm_support.installed_build", lambda: VllmBuild(kind, "vllm", "0"))
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     job, _ = make_job(tmp_path, tiny_verifier_dir)

@@ -114,7 +114,7 @@ class _FakeRequestOutput:
         self.outputs = [_FakeCompletion(token_ids)]
 
 
-def test_vllm_regeneration_arguments(tiny_verifier_dir: Path, tmp_path: Path):
+def test_vllm_regeneration_arguments(tiny_verifier_dir: Path, tmp_path: Path, native_bf16: None):
     from eaglenest.stages.prepare.regenerate.vllm import build_regenerate_llm_kwargs, build_sampling_kwargs
 
     info, model_dir = load_verifier_info_for(tiny_verifier_dir, tmp_path)

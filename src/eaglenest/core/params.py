@@ -548,12 +548,13 @@ class EvaluateParams(StrictModel):
         description="The evaluation sets, each decoded by every back end; see docs/evaluation.md.",
     )
     timed_prompts: int = Field(
-        default=24, ge=1,
-        description="vllm: prompts per set decoded one at a time (single stream, as a chat user sees it) for the "
-        "speed-ups; acceptance is read on every prompt of the set, decoded together.",
+        default=8, ge=1,
+        description="vllm: turns of each headline set decoded one at a time (single stream, as a chat user sees "
+        "it) by the plain, EAGLE-3 and n-gram engines, for the speed-ups; acceptance is read on every turn of "
+        "every set, decoded together.",
     )
     reference_prompts: int | None = Field(
-        default=4, ge=1,
+        default=2, ge=1,
         description="hf, when vllm is also listed: conversations per set the reference decoder runs (lossless and "
         "agreement checks; each timed); null, or hf alone: every prompt of every set.",
     )

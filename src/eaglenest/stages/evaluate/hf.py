@@ -10,6 +10,7 @@ record is timed. With the vllm back end also listed, hf decodes only each set's 
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -22,6 +23,8 @@ from eaglenest.stages.evaluate.job import EvaluationJob, add_ngram, add_timing, 
 from eaglenest.stages.evaluate.ngram import ngram_acceptance
 from eaglenest.stages.evaluate.sets import EvalSet
 from eaglenest.stages.evaluate.speculative import EagleDrafter, VerifierRunner, speculative_decode
+
+log = logging.getLogger(__name__)
 
 
 def evaluate_draft_hf(job: EvaluationJob) -> dict[str, Any]:
@@ -45,8 +48,13 @@ def evaluate_draft_hf(job: EvaluationJob) -> dict[str, Any]:
     decoder.plain(first, 8, 0.0)
     decoder.speculative(first, 8, 0.0, torch.Generator().manual_seed(params.seed))
     limit = params.reference_prompts if "vllm" in params.backends else None
-    return {"dtype": "float32", "num_speculative_tokens": k,
-            "sets": {s.name: _evaluate_set_hf(s, decoder, limit, params.seed) for s in job.sets}}
+    sets = {}
+    for eval_set in job.sets:
+        started = time.perf_counter()
+        sets[eval_set.name] = _evaluate_set_hf(eval_set, decoder, limit, params.seed)
+        log.info("hf, %s: %d turns, plain and speculative, in %.0f s", eval_set.name,
+                 len(sets[eval_set.name]["records"]), time.perf_counter() - started)
+    return {"dtype": "float32", "num_speculative_tokens": k, "sets": sets}
 
 
 class ReferenceDecoder:

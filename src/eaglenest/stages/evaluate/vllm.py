@@ -257,16 +257,20 @@ def evaluate_draft_vllm(job: EvaluationJob) -> dict[str, Any]:
         turns, outputs = ask_turns(eval_set, eval_set.conversations, tokenizer,
                                    lambda prompts, s=reference: _generate(plain_llm, prompts, s), _tokens)
         batched_s = time.perf_counter() - started
-        timed = _timed_one_by_one(plain_llm, [t.prompt for t in turns[:params.timed_prompts]], sampling(eval_set))
+        timed = _timed_one_by_one(plain_llm, [t.prompt for t in turns[:_timed_count(eval_set, params)]],
+                                  sampling(eval_set))
         plain[eval_set.name] = (turns, outputs, batched_s, timed)
+        log.info("vllm plain, %s: %d turns together in %.0f s, %d alone in %.0f s", eval_set.name, len(turns),
+                 batched_s, len(timed), sum(seconds for _, seconds in timed))
     _close(plain_llm)
 
     spec_config = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}
     spec = _speculative_pass(common, spec_config, f"the verifier with the EAGLE-3 draft {draft_dir}", job, plain,
                              sampling, warm_up, k)
     ngram_speculative_config, window = ngram_config(params, k)
+    # The baseline is compared by speed-up, so it decodes only the timed turns (its counts come with them).
     ngram = _speculative_pass(common, ngram_speculative_config, "the verifier with n-gram drafting", job, plain,
-                              sampling, warm_up, k)
+                              sampling, warm_up, k, batched=False)
 
     sets = {}
     for eval_set in job.sets:
@@ -275,15 +279,15 @@ def evaluate_draft_vllm(job: EvaluationJob) -> dict[str, Any]:
         tie_margin = params.bf16_tie_margin if greedy and dtype != "float32" else None
         turns, plain_outputs, plain_batched_s, plain_timed = plain[eval_set.name]
         spec_outputs, spec_counts, spec_batched_s, spec_timed = spec[eval_set.name]
-        _, ngram_counts, ngram_batched_s, ngram_timed = ngram[eval_set.name]
+        _, ngram_counts, _, ngram_timed = ngram[eval_set.name]
         records = []
         for i, (item, plain_output, spec_output) in enumerate(zip(turns, plain_outputs, spec_outputs, strict=True)):
             plain_top = ([top_candidates(position) for position in (plain_output.outputs[0].logprobs or [])]
                          if greedy else None)
             record = turn_record(item, spec_counts[i], _tokens(plain_output), _tokens(spec_output),
                                  plain_top=plain_top, tie_margin=tie_margin, check_lossless=greedy)
-            add_ngram(record, ngram_counts[i])
             if i < len(plain_timed):
+                add_ngram(record, ngram_counts[i])
                 for drafter, (output, seconds) in (("plain", plain_timed[i]), ("spec", spec_timed[i]),
                                                    ("ngram", ngram_timed[i])):
                     add_timing(record, drafter, len(_tokens(output)), seconds)
@@ -291,26 +295,39 @@ def evaluate_draft_vllm(job: EvaluationJob) -> dict[str, Any]:
         sets[eval_set.name] = set_entry(
             eval_set, records, ngram_window=list(window),
             lossless_rule="exact" if tie_margin is None else f"near_tie (bf16_tie_margin {tie_margin})",
-            batched_seconds={"plain": round(plain_batched_s, 3), "spec": round(spec_batched_s, 3),
-                             "ngram": round(ngram_batched_s, 3)})
+            batched_seconds={"plain": round(plain_batched_s, 3), "spec": round(spec_batched_s, 3)})
     return {"dtype": dtype, "num_speculative_tokens": k, "sets": sets}
 
 
+def _timed_count(eval_set: Any, params: EvaluateParams) -> int:
+    """Turns of a set decoded alone for the speed-ups: evaluate.timed_prompts of each headline set; none of the
+    others (their acceptance is what they are for, and single-stream decoding is the expensive part)."""
+    return params.timed_prompts if eval_set.params.headline else 0
+
+
 def _speculative_pass(common: dict[str, Any], speculative_config: dict[str, Any], what: str, job: EvaluationJob,
-                      plain: dict[str, Any], sampling: Any, warm_up: list[int], k: int) -> dict[str, Any]:
+                      plain: dict[str, Any], sampling: Any, warm_up: list[int], k: int, *, batched: bool = True
+                      ) -> dict[str, Any]:
     """One speculative engine on every set: the plain run's turns in one call per set (with each request's
-    counts), then its timed turns one at a time. Returns ``{set: (outputs, counts, batched seconds, timed)}``."""
+    counts), then its timed turns one at a time. Returns ``{set: (outputs, counts, batched seconds, timed)}``;
+    without ``batched``, only the timed turns are decoded, and the counts are theirs."""
     llm = create_llm({**common, "disable_log_stats": False, "per_request_spec_decode_metrics": "summary",
                       "speculative_config": speculative_config}, PARAM, what=what)
     _generate(llm, [warm_up], sampling(job.sets[0]))
     results = {}
     for eval_set in job.sets:
         turns, _, _, plain_timed = plain[eval_set.name]
-        started = time.perf_counter()
-        outputs, counts = decode_with_counts(llm, [t.prompt for t in turns], sampling(eval_set), k)
-        batched_s = time.perf_counter() - started
+        outputs, counts, batched_s = None, None, 0.0
+        if batched:
+            started = time.perf_counter()
+            outputs, counts = decode_with_counts(llm, [t.prompt for t in turns], sampling(eval_set), k)
+            batched_s = time.perf_counter() - started
         timed = _timed_one_by_one(llm, [t.prompt for t in turns[:len(plain_timed)]], sampling(eval_set))
+        if not batched:
+            counts = [request_acceptance(output, k) or Acceptance(k) for output, _ in timed]
         results[eval_set.name] = (outputs, counts, batched_s, timed)
+        log.info("vllm %s, %s: %d turns together in %.0f s, %d alone in %.0f s", speculative_config["method"],
+                 eval_set.name, len(turns), batched_s, len(timed), sum(seconds for _, seconds in timed))
     _close(llm)
     return results
 

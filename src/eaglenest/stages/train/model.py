@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from eaglenest.artifacts.verifier import VerifierInfo, register_remote_config
+from eaglenest.core.device import cpu_has_native_bf16
 from eaglenest.core.params import TrainParams
 
 
@@ -62,12 +63,6 @@ def draft_runtime(params: TrainParams, device: torch.device) -> Runtime:
     return Runtime(device=device, attention=attention, hs_dtype=hs_dtype, precision=precision,
                    ttt_steps=params.ttt_steps, ttt_step_loss_decay=params.ttt_step_loss_decay,
                    loss_config=loss_config)
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX). Elsewhere oneDNN emulates bf16 and
-    autocast would be slower than float32, so ``train.precision: auto`` keeps float32 there."""
-    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 def build_draft(verifier: VerifierInfo, model_dir: Path, params: TrainParams, draft_vocab_size: int,

@@ -10,6 +10,7 @@ vllm is imported only once the engine has started (:func:`eaglenest.core.vllm_su
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from eaglenest.artifacts.verifier import VerifierInfo
 from eaglenest.core.chat import cut_after_end_of_turn
 from eaglenest.core.errors import EaglenestError
 from eaglenest.core.params import PrepareParams
-from eaglenest.core.vllm_support import create_llm, engine_kwargs, generate
+from eaglenest.core.vllm_support import create_llm, engine_kwargs, generate, installed_build
 from eaglenest.stages.prepare.regenerate.job import GeneratorJob, ReplyGenerator, Sampling
 
 PARAM = "prepare.regenerate_backend"
@@ -48,19 +49,31 @@ def replies_from_outputs(outputs: list[Any], eos_ids: set[int]) -> list[list[int
 def vllm_reply_generator(job: GeneratorJob) -> ReplyGenerator:
     """Loads the verifier into vLLM once; returns the prompts -> replies function."""
     params, eos_ids = job.params, job.eos_ids
+    build = installed_build()
+    # Sampled text (builtin:self-instruct's prompts) must be the same in every fresh clone. On the GPU build
+    # each request gets its own seed. vLLM's CPU build fails on per-request seeds once it preempts a request
+    # ("CPU Generator does not use offset"), so there requests draw from the engine's stream, seeded with
+    # prepare.seed; that stream is reproducible only if every step batches the same requests, which an engine
+    # core in its own process does not promise (requests reach it while it already runs). In-process, the
+    # engine holds the whole batch before its first step.
+    in_process = build is not None and build.kind == "cpu"
+    if in_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     llm = create_llm(build_regenerate_llm_kwargs(params, job.info, job.model_dir), PARAM)
     from vllm import SamplingParams  # importable now: create_llm checked the build and started the engine
 
     def generate_replies(prompts: list[list[int]], seed: int, sampling: Sampling | None = None) -> list[list[int]]:
         if sampling is None:
             per_request: Any = SamplingParams(**build_sampling_kwargs(params, eos_ids, seed))
-        else:
-            # Requests share the engine's random stream (seeded once, prepare.seed), so identical prompt
-            # prefixes still sample differently. Per-request seeds would be reproducible across batch shapes,
-            # but vLLM's CPU build fails on them once it preempts a request ("CPU Generator does not use
-            # offset"); the prompt cache keeps each written batch, which makes reruns reproducible anyway.
+        elif in_process:
+            # one engine-wide stream: identical prompt prefixes still sample differently
             per_request = SamplingParams(temperature=sampling.temperature, max_tokens=sampling.max_new_tokens,
                                          stop_token_ids=sorted(eos_ids))
+        else:
+            # a seed per request, distinct within the batch, so identical prefixes sample differently
+            per_request = [SamplingParams(temperature=sampling.temperature, max_tokens=sampling.max_new_tokens,
+                                          stop_token_ids=sorted(eos_ids), seed=seed * 100_003 + i)
+                           for i in range(len(prompts))]
         outputs = generate(llm, [{"prompt_token_ids": list(p)} for p in prompts], per_request, PARAM)
         if len(outputs) != len(prompts):
             raise EaglenestError(f"vLLM returned {len(outputs)} replies for {len(prompts)} prompts")

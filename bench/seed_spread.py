@@ -1,0 +1,61 @@
+"""The seed-to-seed spread of the headline figures: the same pipeline retrained with other ``train.seed`` values.
+
+Run in a checkout whose pipeline is up to date (``make demo`` done), with the project's interpreter on PATH::
+
+    .venv/bin/python bench/seed_spread.py --seeds 1 2
+
+Seed 0 is the checkout's own result (``metrics/eval.json``); every other seed is one ``dvc exp run -S
+train.seed=N`` (train and evaluate re-run; prepare, extract and convert are cached). Writes
+``docs/seed-spread.json``: per headline set and figure, the values per seed and their range (max - min), which
+``eaglenest report`` takes as the smallest change it calls better or worse.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from eaglenest.core.atomic import atomic_write_json
+
+OUT = Path("docs/seed-spread.json")
+
+
+def headline() -> dict:
+    return json.loads(Path("metrics/eval.json").read_text())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2], help="train.seed values besides 0")
+    args = parser.parse_args()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    runs = {0: headline()}
+    for seed in args.seeds:
+        print(f"seed {seed}: dvc exp run -S train.seed={seed}", flush=True)
+        subprocess.run(["dvc", "exp", "run", "-S", f"train.seed={seed}"], check=True)
+        runs[seed] = headline()
+    values: dict[str, dict[str, list[float]]] = {}
+    for figures in runs.values():
+        for set_name, entry in figures.items():
+            if isinstance(entry, dict):
+                for metric, value in entry.items():
+                    if not metric.endswith("_ci95"):
+                        values.setdefault(set_name, {}).setdefault(metric, []).append(value)
+    atomic_write_json(OUT, {
+        "what": "headline figures of the default pipeline retrained with each train.seed (prepare, extract and "
+                "convert cached); figures: max - min over the seeds",
+        "command": f"{Path(sys.argv[0]).as_posix()} --seeds {' '.join(map(str, args.seeds))}",
+        "commit": commit,
+        "seeds": sorted(runs),
+        "values": values,
+        "figures": {s: {m: round(max(v) - min(v), 4) for m, v in metrics.items()} for s, metrics in values.items()},
+    })
+    print(json.dumps(json.loads(OUT.read_text())["figures"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

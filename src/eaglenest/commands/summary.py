@@ -1,0 +1,56 @@
+"""``eaglenest summary``: the headline figures as a short table, what ``make demo`` ends with.
+
+It reads the declared metrics (``metrics/eval.json``, ``metrics/train.json``) and, for the training estimate
+beside the decoded figure of the same split, ``metrics/eval/details.json``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from eaglenest.core.errors import InputFileError
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise InputFileError(f"{path}: not found; run the pipeline first (dvc repro)") from None
+    except json.JSONDecodeError as err:
+        raise InputFileError(f"{path}: not valid JSON: {err.msg}") from None
+
+
+def _interval(value: float | None, half_width: float | None, prefix: str = "") -> str:
+    if value is None:
+        return "—"
+    return f"{prefix}{value:.3f} ± {half_width:.3f}" if half_width is not None else f"{prefix}{value:.3f}"
+
+
+def summary_lines(repo: Path) -> list[str]:
+    """The table: per headline set, tau and single-stream speed-up with their 95% intervals and the n-gram
+    baseline's speed-up; then lossless, and tau_sim beside the decoded tau of the validation split."""
+    headline = _read(repo / "metrics" / "eval.json")
+    train = _read(repo / "metrics" / "train.json")
+    details_path = repo / "metrics" / "eval" / "details.json"
+    details = _read(details_path) if details_path.exists() else {}
+    backend = details.get("headline_backend", "vllm")
+    rows = [("set", f"{backend} tau (95%)", "speed-up (95%)", "n-gram speed-up")]
+    for name, figures in headline.items():
+        if not isinstance(figures, dict):
+            continue
+        rows.append((name, _interval(figures.get(f"{backend}_tau"), figures.get(f"{backend}_tau_ci95")),
+                     _interval(figures.get(f"{backend}_speedup"), figures.get(f"{backend}_speedup_ci95"), "x"),
+                     _interval(figures.get(f"{backend}_ngram_speedup"), None, "x")))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
+    lines.append(f"lossless: {headline.get('lossless', '—')}")
+    val = details.get("runs", {}).get(backend, {}).get("sets", {}).get("val")
+    decoded = ""
+    if val:
+        tau = val["summary"]["tau"]
+        decoded = f"; decoded tau of the same split ({backend}): {_interval(tau['value'], tau['ci95'])}"
+    if "tau_sim" in train:
+        lines.append(f"train: tau_sim {train['tau_sim']:.3f} (validation split, teacher-forced){decoded}")
+    return lines
