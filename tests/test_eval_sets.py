@@ -142,7 +142,8 @@ def _records(n: int, accept: float, rng: np.random.Generator, k: int = 3) -> lis
                         "drafted": steps * k, "per_position": per_position, "identical": True, "lossless": True,
                         "plain_tokens": 32, "plain_s": plain_s, "spec_tokens": 32, "spec_s": spec_s,
                         "ngram_tokens": 32, "ngram_s": plain_s, "ngram_steps": steps, "ngram_accepted": 1,
-                        "ngram_drafted": 3, "ngram_per_position": [1, 0, 0]})
+                        "ngram_drafted": 3, "ngram_per_position": [1, 0, 0],
+                        "alone_steps": steps, "alone_accepted": max(accepted - 1, 0)})
     return records
 
 
@@ -176,6 +177,8 @@ def test_headline_is_a_few_named_numbers(tmp_path: Path):
         "vllm_tau", "vllm_tau_ci95", "vllm_speedup", "vllm_speedup_ci95", "vllm_ngram_speedup"}
     summary = details["runs"]["vllm"]["sets"]["humaneval"]["summary"]
     assert figures["humaneval"]["vllm_tau"] == summary["tau"]["value"] and set(summary["categories"]) == {"a", "b"}
+    moved = summary["tau_batched_vs_alone"]  # one accepted token fewer per turn when decoded alone
+    assert moved["alone"]["value"] < moved["batched"]["value"] == summary["tau"]["value"]
     assert summary == summarize(json.loads((tmp_path / "eval/records.json").read_text())["runs"]["vllm"]["sets"]
                                 ["humaneval"]["records"], 3, 200, 0)
     rows = json.loads((tmp_path / "eval/acceptance.json").read_text())

@@ -294,3 +294,55 @@ def test_cli_takes_base_then_heads(tmp_path: Path, good: dict, worse: dict, caps
     assert main(["report", "no-such-branch", "--repo", str(repo), "--out", str(out)]) == 2
     assert capsys.readouterr().err == ("eaglenest report: error: revision 'no-such-branch': not a git revision, "
                                        "DVC experiment or 'workspace'\n")
+
+
+# --- real drafts (slow) ----------------------------------------------------------------------------------------
+
+
+def _short_draft(repo: Path, dest: Path, steps: int) -> Path:
+    """The train stage on ``repo``'s data for ``steps`` steps only: a draft that has barely learned."""
+    import sys
+
+    import yaml
+
+    from .helpers import REPO, project_env
+
+    dest.mkdir(parents=True)
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params["train"].update(steps=steps, eval_every=steps, checkpoint_every=steps)
+    (dest / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    paths = {"verifier": "models/verifier", "prepared": "data/prepared", "hidden-states": "data/hidden_states",
+             "vocab": "data/vocab"}
+    cmd = [sys.executable, str(REPO / "stages" / "train.py"), "--params", str(dest / "params.yaml"),
+           *[arg for key, path in paths.items() for arg in (f"--{key}", str(repo / path))],
+           "--out", str(dest / "draft"), "--metrics", str(dest / "train.json"),
+           "--details", str(dest / "train_details.json"), "--live-dir", str(dest / "live")]
+    result = subprocess.run(cmd, cwd=dest, env=project_env(), capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return dest / "draft"
+
+
+@pytest.mark.slow
+def test_real_drafts_same_twice_is_no_change_and_a_short_one_is_worse(smollm2_repo: Path, tmp_path: Path):
+    from eaglenest.artifacts.evaluation import load_records
+
+    from .helpers import run_evaluate
+
+    # hf, float32, greedy: the same draft decodes the same tokens, so its acceptance records are identical
+    one_set = {"backend": "hf", "source": "builtin:general", "num_prompts": 16, "max_new_tokens": 24}
+    runs = {}
+    for name, draft in (("first", None), ("again", None), ("short", _short_draft(smollm2_repo, tmp_path / "t", 4))):
+        result, _ = run_evaluate(smollm2_repo, tmp_path / name, draft=draft, **one_set)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[name] = load_records((tmp_path / name / "eval" / "records.json").read_text(), name)
+    set_name = next(iter(runs["first"]["runs"]["hf"]["sets"]))
+
+    same = compare_set(runs["first"], runs["again"], set_name, "hf", {}, SAMPLES, SEED)
+    tau = same.figures[0]
+    assert (tau.name, tau.verdict, tau.difference.value) == ("tau", "no change", 0.0)
+    # speed-up is not asserted: wall time drifts between two processes, which is why it carries an interval
+
+    short = compare_set(runs["first"], runs["short"], set_name, "hf", {}, SAMPLES, SEED)
+    tau = short.figures[0]
+    print("trained", tau.base, "4 steps", tau.head, "difference", tau.difference)
+    assert short.pairs == 16 and tau.verdict == "worse" and tau.difference.high < 0 < tau.base - tau.head

@@ -14,6 +14,8 @@ A record (one prompt turn):
 * ``identical``, ``lossless`` — against plain decoding of the same engine (see the evaluate stage);
 * ``plain_tokens``/``plain_s``, ``spec_tokens``/``spec_s`` — the turn decoded alone (single stream), where it
   was timed, else null; ``ngram_tokens``/``ngram_s`` the same for the n-gram baseline (vllm);
+* ``alone_steps``, ``alone_accepted`` — vllm, timed turns: the draft's counts when the turn was decoded alone,
+  beside ``steps``/``accepted`` from the batched pass (batching changes the numerics, and with them acceptance);
 * ``ngram_steps``, ``ngram_accepted``, ``ngram_drafted`` — the n-gram baseline's counts: vLLM's own on the
   timed turns (it counts only steps where the lookup proposed, so its tau is conditional on a match) or, for
   hf, replayed on the plain output; absent where not measured.
@@ -98,6 +100,13 @@ def summarize(records: list[dict[str, Any]], k: int, samples: int, seed: int) ->
             summary["tokens_per_s_plain"] = round(
                 sum(r["plain_tokens"] for r in chosen) / sum(r["plain_s"] for r in chosen), 2)
             summary["timed_turns"] = len(chosen)
+    alone = [r for r in records if r.get("alone_steps") is not None]
+    if alone:
+        # the same turns' tau decoded together and decoded alone
+        summary["tau_batched_vs_alone"] = {
+            "batched": tau_interval(alone, samples, seed).as_dict(),
+            "alone": bootstrap(cluster_sums(alone, ("alone_accepted", "alone_steps")), tau_statistic, samples,
+                               seed).as_dict()}
     categories = sorted({r["category"] for r in records if r.get("category")})
     if categories:
         summary["categories"] = {

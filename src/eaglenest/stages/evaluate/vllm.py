@@ -291,6 +291,10 @@ def evaluate_draft_vllm(job: EvaluationJob) -> dict[str, Any]:
                 for drafter, (output, seconds) in (("plain", plain_timed[i]), ("spec", spec_timed[i]),
                                                    ("ngram", ngram_timed[i])):
                     add_timing(record, drafter, len(_tokens(output)), seconds)
+                # the same turn's acceptance decoded alone: how much batching moves it (numerics of other shapes)
+                alone = request_acceptance(spec_timed[i][0], k)
+                if alone is not None:
+                    record.update(alone_steps=alone.steps, alone_accepted=alone.accepted)
             records.append(record)
         sets[eval_set.name] = set_entry(
             eval_set, records, ngram_window=list(window),
