@@ -505,13 +505,18 @@ def acceptance_figure(series: list[tuple[str, Any]], backend: str) -> Figure | N
                        edgecolor=colors[i], label=f"{label}: {drafter}", **style)
         ax.set_xticks(range(1, positions + 1))
         ax.set_ylim(0, 1)
-        ax.set_title(f"{set_name} ({backend})")
-        ax.set_xlabel("draft position")
-        ax.set_ylabel("acceptance rate")
-        ax.grid(axis="y", alpha=0.3)
-        ax.legend(fontsize=7)
+        _label_panel(ax, f"{set_name} ({backend})", "draft position", "acceptance rate")
     fig.suptitle("Acceptance rate per draft position: EAGLE-3 against n-gram")
     return fig
+
+
+def _label_panel(ax: Any, title: str, xlabel: str, ylabel: str) -> None:
+    """A bar panel's title, axis labels, grid and legend, the same on every panel."""
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=7)
 
 
 def tau_category_figure(series: list[tuple[str, Any]], backend: str) -> Figure | None:
@@ -554,11 +559,7 @@ def tau_category_figure(series: list[tuple[str, Any]], backend: str) -> Figure |
         ax.set_xticks(range(len(categories)), categories, rotation=30, ha="right", fontsize=8)
         if bounds:
             ax.set_ylim(0, max(bounds) * 1.08)
-        ax.set_title(f"{set_name} ({backend})")
-        ax.set_xlabel("category")
-        ax.set_ylabel("tau (tokens per verify step)")
-        ax.grid(axis="y", alpha=0.3)
-        ax.legend(fontsize=7)
+        _label_panel(ax, f"{set_name} ({backend})", "category", "tau (tokens per verify step)")
     fig.suptitle("tau per category with its 95% interval")
     return fig
 
