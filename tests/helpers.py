@@ -165,7 +165,8 @@ def set_figures(details: dict, backend: str, set_name: str | None = None) -> dic
 
 
 def run_evaluate(repo: Path, dest: Path, *, wrapper: Path | None = None, env: dict[str, str] | None = None,
-                 draft: Path | None = None, **evaluate: object) -> tuple[subprocess.CompletedProcess[str], dict]:
+                 draft: Path | None = None, prepared: Path | None = None, **evaluate: object
+                 ) -> tuple[subprocess.CompletedProcess[str], dict]:
     """The real stage script on ``repo``'s verifier, prompts and draft; every output goes under ``dest``.
 
     Returns the run and the first back end's figures on its one set (:func:`set_figures`; empty if it wrote none).
@@ -174,7 +175,7 @@ def run_evaluate(repo: Path, dest: Path, *, wrapper: Path | None = None, env: di
     stage = str(REPO / "stages" / "evaluate.py")
     script = [str(wrapper), stage] if wrapper else [stage]
     cmd = [sys.executable, *script, "--params", str(evaluate_params(repo, dest, **evaluate)),
-           "--verifier", str(repo / "models" / "verifier"), "--prepared", str(repo / "data" / "prepared"),
+           "--verifier", str(repo / "models" / "verifier"), "--prepared", str(prepared or repo / "data" / "prepared"),
            "--draft", str(draft or repo / "models" / "draft"), "--metrics", str(dest / "eval.json"),
            "--out", str(dest / "eval")]
     result = subprocess.run(cmd, cwd=dest, env=project_env(**(env or {})), capture_output=True, text=True,
