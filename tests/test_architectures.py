@@ -213,7 +213,8 @@ def test_deepseek_v3_with_a_reasoning_template_through_dvc_repro(tmp_path: Path)
                     "max_assistant_turns": None, "regenerate": False, "reasoning": "keep"},
         "convert": {"draft_vocab_size": 64},
         "train": {"steps": 2, "eval_every": 1, "total_seq_len": 256},
-        "evaluate": {"num_prompts": 1, "max_new_tokens": 4, "backend": "hf", "general_prompts": None},
+        "evaluate": {"backend": "hf", "sets": [
+            {"name": "val", "source": "val", "num_prompts": 1, "max_new_tokens": 4, "headline": True}]},
     })
     records = [{"messages": [
         {"role": "user", "content": f"hello there {i}"},
@@ -226,6 +227,6 @@ def test_deepseek_v3_with_a_reasoning_template_through_dvc_repro(tmp_path: Path)
     dvc(["repro"], repo)
     prepared = json.loads((repo / "metrics/prepare.json").read_text())
     assert (prepared["kept"], prepared["rows"], prepared["train_rows"]) == (8, 16, 12)  # one row per reply
-    assert json.loads((repo / "metrics/eval.json").read_text())["lossless_fraction"] == 1.0
+    assert json.loads((repo / "metrics/eval.json").read_text())["lossless"] == 1.0
     again = dvc(["repro"], repo)
     assert "Running stage" not in again.stdout

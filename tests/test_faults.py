@@ -326,7 +326,9 @@ def test_kill_9_during_extract_and_train_five_times_each(tmp_path: Path, tiny_ve
         "extract": {"batch_tokens": 16},
         "convert": {"draft_vocab_size": 64},
         "train": {"steps": 120, "eval_every": 60, "checkpoint_every": 3, "total_seq_len": 256, "lr": 0.003},
-        "evaluate": {"num_prompts": 1, "max_new_tokens": 4, "backend": "hf"},  # no vLLM kernel for head size 8
+        # no vLLM kernel for head size 8: hf evaluates
+        "evaluate": {"backend": "hf", "sets": [
+            {"name": "val", "source": "val", "num_prompts": 1, "max_new_tokens": 4, "headline": True}]},
     })
     chats = [{"conversations": [{"from": "human", "value": f"hello there {i}"},
                                 {"from": "gpt", "value": "I am fine thanks and you " * (1 + i % 3)}]}
