@@ -23,20 +23,29 @@ from eaglenest.core.atomic import atomic_write_json
 OUT = Path("docs/seed-spread.json")
 
 
-def headline() -> dict:
-    return json.loads(Path("metrics/eval.json").read_text())
+def headline(revision: str | None = None) -> dict:
+    if revision is None:
+        return json.loads(Path("metrics/eval.json").read_text())
+    shown = subprocess.run(["git", "show", f"{revision}:metrics/eval.json"], capture_output=True, text=True,
+                           check=True)
+    return json.loads(shown.stdout)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2], help="train.seed values besides 0")
+    parser.add_argument("--revisions", nargs="+", metavar="SEED=REV",
+                        help="read finished runs instead of running: train.seed=REV pairs (0 included)")
     args = parser.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    runs = {0: headline()}
-    for seed in args.seeds:
-        print(f"seed {seed}: dvc exp run -S train.seed={seed}", flush=True)
-        subprocess.run(["dvc", "exp", "run", "-S", f"train.seed={seed}"], check=True)
-        runs[seed] = headline()
+    if args.revisions:
+        runs = {int(seed): headline(rev) for seed, rev in (pair.split("=", 1) for pair in args.revisions)}
+    else:
+        runs = {0: headline()}
+        for seed in args.seeds:
+            print(f"seed {seed}: dvc exp run -S train.seed={seed}", flush=True)
+            subprocess.run(["dvc", "exp", "run", "-S", f"train.seed={seed}"], check=True)
+            runs[seed] = headline()
     values: dict[str, dict[str, list[float]]] = {}
     for figures in runs.values():
         for set_name, entry in figures.items():
@@ -47,7 +56,7 @@ def main() -> int:
     atomic_write_json(OUT, {
         "what": "headline figures of the default pipeline retrained with each train.seed (prepare, extract and "
                 "convert cached); figures: max - min over the seeds",
-        "command": f"{Path(sys.argv[0]).as_posix()} --seeds {' '.join(map(str, args.seeds))}",
+        "command": " ".join(["bench/seed_spread.py", *sys.argv[1:]]),
         "commit": commit,
         "seeds": sorted(runs),
         "values": values,
