@@ -36,6 +36,9 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2], help="train.seed values besides 0")
     parser.add_argument("--revisions", nargs="+", metavar="SEED=REV",
                         help="read finished runs instead of running: train.seed=REV pairs (0 included)")
+    parser.add_argument("--figures", nargs="+", metavar="NAME",
+                        help="record only these figures (vllm_tau, ...): a speed-up timed beside other work is not a "
+                        "seed's spread")
     args = parser.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     if args.revisions:
@@ -51,7 +54,7 @@ def main() -> int:
         for set_name, entry in figures.items():
             if isinstance(entry, dict):
                 for metric, value in entry.items():
-                    if not metric.endswith("_ci95"):
+                    if not metric.endswith("_ci95") and (not args.figures or metric in args.figures):
                         values.setdefault(set_name, {}).setdefault(metric, []).append(value)
     atomic_write_json(OUT, {
         "what": "headline figures of the default pipeline retrained with each train.seed (prepare, extract and "
