@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from eaglenest.core.params import EvaluateParams
 from eaglenest.stages.evaluate.acceptance import Acceptance
-from eaglenest.stages.evaluate.lossless import TopCandidates, first_divergence
+from eaglenest.stages.evaluate.lossless import TopCandidates, first_divergence, is_lossless
 from eaglenest.stages.evaluate.sets import EvalConversation, EvalSet
 
 
@@ -87,7 +87,7 @@ def turn_record(item: Turn, acceptance: Acceptance, plain: list[int], spec: list
             not claimed per prompt: the verifier's distribution is kept, not its tokens).
     """
     divergence = first_divergence(plain, spec, plain_top)
-    lossless = divergence is None or (tie_margin is not None and divergence.is_near_tie(tie_margin))
+    lossless = is_lossless(divergence, tie_margin)
     return {
         "id": item.conversation.id,
         "turn": item.turn + 1,

@@ -68,6 +68,12 @@ def first_divergence(plain: list[int], spec: list[int], plain_top: list[TopCandi
     return Divergence(position, plain_token, spec_token, round(top[0][1] - top[rank][1], 6), rank)
 
 
+def is_lossless(divergence: Divergence | None, tie_margin: float | None) -> bool:
+    """The rule for one output: identical to plain decoding, or, below float32 (``tie_margin`` set), parted from
+    it at a flipped near-tie within the margin."""
+    return divergence is None or (tie_margin is not None and divergence.is_near_tie(tie_margin))
+
+
 def lossless_counts(plains: list[list[int]], specs: list[list[int]], plain_tops: list[list[TopCandidates]] | None,
                     tie_margin: float | None) -> dict[str, Any]:
     """identical_fraction, lossless_fraction and the divergences behind them (see the module docstring).
@@ -82,7 +88,7 @@ def lossless_counts(plains: list[list[int]], specs: list[list[int]], plain_tops:
     divergences = [first_divergence(p, s, plain_tops[i] if plain_tops is not None else None)
                    for i, (p, s) in enumerate(zip(plains, specs, strict=True))]
     identical = sum(d is None for d in divergences)
-    lossless = sum(d is None or (tie_margin is not None and d.is_near_tie(tie_margin)) for d in divergences)
+    lossless = sum(is_lossless(d, tie_margin) for d in divergences)
     return {
         "identical_fraction": round(identical / len(plains), 4),
         "lossless_fraction": round(lossless / len(plains), 4),
