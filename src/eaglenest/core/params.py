@@ -528,7 +528,7 @@ def _default_eval_sets() -> list[EvalSetParams]:
     return [
         EvalSetParams(name="humaneval", source="builtin:humaneval", headline=True),
         EvalSetParams(name="general", source="builtin:general", headline=True),
-        EvalSetParams(name="general-t07", source="builtin:general", temperature=0.7, headline=True),
+        EvalSetParams(name="general-t07", source="builtin:general", temperature=0.7),
         EvalSetParams(name="val", source="val", num_prompts=32),
     ]
 
@@ -554,7 +554,7 @@ class EvaluateParams(StrictModel):
         "every set, decoded together.",
     )
     reference_prompts: int | None = Field(
-        default=2, ge=1,
+        default=1, ge=1,
         description="hf, when vllm is also listed: conversations per set the reference decoder runs (lossless and "
         "agreement checks; each timed); null, or hf alone: every prompt of every set.",
     )
