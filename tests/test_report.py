@@ -204,6 +204,20 @@ def test_a_seed_spread_larger_than_the_change_is_within_seed_spread(tmp_path: Pa
     assert general["tau"][3] == NO_SPREAD and general["tau"][4] == "worse"  # no spread recorded for this set
 
 
+def test_an_experiment_branched_before_the_spread_was_recorded_reads_base_s(tmp_path: Path, good: dict,
+                                                                           worse: dict):
+    base_records, head_records = good["metrics/eval/records.json"], worse["metrics/eval/records.json"]
+    change = compare_set(base_records, head_records, "humaneval", "vllm", {}, SAMPLES, SEED).figures[0].difference
+    spread = {"figures": {"humaneval": {"vllm_tau": round(abs(change.value) * 1.5, 3)}}}
+    repo = init_repo(tmp_path / "repo")
+    commit(repo, {"dvc.yaml": DVC_YAML, **good, **loss_curves(), "docs/seed-spread.json": spread}, "base")
+    (repo / "docs/seed-spread.json").unlink()
+    commit(repo, {**worse, **loss_curves(0.9)}, "head")
+    text = write_report(repo, ["HEAD"], "HEAD~1", tmp_path / "out").read_text()
+    assert "recorded in docs/seed-spread.json at HEAD~1." in text
+    assert _rows(text, "humaneval")["tau"][4] == "within seed spread"
+
+
 def test_a_malformed_seed_spread_is_one_line(tmp_path: Path, good: dict):
     repo = _repo(tmp_path, good, good, {"docs/seed-spread.json": {"figures": {"humaneval": {"vllm_tau": "big"}}}})
     with pytest.raises(InputFileError, match=r"^HEAD:docs/seed-spread.json: figures.humaneval.vllm_tau = 'big'"):

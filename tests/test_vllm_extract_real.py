@@ -210,3 +210,39 @@ def test_kill_9_mid_extraction_resumes_to_the_same_files(repo: Path, vllm_run: d
     assert {p.name: p.read_bytes() for p in hs_dir.iterdir()} == vllm_run["files"]
     assert not staging_dir_for(hs_dir).exists()
     assert json.loads((repo / "metrics/extract.json").read_text())["rows_reused"] == finished_before_kill
+
+
+def stage_pid(pgid: int, script: str) -> int | None:
+    """The pid of the process of group ``pgid`` that runs ``script`` (the stage under dvc), from /proc."""
+    for pid in live_processes_in_group(pgid):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(arg.decode(errors="replace").endswith(script) for arg in argv):
+            return pid
+    return None
+
+
+def test_sigterm_to_the_stage_stops_vllms_engine_processes(repo: Path, vllm_run: dict[str, Any], tmp_path: Path):
+    """A scheduler's SIGTERM to the stage alone (not to its group) must not leave vLLM's engine running."""
+    hs_dir = repo / "data/hidden_states"
+    shutil.rmtree(hs_dir)
+    log = tmp_path / "repro.log"
+    with log.open("w") as out:
+        process = subprocess.Popen([str(VENV_BIN / "dvc"), "repro", "-s", "extract"], cwd=repo, env=project_env(),
+                                   stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for_files(process, hs_dir, WAVES_PER_CALL, timeout_s=300)  # the engine is up and computing
+        stage = stage_pid(process.pid, "stages/extract.py")
+        assert stage is not None and process.poll() is None, log.read_text()[-2000:]
+        os.kill(stage, signal.SIGTERM)
+        process.wait(timeout=120)
+        assert group_is_gone(process.pid, timeout_s=60), "vLLM's engine processes outlived the stage"
+    finally:
+        if process.poll() is None or live_processes_in_group(process.pid):
+            os.killpg(process.pid, signal.SIGKILL)
+    assert "eaglenest extract: interrupted; rerun to continue" in log.read_text()
+
+    dvc(["repro", "-s", "extract"], repo)  # resumes: the module's later tests see the whole extraction
+    assert {p.name: p.read_bytes() for p in hs_dir.iterdir()} == vllm_run["files"]

@@ -418,13 +418,15 @@ def paired_section(base: Revision, head: Revision, samples: int, seed: int) -> l
     base_records, head_records = records[base.rev], records[head.rev]
     backend = headline_backend(head.read_json(DETAILS), head_records)
     base_backend = headline_backend(base.read_json(DETAILS), base_records)
-    spreads = load_seed_spread(head)
+    # The spread is measured once for the project: an experiment branched before it was recorded reads base's.
+    spread_at = head if head.read_json(SEED_SPREAD) is not None else base
+    spreads = load_seed_spread(spread_at)
     lines += [f"Back end: {backend} (the headline back end of {head.rev}"
               + (f"; {base.rev}'s is {base_backend}" if base_backend != backend else "") + "). "
               "Each figure is recomputed on the turns both revisions decoded (same id and turn); the interval of "
               f"the difference is a paired bootstrap over conversations ({samples} resamples, seed {seed}). A change "
               "is better or worse when that interval excludes zero and the change exceeds the seed-to-seed spread "
-              f"recorded in {SEED_SPREAD} at {head.rev}"
+              f"recorded in {SEED_SPREAD} at {spread_at.rev}"
               + ("" if spreads else f" ({NO_SPREAD}: the threshold is 0)") + ".", ""]
     for set_name in sets_head + [name for name in sets_base if name not in sets_head]:
         if set_name not in sets_base or set_name not in sets_head:

@@ -10,7 +10,9 @@ A stage package (``eaglenest.stages.<name>``) defines ``STAGE = Stage(name, path
   itself, and returns the metrics it wrote (empty for a stage without metrics).
 
 :func:`run_stage` parses the command line, loads and validates params.yaml, runs the stage, and turns an
-:class:`~eaglenest.core.errors.EaglenestError` into one line on stderr and exit status 2.
+:class:`~eaglenest.core.errors.EaglenestError` into one line on stderr and exit status 2. SIGTERM (a
+scheduler's time limit, ``kill``, ``timeout``) interrupts a stage as Ctrl-C does: the interpreter unwinds, so
+a vLLM engine's own processes are shut down with it instead of outliving it, and the stage exits 130.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -74,6 +77,12 @@ def stage_parser(stage: Stage[Any]) -> argparse.ArgumentParser:
     return parser
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    """SIGTERM as Ctrl-C: Python's default for SIGTERM ends the process at once, without unwinding, so the
+    engine processes vLLM started (its engine core, its workers) would keep running, and computing."""
+    raise KeyboardInterrupt
+
+
 def run_stage(stage: Stage[Any], argv: Sequence[str] | None = None) -> int:
     """Parses ``argv``, runs the stage and returns the process exit status.
 
@@ -87,6 +96,7 @@ def run_stage(stage: Stage[Any], argv: Sequence[str] | None = None) -> int:
     args = vars(stage_parser(stage).parse_args(argv))
     params_file = args.pop("params")
     logging.basicConfig(level=logging.INFO, format=f"eaglenest {stage.name}: %(message)s")
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         stage.run(load_params(params_file), stage.paths(**args))
     except EaglenestError as err:
@@ -95,4 +105,6 @@ def run_stage(stage: Stage[Any], argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"eaglenest {stage.name}: interrupted; rerun to continue", file=sys.stderr)
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)  # a caller's own handler (a test runner's) is its again
     return 0
