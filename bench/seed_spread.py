@@ -36,9 +36,9 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2], help="train.seed values besides 0")
     parser.add_argument("--revisions", nargs="+", metavar="SEED=REV",
                         help="read finished runs instead of running: train.seed=REV pairs (0 included)")
-    parser.add_argument("--figures", nargs="+", metavar="NAME",
-                        help="record only these figures (vllm_tau, ...): a speed-up timed beside other work is not a "
-                        "seed's spread")
+    parser.add_argument("--figures", nargs="+", metavar="NAME[=SEED,...]",
+                        help="record only these figures (vllm_tau, ...), each from every seed or from the seeds "
+                        "listed (vllm_speedup=0,2): a speed-up timed beside other work is not a seed's spread")
     args = parser.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     if args.revisions:
@@ -49,16 +49,25 @@ def main() -> int:
             print(f"seed {seed}: dvc exp run -S train.seed={seed}", flush=True)
             subprocess.run(["dvc", "exp", "run", "-S", f"train.seed={seed}"], check=True)
             runs[seed] = headline()
+    # figure -> the seeds it is read from (None: every seed)
+    wanted: dict[str, set[int] | None] = {}
+    for spec in args.figures or []:
+        name, _, seeds = spec.partition("=")
+        wanted[name] = {int(seed) for seed in seeds.split(",")} if seeds else None
     values: dict[str, dict[str, list[float]]] = {}
-    for figures in runs.values():
+    for seed, figures in sorted(runs.items()):
         for set_name, entry in figures.items():
             if isinstance(entry, dict):
                 for metric, value in entry.items():
-                    if not metric.endswith("_ci95") and (not args.figures or metric in args.figures):
-                        values.setdefault(set_name, {}).setdefault(metric, []).append(value)
+                    if metric.endswith("_ci95") or (wanted and metric not in wanted):
+                        continue
+                    if wanted and wanted[metric] is not None and seed not in wanted[metric]:
+                        continue
+                    values.setdefault(set_name, {}).setdefault(metric, []).append(value)
     atomic_write_json(OUT, {
         "what": "headline figures of the default pipeline retrained with each train.seed (prepare, extract and "
-                "convert cached); figures: max - min over the seeds",
+                "convert cached); values: per figure, in seed order, from the seeds --figures names for it; "
+                "figures: max - min",
         "command": " ".join(["bench/seed_spread.py", *sys.argv[1:]]),
         "commit": commit,
         "seeds": sorted(runs),
