@@ -23,8 +23,10 @@ from eaglenest.commands.report import (
     load_seed_spread,
     loss_figure,
     tau_category_figure,
+    verdict,
     write_report,
 )
+from eaglenest.core.bootstrap import Interval
 from eaglenest.core.errors import InputFileError
 
 K = 3
@@ -216,6 +218,15 @@ def test_an_experiment_branched_before_the_spread_was_recorded_reads_base_s(tmp_
     text = write_report(repo, ["HEAD"], "HEAD~1", tmp_path / "out").read_text()
     assert "recorded in docs/seed-spread.json at HEAD~1." in text
     assert _rows(text, "humaneval")["tau"][4] == "within seed spread"
+
+
+def test_a_change_equal_to_the_spread_it_defines_is_within_it():
+    # seed 2 against seed 0 is the recorded spread (0.0285, from 4-decimal figures); paired, it is 0.02852
+    change = Interval(value=0.02852, low=0.015, high=0.043, units=164)
+    assert verdict(change, 0.0285) == "within seed spread"
+    assert verdict(change, 0.0284) == "better"
+    assert verdict(Interval(value=-0.02852, low=-0.043, high=-0.015, units=164), 0.0284) == "worse"
+    assert verdict(Interval(value=0.02, low=-0.01, high=0.05, units=164), 0.0) == "no change"
 
 
 def test_a_malformed_seed_spread_is_one_line(tmp_path: Path, good: dict):

@@ -242,12 +242,19 @@ class SetComparison:
     figures: tuple[PairedFigure, ...] = ()
 
 
+# Decimals of the headline figures and of the seed spreads made from them (max - min of 4-decimal figures).
+SPREAD_DECIMALS = 4
+
+
 def verdict(diff: Interval, spread: float | None) -> str:
     """``better``/``worse`` when the paired interval excludes zero and the change exceeds the seed spread
-    (0 where none is recorded); ``within seed spread`` when only the first holds; else ``no change``."""
+    (0 where none is recorded); ``within seed spread`` when only the first holds; else ``no change``.
+
+    The change is compared at the spread's precision: a retrained seed's own change, recomputed from its
+    records, must not exceed the spread it defines by a rounding."""
     if not diff.excludes_zero():
         return "no change"
-    if abs(diff.value) <= (spread or 0.0):
+    if round(abs(diff.value), SPREAD_DECIMALS) <= (spread or 0.0):
         return "within seed spread"
     return "better" if diff.value > 0 else "worse"
 
