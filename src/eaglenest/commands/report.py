@@ -242,8 +242,9 @@ class SetComparison:
     figures: tuple[PairedFigure, ...] = ()
 
 
-# Decimals of the headline figures and of the seed spreads made from them (max - min of 4-decimal figures).
-SPREAD_DECIMALS = 4
+# The seed spreads are max - min of headline figures rounded to 4 decimals, so each is within 1e-4 of the
+# unrounded spread; the paired change is recomputed from unrounded records.
+SPREAD_ROUNDING = 1e-4
 
 
 def verdict(diff: Interval, spread: float | None) -> str:
@@ -254,7 +255,7 @@ def verdict(diff: Interval, spread: float | None) -> str:
     records, must not exceed the spread it defines by a rounding."""
     if not diff.excludes_zero():
         return "no change"
-    if round(abs(diff.value), SPREAD_DECIMALS) <= (spread or 0.0):
+    if abs(diff.value) <= (spread + SPREAD_ROUNDING if spread else 0.0):
         return "within seed spread"
     return "better" if diff.value > 0 else "worse"
 
