@@ -41,7 +41,8 @@ def test_default_verifier_and_chitchat_through_dvc_repro(tmp_path: Path):
     repo = make_pipeline_repo(tmp_path / "repo", {"prepare": {"max_conversations": 16, "max_len": 256},
                                                   "extract": {"batch_tokens": 256},
                                                   "train": {"steps": 4, "eval_every": 2, "total_seq_len": 512},
-                                                  "evaluate": {"sets": E2E_SETS, "timed_prompts": 2}})
+                                                  "evaluate": {"sets": E2E_SETS, "timed_prompts": 2,
+                                                               "reference_prompts": 2}})
 
     first = dvc(["repro", *STAGES], repo)
     for stage in STAGES:
