@@ -384,15 +384,15 @@ def headline_backend(details: Any, records: dict[str, Any]) -> str:
     return "vllm" if "vllm" in backends or not backends else backends[0]
 
 
-def load_seed_spread(revision: Revision) -> dict[str, dict[str, float]]:
-    """``docs/seed-spread.json``'s figures at the revision: ``{set: {metric: spread}}``; empty where absent.
+def load_seed_spread(revision: Revision) -> dict[str, dict[str, float]] | None:
+    """``docs/seed-spread.json``'s figures at the revision: ``{set: {metric: spread}}``; None where absent.
 
     Raises:
         InputFileError: The file is not ``{"figures": {set: {metric: number >= 0}}}``.
     """
     document = revision.read_json(SEED_SPREAD)
     if document is None:
-        return {}
+        return None
     where = f"{revision.rev}:{SEED_SPREAD}"
     figures = document.get("figures") if isinstance(document, dict) else None
     if not isinstance(figures, dict):
@@ -427,8 +427,9 @@ def paired_section(base: Revision, head: Revision, samples: int, seed: int) -> l
     backend = headline_backend(head.read_json(DETAILS), head_records)
     base_backend = headline_backend(base.read_json(DETAILS), base_records)
     # The spread is measured once for the project: an experiment branched before it was recorded reads base's.
-    spread_at = head if head.read_json(SEED_SPREAD) is not None else base
-    spreads = load_seed_spread(spread_at)
+    spread_at, spreads = head, load_seed_spread(head)
+    if spreads is None:
+        spread_at, spreads = base, load_seed_spread(base) or {}
     lines += [f"Back end: {backend} (the headline back end of {head.rev}"
               + (f"; {base.rev}'s is {base_backend}" if base_backend != backend else "") + "). "
               "Each figure is recomputed on the turns both revisions decoded (same id and turn); the interval of "
