@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -175,8 +176,6 @@ def test_vllm_regeneration_without_vllm_says_how_to_install(tiny_verifier_dir: P
                                              r"prepare\.regenerate_backend: hf"):
         vllm_reply_generator(GeneratorJob(PrepareParams(regenerate_backend="vllm"), info, model_dir, None, {2}))
     # the in-process engine setting is the regeneration engine's own: everything started later keeps the default
-    import os
-
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
 
 
