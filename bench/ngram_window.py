@@ -19,7 +19,6 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from eaglenest.artifacts.draft import draft_tokens
@@ -27,23 +26,18 @@ from eaglenest.artifacts.verifier import load_tokenizer, load_verifier_info
 from eaglenest.core.atomic import atomic_write_json
 from eaglenest.core.params import load_params
 from eaglenest.core.vllm_support import create_llm
+from eaglenest.stages.evaluate.acceptance import total
 from eaglenest.stages.evaluate.sets import load_eval_sets
-from eaglenest.stages.evaluate.vllm import PARAM, build_evaluate_llm_kwargs, request_acceptance
+from eaglenest.stages.evaluate.vllm import (
+    PARAM,
+    _close,
+    _generate,
+    _timed_one_by_one,
+    build_evaluate_llm_kwargs,
+    request_acceptance,
+)
 
 OUT = Path("bench/results/ngram_window.json")
-
-
-def timed(llm, prompts, sampling) -> tuple[int, float, list]:
-    """Each prompt alone after one warm-up: (tokens generated, seconds, outputs)."""
-    llm.generate([{"prompt_token_ids": prompts[0]}], sampling, use_tqdm=False)
-    tokens, seconds, outputs = 0, 0.0, []
-    for prompt in prompts:
-        started = time.perf_counter()
-        (output,) = llm.generate([{"prompt_token_ids": prompt}], sampling, use_tqdm=False)
-        seconds += time.perf_counter() - started
-        tokens += len(output.outputs[0].token_ids)
-        outputs.append(output)
-    return tokens, seconds, outputs
 
 
 def main() -> int:
@@ -71,14 +65,18 @@ def main() -> int:
         for s in sets:
             sampling = SamplingParams(max_tokens=s.params.max_new_tokens, temperature=s.params.temperature,
                                       seed=params.seed)
-            tokens, seconds, outputs = timed(llm, prompts[s.name], sampling)
-            counts = [request_acceptance(o, k) for o in outputs]
+            _generate(llm, [prompts[s.name][0]], sampling)  # warm-up
+            timed = _timed_one_by_one(llm, prompts[s.name], sampling)  # evaluate's own single-stream timing
+            tokens = sum(len(output.outputs[0].token_ids) for output, _ in timed)
+            seconds = sum(elapsed for _, elapsed in timed)
             entry = {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 2)}
+            counts = [request_acceptance(output, k) for output, _ in timed]
             if all(c is not None for c in counts):
-                steps, accepted = sum(c.steps for c in counts), sum(c.accepted for c in counts)
-                entry |= {"steps_with_draft": steps, "tau_when_drafted": round(1 + accepted / max(steps, 1), 3)}
+                summed = total(counts, k)  # type: ignore[arg-type]
+                entry |= {"steps_with_draft": summed.steps,
+                          "tau_when_drafted": round(1 + summed.accepted / max(summed.steps, 1), 3)}
             result[s.name] = entry
-        llm.llm_engine.engine_core.shutdown()
+        _close(llm)
         return result
 
     plain = run_engine({}, "the verifier")
