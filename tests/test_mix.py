@@ -132,6 +132,16 @@ def test_self_instruct_keeps_finished_distinct_prompts_and_caches_every_batch(tm
     assert fresh.calls, "another temperature is another cache entry"
 
 
+def test_self_instruct_asks_for_no_more_than_the_yield_so_far_needs(tmp_path, tiny_tokenizer):
+    script = [f"question number {i}" if i % 2 else None for i in range(40)]  # half of them unfinished
+    verifier = ScriptedVerifier(tiny_tokenizer, script)
+    prompts, stats = _write(tiny_tokenizer, verifier, 6, tmp_path / "cache", batch_size=8)
+    # 4 of the first 8 kept, 2 still needed at that yield: 1.25 x 2 x 8 / 4 = 5 asked for, not 8
+    assert [n for n, *_ in verifier.calls] == [8, 5]
+    assert [seed for _, seed, _ in verifier.calls] == [0, 8]  # the next batch's seed counts on from the first
+    assert len(prompts) == 6 and stats.tried == 12
+
+
 def test_self_instruct_that_writes_nothing_usable_names_the_param(tmp_path, tiny_tokenizer):
     verifier = ScriptedVerifier(tiny_tokenizer, [None] * 100)
     with pytest.raises(EaglenestError, match=r"prepare.source builtin:self-instruct: the verifier wrote no usable "

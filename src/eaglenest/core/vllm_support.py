@@ -41,6 +41,8 @@ DEFAULT_CPU_KVCACHE_GIB = "2"
 # rest: on 2 cores that halves the compute. Binding its threads to every core is faster on small machines
 # (docs/defaults.md has the measurement).
 SMALL_MACHINE_CORES = 4
+# vLLM's switch between an engine core in its own process (1, the default) and in the caller's (0).
+IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 # The dtypes the vllm back ends accept (``VllmEngineParams.dtype``); "auto" is :func:`serving_dtype`.
 VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -227,16 +229,30 @@ def engine_kwargs(model_dir: Path, verifier: VerifierInfo, engine: VllmEnginePar
     return kwargs
 
 
-def create_llm(kwargs: dict[str, Any], param: str, what: str = "the verifier") -> Any:
+def create_llm(kwargs: dict[str, Any], param: str, what: str = "the verifier", *, in_process_on_cpu: bool = False
+               ) -> Any:
     """``vllm.LLM(**kwargs)``, with a failure to start turned into one line naming ``param``.
 
     vLLM reports a model it cannot run (unsupported layer, a draft it refuses, too little memory) as an
     exception from its engine process, after logging the root cause; the message keeps vLLM's last line.
+
+    Args:
+        kwargs: The engine's arguments (:func:`engine_kwargs` plus the back end's own).
+        param: The params key that asked for vLLM, named in every message.
+        what: What the engine serves, for the messages.
+        in_process_on_cpu: On the CPU build, run the engine core in this process
+            (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, for this engine only). It starts in about 8 s instead of about
+            24 s (no engine-core and worker processes to spawn, each importing torch and vLLM again), and it holds
+            a whole ``generate`` call's requests before its first step. The GPU build keeps its engine process.
     """
-    require_vllm(param)
+    build = require_vllm(param)
     check_loadable(Path(kwargs["model"]), what, kwargs.get("trust_remote_code", False))
     from vllm import LLM
 
+    # Only this engine: a process that later starts another engine or a stage (tests do) keeps the default.
+    previous = os.environ.get(IN_PROCESS_ENV)
+    if in_process_on_cpu and build.kind == "cpu":
+        os.environ[IN_PROCESS_ENV] = "0"
     try:
         return LLM(**kwargs)
     except (RuntimeError, ValueError, TypeError, OSError, AssertionError, NotImplementedError) as err:
@@ -244,6 +260,11 @@ def create_llm(kwargs: dict[str, Any], param: str, what: str = "the verifier") -
             f"{param}: vllm could not start with {what} {kwargs['model']}: {first_line(err)} "
             "(vLLM's log above has the cause); use the hf back end, or fix the model"
         ) from None
+    finally:
+        if previous is None:
+            os.environ.pop(IN_PROCESS_ENV, None)
+        else:
+            os.environ[IN_PROCESS_ENV] = previous
 
 
 def generate(llm: Any, requests: list[dict[str, Any]], sampling: Any, param: str) -> list[Any]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -99,6 +100,15 @@ def _batch_key(fingerprint: str, generator: str, sampling: Sampling, seed: int, 
     return hashlib.sha256(payload.encode()).hexdigest()[:32]
 
 
+def next_batch_size(batch_size: int, needed: int, written: int, tried: int) -> int:
+    """Prompts to ask for next: a full batch until some prompt was kept, then no more than the yield so far says
+    ``needed`` takes, with a quarter more as margin. The last batch of a run otherwise samples a full batch of
+    which only a few are read (the demo's: 256 sampled for the 33 still needed)."""
+    if written == 0:
+        return batch_size
+    return max(1, min(batch_size, math.ceil(1.25 * needed * tried / written)))
+
+
 def write_prompts(count: int, generate: ReplyGenerator, tokenizer: Any, eot_ids: set[int], *, fingerprint: str,
                   generator: str, sampling: Sampling, hints: list[str], seed: int, batch_size: int,
                   cache_dir: Path = CACHE_ROOT) -> tuple[list[str], PromptStats]:
@@ -114,10 +124,10 @@ def write_prompts(count: int, generate: ReplyGenerator, tokenizer: Any, eot_ids:
     prefixes = {hint: user_prefix(tokenizer, hint) for hint in dict.fromkeys(hints)}
     prompts: list[str] = []
     seen: set[str] = set()
-    batch = 0
+    first = 0  # the next batch's first prompt, counted over every batch asked for
     while len(prompts) < count and stats.tried < _MAX_TRIES_PER_PROMPT * count:
-        first = batch * batch_size
-        batch_hints = [hints[(first + i) % len(hints)] for i in range(batch_size)]
+        size = next_batch_size(batch_size, count - len(prompts), len(prompts), stats.tried)
+        batch_hints = [hints[(first + i) % len(hints)] for i in range(size)]
         batch_seed = seed * 1_000_003 + first  # the batch's seed (hf); vLLM draws from its engine's stream
         cached = cache_dir / f"{_batch_key(fingerprint, generator, sampling, batch_seed, batch_hints)}.json"
         if cached.is_file():
@@ -127,7 +137,7 @@ def write_prompts(count: int, generate: ReplyGenerator, tokenizer: Any, eot_ids:
             completions = generate([prefixes[h] for h in batch_hints], batch_seed, sampling)
             atomic_write_json(cached, completions)
             stats.tokens += sum(map(len, completions))  # generated now: what prompt_tokens_per_s measures
-        batch += 1
+        first += size
         for completion in completions:
             stats.tried += 1
             if not completion or completion[-1] not in eot_ids:  # cut at max_new_tokens: an unfinished request

@@ -10,7 +10,6 @@ vllm is imported only once the engine has started (:func:`eaglenest.core.vllm_su
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,6 @@ from eaglenest.core.vllm_support import create_llm, engine_kwargs, generate, ins
 from eaglenest.stages.prepare.regenerate.job import GeneratorJob, ReplyGenerator, Sampling
 
 PARAM = "prepare.regenerate_backend"
-IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
 def build_regenerate_llm_kwargs(params: PrepareParams, info: VerifierInfo, model_dir: Path) -> dict[str, Any]:
@@ -58,17 +56,7 @@ def vllm_reply_generator(job: GeneratorJob) -> ReplyGenerator:
     # core in its own process does not promise (requests reach it while it already runs). In-process, the
     # engine holds the whole batch before its first step.
     in_process = build is not None and build.kind == "cpu"
-    # Only this engine: a process that later starts another engine or a stage (tests do) keeps the default.
-    previous = os.environ.get(IN_PROCESS_ENV)
-    if in_process:
-        os.environ[IN_PROCESS_ENV] = "0"
-    try:
-        llm = create_llm(build_regenerate_llm_kwargs(params, job.info, job.model_dir), PARAM)
-    finally:
-        if previous is None:
-            os.environ.pop(IN_PROCESS_ENV, None)
-        else:
-            os.environ[IN_PROCESS_ENV] = previous
+    llm = create_llm(build_regenerate_llm_kwargs(params, job.info, job.model_dir), PARAM, in_process_on_cpu=True)
     from vllm import SamplingParams  # importable now: create_llm checked the build and started the engine
 
     def generate_replies(prompts: list[list[int]], seed: int, sampling: Sampling | None = None) -> list[list[int]]:
