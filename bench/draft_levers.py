@@ -15,7 +15,7 @@ schedule) on any aux layers among them, without re-extracting, and prints `tau_s
 from the conditional accuracies of the TTT steps, as the train stage reports it) on the mix's val split,
 the general set and the unseen set every --every steps. The probe replies are the verifier's greedy ones,
 so `tau_sim` there estimates what the evaluate stage decodes (it runs 0.1-0.15 above the decoded `tau`).
-Results of the sweeps are in docs/defaults.md.
+Results of the sweeps are in docs/experiments.md.
 """
 
 from __future__ import annotations
