@@ -159,7 +159,9 @@ class SourceEntry(StrictModel):
         min_length=1,
         description=(
             "'builtin:chitchat' (human two-person chats), 'builtin:self-instruct' (user prompts the verifier "
-            "writes itself; replies come from regeneration), a .json/.jsonl/.parquet file of ShareGPT or "
+            "writes itself; replies come from regeneration), 'builtin:python-functions' (600 functions of "
+            "Python's standard library to complete from their signature and docstring: "
+            "data/conversations/python-functions.jsonl), a .json/.jsonl/.parquet file of ShareGPT or "
             "OpenAI-style records, or 'import:<dir>' (alone)."
         ),
     )
@@ -175,12 +177,14 @@ class PrepareParams(StrictModel):
     """``prepare:`` — conversations in, tokenised training rows out."""
 
     source: list[SourceEntry] = Field(
-        default_factory=lambda: [SourceEntry(source=SELF_INSTRUCT_SOURCE, weight=3.0),
+        default_factory=lambda: [SourceEntry(source=SELF_INSTRUCT_SOURCE, weight=2.0),
+                                 SourceEntry(source="builtin:python-functions", weight=1.0),
                                  SourceEntry(source="builtin:chitchat", weight=1.0)],
         min_length=1,
         description=(
             "The mix of conversation sources: each entry a string (weight 1) or {source, weight}. Sources: "
-            "'builtin:chitchat', 'builtin:self-instruct' (the verifier writes the user prompts), and/or paths "
+            "'builtin:chitchat', 'builtin:self-instruct' (the verifier writes the user prompts), "
+            "'builtin:python-functions' (code to complete), and/or paths "
             "to .json, .jsonl or .parquet files of ShareGPT ('conversations': [{from, value}]) or OpenAI-style "
             "('messages': [{role, content}]) records (keep them under data/conversations/ so DVC tracks them). "
             "prepare.max_conversations is split across entries by weight. 'import:<dir>' (alone) takes the rows "
@@ -430,7 +434,7 @@ class TrainParams(StrictModel):
     total_seq_len: int = Field(
         default=512, ge=16, description="Tokens per packed training batch (rows are packed, never split)."
     )
-    steps: int = Field(default=1000, ge=1, description="Optimizer steps.")
+    steps: int = Field(default=800, ge=1, description="Optimizer steps.")
     lr: float = Field(default=1e-3, gt=0.0, le=1.0, description="Peak AdamW learning rate.")
     weight_decay: float = Field(default=0.0, ge=0.0, description="AdamW weight decay.")
     warmup_steps: int = Field(default=10, ge=0, description="Linear warm-up steps before the cosine decay.")

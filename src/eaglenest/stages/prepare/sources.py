@@ -1,4 +1,5 @@
-"""Reading conversations: the built-in chitchat set and ShareGPT / OpenAI-style files.
+"""Reading conversations: the built-in sets (chitchat, Python functions to complete) and ShareGPT / OpenAI-style
+files.
 
 Every source yields :class:`Conversation` objects — a list of ``{"role", "content"}`` messages with roles
 ``system``, ``user`` and ``assistant`` — tagged with where they came from (file and record number), so a
@@ -63,8 +64,19 @@ def _chitchat() -> Iterator[Conversation]:
         yield Conversation(origin=f"chitchat:{conv_id}", messages=messages)
 
 
+# Code to complete from its signature and docstring, from the interpreter's standard library: a snapshot
+# (scripts/snapshot_python_functions.py writes it; committed, and under data/conversations, a prepare dependency).
+PYTHON_FUNCTIONS_FILE = Path(__file__).resolve().parents[4] / "data" / "conversations" / "python-functions.jsonl"
+
+
+def _python_functions() -> Iterator[Conversation]:
+    """The snapshot's functions: the def line(s) and docstring as the user turn, the body as the reply."""
+    return read_file(PYTHON_FUNCTIONS_FILE)
+
+
 BUILTIN_SOURCES: Registry[Callable[[], Iterator[Conversation]]] = Registry("built-in conversation source")
 BUILTIN_SOURCES.register("chitchat", _chitchat)
+BUILTIN_SOURCES.register("python-functions", _python_functions)
 
 
 def _normalise_turn(turn: Any, where: str, index: int) -> dict[str, str]:
