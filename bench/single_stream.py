@@ -1,5 +1,6 @@
 """What the single-stream benches share: the headline sets' timed turns, and one engine timed on them the way
-``evaluate`` times it (its own ``_timed_one_by_one``, after a warm-up call, in this one process)."""
+``evaluate`` times it (its own ``_timed_one_by_one``, after a warm-up call). Run them as scripts (``python
+bench/NAME.py``): each engine runs in processes of its own, which vLLM spawns from the script."""
 
 from __future__ import annotations
 
@@ -69,7 +70,9 @@ def speculative(config: dict[str, Any]) -> dict[str, Any]:
 def time_engine(turns: TimedTurns, extra: dict[str, Any], what: str, k: int) -> dict[str, Any]:
     """One engine on every headline set's timed turns: tokens, seconds, tokens/s and, for a speculative engine,
     verify steps with a draft, tau conditional on a draft, and tau over all steps."""
-    llm = create_llm({**turns.common, **extra}, PARAM, what=what, in_process_on_cpu=True)
+    # Each engine in its own processes: vLLM's CPU build cannot start a fourth engine in one process (its kernel
+    # overrides are registered again on the wrappers of the last: AttributeError), and a bench starts more.
+    llm = create_llm({**turns.common, **extra}, PARAM, what=what)
     from vllm import SamplingParams
 
     result = {}

@@ -52,8 +52,8 @@ def make_pipeline_repo(dest: Path, params_overrides: dict | None = None) -> Path
     for name in ("stages", "src"):
         shutil.copytree(REPO / name, dest / name, ignore=ignore)
     shutil.copytree(REPO / "data" / "eval", dest / "data" / "eval")  # the general evaluation set
-    (dest / "data" / "conversations").mkdir(parents=True)
-    (dest / "data" / "conversations" / ".gitkeep").touch()
+    # the shipped conversation sources (builtin:python-functions' snapshot), as a clone has them
+    shutil.copytree(REPO / "data" / "conversations", dest / "data" / "conversations")
     params = yaml.safe_load((dest / "params.yaml").read_text())
     for section, values in (params_overrides or {}).items():
         params.setdefault(section, {}).update(values)

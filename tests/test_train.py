@@ -20,7 +20,7 @@ from eaglenest.stages.train.validation import tau_from_conditional
 
 from .helpers import pipeline_until_prepare
 
-FAST = {"total_seq_len": 256, "lr": 3e-3, "warmup_steps": 2}
+FAST = {"total_seq_len": 256, "lr": 3e-3, "warmup_steps": 2, "ttt_steps": 3}  # 3 TTT steps: two unscored positions
 
 
 @pytest.fixture(scope="module")

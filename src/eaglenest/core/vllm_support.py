@@ -244,6 +244,8 @@ def create_llm(kwargs: dict[str, Any], param: str, what: str = "the verifier", *
             (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, for this engine only). It starts in about 8 s instead of about
             24 s (no engine-core and worker processes to spawn, each importing torch and vLLM again), and it holds
             a whole ``generate`` call's requests before its first step. The GPU build keeps its engine process.
+            The CPU build starts at most three engines in one process (a fourth fails registering its kernel
+            overrides again); evaluate starts three, the others one.
     """
     build = require_vllm(param)
     check_loadable(Path(kwargs["model"]), what, kwargs.get("trust_remote_code", False))
