@@ -89,6 +89,17 @@ def test_print_command_is_the_exact_server_command(capsys, no_exec, pipeline_fol
     assert argv[argv.index("--served-model-name") + 1] == "tiny/llama"
 
 
+def test_k_can_be_served_below_the_drafts_own(capsys, no_exec, pipeline_folders):
+    verifier, draft = pipeline_folders
+    assert cli.main(["serve", "--verifier", str(verifier), "--draft", str(draft), "--num-speculative-tokens", "2",
+                     "--print-command"]) == 0
+    argv = shlex.split(capsys.readouterr().out.strip())
+    assert json.loads(argv[argv.index("--speculative-config") + 1])["num_speculative_tokens"] == 2
+    assert cli.main(["serve", "--verifier", str(verifier), "--draft", str(draft), "--num-speculative-tokens", "0",
+                     "--print-command"]) == 2
+    assert "--num-speculative-tokens 0: must be at least 1 (the draft's own K is 3)" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("config", [None, {"speculators_model_type": "mlp_speculator"}, {"model_type": "llama"}])
 def test_a_draft_that_is_not_eagle3_is_refused(capsys, no_exec, pipeline_folders, config):
     verifier, draft = pipeline_folders

@@ -50,7 +50,8 @@ def _summary(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from eaglenest.commands.serve import serve
 
-    return serve(Path(args.verifier), Path(args.draft), args.host, args.port, args.dtype, args.print_command)
+    return serve(Path(args.verifier), Path(args.draft), args.host, args.port, args.dtype, args.print_command,
+                 args.num_speculative_tokens)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     server.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="compute dtype; auto serves an fp32 checkpoint in bfloat16 (default: auto)")
+    server.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                        help="drafts per verify step (default: the draft's own, train.ttt_steps); at low acceptance "
+                        "a smaller K can serve faster: bench/k_sweep.py measures it")
     server.add_argument("--print-command", action="store_true",
                         help="print the exact server command instead of running it")
     server.set_defaults(func=_serve)

@@ -62,7 +62,7 @@ def check_port_free(host: str, port: int) -> None:
 
 
 def build_command(verifier_dir: Path, draft_dir: Path, host: str, port: int, dtype: str = "auto",
-                  cpu_build: bool = True) -> ServeCommand:
+                  cpu_build: bool = True, num_speculative_tokens: int | None = None) -> ServeCommand:
     """The vLLM server command for the verifier stage's folder and the draft.
 
     Args:
@@ -72,6 +72,8 @@ def build_command(verifier_dir: Path, draft_dir: Path, host: str, port: int, dty
         port: Port to listen on.
         dtype: ``auto`` (an fp32 checkpoint is served in bfloat16), float32, bfloat16 or float16.
         cpu_build: vLLM's CPU build: eager mode and a KV cache size, as the vllm back ends use.
+        num_speculative_tokens: K, the drafts per verify step; None: the draft's own (``train.ttt_steps``). At low
+            acceptance a smaller K serves faster (``bench/k_sweep.py`` measures it).
     """
     from eaglenest.artifacts.verifier import load_verifier_info
 
@@ -79,6 +81,11 @@ def build_command(verifier_dir: Path, draft_dir: Path, host: str, port: int, dty
         raise EaglenestError(f"--dtype {dtype}: expected one of {', '.join(VLLM_DTYPES)}")
     info, model_dir = load_verifier_info(verifier_dir)
     k = draft_tokens(draft_dir, "--draft")
+    if num_speculative_tokens is not None:
+        if num_speculative_tokens < 1:
+            raise EaglenestError(f"--num-speculative-tokens {num_speculative_tokens}: must be at least 1 (the "
+                                 f"draft's own K is {k})")
+        k = num_speculative_tokens
     speculative = {"method": "eagle3", "model": str(draft_dir.resolve()), "num_speculative_tokens": k}
     argv = [sys.executable, "-m", SERVER_MODULE, "--model", str(model_dir.resolve()),
             "--served-model-name", info.name, str(model_dir.resolve()),
@@ -96,7 +103,7 @@ def build_command(verifier_dir: Path, draft_dir: Path, host: str, port: int, dty
 
 
 def serve(verifier_dir: Path, draft_dir: Path, host: str = "127.0.0.1", port: int = 8000, dtype: str = "auto",
-          print_only: bool = False) -> int:
+          print_only: bool = False, num_speculative_tokens: int | None = None) -> int:
     """Checks, then runs (or with ``print_only`` prints) vLLM's OpenAI server for verifier and draft.
 
     Returns:
@@ -112,7 +119,8 @@ def serve(verifier_dir: Path, draft_dir: Path, host: str = "127.0.0.1", port: in
 
         build = installed_build()
     command = build_command(verifier_dir, draft_dir, host, port, dtype,
-                            cpu_build=build is not None and build.kind == "cpu")
+                            cpu_build=build is not None and build.kind == "cpu",
+                            num_speculative_tokens=num_speculative_tokens)
     if print_only:
         print(command.shell())
         return 0
