@@ -7,7 +7,7 @@ Run in a checkout whose pipeline is up to date, with the project's interpreter o
     .venv/bin/python bench/k_sweep.py [--ks 1 2 3] [--repeats 2]
 
 Per headline set of ``params.yaml``, the first ``evaluate.timed_prompts`` turns are decoded alone by the plain
-engine, then by an EAGLE-3 and an n-gram engine (vLLM's default window) per K, in this one process; with
+engine, then by an EAGLE-3 and an n-gram engine (vLLM's default window) per K, each in its own processes; with
 ``--repeats`` N, the whole round runs N times, so the spread between rounds shows the timing noise. Prints and
 writes ``bench/results/k_sweep.json``: per round, K and set, tokens/s, speed-up over that round's plain engine,
 and tau; then per set the K with the best mean speed-up, for the draft and for n-gram.

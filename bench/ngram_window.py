@@ -7,7 +7,7 @@ Run in a checkout whose pipeline is up to date, with the project's interpreter o
 
 Per headline set of ``params.yaml``, the first ``evaluate.timed_prompts`` turns are decoded alone by the plain
 engine, then by one n-gram engine per window (``prompt_lookup_min:prompt_lookup_max``), each after a warm-up, in
-this one process. Prints and writes ``bench/results/ngram_window.json``: per window and set, tokens/s, the
+its own processes. Prints and writes ``bench/results/ngram_window.json``: per window and set, tokens/s, the
 speed-up over the plain engine of the same run, and the share of verify steps where n-gram proposed a draft
 and tau conditional on that. Single-stream tokens/s on a shared 2-core machine move by about a tenth between
 engine starts: a window is better only by more than that.

@@ -69,7 +69,7 @@ def speculative(config: dict[str, Any]) -> dict[str, Any]:
 
 def time_engine(turns: TimedTurns, extra: dict[str, Any], what: str, k: int) -> dict[str, Any]:
     """One engine on every headline set's timed turns: tokens, seconds, tokens/s and, for a speculative engine,
-    verify steps with a draft, tau conditional on a draft, and tau over all steps."""
+    the verify steps that had a draft and tau over them (every step, for EAGLE-3; n-gram drafts only on a match)."""
     # Each engine in its own processes: vLLM's CPU build cannot start a fourth engine in one process (its kernel
     # overrides are registered again on the wrappers of the last: AttributeError), and a bench starts more.
     llm = create_llm({**turns.common, **extra}, PARAM, what=what)

