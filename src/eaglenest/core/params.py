@@ -428,7 +428,7 @@ class TrainParams(StrictModel):
         "in speculators 0.9 (docs/draft-architecture.md).",
     )
     ttt_steps: int = Field(
-        default=3, ge=1, description="Training-time-test unroll depth; also the draft's speculative_tokens (the K "
+        default=2, ge=1, description="Training-time-test unroll depth; also the draft's speculative_tokens (the K "
         "evaluate and `eaglenest serve` use unless evaluate.num_speculative_tokens says otherwise)."
     )
     ttt_step_loss_decay: float = Field(default=1.0, gt=0.0, description="Loss weight factor per TTT step.")
