@@ -20,8 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from single_stream import add_speedups, short_commit, speculative, time_engine, timed_turns
-
+from eaglenest.commands.k_sweep import PipelinePaths, add_speedups, short_commit, speculative, time_engine, timed_turns
 from eaglenest.core.atomic import atomic_write_json
 
 OUT = Path("bench/results/ngram_window.json")
@@ -32,7 +31,7 @@ def main() -> int:
     parser.add_argument("--windows", nargs="+", default=["5:5", "3:5", "2:4", "1:3"], metavar="MIN:MAX")
     args = parser.parse_args()
     windows = [tuple(int(v) for v in w.split(":")) for w in args.windows]
-    turns = timed_turns()
+    turns = timed_turns(PipelinePaths())
     k = turns.params.num_speculative_tokens or turns.trained_k
     plain = time_engine(turns, {}, "the verifier", k)
     runs = {}

@@ -277,3 +277,16 @@ def test_two_cpu_processes_match_one_on_the_same_global_batch(tmp_path: Path, ti
     b = load_file(tmp_path / "run2/draft/model.safetensors")
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5)
+
+
+def test_dvc_yaml_plots_one_accuracy_curve_per_ttt_step_of_the_default_draft():
+    import re
+
+    import yaml
+
+    repo = Path(__file__).resolve().parents[1]
+    ttt_steps = yaml.safe_load((repo / "params.yaml").read_text())["train"]["ttt_steps"]
+    assert ttt_steps == TrainParams().ttt_steps  # params.yaml states the default
+    declared = re.findall(r"dvclive/train/plots/metrics/val/acc_(\d+)\.tsv", (repo / "dvc.yaml").read_text())
+    # a curve for a step the draft does not have is a missing file: `dvc plots show` fails on it
+    assert sorted(int(i) for i in declared) == list(range(ttt_steps))

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from eaglenest.commands.k_sweep import K_SWEEP_FILE
 from eaglenest.core.errors import EaglenestError
 
 
@@ -51,7 +52,15 @@ def _serve(args: argparse.Namespace) -> int:
     from eaglenest.commands.serve import serve
 
     return serve(Path(args.verifier), Path(args.draft), args.host, args.port, args.dtype, args.print_command,
-                 args.num_speculative_tokens)
+                 args.num_speculative_tokens, Path(args.k_sweep))
+
+
+def _k_sweep(args: argparse.Namespace) -> int:
+    from eaglenest.commands.k_sweep import PipelinePaths, run_sweep, summary_lines
+
+    paths = PipelinePaths(Path(args.params), Path(args.verifier), Path(args.draft), Path(args.prepared))
+    print("\n".join(summary_lines(run_sweep(paths, args.ks, args.repeats, Path(args.out)))))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,11 +115,27 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="compute dtype; auto serves an fp32 checkpoint in bfloat16 (default: auto)")
     server.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
-                        help="drafts per verify step (default: the draft's own, train.ttt_steps); at low acceptance "
-                        "a smaller K can serve faster: bench/k_sweep.py measures it")
+                        help="drafts per verify step (default: the fastest K `eaglenest k-sweep` measured for this "
+                        "draft, else the draft's own, train.ttt_steps)")
+    server.add_argument("--k-sweep", default=str(K_SWEEP_FILE), metavar="FILE",
+                        help=f"the sweep's result the default K is read from (default: {K_SWEEP_FILE})")
     server.add_argument("--print-command", action="store_true",
                         help="print the exact server command instead of running it")
     server.set_defaults(func=_serve)
+
+    sweep = commands.add_parser(
+        "k-sweep", help="time the draft and vLLM's n-gram drafting at each K, single-stream on the headline sets; "
+        "record the fastest K for `eaglenest serve`"
+    )
+    sweep.add_argument("--ks", nargs="+", type=int, default=None, metavar="K",
+                       help="the Ks to time (default: 1 up to the draft's own)")
+    sweep.add_argument("--repeats", type=int, default=1, help="rounds of the whole sweep (default: 1)")
+    sweep.add_argument("--out", default=str(K_SWEEP_FILE), help=f"the result (default: {K_SWEEP_FILE})")
+    sweep.add_argument("--params", default="params.yaml", help="the pipeline's params (default: params.yaml)")
+    sweep.add_argument("--verifier", default="models/verifier", help="the verifier stage's output folder")
+    sweep.add_argument("--draft", default="models/draft", help="the train stage's draft checkpoint")
+    sweep.add_argument("--prepared", default="data/prepared", help="the prepare stage's dataset (val sets)")
+    sweep.set_defaults(func=_k_sweep)
     return parser
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eaglenest.artifacts.draft import draft_tokens
+from eaglenest.commands.k_sweep import K_SWEEP_FILE, recorded_k
 from eaglenest.core.errors import EaglenestError
 from eaglenest.core.vllm_support import DEFAULT_CPU_KVCACHE_GIB, VLLM_DTYPES, serving_dtype
 
@@ -31,10 +32,11 @@ SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
 @dataclass(frozen=True)
 class ServeCommand:
-    """The server's command line and the environment variables it adds."""
+    """The server's command line, the environment variables it adds, and where its K came from."""
 
     argv: list[str]
     env: dict[str, str]
+    k_reason: str = ""
 
     def shell(self) -> str:
         """The command as one shell line, environment first, ready to paste."""
@@ -62,7 +64,8 @@ def check_port_free(host: str, port: int) -> None:
 
 
 def build_command(verifier_dir: Path, draft_dir: Path, host: str, port: int, dtype: str = "auto",
-                  cpu_build: bool = True, num_speculative_tokens: int | None = None) -> ServeCommand:
+                  cpu_build: bool = True, num_speculative_tokens: int | None = None,
+                  k_sweep_file: Path | None = K_SWEEP_FILE) -> ServeCommand:
     """The vLLM server command for the verifier stage's folder and the draft.
 
     Args:
@@ -72,8 +75,9 @@ def build_command(verifier_dir: Path, draft_dir: Path, host: str, port: int, dty
         port: Port to listen on.
         dtype: ``auto`` (an fp32 checkpoint is served in bfloat16), float32, bfloat16 or float16.
         cpu_build: vLLM's CPU build: eager mode and a KV cache size, as the vllm back ends use.
-        num_speculative_tokens: K, the drafts per verify step; None: the draft's own (``train.ttt_steps``). At low
-            acceptance a smaller K serves faster (``bench/k_sweep.py`` measures it).
+        num_speculative_tokens: K, the drafts per verify step; None: the fastest K ``eaglenest k-sweep`` measured
+            for this draft (``k_sweep_file``), else the draft's own (``train.ttt_steps``).
+        k_sweep_file: The sweep's result; None: not consulted.
     """
     from eaglenest.artifacts.verifier import load_verifier_info
 
@@ -85,7 +89,10 @@ def build_command(verifier_dir: Path, draft_dir: Path, host: str, port: int, dty
         if num_speculative_tokens < 1:
             raise EaglenestError(f"--num-speculative-tokens {num_speculative_tokens}: must be at least 1 (the "
                                  f"draft's own K is {k})")
-        k = num_speculative_tokens
+        k, k_reason = num_speculative_tokens, "--num-speculative-tokens"
+    else:
+        measured, why = recorded_k(draft_dir, k_sweep_file) if k_sweep_file is not None else (None, "")
+        k, k_reason = (measured, why) if measured is not None else (k, f"the draft's own; {why}".removesuffix("; "))
     speculative = {"method": "eagle3", "model": str(draft_dir.resolve()), "num_speculative_tokens": k}
     argv = [sys.executable, "-m", SERVER_MODULE, "--model", str(model_dir.resolve()),
             "--served-model-name", info.name, str(model_dir.resolve()),
@@ -99,11 +106,12 @@ def build_command(verifier_dir: Path, draft_dir: Path, host: str, port: int, dty
         # for small verifiers; the CPU KV cache needs a size.
         argv.append("--enforce-eager")
         env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KVCACHE_GIB)
-    return ServeCommand(argv, env)
+    return ServeCommand(argv, env, f"K = {k}: {k_reason}")
 
 
 def serve(verifier_dir: Path, draft_dir: Path, host: str = "127.0.0.1", port: int = 8000, dtype: str = "auto",
-          print_only: bool = False, num_speculative_tokens: int | None = None) -> int:
+          print_only: bool = False, num_speculative_tokens: int | None = None,
+          k_sweep_file: Path | None = K_SWEEP_FILE) -> int:
     """Checks, then runs (or with ``print_only`` prints) vLLM's OpenAI server for verifier and draft.
 
     Returns:
@@ -120,7 +128,8 @@ def serve(verifier_dir: Path, draft_dir: Path, host: str = "127.0.0.1", port: in
         build = installed_build()
     command = build_command(verifier_dir, draft_dir, host, port, dtype,
                             cpu_build=build is not None and build.kind == "cpu",
-                            num_speculative_tokens=num_speculative_tokens)
+                            num_speculative_tokens=num_speculative_tokens, k_sweep_file=k_sweep_file)
+    print(f"eaglenest serve: {command.k_reason}", file=sys.stderr, flush=True)
     if print_only:
         print(command.shell())
         return 0

@@ -129,7 +129,16 @@ def _generate(llm: Any, prompts: list[list[int]], sampling: Any) -> list[Any]:
     return generate(llm, [{"prompt_token_ids": p} for p in prompts], sampling, PARAM)
 
 
-def _timed_one_by_one(llm: Any, prompts: list[list[int]], sampling: Any) -> list[tuple[Any, float]]:
+def sampling_params(max_tokens: int, temperature: float, seed: int, **extra: Any) -> Any:
+    """vLLM's ``SamplingParams``, one seed per request: a sampled set decodes the same in every run, whatever
+    else is in the batch. Call it once an engine has started (:func:`~eaglenest.core.vllm_support.create_llm`
+    checks the build)."""
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, **extra)
+
+
+def decode_alone(llm: Any, prompts: list[list[int]], sampling: Any) -> list[tuple[Any, float]]:
     """Each prompt alone, one after the other, as a chat user meets the server: (output, seconds) each."""
     timed = []
     for prompt in prompts:
@@ -139,7 +148,7 @@ def _timed_one_by_one(llm: Any, prompts: list[list[int]], sampling: Any) -> list
     return timed
 
 
-def _close(llm: Any) -> None:
+def close_engine(llm: Any) -> None:
     """Stops an engine's core (its process, on the multiprocessing client) so the next one has the memory."""
     client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     if client is not None:
@@ -239,12 +248,9 @@ def evaluate_draft_vllm(job: EvaluationJob) -> dict[str, Any]:
     common = build_evaluate_llm_kwargs(params, info, model_dir, context_tokens=context_bound(job, tokenizer, k))
 
     plain_llm = create_llm(common, PARAM, what="the verifier", in_process_on_cpu=True)
-    from vllm import SamplingParams  # importable now: create_llm checked the build and started the engine
 
     def sampling(eval_set: Any, **extra: Any) -> Any:
-        # one seed per request: a sampled set decodes the same in every run, whatever else is in the batch
-        return SamplingParams(max_tokens=eval_set.params.max_new_tokens, temperature=eval_set.params.temperature,
-                              seed=params.seed, **extra)
+        return sampling_params(eval_set.params.max_new_tokens, eval_set.params.temperature, params.seed, **extra)
 
     dtype = _engine_dtype(plain_llm, common["dtype"])
     warm_up = job.sets[0].render(job.sets[0].conversations[0], 0, [], tokenizer)
@@ -259,12 +265,12 @@ def evaluate_draft_vllm(job: EvaluationJob) -> dict[str, Any]:
         turns, outputs = ask_turns(eval_set, eval_set.conversations, tokenizer,
                                    lambda prompts, s=reference: _generate(plain_llm, prompts, s), _tokens)
         batched_s = time.perf_counter() - started
-        timed = _timed_one_by_one(plain_llm, [t.prompt for t in turns[:_timed_count(eval_set, params)]],
+        timed = decode_alone(plain_llm, [t.prompt for t in turns[:_timed_count(eval_set, params)]],
                                   sampling(eval_set))
         plain[eval_set.name] = (turns, outputs, batched_s, timed)
         log.info("vllm plain, %s: %d turns together in %.0f s, %d alone in %.0f s", eval_set.name, len(turns),
                  batched_s, len(timed), sum(seconds for _, seconds in timed))
-    _close(plain_llm)
+    close_engine(plain_llm)
 
     spec_config = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}
     spec = _speculative_pass(common, spec_config, f"the verifier with the EAGLE-3 draft {draft_dir}", job, plain,
@@ -328,13 +334,13 @@ def _speculative_pass(common: dict[str, Any], speculative_config: dict[str, Any]
             started = time.perf_counter()
             outputs, counts = decode_with_counts(llm, [t.prompt for t in turns], sampling(eval_set), k)
             batched_s = time.perf_counter() - started
-        timed = _timed_one_by_one(llm, [t.prompt for t in turns[:len(plain_timed)]], sampling(eval_set))
+        timed = decode_alone(llm, [t.prompt for t in turns[:len(plain_timed)]], sampling(eval_set))
         if not batched:
             counts = [request_acceptance(output, k) or Acceptance(k) for output, _ in timed]
         results[eval_set.name] = (outputs, counts, batched_s, timed)
         log.info("vllm %s, %s: %d turns together in %.0f s, %d alone in %.0f s", speculative_config["method"],
                  eval_set.name, len(turns), batched_s, len(timed), sum(seconds for _, seconds in timed))
-    _close(llm)
+    close_engine(llm)
     return results
 
 
