@@ -166,3 +166,8 @@ def test_the_real_sweep_on_the_tiny_pipeline(smollm2_repo: Path, tmp_path: Path)
             assert entry["speedup"] > 0 and entry["speedup_ci95"] >= 0 and len(entry["turns"]) == len(
                 round_["plain"][name]["turns"])
     assert f"serve_k {result['serve_k']}" in done.stdout
+
+
+def test_a_k_below_one_is_refused_before_anything_loads(capsys, tmp_path: Path):
+    assert cli.main(["k-sweep", "--ks", "0", "2", "--params", str(tmp_path / "absent.yaml")]) == 2
+    assert "--ks 0 2: every K must be at least 1" in capsys.readouterr().err

@@ -180,11 +180,11 @@ def run_sweep(paths: PipelinePaths, ks: list[int] | None, repeats: int, out: Pat
 
     if repeats < 1:
         raise EaglenestError(f"--repeats {repeats}: must be at least 1")
-    turns = timed_turns(paths)
-    ks = sorted(set(ks or range(1, turns.trained_k + 1)))
-    if ks[0] < 1:
+    if ks and min(ks) < 1:
         raise EaglenestError(f"--ks {' '.join(map(str, ks))}: every K must be at least 1")
-    turns = timed_turns(paths, max_k=max(ks))
+    # sized for the largest K asked for; the default Ks stop at the draft's own, which timed_turns covers
+    turns = timed_turns(paths, max_k=max(ks) if ks else None)
+    ks = sorted(set(ks or range(1, turns.trained_k + 1)))
     rounds = []
     for round_number in range(repeats):
         plain = time_engine(turns, {}, "the verifier", 1)
