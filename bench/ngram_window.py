@@ -20,8 +20,9 @@ import json
 import sys
 from pathlib import Path
 
-from eaglenest.commands.k_sweep import PipelinePaths, add_speedups, short_commit, speculative, time_engine, timed_turns
+from eaglenest.commands.k_sweep import PipelinePaths, add_speedups, short_commit, time_engine, timed_turns
 from eaglenest.core.atomic import atomic_write_json
+from eaglenest.stages.evaluate.vllm import speculative_engine_kwargs
 
 OUT = Path("bench/results/ngram_window.json")
 
@@ -37,7 +38,7 @@ def main() -> int:
     runs = {}
     for low, high in windows:
         config = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": low, "prompt_lookup_max": high}
-        runs[f"{low}:{high}"] = time_engine(turns, speculative(config), f"n-gram {low}:{high}", k)
+        runs[f"{low}:{high}"] = time_engine(turns, speculative_engine_kwargs(config), f"n-gram {low}:{high}", k)
         add_speedups(runs[f"{low}:{high}"], plain)
         print(f"window {low}:{high}: " + ", ".join(f"{n} x{e['speedup']}" for n, e in runs[f"{low}:{high}"].items()),
               flush=True)

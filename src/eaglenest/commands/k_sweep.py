@@ -88,11 +88,6 @@ def timed_turns(paths: PipelinePaths, max_k: int | None = None) -> TimedTurns:
     return TimedTurns(params, sets, prompts, trained_k, common)
 
 
-def speculative(config: dict[str, Any]) -> dict[str, Any]:
-    """The extra engine arguments of a speculative engine (per-request counts on, as evaluate runs it)."""
-    return {"disable_log_stats": False, "per_request_spec_decode_metrics": "summary", "speculative_config": config}
-
-
 def time_engine(turns: TimedTurns, extra: dict[str, Any], what: str, k: int) -> dict[str, Any]:
     """One engine on every headline set's timed turns, each turn alone.
 
@@ -176,7 +171,7 @@ def draft_fingerprint(draft_dir: Path) -> str:
 
 def run_sweep(paths: PipelinePaths, ks: list[int] | None, repeats: int, out: Path) -> dict[str, Any]:
     """The sweep: plain, then the draft and n-gram at each K, ``repeats`` rounds; written to ``out``."""
-    from eaglenest.stages.evaluate.vllm import ngram_config
+    from eaglenest.stages.evaluate.vllm import ngram_config, speculative_engine_kwargs
 
     if repeats < 1:
         raise EaglenestError(f"--repeats {repeats}: must be at least 1")
@@ -191,8 +186,9 @@ def run_sweep(paths: PipelinePaths, ks: list[int] | None, repeats: int, out: Pat
         runs: dict[str, dict[str, Any]] = {"eagle3": {}, "ngram": {}}
         for k in ks:
             draft = {"method": "eagle3", "model": str(paths.draft), "num_speculative_tokens": k}
-            runs["eagle3"][str(k)] = time_engine(turns, speculative(draft), f"the EAGLE-3 draft, K={k}", k)
-            runs["ngram"][str(k)] = time_engine(turns, speculative(ngram_config(turns.params, k)[0]),
+            runs["eagle3"][str(k)] = time_engine(turns, speculative_engine_kwargs(draft),
+                                                 f"the EAGLE-3 draft, K={k}", k)
+            runs["ngram"][str(k)] = time_engine(turns, speculative_engine_kwargs(ngram_config(turns.params, k)[0]),
                                                 f"n-gram drafting, K={k}", k)
             for drafter in runs:
                 add_speedups(runs[drafter][str(k)], plain, turns.params.seed)

@@ -138,6 +138,13 @@ def sampling_params(max_tokens: int, temperature: float, seed: int, **extra: Any
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, **extra)
 
 
+def speculative_engine_kwargs(speculative_config: dict[str, Any]) -> dict[str, Any]:
+    """A speculative engine's ``vllm.LLM`` arguments beyond the shared ones: its method, with the stats and
+    per-request spec-decode counts the figures are read from."""
+    return {"disable_log_stats": False, "per_request_spec_decode_metrics": "summary",
+            "speculative_config": speculative_config}
+
+
 def decode_alone(llm: Any, prompts: list[list[int]], sampling: Any) -> list[tuple[Any, float]]:
     """Each prompt alone, one after the other, as a chat user meets the server: (output, seconds) each."""
     timed = []
@@ -323,8 +330,8 @@ def _speculative_pass(common: dict[str, Any], speculative_config: dict[str, Any]
     """One speculative engine on every set: the plain run's turns in one call per set (with each request's
     counts), then its timed turns one at a time. Returns ``{set: (outputs, counts, batched seconds, timed)}``;
     without ``batched``, only the timed turns are decoded, and the counts are theirs."""
-    llm = create_llm({**common, "disable_log_stats": False, "per_request_spec_decode_metrics": "summary",
-                      "speculative_config": speculative_config}, PARAM, what=what, in_process_on_cpu=True)
+    llm = create_llm({**common, **speculative_engine_kwargs(speculative_config)}, PARAM, what=what,
+                     in_process_on_cpu=True)
     _generate(llm, [warm_up], sampling(job.sets[0]))
     results = {}
     for eval_set in job.sets:
