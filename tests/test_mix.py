@@ -177,3 +177,27 @@ def test_self_instruct_conversations_are_regenerated_and_masked(tmp_path, tiny_t
     for ids, mask in zip(dataset["input_ids"], dataset["loss_mask"], strict=True):
         masked = tiny_tokenizer.decode([t for t, m in zip(ids.tolist(), mask.tolist(), strict=True) if m])
         assert masked == "I am fine thanks<|end|>"
+
+
+def test_package_docs_are_prompts_whose_replies_the_verifier_writes(tmp_path, tiny_tokenizer):
+    """builtin:package-docs: documentation excerpts as user turns with empty replies; without regeneration there
+    is nothing to train on, so that mix is refused before any work."""
+    from eaglenest.stages.prepare.sources import PACKAGE_DOCS_FILE, read_source
+
+    docs = read_source("builtin:package-docs")
+    assert len(docs) == len(PACKAGE_DOCS_FILE.read_text(encoding="utf-8").splitlines()) >= 300
+    assert all([m["role"] for m in c.messages] == ["user", "assistant"] and c.messages[1]["content"] == ""
+               and len(c.messages[0]["content"]) >= 500 for c in docs)
+
+    def regenerator(conversations):
+        return [[*m[:-1], {"role": "assistant", "content": "It explains the package"}] for m in conversations], None
+
+    params = PrepareParams(source=[{"source": "builtin:package-docs", "weight": 1}], max_conversations=6,
+                           max_len=4096, val_fraction=0.25)
+    metrics = prepare_dataset(params, tiny_tokenizer, tmp_path / "out", tmp_path / "m.json",
+                              end_of_turn_ids(tiny_tokenizer), regenerator, lambda count: ([], None))
+    assert metrics["picked_per_source"] == {"builtin:package-docs": 6} and metrics["kept"] == 6
+    with pytest.raises(ParamsError, match=r"builtin:package-docs has prompts only.*prepare.regenerate: true"):
+        prepare_dataset(params.model_copy(update={"regenerate": False}), tiny_tokenizer, tmp_path / "out2",
+                        tmp_path / "m2.json", end_of_turn_ids(tiny_tokenizer))
+    assert not (tmp_path / "out2").exists()

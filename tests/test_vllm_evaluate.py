@@ -22,6 +22,7 @@ from eaglenest.stages.evaluate.vllm import (
     counter_delta,
     counters_to_acceptance,
     read_counters,
+    time_interleaved,
     top_candidates,
 )
 
@@ -45,17 +46,36 @@ class Logprob:
 
 
 # --- the engines' arguments ------------------------------------------------------------------------------
-def test_both_engines_share_the_gpu_memory_and_the_tensor_parallel_width(monkeypatch: pytest.MonkeyPatch,
-                                                                        tmp_path: Path):
+@pytest.mark.parametrize(("timing", "share"), [("interleaved", 0.3), ("sequential", 0.45)])
+def test_the_engines_share_the_gpu_memory_and_the_tensor_parallel_width(monkeypatch: pytest.MonkeyPatch,
+                                                                        tmp_path: Path, timing: str, share: float):
     from eaglenest.core import vllm_support
 
     (tmp_path / "config.json").write_text(json.dumps({"dtype": "bfloat16"}))
     monkeypatch.setattr(vllm_support, "installed_build", lambda: VllmBuild("gpu", "vllm", "0.33.0"))
     verifier = SimpleNamespace(trust_remote_code=False, max_position_embeddings=8192)
-    params = EvaluateParams(vllm=VllmEngineParams(gpu_memory_utilization=0.9, tensor_parallel_size=8))
+    params = EvaluateParams(timing=timing, vllm=VllmEngineParams(gpu_memory_utilization=0.9, tensor_parallel_size=8))
     kwargs = build_evaluate_llm_kwargs(params, verifier, tmp_path, context_tokens=200)
-    assert kwargs["gpu_memory_utilization"] == pytest.approx(0.45)  # plain and speculative may overlap
+    # interleaved: all three engines are up at once; sequential: a stopped one may still hold its memory
+    assert kwargs["gpu_memory_utilization"] == pytest.approx(share)
     assert kwargs["tensor_parallel_size"] == 8 and kwargs["max_model_len"] == 200
+
+
+def test_interleaved_timing_rotates_the_engines_prompt_by_prompt(monkeypatch: pytest.MonkeyPatch):
+    from eaglenest.stages.evaluate import vllm as evaluate_vllm
+
+    calls: list[tuple[str, int]] = []
+
+    def fake_generate(llm, prompts, sampling):
+        calls.append((llm, prompts[0][0]))
+        return [f"{llm} answers {prompts[0][0]}"]
+
+    monkeypatch.setattr(evaluate_vllm, "_generate", fake_generate)
+    timed = time_interleaved({"plain": "plain", "spec": "spec", "ngram": "ngram"}, [[0], [1], [2], [3]], None)
+    assert calls == [("plain", 0), ("spec", 0), ("ngram", 0), ("spec", 1), ("ngram", 1), ("plain", 1),
+                     ("ngram", 2), ("plain", 2), ("spec", 2), ("plain", 3), ("spec", 3), ("ngram", 3)]
+    assert [output for output, _ in timed["spec"]] == [f"spec answers {i}" for i in range(4)]
+    assert all(seconds >= 0 for pairs in timed.values() for _, seconds in pairs)
 
 
 # --- the lossless rule ---------------------------------------------------------------------------------

@@ -6,16 +6,18 @@ and of drafting. Run in a checkout whose pipeline is up to date::
     eaglenest k-sweep [--ks 1 2 3] [--repeats 2]
 
 Per headline set of ``params.yaml``, the first ``evaluate.timed_prompts`` turns are decoded alone, as
-``evaluate`` times them (after a warm-up, same engine arguments), by the plain engine, then by the draft (vLLM's
-EAGLE-3) and by vLLM's n-gram drafting (``evaluate``'s window) at each K. Every engine runs in its own
-processes: vLLM's CPU build cannot start a fourth engine in one process. With ``--repeats N`` the whole round
-runs N times, so the spread between rounds shows the timing noise.
+``evaluate`` times them (after a warm-up, same engine arguments), by the plain engine, the draft (vLLM's EAGLE-3)
+and vLLM's n-gram drafting (``evaluate``'s window) at each K. At each K the three engines take turns prompt by
+prompt (the plain engine is timed again at each K), so a speed-up divides seconds measured moments apart. Every
+engine runs in its own processes: vLLM's CPU build cannot start a fourth engine in one process. With
+``--repeats N`` the whole round runs N times, so the spread between rounds shows the timing noise.
 
-It writes ``metrics/k_sweep.json`` (kept in git, not a declared metric): per round, K and set, tokens/s, the
-speed-up over that round's plain engine with its 95% interval over the turns, and tau; per set the K with the
-best mean speed-up, for the draft and for n-gram; and ``serve_k``, the K with the best mean speed-up over the
-headline sets, with the draft's fingerprint. ``eaglenest serve`` serves that draft at ``serve_k`` unless told
-otherwise (:func:`recorded_k`); a retrained draft has another fingerprint and is served at its own K.
+It writes ``metrics/k_sweep.json`` (kept in git, not a declared metric): per round, K and set, tokens/s (the plain
+engine's too), the speed-up over the plain engine timed beside it with its 95% interval over the turns, and tau;
+per set the K with the best mean speed-up, for the draft and for n-gram; and ``serve_k``, the K with the best mean
+speed-up over the headline sets, with the draft's fingerprint. ``eaglenest serve`` serves that draft at
+``serve_k`` unless told otherwise (:func:`recorded_k`); a retrained draft has another fingerprint and is served
+at its own K.
 """
 
 from __future__ import annotations
@@ -88,43 +90,64 @@ def timed_turns(paths: PipelinePaths, max_k: int | None = None) -> TimedTurns:
     return TimedTurns(params, sets, prompts, trained_k, common)
 
 
-def time_engine(turns: TimedTurns, extra: dict[str, Any], what: str, k: int) -> dict[str, Any]:
-    """One engine on every headline set's timed turns, each turn alone.
+def start_engine(turns: TimedTurns, extra: dict[str, Any], what: str) -> Any:
+    """One engine with the timed turns' arguments (``extra``: a speculative engine's), warmed up on every set.
 
-    Returns:
-        Per set: ``turns`` ([tokens, seconds] per turn), their totals and tokens/s; for a speculative engine
-        also the verify steps that had a draft and tau over them (every step, for EAGLE-3; n-gram drafts only
-        on a match).
+    Each engine runs in its own processes: vLLM's CPU build cannot start a fourth engine in one process (its
+    kernel overrides are registered again on the wrappers of the last: AttributeError), and a sweep starts more.
     """
     from eaglenest.core.vllm_support import create_llm
-    from eaglenest.stages.evaluate.acceptance import total
-    from eaglenest.stages.evaluate.vllm import PARAM, close_engine, decode_alone, request_acceptance, sampling_params
+    from eaglenest.stages.evaluate.vllm import PARAM, decode_alone
 
-    # Each engine in its own processes: vLLM's CPU build cannot start a fourth engine in one process (its kernel
-    # overrides are registered again on the wrappers of the last: AttributeError), and a sweep starts more.
     llm = create_llm({**turns.common, **extra}, PARAM, what=what)
-    result = {}
     for s in turns.sets:
-        sampling = sampling_params(s.params.max_new_tokens, s.params.temperature, turns.params.seed)
-        decode_alone(llm, turns.prompts[s.name][:1], sampling)  # warm-up: first forwards allocate, pick kernels
-        timed = decode_alone(llm, turns.prompts[s.name], sampling)
-        per_turn = [[len(output.outputs[0].token_ids), round(seconds, 4)] for output, seconds in timed]
-        tokens = sum(t for t, _ in per_turn)
-        seconds = sum(elapsed for _, elapsed in timed)
-        entry: dict[str, Any] = {"tokens": tokens, "seconds": round(seconds, 3),
-                                 "tokens_per_s": round(tokens / seconds, 2), "turns": per_turn}
-        counts = [request_acceptance(output, k) for output, _ in timed]
-        if "speculative_config" in extra and all(c is not None for c in counts):
-            summed = total(counts, k)  # type: ignore[arg-type]
-            entry |= {"steps_with_draft": summed.steps,
-                      "tau_when_drafted": round(1 + summed.accepted / max(summed.steps, 1), 3)}
-        result[s.name] = entry
-    close_engine(llm)
+        decode_alone(llm, turns.prompts[s.name][:1], _sampling(turns, s))  # first forwards allocate, pick kernels
+    return llm
+
+
+def time_together(turns: TimedTurns, engines: dict[str, tuple[Any, int]]) -> dict[str, dict[str, Any]]:
+    """Every headline set's timed turns on each engine, each turn alone, the engines taking turns prompt by prompt
+    (:func:`~eaglenest.stages.evaluate.vllm.time_interleaved`, as evaluate times them).
+
+    Args:
+        turns: The timed turns.
+        engines: Name -> (engine, its K; 0 for the plain engine).
+
+    Returns:
+        Per engine and set: ``turns`` ([tokens, seconds] per turn), their totals and tokens/s; for a speculative
+        engine also the verify steps that had a draft and tau over them (every step, for EAGLE-3; n-gram drafts
+        only on a match).
+    """
+    from eaglenest.stages.evaluate.acceptance import total
+    from eaglenest.stages.evaluate.vllm import request_acceptance, time_interleaved
+
+    result: dict[str, dict[str, Any]] = {name: {} for name in engines}
+    for s in turns.sets:
+        timed = time_interleaved({name: llm for name, (llm, _) in engines.items()}, turns.prompts[s.name],
+                                 _sampling(turns, s))
+        for name, (_, k) in engines.items():
+            per_turn = [[len(output.outputs[0].token_ids), round(seconds, 4)] for output, seconds in timed[name]]
+            tokens = sum(t for t, _ in per_turn)
+            seconds = sum(elapsed for _, elapsed in timed[name])
+            entry: dict[str, Any] = {"tokens": tokens, "seconds": round(seconds, 3),
+                                     "tokens_per_s": round(tokens / seconds, 2), "turns": per_turn}
+            counts = [request_acceptance(output, k) for output, _ in timed[name]] if k else []
+            if counts and all(c is not None for c in counts):
+                summed = total(counts, k)  # type: ignore[arg-type]
+                entry |= {"steps_with_draft": summed.steps,
+                          "tau_when_drafted": round(1 + summed.accepted / max(summed.steps, 1), 3)}
+            result[name][s.name] = entry
     return result
 
 
+def _sampling(turns: TimedTurns, eval_set: Any) -> Any:
+    from eaglenest.stages.evaluate.vllm import sampling_params
+
+    return sampling_params(eval_set.params.max_new_tokens, eval_set.params.temperature, turns.params.seed)
+
+
 def add_speedups(run: dict[str, Any], plain: dict[str, Any], seed: int = 0) -> None:
-    """Each set's speed-up over the plain engine's tokens/s of the same round, with its 95% interval over turns
+    """Each set's speed-up over the plain engine's tokens/s timed beside it, with its 95% interval over turns
     (turn i of both engines is the same prompt, so turns are resampled in pairs)."""
     import numpy as np
 
@@ -170,8 +193,8 @@ def draft_fingerprint(draft_dir: Path) -> str:
 
 
 def run_sweep(paths: PipelinePaths, ks: list[int] | None, repeats: int, out: Path) -> dict[str, Any]:
-    """The sweep: plain, then the draft and n-gram at each K, ``repeats`` rounds; written to ``out``."""
-    from eaglenest.stages.evaluate.vllm import ngram_config, speculative_engine_kwargs
+    """The sweep: at each K, plain, the draft and n-gram timed together; ``repeats`` rounds; written to ``out``."""
+    from eaglenest.stages.evaluate.vllm import close_engine, ngram_config, speculative_engine_kwargs
 
     if repeats < 1:
         raise EaglenestError(f"--repeats {repeats}: must be at least 1")
@@ -182,20 +205,25 @@ def run_sweep(paths: PipelinePaths, ks: list[int] | None, repeats: int, out: Pat
     ks = sorted(set(ks or range(1, turns.trained_k + 1)))
     rounds = []
     for round_number in range(repeats):
-        plain = time_engine(turns, {}, "the verifier", 1)
-        runs: dict[str, dict[str, Any]] = {"eagle3": {}, "ngram": {}}
+        plain = start_engine(turns, {}, "the verifier")
+        measured: dict[str, dict[str, Any]] = {"plain": {}, "eagle3": {}, "ngram": {}}
         for k in ks:
             draft = {"method": "eagle3", "model": str(paths.draft), "num_speculative_tokens": k}
-            runs["eagle3"][str(k)] = time_engine(turns, speculative_engine_kwargs(draft),
-                                                 f"the EAGLE-3 draft, K={k}", k)
-            runs["ngram"][str(k)] = time_engine(turns, speculative_engine_kwargs(ngram_config(turns.params, k)[0]),
-                                                f"n-gram drafting, K={k}", k)
-            for drafter in runs:
-                add_speedups(runs[drafter][str(k)], plain, turns.params.seed)
+            engines = {"eagle3": (start_engine(turns, speculative_engine_kwargs(draft), f"the EAGLE-3 draft, K={k}"),
+                                  k),
+                       "ngram": (start_engine(turns, speculative_engine_kwargs(ngram_config(turns.params, k)[0]),
+                                              f"n-gram drafting, K={k}"), k)}
+            # the plain engine is timed again beside each K's two: every speed-up divides neighbouring seconds
+            for name, entry in time_together(turns, {"plain": (plain, 0), **engines}).items():
+                measured[name][str(k)] = entry
+            for drafter, (llm, _) in engines.items():
+                close_engine(llm)
+                add_speedups(measured[drafter][str(k)], measured["plain"][str(k)], turns.params.seed)
                 print(f"round {round_number}, {drafter} K={k}: " + ", ".join(
-                    f"{n} x{e['speedup']} ± {e['speedup_ci95']}" for n, e in runs[drafter][str(k)].items()),
+                    f"{n} x{e['speedup']} ± {e['speedup_ci95']}" for n, e in measured[drafter][str(k)].items()),
                     flush=True)
-        rounds.append({"plain": plain, **runs})
+        close_engine(plain)
+        rounds.append(measured)
     names = [s.name for s in turns.sets]
     best, serve_k = best_ks(rounds, names, ks)
     result = {"draft": {"path": str(paths.draft), "sha256": draft_fingerprint(paths.draft),

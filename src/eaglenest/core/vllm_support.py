@@ -195,7 +195,7 @@ def engine_kwargs(model_dir: Path, verifier: VerifierInfo, engine: VllmEnginePar
             never more than the verifier's own context.
         seed: The engine's random seed.
         gpu_memory_share: The part of ``engine.gpu_memory_utilization`` this engine takes: below 1 for a back
-            end whose engines share it (evaluate's two take half each).
+            end whose engines share it (evaluate's take a third each, or half when timed one after another).
 
     On the CPU build the graph is run eagerly: compiling it costs minutes on 2 cores and gains little for
     small verifiers. Its KV cache is sized by ``VLLM_CPU_KVCACHE_SPACE`` (GiB), set here when unset; on a
@@ -245,7 +245,7 @@ def create_llm(kwargs: dict[str, Any], param: str, what: str = "the verifier", *
             24 s (no engine-core and worker processes to spawn, each importing torch and vLLM again), and it holds
             a whole ``generate`` call's requests before its first step. The GPU build keeps its engine process.
             The CPU build starts at most three engines in one process (a fourth fails registering its kernel
-            overrides again); evaluate starts three, the others one.
+            overrides again); evaluate starts three (held at once when its timing is interleaved), the others one.
     """
     build = require_vllm(param)
     check_loadable(Path(kwargs["model"]), what, kwargs.get("trust_remote_code", False))

