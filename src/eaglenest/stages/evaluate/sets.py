@@ -144,16 +144,13 @@ def humaneval_file() -> Path:
 
 
 def shipped_evaluation_prompts() -> Iterator[tuple[str, str]]:
-    """(name, text) of every prompt of the sets the project ships: HumanEval's, then data/eval's files'."""
-    with gzip.open(humaneval_file(), "rt", encoding="utf-8") as fh:
-        for line in fh:
-            record = json.loads(line)
-            yield f"humaneval {record['task_id']}", record["prompt"]
-    for path in sorted(GENERAL_SET_FILE.parent.glob("*.jsonl")):  # general, long
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-            record = json.loads(line)
-            for turn in record.get("turns") or [record.get("prompt", "")]:
-                yield f"{path.stem} line {number}", turn
+    """(name, text) of every asked turn of the sets the project ships: HumanEval's, then data/eval's files'."""
+    files = [("humaneval", humaneval_file())] + [(path.stem, path) for path in sorted(GENERAL_SET_FILE.parent.glob(
+        "*.jsonl"))]  # general, long
+    for label, path in files:
+        for conversation in read_jsonl_conversations(path, "the shipped evaluation sets"):
+            for turn in conversation.turns:
+                yield f"{label} {conversation.id}", turn
 
 
 def source_file(params: EvalSetParams, prepared_dir: Path) -> Path:
