@@ -190,7 +190,8 @@ def test_headline_is_a_few_named_numbers(tmp_path: Path):
     figures = json.loads((tmp_path / "eval.json").read_text())
     assert figures == headline(details, ["humaneval"], "vllm")
     assert set(figures) == {"humaneval", "lossless"} and set(figures["humaneval"]) == {
-        "vllm_tau", "vllm_tau_ci95", "vllm_speedup", "vllm_speedup_ci95", "vllm_ngram_speedup"}
+        "vllm_tau", "vllm_tau_ci95", "vllm_speedup", "vllm_speedup_ci95", "vllm_ngram_speedup",
+        "vllm_ngram_speedup_ci95"}
     summary = details["runs"]["vllm"]["sets"]["humaneval"]["summary"]
     assert figures["humaneval"]["vllm_tau"] == summary["tau"]["value"] and set(summary["categories"]) == {"a", "b"}
     moved = summary["tau_batched_vs_alone"]  # one accepted token fewer per turn when decoded alone

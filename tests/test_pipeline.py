@@ -88,7 +88,7 @@ def test_default_verifier_and_chitchat_through_dvc_repro(tmp_path: Path):
     for name in ("humaneval", "mt"):
         figures = evaluation[name]
         assert set(figures) == {"vllm_tau", "vllm_tau_ci95", "vllm_speedup", "vllm_speedup_ci95",
-                                "vllm_ngram_speedup"}, figures
+                                "vllm_ngram_speedup", "vllm_ngram_speedup_ci95"}, figures
         assert 1.0 <= figures["vllm_tau"] <= 4.0 and figures["vllm_tau_ci95"] >= 0 and figures["vllm_speedup"] > 0
     records = json.loads((repo / "metrics/eval/records.json").read_text())
     mt = records["runs"]["vllm"]["sets"]["mt"]["records"]

@@ -123,7 +123,7 @@ def _ngram_per_position(records: list[dict[str, Any]], k: int) -> list[float]:
 
 def headline(details: dict[str, Any], headline_sets: list[str], backend: str) -> dict[str, Any]:
     """The few figures ``metrics/eval.json`` holds: per headline set, the serving back end's tau and speed-up
-    (each with its 95% half-width) and the n-gram baseline's speed-up; ``lossless``, the smallest lossless
+    and the n-gram baseline's speed-up (each with its 95% half-width); ``lossless``, the smallest lossless
     fraction of any greedy set and back end."""
     figures: dict[str, Any] = {}
     for name in headline_sets:
@@ -134,6 +134,7 @@ def headline(details: dict[str, Any], headline_sets: list[str], backend: str) ->
             entry[f"{backend}_speedup_ci95"] = summary["speedup"]["ci95"]
         if "ngram_speedup" in summary:
             entry[f"{backend}_ngram_speedup"] = summary["ngram_speedup"]["value"]
+            entry[f"{backend}_ngram_speedup_ci95"] = summary["ngram_speedup"]["ci95"]
         figures[name] = entry
     greedy = [s["summary"]["lossless_fraction"] for run in details["runs"].values() for s in run["sets"].values()
               if s["temperature"] == 0]

@@ -28,21 +28,25 @@ def _interval(value: float | None, half_width: float | None, prefix: str = "") -
     return f"{prefix}{value:.3f} ± {half_width:.3f}" if half_width is not None else f"{prefix}{value:.3f}"
 
 
+def _figure(figures: dict[str, Any], key: str, prefix: str = "") -> str:
+    """``figures[key]`` with its ``_ci95`` half-width where the metrics hold one."""
+    return _interval(figures.get(key), figures.get(f"{key}_ci95"), prefix)
+
+
 def summary_lines(repo: Path) -> list[str]:
-    """The table: per headline set, tau and single-stream speed-up with their 95% intervals and the n-gram
-    baseline's speed-up; then lossless, and tau_sim beside the decoded tau of the validation split."""
+    """The table: per headline set, tau, the single-stream speed-up and the n-gram baseline's, with their 95%
+    intervals; then lossless, and tau_sim beside the decoded tau of the validation split."""
     headline = _read(repo / "metrics" / "eval.json")
     train = _read(repo / "metrics" / "train.json")
     details_path = repo / "metrics" / "eval" / "details.json"
     details = _read(details_path) if details_path.exists() else {}
     backend = details.get("headline_backend", "vllm")
-    rows = [("set", f"{backend} tau (95%)", "speed-up (95%)", "n-gram speed-up")]
+    rows = [("set", f"{backend} tau (95%)", "speed-up (95%)", "n-gram speed-up (95%)")]
     for name, figures in headline.items():
         if not isinstance(figures, dict):
             continue
-        rows.append((name, _interval(figures.get(f"{backend}_tau"), figures.get(f"{backend}_tau_ci95")),
-                     _interval(figures.get(f"{backend}_speedup"), figures.get(f"{backend}_speedup_ci95"), "x"),
-                     _interval(figures.get(f"{backend}_ngram_speedup"), None, "x")))
+        rows.append((name, _figure(figures, f"{backend}_tau"), _figure(figures, f"{backend}_speedup", "x"),
+                     _figure(figures, f"{backend}_ngram_speedup", "x")))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
     lines.append(f"lossless: {headline.get('lossless', '—')}")

@@ -5,8 +5,8 @@ Outputs:
 
 * ``metrics/eval.json`` — the headline, what ``dvc metrics diff`` shows: per headline set, the serving back
   end's (vllm where listed, else hf) ``<backend>_tau`` and ``<backend>_speedup``, each with its 95% interval's
-  half-width (``_ci95``), and ``<backend>_ngram_speedup``; ``lossless``, the smallest lossless fraction of any
-  greedy set and back end.
+  half-width (``_ci95``), and ``<backend>_ngram_speedup`` with its own; ``lossless``, the smallest lossless
+  fraction of any greedy set and back end.
 * ``metrics/eval/records.json`` — one record per decoded turn, per back end and set
   (:mod:`eaglenest.artifacts.evaluation`): what the report pairs between revisions.
 * ``metrics/eval/details.json`` — every figure, per back end and set: tau and speed-up with their intervals,
