@@ -54,7 +54,7 @@ demo: setup
 
 # The tests run with outbound network blocked (scripts/offline.sh): nothing may need a model hub.
 test: setup
-	scripts/offline.sh $(PY) -m pytest -q
+	scripts/offline.sh $(PY) -m pytest -q --durations=25
 
 test-fast: setup
 	scripts/offline.sh $(PY) -m pytest -q -m "not slow"

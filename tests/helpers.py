@@ -150,6 +150,21 @@ def evaluate_params(repo: Path, dest: Path, **evaluate: object) -> Path:
     return path
 
 
+def run_train(repo: Path, dest: Path, **train: object) -> Path:
+    """The real train stage on ``repo``'s verifier and hidden states, with ``train`` values on top of ``repo``'s
+    params; returns the draft folder (under ``dest``, with every other output)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params["train"].update(train)
+    (dest / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    run([sys.executable, str(REPO / "stages" / "train.py"), "--params", str(dest / "params.yaml"),
+         "--verifier", str(repo / "models" / "verifier"), "--prepared", str(repo / "data" / "prepared"),
+         "--hidden-states", str(repo / "data" / "hidden_states"), "--vocab", str(repo / "data" / "vocab"),
+         "--out", str(dest / "draft"), "--metrics", str(dest / "train.json"),
+         "--details", str(dest / "train_details.json"), "--live-dir", str(dest / "dvclive")], dest, timeout=1800)
+    return dest / "draft"
+
+
 def set_figures(details: dict, backend: str, set_name: str | None = None) -> dict:
     """One back end's figures on one set (the first by default) from metrics/eval/details.json, flat:
     ``tau``, ``speedup`` and ``ngram_tau`` as values, the rest of the summary and the run's settings as they are."""

@@ -13,9 +13,9 @@ import pytest
 from eaglenest.artifacts.evaluation import headline, summarize, tau_interval
 from eaglenest.artifacts.prepared import write_prepared
 from eaglenest.core.bootstrap import bootstrap, difference, tau_statistic
-from eaglenest.core.errors import InputFileError, ParamsError
+from eaglenest.core.errors import EaglenestError, InputFileError, ParamsError
 from eaglenest.core.params import EvalSetParams, EvaluateParams, parse_params
-from eaglenest.stages.evaluate import write_eval_outputs
+from eaglenest.stages.evaluate import decoding_backends, write_eval_outputs
 from eaglenest.stages.evaluate.job import ask_turns
 from eaglenest.stages.evaluate.sets import GENERAL_SET_FILE, LONG_SET_FILE, load_eval_set
 
@@ -201,3 +201,14 @@ def test_headline_is_a_few_named_numbers(tmp_path: Path):
     rows = json.loads((tmp_path / "eval/acceptance.json").read_text())
     assert {(r["set"], r["drafter"]) for r in rows} == {(s, d) for s in ("humaneval", "val")
                                                         for d in ("eagle3", "ngram")}
+
+
+def test_only_vllm_decodes_a_draft_the_reference_decoder_does_not():
+    """The hf back end's reference decoder is EAGLE-3's: a P-EAGLE or DFlash draft is measured by vllm alone, and
+    refused in one line when vllm is not listed."""
+    both = EvaluateParams(backend=["hf", "vllm"])
+    assert decoding_backends(both, "eagle3") == ["hf", "vllm"]
+    assert decoding_backends(both, "peagle") == decoding_backends(both, "dflash") == ["vllm"]
+    with pytest.raises(EaglenestError, match=r"evaluate.backend: \[hf\] decodes EAGLE-3 drafts only, and the draft "
+                                             r"is dflash \(train.algorithm\); add vllm to evaluate.backend"):
+        decoding_backends(EvaluateParams(backend=["hf"]), "dflash")

@@ -72,7 +72,7 @@ def test_the_sweep_records_the_fastest_k_and_serve_uses_it(tmp_path: Path, monke
     verifier, draft = pipeline_folders
     # the draft is fastest at K=2 on both sets, n-gram at K=1; plain decodes at 10 tok/s
     rates = {"the verifier": 10.0}
-    rates |= {f"the EAGLE-3 draft, K={k}": r for k, r in ((1, 12.0), (2, 15.0), (3, 13.0))}
+    rates |= {f"the draft, K={k}": r for k, r in ((1, 12.0), (2, 15.0), (3, 13.0))}
     rates |= {f"n-gram drafting, K={k}": r for k, r in ((1, 10.5), (2, 9.0), (3, 8.0))}
     started: list[str] = []
     timed_beside: list[list[str]] = []
@@ -99,7 +99,7 @@ def test_the_sweep_records_the_fastest_k_and_serve_uses_it(tmp_path: Path, monke
     printed = capsys.readouterr().out
     assert "serve_k 2 (the draft's own K is 3)" in printed
     assert "humaneval: draft K=1 x1.2, K=2 x1.5, K=3 x1.3" in printed
-    engines = [f"{m}, K={k}" for k in (1, 2, 3) for m in ("the EAGLE-3 draft", "n-gram drafting")]
+    engines = [f"{m}, K={k}" for k in (1, 2, 3) for m in ("the draft", "n-gram drafting")]
     assert started == ["the verifier", *engines]  # plain once, then each K's two engines
     assert timed_beside == [["plain", "eagle3", "ngram"]] * 3  # each K's two timed beside the plain engine
     result = json.loads(out.read_text())

@@ -157,9 +157,10 @@ def test_trained_draft_is_lossless_at_temperature_zero(verifier: VerifierRunner,
         assert result.acceptance.steps >= 1 and result.acceptance.drafted == K * result.acceptance.steps
 
 
-@pytest.fixture(scope="module")
-def random_draft(tiny_verifier_dir: Path) -> Any:
-    """A random but non-trivial EAGLE-3 draft for the tiny verifier (full vocabulary, no d2t)."""
+@pytest.fixture(scope="module", params=[False, True], ids=["eagle3", "eagle3.1-norms"])
+def random_draft(request: pytest.FixtureRequest, tiny_verifier_dir: Path) -> Any:
+    """A random but non-trivial EAGLE-3 draft for the tiny verifier (full vocabulary, no d2t); also with
+    EAGLE-3.1's two norms (``train.norm_before_fc``, ``train.norm_output``), which change what is fed back."""
     from eaglenest.artifacts.verifier import VerifierInfo
     from eaglenest.core.params import TrainParams
     from eaglenest.stages.train.model import build_draft
@@ -169,7 +170,9 @@ def random_draft(tiny_verifier_dir: Path) -> Any:
                         max_position_embeddings=512, aux_layers=AUX_LAYERS, layer_ids=[*AUX_LAYERS, 8],
                         trust_remote_code=False)
     torch.manual_seed(3)
-    draft = build_draft(info, tiny_verifier_dir, TrainParams(), VOCAB, None, None, "sdpa")
+    params = TrainParams(norm_before_fc=request.param, norm_output=request.param)
+    draft = build_draft(info, tiny_verifier_dir, params, VOCAB, None, None, "sdpa")
+    assert (draft.input_norm is not None) == draft.config.norm_output == request.param
     for parameter in draft.parameters():
         if parameter.requires_grad:
             parameter.data.normal_(0, 0.5)

@@ -290,3 +290,74 @@ def test_dvc_yaml_plots_one_accuracy_curve_per_ttt_step_of_the_default_draft():
     declared = re.findall(r"dvclive/train/plots/metrics/val/acc_(\d+)\.tsv", (repo / "dvc.yaml").read_text())
     # a curve for a step the draft does not have is a missing file: `dvc plots show` fails on it
     assert sorted(int(i) for i in declared) == list(range(ttt_steps))
+
+
+# The other draft algorithms on the same data: speculators' classes, their checkpoint type and K, resume.
+ALGORITHM_PARAMS = {"peagle": {"algorithm": "peagle"}, "dflash": {"algorithm": "dflash", "draft_arch": "qwen3"}}
+ALGORITHM_CLASSES = {"peagle": "PEagleDraftModel", "dflash": "DFlashDraftModel"}
+
+
+@pytest.mark.parametrize("algorithm", ["peagle", "dflash"])
+def test_every_algorithm_learns_and_saves_its_speculators_checkpoint(converted: dict[str, Path], tmp_path: Path,
+                                                                     algorithm: str):
+    params = TrainParams(steps=20, eval_every=10, verifier_name=str(converted["model"]),
+                         **{**FAST, **ALGORITHM_PARAMS[algorithm]})
+    metrics = train_draft(params, inputs_in(converted, tmp_path))
+
+    loss = read_tsv(tmp_path / "dvclive/plots/metrics/val/loss.tsv")
+    assert [step for step, _ in loss] == [0, 10, 20] and loss[-1][1] < loss[0][1], loss
+    assert metrics["algorithm"] == algorithm and len(metrics["val_acc"]) == 3 and metrics["val_cond_acc"] == []
+    assert 1.0 <= metrics["tau_sim"] <= 4.0
+    config = json.loads((tmp_path / "draft/config.json").read_text())
+    assert config["speculators_model_type"] == algorithm
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3  # K = ttt_steps
+    assert config["mask_token_id"] is not None
+
+    from speculators import SpeculatorModel
+
+    from eaglenest.artifacts.draft import draft_tokens, vllm_speculative_config
+
+    assert type(SpeculatorModel.from_pretrained(str(tmp_path / "draft"))).__name__ == ALGORITHM_CLASSES[algorithm]
+    assert draft_tokens(tmp_path / "draft", "--draft") == 3
+    served = vllm_speculative_config(tmp_path / "draft", 3)
+    assert served["method"] == {"peagle": "eagle3", "dflash": "dflash"}[algorithm]
+    assert served.get("parallel_drafting", False) is (algorithm == "peagle")
+
+
+@pytest.mark.parametrize("algorithm", ["peagle", "dflash"])
+def test_every_algorithm_resumes_exactly(converted: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         algorithm: str):
+    """P-EAGLE samples its positions at random: the resumed run draws what the uninterrupted one drew."""
+    params = TrainParams(steps=8, eval_every=8, checkpoint_every=4, **{**FAST, **ALGORITHM_PARAMS[algorithm]})
+    reference = train_draft(params, inputs_in(converted, tmp_path / "a"))
+    original = train_module.save_checkpoint
+
+    def save_then_die(path, model, optimizer, scheduler, step):
+        original(path, model, optimizer, scheduler, step)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_module, "save_checkpoint", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        train_draft(params, inputs_in(converted, tmp_path / "b"))
+    monkeypatch.setattr(train_module, "save_checkpoint", original)
+    resumed = train_draft(params, inputs_in(converted, tmp_path / "b"))
+    assert resumed["resumed_from_step"] == 4
+    a = load_file(tmp_path / "a/draft/model.safetensors")
+    b = load_file(tmp_path / "b/draft/model.safetensors")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6)
+    assert resumed["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-5)
+
+
+def test_algorithm_params_are_refused_for_the_wrong_algorithm():
+    with pytest.raises(ParamsError) as info:
+        parse_params({"train": {"peagle": {"max_anchors": 64}, "norm_output": True, "algorithm": "peagle",
+                                "dflash": {"max_anchors": 8}}})
+    text = str(info.value)
+    assert "train.dflash: only with train.algorithm: dflash (it is peagle)" in text
+    assert "train.norm_output: not an option of train.algorithm: peagle" in text
+    with pytest.raises(ParamsError, match="train.draft_arch = 'llama': a dflash draft has Qwen3-style layers"):
+        parse_params({"train": {"algorithm": "dflash"}})
+    with pytest.raises(ParamsError, match=r"train.peagle.depth: unknown key \(allowed: down_sample_ratio"):
+        parse_params({"train": {"algorithm": "peagle", "peagle": {"depth": 2}}})
+    assert parse_params({"train": {"algorithm": "dflash", "draft_arch": "qwen3"}}).train.dflash is None

@@ -1,8 +1,10 @@
 """The draft checkpoint: what the train stage writes and evaluate (and ``eaglenest serve``) read.
 
-A speculators-format folder: ``config.json`` with ``speculators_model_type: eagle3``, ``speculators_config``
-and ``transformer_layer_config``, and ``model.safetensors``. ``speculators.SpeculatorModel.from_pretrained``
-loads it and vLLM serves it with ``--speculative-config '{"method": "eagle3", "model": ...}'``.
+A speculators-format folder: ``config.json`` with ``speculators_model_type`` (``eagle3``, ``peagle`` or
+``dflash``: ``train.algorithm``), ``speculators_config`` and ``transformer_layer_config``, and
+``model.safetensors``. ``speculators.SpeculatorModel.from_pretrained`` loads it and vLLM serves it with the
+``--speculative-config`` :func:`vllm_speculative_config` writes (``{"method": "eagle3", "model": ...}`` for
+EAGLE-3).
 """
 
 from __future__ import annotations
@@ -26,14 +28,48 @@ def save_draft(model: Any, out_dir: Path, verifier_name: str) -> None:
         model.save_pretrained(tmp, safe_serialization=True)
 
 
+# speculators_model_type -> vLLM's speculative_config method. vLLM 0.32 serves a P-EAGLE checkpoint as EAGLE-3
+# with parallel drafting, but only when told so: given no method, it takes the folder for a plain draft model
+# and fails at the first step.
+VLLM_METHODS: dict[str, dict[str, Any]] = {
+    "eagle3": {"method": "eagle3"},
+    "peagle": {"method": "eagle3", "parallel_drafting": True},
+    "dflash": {"method": "dflash"},
+}
+
+
+def draft_algorithm(draft_dir: Path, name: str) -> str:
+    """The ``speculators_model_type`` of a draft folder vLLM can serve (``train.algorithm``); else one line naming
+    ``name`` (the flag or param that pointed at it) and the folder."""
+    return _read_config(draft_dir, name)["speculators_model_type"]
+
+
+def vllm_speculative_config(draft_dir: Path, k: int) -> dict[str, Any]:
+    """vLLM's ``speculative_config`` serving the draft at K = ``k`` (``draft_dir`` as given: a path vLLM opens)."""
+    method = VLLM_METHODS[draft_algorithm(draft_dir, "the draft")]
+    return {**method, "model": str(draft_dir), "num_speculative_tokens": k}
+
+
 def draft_tokens(draft_dir: Path, name: str) -> int:
-    """K of an EAGLE-3 speculators checkpoint (``models/draft``), checked as vLLM will read it; else one
-    line naming ``name`` (the flag or param that pointed at it) and the folder.
+    """K of a speculators checkpoint (``models/draft``), checked as vLLM will read it; else one line naming
+    ``name`` (the flag or param that pointed at it) and the folder.
 
     Args:
         draft_dir: The train stage's output folder.
         name: How the user named the draft (``--draft``, ``evaluate: the draft``), for the message.
     """
+    config = _read_config(draft_dir, name)
+    fix = "use the train stage's output (models/draft; `dvc repro train` builds it)"
+    try:
+        return int(config["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
+    except (KeyError, IndexError, TypeError, ValueError):
+        raise EaglenestError(
+            f"{name} {draft_dir / 'config.json'}: no speculators_config.proposal_methods[0].speculative_tokens; {fix}"
+        ) from None
+
+
+def _read_config(draft_dir: Path, name: str) -> dict[str, Any]:
+    """The draft's config.json, checked to be a speculators checkpoint of a kind vLLM serves, with weights."""
     config_file = draft_dir / "config.json"
     fix = "use the train stage's output (models/draft; `dvc repro train` builds it)"
     try:
@@ -43,19 +79,14 @@ def draft_tokens(draft_dir: Path, name: str) -> int:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise EaglenestError(f"{name} {config_file}: not readable JSON ({err}); {fix}") from None
     kind = config.get("speculators_model_type") if isinstance(config, dict) else None
-    if kind != "eagle3":
+    if kind not in VLLM_METHODS:
         raise EaglenestError(
-            f"{name} {draft_dir}: speculators_model_type is {kind!r}, not 'eagle3': not an EAGLE-3 speculators "
-            f"checkpoint; {fix}"
+            f"{name} {draft_dir}: speculators_model_type is {kind!r}, not one of {', '.join(VLLM_METHODS)}: not a "
+            f"speculators draft this pipeline trains; {fix}"
         )
     if not (draft_dir / "model.safetensors").is_file():
         raise EaglenestError(f"{name} {draft_dir}: model.safetensors is missing; {fix}")
-    try:
-        return int(config["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
-    except (KeyError, IndexError, TypeError, ValueError):
-        raise EaglenestError(
-            f"{name} {config_file}: no speculators_config.proposal_methods[0].speculative_tokens; {fix}"
-        ) from None
+    return config
 
 
 def load_draft(draft_dir: Path, model_dir: Path, trust_remote_code: bool = False) -> Any:
@@ -70,6 +101,9 @@ def load_draft(draft_dir: Path, model_dir: Path, trust_remote_code: bool = False
         config = SpeculatorModelConfig.from_pretrained(str(draft_dir))
     except (OSError, ValueError) as err:
         raise EaglenestError(f"{draft_dir}: not a readable speculators checkpoint: {err}") from None
+    if config.speculators_model_type != "eagle3":
+        raise EaglenestError(f"{draft_dir}: a {config.speculators_model_type} draft; the reference decoder decodes "
+                             "EAGLE-3 drafts only (vLLM serves the others)")
     config.speculators_config.verifier.name_or_path = str(model_dir)
     config.transformer_layer_config._attn_implementation = "sdpa"  # noqa: SLF001 (explicit masks below)
     _check_draft_weights(draft_dir, Eagle3DraftModel(config))

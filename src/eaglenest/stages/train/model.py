@@ -1,7 +1,21 @@
-"""The draft model: speculators' Eagle3DraftModel built for the verifier, and saved in speculators' format."""
+"""The draft model: speculators' model class for ``train.algorithm``, built for the verifier, saved in
+speculators' format.
+
+Each algorithm (:data:`ALGORITHMS`) is speculators' own model, loss and checkpoint format:
+
+* ``eagle3`` — ``Eagle3DraftModel``: K chained draft steps, each fed the layer's previous output, trained with
+  training-time test (TTT) over K steps; EAGLE-3.1's two norms are its options.
+* ``peagle`` — ``PEagleDraftModel`` (P-EAGLE): the K tokens in one forward; the positions after the first carry a
+  learned mask hidden state and the mask token. Its embeddings train too (vocabulary x hidden more weights), and
+  its training samples positions at random (COD sampling), from torch's global generator, which resume restores.
+* ``dflash`` — ``DFlashDraftModel`` (DFlash): a block of K + 1 positions (the last verified token, then the
+  mask token) drafted at once by Qwen3-style layers that attend to the verifier's aux states. It reads the rows
+  unshifted: the verifier's state at t and the token at t line up, as speculators' own trainer gives them.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,7 +25,84 @@ import torch
 
 from eaglenest.artifacts.verifier import VerifierInfo, register_remote_config
 from eaglenest.core.device import cpu_has_native_bf16
-from eaglenest.core.params import TrainParams
+from eaglenest.core.params import DFlashParams, PEagleParams, TrainParams
+from eaglenest.core.registry import Registry
+
+
+@dataclass(frozen=True)
+class DraftAlgorithm:
+    """How one of speculators' draft classes is built and trained.
+
+    Attributes:
+        model_class: speculators' class (imported when called: speculators is heavy).
+        shifts_rows: Whether batches go through speculators' ``shift_batch`` (EAGLE-3's alignment: the state at t
+            beside the token at t + 1).
+        build_kwargs: params, mask token id -> the class's ``from_training_args`` keywords beyond the shared ones.
+        forward_kwargs: params, resolved loss -> the keywords of every training and validation forward
+            (the class's ``get_trainer_kwargs``, from the typed params).
+        needs_mask_token: Whether the draft carries a mask token (a param, else resolved from the tokenizer).
+    """
+
+    model_class: Callable[[], Any]
+    shifts_rows: bool
+    build_kwargs: Callable[[TrainParams, int | None], dict[str, Any]]
+    forward_kwargs: Callable[[TrainParams, Any], dict[str, Any]]
+    needs_mask_token: bool = False
+
+
+def _eagle3_class() -> Any:
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    return Eagle3DraftModel
+
+
+def _peagle_class() -> Any:
+    from speculators.models.peagle import PEagleDraftModel
+
+    return PEagleDraftModel
+
+
+def _dflash_class() -> Any:
+    from speculators.models.dflash import DFlashDraftModel
+
+    return DFlashDraftModel
+
+
+def peagle_params(params: TrainParams) -> PEagleParams:
+    """``train.peagle``, or its defaults when absent."""
+    return params.peagle or PEagleParams()
+
+
+def dflash_params(params: TrainParams) -> DFlashParams:
+    """``train.dflash``, or its defaults when absent."""
+    return params.dflash or DFlashParams()
+
+
+ALGORITHMS: Registry[DraftAlgorithm] = Registry("draft algorithm")
+ALGORITHMS.register("eagle3", DraftAlgorithm(
+    model_class=_eagle3_class, shifts_rows=True,
+    build_kwargs=lambda p, _mask: {"norm_before_residual": p.norm_before_residual,
+                                   "norm_before_fc": p.norm_before_fc, "norm_output": p.norm_output,
+                                   "ttt_steps": p.ttt_steps},
+    forward_kwargs=lambda p, loss: {"ttt_steps": p.ttt_steps, "ttt_step_loss_decay": p.ttt_step_loss_decay,
+                                    "loss_config": loss},
+))
+ALGORITHMS.register("peagle", DraftAlgorithm(
+    model_class=_peagle_class, shifts_rows=True, needs_mask_token=True,
+    build_kwargs=lambda p, mask: {"norm_before_residual": p.norm_before_residual,
+                                  "norm_before_fc": p.norm_before_fc, "mask_token_id": mask,
+                                  "num_depths": p.ttt_steps},
+    forward_kwargs=lambda p, loss: {"loss_config": loss, "num_depths": p.ttt_steps,
+                                    "max_anchors": peagle_params(p).max_anchors,
+                                    "down_sample_ratio": peagle_params(p).down_sample_ratio,
+                                    "down_sample_ratio_min": peagle_params(p).down_sample_ratio_min},
+))
+ALGORITHMS.register("dflash", DraftAlgorithm(
+    model_class=_dflash_class, shifts_rows=False, needs_mask_token=True,
+    build_kwargs=lambda p, mask: {"mask_token_id": mask, "block_size": p.ttt_steps + 1},
+    forward_kwargs=lambda p, loss: {"loss_config": loss, "max_anchors": dflash_params(p).max_anchors,
+                                    "gamma": dflash_params(p).decay_gamma},
+))
 
 
 @dataclass(frozen=True)
@@ -25,9 +116,9 @@ class Runtime:
         attention: The draft's attention implementation.
         hs_dtype: The dtype hidden states are loaded in.
         precision: The compute dtype autocast runs the draft in ("float32" or "bfloat16").
-        ttt_steps: ``train.ttt_steps``: how many steps each forward unrolls.
-        ttt_step_loss_decay: ``train.ttt_step_loss_decay``.
-        loss_config: speculators' resolved loss (``train.loss``, in the implementation this device runs).
+        ttt_steps: ``train.ttt_steps``: K, the positions the draft is scored on.
+        algorithm: ``train.algorithm``.
+        forward_kwargs: The algorithm's forward keywords (TTT depth, loss, sampling), fixed for the run.
     """
 
     device: torch.device
@@ -35,17 +126,16 @@ class Runtime:
     hs_dtype: torch.dtype
     precision: str
     ttt_steps: int
-    ttt_step_loss_decay: float
-    loss_config: Any
+    algorithm: str
+    forward_kwargs: dict[str, Any]
 
     def autocast(self) -> AbstractContextManager[Any]:
         """A fresh autocast context for one forward (disabled in float32)."""
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.precision == "bfloat16")
 
     def forward(self, model: Any, batch: dict[str, Any]) -> tuple[Any, torch.Tensor, dict[str, Any]]:
-        """The draft's TTT forward over a packed batch: (logits, loss, speculators' accuracy sums)."""
-        return model(**batch, ttt_steps=self.ttt_steps, ttt_step_loss_decay=self.ttt_step_loss_decay,
-                     loss_config=self.loss_config)
+        """The draft's training forward over a packed batch: (logits or None, loss, speculators' metric sums)."""
+        return model(**batch, **self.forward_kwargs)
 
 
 def draft_runtime(params: TrainParams, device: torch.device) -> Runtime:
@@ -60,15 +150,27 @@ def draft_runtime(params: TrainParams, device: torch.device) -> Runtime:
     # Hidden states come in bf16 only where the GPU computes in bf16: a float32 draft on CUDA needs float32
     # inputs, and on a CPU autocast casts them per matmul anyway.
     hs_dtype = torch.bfloat16 if cuda and precision == "bfloat16" else torch.float32
+    forward_kwargs = ALGORITHMS.get(params.algorithm).forward_kwargs(params, loss_config)
     return Runtime(device=device, attention=attention, hs_dtype=hs_dtype, precision=precision,
-                   ttt_steps=params.ttt_steps, ttt_step_loss_decay=params.ttt_step_loss_decay,
-                   loss_config=loss_config)
+                   ttt_steps=params.ttt_steps, algorithm=params.algorithm, forward_kwargs=forward_kwargs)
+
+
+def mask_token_id(params: TrainParams, model_dir: Path, vocab_size: int, trust_remote_code: bool) -> int | None:
+    """The mask token of a peagle or dflash draft: the param, else speculators' choice from the tokenizer (its
+    mask token, else pad, eos or unk); None for eagle3."""
+    if not ALGORITHMS.get(params.algorithm).needs_mask_token:
+        return None
+    section = peagle_params(params) if params.algorithm == "peagle" else dflash_params(params)
+    if section.mask_token_id is not None:
+        return section.mask_token_id
+    from speculators.train.utils import resolve_mask_token_id
+
+    return resolve_mask_token_id(str(model_dir), vocab_size, trust_remote_code=trust_remote_code)
 
 
 def build_draft(verifier: VerifierInfo, model_dir: Path, params: TrainParams, draft_vocab_size: int,
                 d2t: torch.Tensor | None, t2d: torch.Tensor | None, attention: str) -> Any:
-    """speculators' Eagle3DraftModel for this verifier, with its embedding, LM head and norm frozen."""
-    from speculators.models.eagle3 import Eagle3DraftModel
+    """speculators' draft of ``train.algorithm`` for this verifier, its frozen parts loaded from the verifier."""
     from speculators.train.cli import create_transformer_layer_config
 
     layer_config = create_transformer_layer_config(
@@ -79,12 +181,12 @@ def build_draft(verifier: VerifierInfo, model_dir: Path, params: TrainParams, dr
     )
     if verifier.trust_remote_code:
         register_remote_config(model_dir)
+    algorithm = ALGORITHMS.get(params.algorithm)
+    mask = mask_token_id(params, model_dir, layer_config.vocab_size, verifier.trust_remote_code)
     torch.manual_seed(params.seed)
-    return Eagle3DraftModel.from_training_args(
+    return algorithm.model_class().from_training_args(
         verifier_config=layer_config, t2d=t2d, d2t=d2t, draft_vocab_size=draft_vocab_size,
-        norm_before_residual=params.norm_before_residual, ttt_steps=params.ttt_steps,
         verifier_name_or_path=str(model_dir), target_layer_ids=list(verifier.aux_layers),
         draft_attn_impl=attention, trust_remote_code=verifier.trust_remote_code,
+        **algorithm.build_kwargs(params, mask),
     )
-
-
