@@ -28,6 +28,8 @@ def save_draft(model: Any, out_dir: Path, verifier_name: str) -> None:
         model.save_pretrained(tmp, safe_serialization=True)
 
 
+DRAFT_FIX = "use the train stage's output (models/draft; `dvc repro train` builds it)"
+
 # speculators_model_type -> vLLM's speculative_config method. vLLM 0.32 serves a P-EAGLE checkpoint as EAGLE-3
 # with parallel drafting, but only when told so: given no method, it takes the folder for a plain draft model
 # and fails at the first step.
@@ -59,33 +61,33 @@ def draft_tokens(draft_dir: Path, name: str) -> int:
         name: How the user named the draft (``--draft``, ``evaluate: the draft``), for the message.
     """
     config = _read_config(draft_dir, name)
-    fix = "use the train stage's output (models/draft; `dvc repro train` builds it)"
     try:
         return int(config["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
     except (KeyError, IndexError, TypeError, ValueError):
         raise EaglenestError(
-            f"{name} {draft_dir / 'config.json'}: no speculators_config.proposal_methods[0].speculative_tokens; {fix}"
+            f"{name} {draft_dir / 'config.json'}: no speculators_config.proposal_methods[0].speculative_tokens; "
+            f"{DRAFT_FIX}"
         ) from None
 
 
 def _read_config(draft_dir: Path, name: str) -> dict[str, Any]:
     """The draft's config.json, checked to be a speculators checkpoint of a kind vLLM serves, with weights."""
     config_file = draft_dir / "config.json"
-    fix = "use the train stage's output (models/draft; `dvc repro train` builds it)"
     try:
         config = json.loads(config_file.read_text())
     except FileNotFoundError:
-        raise EaglenestError(f"{name} {draft_dir}: no config.json, not a speculators checkpoint; {fix}") from None
+        raise EaglenestError(
+            f"{name} {draft_dir}: no config.json, not a speculators checkpoint; {DRAFT_FIX}") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise EaglenestError(f"{name} {config_file}: not readable JSON ({err}); {fix}") from None
+        raise EaglenestError(f"{name} {config_file}: not readable JSON ({err}); {DRAFT_FIX}") from None
     kind = config.get("speculators_model_type") if isinstance(config, dict) else None
     if kind not in VLLM_METHODS:
         raise EaglenestError(
             f"{name} {draft_dir}: speculators_model_type is {kind!r}, not one of {', '.join(VLLM_METHODS)}: not a "
-            f"speculators draft this pipeline trains; {fix}"
+            f"speculators draft this pipeline trains; {DRAFT_FIX}"
         )
     if not (draft_dir / "model.safetensors").is_file():
-        raise EaglenestError(f"{name} {draft_dir}: model.safetensors is missing; {fix}")
+        raise EaglenestError(f"{name} {draft_dir}: model.safetensors is missing; {DRAFT_FIX}")
     return config
 
 

@@ -416,9 +416,6 @@ class ConvertParams(StrictModel):
     workers: int = Field(default=2, ge=1, description="Threads reading hidden-state files during validation.")
 
 
-DRAFT_ALGORITHMS = ("eagle3", "peagle", "dflash")
-
-
 class PEagleParams(StrictModel):
     """``train.peagle:`` — P-EAGLE's knobs (speculators' PEagleDraftModel); only with ``train.algorithm: peagle``."""
 
