@@ -27,6 +27,7 @@ from __future__ import annotations
 import importlib.metadata
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,26 +60,41 @@ def paragraphs(description: str) -> list[str]:
     return kept
 
 
-def excerpts(description: str) -> list[str]:
-    """Consecutive paragraphs joined into excerpts of MIN_EXCERPT_CHARS to MAX_EXCERPT_CHARS characters."""
+def excerpts(description: str, shortest: int = MIN_EXCERPT_CHARS, longest: int = MAX_EXCERPT_CHARS,
+             longest_paragraph: int = MAX_EXCERPT_CHARS) -> list[str]:
+    """Consecutive paragraphs joined into excerpts of ``shortest`` to ``longest`` characters.
+
+    A paragraph longer than ``longest_paragraph`` (a table, a long code listing) ends the excerpt being built
+    and is not part of any.
+    """
     found, current = [], ""
     for paragraph in paragraphs(description):
-        if len(paragraph) > MAX_EXCERPT_CHARS:  # one huge block (a table, a long code listing): not an excerpt
+        if len(paragraph) > min(longest, longest_paragraph):
             current = ""
             continue
         joined = f"{current}\n\n{paragraph}" if current else paragraph
-        if len(joined) > MAX_EXCERPT_CHARS:
-            if len(current) >= MIN_EXCERPT_CHARS:
+        if len(joined) > longest:
+            if len(current) >= shortest:
                 found.append(current)
             joined = paragraph
         current = joined
-    if len(current) >= MIN_EXCERPT_CHARS:
+    if len(current) >= shortest:
         found.append(current)
     return found
 
 
 def records(count: int) -> list[dict[str, str]]:
     """Up to ``count`` excerpts, packages in name order, each wrapped in the next request of ``REQUESTS``."""
+    return package_records(count, excerpts, REQUESTS, MAX_EXCERPTS_PER_PACKAGE)
+
+
+def package_records(count: int, cut: Callable[[str], list[str]], requests: tuple[tuple[str, str], ...],
+                    per_package: int) -> list[dict[str, str]]:
+    """Up to ``count`` excerpts (``cut`` of each README), packages in name order, ``per_package`` at most each.
+
+    Each excerpt is wrapped in the next of ``requests`` (``(kind, template with {excerpt})``); an excerpt that
+    shares a 50-character stretch with a shipped evaluation prompt is skipped.
+    """
     described = {}
     for dist in importlib.metadata.distributions():
         name = dist.metadata["Name"]
@@ -94,11 +110,11 @@ def records(count: int) -> list[dict[str, str]]:
     chosen: list[dict[str, str]] = []
     for name in sorted(described):
         description, licence = described[name]
-        usable = [e for e in excerpts(description) if evaluation.shared(e) is None]  # never train on evaluation
-        for number, excerpt in enumerate(usable[:MAX_EXCERPTS_PER_PACKAGE]):
+        usable = [e for e in cut(description) if evaluation.shared(e) is None]  # never train on evaluation
+        for number, excerpt in enumerate(usable[:per_package]):
             if len(chosen) == count:
                 return chosen
-            kind, template = REQUESTS[len(chosen) % len(REQUESTS)]
+            kind, template = requests[len(chosen) % len(requests)]
             chosen.append({"prompt": template.format(excerpt=excerpt), "kind": kind, "id": f"{name}:{number}",
                            "licence": licence})
     return chosen

@@ -55,8 +55,9 @@ def test_no_shipped_training_source_shares_a_stretch_with_an_evaluation_set(sour
     assert first_shared_stretch(texts) is None
 
 
-def test_chitchat_shares_no_stretch_with_an_evaluation_set():
+@pytest.mark.parametrize("source", ["builtin:chitchat", "builtin:math-problems"])
+def test_a_builtin_source_from_a_package_or_code_shares_no_stretch_with_an_evaluation_set(source: str):
     from eaglenest.stages.prepare.sources import read_source
 
-    texts = ((c.origin, m["content"]) for c in read_source("builtin:chitchat") for m in c.messages)
+    texts = ((c.origin, m["content"]) for c in read_source(source) for m in c.messages)
     assert first_shared_stretch(texts) is None

@@ -201,3 +201,41 @@ def test_package_docs_are_prompts_whose_replies_the_verifier_writes(tmp_path, ti
         prepare_dataset(params.model_copy(update={"regenerate": False}), tiny_tokenizer, tmp_path / "out2",
                         tmp_path / "m2.json", end_of_turn_ids(tiny_tokenizer))
     assert not (tmp_path / "out2").exists()
+
+
+def test_long_readmes_need_rows_long_enough_to_hold_them(tmp_path, tiny_tokenizer):
+    """builtin:long-readmes: excerpts of 2,500 characters and more, prompts only; a prepare.max_len that would
+    drop every one of them is refused in one line, before any work."""
+    from eaglenest.stages.prepare.sources import LONG_READMES_FILE, read_source
+
+    docs = read_source("builtin:long-readmes")
+    assert len(docs) == len(LONG_READMES_FILE.read_text(encoding="utf-8").splitlines()) >= 150
+    assert all(c.messages[1]["content"] == "" and len(c.messages[0]["content"]) >= 2500 for c in docs)
+
+    def regenerator(conversations):
+        return [[*m[:-1], {"role": "assistant", "content": "It says three things"}] for m in conversations], None
+
+    params = PrepareParams(source=[{"source": "builtin:long-readmes", "weight": 1}], max_conversations=4,
+                           max_len=20_000, val_fraction=0.25)  # the tiny tokenizer spends a token per few bytes
+    metrics = prepare_dataset(params, tiny_tokenizer, tmp_path / "out", tmp_path / "m.json",
+                              end_of_turn_ids(tiny_tokenizer), regenerator, lambda count: ([], None))
+    assert metrics["kept"] == 4
+    with pytest.raises(ParamsError, match=r"builtin:long-readmes .* prepare.max_len >= 2048 \(now 512\)"):
+        prepare_dataset(params.model_copy(update={"max_len": 512}), tiny_tokenizer, tmp_path / "out2",
+                        tmp_path / "m2.json", end_of_turn_ids(tiny_tokenizer), regenerator)
+    assert not (tmp_path / "out2").exists()
+
+
+def test_math_problems_are_seeded_prompts_of_every_template():
+    """builtin:math-problems: the same problems on every call (numbers from Random(i)), all different, every
+    template used, each a question with numbers in it and an empty reply for the verifier to write."""
+    from eaglenest.stages.prepare.math_problems import COUNT, TEMPLATES
+    from eaglenest.stages.prepare.sources import read_source
+
+    problems = read_source("builtin:math-problems")
+    assert [c.messages for c in problems] == [c.messages for c in read_source("builtin:math-problems")]
+    prompts = [c.messages[0]["content"] for c in problems]
+    assert len(prompts) == COUNT and len(set(prompts)) == COUNT
+    assert all(c.messages[1] == {"role": "assistant", "content": ""} for c in problems)
+    assert all("?" in p and any(ch.isdigit() for ch in p) for p in prompts)
+    assert len({p.split(" ", 2)[1] for p in prompts[:len(TEMPLATES)]}) > 1  # not one template over and over

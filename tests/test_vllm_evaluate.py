@@ -27,7 +27,7 @@ from eaglenest.stages.evaluate.vllm import (
 )
 
 from .conftest import requires_vllm
-from .helpers import REPO, hf_reference, run_evaluate
+from .helpers import REPO, hf_reference, run_evaluate, run_train
 
 
 class Counter:
@@ -207,6 +207,28 @@ def test_vllm_float32_matches_the_hf_reference(smollm2_repo: Path, tmp_path_fact
     # vLLM's own n-gram drafting ran and was timed the same way (its tau counts only steps with a match)
     for name in ("speedup", "ngram_speedup", "tokens_per_s_plain", "tokens_per_s_spec", "tokens_per_s_ngram"):
         assert isinstance(metrics[name], float) and metrics[name] > 0, name
+
+
+@pytest.mark.slow
+@requires_vllm
+@pytest.mark.parametrize("algorithm", ["peagle", "dflash"])
+def test_vllm_decodes_every_algorithm_losslessly(smollm2_repo: Path, tmp_path: Path, algorithm: str):
+    """A P-EAGLE and a DFlash draft, trained by the stage on the same hidden states as the EAGLE-3 one: vLLM
+    serves each (its method from the checkpoint), float32 output equals plain on every prompt, and the hf back
+    end, whose reference decoder is EAGLE-3's, is left out with one log line."""
+    extra = {"draft_arch": "qwen3"} if algorithm == "dflash" else {}
+    draft = run_train(smollm2_repo, tmp_path / "train", algorithm=algorithm, steps=60, eval_every=60, **extra)
+    result, metrics = run_evaluate(smollm2_repo, tmp_path / "eval", draft=draft, backend=["hf", "vllm"],
+                                   vllm={"dtype": "float32"})
+    assert result.returncode == 0, result.stderr
+    assert f"the draft is {algorithm}: the hf back end's reference decoder decodes EAGLE-3 only" in result.stderr
+    details = json.loads((tmp_path / "eval" / "eval" / "details.json").read_text())
+    assert list(details["runs"]) == ["vllm"] and metrics["backend"] == "vllm"
+    _assert_consistent(metrics)
+    assert metrics["identical_fraction"] == metrics["lossless_fraction"] == 1.0
+    print(algorithm, {k: metrics[k] for k in ("tau", "per_position_acceptance", "speedup", "ngram_speedup")})
+    acceptance = json.loads((tmp_path / "eval" / "eval" / "acceptance.json").read_text())
+    assert {row["drafter"] for row in acceptance} >= {algorithm}
 
 
 # Prompts where bf16 speculative output left plain bf16 output on a near-tie, picked on the tiny SmolLM2 draft

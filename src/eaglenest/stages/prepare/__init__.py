@@ -29,7 +29,7 @@ from eaglenest.core.chat import chat_template_kwargs, end_of_turn_ids, template_
 from eaglenest.core.errors import EaglenestError, InputFileError, ParamsError, TemplateError
 from eaglenest.core.params import SELF_INSTRUCT_SOURCE, Params, PrepareParams
 from eaglenest.core.stage import Stage, path_arg
-from eaglenest.stages.prepare.sources import PROMPT_ONLY_SOURCES, Conversation, read_source
+from eaglenest.stages.prepare.sources import LONG_ROW_SOURCES, PROMPT_ONLY_SOURCES, Conversation, read_source
 
 log = logging.getLogger(__name__)
 
@@ -220,6 +220,10 @@ def pick_conversations(params: PrepareParams, prompt_writer: PromptWriter | None
             if name in PROMPT_ONLY_SOURCES and not params.regenerate:
                 raise ParamsError(f"prepare.source {name} has prompts only, no replies: it needs the verifier to "
                                   "write them (prepare.regenerate: true), or set its weight to 0")
+            if params.max_len < LONG_ROW_SOURCES.get(name, 0):
+                raise ParamsError(f"prepare.source {name} holds prompts of up to 2,000 tokens: it needs "
+                                  f"prepare.max_len >= {LONG_ROW_SOURCES[name]} (now {params.max_len}), and "
+                                  "train.total_seq_len at least as long, or set its weight to 0")
             conversations = read_source(name)
             stats.records_read += len(conversations)
             order = list(range(len(conversations)))

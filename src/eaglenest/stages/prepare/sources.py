@@ -1,5 +1,5 @@
 """Reading conversations: the built-in sets (chitchat, Python functions to complete, documentation excerpts to
-summarize) and ShareGPT / OpenAI-style files.
+summarize, short and long; math word problems) and ShareGPT / OpenAI-style files.
 
 Every source yields :class:`Conversation` objects — a list of ``{"role", "content"}`` messages with roles
 ``system``, ``user`` and ``assistant`` — tagged with where they came from (file and record number), so a
@@ -74,28 +74,52 @@ def _python_functions() -> Iterator[Conversation]:
     return read_file(PYTHON_FUNCTIONS_FILE)
 
 
-# Documentation excerpts to summarize or answer from, from installed packages' READMEs: a snapshot
-# (scripts/snapshot_package_docs.py writes it; committed, under data/conversations). Prompts only.
+# Documentation excerpts to summarize or answer from, from installed packages' READMEs: snapshots written by
+# scripts/snapshot_package_docs.py (short excerpts, for 512-token rows) and scripts/snapshot_long_readmes.py
+# (600 to 1,500 tokens), committed under data/conversations. Prompts only.
 PACKAGE_DOCS_FILE = PYTHON_FUNCTIONS_FILE.with_name("package-docs.jsonl")
+LONG_READMES_FILE = PYTHON_FUNCTIONS_FILE.with_name("long-readmes.jsonl")
+
+
+def _prompts(path: Path, script: str) -> Iterator[Conversation]:
+    """A prompt snapshot's records, each a user prompt with an empty reply for the verifier to write."""
+    for label, record in _read_records(path):
+        prompt = record.get("prompt") if isinstance(record, dict) else None
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise InputFileError(f"{path}: {label}: expected {{'prompt': '...'}}; rerun scripts/{script}")
+        yield Conversation(origin=f"{path}: {label}",
+                           messages=[{"role": "user", "content": prompt}, {"role": "assistant", "content": ""}])
 
 
 def _package_docs() -> Iterator[Conversation]:
-    """The snapshot's excerpts, each a user prompt with an empty reply for the verifier to write."""
-    for label, record in _read_records(PACKAGE_DOCS_FILE):
-        prompt = record.get("prompt") if isinstance(record, dict) else None
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise InputFileError(f"{PACKAGE_DOCS_FILE}: {label}: expected {{'prompt': '...'}}; rerun "
-                                 "scripts/snapshot_package_docs.py")
-        yield Conversation(origin=f"{PACKAGE_DOCS_FILE}: {label}",
-                           messages=[{"role": "user", "content": prompt}, {"role": "assistant", "content": ""}])
+    """The short README excerpts (builtin:package-docs)."""
+    return _prompts(PACKAGE_DOCS_FILE, "snapshot_package_docs.py")
+
+
+def _long_readmes() -> Iterator[Conversation]:
+    """The long README excerpts (builtin:long-readmes)."""
+    return _prompts(LONG_READMES_FILE, "snapshot_long_readmes.py")
+
+
+def _math_problems() -> Iterator[Conversation]:
+    """Grade-school word problems from templates (builtin:math-problems), each with an empty reply."""
+    from eaglenest.stages.prepare.math_problems import math_problems
+
+    for number, problem in enumerate(math_problems()):
+        yield Conversation(origin=f"builtin:math-problems:{number}",
+                           messages=[{"role": "user", "content": problem}, {"role": "assistant", "content": ""}])
 
 
 BUILTIN_SOURCES: Registry[Callable[[], Iterator[Conversation]]] = Registry("built-in conversation source")
 BUILTIN_SOURCES.register("chitchat", _chitchat)
 BUILTIN_SOURCES.register("python-functions", _python_functions)
 BUILTIN_SOURCES.register("package-docs", _package_docs)
+BUILTIN_SOURCES.register("long-readmes", _long_readmes)
+BUILTIN_SOURCES.register("math-problems", _math_problems)
 # Built-in sources of prompts without replies: the verifier writes them (prepare.regenerate: true).
-PROMPT_ONLY_SOURCES = (BUILTIN_PREFIX + "package-docs",)
+PROMPT_ONLY_SOURCES = tuple(BUILTIN_PREFIX + name for name in ("package-docs", "long-readmes", "math-problems"))
+# Built-in sources whose prompts need long rows: the prepare.max_len they need (a shorter one would drop them all).
+LONG_ROW_SOURCES = {BUILTIN_PREFIX + "long-readmes": 2048}  # its longest prompt: 1,959 SmolLM2 tokens
 
 
 def _normalise_turn(turn: Any, where: str, index: int) -> dict[str, str]:
