@@ -37,7 +37,7 @@ def _round(speedups: dict[str, dict[int, float]], ngram: float = 1.0) -> dict:
     names = list(speedups)
     ks = list(next(iter(speedups.values())))
     return {"plain": {n: _entry(10.0) for n in names},
-            "eagle3": {str(k): {n: {"speedup": speedups[n][k]} for n in names} for k in ks},
+            "draft": {str(k): {n: {"speedup": speedups[n][k]} for n in names} for k in ks},
             "ngram": {str(k): {n: {"speedup": ngram} for n in names} for k in ks}}
 
 
@@ -45,9 +45,9 @@ def test_best_k_per_set_and_the_k_to_serve():
     rounds = [_round({"code": {1: 1.1, 2: 1.5, 3: 1.2}, "chat": {1: 1.3, 2: 1.2, 3: 1.0}}),
               _round({"code": {1: 1.1, 2: 1.4, 3: 1.2}, "chat": {1: 1.3, 2: 1.25, 3: 1.0}})]
     best, serve_k = best_ks(rounds, ["code", "chat"], [1, 2, 3])
-    assert best["code"]["eagle3"]["k"] == 2 and best["code"]["eagle3"]["mean_speedup"] == pytest.approx(1.45)
-    assert best["chat"]["eagle3"]["k"] == 1
-    assert best["chat"]["eagle3"]["mean_speedup_per_k"] == {"1": 1.3, "2": 1.225, "3": 1.0}
+    assert best["code"]["draft"]["k"] == 2 and best["code"]["draft"]["mean_speedup"] == pytest.approx(1.45)
+    assert best["chat"]["draft"]["k"] == 1
+    assert best["chat"]["draft"]["mean_speedup_per_k"] == {"1": 1.3, "2": 1.225, "3": 1.0}
     assert serve_k == 2  # mean over the sets: K=1 1.2, K=2 1.3375, K=3 1.1
 
 
@@ -101,12 +101,12 @@ def test_the_sweep_records_the_fastest_k_and_serve_uses_it(tmp_path: Path, monke
     assert "humaneval: draft K=1 x1.2, K=2 x1.5, K=3 x1.3" in printed
     engines = [f"{m}, K={k}" for k in (1, 2, 3) for m in ("the draft", "n-gram drafting")]
     assert started == ["the verifier", *engines]  # plain once, then each K's two engines
-    assert timed_beside == [["plain", "eagle3", "ngram"]] * 3  # each K's two timed beside the plain engine
+    assert timed_beside == [["plain", "draft", "ngram"]] * 3  # each K's two timed beside the plain engine
     result = json.loads(out.read_text())
     assert result["serve_k"] == 2 and result["ks"] == [1, 2, 3]
-    assert result["draft"]["sha256"] == draft_fingerprint(draft)
+    assert result["draft"]["sha256"] == draft_fingerprint(draft) and result["draft"]["algorithm"] == "eagle3"
     assert result["best"]["general"]["ngram"]["k"] == 1
-    assert result["rounds"][0]["eagle3"]["2"]["general"]["speedup"] == 1.5
+    assert result["rounds"][0]["draft"]["2"]["general"]["speedup"] == 1.5
 
     def served_k(*extra: str) -> tuple[int, str]:
         assert cli.main(["serve", "--verifier", str(verifier), "--draft", str(draft), "--print-command",
@@ -170,7 +170,7 @@ def test_the_real_sweep_on_the_tiny_pipeline(smollm2_repo: Path, tmp_path: Path)
     assert result["draft"]["sha256"] == draft_fingerprint(paths.draft)
     (round_,) = result["rounds"]
     for k in ("1", "2"):
-        for name, entry in round_["eagle3"][k].items():
+        for name, entry in round_["draft"][k].items():
             assert entry["steps_with_draft"] > 0 and 1.0 <= entry["tau_when_drafted"] <= int(k) + 1
             assert entry["speedup"] > 0 and entry["speedup_ci95"] >= 0 and len(entry["turns"]) == len(
                 round_["plain"][k][name]["turns"])

@@ -164,19 +164,19 @@ def best_ks(rounds: list[dict[str, Any]], set_names: list[str], ks: list[int]) -
     """Per set and drafter, the K with the best mean speed-up over rounds; and the K to serve the draft at.
 
     Returns:
-        ``({set: {"eagle3"|"ngram": {k, mean_speedup, mean_speedup_per_k}}}, serve_k)``; serve_k has the best
+        ``({set: {"draft"|"ngram": {k, mean_speedup, mean_speedup_per_k}}}, serve_k)``; serve_k has the best
         mean over the sets of the draft's mean speed-ups (ties: the smaller K, the cheaper verify step).
     """
     best: dict[str, Any] = {}
     means: dict[str, dict[int, float]] = {}
     for name in set_names:
         best[name] = {}
-        for drafter in ("eagle3", "ngram"):
+        for drafter in ("draft", "ngram"):
             per_k = {k: statistics.mean(r[drafter][str(k)][name]["speedup"] for r in rounds) for k in ks}
             k_best = max(ks, key=lambda k, per_k=per_k: (per_k[k], -k))
             best[name][drafter] = {"k": k_best, "mean_speedup": round(per_k[k_best], 3),
                                    "mean_speedup_per_k": {str(k): round(v, 3) for k, v in per_k.items()}}
-            if drafter == "eagle3":
+            if drafter == "draft":
                 means[name] = per_k
     over_sets = {k: statistics.mean(means[name][k] for name in set_names) for k in ks}
     return best, max(ks, key=lambda k: (over_sets[k], -k))
@@ -194,7 +194,7 @@ def draft_fingerprint(draft_dir: Path) -> str:
 
 def run_sweep(paths: PipelinePaths, ks: list[int] | None, repeats: int, out: Path) -> dict[str, Any]:
     """The sweep: at each K, plain, the draft and n-gram timed together; ``repeats`` rounds; written to ``out``."""
-    from eaglenest.artifacts.draft import vllm_speculative_config
+    from eaglenest.artifacts.draft import draft_algorithm, vllm_speculative_config
     from eaglenest.stages.evaluate.vllm import close_engine, ngram_config, speculative_engine_kwargs
 
     if repeats < 1:
@@ -207,10 +207,10 @@ def run_sweep(paths: PipelinePaths, ks: list[int] | None, repeats: int, out: Pat
     rounds = []
     for round_number in range(repeats):
         plain = start_engine(turns, {}, "the verifier")
-        measured: dict[str, dict[str, Any]] = {"plain": {}, "eagle3": {}, "ngram": {}}
+        measured: dict[str, dict[str, Any]] = {"plain": {}, "draft": {}, "ngram": {}}
         for k in ks:
             draft = vllm_speculative_config(paths.draft, k)
-            engines = {"eagle3": (start_engine(turns, speculative_engine_kwargs(draft), f"the draft, K={k}"), k),
+            engines = {"draft": (start_engine(turns, speculative_engine_kwargs(draft), f"the draft, K={k}"), k),
                        "ngram": (start_engine(turns, speculative_engine_kwargs(ngram_config(turns.params, k)[0]),
                                               f"n-gram drafting, K={k}"), k)}
             # the plain engine is timed again beside each K's two: every speed-up divides neighbouring seconds
@@ -227,7 +227,7 @@ def run_sweep(paths: PipelinePaths, ks: list[int] | None, repeats: int, out: Pat
     names = [s.name for s in turns.sets]
     best, serve_k = best_ks(rounds, names, ks)
     result = {"draft": {"path": str(paths.draft), "sha256": draft_fingerprint(paths.draft),
-                        "trained_k": turns.trained_k},
+                        "algorithm": draft_algorithm(paths.draft, "the draft"), "trained_k": turns.trained_k},
               "commit": short_commit(), "timed_prompts": turns.params.timed_prompts,
               "ngram_window": list(ngram_config(turns.params, 1)[1]), "ks": ks, "repeats": repeats,
               "serve_k": serve_k, "best": best, "rounds": rounds}
@@ -240,10 +240,10 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
     """What the sweep found, one line per set and the K serve will use."""
     lines = []
     for name, entry in result["best"].items():
-        per_k = entry["eagle3"]["mean_speedup_per_k"]
+        per_k = entry["draft"]["mean_speedup_per_k"]
         ngram = entry["ngram"]["mean_speedup_per_k"]
         lines.append(f"{name}: draft " + ", ".join(f"K={k} x{v}" for k, v in per_k.items()) + "; n-gram "
-                     + ", ".join(f"K={k} x{v}" for k, v in ngram.items()) + f"; best K {entry['eagle3']['k']}")
+                     + ", ".join(f"K={k} x{v}" for k, v in ngram.items()) + f"; best K {entry['draft']['k']}")
     lines.append(f"serve_k {result['serve_k']} (the draft's own K is {result['draft']['trained_k']}): "
                  "`eaglenest serve` uses it for this draft")
     return lines
