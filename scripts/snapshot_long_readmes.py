@@ -24,7 +24,7 @@ import sys
 from functools import partial
 from pathlib import Path
 
-from snapshot_package_docs import excerpts, package_records  # scripts/, next to this file
+from snapshot_package_docs import excerpts, package_records, summary  # scripts/, next to this file
 
 OUT = Path(__file__).resolve().parents[1] / "data" / "conversations" / "long-readmes.jsonl"
 MIN_EXCERPT_CHARS, MAX_EXCERPT_CHARS = 2500, 4500
@@ -48,9 +48,6 @@ def records(count: int) -> list[dict[str, str]]:
 
 def main() -> int:
     from _snapshot import run
-
-    def summary(chosen: list[dict[str, str]]) -> str:
-        return f"{len(chosen)} long excerpts from {len({r['id'].rsplit(':', 1)[0] for r in chosen})} packages"
 
     return run(__doc__, OUT, 200, records, summary)
 

@@ -133,11 +133,13 @@ def permissive_licence(metadata: Any) -> str | None:
     return None
 
 
+def summary(chosen: list[dict[str, str]]) -> str:
+    """What a snapshot of package excerpts holds, for the script's last line."""
+    return f"{len(chosen)} excerpts from {len({r['id'].rsplit(':', 1)[0] for r in chosen})} packages"
+
+
 def main() -> int:
     from _snapshot import run  # scripts/, next to this file
-
-    def summary(chosen: list[dict[str, str]]) -> str:
-        return f"{len(chosen)} excerpts from {len({r['id'].rsplit(':', 1)[0] for r in chosen})} packages"
 
     return run(__doc__, OUT, 400, records, summary)
 

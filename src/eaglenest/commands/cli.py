@@ -162,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     vllm_args: list[str] = []
     if "--" in argv:
-        argv, vllm_args = argv[:argv.index("--")], argv[argv.index("--") + 1:]
+        separator = argv.index("--")
+        argv, vllm_args = argv[:separator], argv[separator + 1:]
     parser = build_parser()
     args = parser.parse_args(argv)
     if vllm_args and args.command != "serve":
