@@ -14,7 +14,7 @@ from eaglenest.artifacts.hidden_states import check_header, hs_path
 from eaglenest.artifacts.prepared import load_split
 from eaglenest.core.errors import EaglenestError, ParamsError
 from eaglenest.core.params import ExtractParams, parse_params
-from eaglenest.stages.extract import extract_hidden_states, shard_rows
+from eaglenest.stages.extract import extract_hidden_states, part_rows
 from eaglenest.stages.extract.hf import length_sorted_batches
 
 from .conftest import build_tiny_tokenizer, build_tiny_verifier
@@ -156,10 +156,10 @@ def test_row_longer_than_context_is_refused_with_its_index(tmp_path: Path):
         extract_hidden_states(ExtractParams(), verifier_dir, prepared, tmp_path / "hs", tmp_path / "m.json")
 
 
-def test_shards_cover_every_row_once():
-    shards = [list(shard_rows(10, rank, 3)) for rank in range(3)]
-    assert sorted(sum(shards, [])) == list(range(10))
-    assert all(shards)
+def test_parts_cover_every_row_once():
+    parts = [list(part_rows(10, rank, 3)) for rank in range(3)]
+    assert sorted(sum(parts, [])) == list(range(10))
+    assert all(parts)
 
 
 def test_batches_are_length_sorted_and_bounded():

@@ -1,4 +1,4 @@
-"""Several nodes, one data set: extract shards writing into one shared folder give the files one process
+"""Several nodes, one data set: extract parts writing into one shared folder give the files one process
 writes, and torchrun's rendezvous joins training processes started as separate nodes."""
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ from eaglenest.core.errors import EaglenestError
 from eaglenest.core.params import ConvertParams, ExtractParams
 from eaglenest.stages.convert import convert
 from eaglenest.stages.extract import extract_hidden_states
-from eaglenest.stages.extract.shards import SHARDS_DIR
+from eaglenest.stages.extract.parts import PARTS_DIR
 
 from .helpers import REPO, equal_length_training_data, pipeline_until_prepare, project_env
 
 ROWS = 10
 
 
-def extract_shard_command(root: Path, out: Path, rank: int, world_size: int) -> list[str]:
+def extract_part_command(root: Path, out: Path, rank: int, world_size: int) -> list[str]:
     """The extract stage script run as one node of a multi-node extraction (README)."""
     return [sys.executable, str(REPO / "stages" / "extract.py"), "--params", str(root / "params.yaml"),
             "--verifier", str(root / "models" / "verifier"), "--prepared", str(root / "data" / "prepared"),
@@ -42,33 +42,33 @@ def prepared(tmp_path: Path, tiny_verifier_dir: Path) -> Path:
     return tmp_path
 
 
-def test_two_shards_in_one_folder_write_the_files_of_one_process(prepared: Path):
+def test_two_parts_in_one_folder_write_the_files_of_one_process(prepared: Path):
     root = prepared
     shared, single = root / "shared", root / "single"
-    # Both shards at once, into one folder, as two nodes on a shared filesystem would.
-    shards = [subprocess.Popen(extract_shard_command(root, shared, rank, 2), cwd=root, env=project_env(),
+    # Both parts at once, into one folder, as two nodes on a shared filesystem would.
+    parts = [subprocess.Popen(extract_part_command(root, shared, rank, 2), cwd=root, env=project_env(),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
-    for shard in shards:
-        output, _ = shard.communicate(timeout=600)
-        assert shard.returncode == 0, output
+    for part in parts:
+        output, _ = part.communicate(timeout=600)
+        assert part.returncode == 0, output
     counts = [json.loads((root / f"extract-{rank}-of-2.json").read_text())["rows_computed"] for rank in (0, 1)]
     assert counts == [5, 5]
-    assert sorted(p.name for p in (shared / SHARDS_DIR).iterdir()) == ["rank-0-of-2.json", "rank-1-of-2.json"]
+    assert sorted(p.name for p in (shared / PARTS_DIR).iterdir()) == ["rank-0-of-2.json", "rank-1-of-2.json"]
     verifier, prepared_dir = root / "models" / "verifier", root / "data" / "prepared"
     extract_hidden_states(ExtractParams(), verifier, prepared_dir, single, root / "single.json")
     for row in range(ROWS):
         assert hs_path(shared, row).read_bytes() == hs_path(single, row).read_bytes(), row
-    # The union is a complete extraction: the unsharded stage (as `dvc repro extract` runs it) computes nothing.
+    # The union is a complete extraction: the single-node stage (as `dvc repro extract` runs it) computes nothing.
     again = extract_hidden_states(ExtractParams(), verifier, prepared_dir, shared, root / "again.json")
     assert (again["rows_computed"], again["rows_reused"]) == (0, ROWS)
-    assert not (shared / SHARDS_DIR).exists()  # joined: the folder is what one process writes
+    assert not (shared / PARTS_DIR).exists()  # joined: the folder is what one process writes
     metrics = convert(ConvertParams(draft_vocab_size=64), ExtractParams(dtype="bfloat16"), verifier, prepared_dir,
                       shared, root / "vocab",
                       root / "data.json")
     assert metrics["excluded"] == 0
 
 
-def test_a_shard_leaves_the_other_shards_temporaries(prepared: Path):
+def test_a_part_leaves_the_other_parts_temporaries(prepared: Path):
     """A node starting late must not delete a file another node is writing (rows 0-4 are rank 0's)."""
     shared = prepared / "shared"
     shared.mkdir()
@@ -81,8 +81,8 @@ def test_a_shard_leaves_the_other_shards_temporaries(prepared: Path):
     assert sorted(p.name for p in shared.glob("hs_*")) == sorted(f"hs_{row}.safetensors" for row in range(5, 10))
 
 
-def test_a_bad_shard_on_the_command_line_is_one_line(prepared: Path):
-    result = subprocess.run(extract_shard_command(prepared, prepared / "shared", 2, 2), cwd=prepared,
+def test_a_bad_part_on_the_command_line_is_one_line(prepared: Path):
+    result = subprocess.run(extract_part_command(prepared, prepared / "shared", 2, 2), cwd=prepared,
                             env=project_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == "  - extract.rank = 2 must be < extract.world_size = 2"
@@ -104,17 +104,17 @@ def test_the_join_refuses_a_gap_and_different_world_sizes(prepared: Path):
     verifier, prepared_dir, shared = prepared / "models" / "verifier", prepared / "data" / "prepared", prepared / "s"
     extract_hidden_states(ExtractParams(rank=0, world_size=2), verifier, prepared_dir, shared, prepared / "e0.json")
     # Rank 1 never ran: the join names its rows and the command instead of computing them on one node.
-    with pytest.raises(EaglenestError, match=r"rows 5..9 have no finished shard \(ranks \[1\] of extract.world_size 2 "
+    with pytest.raises(EaglenestError, match=r"rows 5..9 have no finished part \(ranks \[1\] of extract.world_size 2 "
                                              r"never finished\); run them with .*--rank 1 --world-size 2"):
         extract_hidden_states(ExtractParams(), verifier, prepared_dir, shared, prepared / "join.json")
     assert len(list(shared.glob("hs_*"))) == 5
     # A stray record of another world size (a node started with a typo, which then finished).
     extract_hidden_states(ExtractParams(rank=2, world_size=3), verifier, prepared_dir, shared, prepared / "e2.json")
-    with pytest.raises(EaglenestError, match=r"shards of different extract.world_size wrote here \(rank 0 of "
+    with pytest.raises(EaglenestError, match=r"parts of different extract.world_size wrote here \(rank 0 of "
                                              r"extract.world_size 2 \(rows 0..4\); rank 2 of extract.world_size 3"):
         extract_hidden_states(ExtractParams(), verifier, prepared_dir, shared, prepared / "join.json")
     # The fix the message gives: delete the records, and this node computes what is missing.
-    shutil.rmtree(shared / SHARDS_DIR)
+    shutil.rmtree(shared / PARTS_DIR)
     joined = extract_hidden_states(ExtractParams(), verifier, prepared_dir, shared, prepared / "join.json")
     assert (joined["rows_computed"], joined["rows_reused"]) == (1, ROWS - 1)  # row 5; 6-9 were rank 2's
 

@@ -163,4 +163,4 @@ def test_online_params_refuse_what_cannot_work():
         parse_params({"extract": {"store": "online", "backend": "vllm", "world_size": 2}})
     message = str(err.value)
     assert "extract.backend: vllm cannot (set extract.backend: hf" in message
-    assert "extract.store: online stores nothing to shard (extract.world_size = 2)" in message
+    assert "extract.store: online stores nothing to split across nodes (extract.world_size = 2)" in message

@@ -30,7 +30,7 @@ def remove_stale_temps(directory: Path, mine: Callable[[str], bool] | None = Non
     Args:
         directory: The folder.
         mine: Given the final name a temporary was written for, whether this process owns it; None owns
-            all. Writers sharing a folder (extract shards on several nodes) must not delete each other's
+            all. Writers sharing a folder (extract parts on several nodes) must not delete each other's
             temporaries while they are being written.
     """
     removed = 0

@@ -360,8 +360,8 @@ class ExtractParams(StrictModel):
         "bfloat16); the files are stored in extract.dtype either way.",
     )
     max_num_seqs: int = Field(default=64, ge=1, description="vllm back end: rows in flight at once.")
-    rank: int = Field(default=0, ge=0, description="This node's shard of the row range (0..world_size-1).")
-    world_size: int = Field(default=1, ge=1, description="Nodes sharing the extraction, each a contiguous shard.")
+    rank: int = Field(default=0, ge=0, description="This node's part of the row range (0..world_size-1).")
+    world_size: int = Field(default=1, ge=1, description="Nodes sharing the extraction, each a contiguous part.")
 
     @staticmethod
     def consistency_problems(values: dict[str, Any]) -> list[str]:
@@ -387,8 +387,9 @@ class ExtractParams(StrictModel):
                 )
             if isinstance(world_size, int) and world_size > 1:
                 problems.append(
-                    f"extract.store: online stores nothing to shard (extract.world_size = {world_size}); set "
-                    "extract.world_size: 1 and share the work with train.nproc (each process computes its batches)"
+                    f"extract.store: online stores nothing to split across nodes (extract.world_size = "
+                    f"{world_size}); set extract.world_size: 1 and share the work with train.nproc (each process "
+                    "computes its batches)"
                 )
         if backend == "vllm" and values.get("device") != "auto":
             problems.append(

@@ -5,7 +5,7 @@ A stage package (``eaglenest.stages.<name>``) defines ``STAGE = Stage(name, path
 * ``paths`` is a frozen dataclass of where dvc.yaml puts the stage's inputs and outputs. Each field made with
   :func:`path_arg` becomes a required ``--<field-name>`` option of the script (underscores as dashes), each made
   with :func:`int_option` an optional integer one (the few command-line overrides a stage takes, such as a
-  node's shard); fields without either are not on the command line (their defaults serve tests).
+  node's part); fields without either are not on the command line (their defaults serve tests).
 * ``run(params, paths) -> metrics`` gets the whole typed params file, so a stage reads ``params.extract.dtype``
   itself, and returns the metrics it wrote (empty for a stage without metrics).
 

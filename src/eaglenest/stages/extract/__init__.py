@@ -40,7 +40,7 @@ from eaglenest.core.params import ExtractParams, Params, parse_params
 from eaglenest.core.registry import Registry
 from eaglenest.core.stage import Stage, int_option, path_arg
 from eaglenest.stages.extract.job import Backend, ExtractionJob
-from eaglenest.stages.extract.shards import SHARDS_DIR, check_join, check_shard_start, shard_rows, write_record
+from eaglenest.stages.extract.parts import PARTS_DIR, check_join, check_part_start, part_rows, write_record
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +69,8 @@ def _import(job: ExtractionJob) -> None:
     copy_hidden_state_files(job)
 
 
-def shard_params(params: ExtractParams, rank: int | None, world_size: int | None) -> ExtractParams:
-    """``params`` with the shard given on the command line, validated as params are (one line naming both)."""
+def part_params(params: ExtractParams, rank: int | None, world_size: int | None) -> ExtractParams:
+    """``params`` with the part given on the command line, validated as params are (one line naming both)."""
     values = params.model_dump()
     values.update({k: v for k, v in (("rank", rank), ("world_size", world_size)) if v is not None})
     return parse_params({"extract": values}, source="--rank/--world-size").extract
@@ -138,7 +138,7 @@ class ExtractionPlan:
     """What this run of the extract stage must do (the first phase's result).
 
     Attributes:
-        params: The extract params (with this node's shard).
+        params: The extract params (with this node's part).
         verifier: The verifier stage's record.
         model_dir: The verifier's weights on this machine.
         input_ids: Token ids of every prepared row.
@@ -160,14 +160,14 @@ def plan_extraction(params: ExtractParams, verifier_dir: Path, prepared_dir: Pat
     """Phase 1: which rows this node extracts, what already validates, and the stale files cleared away."""
     verifier, model_dir = load_verifier_info(verifier_dir)
     input_ids = load_input_ids(prepared_dir)
-    rows = shard_rows(len(input_ids), params.rank, params.world_size)
+    rows = part_rows(len(input_ids), params.rank, params.world_size)
     _check_context(input_ids, rows, verifier)
     out_dir.mkdir(parents=True, exist_ok=True)
     config = extraction_fingerprint(verifier.fingerprint, verifier.layer_ids, params.dtype)
     if params.store == "online":
         return ExtractionPlan(params, verifier, model_dir, input_ids, rows, [], config)
     (out_dir / MANIFEST_FILE).unlink(missing_ok=True)  # files again: a manifest would say "online"
-    # Shards on several nodes may share one folder: each clears only the temporaries of its own rows.
+    # Parts on several nodes may share one folder: each clears only the temporaries of its own rows.
     removed = remove_stale_temps(out_dir, mine=lambda name: row_index(Path(name)) in rows)
     for path in out_dir.glob("hs_*.safetensors"):
         index = row_index(path)
@@ -175,11 +175,11 @@ def plan_extraction(params: ExtractParams, verifier_dir: Path, prepared_dir: Pat
             path.unlink()
             removed += 1
     if params.world_size > 1:
-        check_shard_start(out_dir, params.rank, params.world_size, rows, len(input_ids), config)
+        check_part_start(out_dir, params.rank, params.world_size, rows, len(input_ids), config)
     else:  # the join of a multi-node extraction, or a plain single-node run
         check_join(out_dir, len(input_ids), config)
     todo = rows_to_compute(out_dir, rows, input_ids, verifier, params.dtype, config)
-    log.info("%d rows in shard %d/%d: %d already extracted, %d to compute; %d stale files removed",
+    log.info("%d rows in part %d/%d: %d already extracted, %d to compute; %d stale files removed",
              len(rows), params.rank, params.world_size, len(rows) - len(todo), len(todo), removed)
     return ExtractionPlan(params, verifier, model_dir, input_ids, rows, todo, config)
 
@@ -208,7 +208,7 @@ def compute_hidden_states(plan: ExtractionPlan, out_dir: Path) -> float:
 
 
 def finish_extraction(plan: ExtractionPlan, out_dir: Path, metrics_path: Path, seconds: float) -> dict[str, Any]:
-    """Phase 3: every row of the shard has its file; the shard's record (several nodes) and the metrics."""
+    """Phase 3: every row of the part has its file; the part's record (several nodes) and the metrics."""
     params, input_ids, rows = plan.params, plan.input_ids, plan.rows
     missing = [row for row in rows if not hs_path(out_dir, row).is_file()]
     if missing:
@@ -258,7 +258,7 @@ def _write_online_manifest(params: ExtractParams, verifier: VerifierInfo, input_
     for path in out_dir.glob("hs_*.safetensors"):
         path.unlink()
         removed += 1
-    shutil.rmtree(out_dir / SHARDS_DIR, ignore_errors=True)
+    shutil.rmtree(out_dir / PARTS_DIR, ignore_errors=True)
     manifest = online_manifest(verifier, params.dtype, input_ids)
     atomic_write_json(out_dir / MANIFEST_FILE, manifest)
     log.info("extract.store: online: %d rows (%d tokens) will be computed by the train stage; %d stored files "
@@ -283,21 +283,21 @@ def _write_online_manifest(params: ExtractParams, verifier: VerifierInfo, input_
 
 @dataclass(frozen=True)
 class ExtractPaths:
-    """Where dvc.yaml puts the extract stage's inputs and outputs, and a node's shard (multi-node extraction)."""
+    """Where dvc.yaml puts the extract stage's inputs and outputs, and a node's part (multi-node extraction)."""
 
     verifier: Path = path_arg("the verifier stage's output folder")
     prepared: Path = path_arg("the prepare stage's dataset folder")
     out: Path = path_arg("hidden-state folder (data/hidden_states)")
     metrics: Path = path_arg("metrics JSON (metrics/extract.json)")
-    rank: int | None = int_option("this node's shard (overrides extract.rank)")
-    world_size: int | None = int_option("the number of shards (overrides extract.world_size)")
+    rank: int | None = int_option("this node's part (overrides extract.rank)")
+    world_size: int | None = int_option("the number of parts (overrides extract.world_size)")
 
 
 def run(params: Params, paths: ExtractPaths) -> dict[str, Any]:
-    """The extract stage, on this node's shard when ``--rank`` / ``--world-size`` are given (README)."""
+    """The extract stage, on this node's part when ``--rank`` / ``--world-size`` are given (README)."""
     extract = params.extract
     if paths.rank is not None or paths.world_size is not None:
-        extract = shard_params(extract, paths.rank, paths.world_size)
+        extract = part_params(extract, paths.rank, paths.world_size)
     return extract_hidden_states(extract, paths.verifier, paths.prepared, paths.out, paths.metrics)
 
 

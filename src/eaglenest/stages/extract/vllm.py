@@ -51,7 +51,7 @@ class HiddenStateEngine(Protocol):
 
 
 def staging_dir_for(out_dir: Path, rank: int = 0, world_size: int = 1) -> Path:
-    """Next to the output (same filesystem), outside the DVC-tracked folder; one per shard, since the shards of
+    """Next to the output (same filesystem), outside the DVC-tracked folder; one per part, since the parts of
     a multi-node extraction may share the output folder and each clears its staging folder on start."""
     suffix = ".vllm-staging" if world_size == 1 else f".vllm-staging-{rank}-of-{world_size}"
     return out_dir.with_name(out_dir.name + suffix)
