@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 import eaglenest.stages.train as train_module
@@ -221,7 +224,7 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line_and_keeps_the_last(tmp_
         checkpoint_module.save_checkpoint(path, model, optimizer, scheduler, 200)
     assert sorted(p.name for p in path.parent.iterdir()) == ["checkpoint.pt"]
     monkeypatch.undo()
-    assert checkpoint_module.resume(path, model, optimizer, scheduler, seed=0) == 100
+    assert checkpoint_module.resume(path, model, optimizer, scheduler) == 100
 
 
 def test_packing_is_deterministic_and_bounded():
@@ -239,32 +242,34 @@ def test_tau_from_conditional_accuracies():
     assert tau_from_conditional([0.5, 0.5]) == pytest.approx(1.75)
 
 
+def _train_stage(run: Path, data: Path, train: dict, script: Path | None = None) -> subprocess.CompletedProcess:
+    """The train stage (``script`` wrapping it, if given) in ``run`` on the tiny data under ``data``."""
+    from .helpers import REPO, project_env
+
+    run.mkdir(exist_ok=True)
+    (run / "params.yaml").write_text(yaml.safe_dump({"train": train, "extract": {"dtype": "float32"}}))
+    stage = [str(script), str(REPO / "stages/train.py")] if script else [str(REPO / "stages/train.py")]
+    return subprocess.run(
+        [sys.executable, *stage, "--params", "params.yaml", "--verifier", str(data / "verifier"),
+         "--prepared", str(data / "prepared"), "--hidden-states", str(data / "hs"), "--vocab", str(data / "vocab"),
+         "--out", "draft", "--metrics", "train.json", "--details", "train_details.json", "--live-dir", "dvclive"],
+        cwd=run, env=project_env(), capture_output=True, text=True, timeout=600,
+    )
+
+
 @pytest.mark.slow
 def test_two_cpu_processes_match_one_on_the_same_global_batch(tmp_path: Path, tiny_verifier_dir: Path):
     """torchrun with 2 gloo processes vs 1 process: same rows per step, same losses and weights."""
-    import subprocess
-    import sys
-
-    import yaml
-
-    from .helpers import REPO, equal_length_training_data, project_env
+    from .helpers import equal_length_training_data
 
     equal_length_training_data(tmp_path, tiny_verifier_dir)
     results = {}
     for nproc, seq_len in ((1, 192), (2, 96)):
         run = tmp_path / f"run{nproc}"
-        run.mkdir()
         # float32: bf16 rounds differently for different batch shapes, and this checks the arithmetic is the same.
         train = {"steps": 3, "eval_every": 3, "total_seq_len": seq_len, "lr": 3e-3, "warmup_steps": 0,
                  "nproc": nproc, "precision": "float32"}
-        (run / "params.yaml").write_text(yaml.safe_dump({"train": train, "extract": {"dtype": "float32"}}))
-        result = subprocess.run(
-            [sys.executable, str(REPO / "stages/train.py"), "--params", "params.yaml",
-             "--verifier", str(tmp_path / "verifier"), "--prepared", str(tmp_path / "prepared"),
-             "--hidden-states", str(tmp_path / "hs"), "--vocab", str(tmp_path / "vocab"), "--out", "draft",
-             "--metrics", "train.json", "--details", "train_details.json", "--live-dir", "dvclive"],
-            cwd=run, env=project_env(), capture_output=True, text=True, timeout=600,
-        )
+        result = _train_stage(run, tmp_path, train)
         assert result.returncode == 0, result.stdout + result.stderr
         results[nproc] = json.loads((run / "train_details.json").read_text())
         assert results[nproc]["processes"] == nproc
@@ -279,10 +284,64 @@ def test_two_cpu_processes_match_one_on_the_same_global_batch(tmp_path: Path, ti
         torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5)
 
 
+DIE_AFTER_CHECKPOINT = '''\
+"""The train stage, whose main process exits right after writing its first checkpoint (a node lost mid-run)."""
+import os
+import runpy
+import sys
+
+import eaglenest.stages.train as train
+
+original = train.save_checkpoint
+
+
+def save_then_die(*args, **kwargs):
+    original(*args, **kwargs)
+    os._exit(3)
+
+
+train.save_checkpoint = save_then_die
+# The stage relaunches itself under torchrun: every process runs this wrapper around it.
+relaunch = train.relaunch_with_torchrun
+train.relaunch_with_torchrun = lambda nproc, script, argv: relaunch(nproc, __file__, [script, *argv])
+stage = sys.argv.pop(1)
+sys.path.insert(0, os.path.dirname(stage))  # the stage imports _guard from its own folder
+runpy.run_path(stage, run_name="__main__")
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["peagle", "dflash"])
+def test_every_algorithm_trains_on_two_processes_and_resumes_exactly(tmp_path: Path, tiny_verifier_dir: Path,
+                                                                     algorithm: str):
+    """P-EAGLE and DFlash sample positions at random on each process: after the job dies at its checkpoint,
+    the resumed 2-process run ends with the weights of the uninterrupted one."""
+    from .helpers import equal_length_training_data
+
+    equal_length_training_data(tmp_path, tiny_verifier_dir)
+    train = {"steps": 6, "eval_every": 6, "checkpoint_every": 3, "total_seq_len": 96, "lr": 3e-3,
+             "warmup_steps": 0, "nproc": 2, "precision": "float32", **ALGORITHM_PARAMS[algorithm]}
+    uninterrupted = _train_stage(tmp_path / "a", tmp_path, train)
+    assert uninterrupted.returncode == 0, uninterrupted.stdout + uninterrupted.stderr
+    wrapper = tmp_path / "die_after_checkpoint.py"
+    wrapper.write_text(DIE_AFTER_CHECKPOINT)
+    died = _train_stage(tmp_path / "b", tmp_path, train, script=wrapper)
+    assert died.returncode != 0 and not (tmp_path / "b/draft").exists()
+    assert "the 2 training processes failed" in died.stderr
+    resumed = _train_stage(tmp_path / "b", tmp_path, train)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    details = json.loads((tmp_path / "b/train_details.json").read_text())
+    assert details["processes"] == 2 and details["resumed_from_step"] == 3
+    a = load_file(tmp_path / "a/draft/model.safetensors")
+    b = load_file(tmp_path / "b/draft/model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6)
+    assert json.loads((tmp_path / "b/draft/config.json").read_text())["speculators_model_type"] == algorithm
+
+
 def test_dvc_yaml_plots_one_accuracy_curve_per_ttt_step_of_the_default_draft():
     import re
-
-    import yaml
 
     repo = Path(__file__).resolve().parents[1]
     ttt_steps = yaml.safe_load((repo / "params.yaml").read_text())["train"]["ttt_steps"]

@@ -40,6 +40,7 @@ from eaglenest.stages.train.checkpoint import (
     resume,
     run_fingerprint,
     save_checkpoint,
+    seed_torch,
     trim_live_history,
 )
 from eaglenest.stages.train.data import PackedBatches, TrainingData, load_training_data, pack_batches
@@ -138,7 +139,7 @@ def setup_training(params: TrainParams, paths: TrainPaths) -> TrainSession:
 
     fingerprint = run_fingerprint(params, verifier, paths.prepared, paths.vocab, paths.hidden_states)
     checkpoint_path = paths.checkpoints / fingerprint / CHECKPOINT_FILE
-    start_step = resume(checkpoint_path, model, optimization.optimizer, optimization.scheduler, params.seed)
+    start_step = resume(checkpoint_path, model, optimization.optimizer, optimization.scheduler)
     if dist.is_main:
         if start_step:
             log.info("resuming run %s from step %d (%s)", fingerprint, start_step, checkpoint_path)
@@ -164,6 +165,7 @@ def _validate(session: TrainSession, step: int) -> dict[str, Any]:
     """Rank 0 validates on the unwrapped model (no collectives); the others wait."""
     result: dict[str, Any] = {}
     if session.live is not None:
+        seed_torch(session.params.seed, "val", step)  # P-EAGLE and DFlash sample their validation positions too
         result = validate_draft(session.model, session.data, session.val_batches, session.runtime)
         _log_validation(session.live, step, result)
     session.dist.barrier()
@@ -179,6 +181,7 @@ def fit(session: TrainSession) -> FitResult:
     result = FitResult(train_loss=float("nan"), validation={}, seconds=0.0, step_seconds=0.0, trained_tokens=0.0)
     for step in range(session.start_step, params.steps):
         step_started = time.perf_counter()
+        seed_torch(params.seed, "train", step, dist.rank)
         batch_rows = next(session.train_batches)
         batch = session.data.batch(batch_rows, device, training=True)
         loss = train_step(session.network, batch, session.runtime, session.optimization, params)

@@ -1,9 +1,12 @@
 """Resumable training: what identifies a run, and its checkpoints outside DVC's outputs.
 
-Every ``train.checkpoint_every`` steps the model, optimizer, scheduler, RNG state and step are saved under
+Every ``train.checkpoint_every`` steps the model, optimizer, scheduler and step are saved under
 ``.eaglenest/train-checkpoints/<fingerprint>/`` (DVC deletes a stage's outputs before re-running it, so they
 cannot live there). The fingerprint covers the train params and the content of every input, so a changed
 learning rate never resumes a stale run.
+
+No generator state is saved: :func:`seed_torch` seeds each step from the run's seed, the step and the process,
+so a resumed run draws what the uninterrupted one drew on every process.
 """
 
 from __future__ import annotations
@@ -48,16 +51,26 @@ def run_fingerprint(params: TrainParams, verifier: VerifierInfo, prepared: Path,
     return digest.hexdigest()[:24]
 
 
-def resume(checkpoint_path: Path, model: Any, optimizer: Any, scheduler: Any, seed: int) -> int:
+def seed_torch(seed: int, *labels: object) -> None:
+    """Seeds torch's generators (CPU and every GPU) from ``train.seed`` and ``labels`` alone.
+
+    P-EAGLE and DFlash sample positions at random (``torch.randperm`` over a batch's valid tokens), so a
+    process's generator advances by what its own rows hold. Seeding each step from (seed, "train", step, rank)
+    gives the processes of a DDP run streams of their own, and a resumed run the draws of the uninterrupted one
+    on every rank, whatever rank 0's state was when it saved the checkpoint.
+    """
+    digest = hashlib.sha256(":".join(str(part) for part in (seed, *labels)).encode()).digest()
+    torch.manual_seed(int.from_bytes(digest[:8], "little"))
+
+
+def resume(checkpoint_path: Path, model: Any, optimizer: Any, scheduler: Any) -> int:
     """Loads a checkpoint if this run has one; returns the step to continue from (0: a fresh start)."""
-    torch.manual_seed(seed)
     if not checkpoint_path.is_file():
         return 0
     state = torch.load(checkpoint_path, map_location="cpu", weights_only=True)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    torch.set_rng_state(state["rng"])
     return int(state["step"])
 
 
@@ -67,7 +80,7 @@ def save_checkpoint(path: Path, model: Any, optimizer: Any, scheduler: Any, step
     tmp = temp_sibling(path)
     try:
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state(), "step": step}, tmp)
+                    "scheduler": scheduler.state_dict(), "step": step}, tmp)
     except (OSError, RuntimeError) as err:
         # A full disk surfaces from torch's zip writer as "unexpected pos ...": name the file and the free space.
         tmp.unlink(missing_ok=True)

@@ -7,7 +7,7 @@ Each algorithm (:data:`ALGORITHMS`) is speculators' own model, loss and checkpoi
   training-time test (TTT) over K steps; EAGLE-3.1's two norms are its options.
 * ``peagle`` — ``PEagleDraftModel`` (P-EAGLE): the K tokens in one forward; the positions after the first carry a
   learned mask hidden state and the mask token. Its embeddings train too (vocabulary x hidden more weights), and
-  its training samples positions at random (COD sampling), from torch's global generator, which resume restores.
+  its training samples positions at random (COD sampling), from torch's generator, seeded per step and process.
 * ``dflash`` — ``DFlashDraftModel`` (DFlash): a block of K + 1 positions (the last verified token, then the
   mask token) drafted at once by Qwen3-style layers that attend to the verifier's aux states. It reads the rows
   unshifted: the verifier's state at t and the token at t line up, as speculators' own trainer gives them.
