@@ -3,6 +3,7 @@ every page says what it is for and links back, and no tracked file cites an issu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shlex
@@ -92,10 +93,8 @@ def _set_override(raw: dict, assignment: str) -> None:
     key, _, text = assignment.partition("=")
     value = yaml.safe_load(text)
     if isinstance(value, str):
-        try:
+        with contextlib.suppress(ValueError):
             value = float(value)
-        except ValueError:
-            pass
     *sections, last = key.split(".")
     node = raw
     for section in sections:
