@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eaglenest.commands.reference import README_TARGET, TARGETS, Generated, render_readme, stale
+from eaglenest.commands.generated import README_TARGET, Generated, render_readme, stale
+from eaglenest.commands.reference import TARGETS
 from eaglenest.core.errors import InputFileError, ParamsError
 from eaglenest.core.params import Params, parse_params
 

@@ -36,7 +36,7 @@ def _import(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace) -> int:
     if args.readme:
-        from eaglenest.commands.reference import README_TARGET, regenerate
+        from eaglenest.commands.generated import README_TARGET, regenerate
 
         if args.heads or args.base:
             raise EaglenestError("--readme takes no revisions: it renders the workspace's metrics into README.md")
