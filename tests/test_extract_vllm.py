@@ -164,7 +164,7 @@ def test_vllm_backend_without_vllm_says_how_to_install(tmp_path: Path, tiny_veri
 
 
 def test_vllm_is_never_imported_by_the_base_package():
-    # A fresh interpreter: other tests of this session may have imported vllm already.
+    # A fresh interpreter: other tests of the same pytest run may have imported vllm already.
     code = ("import sys, eaglenest.commands.cli, eaglenest.stages.extract, eaglenest.stages.extract.vllm; "
             "print('vllm' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

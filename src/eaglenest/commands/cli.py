@@ -35,6 +35,14 @@ def _import(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
+    if args.readme:
+        from eaglenest.commands.generated import README_TARGET, regenerate
+
+        if args.heads or args.base:
+            raise EaglenestError("--readme takes no revisions: it renders the workspace's metrics into README.md")
+        return regenerate(Path(args.repo), (README_TARGET,), args.check)
+    if args.base is None:
+        raise EaglenestError("give BASE, the revision to compare against (or --readme)")
     from eaglenest.commands.report import write_report
 
     print(write_report(Path(args.repo), args.heads, args.base, Path(args.out), args.samples, args.seed))
@@ -91,8 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
         "report", help="Markdown report of revisions against a base: headline metrics, a paired comparison of "
         "the evaluation records, and plots as PNG images"
     )
-    report.add_argument("base", metavar="BASE", help="the revision to compare against: a git revision, a DVC "
-                        "experiment name or 'workspace'")
+    report.add_argument("base", metavar="BASE", nargs="?", help="the revision to compare against: a git revision, "
+                        "a DVC experiment name or 'workspace'")
     report.add_argument("heads", metavar="HEAD", nargs="*", help="the revisions compared with BASE, same kinds "
                         "(default: workspace)")
     report.add_argument("--out", default="report", help="output folder (report.md and PNG plots)")
@@ -100,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--samples", type=int, default=2000,
                         help="bootstrap resamples of the paired comparison (default: 2000, as evaluate's)")
     report.add_argument("--seed", type=int, default=0, help="seed of the resampling (default: 0, as evaluate's)")
+    report.add_argument("--readme", action="store_true", help="instead of a report, render README.md's headline "
+                        "figure and demo table from the workspace's metrics/eval.json")
+    report.add_argument("--check", action="store_true", help="with --readme: write nothing, exit 1 if README.md's "
+                        "figures differ from the metrics")
     report.set_defaults(func=_report)
 
     summary = commands.add_parser("summary", help="the headline figures of the workspace as a short table")

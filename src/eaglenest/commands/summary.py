@@ -13,7 +13,8 @@ from typing import Any
 from eaglenest.core.errors import InputFileError
 
 
-def _read(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
+    """A metrics file, or one line naming the file and what is wrong with it."""
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
@@ -28,7 +29,7 @@ def _interval(value: float | None, half_width: float | None, prefix: str = "") -
     return f"{prefix}{value:.3f} ± {half_width:.3f}" if half_width is not None else f"{prefix}{value:.3f}"
 
 
-def _figure(figures: dict[str, Any], key: str, prefix: str = "") -> str:
+def figure(figures: dict[str, Any], key: str, prefix: str = "") -> str:
     """``figures[key]`` with its ``_ci95`` half-width where the metrics hold one."""
     return _interval(figures.get(key), figures.get(f"{key}_ci95"), prefix)
 
@@ -36,17 +37,17 @@ def _figure(figures: dict[str, Any], key: str, prefix: str = "") -> str:
 def summary_lines(repo: Path) -> list[str]:
     """The table: per headline set, tau, the single-stream speed-up and the n-gram baseline's, with their 95%
     intervals; then lossless, and tau_sim beside the decoded tau of the validation split."""
-    headline = _read(repo / "metrics" / "eval.json")
-    train = _read(repo / "metrics" / "train.json")
+    headline = read_json(repo / "metrics" / "eval.json")
+    train = read_json(repo / "metrics" / "train.json")
     details_path = repo / "metrics" / "eval" / "details.json"
-    details = _read(details_path) if details_path.exists() else {}
+    details = read_json(details_path) if details_path.exists() else {}
     backend = details.get("headline_backend", "vllm")
     rows = [("set", f"{backend} tau (95%)", "speed-up (95%)", "n-gram speed-up (95%)")]
     for name, figures in headline.items():
         if not isinstance(figures, dict):
             continue
-        rows.append((name, _figure(figures, f"{backend}_tau"), _figure(figures, f"{backend}_speedup", "x"),
-                     _figure(figures, f"{backend}_ngram_speedup", "x")))
+        rows.append((name, figure(figures, f"{backend}_tau"), figure(figures, f"{backend}_speedup", "x"),
+                     figure(figures, f"{backend}_ngram_speedup", "x")))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
     lines.append(f"lossless: {headline.get('lossless', '—')}")

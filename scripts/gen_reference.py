@@ -1,0 +1,9 @@
+"""Writes the generated references (docs/params.md, docs/cli.md, README.md's figures); ``--check`` only compares.
+
+Run it from the repository root with the project's interpreter: ``python scripts/gen_reference.py [--check]``.
+"""
+
+from eaglenest.commands.reference import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())
