@@ -420,3 +420,5 @@ def test_algorithm_params_are_refused_for_the_wrong_algorithm():
     with pytest.raises(ParamsError, match=r"train.peagle.depth: unknown key \(allowed: down_sample_ratio"):
         parse_params({"train": {"algorithm": "peagle", "peagle": {"depth": 2}}})
     assert parse_params({"train": {"algorithm": "dflash", "draft_arch": "qwen3"}}).train.dflash is None
+    with pytest.raises(ParamsError, match="train.algorithm"):  # not a name at all: reported, not a TypeError
+        parse_params({"train": {"algorithm": [], "peagle": {"max_anchors": 64}}})

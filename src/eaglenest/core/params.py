@@ -549,7 +549,9 @@ class TrainParams(StrictModel):
     @staticmethod
     def consistency_problems(values: dict[str, Any]) -> list[str]:
         problems = []
-        algorithm = values.get("algorithm")
+        algorithm = values.get("algorithm", "eagle3")
+        if not isinstance(algorithm, str):
+            return problems  # the field's own error names the value; nothing here can be checked against it
         for section in ("peagle", "dflash"):
             if values.get(section) is not None and algorithm != section:
                 problems.append(f"train.{section}: only with train.algorithm: {section} (it is {algorithm}); "
