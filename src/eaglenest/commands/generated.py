@@ -92,13 +92,19 @@ def _current(path: Path) -> str:
         return ""
 
 
+def _rendered(repo: Path, target: Generated) -> tuple[Path, str, str]:
+    """``target``'s path, its current text and the text its generator writes now."""
+    path = repo / target.path
+    old = _current(path)
+    return path, old, target.render(old, repo)
+
+
 def stale(repo: Path, targets: tuple[Generated, ...]) -> list[str]:
     """One line per target whose committed text differs from what its generator writes now."""
     problems = []
     for target in targets:
-        path = repo / target.path
-        old = _current(path)
-        if target.render(old, repo) != old:
+        _, old, new = _rendered(repo, target)
+        if new != old:
             problems.append(f"{target.path} is not what `{target.command}` writes from the current sources; "
                             f"run `{target.command}` and commit the result")
     return problems
@@ -108,9 +114,7 @@ def write(repo: Path, targets: tuple[Generated, ...]) -> list[str]:
     """Writes each target whose text changed (atomically); returns the paths written."""
     written = []
     for target in targets:
-        path = repo / target.path
-        old = _current(path)
-        new = target.render(old, repo)
+        path, old, new = _rendered(repo, target)
         if new != old:
             atomic_write_bytes(path, new.encode("utf-8"), fsync=False)
             written.append(target.path)
