@@ -352,7 +352,7 @@ def test_dvc_yaml_plots_one_accuracy_curve_per_ttt_step_of_the_default_draft():
 
 
 # The other draft algorithms on the same data: speculators' classes, their checkpoint type and K, resume.
-ALGORITHM_PARAMS = {"peagle": {"algorithm": "peagle"}, "dflash": {"algorithm": "dflash", "draft_arch": "qwen3"}}
+ALGORITHM_PARAMS = {"peagle": {"algorithm": "peagle"}, "dflash": {"algorithm": "dflash"}}
 ALGORITHM_CLASSES = {"peagle": "PEagleDraftModel", "dflash": "DFlashDraftModel"}
 
 
@@ -416,9 +416,13 @@ def test_algorithm_params_are_refused_for_the_wrong_algorithm():
     assert "train.dflash: only with train.algorithm: dflash (it is peagle)" in text
     assert "train.norm_output: not an option of train.algorithm: peagle" in text
     with pytest.raises(ParamsError, match="train.draft_arch = 'llama': a dflash draft has Qwen3-style layers"):
-        parse_params({"train": {"algorithm": "dflash"}})
+        parse_params({"train": {"algorithm": "dflash", "draft_arch": "llama"}})
     with pytest.raises(ParamsError, match=r"train.peagle.depth: unknown key \(allowed: down_sample_ratio"):
         parse_params({"train": {"algorithm": "peagle", "peagle": {"depth": 2}}})
     assert parse_params({"train": {"algorithm": "dflash", "draft_arch": "qwen3"}}).train.dflash is None
+    # draft_arch: auto (the default) is the layer each algorithm is served with, so one -S switches algorithm.
+    assert parse_params({"train": {"algorithm": "dflash"}}).train.draft_layer == "qwen3"
+    assert parse_params({"train": {"algorithm": "peagle"}}).train.draft_layer == "llama"
+    assert parse_params({"train": {"algorithm": "eagle3", "draft_arch": "qwen3"}}).train.draft_layer == "qwen3"
     with pytest.raises(ParamsError, match="train.algorithm"):  # not a name at all: reported, not a TypeError
         parse_params({"train": {"algorithm": [], "peagle": {"max_anchors": 64}}})

@@ -478,12 +478,13 @@ class TrainParams(StrictModel):
     dflash: DFlashParams | None = Field(
         default=None, description="DFlash's knobs (only with algorithm: dflash); null: speculators' defaults.")
     num_layers: int = Field(default=1, ge=1, description="Draft decoder layers.")
-    draft_arch: Literal["llama", "qwen3"] = Field(
-        default="llama",
+    draft_arch: Literal["auto", "llama", "qwen3"] = Field(
+        default="auto",
         description="The draft's decoder layer: speculators 0.9 builds 'llama' and 'qwen3' (per-head q/k norms) "
         "layers, and vLLM serves both (Eagle3LlamaForCausalLM, Eagle3Qwen3ForCausalLM). Either fits any verifier: "
-        "the draft takes the verifier's hidden size and vocabulary. No MLA (DeepSeek-V3-style) draft layer exists "
-        "in speculators 0.9 (docs/draft-architecture.md).",
+        "the draft takes the verifier's hidden size and vocabulary. 'auto' is 'qwen3' for dflash (the only layer "
+        "vLLM's DFlash serves) and 'llama' otherwise. No MLA (DeepSeek-V3-style) draft layer exists in "
+        "speculators 0.9 (docs/draft-architecture.md).",
     )
     ttt_steps: int = Field(
         default=2, ge=1, description="K, the tokens the draft proposes per step: eagle3's training-time-test "
@@ -546,6 +547,13 @@ class TrainParams(StrictModel):
         description="Verifier name recorded in the draft (what a server is given); null uses verifier.name.",
     )
 
+    @property
+    def draft_layer(self) -> str:
+        """The decoder layer speculators builds: ``draft_arch``, with 'auto' resolved for ``algorithm``."""
+        if self.draft_arch != "auto":
+            return self.draft_arch
+        return "qwen3" if self.algorithm == "dflash" else "llama"
+
     @staticmethod
     def consistency_problems(values: dict[str, Any]) -> list[str]:
         problems = []
@@ -556,9 +564,9 @@ class TrainParams(StrictModel):
             if values.get(section) is not None and algorithm != section:
                 problems.append(f"train.{section}: only with train.algorithm: {section} (it is {algorithm}); "
                                 f"remove train.{section} or set train.algorithm: {section}")
-        if algorithm == "dflash" and values.get("draft_arch") != "qwen3":
+        if algorithm == "dflash" and values.get("draft_arch", "auto") not in ("auto", "qwen3"):
             problems.append(f"train.draft_arch = {values.get('draft_arch')!r}: a dflash draft has Qwen3-style "
-                            "layers (what vLLM's DFlash serves); set train.draft_arch: qwen3")
+                            "layers (what vLLM's DFlash serves); set train.draft_arch: qwen3 (or auto)")
         unread = {"dflash": ("norm_before_fc", "norm_output"), "peagle": ("norm_output",)}.get(algorithm, ())
         for name in unread:
             if values.get(name):
@@ -685,7 +693,8 @@ class EvaluateParams(StrictModel):
         description="vllm back end: its engines (plain, EAGLE-3, n-gram), which share gpu_memory_utilization as "
         "evaluate.timing says (a third each when interleaved, else half: a stopped engine frees memory lazily); "
         "tensor_parallel_size GPUs each. dtype 'auto' serves an fp32 checkpoint in bfloat16 (lossless up to bf16 "
-        "numerics, see README); float32 matches hf exactly.",
+        "numerics: a flipped near-tie within evaluate.bf16_tie_margin counts as lossless, docs/evaluation.md); "
+        "float32 matches hf exactly.",
     )
     bf16_tie_margin: float = Field(
         default=0.5,

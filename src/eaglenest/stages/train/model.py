@@ -174,7 +174,7 @@ def build_draft(verifier: VerifierInfo, model_dir: Path, params: TrainParams, dr
     from speculators.train.cli import create_transformer_layer_config
 
     layer_config = create_transformer_layer_config(
-        str(model_dir), num_layers=params.num_layers, draft_arch=params.draft_arch, hidden_act=None,
+        str(model_dir), num_layers=params.num_layers, draft_arch=params.draft_layer, hidden_act=None,
         sliding_window=verifier.max_position_embeddings or 4096,
         full_attention_indices=list(range(params.num_layers)),  # plain causal attention, as vLLM serves it
         trust_remote_code=verifier.trust_remote_code,
