@@ -71,6 +71,17 @@ def _k_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _init(args: argparse.Namespace) -> int:
+    from eaglenest.commands.init import Gpus, init_params
+
+    if (args.gpus is None) != (args.gpu_memory_gib is None):
+        raise EaglenestError("--gpus and --gpu-memory-gib go together (the engines' widths need both); give both, "
+                             "or neither to use the GPUs torch sees")
+    gpus = None if args.gpus is None else Gpus(args.gpus, args.gpu_memory_gib)
+    print("\n".join(init_params(args.verifier, Path(args.out), force=args.force, gpus=gpus)))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="eaglenest", description=__doc__)
@@ -139,6 +150,23 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--print-command", action="store_true",
                         help="print the exact server command instead of running it")
     server.set_defaults(func=_serve)
+
+    init = commands.add_parser(
+        "init", help="write a params.yaml for a new verifier: aux layers, remote code, reasoning, draft layer and "
+        "vocabulary, engine widths, each choice explained in a comment",
+        description="Write a params.yaml for a new verifier. Reads its config.json, chat template and weight sizes "
+        "(nothing is loaded, no code runs) and the GPUs torch sees; each value chosen for the verifier carries a "
+        "comment saying why, and the file passes the strict params check.",
+    )
+    init.add_argument("verifier", metavar="VERIFIER", help="the verifier's model folder (config.json, weights, "
+                      "tokenizer), or builtin:smollm2-135m-instruct")
+    init.add_argument("--out", default="params.yaml", help="the file to write (default: params.yaml)")
+    init.add_argument("--force", action="store_true", help="replace --out if it exists")
+    init.add_argument("--gpus", type=int, default=None, metavar="N",
+                      help="GPUs per node for the engines (default: those torch sees); with --gpu-memory-gib")
+    init.add_argument("--gpu-memory-gib", type=float, default=None, metavar="GIB",
+                      help="memory of one GPU in GiB (default: torch's reading); with --gpus")
+    init.set_defaults(func=_init)
 
     sweep = commands.add_parser(
         "k-sweep", help="time the draft and vLLM's n-gram drafting at each K, single-stream on the headline sets; "
