@@ -95,7 +95,9 @@ def run_stage(stage: Stage[Any], argv: Sequence[str] | None = None) -> int:
     """
     args = vars(stage_parser(stage).parse_args(argv))
     params_file = args.pop("params")
-    logging.basicConfig(level=logging.INFO, format=f"eaglenest {stage.name}: %(message)s")
+    # Timestamped: a log of hours (training, extraction at scale) says when each line was written.
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s eaglenest {stage.name}: %(message)s",
+                        datefmt="%Y-%m-%d %H:%M:%S")
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         stage.run(load_params(params_file), stage.paths(**args))

@@ -269,13 +269,18 @@ def create_llm(kwargs: dict[str, Any], param: str, what: str = "the verifier", *
             os.environ[IN_PROCESS_ENV] = previous
 
 
-def generate(llm: Any, requests: list[dict[str, Any]], sampling: Any, param: str) -> list[Any]:
-    """``llm.generate`` without a progress bar; an engine that dies mid-run (a kernel it lacks, memory) is
-    one line naming ``param``, after vLLM's own log of the root cause."""
+def generate(llm: Any, requests: list[dict[str, Any]], sampling: Any, param: str, progress_desc: str | None = None
+             ) -> list[Any]:
+    """``llm.generate``, with a meter per finished request named ``progress_desc`` (none when None); an engine
+    that dies mid-run (a kernel it lacks, memory) is one line naming ``param``, after vLLM's own log of the root
+    cause."""
     from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
+    from eaglenest.core.progress import vllm_progress
+
+    use_tqdm = vllm_progress(progress_desc, "req") if progress_desc else False
     try:
-        return llm.generate(requests, sampling, use_tqdm=False)
+        return llm.generate(requests, sampling, use_tqdm=use_tqdm)
     except (EngineDeadError, EngineGenerateError, RuntimeError) as err:
         raise EaglenestError(
             f"{param}: vllm failed while generating: {first_line(err)} (vLLM's log above has the root cause); "

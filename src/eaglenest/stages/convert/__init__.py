@@ -44,15 +44,15 @@ def check_hidden_state_file(path: Path, input_ids: list[int], verifier: Verifier
 def validate_hidden_states(input_ids: list[list[int]], hs_dir: Path, verifier: VerifierInfo, dtype: str,
                            workers: int) -> dict[int, str]:
     """``{row: problem}`` for every prepared row whose hidden-state file is bad or missing."""
-    from tqdm import tqdm
+    from eaglenest.core.progress import progress
 
     def check(row: int) -> tuple[int, str | None]:
         return row, check_hidden_state_file(hs_path(hs_dir, row), input_ids[row], verifier, dtype)
 
     problems: dict[int, str] = {}
     with ThreadPoolExecutor(max_workers=workers) as pool:  # safetensors and torch release the GIL
-        for row, problem in tqdm(pool.map(check, range(len(input_ids))), total=len(input_ids),
-                                 desc="convert: validating", unit="file"):
+        for row, problem in progress(len(input_ids), "convert: validating", "file",
+                                     iterable=pool.map(check, range(len(input_ids)))):
             if problem is not None:
                 problems[row] = problem
     return problems

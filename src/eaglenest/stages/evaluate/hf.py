@@ -19,6 +19,7 @@ import torch
 from eaglenest.artifacts.draft import load_draft
 from eaglenest.artifacts.verifier import load_tokenizer, load_verifier_info
 from eaglenest.core.chat import cut_after_end_of_turn, end_of_turn_ids
+from eaglenest.core.progress import progress
 from eaglenest.stages.evaluate.job import EvaluationJob, add_ngram, add_timing, ask_turns, set_entry, turn_record
 from eaglenest.stages.evaluate.ngram import ngram_acceptance
 from eaglenest.stages.evaluate.sets import EvalSet
@@ -94,7 +95,8 @@ def _evaluate_set_hf(eval_set: EvalSet, decoder: ReferenceDecoder, limit: int | 
                                                for p in prompts],
                               lambda output: output[0])
     records = []
-    for item, (plain, plain_s) in zip(turns, plains, strict=True):
+    for item, (plain, plain_s) in progress(len(turns), f"evaluate: hf speculative, {eval_set.name}", "turn",
+                                           iterable=zip(turns, plains, strict=True)):
         spec = decoder.speculative(item.prompt, params.max_new_tokens, params.temperature, generator)
         # float32: the exact lossless rule
         record = turn_record(item, spec.acceptance, plain, spec.tokens, check_lossless=params.temperature == 0)

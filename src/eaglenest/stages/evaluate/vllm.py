@@ -35,6 +35,7 @@ from eaglenest.artifacts.draft import draft_algorithm, draft_tokens, vllm_specul
 from eaglenest.artifacts.verifier import VerifierInfo, load_tokenizer, load_verifier_info
 from eaglenest.core.errors import EaglenestError
 from eaglenest.core.params import EvaluateParams
+from eaglenest.core.progress import progress
 from eaglenest.core.vllm_support import create_llm, engine_kwargs, generate
 from eaglenest.stages.evaluate.acceptance import Acceptance, total
 from eaglenest.stages.evaluate.job import EvaluationJob, add_ngram, add_timing, ask_turns, set_entry, turn_record
@@ -129,8 +130,8 @@ def top_candidates(position_logprobs: dict[int, Any]) -> list[tuple[int, float]]
     return ranked[:TIE_CANDIDATES]
 
 
-def _generate(llm: Any, prompts: list[list[int]], sampling: Any) -> list[Any]:
-    return generate(llm, [{"prompt_token_ids": p} for p in prompts], sampling, PARAM)
+def _generate(llm: Any, prompts: list[list[int]], sampling: Any, progress_desc: str | None = None) -> list[Any]:
+    return generate(llm, [{"prompt_token_ids": p} for p in prompts], sampling, PARAM, progress_desc)
 
 
 def sampling_params(max_tokens: int, temperature: float, seed: int, **extra: Any) -> Any:
@@ -189,13 +190,14 @@ def request_acceptance(output: Any, k: int) -> Acceptance | None:
                       accepted=sum(j * count for j, count in enumerate(histogram)), per_position=per_position)
 
 
-def decode_with_counts(llm: Any, prompts: list[list[int]], sampling: Any, k: int) -> tuple[list[Any], list[Acceptance]]:
+def decode_with_counts(llm: Any, prompts: list[list[int]], sampling: Any, k: int, progress_desc: str | None = None
+                       ) -> tuple[list[Any], list[Acceptance]]:
     """All prompts in one call, with each request's acceptance counts, checked against the engine's counters.
 
     Where the build reports no per-request counts, each prompt is decoded alone between counter snapshots.
     """
     before = read_counters(llm.get_metrics())
-    outputs = _generate(llm, prompts, sampling)
+    outputs = _generate(llm, prompts, sampling, progress_desc)
     after = read_counters(llm.get_metrics())
     counts = [request_acceptance(output, k) for output in outputs]
     if all(c is not None for c in counts):
@@ -296,7 +298,8 @@ def evaluate_draft_vllm(job: EvaluationJob) -> dict[str, Any]:
         reference = sampling(eval_set, logprobs=TIE_CANDIDATES if greedy else None)
         started = time.perf_counter()
         turns, outputs = ask_turns(eval_set, eval_set.conversations, tokenizer,
-                                   lambda prompts, s=reference: _generate(plain_llm, prompts, s), _tokens)
+                                   lambda prompts, s=reference, d=f"evaluate: vllm plain, {eval_set.name}":
+                                   _generate(plain_llm, prompts, s, d), _tokens)
         plain[eval_set.name] = (turns, outputs, time.perf_counter() - started)
         log.info("vllm plain, %s: %d turns together in %.0f s", eval_set.name, len(turns), plain[eval_set.name][2])
     timed_prompts = {eval_set.name: [t.prompt for t in plain[eval_set.name][0][:_timed_count(eval_set, params)]]
@@ -309,7 +312,7 @@ def evaluate_draft_vllm(job: EvaluationJob) -> dict[str, Any]:
     for eval_set in job.sets:
         started = time.perf_counter()
         outputs, counts = decode_with_counts(spec_llm, [t.prompt for t in plain[eval_set.name][0]],
-                                             sampling(eval_set), k)
+                                             sampling(eval_set), k, f"evaluate: vllm draft, {eval_set.name}")
         spec[eval_set.name] = (outputs, counts, time.perf_counter() - started)
         log.info("vllm eagle3, %s: %d turns together in %.0f s", eval_set.name, len(outputs),
                  spec[eval_set.name][2])
@@ -328,7 +331,9 @@ def evaluate_draft_vllm(job: EvaluationJob) -> dict[str, Any]:
         for drafter in held:
             timed[drafter] = {}
         for eval_set in job.sets:
-            for drafter, pairs in time_interleaved(held, timed_prompts[eval_set.name], sampling(eval_set)).items():
+            pairs_of = time_interleaved(held, timed_prompts[eval_set.name], sampling(eval_set),
+                                        f"evaluate: timed turns, {eval_set.name}")
+            for drafter, pairs in pairs_of.items():
                 timed[drafter][eval_set.name] = pairs
         for llm in held.values():
             close_engine(llm)
@@ -370,8 +375,8 @@ def evaluate_draft_vllm(job: EvaluationJob) -> dict[str, Any]:
     return {"dtype": dtype, "num_speculative_tokens": k, "sets": sets}
 
 
-def time_interleaved(engines: dict[str, Any], prompts: list[list[int]], sampling: Any
-                     ) -> dict[str, list[tuple[Any, float]]]:
+def time_interleaved(engines: dict[str, Any], prompts: list[list[int]], sampling: Any,
+                     progress_desc: str = "timed turns") -> dict[str, list[tuple[Any, float]]]:
     """Each prompt alone on every engine, the engines taking turns prompt by prompt.
 
     A speed-up divides two engines' seconds; timed minutes apart, they carry whatever the machine did in
@@ -383,7 +388,7 @@ def time_interleaved(engines: dict[str, Any], prompts: list[list[int]], sampling
     """
     names = list(engines)
     timed: dict[str, list[tuple[Any, float]]] = {name: [] for name in names}
-    for i, prompt in enumerate(prompts):
+    for i, prompt in enumerate(progress(len(prompts), progress_desc, "turn", iterable=prompts)):
         shift = i % len(names)
         for name in names[shift:] + names[:shift]:
             timed[name] += decode_alone(engines[name], [prompt], sampling)

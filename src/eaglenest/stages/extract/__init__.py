@@ -186,11 +186,11 @@ def plan_extraction(params: ExtractParams, verifier_dir: Path, prepared_dir: Pat
 
 def compute_hidden_states(plan: ExtractionPlan, out_dir: Path) -> float:
     """Phase 2: the back end computes every row of ``plan.todo`` and writes its file; returns the seconds."""
-    from tqdm import tqdm
+    from eaglenest.core.progress import progress
 
     params, input_ids = plan.params, plan.input_ids
     started = time.perf_counter()
-    with tqdm(total=len(plan.todo), desc=f"extract ({params.backend})", unit="row") as bar:
+    with progress(len(plan.todo), f"extract ({params.backend})", "row") as bar:
         done_tokens = 0
 
         def on_row(row: int, tokens: int) -> None:

@@ -292,13 +292,13 @@ def collect_mix(params: PrepareParams, regenerator: Regenerator | None, prompt_w
 def render_mix(params: PrepareParams, tokenizer: Any, mix: Mix, eot_ids: set[int]) -> Rendered:
     """Phase 2: every conversation rendered with the chat template and masked; those left without a loss token
     are dropped (at least two must remain: one train, one validation)."""
-    from tqdm import tqdm
+    from eaglenest.core.progress import progress
 
     chat_kwargs = chat_template_kwargs(params.reasoning)
     dropped: Counter[str] = Counter({reason: 0 for reason in DROP_REASONS})
     dropped["no_assistant_turn"] = mix.picks.no_reply
     kept: list[tuple[list[PreparedRow], Conversation]] = []
-    for conversation in tqdm(mix.conversations, desc="prepare", unit="conv"):
+    for conversation in progress(len(mix.conversations), "prepare: render", "conv", iterable=mix.conversations):
         rows_of_conversation = [row for row in render_rows(tokenizer, conversation.messages, params.max_len, eot_ids,
                                                            chat_kwargs) if sum(row.loss_mask) > 0]
         if not rows_of_conversation:

@@ -33,6 +33,7 @@ from eaglenest.core.atomic import atomic_write_json
 from eaglenest.core.device import pick_device
 from eaglenest.core.errors import EaglenestError
 from eaglenest.core.params import Params, TrainParams
+from eaglenest.core.progress import progress
 from eaglenest.core.stage import Stage, path_arg
 from eaglenest.stages.train.checkpoint import (
     CHECKPOINT_FILE,
@@ -179,6 +180,8 @@ def fit(session: TrainSession) -> FitResult:
         _validate(session, 0)
     started = time.perf_counter()
     result = FitResult(train_loss=float("nan"), validation={}, seconds=0.0, step_seconds=0.0, trained_tokens=0.0)
+    # Rank 0's meter: steps with the loss, tokens/s and the ETA (a resumed run counts from where it stopped).
+    meter = progress(params.steps, "train", "step", initial=session.start_step, disable=not dist.is_main)
     for step in range(session.start_step, params.steps):
         step_started = time.perf_counter()
         seed_torch(params.seed, "train", step, dist.rank)
@@ -198,6 +201,9 @@ def fit(session: TrainSession) -> FitResult:
             live.log_metric("train/loss", result.train_loss)
             live.log_metric("train/lr", session.optimization.scheduler.get_last_lr()[0])
             live.log_metric("train/tokens_per_s", tokens / (time.perf_counter() - step_started))
+        meter.update(1)
+        meter.set_postfix(loss=f"{result.train_loss:.3f}", tok_s=f"{result.trained_tokens / result.step_seconds:.0f}",
+                          refresh=False)
         if done % params.eval_every == 0 or done == params.steps:
             result.validation = _validate(session, done)
         if done % params.checkpoint_every == 0 and done < params.steps:
@@ -205,6 +211,7 @@ def fit(session: TrainSession) -> FitResult:
                 save_checkpoint(session.checkpoint_path, session.model, session.optimization.optimizer,
                                 session.optimization.scheduler, done)
             dist.barrier()
+    meter.close()
     result.seconds = time.perf_counter() - started
     return result
 

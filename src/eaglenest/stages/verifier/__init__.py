@@ -28,6 +28,7 @@ from eaglenest.artifacts.verifier import VerifierInfo, hf_cache_path, write_veri
 from eaglenest.core.atomic import atomic_directory, atomic_write_json
 from eaglenest.core.errors import EaglenestError, ParamsError
 from eaglenest.core.params import BUILTIN_PREFIX, Params, VerifierParams
+from eaglenest.core.progress import progress
 from eaglenest.core.registry import Registry
 from eaglenest.core.stage import Stage, path_arg
 
@@ -83,7 +84,7 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _CHUNK = 16 * 1024 * 1024
 
 
-def content_hash(file: Path, cache_file: Path | None = None, remember: bool = True) -> str:
+def content_hash(file: Path, cache_file: Path | None = None, remember: bool = True, meter: Any = None) -> str:
     """sha256 of ``file``'s bytes, read in chunks.
 
     Args:
@@ -91,6 +92,7 @@ def content_hash(file: Path, cache_file: Path | None = None, remember: bool = Tr
         cache_file: Where hashes are remembered by resolved path, with the size and mtime they were taken at,
             so an unchanged file is not read again; None is :data:`WEIGHT_HASH_CACHE`.
         remember: False reads the file every time and remembers nothing.
+        meter: A progress meter in bytes, advanced by the file's size (as it is read, or at once when remembered).
     """
     cache_file = (cache_file or WEIGHT_HASH_CACHE) if remember else None
     stat = file.stat()
@@ -105,11 +107,15 @@ def content_hash(file: Path, cache_file: Path | None = None, remember: bool = Tr
         entry = cache.get(path)
         fresh = isinstance(entry, dict) and all(entry.get(k) == v for k, v in stamp.items())
         if fresh and isinstance(entry.get("sha256"), str):
+            if meter is not None:
+                meter.update(stat.st_size)
             return entry["sha256"]
     digest = hashlib.sha256()
     with open(file, "rb") as fh:
         while chunk := fh.read(_CHUNK):
             digest.update(chunk)
+            if meter is not None:
+                meter.update(len(chunk))
     if cache_file is not None:
         cache[path] = {**stamp, "sha256": digest.hexdigest()}  # replaces the entry of an older version
         try:
@@ -131,8 +137,12 @@ def fingerprint_model_dir(path: Path, cache_file: Path | None = None, remember: 
         file = path / name
         if file.is_file():
             digest.update(name.encode() + b"\0" + file.read_bytes())
-    for weights in sorted(p for p in path.iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES):
-        digest.update(weights.name.encode() + b"\0" + content_hash(weights, cache_file, remember).encode())
+    files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES)
+    # The first read of a verifier's weights (a terabyte for the largest) shows its rate and ETA.
+    with progress(sum(f.stat().st_size for f in files), "verifier: hashing the weights", "B", unit_scale=True,
+                  unit_divisor=1024) as meter:
+        for weights in files:
+            digest.update(weights.name.encode() + b"\0" + content_hash(weights, cache_file, remember, meter).encode())
     return digest.hexdigest()
 
 

@@ -29,6 +29,7 @@ from eaglenest.artifacts.verifier import VerifierInfo
 from eaglenest.core.atomic import atomic_write_json
 from eaglenest.core.chat import chat_template_kwargs, strip_reasoning
 from eaglenest.core.params import PrepareParams
+from eaglenest.core.progress import progress
 from eaglenest.core.registry import Registry
 from eaglenest.core.vllm_support import serving_dtype
 from eaglenest.stages.prepare.regenerate.job import GeneratorJob, ReplyBackend, ReplyGenerator, Sampling
@@ -103,6 +104,7 @@ def regenerate(conversations: list[list[dict[str, str]]], generate_replies: Repl
     # Batch conversations of similar length: a batch is left-padded to its longest prompt, so one long prompt
     # among short ones makes every row of its batch pay for the padding.
     todo.sort(key=lambda i: sum(len(m["content"]) for m in conversations[i][:-1]))
+    meter = progress(len(todo), "prepare: regenerated", "conv")  # per batch: the overall rate and ETA
     for start in range(0, len(todo), batch_size):
         batch = todo[start : start + batch_size]
         histories = [[dict(m) for m in conversations[i]] for i in batch]
@@ -128,7 +130,8 @@ def regenerate(conversations: list[list[dict[str, str]]], generate_replies: Repl
         for i, history in zip(batch, histories, strict=True):
             results[i] = history
             atomic_write_json(cache_dir / f"{keys[i]}.json", history)
-        log.info("regenerated %d / %d conversations", min(start + batch_size, len(todo)), len(todo))
+        meter.update(len(batch))
+    meter.close()
     stats.seconds = time.perf_counter() - started
     return [r for r in results if r is not None], stats
 

@@ -71,7 +71,9 @@ def vllm_reply_generator(job: GeneratorJob) -> ReplyGenerator:
             per_request = [SamplingParams(temperature=sampling.temperature, max_tokens=sampling.max_new_tokens,
                                           stop_token_ids=sorted(eos_ids), seed=seed * 100_003 + i)
                            for i in range(len(prompts))]
-        outputs = generate(llm, [{"prompt_token_ids": list(p)} for p in prompts], per_request, PARAM)
+        what = "write prompts" if sampling is not None else "regenerate"
+        outputs = generate(llm, [{"prompt_token_ids": list(p)} for p in prompts], per_request, PARAM,
+                           progress_desc=f"prepare: {what}, a batch of {len(prompts)}")
         if len(outputs) != len(prompts):
             raise EaglenestError(f"vLLM returned {len(outputs)} replies for {len(prompts)} prompts")
         return replies_from_outputs(outputs, eos_ids)
