@@ -5,9 +5,17 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from eaglenest.commands.k_sweep import K_SWEEP_FILE
 from eaglenest.core.errors import EaglenestError
+
+DESCRIPTION = (
+    "eaglenest trains EAGLE-3 speculative-decoding drafts for a verifier LLM and measures how much faster they "
+    "make it. The pipeline runs with DVC (`dvc repro`: stages in dvc.yaml, every knob in params.yaml); these "
+    "commands set it up, check and inspect what it makes, compare runs, and serve the draft with vLLM."
+)
+EPILOG = "`eaglenest COMMAND --help` describes each command. Reference: docs/cli.md and docs/params.md."
 
 
 def _doctor(_args: argparse.Namespace) -> int:
@@ -84,29 +92,30 @@ def _init(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
-    parser = argparse.ArgumentParser(prog="eaglenest", description=__doc__)
+    parser = argparse.ArgumentParser(prog="eaglenest", description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument("--version", action="version", version=f"eaglenest {_version()}")
-    commands = parser.add_subparsers(dest="command", required=True)
-    doctor = commands.add_parser(
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_command = _command_adder(commands)
+    doctor = add_command(
         "doctor", help="check the interpreter, the installed packages and the device"
     )
     doctor.set_defaults(func=_doctor)
 
-    inspect = commands.add_parser(
+    inspect = add_command(
         "inspect", help="show keys, shapes, dtypes, value ranges and token counts of dumps and checkpoints"
     )
     inspect.add_argument("paths", nargs="+", help="a .safetensors/.pt/.npy file, a checkpoint, dataset or folder")
     inspect.set_defaults(func=_inspect)
 
-    importer = commands.add_parser("import", help="turn hidden states dumped by other tools into eaglenest's layout")
-    importer.add_argument("--format", required=True,
+    importer = add_command("import", help="turn hidden states dumped by other tools into eaglenest's layout")
+    importer.add_argument("--format", required=True, choices=IMPORT_FORMAT_NAMES,
                           help="speculators-pt (one .pt per sample) or speculators (0.9 / vLLM hs_{i}.safetensors)")
     importer.add_argument("source", help="the dump (a folder)")
     importer.add_argument("--out", required=True, help="output folder: a dataset with hidden_states/ inside")
     importer.add_argument("--val-fraction", type=float, default=0.05, help="last rows held out for validation")
     importer.set_defaults(func=_import)
 
-    report = commands.add_parser(
+    report = add_command(
         "report", help="Markdown report of revisions against a base: headline metrics, a paired comparison of "
         "the evaluation records, and plots as PNG images"
     )
@@ -125,14 +134,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "figures differ from the metrics")
     report.set_defaults(func=_report)
 
-    summary = commands.add_parser("summary", help="the headline figures of the workspace as a short table")
+    summary = add_command("summary", help="the headline figures of the workspace as a short table")
     summary.add_argument("--repo", default=".", help="the repository (default: the current folder)")
     summary.set_defaults(func=_summary)
 
-    server = commands.add_parser(
+    server = add_command(
         "serve", help="run vLLM's OpenAI-compatible server for the verifier with the trained draft",
         description="Run vLLM's OpenAI-compatible server for the verifier with the trained draft. Flags after "
-        "-- go to vLLM as they are: eaglenest serve -- --tensor-parallel-size 8 --max-model-len 8192",
+        "-- go to vLLM as they are (for example: eaglenest serve -- --tensor-parallel-size 8 --max-model-len 8192).",
     )
     server.add_argument("--verifier", default="models/verifier", help="the verifier stage's output folder")
     server.add_argument("--draft", default="models/draft", help="the train stage's draft checkpoint")
@@ -151,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="print the exact server command instead of running it")
     server.set_defaults(func=_serve)
 
-    init = commands.add_parser(
+    init = add_command(
         "init", help="write a params.yaml for a new verifier: aux layers, remote code, reasoning, draft layer and "
         "vocabulary, engine widths, each choice explained in a comment",
         description="Write a params.yaml for a new verifier. Reads its config.json, chat template and weight sizes "
@@ -168,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="memory of one GPU in GiB (default: torch's reading); with --gpus")
     init.set_defaults(func=_init)
 
-    sweep = commands.add_parser(
+    sweep = add_command(
         "k-sweep", help="time the draft and vLLM's n-gram drafting at each K, single-stream on the headline sets; "
         "record the fastest K for `eaglenest serve`"
     )
@@ -182,6 +191,22 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--prepared", default="data/prepared", help="the prepare stage's dataset (val sets)")
     sweep.set_defaults(func=_k_sweep)
     return parser
+
+
+# The import formats, as commands/importer.py registers them (tests hold the two equal); named here so that
+# building the parser does not import torch.
+IMPORT_FORMAT_NAMES = ["speculators-pt", "speculators"]
+
+
+def _command_adder(commands: Any) -> Any:
+    """``commands.add_parser`` whose ``--help`` opens with a description: the given one, else the one-line help
+    as a sentence."""
+
+    def add(name: str, *, help: str, description: str | None = None) -> argparse.ArgumentParser:  # noqa: A002
+        sentence = description or help[:1].upper() + help[1:].rstrip(".") + "."
+        return commands.add_parser(name, help=help, description=sentence)
+
+    return add
 
 
 def _version() -> str:
