@@ -103,6 +103,23 @@ def test_k_can_be_served_below_the_drafts_own(capsys, no_exec, pipeline_folders)
     assert "--num-speculative-tokens 0: must be at least 1 (the draft's own K is 3)" in capsys.readouterr().err
 
 
+def test_a_baseline_server_for_bench_serves_ngram_or_no_drafting(capsys, no_exec, pipeline_folders):
+    """``--baseline``: the server ``eaglenest bench --baseline-url`` compares the draft's against, on the same
+    verifier, name and flags: n-gram drafting at the draft's K (vLLM's default window), or no drafting at all."""
+    verifier, draft = pipeline_folders
+    assert cli.main(["serve", "--verifier", str(verifier), "--draft", str(draft), "--baseline", "ngram",
+                     "--print-command"]) == 0
+    captured = capsys.readouterr()
+    argv = shlex.split(captured.out.strip())
+    assert json.loads(argv[argv.index("--speculative-config") + 1]) == {
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 5, "prompt_lookup_max": 5}
+    assert "n-gram drafting (baseline), K = 3" in captured.err
+    assert cli.main(["serve", "--verifier", str(verifier), "--draft", str(draft), "--baseline", "none",
+                     "--print-command"]) == 0
+    argv = shlex.split(capsys.readouterr().out.strip())
+    assert "--speculative-config" not in argv and argv[argv.index("--served-model-name") + 1] == "tiny/llama"
+
+
 @pytest.mark.parametrize("config", [None, {"speculators_model_type": "mlp_speculator"}, {"model_type": "llama"}])
 def test_a_draft_that_is_not_eagle3_is_refused(capsys, no_exec, pipeline_folders, config):
     verifier, draft = pipeline_folders

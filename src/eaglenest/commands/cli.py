@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from eaglenest.commands.bench import DEFAULT_CONCURRENCY, DEFAULT_OUT
 from eaglenest.commands.k_sweep import K_SWEEP_FILE
 from eaglenest.core.errors import EaglenestError
 
@@ -68,7 +69,8 @@ def _serve(args: argparse.Namespace) -> int:
     from eaglenest.commands.serve import serve
 
     return serve(Path(args.verifier), Path(args.draft), args.host, args.port, args.dtype, args.print_command,
-                 args.num_speculative_tokens, Path(args.k_sweep), args.served_model_name, args.vllm_args)
+                 args.num_speculative_tokens, Path(args.k_sweep), args.served_model_name, args.vllm_args,
+                 args.baseline)
 
 
 def _k_sweep(args: argparse.Namespace) -> int:
@@ -77,6 +79,14 @@ def _k_sweep(args: argparse.Namespace) -> int:
     paths = PipelinePaths(Path(args.params), Path(args.verifier), Path(args.draft), Path(args.prepared))
     print("\n".join(summary_lines(run_sweep(paths, args.ks, args.repeats, Path(args.out)))))
     return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from eaglenest.commands.bench import BenchConfig, bench
+
+    return bench(BenchConfig(args.url, args.baseline_url, Path(args.prompts), args.model, Path(args.tokenizer),
+                             tuple(args.concurrency), args.num_prompts, args.max_tokens, args.temperature,
+                             args.warmup_prompts, args.timeout, Path(args.out)))
 
 
 def _init(args: argparse.Namespace) -> int:
@@ -156,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"the sweep's result the default K is read from (default: {K_SWEEP_FILE})")
     server.add_argument("--served-model-name", default=None, metavar="NAME",
                         help="the model name clients ask for (default: the verifier's, verifier.name or its hub id)")
+    server.add_argument("--baseline", choices=["ngram", "none"], default=None,
+                        help="serve a baseline instead of the draft, for eaglenest bench --baseline-url: vLLM's "
+                        "n-gram drafting at the same K, or the verifier alone (default: the draft)")
     server.add_argument("--print-command", action="store_true",
                         help="print the exact server command instead of running it")
     server.set_defaults(func=_serve)
@@ -190,6 +203,43 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--draft", default="models/draft", help="the train stage's draft checkpoint")
     sweep.add_argument("--prepared", default="data/prepared", help="the prepare stage's dataset (val sets)")
     sweep.set_defaults(func=_k_sweep)
+
+    bencher = add_command(
+        "bench", help="the served draft against a baseline server under load: tokens/s, latency, tau and speed-up "
+        "at each concurrency, with vLLM's `vllm bench serve`",
+        description="Benchmark the served draft against a baseline server (the same model without the draft, or "
+        "with n-gram drafting) at each concurrency: tokens/s, latency and TTFT from vLLM's `vllm bench serve`, tau "
+        "and per-position acceptance from the server's /metrics, the speed-up, the concurrency at which "
+        "speculation stops paying and, at temperature 0, whether the outputs equal the baseline's. Writes "
+        "bench.json and speedup.png.",
+    )
+    bencher.add_argument("--url", required=True, help="the server with the draft (eaglenest serve, or vllm serve "
+                         "with --speculative-config), e.g. http://127.0.0.1:8000")
+    bencher.add_argument("--baseline-url", required=True, help="the server of the same model without the draft "
+                         "(or with n-gram drafting)")
+    bencher.add_argument("--prompts", required=True, metavar="FILE", help="JSONL of {'messages': [...]}, "
+                         "{'prompt': '...'} or question.jsonl {'turns': [...]} records (first turn asked)")
+    bencher.add_argument("--model", default=None, metavar="NAME", help="the served model name (default: the "
+                         "verifier's name with --tokenizer models/verifier, else the one model --url serves)")
+    bencher.add_argument("--tokenizer", default="models/verifier", metavar="DIR", help="renders the prompts to "
+                         "token ids with its chat template: the verifier stage's folder or the served model's "
+                         "(default: models/verifier)")
+    bencher.add_argument("--concurrency", nargs="+", type=int, default=DEFAULT_CONCURRENCY, metavar="C",
+                         help="requests in flight, one run per value and endpoint (default: "
+                         f"{' '.join(map(str, DEFAULT_CONCURRENCY))})")
+    bencher.add_argument("--num-prompts", type=int, default=None, metavar="N", help="requests per run, the prompts "
+                         "taken in turn (default: 4 x the highest concurrency)")
+    bencher.add_argument("--max-tokens", type=int, default=64, metavar="M",
+                         help="tokens generated per request (default: 64)")
+    bencher.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                         help="sampling temperature; 0 also checks the outputs equal the baseline's (default: 0)")
+    bencher.add_argument("--warmup-prompts", type=int, default=2, metavar="N",
+                         help="requests of an unmeasured warm-up run per endpoint; 0: none (default: 2)")
+    bencher.add_argument("--timeout", type=float, default=600.0, metavar="S",
+                         help="seconds one run may take before the bench stops (default: 600)")
+    bencher.add_argument("--out", default=str(DEFAULT_OUT), metavar="DIR",
+                         help=f"bench.json, speedup.png and vLLM's raw results (default: {DEFAULT_OUT})")
+    bencher.set_defaults(func=_bench)
     return parser
 
 

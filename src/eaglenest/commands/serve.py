@@ -30,10 +30,12 @@ from pathlib import Path
 from eaglenest.artifacts.draft import draft_tokens, vllm_speculative_config
 from eaglenest.commands.k_sweep import K_SWEEP_FILE, recorded_k
 from eaglenest.core.errors import EaglenestError
-from eaglenest.core.vllm_support import DEFAULT_CPU_KVCACHE_GIB, VLLM_DTYPES, serving_dtype
+from eaglenest.core.vllm_support import DEFAULT_CPU_KVCACHE_GIB, VLLM_DTYPES, VLLM_NGRAM_WINDOW, serving_dtype
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 # vLLM flags the command sets from eaglenest's own: passed after ``--`` they would contradict them.
+# What `--baseline` serves instead of the draft (None: the draft itself).
+BASELINES = (None, "ngram", "none")
 OWN_FLAGS = {"--model": "--verifier", "--speculative-config": "--draft and --num-speculative-tokens",
              "--host": "--host", "--port": "--port", "--dtype": "--dtype",
              "--served-model-name": "--served-model-name"}
@@ -75,8 +77,8 @@ def check_port_free(host: str, port: int) -> None:
 def build_command(verifier_dir: Path, draft_dir: Path, host: str, port: int, dtype: str = "auto",
                   cpu_build: bool = True, num_speculative_tokens: int | None = None,
                   k_sweep_file: Path | None = K_SWEEP_FILE, served_model_name: str | None = None,
-                  vllm_args: list[str] | None = None) -> ServeCommand:
-    """The vLLM server command for the verifier stage's folder and the draft.
+                  vllm_args: list[str] | None = None, baseline: str | None = None) -> ServeCommand:
+    """The vLLM server command for the verifier stage's folder and the draft (or a baseline without it).
 
     Args:
         verifier_dir: The verifier stage's output (``models/verifier``, with verifier.json).
@@ -90,6 +92,8 @@ def build_command(verifier_dir: Path, draft_dir: Path, host: str, port: int, dty
         k_sweep_file: The sweep's result; None: not consulted.
         served_model_name: The name clients ask for; None: the verifier's (``verifier.name``, the hub id).
         vllm_args: Further vLLM server flags, appended as given; none of ``OWN_FLAGS``.
+        baseline: None serves the draft; ``"none"`` the verifier alone, ``"ngram"`` with vLLM's n-gram drafting
+            at the same K (vLLM's default window): what ``eaglenest bench --baseline-url`` compares against.
     """
     from eaglenest.artifacts.verifier import load_verifier_info
 
@@ -111,11 +115,17 @@ def build_command(verifier_dir: Path, draft_dir: Path, host: str, port: int, dty
     else:
         measured, why = recorded_k(draft_dir, k_sweep_file) if k_sweep_file is not None else (None, "")
         k, k_reason = (measured, why) if measured is not None else (k, f"the draft's own; {why}".removesuffix("; "))
-    speculative = vllm_speculative_config(draft_dir.resolve(), k)
+    if baseline not in BASELINES:
+        raise EaglenestError(f"--baseline {baseline}: expected one of {', '.join(b for b in BASELINES if b)}")
     argv = [sys.executable, "-m", SERVER_MODULE, "--model", str(model_dir.resolve()),
-            "--served-model-name", served_model_name or info.name, str(model_dir.resolve()),
-            "--speculative-config", json.dumps(speculative), "--host", host, "--port", str(port),
-            "--dtype", serving_dtype(model_dir, dtype)]
+            "--served-model-name", served_model_name or info.name, str(model_dir.resolve())]
+    if baseline is None:
+        argv += ["--speculative-config", json.dumps(vllm_speculative_config(draft_dir.resolve(), k))]
+    elif baseline == "ngram":
+        low, high = VLLM_NGRAM_WINDOW
+        argv += ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": k,
+                                                     "prompt_lookup_min": low, "prompt_lookup_max": high})]
+    argv += ["--host", host, "--port", str(port), "--dtype", serving_dtype(model_dir, dtype)]
     if info.trust_remote_code:
         argv.append("--trust-remote-code")
     env: dict[str, str] = {"VLLM_NO_USAGE_STATS": "1"}  # nothing leaves the machine
@@ -125,13 +135,14 @@ def build_command(verifier_dir: Path, draft_dir: Path, host: str, port: int, dty
         argv.append("--enforce-eager")
         env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KVCACHE_GIB)
     argv += vllm_args or []
-    return ServeCommand(argv, env, f"K = {k}: {k_reason}")
+    what = {None: "the draft", "ngram": "n-gram drafting (baseline)", "none": "no drafting (baseline)"}[baseline]
+    return ServeCommand(argv, env, f"{what}" if baseline == "none" else f"{what}, K = {k}: {k_reason}")
 
 
 def serve(verifier_dir: Path, draft_dir: Path, host: str = "127.0.0.1", port: int = 8000, dtype: str = "auto",
           print_only: bool = False, num_speculative_tokens: int | None = None,
           k_sweep_file: Path | None = K_SWEEP_FILE, served_model_name: str | None = None,
-          vllm_args: list[str] | None = None) -> int:
+          vllm_args: list[str] | None = None, baseline: str | None = None) -> int:
     """Checks, then runs (or with ``print_only`` prints) vLLM's OpenAI server for verifier and draft.
 
     Returns:
@@ -149,7 +160,7 @@ def serve(verifier_dir: Path, draft_dir: Path, host: str = "127.0.0.1", port: in
     command = build_command(verifier_dir, draft_dir, host, port, dtype,
                             cpu_build=build is not None and build.kind == "cpu",
                             num_speculative_tokens=num_speculative_tokens, k_sweep_file=k_sweep_file,
-                            served_model_name=served_model_name, vllm_args=vllm_args)
+                            served_model_name=served_model_name, vllm_args=vllm_args, baseline=baseline)
     print(f"eaglenest serve: {command.k_reason}", file=sys.stderr, flush=True)
     if print_only:
         print(command.shell())

@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 # GiB of CPU memory vLLM's CPU build reserves for the KV cache unless VLLM_CPU_KVCACHE_SPACE says otherwise:
 # plenty for SmolLM2-sized verifiers at the demo's context lengths, and small next to 24 GiB of RAM.
 DEFAULT_CPU_KVCACHE_GIB = "2"
+# vLLM's n-gram window when neither bound is set (SpeculativeConfig: prompt_lookup_min = max = 5).
+VLLM_NGRAM_WINDOW = (5, 5)
 # On a machine this small, vLLM's CPU build by default reserves one core for its scheduler and computes on the
 # rest: on 2 cores that halves the compute. Binding its threads to every core is faster on small machines
 # (docs/defaults.md has the measurement).

@@ -36,7 +36,7 @@ from eaglenest.artifacts.verifier import VerifierInfo, load_tokenizer, load_veri
 from eaglenest.core.errors import EaglenestError
 from eaglenest.core.params import EvaluateParams
 from eaglenest.core.progress import progress
-from eaglenest.core.vllm_support import create_llm, engine_kwargs, generate
+from eaglenest.core.vllm_support import VLLM_NGRAM_WINDOW, create_llm, engine_kwargs, generate
 from eaglenest.stages.evaluate.acceptance import Acceptance, total
 from eaglenest.stages.evaluate.job import EvaluationJob, add_ngram, add_timing, ask_turns, set_entry, turn_record
 from eaglenest.stages.evaluate.lossless import TIE_CANDIDATES
@@ -48,8 +48,6 @@ DRAFTS = "vllm:spec_decode_num_drafts"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
-# vLLM's n-gram window when neither bound is set (SpeculativeConfig: prompt_lookup_min = max = 5).
-VLLM_NGRAM_WINDOW = (5, 5)
 
 
 def read_counters(metrics: list[Any]) -> dict[str, Any]:
