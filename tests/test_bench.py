@@ -1,24 +1,56 @@
 """`eaglenest bench` against fake OpenAI-compatible servers on 127.0.0.1 (no vLLM engine starts): the /metrics
-arithmetic, the refusals (one line, exit 2) and, slow, whole sweeps run by `vllm bench serve` itself."""
+arithmetic, the refusals (one line, exit 2), the near-tie rule on differing outputs, servers started by --serve
+(the fake run as a process: ``python -m tests.test_bench --port P ...``) and, slow, whole sweeps run by
+`vllm bench serve` itself."""
 
 from __future__ import annotations
 
+import argparse
+import functools
 import json
 import math
+import os
+import signal
 import socket
+import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 from eaglenest.commands import bench, cli
+from eaglenest.commands.serve import ServeCommand
 from eaglenest.core.errors import EaglenestError
+from eaglenest.core.lossless_rule import TIE_CANDIDATES
 
 from .conftest import build_tiny_tokenizer
 
 K = 3  # the fake draft's speculative tokens: it accepts the first of each draft, so tau is exactly 2
+REPO = Path(__file__).resolve().parents[1]
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+TOP_GAP = 0.3  # the fake's runner-up is this far below its best at every position: a near-tie at margin 0.5
+
+
+@functools.cache
+def letter_ids() -> list[int]:
+    """The tiny tokenizer's ids of a..z, one token each: the fake's outputs, so that they decode to their text."""
+    return build_tiny_tokenizer().convert_tokens_to_ids(list(LETTERS))
+
+
+def fake_letters(prompt: list[int], max_tokens: int) -> list[int]:
+    """The letters (0..25) a plain fake generates: a function of the prompt, so that two servers agree."""
+    return [(sum(prompt) + 7 * j) % 26 for j in range(max_tokens)]
+
+
+def fake_top(letter: int) -> list[tuple[int, float]]:
+    """The plain fake's top candidates where it generates ``letter``: the next letter TOP_GAP behind, then far."""
+    ids = letter_ids()
+    return [(ids[(letter + rank) % 26], logprob) for rank, logprob in
+            enumerate([-0.05, -0.05 - TOP_GAP, -3.0, -3.5, -4.0][:TIE_CANDIDATES])]
 
 
 class FakeServer:
@@ -31,14 +63,22 @@ class FakeServer:
         spec: Expose the spec-decode counters (a draft server); False: a plain server.
         token_delay: Seconds per generated token (the fake's decode speed).
         die_after: Stop listening on the completion request after this many (a server killed mid-run).
+        port: The port to listen on; 0: a free one.
+        flip_at: Generate at this position the letter ``flip_to`` after the plain one (a draft leaving plain
+            decoding there: 1 is the plain fake's runner-up, 13 none of its candidates).
+        flip_to: See ``flip_at``.
+        die_exits: Dying ends the process (a server process killed), rather than closing the socket.
     """
 
     def __init__(self, model: str = "tiny", spec: bool = True, token_delay: float = 0.0,
-                 die_after: int | None = None) -> None:
+                 die_after: int | None = None, port: int = 0, flip_at: int | None = None, flip_to: int = 1,
+                 die_exits: bool = False) -> None:
         from prometheus_client import CollectorRegistry, Counter
 
         self.model, self.spec, self.token_delay, self.die_after = model, spec, token_delay, die_after
+        self.flip_at, self.flip_to, self.die_exits = flip_at, flip_to, die_exits
         self.requests: list[dict] = []
+        self.checks: list[dict] = []  # the unstreamed requests with logprobs: bench's near-tie checks
         self.lock = threading.Lock()
         self.registry = CollectorRegistry()
         labels = ["model_name", "engine"]
@@ -58,7 +98,7 @@ class FakeServer:
             self.drafts.labels(model, "0")
             self.draft_tokens.labels(model, "0")
             self.accepted.labels(model, "0")
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -71,6 +111,8 @@ class FakeServer:
         self.kill()
 
     def kill(self) -> None:
+        if self.die_exits:
+            os._exit(1)
         self.server.shutdown()
         self.server.server_close()
 
@@ -79,9 +121,11 @@ class FakeServer:
 
         return generate_latest(self.registry).decode()
 
-    def complete(self, prompt: list[int], max_tokens: int) -> list[str]:
-        """The pieces of text generated, and the counters of having generated them."""
-        pieces = [f" w{(sum(prompt) + 7 * j) % 50}" for j in range(max_tokens)]
+    def complete(self, prompt: list[int], max_tokens: int) -> list[int]:
+        """The letters generated (0..25, each one token), and the counters of having generated them."""
+        pieces = fake_letters(prompt, max_tokens)
+        if self.flip_at is not None and self.flip_at < max_tokens:
+            pieces[self.flip_at] = (pieces[self.flip_at] + self.flip_to) % 26
         with self.lock:
             self.generation.labels(self.model, "0").inc(max_tokens)
             self.success.labels(self.model, "0", "length").inc()
@@ -128,15 +172,18 @@ class FakeServer:
                     self._json({"error": f"no {self.path} for {body.get('model')}"}, 404)
                     return
                 with fake.lock:
-                    fake.requests.append(body)
-                    number = len(fake.requests)
+                    (fake.requests if body.get("stream") else fake.checks).append(body)
+                    number = len(fake.requests) + len(fake.checks)
                 if fake.die_after is not None and number > fake.die_after:
                     threading.Thread(target=fake.kill, daemon=True).start()
                     self.close_connection = True
                     return
                 prompt = body["prompt"]
                 assert isinstance(prompt, list) and all(isinstance(t, int) for t in prompt), prompt
-                pieces = fake.complete(prompt, int(body["max_tokens"]))
+                letters = fake.complete(prompt, int(body["max_tokens"]))
+                if not body.get("stream"):
+                    self._logprobs(body, prompt, letters)
+                    return
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.end_headers()  # HTTP/1.0: the stream ends when the connection closes
@@ -146,14 +193,30 @@ class FakeServer:
                     self.wfile.write(f"data: {text}\n\n".encode())
                     self.wfile.flush()
 
-                for piece in pieces:
+                for letter in letters:
                     time.sleep(fake.token_delay)
                     event({"object": "text_completion", "model": fake.model,
-                           "choices": [{"index": 0, "text": piece, "finish_reason": None}]})
+                           "choices": [{"index": 0, "text": LETTERS[letter], "finish_reason": None}]})
                 event({"object": "text_completion", "model": fake.model, "choices": [],
-                       "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(pieces),
-                                 "total_tokens": len(prompt) + len(pieces)}})
+                       "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(letters),
+                                 "total_tokens": len(prompt) + len(letters)}})
                 event("[DONE]")
+
+            def _logprobs(self, body: dict, prompt: list[int], letters: list[int]) -> None:
+                """vLLM's unstreamed completion with logprobs and return_tokens_as_token_ids (ids as token_id:N)."""
+                if body.get("logprobs") is None or not body.get("return_tokens_as_token_ids"):
+                    self._json({"error": "the fake answers unstreamed requests with token-id logprobs only"}, 400)
+                    return
+                ids = [letter_ids()[letter] for letter in letters]
+                tops = [dict([(f"token_id:{token}", top[0][1])] +  # vLLM lists the chosen token first
+                             [(f"token_id:{t}", lp) for t, lp in top[: int(body["logprobs"])]])
+                        for token, top in zip(ids, (fake_top(letter) for letter in letters), strict=True)]
+                self._json({"object": "text_completion", "model": fake.model, "choices": [{
+                    "index": 0, "text": "".join(LETTERS[letter] for letter in letters), "finish_reason": "length",
+                    "logprobs": {"tokens": [f"token_id:{t}" for t in ids], "token_logprobs": [-0.05] * len(ids),
+                                 "top_logprobs": tops, "text_offset": list(range(len(ids)))}}],
+                    "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids),
+                              "total_tokens": len(prompt) + len(ids)}})
 
         return Handler
 
@@ -381,9 +444,10 @@ def test_a_sweep_writes_bench_json_and_the_plot(capsys, prompts: Path, tokenizer
         assert d["counter_problems"] == [] and b["counter_problems"] == [] and "tau" not in b
         assert row["speedup"] == pytest.approx(d["tokens_per_s"] / b["tokens_per_s"], rel=1e-3)
         assert d["latency_ms"]["p50"] > 0 and d["ttft_ms"]["p99"] >= d["ttft_ms"]["p50"] > 0
-        assert row["outputs"] == {"compared": 4, "identical": 4, "differ": []}
+        assert row["outputs"] == {"compared": 4, "identical": 4, "near_ties": [], "differ": []}
         assert (out / row["draft"]["raw"]).is_file()
     assert result["stops_paying_at"] == bench.stops_paying_at(result["results"])
+    assert result["tie_checks"] == 0 and baseline.checks == []  # identical outputs need no check
     assert (out / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "speed-up" in captured.out and "wrote" in captured.out
 
@@ -403,3 +467,308 @@ def test_a_server_killed_mid_run_ends_the_bench_in_one_line_keeping_what_was_mea
     result = json.loads((out / "bench.json").read_text())
     assert not result["complete"] and [r["concurrency"] for r in result["results"]] == [1]
     assert result["stopped"] in err and (out / "speedup.png").is_file()
+
+
+# --- the near-tie rule on outputs that differ (fast: the runs below send the requests themselves) -------------
+
+def fake_vllm_bench(endpoint: bench.Endpoint, model: str, dataset: Path, num_requests: int, concurrency: int,
+                    config: bench.BenchConfig, raw_dir: Path, name: str) -> dict:
+    """`vllm bench serve`'s result file, from the requests sent one at a time (no vLLM import: seconds, not
+    minutes); a request the server does not answer is a failed one, as vLLM's bench counts it."""
+    records = [json.loads(line) for line in dataset.read_text().splitlines()][:num_requests]
+    before = endpoint.counters()
+    texts, errors, latencies, tokens = [], [], [], 0
+    start = time.perf_counter()
+    for record in records:
+        sent = time.perf_counter()
+        body = json.dumps({"model": model, "prompt": record["prompt"], "max_tokens": config.max_tokens,
+                           "temperature": config.temperature, "stream": True}).encode()
+        request = urllib.request.Request(endpoint.url + "/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                events = [json.loads(line[6:]) for line in response.read().decode().splitlines()
+                          if line.startswith("data: {")]
+        except (urllib.error.URLError, OSError) as err:
+            texts.append("")
+            errors.append(str(err))
+            latencies.append(0.0)
+            continue
+        texts.append("".join(c["text"] for e in events for c in e["choices"]))
+        tokens += next(e["usage"]["completion_tokens"] for e in events if e.get("usage"))
+        errors.append("")
+        latencies.append(time.perf_counter() - sent)
+    duration = time.perf_counter() - start
+    spec = bench.acceptance(before, endpoint.counters()) if not any(errors) else None
+    failed = sum(bool(e) for e in errors)
+    raw = {"completed": len(records) - failed, "failed": failed, "total_output_tokens": tokens, "duration": duration,
+           "output_throughput": tokens / duration, "request_throughput": (len(records) - failed) / duration,
+           "latencies": latencies, "ttfts": [latency / 2 for latency in latencies], "errors": errors,
+           "generated_texts": texts, "spec_decode_acceptance_length": spec["tau"] if spec else None}
+    (raw_dir / f"{name}.json").write_text(json.dumps(raw))
+    return raw
+
+
+@pytest.fixture
+def fast_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bench, "run_vllm_bench", fake_vllm_bench)
+
+
+@pytest.mark.parametrize("flip_to, extra, status, kind", [
+    (None, [], 0, "identical"),
+    (1, [], 0, "near_ties"),  # the baseline's runner-up, TOP_GAP (0.3) behind its best: within 0.5
+    (13, [], 1, "outside"),  # none of the baseline's top 5
+    (1, ["--tie-margin", "0.2"], 1, "above"),  # the runner-up, but 0.3 is above the margin
+])
+def test_outputs_that_differ_are_judged_by_the_near_tie_rule_on_the_baselines_top_logprobs(
+        capsys, fast_runs, prompts: Path, tokenizer_dir: Path, tmp_path: Path, flip_to: int | None,
+        extra: list[str], status: int, kind: str):
+    out = tmp_path / "out"
+    with FakeServer(flip_at=None if flip_to is None else 2, flip_to=flip_to or 0) as draft, \
+            FakeServer(spec=False) as baseline:
+        got = cli.main(bench_args(draft.url, baseline.url, prompts, tokenizer_dir, out, "--concurrency", "1", "2",
+                                  "--num-prompts", "6", "--max-tokens", "4", "--warmup-prompts", "1", *extra))
+        captured = capsys.readouterr()
+        assert got == status, captured.err + captured.out
+        checks = baseline.checks
+    result = json.loads((out / "bench.json").read_text())
+    assert result["complete"] and result["tie_margin"] == (0.2 if extra else 0.5)
+    rows = [r["outputs"] for r in result["results"]]
+    assert all(o["compared"] == 6 for o in rows)
+    if kind == "identical":
+        assert all(o["identical"] == 6 and o["near_ties"] == [] and o["differ"] == [] for o in rows)
+        assert checks == [] and result["tie_checks"] == 0
+        return
+    # once per prompt (3), whatever the concurrency: the measured token ids, alone, with the top 5 log-probs
+    assert result["tie_checks"] == 3 and len(checks) == 3
+    assert sorted(c["prompt"] for c in checks) == sorted(draft.requests[1 + i]["prompt"] for i in range(3))
+    assert all(c["max_tokens"] == 4 and c["temperature"] == 0 and c["logprobs"] == TIE_CANDIDATES
+               and c["return_tokens_as_token_ids"] and not c["stream"] for c in checks)
+    for outputs in rows:
+        judged, other = ((outputs["near_ties"], outputs["differ"]) if kind == "near_ties" else
+                         (outputs["differ"], outputs["near_ties"]))
+        assert outputs["identical"] == 0 and len(judged) == 6 and other == []
+        first = judged[0]
+        assert first["request"] == 0 and first["prompt"] == "1" and first["position"] == 2
+        plain = LETTERS[fake_letters(draft.requests[1]["prompt"], 4)[2]]  # request 0 is prompt "1"
+        assert first["baseline_text"] == plain and first["baseline_token"] == letter_ids()[LETTERS.index(plain)]
+        taken = LETTERS[(LETTERS.index(plain) + flip_to) % 26]  # the draft's letter there
+        if kind == "outside":
+            assert first["draft_token"] is None and first["gap"] is None and first["draft_text"].startswith(taken)
+            assert first["why"] == "the draft's text there begins with none of the baseline's top 5 tokens"
+        else:
+            assert first["draft_text"] == taken and first["draft_token"] == letter_ids()[LETTERS.index(taken)]
+            assert first["gap"] == pytest.approx(TOP_GAP) and first["rank"] == 1
+        if kind == "above":
+            assert first["why"] == "the gap 0.3 is above the margin 0.2"
+    if kind == "near_ties":
+        assert "6 outputs leave the baseline's at a near-tie within --tie-margin 0.5" in captured.out
+        assert "gap 0.3" in captured.out and captured.err == ""
+    else:
+        assert "6 outputs differ from the baseline's beyond a near-tie" in captured.out
+        assert "12 outputs at temperature 0 differ from the baseline's beyond a near-tie" in captured.err
+
+
+def test_the_draft_text_is_placed_on_the_baselines_tokens():
+    tokenizer = build_tiny_tokenizer()
+    a, b, c, d, f = (letter_ids()[LETTERS.index(x)] for x in "abcdf")
+    end = tokenizer.eos_token_id
+    plain = [a, b, c, d, end]
+    top = [[(t, -0.05), (n, -0.35), (end, -2.0)] for t, n in ((a, b), (b, c), (c, d), (d, f))] + \
+        [[(end, -0.01), (f, -0.2)]]
+    assert bench.draft_divergence("abcd", plain, top, tokenizer) is None
+    tie = bench.draft_divergence("abdd", plain, top, tokenizer)
+    assert (tie.position, tie.plain_token, tie.spec_token, tie.gap) == (2, c, d, pytest.approx(0.3))
+    early = bench.draft_divergence("ab", plain, top, tokenizer)  # the draft ended where plain went on
+    assert (early.position, early.spec_token, early.gap) == (2, end, pytest.approx(1.95))
+    longer = bench.draft_divergence("abcdf", plain, top, tokenizer)  # plain ended, the draft went on
+    assert (longer.position, longer.plain_token, longer.spec_token) == (4, end, f)
+    past = bench.draft_divergence("abcdzz", plain[:4], top, tokenizer)  # past plain's last token: no candidates
+    assert (past.position, past.plain_token, past.gap) == (4, None, None)
+    replay = bench.Replay(plain, top, "abcd")
+    assert bench.judge_difference("abdd", replay, tokenizer, 0.5)["near_tie"]
+    assert bench.judge_difference("abdd", replay, tokenizer, 0.1)["why"] == "the gap 0.3 is above the margin 0.1"
+    assert "cannot be placed" in bench.judge_difference("abdd", bench.Replay(plain, top, "abce"), tokenizer,
+                                                        0.5)["why"]
+    assert bench.judge_difference("abdd", "no replay", tokenizer, 0.5) == {"near_tie": False, "why": "no replay"}
+    with pytest.raises(ValueError, match="token_id:N"):
+        bench.parse_replay({"choices": [{"text": "a", "logprobs": {"tokens": ["a"], "top_logprobs": [{}]}}]})
+
+
+# --- --serve: the servers started here, one after the other (the fake as a process) ----------------------------
+
+def fake_serve_command(events: Path, **role_flags: list[str]):
+    """A stand-in for bench.server_command: the fake server process, on --port, writing start/stop times."""
+
+    def command(serve: bench.ServeSetup, model: str | None, baseline: str | None, cpu_build: bool) -> ServeCommand:
+        role = "draft" if baseline is None else "baseline"
+        argv = [sys.executable, "-m", "tests.test_bench", "--port", str(serve.port), "--role", role, "--events",
+                str(events), *(["--plain"] if baseline is not None else []), *role_flags.get(role, [])]
+        return ServeCommand(argv, {"PYTHONPATH": str(REPO)}, f"the fake {role} server")
+
+    return command
+
+
+def serve_args(port: int, prompts: Path, tokenizer: Path, out: Path, *extra: str) -> list[str]:
+    return ["bench", "--serve", "--port", str(port), "--server-timeout", "120", "--prompts", str(prompts),
+            "--tokenizer", str(tokenizer), "--out", str(out), *extra]
+
+
+def read_events(path: Path) -> list[tuple[str, str]]:
+    events = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    assert [e["t"] for e in events] == sorted(e["t"] for e in events)
+    return [(e["role"], e["event"]) for e in events]
+
+
+@pytest.mark.slow
+def test_serve_starts_the_draft_server_sweeps_stops_it_then_the_baseline(
+        capsys, monkeypatch, prompts: Path, tokenizer_dir: Path, tmp_path: Path):
+    out, events, port = tmp_path / "out", tmp_path / "events.jsonl", free_port()
+    # the draft takes the baseline's runner-up at token 1: a near-tie, judged against the baseline process
+    monkeypatch.setattr(bench, "server_command", fake_serve_command(events, draft=["--flip-at", "1"]))
+    status = cli.main(serve_args(port, prompts, tokenizer_dir, out, "--concurrency", "1", "2", "--num-prompts",
+                                 "3", "--max-tokens", "4", "--warmup-prompts", "0"))
+    captured = capsys.readouterr()
+    assert status == 0, captured.err + captured.out
+    # one server at a time, each for the whole sweep: the draft stopped before the baseline started
+    assert read_events(events) == [("draft", "start"), ("draft", "stop"), ("baseline", "start"),
+                                   ("baseline", "stop")]
+    result = json.loads((out / "bench.json").read_text())
+    assert result["complete"] and "stopped" not in result and result["model"] == "tiny"
+    assert result["url"] == result["baseline_url"] == f"http://127.0.0.1:{port}"
+    assert [r["concurrency"] for r in result["results"]] == [1, 2]
+    for row in result["results"]:
+        d, b = row["draft"], row["baseline"]
+        assert d["completed"] == b["completed"] == 3 and d["failed"] == b["failed"] == 0
+        assert d["tau"] == 2.0 and d["counter_problems"] == [] and b["counter_problems"] == [] and "tau" not in b
+        assert row["speedup"] == pytest.approx(d["tokens_per_s"] / b["tokens_per_s"], rel=1e-3)
+        outputs = row["outputs"]
+        assert outputs["identical"] == 0 and outputs["differ"] == [] and len(outputs["near_ties"]) == 3
+        assert all(t["position"] == 1 and t["gap"] == pytest.approx(TOP_GAP) for t in outputs["near_ties"])
+    assert result["tie_checks"] == 3  # one per prompt, asked of the baseline process
+    for role in ("draft", "baseline"):
+        assert result["servers"][role]["log"] == f"raw/server-{role}.log"
+        assert f"fake {role} server on" in (out / "raw" / f"server-{role}.log").read_text()
+    assert result["servers"]["baseline"]["kind"] == "none"
+    assert "stopped the draft server" in captured.out and "stopped the baseline server" in captured.out
+    from eaglenest.commands.serve import check_port_free
+
+    check_port_free("127.0.0.1", port)  # nothing left listening
+
+
+def test_a_started_server_that_exits_before_answering_is_one_line_naming_its_log(
+        capsys, monkeypatch, prompts: Path, tokenizer_dir: Path, tmp_path: Path):
+    out, events = tmp_path / "out", tmp_path / "events.jsonl"
+    monkeypatch.setattr(bench, "server_command", fake_serve_command(events, draft=["--fail-at-start"]))
+    err = one_line_refusal(capsys, serve_args(free_port(), prompts, tokenizer_dir, out))
+    log = out / "raw" / "server-draft.log"
+    assert "the draft server exited with 3 before it answered" in err and f"(log: {log})" in err
+    assert "RuntimeError: the fake server could not load its model" in err and log.is_file()
+    assert read_events(events) == [("draft", "start")]  # the baseline never started
+
+
+@pytest.mark.parametrize("how", ["refusal", "interrupt"])
+def test_a_started_server_is_stopped_on_a_refusal_and_on_ctrl_c(capsys, monkeypatch, fast_runs, prompts: Path,
+                                                                tokenizer_dir: Path, tmp_path: Path, how: str):
+    out, events = tmp_path / "out", tmp_path / "events.jsonl"
+    if how == "refusal":  # a draft server without spec-decode counters is refused once it answers
+        monkeypatch.setattr(bench, "server_command", fake_serve_command(events, draft=["--plain"]))
+        err = one_line_refusal(capsys, serve_args(free_port(), prompts, tokenizer_dir, out))
+        assert "the draft server http://127.0.0.1:" in err and "vllm:spec_decode_* counters" in err
+    else:
+        monkeypatch.setattr(bench, "server_command", fake_serve_command(events))
+
+        def interrupted(*args: object) -> dict:
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(bench, "run_vllm_bench", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            cli.main(serve_args(free_port(), prompts, tokenizer_dir, out))
+    assert read_events(events) == [("draft", "start"), ("draft", "stop")]
+
+
+def test_a_started_server_killed_mid_run_ends_the_bench_in_one_line_keeping_what_was_measured(
+        capsys, monkeypatch, fast_runs, prompts: Path, tokenizer_dir: Path, tmp_path: Path):
+    out, events = tmp_path / "out", tmp_path / "events.jsonl"
+    # three requests per run: the draft's run at concurrency 1 completes, the process dies at its first at 2
+    monkeypatch.setattr(bench, "server_command", fake_serve_command(events, draft=["--die-after", "3"]))
+    err = one_line_refusal(capsys, serve_args(free_port(), prompts, tokenizer_dir, out, "--concurrency", "1", "2",
+                                              "--num-prompts", "3", "--max-tokens", "3", "--warmup-prompts", "0"))
+    assert "the draft server http://127.0.0.1:" in err and "concurrency 2" in err and "stopped answering" in err
+    assert "it exited with 1" in err and "keeps the draft's figures at concurrency [1]" in err
+    assert f"server log: {out / 'raw' / 'server-draft.log'}" in err
+    result = json.loads((out / "bench.json").read_text())
+    assert not result["complete"] and result["stopped"] in err
+    assert [(r["concurrency"], r["baseline"]) for r in result["results"]] == [(1, None)]
+    assert result["results"][0]["draft"]["completed"] == 3
+    assert read_events(events) == [("draft", "start")]  # died on its own; the baseline never started
+
+
+@pytest.mark.parametrize("flags, wanted", [
+    (["--serve", "--url", "http://127.0.0.1:9"], "--serve with --url: --serve starts both servers here"),
+    (["--url", "http://127.0.0.1:9"], "--baseline-url missing: give the draft server's --url"),
+    (["--url", "http://127.0.0.1:9", "--baseline-url", "http://127.0.0.1:10", "--port", "8001"],
+     "--port: only with --serve"),
+    (["--url", "http://127.0.0.1:9", "--baseline-url", "http://127.0.0.1:10", "--", "--max-model-len", "512"],
+     "flags after --: only with --serve"),
+    (["--serve", "--tie-margin", "-1"], "--tie-margin -1: must be 0"),
+])
+def test_serve_flags_are_refused_in_one_line_where_they_mean_nothing(capsys, prompts: Path, tokenizer_dir: Path,
+                                                                     tmp_path: Path, flags: list[str], wanted: str):
+    separator = flags.index("--") if "--" in flags else len(flags)
+    argv = ["bench", *flags[:separator], "--prompts", str(prompts), "--tokenizer", str(tokenizer_dir), "--out",
+            str(tmp_path / "o"), *flags[separator:]]
+    assert wanted in one_line_refusal(capsys, argv)
+
+
+def test_serve_builds_eaglenest_serves_commands(pipeline_folders):
+    verifier, draft = pipeline_folders
+    setup = bench.ServeSetup(port=8123, verifier=verifier, draft=draft, vllm_args=("--max-model-len", "512"))
+    commands = {kind: bench.server_command(setup, None, kind, cpu_build=True) for kind in (None, "none", "ngram")}
+    for command in commands.values():
+        assert command.argv[command.argv.index("--port") + 1] == "8123" and command.argv[-2:] == ["--max-model-len",
+                                                                                                  "512"]
+    assert '"eagle3"' in " ".join(commands[None].argv) and "--speculative-config" not in commands["none"].argv
+    assert '"ngram"' in " ".join(commands["ngram"].argv)
+    with pytest.raises(EaglenestError, match=r"^--port after --: eaglenest bench --serve sets it; use --port"):
+        bench.server_command(bench.ServeSetup(verifier=verifier, draft=draft, vllm_args=("--port=1",)), None, None,
+                             True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The fake as a server process, as --serve starts one: ``python -m tests.test_bench --port P --role R ...``.
+
+    Appends its start and stop (SIGTERM) times to ``--events``.
+    """
+    parser = argparse.ArgumentParser(prog="fake vLLM server")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--role", required=True)
+    parser.add_argument("--events", type=Path, required=True)
+    parser.add_argument("--plain", action="store_true", help="no spec-decode counters")
+    parser.add_argument("--flip-at", type=int, default=None)
+    parser.add_argument("--die-after", type=int, default=None)
+    parser.add_argument("--fail-at-start", action="store_true")
+    args = parser.parse_args(argv)
+
+    def event(what: str) -> None:
+        with args.events.open("a") as log:
+            log.write(json.dumps({"role": args.role, "event": what, "t": time.time()}) + "\n")
+
+    event("start")
+    if args.fail_at_start:
+        print("loading the model...\nRuntimeError: the fake server could not load its model", flush=True)
+        raise SystemExit(3)
+    fake = FakeServer(spec=not args.plain, port=args.port, flip_at=args.flip_at, die_after=args.die_after,
+                      die_exits=True)
+
+    def stop(_signum: int, _frame: object) -> None:
+        event("stop")
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    print(f"fake {args.role} server on {fake.url}", flush=True)
+    fake.server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shlex
 import signal
 import socket
@@ -20,6 +19,7 @@ import pytest
 
 from eaglenest.artifacts.prepared import VAL_PROMPTS_FILE
 from eaglenest.commands import cli
+from eaglenest.commands.bench import ACCEPTED, DRAFT_TOKENS, DRAFTS, parse_metrics
 
 from .conftest import requires_vllm
 from .helpers import hf_reference, project_env
@@ -148,36 +148,11 @@ def _chat_prompts(repo: Path, n: int) -> list[list[dict]]:
 
 
 def scrape_spec_counters(text: str) -> dict:
-    """vllm:spec_decode_* counters from Prometheus text, summed over label sets; per position by label."""
-    counters = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_position": {}}
-    names = {"vllm:spec_decode_num_drafts_total": "drafts", "vllm:spec_decode_num_draft_tokens_total":
-             "draft_tokens", "vllm:spec_decode_num_accepted_tokens_total": "accepted"}
-    for line in text.splitlines():
-        match = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)$", line)
-        if not match:
-            continue
-        name, labels, value = match.group(1), match.group(2) or "", float(match.group(3))
-        if name in names:
-            counters[names[name]] += int(value)
-        elif name == "vllm:spec_decode_num_accepted_tokens_per_pos_total":
-            position = int(re.search(r'position="(\d+)"', labels).group(1))
-            counters["per_position"][position] = counters["per_position"].get(position, 0) + int(value)
-    return counters
-
-
-def test_scrape_spec_counters_reads_prometheus_text():
-    text = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
-# TYPE vllm:spec_decode_num_drafts_total counter
-vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 7.0
-vllm:spec_decode_num_drafts_created{engine="0",model_name="m"} 1.7e+09
-vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 21.0
-vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 19.0
-vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 7.0
-vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 7.0
-vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="2"} 5.0
-"""
-    assert scrape_spec_counters(text) == {"drafts": 7, "draft_tokens": 21, "accepted": 19,
-                                          "per_position": {0: 7, 1: 7, 2: 5}}
+    """vllm:spec_decode_* counters from Prometheus text, with ``eaglenest bench``'s parser (summed over engines)."""
+    counters = parse_metrics(text, "/metrics")
+    return {"drafts": int(counters.totals[DRAFTS]), "draft_tokens": int(counters.totals[DRAFT_TOKENS]),
+            "accepted": int(counters.totals[ACCEPTED]),
+            "per_position": {p: int(v) for p, v in counters.accepted_per_pos.items()}}
 
 
 def _wait_healthy(url: str, process: subprocess.Popen, log: Path, timeout: float) -> None:

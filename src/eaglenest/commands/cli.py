@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from eaglenest.commands.bench import DEFAULT_CONCURRENCY, DEFAULT_OUT
+from eaglenest.commands.bench import DEFAULT_CONCURRENCY, DEFAULT_OUT, DEFAULT_PORT, DEFAULT_SERVER_TIMEOUT_S
 from eaglenest.commands.k_sweep import K_SWEEP_FILE
 from eaglenest.core.errors import EaglenestError
 
@@ -81,12 +81,37 @@ def _k_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench(args: argparse.Namespace) -> int:
-    from eaglenest.commands.bench import BenchConfig, bench
+# bench's flags that only say how --serve starts the servers; None: not given.
+BENCH_SERVE_FLAGS = {"baseline": "--baseline", "port": "--port", "verifier": "--verifier", "draft": "--draft",
+                     "dtype": "--dtype", "num_speculative_tokens": "--num-speculative-tokens",
+                     "server_timeout": "--server-timeout"}
 
-    return bench(BenchConfig(args.url, args.baseline_url, Path(args.prompts), args.model, Path(args.tokenizer),
-                             tuple(args.concurrency), args.num_prompts, args.max_tokens, args.temperature,
-                             args.warmup_prompts, args.timeout, Path(args.out)))
+
+def _bench(args: argparse.Namespace) -> int:
+    from eaglenest.commands.bench import BenchConfig, ServeSetup, bench
+
+    serve = None
+    if args.serve:
+        given = {key: getattr(args, key) for key in BENCH_SERVE_FLAGS if getattr(args, key) is not None}
+        for key in ("verifier", "draft"):
+            if key in given:
+                given[key] = Path(given[key])
+        if "server_timeout" in given:
+            given["timeout_s"] = given.pop("server_timeout")
+        serve = ServeSetup(**given, vllm_args=tuple(args.vllm_args))
+    else:
+        stray = [flag for key, flag in BENCH_SERVE_FLAGS.items() if getattr(args, key) is not None]
+        if args.vllm_args:
+            stray.append("flags after --")
+        if stray:
+            raise EaglenestError(f"{', '.join(stray)}: only with --serve (they say how bench starts the servers); "
+                                 "add --serve, or drop them to benchmark --url and --baseline-url")
+    return bench(BenchConfig(
+        args.url, args.baseline_url, Path(args.prompts), model=args.model,
+        tokenizer=None if args.tokenizer is None else Path(args.tokenizer), concurrency=tuple(args.concurrency),
+        num_prompts=args.num_prompts, max_tokens=args.max_tokens, temperature=args.temperature,
+        warmup_prompts=args.warmup_prompts, timeout_s=args.timeout, out=Path(args.out), tie_margin=args.tie_margin,
+        serve=serve))
 
 
 def _init(args: argparse.Namespace) -> int:
@@ -210,20 +235,42 @@ def build_parser() -> argparse.ArgumentParser:
         description="Benchmark the served draft against a baseline server (the same model without the draft, or "
         "with n-gram drafting) at each concurrency: tokens/s, latency and TTFT from vLLM's `vllm bench serve`, tau "
         "and per-position acceptance from the server's /metrics, the speed-up, the concurrency at which "
-        "speculation stops paying and, at temperature 0, whether the outputs equal the baseline's. Writes "
-        "bench.json and speedup.png.",
+        "speculation stops paying and, at temperature 0, whether the outputs equal the baseline's (or leave it at "
+        "a near-tie). Either both servers are running (--url, --baseline-url), or --serve starts them here, one "
+        "after the other (flags after -- go to both). Writes bench.json and speedup.png.",
     )
-    bencher.add_argument("--url", required=True, help="the server with the draft (eaglenest serve, or vllm serve "
+    bencher.add_argument("--url", default=None, help="the server with the draft (eaglenest serve, or vllm serve "
                          "with --speculative-config), e.g. http://127.0.0.1:8000")
-    bencher.add_argument("--baseline-url", required=True, help="the server of the same model without the draft "
+    bencher.add_argument("--baseline-url", default=None, help="the server of the same model without the draft "
                          "(or with n-gram drafting)")
+    bencher.add_argument("--serve", action="store_true", help="instead of --url and --baseline-url: start the "
+                         "draft server (eaglenest serve), run the whole sweep, stop it, then the same with the "
+                         "baseline server, one at a time on 127.0.0.1:--port (logs in --out/raw)")
+    bencher.add_argument("--baseline", choices=["none", "ngram"], default=None,
+                         help="with --serve: the baseline server, the verifier alone (none) or with vLLM's n-gram "
+                         "drafting (ngram) (default: none)")
+    bencher.add_argument("--port", type=int, default=None, metavar="P",
+                         help=f"with --serve: the port both servers listen on, in turn (default: {DEFAULT_PORT})")
+    bencher.add_argument("--verifier", default=None, metavar="DIR",
+                         help="with --serve: the verifier stage's output folder (default: models/verifier)")
+    bencher.add_argument("--draft", default=None, metavar="DIR",
+                         help="with --serve: the train stage's draft checkpoint (default: models/draft)")
+    bencher.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                         help="with --serve: the servers' compute dtype, as eaglenest serve's (default: auto)")
+    bencher.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                         help="with --serve: drafts per verify step, as eaglenest serve's (default: the fastest "
+                         "K eaglenest k-sweep measured, else the draft's own)")
+    bencher.add_argument("--server-timeout", type=float, default=None, metavar="S",
+                         help="with --serve: seconds a started server may take to answer /v1/models (default: "
+                         f"{DEFAULT_SERVER_TIMEOUT_S:g})")
     bencher.add_argument("--prompts", required=True, metavar="FILE", help="JSONL of {'messages': [...]}, "
                          "{'prompt': '...'} or question.jsonl {'turns': [...]} records (first turn asked)")
     bencher.add_argument("--model", default=None, metavar="NAME", help="the served model name (default: the "
-                         "verifier's name with --tokenizer models/verifier, else the one model --url serves)")
-    bencher.add_argument("--tokenizer", default="models/verifier", metavar="DIR", help="renders the prompts to "
+                         "verifier's name with --tokenizer models/verifier, else the one model --url serves); with "
+                         "--serve, the name the servers serve it under")
+    bencher.add_argument("--tokenizer", default=None, metavar="DIR", help="renders the prompts to "
                          "token ids with its chat template: the verifier stage's folder or the served model's "
-                         "(default: models/verifier)")
+                         "(default: --verifier's folder, models/verifier)")
     bencher.add_argument("--concurrency", nargs="+", type=int, default=DEFAULT_CONCURRENCY, metavar="C",
                          help="requests in flight, one run per value and endpoint (default: "
                          f"{' '.join(map(str, DEFAULT_CONCURRENCY))})")
@@ -233,6 +280,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="tokens generated per request (default: 64)")
     bencher.add_argument("--temperature", type=float, default=0.0, metavar="T",
                          help="sampling temperature; 0 also checks the outputs equal the baseline's (default: 0)")
+    bencher.add_argument("--tie-margin", type=float, default=None, metavar="X",
+                         help="at temperature 0, an output that leaves the baseline's where the draft's token is "
+                         "among the baseline's top candidates at most X below its best log-prob is a near-tie, "
+                         "not a difference (default: evaluate.bf16_tie_margin's default)")
     bencher.add_argument("--warmup-prompts", type=int, default=2, metavar="N",
                          help="requests of an unmeasured warm-up run per endpoint; 0: none (default: 2)")
     bencher.add_argument("--timeout", type=float, default=600.0, metavar="S",
@@ -272,7 +323,8 @@ def _version() -> str:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script.
 
-    ``eaglenest serve ... -- FLAGS`` hands everything after ``--`` to vLLM's server; no other command takes it.
+    ``eaglenest serve ... -- FLAGS`` hands everything after ``--`` to vLLM's server, ``eaglenest bench --serve ...
+    -- FLAGS`` to the servers it starts; no other command takes it.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     vllm_args: list[str] = []
@@ -281,9 +333,9 @@ def main(argv: list[str] | None = None) -> int:
         argv, vllm_args = argv[:separator], argv[separator + 1:]
     parser = build_parser()
     args = parser.parse_args(argv)
-    if vllm_args and args.command != "serve":
-        parser.error(f"{args.command}: takes no arguments after --; only `eaglenest serve -- FLAGS` passes "
-                     "flags on (to vLLM)")
+    if vllm_args and args.command not in ("serve", "bench"):
+        parser.error(f"{args.command}: takes no arguments after --; only `eaglenest serve -- FLAGS` and "
+                     "`eaglenest bench --serve -- FLAGS` pass flags on (to vLLM)")
     args.vllm_args = vllm_args
     try:
         return args.func(args)
