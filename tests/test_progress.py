@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from eaglenest.core import progress as progress_module
-from eaglenest.core.progress import progress, vllm_progress
+from eaglenest.core.progress import progress
+from eaglenest.core.vllm_support import vllm_meter
 from eaglenest.stages.verifier import content_hash
 
 from .test_train import _train_stage
@@ -50,16 +51,27 @@ def test_a_meter_in_a_log_writes_at_most_one_line_per_interval(caplog, monkeypat
     assert len(lines) <= 3 and "1000/1000" in lines[-1]  # the first, maybe one more, and the last
 
 
-def test_vllm_progress_names_the_step_not_vllms_words(caplog, monkeypatch):
+def test_vllm_meter_names_the_step_not_vllms_words(caplog, monkeypatch):
     monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
     caplog.set_level(logging.INFO, logger="eaglenest.progress")
-    # As vLLM's offline runner calls it.
-    meter = vllm_progress("prepare: regenerate", "req")(total=4, desc="Processed prompts", dynamic_ncols=True,
-                                                        postfix="est. speed input: 0.00 toks/s")
+    make = vllm_meter("prepare: regenerate")
+    # As vLLM's offline runner calls it: first over the prompts it renders (vllm.utils.tqdm_utils.maybe_tqdm) ...
+    assert list(make([[1, 2], [3]], desc="Rendering prompts")) == [[1, 2], [3]]
+    assert _meter_lines(caplog) == []  # a moment's work: silent
+    # ... then for the requests it runs.
+    meter = make(total=4, desc="Processed prompts", dynamic_ncols=True, postfix="est. speed input: 0.00 toks/s")
     meter.update(4)
     meter.close()
     line = _meter_lines(caplog)[-1]
     assert line.startswith("prepare: regenerate:") and "4/4" in line and "Processed prompts" not in line
+
+
+def test_vllm_meter_runs_under_vllms_own_helper(monkeypatch):
+    """vLLM's own helper, whose call once broke the meter (the prompts passed where a count was expected)."""
+    tqdm_utils = pytest.importorskip("vllm.utils.tqdm_utils")
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    rendered = tqdm_utils.maybe_tqdm([[1], [2], [3]], use_tqdm=vllm_meter("evaluate"), desc="Rendering")
+    assert list(rendered) == [[1], [2], [3]]
 
 
 def test_weight_hashing_advances_a_byte_meter_whether_read_or_remembered(tmp_path: Path):

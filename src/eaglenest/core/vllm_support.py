@@ -271,6 +271,27 @@ def create_llm(kwargs: dict[str, Any], param: str, what: str = "the verifier", *
             os.environ[IN_PROCESS_ENV] = previous
 
 
+def vllm_meter(desc: str) -> Any:
+    """What ``llm.generate(use_tqdm=...)`` takes: our meter per finished request, named ``desc``.
+
+    vLLM calls it in two shapes: over the prompts while it renders them (``f(prompts, desc=...)``, through
+    ``vllm.utils.tqdm_utils.maybe_tqdm``: a moment's work, left silent), then for the requests it runs
+    (``f(total=N, desc="Processed prompts", ...)``).
+    """
+    from tqdm import tqdm
+
+    from eaglenest.core.progress import vllm_progress
+
+    requests = vllm_progress(desc, "req")
+
+    def make(iterable: Any = None, **kwargs: Any) -> Any:
+        if iterable is not None:
+            return tqdm(iterable, disable=True)
+        return requests(**kwargs)
+
+    return make
+
+
 def generate(llm: Any, requests: list[dict[str, Any]], sampling: Any, param: str, progress_desc: str | None = None
              ) -> list[Any]:
     """``llm.generate``, with a meter per finished request named ``progress_desc`` (none when None); an engine
@@ -278,9 +299,7 @@ def generate(llm: Any, requests: list[dict[str, Any]], sampling: Any, param: str
     cause."""
     from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
-    from eaglenest.core.progress import vllm_progress
-
-    use_tqdm = vllm_progress(progress_desc, "req") if progress_desc else False
+    use_tqdm = vllm_meter(progress_desc) if progress_desc else False
     try:
         return llm.generate(requests, sampling, use_tqdm=use_tqdm)
     except (EngineDeadError, EngineGenerateError, RuntimeError) as err:
