@@ -403,6 +403,17 @@ def test_a_prompts_file_in_none_of_the_formats_is_refused(capsys, tmp_path: Path
     assert "--prompts" in err and str(path) in err and wanted in err
 
 
+def test_evaluates_shipped_sets_are_prompts_by_their_source_name(capsys, tmp_path: Path, tokenizer_dir: Path):
+    from eaglenest.stages.evaluate.sets import GENERAL_SET_FILE, LONG_SET_FILE
+
+    assert bench.bench_prompts_file(Path("builtin:general")) == GENERAL_SET_FILE
+    assert bench.bench_prompts_file(Path("builtin:long")) == LONG_SET_FILE
+    assert bench.bench_prompts_file(Path("data/mine.jsonl")) == Path("data/mine.jsonl")
+    err = one_line_refusal(capsys, bench_args("http://127.0.0.1:9", "http://127.0.0.1:10", Path("builtin:mtbench"),
+                                              tokenizer_dir, tmp_path / "o"))
+    assert "--prompts builtin:mtbench" in err and "builtin:humaneval" in err
+
+
 def test_the_same_server_twice_is_refused(capsys, prompts: Path, tokenizer_dir: Path, tmp_path: Path):
     err = one_line_refusal(capsys, bench_args("http://127.0.0.1:8000/v1", "http://127.0.0.1:8000", prompts,
                                               tokenizer_dir, tmp_path / "o"))

@@ -368,6 +368,22 @@ def load_bench_tokenizer(directory: Path) -> tuple[Any, str | None]:
     return tokenizer, None
 
 
+BUILTIN_PROMPTS = ("builtin:humaneval", "builtin:general", "builtin:long")
+
+
+def bench_prompts_file(prompts: Path) -> Path:
+    """The file ``--prompts`` names: a JSONL path, or one of evaluate's shipped sets by its ``source`` name."""
+    from eaglenest.core.params import EvalSetParams
+    from eaglenest.stages.evaluate.sets import source_file
+
+    if str(prompts) in BUILTIN_PROMPTS:
+        return source_file(EvalSetParams(name="bench", source=str(prompts)), Path("."))
+    if str(prompts).startswith("builtin:"):
+        raise EaglenestError(f"--prompts {prompts}: no such shipped set; choose {', '.join(BUILTIN_PROMPTS)} "
+                             "or give a JSONL file")
+    return prompts
+
+
 def render_prompts(conversations: list[Any], source: Path, tokenizer: Any) -> list[list[int]]:
     """Token ids of each conversation's first turn in the verifier's chat template, as evaluate renders it."""
     from eaglenest.core.params import EvalSetParams
@@ -1117,7 +1133,8 @@ def run_bench(config: BenchConfig) -> tuple[dict[str, Any], int]:
     from eaglenest.stages.evaluate.sets import read_jsonl_conversations
 
     _check_config(config)
-    conversations = read_jsonl_conversations(config.prompts, "--prompts")
+    prompts_file = bench_prompts_file(config.prompts)
+    conversations = read_jsonl_conversations(prompts_file, "--prompts")
     if not conversations:
         raise InputFileError(f"--prompts: {config.prompts}: no prompts")
     build = installed_build()
@@ -1146,7 +1163,7 @@ def run_bench(config: BenchConfig) -> tuple[dict[str, Any], int]:
         served = check_models(draft, baseline, config.model, expected)
         require_spec_decode(draft, str(served["id"]))
 
-    prompts = render_prompts(conversations, config.prompts, tokenizer)
+    prompts = render_prompts(conversations, prompts_file, tokenizer)
     if served is not None:
         _check_length(served, prompts, config)
     levels = sorted(set(config.concurrency))

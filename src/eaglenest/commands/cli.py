@@ -264,7 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="with --serve: seconds a started server may take to answer /v1/models (default: "
                          f"{DEFAULT_SERVER_TIMEOUT_S:g})")
     bencher.add_argument("--prompts", required=True, metavar="FILE", help="JSONL of {'messages': [...]}, "
-                         "{'prompt': '...'} or question.jsonl {'turns': [...]} records (first turn asked)")
+                         "{'prompt': '...'} or question.jsonl {'turns': [...]} records (first turn asked), or one "
+                         "of evaluate's shipped sets: builtin:humaneval, builtin:general, builtin:long (the same "
+                         "prompt tokens evaluate decodes)")
     bencher.add_argument("--model", default=None, metavar="NAME", help="the served model name (default: the "
                          "verifier's name with --tokenizer models/verifier, else the one model --url serves); with "
                          "--serve, the name the servers serve it under")
