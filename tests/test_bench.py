@@ -68,15 +68,16 @@ class FakeServer:
             decoding there: 1 is the plain fake's runner-up, 13 none of its candidates).
         flip_to: See ``flip_at``.
         die_exits: Dying ends the process (a server process killed), rather than closing the socket.
+        aliases: More ids /v1/models lists for the same model (eaglenest serve's also answers to the path).
     """
 
     def __init__(self, model: str = "tiny", spec: bool = True, token_delay: float = 0.0,
                  die_after: int | None = None, port: int = 0, flip_at: int | None = None, flip_to: int = 1,
-                 die_exits: bool = False) -> None:
+                 die_exits: bool = False, aliases: tuple[str, ...] = ()) -> None:
         from prometheus_client import CollectorRegistry, Counter
 
         self.model, self.spec, self.token_delay, self.die_after = model, spec, token_delay, die_after
-        self.flip_at, self.flip_to, self.die_exits = flip_at, flip_to, die_exits
+        self.flip_at, self.flip_to, self.die_exits, self.aliases = flip_at, flip_to, die_exits, aliases
         self.requests: list[dict] = []
         self.checks: list[dict] = []  # the unstreamed requests with logprobs: bench's near-tie checks
         self.lock = threading.Lock()
@@ -154,8 +155,9 @@ class FakeServer:
 
             def do_GET(self) -> None:  # noqa: N802
                 if self.path == "/v1/models":
-                    self._json({"object": "list", "data": [{"id": fake.model, "object": "model", "root": fake.model,
-                                                            "max_model_len": 2048}]})
+                    self._json({"object": "list", "data": [
+                        {"id": name, "object": "model", "root": fake.model, "max_model_len": 2048}
+                        for name in (fake.model, *fake.aliases)]})
                 elif self.path == "/metrics":
                     data = fake.metrics_text().encode()
                     self.send_response(200)
@@ -613,9 +615,11 @@ def fake_serve_command(events: Path, **role_flags: list[str]):
 
     def command(serve: bench.ServeSetup, model: str | None, baseline: str | None, cpu_build: bool) -> ServeCommand:
         role = "draft" if baseline is None else "baseline"
+        # like eaglenest serve's, the fake answers to its served name and to a model path
         argv = [sys.executable, "-m", "tests.test_bench", "--port", str(serve.port), "--role", role, "--events",
-                str(events), *(["--plain"] if baseline is not None else []), *role_flags.get(role, [])]
-        return ServeCommand(argv, {"PYTHONPATH": str(REPO)}, f"the fake {role} server")
+                str(events), "--alias", "/models/tiny", *(["--plain"] if baseline is not None else []),
+                *role_flags.get(role, [])]
+        return ServeCommand(argv, {"PYTHONPATH": str(REPO)}, f"the fake {role} server", model or "tiny")
 
     return command
 
@@ -759,6 +763,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--flip-at", type=int, default=None)
     parser.add_argument("--die-after", type=int, default=None)
     parser.add_argument("--fail-at-start", action="store_true")
+    parser.add_argument("--alias", action="append", default=[])
     args = parser.parse_args(argv)
 
     def event(what: str) -> None:
@@ -770,7 +775,7 @@ def main(argv: list[str] | None = None) -> None:
         print("loading the model...\nRuntimeError: the fake server could not load its model", flush=True)
         raise SystemExit(3)
     fake = FakeServer(spec=not args.plain, port=args.port, flip_at=args.flip_at, die_after=args.die_after,
-                      die_exits=True)
+                      die_exits=True, aliases=tuple(args.alias))
 
     def stop(_signum: int, _frame: object) -> None:
         event("stop")

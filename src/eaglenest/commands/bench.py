@@ -1221,8 +1221,9 @@ def _sweep_servers(sweep: Sweep, serve: ServeSetup, commands: dict[str, Any], le
     with started_server("draft", commands["draft"], serve, out / "raw" / "server-draft.log") as server:
         sweep.servers["draft"] = server
         draft = Endpoint("draft", "the draft server", server.url)
-        # the server serves one model, named --model or the verifier's name: no name to guess
-        served = draft_model(draft, sweep.config.model, None)
+        # the server answers to the name its command gave (--model, else the verifier's) and to the verifier's
+        # path: the name is asked for, not guessed
+        served = draft_model(draft, sweep.config.model, commands["draft"].served_name)
         sweep.result["model"] = str(served["id"])
         require_spec_decode(draft, sweep.model)
         _check_length(served, sweep.prompts, sweep.config)

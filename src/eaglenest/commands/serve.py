@@ -43,11 +43,13 @@ OWN_FLAGS = {"--model": "--verifier", "--speculative-config": "--draft and --num
 
 @dataclass(frozen=True)
 class ServeCommand:
-    """The server's command line, the environment variables it adds, and where its K came from."""
+    """The server's command line, the environment variables it adds, where its K came from, and the model name
+    clients ask for (the server also answers to the verifier's path)."""
 
     argv: list[str]
     env: dict[str, str]
     k_reason: str = ""
+    served_name: str | None = None
 
     def shell(self) -> str:
         """The command as one shell line, environment first, ready to paste."""
@@ -117,8 +119,9 @@ def build_command(verifier_dir: Path, draft_dir: Path, host: str, port: int, dty
         k, k_reason = (measured, why) if measured is not None else (k, f"the draft's own; {why}".removesuffix("; "))
     if baseline not in BASELINES:
         raise EaglenestError(f"--baseline {baseline}: expected one of {', '.join(b for b in BASELINES if b)}")
+    served_name = served_model_name or info.name
     argv = [sys.executable, "-m", SERVER_MODULE, "--model", str(model_dir.resolve()),
-            "--served-model-name", served_model_name or info.name, str(model_dir.resolve())]
+            "--served-model-name", served_name, str(model_dir.resolve())]
     if baseline is None:
         argv += ["--speculative-config", json.dumps(vllm_speculative_config(draft_dir.resolve(), k))]
     elif baseline == "ngram":
@@ -136,7 +139,8 @@ def build_command(verifier_dir: Path, draft_dir: Path, host: str, port: int, dty
         env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KVCACHE_GIB)
     argv += vllm_args or []
     what = {None: "the draft", "ngram": "n-gram drafting (baseline)", "none": "no drafting (baseline)"}[baseline]
-    return ServeCommand(argv, env, f"{what}" if baseline == "none" else f"{what}, K = {k}: {k_reason}")
+    return ServeCommand(argv, env, f"{what}" if baseline == "none" else f"{what}, K = {k}: {k_reason}",
+                        served_name)
 
 
 def serve(verifier_dir: Path, draft_dir: Path, host: str = "127.0.0.1", port: int = 8000, dtype: str = "auto",
