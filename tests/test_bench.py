@@ -608,6 +608,31 @@ def test_the_draft_text_is_placed_on_the_baselines_tokens():
         bench.parse_replay({"choices": [{"text": "a", "logprobs": {"tokens": ["a"], "top_logprobs": [{}]}}]})
 
 
+def test_a_draft_text_that_reads_as_several_token_sequences_is_judged_by_its_near_tie_reading():
+    """Only text comes back from the draft server, and a text can be more than one token sequence."""
+    tokenizer = build_tiny_tokenizer()
+    a, z, b = (letter_ids()[LETTERS.index(x)] for x in "azb")
+    space, space_a, space_t, space_the = tokenizer.convert_tokens_to_ids(["Ġ", "Ġa", "Ġt", "Ġthe"])
+    end = tokenizer.eos_token_id
+    # the baseline wrote "a", " ", "z"; the draft wrote "a the": read on the baseline's tokens it took " " and then
+    # "the", which the baseline never considered; read as " the" in place of " ", it parted at a near-tie
+    plain = [a, space, z, end]
+    top = [[(a, -0.05)], [(space, -0.05), (space_the, -0.35)], [(z, -0.05), (b, -0.35)], [(end, -0.01)]]
+    replay = bench.Replay(plain, top, "a z")
+    assert bench.draft_divergence("a the", plain, top, tokenizer).gap is None
+    judged = bench.judge_difference("a the", replay, tokenizer, 0.5)
+    assert judged["near_tie"] and (judged["position"], judged["draft_token"]) == (1, space_the)
+    assert "read_from_text" in judged
+    # at the divergence itself, " the" (2.0 below) and " t" (0.3 below) both fit the text: " t" then "he"
+    plain = [a, space_a, end]
+    top = [[(a, -0.05)], [(space_a, -0.05), (space_t, -0.35), (space_the, -2.05)], [(end, -0.01)]]
+    judged = bench.judge_difference("a the", bench.Replay(plain, top, "a a"), tokenizer, 0.5)
+    assert judged["near_tie"] and judged["draft_token"] == space_t and judged["gap"] == pytest.approx(0.3)
+    # a text no reading explains stays a difference
+    judged = bench.judge_difference("a bzz", bench.Replay(plain, top, "a a"), tokenizer, 0.5)
+    assert not judged["near_tie"]
+
+
 # --- --serve: the servers started here, one after the other (the fake as a process) ----------------------------
 
 def fake_serve_command(events: Path, **role_flags: list[str]):

@@ -1,25 +1,20 @@
-"""`eaglenest serve`: the refusals before anything starts (fast), and the real server on the tiny SmolLM2
-pipeline, its spec-decode counters against the in-process figure (slow)."""
+"""`eaglenest serve`: the refusals before anything starts (fast), and the real servers on the tiny SmolLM2
+pipeline measured by `eaglenest bench --serve`, against evaluate's in-process figure (slow)."""
 
 from __future__ import annotations
 
 import json
 import os
 import shlex
-import signal
 import socket
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from eaglenest.artifacts.prepared import VAL_PROMPTS_FILE
 from eaglenest.commands import cli
-from eaglenest.commands.bench import ACCEPTED, DRAFT_TOKENS, DRAFTS, parse_metrics
 
 from .conftest import requires_vllm
 from .helpers import hf_reference, project_env
@@ -134,87 +129,42 @@ def test_a_draft_that_is_not_eagle3_is_refused(capsys, no_exec, pipeline_folders
 
 
 # --- the real server (slow) ----------------------------------------------------------------------------
-def _chat_prompts(repo: Path, n: int) -> list[list[dict]]:
-    """The first ``n`` evaluation prompts as chat messages, as evaluate reads them."""
-    messages = []
-    for line in (repo / "data" / "prepared" / VAL_PROMPTS_FILE).read_text().splitlines():
-        if line.strip():
-            record = json.loads(line)
-            messages.append(record["messages"] if "messages" in record else
-                            [{"role": "user", "content": record["prompt"]}])
-        if len(messages) == n:
-            break
-    return messages
-
-
-def scrape_spec_counters(text: str) -> dict:
-    """vllm:spec_decode_* counters from Prometheus text, with ``eaglenest bench``'s parser (summed over engines)."""
-    counters = parse_metrics(text, "/metrics")
-    return {"drafts": int(counters.totals[DRAFTS]), "draft_tokens": int(counters.totals[DRAFT_TOKENS]),
-            "accepted": int(counters.totals[ACCEPTED]),
-            "per_position": {p: int(v) for p, v in counters.accepted_per_pos.items()}}
-
-
-def _wait_healthy(url: str, process: subprocess.Popen, log: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"server exited with {process.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(1)
-    pytest.fail(f"server not healthy after {timeout} s:\n{log.read_text()[-3000:]}")
-
-
 @pytest.mark.slow
 @requires_vllm
-def test_served_draft_accepts_as_in_process(smollm2_repo: Path, tmp_path: Path,
-                                            tmp_path_factory: pytest.TempPathFactory):
+def test_bench_against_the_served_draft_and_plain_server_agrees_with_evaluate(
+        smollm2_repo: Path, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory):
+    """`eaglenest bench --serve` on the real servers: the draft server (eaglenest serve), then the plain one, at
+    concurrency 1 and 4 on evaluate's first set's prompts. float32, so the served draft decodes as the hf
+    reference does: tau at concurrency 1 is evaluate's in-process figure on the same prompt tokens, and every
+    output equals the plain server's exactly."""
     import yaml
-    from openai import OpenAI
 
     first_set = yaml.safe_load((smollm2_repo / "params.yaml").read_text())["evaluate"]["sets"][0]
     num_prompts, max_tokens = first_set["num_prompts"], first_set["max_new_tokens"]
-    port = free_port()
-    log = tmp_path / "server.log"
-    url = f"http://127.0.0.1:{port}"
-    with log.open("w") as log_file:
-        # float32: the server then decodes exactly as the hf reference does (bf16 flips near-ties).
-        process = subprocess.Popen(
-            [sys.executable, "-m", "eaglenest", "serve", "--verifier", str(smollm2_repo / "models" / "verifier"),
-             "--draft", str(smollm2_repo / "models" / "draft"), "--port", str(port), "--dtype", "float32"],
-            cwd=tmp_path, env=project_env(), stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        _wait_healthy(url, process, log, timeout=300)
-        client = OpenAI(base_url=f"{url}/v1", api_key="unused")
-        model = client.models.list().data[0].id
-        replies = [client.chat.completions.create(model=model, messages=messages, temperature=0,
-                                                  max_tokens=max_tokens)
-                   for messages in _chat_prompts(smollm2_repo, num_prompts)]
-        assert all(r.choices[0].message.content for r in replies)
-        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
-            counters = scrape_spec_counters(response.read().decode())
-    finally:
-        try:
-            os.killpg(process.pid, signal.SIGTERM)
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=30)
-        except ProcessLookupError:
-            pass
+    out = tmp_path / "bench"
+    result = subprocess.run(
+        [sys.executable, "-m", "eaglenest", "bench", "--serve", "--port", str(free_port()), "--dtype", "float32",
+         "--verifier", str(smollm2_repo / "models" / "verifier"), "--draft", str(smollm2_repo / "models" / "draft"),
+         "--prompts", str(smollm2_repo / "data" / "prepared" / VAL_PROMPTS_FILE), "--concurrency", "1", "4",
+         "--num-prompts", str(num_prompts), "--max-tokens", str(max_tokens), "--warmup-prompts", "1",
+         "--server-timeout", "600", "--timeout", "600", "--out", str(out)],
+        cwd=tmp_path, env=project_env(), capture_output=True, text=True, timeout=1800)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    bench_result = json.loads((out / "bench.json").read_text())
+    assert bench_result["complete"] and (out / "speedup.png").is_file()
     reference = hf_reference(str(smollm2_repo), str(tmp_path_factory.mktemp("hf-reference")))
     k = reference["num_speculative_tokens"]
-    assert counters["drafts"] > 0
-    assert sum(counters["per_position"].values()) == counters["accepted"]
-    assert set(counters["per_position"]) <= set(range(k))
-    tau = 1 + counters["accepted"] / counters["drafts"]
-    print("serve fp32 tau", round(tau, 4), counters, "in-process hf tau", reference["tau"])
-    assert 1.05 < tau <= k + 1
-    # Same prompts, same tokens, float32: the counts should agree exactly; 2% leaves room for a reply the
-    # server ends on a different stop rule (a chat endpoint's stop tokens) without hiding a broken draft.
-    assert tau == pytest.approx(reference["tau"], rel=0.02)
+    for row in bench_result["results"]:
+        draft, plain = row["draft"], row["baseline"]
+        assert draft["completed"] == plain["completed"] == num_prompts and draft["failed"] == plain["failed"] == 0
+        assert draft["counter_problems"] == [] and plain["counter_problems"] == [] and "tau" not in plain
+        assert draft["drafts"] > 0 and len(draft["accepted_per_position"]) <= k
+        assert 1.05 < draft["tau"] <= k + 1 and draft["tau"] == draft["tau_vllm"]
+        # float32 on both servers: equal outputs, no near-tie needed
+        assert row["outputs"]["identical"] == num_prompts, row["outputs"]
+        assert row["speedup"] == pytest.approx(draft["tokens_per_s"] / plain["tokens_per_s"], rel=1e-2)
+    single = bench_result["results"][0]["draft"]
+    print("bench fp32 tau at concurrency 1", single["tau"], "in-process hf tau", reference["tau"])
+    # Same prompt tokens and lengths, float32: the counts agree; 2% leaves room for a reply one side ends on a
+    # stop token the other does not, without hiding a broken draft.
+    assert single["tau"] == pytest.approx(reference["tau"], rel=0.02)

@@ -655,6 +655,32 @@ def draft_divergence(draft_text: str, plain: list[int], plain_top: list[TopCandi
     return Divergence(len(plain), None, None, None, None)  # the draft's text goes on past the baseline's
 
 
+def tokenization_alternatives(draft_text: str, plain: list[int], plain_top: list[TopCandidates], tokenizer: Any,
+                              before: int) -> list[Divergence]:
+    """Other divergences the draft's text allows up to position ``before`` (latest first): positions where the
+    draft's text continues with the baseline's token and also with a longer candidate of the baseline's top ones,
+    and at ``before`` every candidate the text continues with.
+
+    The bench receives the draft's text, not its tokens: where the baseline emitted ``' '`` and then ``'1'``, a draft
+    that emitted ``' delim'`` there reads as having taken ``' '`` and parted one position later, at a token the
+    baseline never considered. Each alternative is the divergence as if the draft had taken that longer candidate.
+    """
+    found = []
+    for i in range(min(before + 1, len(plain))):
+        # before the divergence the draft's text continues with the baseline's token, and only a longer candidate
+        # is another reading; at it, any candidate the text continues with is one (not only the longest)
+        shared = _whole(_text(tokenizer, plain[: i + 1] if i < before else plain[:i]))
+        if i < before and not draft_text.startswith(shared):
+            break
+        for candidate, _ in plain_top[i] if i < len(plain_top) else []:
+            text = _whole(_text(tokenizer, plain[:i] + [candidate]))
+            if candidate != plain[i] and len(text) > len(shared) and draft_text.startswith(text):
+                divergence = first_divergence(plain, plain[:i] + [candidate], plain_top)
+                if divergence is not None:
+                    found.append(divergence)
+    return found[::-1]
+
+
 def judge_difference(draft_text: str, replay: Replay | str, tokenizer: Any, margin: float) -> dict[str, Any]:
     """One differing output under the near-tie rule: ``near_tie`` and where, which tokens, the gap, or why not.
 
@@ -673,6 +699,14 @@ def judge_difference(draft_text: str, replay: Replay | str, tokenizer: Any, marg
     if divergence is None:
         return {"near_tie": True, "position": None, "why": "the baseline asked alone gives the draft's text: its "
                 "own output varies between runs"}
+    ambiguous = False
+    if not is_lossless(divergence, margin):
+        # the text may hide where the draft's tokens parted: take an earlier reading that is a near-tie, if any
+        for alternative in tokenization_alternatives(draft_text, replay.tokens, replay.top, tokenizer,
+                                                     divergence.position):
+            if is_lossless(alternative, margin):
+                divergence, ambiguous = alternative, True
+                break
     at = len(_whole(_text(tokenizer, replay.tokens[:divergence.position])))
     entry: dict[str, Any] = {
         "position": divergence.position, "baseline_token": divergence.plain_token,
@@ -682,6 +716,9 @@ def judge_difference(draft_text: str, replay: Replay | str, tokenizer: Any, marg
                        else draft_text[at:at + 16]),
         "gap": divergence.gap, "rank": divergence.spec_rank,
     }
+    if ambiguous:
+        entry["read_from_text"] = ("only the draft's text comes back, and it reads as this token here as well as "
+                                   "the way that parts beyond a near-tie: read as this one")
     near = is_lossless(divergence, margin)
     if not near:
         if divergence.plain_token is None:
