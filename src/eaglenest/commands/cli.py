@@ -33,6 +33,15 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from eaglenest.commands.export import export_speculators
+
+    rows = export_speculators(Path(args.prepared), Path(args.hidden_states), Path(args.out))
+    print(f"exported {rows} rows to {args.out} (hs_{{i}}.safetensors in {args.out}/hidden_states); train on it with "
+          f"`speculators train --data-path {args.out}`")
+    return 0
+
+
 def _import(args: argparse.Namespace) -> int:
     from eaglenest.commands.importer import import_dump
 
@@ -141,6 +150,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     inspect.add_argument("paths", nargs="+", help="a .safetensors/.pt/.npy file, a checkpoint, dataset or folder")
     inspect.set_defaults(func=_inspect)
+
+    exporter = add_command("export", help="write the prepared rows and their hidden states in speculators' "
+                           "layout, one hs_{i}.safetensors per row (from shards or row files)")
+    exporter.add_argument("--format", required=True, choices=["speculators"],
+                          help="speculators: a prepare-data dataset with hidden_states/hs_{i}.safetensors inside, "
+                          "as `speculators train --data-path` reads it")
+    exporter.add_argument("--prepared", default="data/prepared", help="the prepare stage's dataset folder "
+                          "(default: data/prepared)")
+    exporter.add_argument("--hidden-states", default="data/hidden_states", help="the extract stage's folder "
+                          "(default: data/hidden_states)")
+    exporter.add_argument("--out", required=True, help="the folder to write (replaced whole, atomically)")
+    exporter.set_defaults(func=_export)
 
     importer = add_command("import", help="turn hidden states dumped by other tools into eaglenest's layout")
     importer.add_argument("--format", required=True, choices=IMPORT_FORMAT_NAMES,

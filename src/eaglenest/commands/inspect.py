@@ -14,7 +14,15 @@ from typing import Any
 
 import torch
 
-from eaglenest.artifacts.hidden_states import HIDDEN_KEY, MANIFEST_FILE, SCALES_KEY, TOKENS_KEY, decode_hidden_states
+from eaglenest.artifacts.hidden_states import (
+    HIDDEN_KEY,
+    MANIFEST_FILE,
+    ROW_INDEX_KEY,
+    SCALES_KEY,
+    TOKENS_KEY,
+    decode_hidden_states,
+    read_shard_row,
+)
 from eaglenest.core.errors import InputFileError
 from eaglenest.core.safetensors_header import read_header
 
@@ -67,6 +75,8 @@ def describe_safetensors(path: Path) -> list[str]:
         return lines + [f"  {n}: {d} {s}" for n, (d, s) in header.tensors.items()]
     if header.metadata:
         lines.append(f"  metadata: {json.dumps(header.metadata)[:300]}")
+    if HIDDEN_KEY in header.tensors and ROW_INDEX_KEY in header.tensors:
+        return lines + describe_shard(path)
     if HIDDEN_KEY in header.tensors:  # a hidden-state file: per-slot statistics
         data = load_file(path)
         stored = data[HIDDEN_KEY]
@@ -91,6 +101,32 @@ def describe_safetensors(path: Path) -> list[str]:
     if len(header.tensors) > MAX_TENSORS_LISTED:
         lines.append(f"  ... {len(header.tensors) - MAX_TENSORS_LISTED} more tensors")
     lines.append(f"  {len(header.tensors)} tensors, {total:,} values")
+    return lines
+
+
+def describe_shard(path: Path) -> list[str]:
+    """A hidden-state shard: its rows and their lengths from the row index, whether the index tiles the tensors,
+    and the first row's per-slot statistics (one row read, whatever the shard's size)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        index = handle.get_tensor(ROW_INDEX_KEY)  # [rows, 3]: row, first token, length
+        stored_tokens = handle.get_slice(HIDDEN_KEY).get_shape()[0]
+        rows, lengths = index[:, 0].tolist(), index[:, 2].tolist()
+        lines = [f"  shard of {len(rows)} rows ({rows[0]}..{rows[-1]}), {sum(lengths):,} tokens; row length min "
+                 f"{min(lengths)}, mean {sum(lengths) / len(lengths):.1f}, max {max(lengths)}"]
+        starts = [sum(lengths[:i]) for i in range(len(lengths))]
+        contiguous = rows == list(range(rows[0], rows[0] + len(rows))) and index[:, 1].tolist() == starts
+        if not contiguous or sum(lengths) != stored_tokens:
+            lines.append(f"  ROW INDEX DISAGREES with the tensors: {ROW_INDEX_KEY} covers {sum(lengths)} tokens of "
+                         f"{stored_tokens}" + ("" if contiguous else ", rows or offsets not consecutive"))
+            return lines
+        data = read_shard_row(handle, int(index[0, 1]), int(index[0, 2]))
+    hidden = decode_hidden_states(data)
+    lines.append(f"  row {rows[0]}: {HIDDEN_KEY} {str(data[HIDDEN_KEY].dtype).removeprefix('torch.')} "
+                 f"{list(hidden.shape)}  {_stats(hidden)}" + (f"  (dequantized with {SCALES_KEY})"
+                                                              if SCALES_KEY in data else ""))
+    lines += [f"    slot {slot}: {_stats(hidden[:, slot])}" for slot in range(hidden.shape[1])]
     return lines
 
 
@@ -175,8 +211,9 @@ def describe_folder(path: Path) -> list[str]:
                 dtype, shape = header.tensors[HIDDEN_KEY]
                 shapes[f"{dtype} [seq, {', '.join(map(str, shape[1:]))}]"] += 1
                 tokens += shape[0] if shape else 0
-        lines.append(f"summary of {len(safetensors)} safetensors files: {size:,} bytes, {tokens:,} tokens, "
-                     f"{bad} unreadable or truncated")
+        shards = sum(1 for file in safetensors if file.name.startswith("shard_"))
+        lines.append(f"summary of {len(safetensors)} safetensors files{f' ({shards} shards)' if shards else ''}: "
+                     f"{size:,} bytes, {tokens:,} tokens, {bad} unreadable or truncated")
         lines += [f"  {HIDDEN_KEY} {shape}: {count} files" for shape, count in shapes.items()]
         if tokens:
             lines.append(f"  {size / tokens:.1f} bytes per token")

@@ -12,7 +12,7 @@ import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from eaglenest.core.errors import EaglenestError
 
@@ -54,12 +54,24 @@ def _fail(final: Path, err: OSError) -> EaglenestError:
 
 def atomic_write_bytes(final: Path, data: bytes, fsync: bool = True) -> None:
     """Writes ``data`` to ``final`` through a temporary file and a rename (fsync'd first by default)."""
+    with atomic_open(final, fsync=fsync) as fh:
+        fh.write(data)
+
+
+@contextlib.contextmanager
+def atomic_open(final: Path, fsync: bool = True) -> Iterator[BinaryIO]:
+    """A binary file to stream into that replaces ``final`` (rename) only if the block succeeds; on any exception
+    the temporary is deleted and ``final`` is left as it was."""
     final = Path(final)
     tmp = temp_sibling(final)
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as fh:
-            fh.write(data)
+        fh = open(tmp, "wb")  # noqa: SIM115 (closed below, before the rename)
+    except OSError as err:
+        raise _fail(final, err) from err
+    try:
+        with fh:
+            yield fh
             if fsync:
                 fh.flush()
                 os.fsync(fh.fileno())
@@ -67,6 +79,9 @@ def atomic_write_bytes(final: Path, data: bytes, fsync: bool = True) -> None:
     except OSError as err:
         tmp.unlink(missing_ok=True)
         raise _fail(final, err) from err
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def atomic_write_json(final: Path, obj: Any) -> None:

@@ -351,6 +351,16 @@ class ExtractParams(StrictModel):
         ge=16,
         description="hf back end: rows are length-sorted and batched so that rows x longest row <= this.",
     )
+    rows_per_shard: int = Field(
+        default=1,
+        ge=1,
+        description=(
+            "Consecutive rows packed into one shard_{s}.safetensors once all of them are computed (DVC pays per "
+            "file on every status, push and pull). 1 keeps one hs_{i}.safetensors per row: the layout vLLM's "
+            "connector writes and `speculators train` reads (`eaglenest export` writes it from shards). A change "
+            "re-shards the rows already computed without recomputing them; multi-node parts start on a shard."
+        ),
+    )
     device: Literal["auto", "cpu", "cuda"] = Field(
         default="auto", description="hf back end: 'auto' is CUDA when present, else CPU (fp32 on CPU, bf16 on GPU)."
     )
@@ -391,6 +401,12 @@ class ExtractParams(StrictModel):
                     f"{world_size}); set extract.world_size: 1 and share the work with train.nproc (each process "
                     "computes its batches)"
                 )
+        rows_per_shard = values.get("rows_per_shard")
+        if values.get("store") == "online" and isinstance(rows_per_shard, int) and rows_per_shard > 1:
+            problems.append(
+                f"extract.rows_per_shard = {rows_per_shard} packs stored files, and extract.store: online stores "
+                "none; set extract.rows_per_shard: 1 or extract.store: files"
+            )
         if backend == "vllm" and values.get("device") != "auto":
             problems.append(
                 f"extract.device = {values.get('device')!r} is read by the hf back end only; vllm runs where its "

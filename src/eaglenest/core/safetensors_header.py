@@ -23,6 +23,23 @@ class Header:
     actual_size: int
 
 
+def tensor_extents(path: Path) -> tuple[int, dict[str, tuple[str, list[int], int, int]]]:
+    """Where each tensor's bytes lie: (offset of the data section, ``{name: (dtype, shape, begin, end)}``), begin
+    and end relative to the data section, as the header records them.
+
+    Raises:
+        ValueError: as :func:`read_header`.
+    """
+    read_header(path)  # the checks
+    with open(path, "rb") as fh:
+        (header_len,) = struct.unpack("<Q", fh.read(8))
+        raw = json.loads(fh.read(header_len))
+    raw.pop("__metadata__", None)
+    return 8 + header_len, {name: (str(entry["dtype"]), [int(d) for d in entry["shape"]],
+                                   int(entry["data_offsets"][0]), int(entry["data_offsets"][1]))
+                            for name, entry in raw.items()}
+
+
 def read_header(path: Path) -> Header:
     """Parses a safetensors header without reading the tensors.
 

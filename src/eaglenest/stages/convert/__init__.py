@@ -2,9 +2,10 @@
 
 Validation reads every ``hs_{i}.safetensors`` in full: header (keys, dtypes, shape ``[seq, n_aux + 1,
 hidden]`` against the verifier stage's record, length on disk), ``token_ids`` equal to the prepared
-``input_ids``, and every value finite. With ``convert.on_bad: fail`` any bad file stops the stage with the
-first offenders listed; with ``skip`` those rows are excluded from training and listed in
-``data/vocab/rows.json`` and ``metrics/data.json``.
+``input_ids``, and every value finite. Shards (``extract.rows_per_shard`` > 1) are checked the same way row by
+row, after their header and row index; a bad row is named as its shard and row. With ``convert.on_bad: fail`` any
+bad row stops the stage with the first offenders listed; with ``skip`` those rows (not their whole shard) are
+excluded from training and listed in ``data/vocab/rows.json`` and ``metrics/data.json``.
 
 The draft vocabulary is speculators' own construction (``build_vocab_mappings_from_distribution``): the
 most frequent loss-masked tokens of the *train* split, ties by id, filled deterministically with the
@@ -22,7 +23,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from eaglenest.artifacts.hidden_states import MANIFEST_FILE, hs_path, read_hidden_state_file, read_online_manifest
+from eaglenest.artifacts.hidden_states import (
+    MANIFEST_FILE,
+    check_row_tensors,
+    check_shard_header,
+    hs_path,
+    read_hidden_state_file,
+    read_online_manifest,
+    read_shard_row,
+    shard_path,
+    shard_row_index,
+    shard_rows,
+)
 from eaglenest.artifacts.prepared import load_split, load_table
 from eaglenest.artifacts.verifier import VerifierInfo, load_verifier_info
 from eaglenest.artifacts.vocab import write_vocab
@@ -41,10 +53,61 @@ def check_hidden_state_file(path: Path, input_ids: list[int], verifier: Verifier
     return read_hidden_state_file(path, input_ids, verifier, dtype)[0]
 
 
-def validate_hidden_states(input_ids: list[list[int]], hs_dir: Path, verifier: VerifierInfo, dtype: str,
-                           workers: int) -> dict[int, str]:
-    """``{row: problem}`` for every prepared row whose hidden-state file is bad or missing."""
+def row_location(hs_dir: Path, row: int, rows_per_shard: int) -> str:
+    """Where a row's hidden states are stored, for messages: its file, or its shard and row."""
+    if rows_per_shard == 1:
+        return str(hs_path(hs_dir, row))
+    return f"{shard_path(hs_dir, row // rows_per_shard)} row {row}"
+
+
+def check_shard(hs_dir: Path, shard: int, input_ids: list[list[int]], verifier: VerifierInfo, dtype: str,
+                rows_per_shard: int) -> dict[int, str]:
+    """``{row: problem}`` for the rows of one shard: every row when the header or row index is bad, else each
+    row read alone (its token ids and finiteness), so memory is a row's."""
+    from safetensors import SafetensorError, safe_open
+
+    rows = shard_rows(shard, rows_per_shard, len(input_ids))
+    path = shard_path(hs_dir, shard)
+    problem = check_shard_header(path, rows=rows, lengths=[len(ids) for ids in input_ids],
+                                 num_slots=len(verifier.layer_ids), hidden_size=verifier.hidden_size, dtype=dtype,
+                                 config=None, rows_per_shard=rows_per_shard)
+    if problem is not None:
+        return {row: problem for row in rows}
+    problems = {}
+    try:
+        index = shard_row_index(path)
+        with safe_open(str(path), framework="pt") as handle:
+            for row in rows:
+                row_problem, _ = check_row_tensors(read_shard_row(handle, *index[row]), input_ids[row])
+                if row_problem is not None:
+                    problems[row] = row_problem
+    except (OSError, ValueError, RuntimeError, SafetensorError) as err:
+        return {row: f"unreadable: {err}" for row in rows}
+    return problems
+
+
+def validate_shards(input_ids: list[list[int]], hs_dir: Path, verifier: VerifierInfo, dtype: str,
+                    rows_per_shard: int, workers: int) -> dict[int, str]:
+    """``{row: problem}`` for every prepared row whose shard is bad or missing, or whose own data is bad."""
     from eaglenest.core.progress import progress
+
+    shards = range(-(-len(input_ids) // rows_per_shard))
+    problems: dict[int, str] = {}
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        results = pool.map(lambda shard: check_shard(hs_dir, shard, input_ids, verifier, dtype, rows_per_shard),
+                           shards)
+        for shard_problems in progress(len(shards), "convert: validating", "shard", iterable=results):
+            problems.update(shard_problems)
+    return problems
+
+
+def validate_hidden_states(input_ids: list[list[int]], hs_dir: Path, verifier: VerifierInfo, dtype: str,
+                           workers: int, rows_per_shard: int = 1) -> dict[int, str]:
+    """``{row: problem}`` for every prepared row whose hidden-state file (or shard) is bad or missing."""
+    from eaglenest.core.progress import progress
+
+    if rows_per_shard > 1:
+        return validate_shards(input_ids, hs_dir, verifier, dtype, rows_per_shard, workers)
 
     def check(row: int) -> tuple[int, str | None]:
         return row, check_hidden_state_file(hs_path(hs_dir, row), input_ids[row], verifier, dtype)
@@ -80,9 +143,10 @@ def coverage(frequencies: dict[int, int], in_draft: torch.Tensor) -> float | Non
     return round(covered / total, 6)
 
 
-def _bad_files_message(problems: dict[int, str], hs_dir: Path, total: int) -> str:
-    lines = [f"{len(problems)} of {total} hidden-state files are bad (first {min(SHOW_BAD, len(problems))}):"]
-    lines += [f"  {hs_path(hs_dir, row)}: {problems[row]}" for row in sorted(problems)[:SHOW_BAD]]
+def _bad_files_message(problems: dict[int, str], hs_dir: Path, total: int, rows_per_shard: int) -> str:
+    what = "hidden-state files" if rows_per_shard == 1 else "rows' hidden states"
+    lines = [f"{len(problems)} of {total} {what} are bad (first {min(SHOW_BAD, len(problems))}):"]
+    lines += [f"  {row_location(hs_dir, row, rows_per_shard)}: {problems[row]}" for row in sorted(problems)[:SHOW_BAD]]
     lines.append("  fix: delete them and run `dvc repro` (extract recomputes them), or set convert.on_bad: skip")
     return "\n".join(lines)
 
@@ -137,11 +201,13 @@ def find_usable_rows(params: ConvertParams, extract: ExtractParams, verifier_dir
             raise InputFileError(
                 f"{hs_dir / MANIFEST_FILE}: an online extraction, but extract.store is files; run `dvc repro extract`"
             )
-        problems = validate_hidden_states(input_ids, hs_dir, verifier, extract.dtype, params.workers)
+        problems = validate_hidden_states(input_ids, hs_dir, verifier, extract.dtype, params.workers,
+                                          extract.rows_per_shard)
     if problems and params.on_bad == "fail":
-        raise InputFileError(_bad_files_message(problems, hs_dir, len(input_ids)))
+        raise InputFileError(_bad_files_message(problems, hs_dir, len(input_ids), extract.rows_per_shard))
     for row in sorted(problems)[:SHOW_BAD]:
-        log.warning("excluding row %d: %s: %s", row, hs_path(hs_dir, row), problems[row])
+        log.warning("excluding row %d: %s: %s", row, row_location(hs_dir, row, extract.rows_per_shard),
+                    problems[row])
     usable = [row for row in range(len(input_ids)) if row not in problems]
     train = [row for row in usable if row < split["train_rows"]]
     val = [row for row in usable if row >= split["train_rows"]]
@@ -190,7 +256,13 @@ def write_data_metrics(rows: UsableRows, vocab: dict[str, Any], extract: Extract
     """Phase 3: what the training set holds (``metrics/data.json``); returns the metrics."""
     usable, problems = rows.usable, rows.problems
     tokens = sum(len(rows.input_ids[row]) for row in usable)
-    size = 0 if extract.store == "online" else sum(hs_path(hs_dir, row).stat().st_size for row in usable)
+    if extract.store == "online":
+        size = 0
+    elif extract.rows_per_shard == 1:
+        size = sum(hs_path(hs_dir, row).stat().st_size for row in usable)
+    else:  # the shards holding usable rows
+        size = sum(shard_path(hs_dir, shard).stat().st_size
+                   for shard in sorted({row // extract.rows_per_shard for row in usable}))
     metrics = {
         "store": extract.store,
         "samples": len(usable),

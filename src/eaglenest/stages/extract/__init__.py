@@ -31,6 +31,9 @@ from eaglenest.artifacts.hidden_states import (
     hs_path,
     online_manifest,
     row_index,
+    shard_number,
+    shards_of,
+    stored_files,
 )
 from eaglenest.artifacts.prepared import load_input_ids
 from eaglenest.artifacts.verifier import VerifierInfo, load_verifier_info
@@ -41,6 +44,7 @@ from eaglenest.core.registry import Registry
 from eaglenest.core.stage import Stage, int_option, path_arg
 from eaglenest.stages.extract.job import Backend, ExtractionJob
 from eaglenest.stages.extract.parts import PARTS_DIR, check_join, check_part_start, part_rows, write_record
+from eaglenest.stages.extract.sharding import ShardPacker, missing_rows, plan_shards, stored_size
 
 log = logging.getLogger(__name__)
 
@@ -99,12 +103,14 @@ def file_problem(path: Path, input_ids: list[int], verifier: VerifierInfo, dtype
 
 
 def rows_to_compute(out_dir: Path, rows: range, input_ids: list[list[int]], verifier: VerifierInfo, dtype: str,
-                    config: str) -> list[int]:
-    """The rows of ``rows`` without a valid file; why each existing file is recomputed is logged, the first
-    ``SHOW_RECOMPUTED`` by name and the rest counted per reason."""
+                    config: str, skip: set[int] | frozenset[int] = frozenset()) -> list[int]:
+    """The rows of ``rows`` (but ``skip``, already in shards) without a valid row file; why each existing file is
+    recomputed is logged, the first ``SHOW_RECOMPUTED`` by name and the rest counted per reason."""
     todo: list[int] = []
     reasons: Counter[str] = Counter()
     for row in rows:
+        if row in skip:
+            continue
         path = hs_path(out_dir, row)
         problem = file_problem(path, input_ids[row], verifier, dtype, config)
         if problem is None:
@@ -145,6 +151,7 @@ class ExtractionPlan:
         rows: This node's rows (all of them on one node).
         todo: The rows of ``rows`` without a valid file, to compute.
         config: The extraction fingerprint every file records.
+        in_shards: Rows already held by valid shards (``extract.rows_per_shard`` > 1).
     """
 
     params: ExtractParams
@@ -154,13 +161,27 @@ class ExtractionPlan:
     rows: range
     todo: list[int]
     config: str
+    in_shards: frozenset[int] = frozenset()
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        """The metadata every row file of this run records."""
+        return file_metadata(self.config, self.verifier.layer_ids, self.params.dtype, self.params.backend)
+
+
+def _mine(name: str, rows: range, rows_per_shard: int) -> bool:
+    """Whether a temporary written for file ``name`` belongs to this node's rows."""
+    row, shard = row_index(Path(name)), shard_number(Path(name))
+    if shard is not None:
+        return shard * rows_per_shard in rows
+    return row in rows
 
 
 def plan_extraction(params: ExtractParams, verifier_dir: Path, prepared_dir: Path, out_dir: Path) -> ExtractionPlan:
     """Phase 1: which rows this node extracts, what already validates, and the stale files cleared away."""
     verifier, model_dir = load_verifier_info(verifier_dir)
     input_ids = load_input_ids(prepared_dir)
-    rows = part_rows(len(input_ids), params.rank, params.world_size)
+    rows = part_rows(len(input_ids), params.rank, params.world_size, params.rows_per_shard)
     _check_context(input_ids, rows, verifier)
     out_dir.mkdir(parents=True, exist_ok=True)
     config = extraction_fingerprint(verifier.fingerprint, verifier.layer_ids, params.dtype)
@@ -168,20 +189,25 @@ def plan_extraction(params: ExtractParams, verifier_dir: Path, prepared_dir: Pat
         return ExtractionPlan(params, verifier, model_dir, input_ids, rows, [], config)
     (out_dir / MANIFEST_FILE).unlink(missing_ok=True)  # files again: a manifest would say "online"
     # Parts on several nodes may share one folder: each clears only the temporaries of its own rows.
-    removed = remove_stale_temps(out_dir, mine=lambda name: row_index(Path(name)) in rows)
-    for path in out_dir.glob("hs_*.safetensors"):
-        index = row_index(path)
-        if index is not None and index >= len(input_ids):  # left over from a larger dataset
-            path.unlink()
-            removed += 1
+    removed = remove_stale_temps(out_dir, mine=lambda name: _mine(name, rows, params.rows_per_shard))
     if params.world_size > 1:
         check_part_start(out_dir, params.rank, params.world_size, rows, len(input_ids), config)
     else:  # the join of a multi-node extraction, or a plain single-node run
-        check_join(out_dir, len(input_ids), config)
-    todo = rows_to_compute(out_dir, rows, input_ids, verifier, params.dtype, config)
+        check_join(out_dir, len(input_ids), config, params.rows_per_shard)
+    metadata = file_metadata(config, verifier.layer_ids, params.dtype, params.backend)
+    in_shards = plan_shards(out_dir, rows, input_ids, verifier, params.dtype, config, params.rows_per_shard,
+                            metadata)
+    for path in out_dir.glob("hs_*.safetensors"):
+        index = row_index(path)
+        # left over from a larger dataset, or already in a shard (a run killed while it packed)
+        if index is not None and (index >= len(input_ids) or index in in_shards):
+            path.unlink()
+            removed += 1
+    todo = rows_to_compute(out_dir, rows, input_ids, verifier, params.dtype, config,
+                           skip=in_shards)
     log.info("%d rows in part %d/%d: %d already extracted, %d to compute; %d stale files removed",
              len(rows), params.rank, params.world_size, len(rows) - len(todo), len(todo), removed)
-    return ExtractionPlan(params, verifier, model_dir, input_ids, rows, todo, config)
+    return ExtractionPlan(params, verifier, model_dir, input_ids, rows, todo, config, frozenset(in_shards))
 
 
 def compute_hidden_states(plan: ExtractionPlan, out_dir: Path) -> float:
@@ -190,18 +216,24 @@ def compute_hidden_states(plan: ExtractionPlan, out_dir: Path) -> float:
 
     params, input_ids = plan.params, plan.input_ids
     started = time.perf_counter()
+    packer = None
+    if params.rows_per_shard > 1:
+        packer = ShardPacker(out_dir, plan.rows, len(input_ids), params.rows_per_shard, set(plan.in_shards),
+                             plan.todo, plan.metadata)
+        packer.pack_ready()  # shards whose rows an interrupted run finished
     with progress(len(plan.todo), f"extract ({params.backend})", "row") as bar:
         done_tokens = 0
 
         def on_row(row: int, tokens: int) -> None:
             nonlocal done_tokens
             done_tokens += tokens
+            if packer is not None:  # rows finish in any order: a shard is packed after its last
+                packer.row_done(row)
             bar.update(1)
             bar.set_postfix(tok_s=f"{done_tokens / max(time.perf_counter() - started, 1e-9):.0f}")
 
         job = ExtractionJob(verifier=plan.verifier, model_dir=plan.model_dir, params=params, out_dir=out_dir,
-                            todo=plan.todo, input_ids=input_ids, on_row=on_row,
-                            metadata=file_metadata(plan.config, plan.verifier.layer_ids, params.dtype, params.backend))
+                            todo=plan.todo, input_ids=input_ids, on_row=on_row, metadata=plan.metadata)
         if plan.todo:
             BACKENDS.get(params.backend)(job)
     return time.perf_counter() - started
@@ -210,17 +242,19 @@ def compute_hidden_states(plan: ExtractionPlan, out_dir: Path) -> float:
 def finish_extraction(plan: ExtractionPlan, out_dir: Path, metrics_path: Path, seconds: float) -> dict[str, Any]:
     """Phase 3: every row of the part has its file; the part's record (several nodes) and the metrics."""
     params, input_ids, rows = plan.params, plan.input_ids, plan.rows
-    missing = [row for row in rows if not hs_path(out_dir, row).is_file()]
+    missing = missing_rows(out_dir, rows, len(input_ids), params.rows_per_shard)
     if missing:
         raise EaglenestError(f"{len(missing)} rows have no hidden states after extraction (first: row {missing[0]})")
     if params.world_size > 1:
         write_record(out_dir, params.rank, params.world_size, rows, len(input_ids), plan.config)
     tokens = sum(len(input_ids[row]) for row in rows)
     todo_tokens = sum(len(input_ids[row]) for row in plan.todo)
-    size = sum(hs_path(out_dir, row).stat().st_size for row in rows)
+    size = stored_size(out_dir, rows, len(input_ids), params.rows_per_shard)
     metrics = {
         "store": params.store,
         "rows": len(rows),
+        "rows_per_shard": params.rows_per_shard,
+        "files": len(rows) if params.rows_per_shard == 1 else len(shards_of(rows, params.rows_per_shard)),
         "rows_computed": len(plan.todo),
         "rows_reused": len(rows) - len(plan.todo),
         "tokens": tokens,
@@ -255,7 +289,7 @@ def _write_online_manifest(params: ExtractParams, verifier: VerifierInfo, input_
     back).
     """
     removed = remove_stale_temps(out_dir)
-    for path in out_dir.glob("hs_*.safetensors"):
+    for path in stored_files(out_dir):
         path.unlink()
         removed += 1
     shutil.rmtree(out_dir / PARTS_DIR, ignore_errors=True)

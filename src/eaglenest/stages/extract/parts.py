@@ -24,9 +24,12 @@ from eaglenest.core.errors import EaglenestError
 PARTS_DIR = "parts"
 
 
-def part_rows(num_rows: int, rank: int, world_size: int) -> range:
-    """The contiguous slice of rows that node ``rank`` of ``world_size`` extracts."""
-    return range(num_rows * rank // world_size, num_rows * (rank + 1) // world_size)
+def part_rows(num_rows: int, rank: int, world_size: int, rows_per_shard: int = 1) -> range:
+    """The contiguous slice of rows that node ``rank`` of ``world_size`` extracts: whole shards of
+    ``rows_per_shard`` rows, so that no shard is written by two nodes."""
+    shards = -(-num_rows // rows_per_shard)
+    first, stop = shards * rank // world_size, shards * (rank + 1) // world_size
+    return range(min(first * rows_per_shard, num_rows), min(stop * rows_per_shard, num_rows))
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,7 @@ def check_part_start(out_dir: Path, rank: int, world_size: int, rows: range, row
             )
 
 
-def check_join(out_dir: Path, rows_total: int, config: str) -> None:
+def check_join(out_dir: Path, rows_total: int, config: str, rows_per_shard: int = 1) -> None:
     """The single-node run over a folder that parts wrote into: refuses overlapping parts and uncovered rows,
     naming the fix; then forgets the parts (the folder is now one extraction)."""
     records = read_records(out_dir, rows_total, config)
@@ -109,7 +112,7 @@ def check_join(out_dir: Path, rows_total: int, config: str) -> None:
     done = {record.rank for record in records}
     missing = [rank for rank in range(world_size) if rank not in done]
     if missing:
-        rows = part_rows(rows_total, missing[0], world_size)
+        rows = part_rows(rows_total, missing[0], world_size, rows_per_shard)
         raise EaglenestError(
             f"{out_dir / PARTS_DIR}: rows {rows.start}..{rows.stop - 1} have no finished part (ranks {missing} of "
             f"extract.world_size {world_size} never finished); run them with `python stages/extract.py ... --rank "

@@ -46,7 +46,8 @@ def run_fingerprint(params: TrainParams, verifier: VerifierInfo, prepared: Path,
     digest.update(verifier.model_dump_json().encode())
     _hash_files([p for p in prepared.iterdir() if p.is_file()], digest, full=True)
     _hash_files([p for p in vocab.iterdir() if p.is_file()], digest, full=True)
-    _hash_files(list(hidden_states.glob("hs_*.safetensors")), digest, full=False)
+    _hash_files(list(hidden_states.glob("hs_*.safetensors")) + list(hidden_states.glob("shard_*.safetensors")),
+                digest, full=False)
     _hash_files(list(hidden_states.glob("manifest.json")), digest, full=True)  # extract.store: online
     return digest.hexdigest()[:24]
 

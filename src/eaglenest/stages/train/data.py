@@ -9,6 +9,7 @@ function of (seed, epoch), so a resumed run sees exactly the batches the uninter
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -112,6 +113,8 @@ def load_training_data(params: TrainParams, verifier: VerifierInfo, prepared: Pa
         manifest = read_online_manifest(hidden_states, verifier, input_ids)
         online = OnlineTransfer(model_dir, verifier, input_ids, str(manifest["dtype"]), device, hs_dtype)
         transfer: Any = online
+    elif any(hidden_states.glob("shard_*.safetensors")):  # extract.rows_per_shard > 1
+        transfer = shard_transfer(hidden_states, hs_dtype)
     else:
         # speculators' FP8Transfer reads every file as its FileTransfer does, and dequantizes those stored in
         # fp8 (extract.dtype: float8_e4m3fn) with their per-token scales.
@@ -124,6 +127,36 @@ def load_training_data(params: TrainParams, verifier: VerifierInfo, prepared: Pa
                         num_target_layers=len(verifier.aux_layers), dtype=hs_dtype, preprocess=shift)
     return TrainingData(dataset, collate, rows, lengths, online, loss_on_every_token=params.loss_tokens == "all",
                         ttt_steps=params.ttt_steps)
+
+
+def shard_transfer(hidden_states: Path, hs_dtype: torch.dtype) -> Any:
+    """speculators' FP8Transfer, reading each row from its shard instead of its own file (see
+    :func:`eaglenest.artifacts.hidden_states.read_shard_row`): a slice of the memory-mapped shard, so a batch costs
+    its rows' memory, never a whole shard's; fp8 rows are dequantized as FP8Transfer does. The convert stage has
+    validated every shard against the prepared rows, so a row is looked up, not checked again."""
+    from functools import lru_cache
+
+    from hs_connectors import FP8Transfer
+    from safetensors import safe_open
+
+    from eaglenest.artifacts.hidden_states import METADATA_KEY, read_shard_row, shard_path, shard_row_index
+    from eaglenest.core.safetensors_header import read_header
+
+    first = min(hidden_states.glob("shard_*.safetensors"))
+    rows_per_shard = int(json.loads(read_header(first).metadata[METADATA_KEY])["rows_per_shard"])
+
+    class ShardTransfer(FP8Transfer):
+        @lru_cache(maxsize=64)  # noqa: B019 (one transfer per training run)
+        def index(self, shard: int) -> dict[int, tuple[int, int]]:
+            return shard_row_index(shard_path(self.hidden_states_path, shard))
+
+        def get_cached(self, file_idx: int) -> dict[str, torch.Tensor] | None:
+            shard = file_idx // rows_per_shard
+            first_token, length = self.index(shard)[file_idx]
+            with safe_open(str(shard_path(self.hidden_states_path, shard)), framework="pt") as handle:
+                return self._dequantize(read_shard_row(handle, first_token, length))
+
+    return ShardTransfer(hidden_states, dequantize_dtype=hs_dtype)
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:

@@ -1,0 +1,247 @@
+"""Hidden-state shards (extract.rows_per_shard > 1): the same rows as per-row files, resume, re-sharding, convert's
+row-level checks, training reads, multi-node parts on shard boundaries."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from eaglenest.artifacts.hidden_states import (
+    ROW_INDEX_KEY,
+    hs_path,
+    read_shard_row,
+    shard_path,
+    shard_row_index,
+    stored_files,
+)
+from eaglenest.core.errors import InputFileError, ParamsError
+from eaglenest.core.params import ConvertParams, ExtractParams, TrainParams, parse_params
+from eaglenest.stages.convert import convert
+from eaglenest.stages.extract import extract_hidden_states, part_rows
+
+from .helpers import pipeline_until_prepare
+
+ROWS = 10
+
+
+@pytest.fixture
+def prepared(tmp_path: Path, tiny_verifier_dir: Path) -> tuple[Path, Path]:
+    return pipeline_until_prepare(tmp_path, tiny_verifier_dir, rows=ROWS)
+
+
+def extract(prepared: tuple[Path, Path], out: Path, **params) -> dict:
+    verifier_dir, prepared_dir = prepared
+    return extract_hidden_states(ExtractParams(**params), verifier_dir, prepared_dir, out, out.parent / "m.json")
+
+
+def folder(out: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(out.iterdir())}
+
+
+def shard_rows_as_stored(out: Path, shard: int) -> dict[int, dict[str, torch.Tensor]]:
+    index = shard_row_index(shard_path(out, shard))
+    with safe_open(str(shard_path(out, shard)), framework="pt") as handle:
+        return {row: read_shard_row(handle, *index[row]) for row in index}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_shards_hold_exactly_the_row_files_rows(tmp_path: Path, prepared, dtype: str):
+    rows_dir, shards_dir = tmp_path / "rows", tmp_path / "shards"
+    extract(prepared, rows_dir, dtype=dtype)
+    metrics = extract(prepared, shards_dir, dtype=dtype, rows_per_shard=4)
+    # 10 rows in shards of 4: 4 + 4 + 2, and no row file left
+    assert [p.name for p in stored_files(shards_dir)] == [f"shard_{s}.safetensors" for s in range(3)]
+    assert metrics["files"] == 3 and metrics["rows"] == ROWS and metrics["rows_per_shard"] == 4
+    for shard in range(3):
+        for row, stored in shard_rows_as_stored(shards_dir, shard).items():
+            assert row // 4 == shard
+            expected = load_file(hs_path(rows_dir, row))
+            assert stored.keys() == expected.keys()  # fp8 keeps its per-token scales
+            for key in expected:
+                assert stored[key].dtype == expected[key].dtype and torch.equal(stored[key].view(torch.uint8),
+                                                                                expected[key].view(torch.uint8))
+    header = json.loads(safe_open(str(shard_path(shards_dir, 2)), framework="pt").metadata()["eaglenest"])
+    assert header["rows_per_shard"] == 4 and header["shard"] == 2 and header["dtype"] == dtype
+
+
+def test_an_interrupted_extraction_keeps_finished_shards_and_row_files(tmp_path: Path, prepared):
+    fresh = tmp_path / "fresh"
+    extract(prepared, fresh, rows_per_shard=4)
+    out = tmp_path / "hs"
+    # a run killed after rows 0..4: their row files (as any back end writes them), shard 0 not yet packed
+    extract(prepared, out)
+    for row in range(5, ROWS):
+        hs_path(out, row).unlink()
+    metrics = extract(prepared, out, rows_per_shard=4)
+    assert metrics["rows_computed"] == 5 and metrics["rows_reused"] == 5
+    assert folder(out) == folder(fresh)  # the same bytes as an uninterrupted run
+
+    # killed while packing shard 1: the shard and its row files both on disk; and shard 2 truncated
+    for row, stored in shard_rows_as_stored(out, 1).items():
+        tokens = stored.pop("token_ids")
+        save_file({**stored, "token_ids": tokens}, hs_path(out, row))
+    data = shard_path(out, 2).read_bytes()
+    shard_path(out, 2).write_bytes(data[:-10])
+    untouched = shard_path(out, 0).stat().st_mtime_ns
+    metrics = extract(prepared, out, rows_per_shard=4)
+    assert metrics["rows_computed"] == 2  # shard 2's rows only
+    assert folder(out) == folder(fresh) and shard_path(out, 0).stat().st_mtime_ns == untouched
+
+
+def test_a_changed_shard_size_reshards_without_recomputing(tmp_path: Path, prepared):
+    out = tmp_path / "hs"
+    extract(prepared, out, rows_per_shard=4)
+    for size, files in ((3, 4), (1, ROWS), (5, 2)):
+        fresh = tmp_path / f"fresh-{size}"
+        extract(prepared, fresh, rows_per_shard=size)
+        metrics = extract(prepared, out, rows_per_shard=size)
+        assert metrics["rows_computed"] == 0 and len(stored_files(out)) == files
+        assert folder(out) == folder(fresh), size
+
+
+def test_shards_of_another_dtype_are_recomputed(tmp_path: Path, prepared):
+    out = tmp_path / "hs"
+    extract(prepared, out, rows_per_shard=4)
+    metrics = extract(prepared, out, rows_per_shard=4, dtype="float32")
+    assert metrics["rows_computed"] == ROWS and len(stored_files(out)) == 3
+
+
+def run_convert(prepared: tuple[Path, Path], hs: Path, root: Path, rows_per_shard: int = 4, **params) -> dict:
+    verifier_dir, prepared_dir = prepared
+    return convert(ConvertParams(draft_vocab_size=64, **params), ExtractParams(rows_per_shard=rows_per_shard),
+                   verifier_dir, prepared_dir, hs, root / "vocab", root / "data.json")
+
+
+def rewrite_shard(path: Path, change) -> None:
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = handle.metadata()
+    tensors = load_file(path)
+    change(tensors)
+    save_file(tensors, path, metadata=metadata)
+
+
+def test_convert_names_a_bad_row_by_its_shard_and_skip_excludes_only_that_row(tmp_path: Path, prepared):
+    out = tmp_path / "hs"
+    extract(prepared, out, rows_per_shard=4)
+    first, _ = shard_row_index(shard_path(out, 1))[6]
+
+    def nan_in_row_6(tensors: dict) -> None:
+        tensors["hidden_states"][first + 1, 2, 3] = float("nan")
+
+    rewrite_shard(shard_path(out, 1), nan_in_row_6)
+    with pytest.raises(InputFileError) as err:
+        run_convert(prepared, out, tmp_path)
+    assert f"{shard_path(out, 1)} row 6: 1 non-finite values (first at token 1, slot 2)" in str(err.value)
+    metrics = run_convert(prepared, out, tmp_path, on_bad="skip")
+    assert metrics["excluded_rows"] == [6] and metrics["samples"] == ROWS - 1
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ("index", "its row index disagrees with its tensors at row 5"),
+    ("size", "written with extract.rows_per_shard = 4, now 3"),
+    ("truncated", "(truncated?)"),
+])
+def test_convert_refuses_a_bad_shard_naming_it(tmp_path: Path, prepared, change: str, message: str):
+    out = tmp_path / "hs"
+    extract(prepared, out, rows_per_shard=4)
+    if change == "index":
+        def shift(tensors: dict) -> None:
+            tensors[ROW_INDEX_KEY][1, 1] += 1  # row 5 said to start a token later
+
+        rewrite_shard(shard_path(out, 1), shift)
+    elif change == "truncated":
+        shard_path(out, 1).write_bytes(shard_path(out, 1).read_bytes()[:-10])
+    with pytest.raises(InputFileError) as err:
+        run_convert(prepared, out, tmp_path, rows_per_shard=3 if change == "size" else 4)
+    assert message in str(err.value) and "shard_1.safetensors row" in str(err.value)
+
+
+def test_training_reads_the_same_rows_from_shards(tmp_path: Path, prepared, tiny_verifier_dir: Path):
+    from eaglenest.artifacts.verifier import load_verifier_info
+    from eaglenest.stages.train.data import load_training_data
+
+    verifier_dir, prepared_dir = prepared
+    verifier, _ = load_verifier_info(verifier_dir)
+    items = {}
+    for size in (1, 4):
+        out = tmp_path / f"hs-{size}"
+        extract(prepared, out, rows_per_shard=size)
+        run_convert(prepared, out, tmp_path / f"c-{size}", rows_per_shard=size)
+        data = load_training_data(TrainParams(), verifier, prepared_dir, out, tmp_path / f"c-{size}" / "vocab",
+                                  torch.float32)
+        items[size] = [data.dataset[row] for row in range(ROWS)]
+    for from_rows, from_shards in zip(items[1], items[4], strict=True):
+        assert from_rows.keys() == from_shards.keys()
+        for key, value in from_rows.items():
+            assert torch.equal(value, from_shards[key]), key
+
+
+def test_parts_start_on_shard_boundaries_and_join(tmp_path: Path, prepared):
+    assert [part_rows(10, rank, 3) for rank in range(3)] == [range(0, 3), range(3, 6), range(6, 10)]
+    assert [part_rows(10, rank, 3, 4) for rank in range(3)] == [range(0, 4), range(4, 8), range(8, 10)]
+    assert [part_rows(10, rank, 2, 4) for rank in range(2)] == [range(0, 4), range(4, 10)]
+    out, fresh = tmp_path / "hs", tmp_path / "fresh"
+    extract(prepared, fresh, rows_per_shard=4)
+    for rank in (1, 0):
+        metrics = extract(prepared, out, rows_per_shard=4, rank=rank, world_size=2)
+        assert metrics["rows"] == (4 if rank == 0 else 6)
+    joined = extract(prepared, out, rows_per_shard=4)
+    assert joined["rows_computed"] == 0 and folder(out) == folder(fresh)
+
+
+def test_online_with_shards_is_refused():
+    with pytest.raises(ParamsError, match="extract.rows_per_shard = 8 packs stored files"):
+        parse_params({"extract": {"store": "online", "rows_per_shard": 8}}, source="t")
+
+
+def test_export_writes_speculators_layout_equal_to_row_files(tmp_path: Path, prepared, capsys):
+    from hs_connectors import FileTransfer
+
+    from eaglenest.commands.cli import main as cli_main
+    from eaglenest.commands.inspect import inspect_path
+
+    rows_dir, shards_dir, out = tmp_path / "rows", tmp_path / "shards", tmp_path / "export"
+    extract(prepared, rows_dir)
+    extract(prepared, shards_dir, rows_per_shard=4)
+    status = cli_main(["export", "--format", "speculators", "--prepared", str(prepared[1]), "--hidden-states",
+                       str(shards_dir), "--out", str(out)])
+    assert status == 0 and f"exported {ROWS} rows" in capsys.readouterr().out
+    assert folder(out / "hidden_states") == folder(rows_dir)  # the bytes extract writes with rows_per_shard: 1
+    assert (out / "dataset_info.json").is_file()
+    assert FileTransfer(out / "hidden_states").get_cached(3)["token_ids"].numel() > 0
+
+    described = "\n".join(inspect_path(shard_path(shards_dir, 1)))
+    assert "shard of 4 rows (4..7)" in described and "row 4: hidden_states bfloat16" in described
+    assert "slot 3:" in described and "DISAGREES" not in described
+    assert "3 shards" in "\n".join(inspect_path(shards_dir))
+
+
+def test_rows_finishing_out_of_order_are_packed_when_their_shard_completes(tmp_path: Path, prepared,
+                                                                           monkeypatch: pytest.MonkeyPatch):
+    """As vLLM's requests finish: each shard appears exactly when the last of its rows is written."""
+    import eaglenest.stages.extract as extract_stage
+
+    seen: list[int] = []
+
+    def out_of_order(job) -> None:
+        order = list(job.todo)
+        random.Random(1).shuffle(order)
+        for row in order:
+            hidden = torch.randn(len(job.input_ids[row]), len(job.verifier.layer_ids), job.verifier.hidden_size)
+            job.write(row, hidden)
+            seen.append(row)
+            for shard in range(3):
+                rows = range(4 * shard, min(4 * shard + 4, ROWS))
+                assert shard_path(job.out_dir, shard).is_file() == all(r in seen for r in rows), (shard, seen)
+
+    monkeypatch.setattr(extract_stage.BACKENDS, "get", lambda name: out_of_order)
+    out = tmp_path / "hs"
+    metrics = extract(prepared, out, rows_per_shard=4)
+    assert metrics["rows_computed"] == ROWS and [p.name for p in stored_files(out)] == [
+        f"shard_{s}.safetensors" for s in range(3)]
