@@ -111,7 +111,7 @@ def measure(rows: int, rows_per_shard: int, tokens: int, hidden: int, scratch: P
     subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
     subprocess.run([dvc, "init", "-q"], cwd=repo, check=True)
     subprocess.run([dvc, "config", "core.analytics", "false"], cwd=repo, check=True)
-    subprocess.run([dvc, "remote", "add", "-d", "local", str(remote)], cwd=repo, check=True)
+    subprocess.run([dvc, "remote", "add", "-d", "local", str(remote)], cwd=repo, check=True, capture_output=True)
     (repo / "dvc.yaml").write_text(DVC_YAML)
     started = time.perf_counter()
     write_rows(repo / "data" / "hidden_states", rows, tokens, hidden, rows_per_shard)
