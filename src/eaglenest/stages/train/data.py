@@ -134,27 +134,47 @@ def shard_transfer(hidden_states: Path, hs_dtype: torch.dtype) -> Any:
     :func:`eaglenest.artifacts.hidden_states.read_shard_row`): a slice of the memory-mapped shard, so a batch costs
     its rows' memory, never a whole shard's; fp8 rows are dequantized as FP8Transfer does. The convert stage has
     validated every shard against the prepared rows, so a row is looked up, not checked again."""
-    from functools import lru_cache
+    from collections import OrderedDict
 
     from hs_connectors import FP8Transfer
     from safetensors import safe_open
 
-    from eaglenest.artifacts.hidden_states import METADATA_KEY, read_shard_row, shard_path, shard_row_index
+    from eaglenest.artifacts.hidden_states import METADATA_KEY, ROW_INDEX_KEY, read_shard_row, shard_path
     from eaglenest.core.safetensors_header import read_header
 
     first = min(hidden_states.glob("shard_*.safetensors"))
     rows_per_shard = int(json.loads(read_header(first).metadata[METADATA_KEY])["rows_per_shard"])
 
     class ShardTransfer(FP8Transfer):
-        @lru_cache(maxsize=64)  # noqa: B019 (one transfer per training run)
-        def index(self, shard: int) -> dict[int, tuple[int, int]]:
-            return shard_row_index(shard_path(self.hidden_states_path, shard))
+        # Open shards (a memory map and a parsed header each) are kept for the next rows: batches are drawn at
+        # random, so a row's shard is rarely the last one's. Each shard's row index is [rows, 3] int64: 24 bytes
+        # a row, kept for every shard read.
+        open_limit = 16
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.handles: OrderedDict[int, Any] = OrderedDict()
+            self.indices: dict[int, torch.Tensor] = {}
+
+        def handle(self, shard: int) -> Any:
+            if shard in self.handles:
+                self.handles.move_to_end(shard)
+            else:
+                self.handles[shard] = safe_open(str(shard_path(self.hidden_states_path, shard)), framework="pt")
+                if len(self.handles) > self.open_limit:
+                    self.handles.popitem(last=False)
+            return self.handles[shard]
 
         def get_cached(self, file_idx: int) -> dict[str, torch.Tensor] | None:
             shard = file_idx // rows_per_shard
-            first_token, length = self.index(shard)[file_idx]
-            with safe_open(str(shard_path(self.hidden_states_path, shard)), framework="pt") as handle:
-                return self._dequantize(read_shard_row(handle, first_token, length))
+            handle = self.handle(shard)
+            if shard not in self.indices:
+                self.indices[shard] = handle.get_tensor(ROW_INDEX_KEY)
+            row, first_token, length = self.indices[shard][file_idx - shard * rows_per_shard].tolist()
+            if row != file_idx:  # convert checked every shard against the rows: only a change since can do this
+                raise EaglenestError(f"{shard_path(self.hidden_states_path, shard)}: its row index holds row {row} "
+                                     f"where row {file_idx} belongs; run `dvc repro extract convert`")
+            return self._dequantize(read_shard_row(handle, first_token, length))
 
     return ShardTransfer(hidden_states, dequantize_dtype=hs_dtype)
 
