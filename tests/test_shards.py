@@ -245,3 +245,12 @@ def test_rows_finishing_out_of_order_are_packed_when_their_shard_completes(tmp_p
     metrics = extract(prepared, out, rows_per_shard=4)
     assert metrics["rows_computed"] == ROWS and [p.name for p in stored_files(out)] == [
         f"shard_{s}.safetensors" for s in range(3)]
+
+
+def test_an_unreadable_shard_is_removed_whatever_the_shard_size(tmp_path: Path, prepared):
+    for size in (1, 4):
+        out = tmp_path / f"hs-{size}"
+        out.mkdir()
+        shard_path(out, 7).write_bytes(b"not a shard")  # no rows of its own to name: removed, never read by train
+        metrics = extract(prepared, out, rows_per_shard=size)
+        assert metrics["rows_computed"] == ROWS and not shard_path(out, 7).exists()

@@ -122,9 +122,16 @@ def plan_shards(out_dir: Path, rows: range, input_ids: list[list[int]], verifier
             continue
         held = _shard_rows_on_disk(path)
         expected = shard_rows(shard, rows_per_shard, len(input_ids)) if rows_per_shard > 1 else range(0)
-        # Several nodes share the folder: a node touches only shards within its own rows.
+        # Several nodes share the folder: a node touches only shards within its own rows. An unreadable shard
+        # says nothing of its rows: the node whose shard it would be now removes it, and a single node (all the
+        # rows) removes any, so that no stale shard is left for the train stage to read.
         within = held if held is not None else expected
-        if not within or within.start < rows.start or within.stop > rows.stop:
+        single_node = rows == range(len(input_ids))
+        if not single_node and (not within or within.start < rows.start or within.stop > rows.stop):
+            continue
+        if held is None:
+            log.info("removing %s: unreadable; its rows are recomputed", path.name)
+            path.unlink(missing_ok=True)
             continue
         problem = "extract.rows_per_shard is 1" if rows_per_shard == 1 else shard_problem(
             path, expected, input_ids, verifier, dtype, config, rows_per_shard)
