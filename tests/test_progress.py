@@ -40,6 +40,20 @@ def test_a_meter_in_a_log_is_whole_lines_with_rate_and_eta(caplog, monkeypatch):
     assert len(lines) == len(set(lines))  # the closing redraw of the same meter is not logged twice
 
 
+def test_a_nested_meter_leaves_no_cursor_moves_in_a_log(caplog, monkeypatch):
+    """vLLM's per-request meter inside ours (position 1): tqdm moves the cursor up around it."""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    caplog.set_level(logging.INFO, logger="eaglenest.progress")
+    monkeypatch.setattr(progress_module, "LOG_INTERVAL", 0.0)
+    with progress(4, "regenerated", "conv") as outer:
+        with progress(2, "a batch", "req", position=1, leave=False) as inner:
+            inner.update(2)
+        outer.update(4)
+    lines = _meter_lines(caplog)
+    assert lines and all("\x1b" not in line and line.strip() for line in lines), lines
+    assert all(line.startswith(("regenerated:", "a batch:")) for line in lines), lines
+
+
 def test_a_meter_in_a_log_writes_at_most_one_line_per_interval(caplog, monkeypatch):
     monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
     caplog.set_level(logging.INFO, logger="eaglenest.progress")

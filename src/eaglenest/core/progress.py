@@ -8,6 +8,7 @@ error is not a terminal, the same tqdm meter (count, elapsed, ETA, rate, postfix
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from typing import Any
 
@@ -17,6 +18,8 @@ log = logging.getLogger("eaglenest.progress")
 
 # Seconds between two lines of one meter in a log (a terminal's bar redraws as tqdm likes).
 LOG_INTERVAL = 30.0
+# Cursor moves tqdm writes around a nested meter (vLLM's per-request one inside ours): nothing for a log.
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
 class _LogLines:
@@ -26,7 +29,7 @@ class _LogLines:
         self.last_count = ""
 
     def write(self, text: str) -> None:
-        line = text.replace("\r", "").strip()
+        line = ANSI_ESCAPE.sub("", text).replace("\r", "").strip()
         count = line.partition(" [")[0]  # "desc: 40%|####      | 4/10": the rate and ETA follow it
         if line and count != self.last_count:  # closing redraws the last count (a refresh may have drawn it)
             self.last_count = count
