@@ -117,7 +117,8 @@ def shard_metadata(metadata: dict[str, str], rows_per_shard: int, shard: int) ->
     return {METADATA_KEY: json.dumps(info, sort_keys=True)}
 
 
-def _recorded(metadata: dict[str, str], key: str) -> object:
+def recorded(metadata: dict[str, str], key: str) -> object:
+    """``key`` of eaglenest's metadata entry in a safetensors header's metadata, or None."""
     try:
         return json.loads(metadata.get(METADATA_KEY, "{}")).get(key)
     except (json.JSONDecodeError, AttributeError):
@@ -183,7 +184,7 @@ def check_header(path: Path, *, seq_len: int, num_slots: int, hidden_size: int, 
     problem = _tensor_problem(header, seq_len, num_slots, hidden_size, dtype, (HIDDEN_KEY, TOKENS_KEY))
     if problem is not None:
         return problem
-    if config is not None and _recorded(header.metadata, "config") != config:
+    if config is not None and recorded(header.metadata, "config") != config:
         return "computed with another verifier, layer set or dtype"
     return None
 
@@ -311,9 +312,9 @@ def check_shard_header(path: Path, *, rows: range, lengths: list[int], num_slots
     header = _read_checked_header(path)
     if isinstance(header, str):
         return header
-    recorded = _recorded(header.metadata, "rows_per_shard")
-    if recorded != rows_per_shard:
-        return (f"written with extract.rows_per_shard = {recorded}, now {rows_per_shard} (its valid rows are "
+    written_size = recorded(header.metadata, "rows_per_shard")
+    if written_size != rows_per_shard:
+        return (f"written with extract.rows_per_shard = {written_size}, now {rows_per_shard} (its valid rows are "
                 "re-sharded by `dvc repro extract`)")
     problem = _tensor_problem(header, sum(lengths[row] for row in rows), num_slots, hidden_size, dtype,
                               (HIDDEN_KEY, TOKENS_KEY, ROW_INDEX_KEY))
@@ -321,20 +322,27 @@ def check_shard_header(path: Path, *, rows: range, lengths: list[int], num_slots
         return problem
     if header.tensors[ROW_INDEX_KEY] != ("I64", [len(rows), 3]):
         return f"{ROW_INDEX_KEY} is {header.tensors[ROW_INDEX_KEY]}, expected I64 [{len(rows)}, 3]"
-    if config is not None and _recorded(header.metadata, "config") != config:
+    if config is not None and recorded(header.metadata, "config") != config:
         return "computed with another verifier, layer set or dtype"
-    try:
-        with safe_open(str(path), framework="pt") as fh:
-            index = fh.get_tensor(ROW_INDEX_KEY).tolist()
-    except (OSError, ValueError, RuntimeError, SafetensorError) as err:
-        return f"unreadable: {err}"
+    index = read_shard_tensor(path, ROW_INDEX_KEY)
+    if isinstance(index, str):
+        return index
     start = 0
-    for (row, first, length), expected in zip(index, rows, strict=True):
+    for (row, first, length), expected in zip(index.tolist(), rows, strict=True):
         if row != expected or first != start or length != lengths[expected]:
             return (f"its row index disagrees with its tensors at row {expected}: [{row}, {first}, {length}], "
                     f"expected [{expected}, {start}, {lengths[expected]}]")
         start += length
     return None
+
+
+def read_shard_tensor(path: Path, key: str) -> torch.Tensor | str:
+    """One tensor of a shard (its row index or token ids: small), or "unreadable: ..." when it cannot be read."""
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            return fh.get_tensor(key)
+    except (OSError, ValueError, RuntimeError, SafetensorError, KeyError) as err:
+        return f"unreadable: {err}"
 
 
 def shard_row_index(path: Path) -> dict[int, tuple[int, int]]:

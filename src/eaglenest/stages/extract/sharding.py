@@ -12,20 +12,20 @@ without recomputing a valid row. A shard computed for another verifier, layer se
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
 from eaglenest.artifacts.hidden_states import (
-    METADATA_KEY,
     ROW_INDEX_KEY,
     TOKENS_KEY,
     check_shard_header,
     hs_path,
     pack_shard,
     read_shard_row,
+    read_shard_tensor,
+    recorded,
     shard_number,
     shard_path,
     shard_rows,
@@ -38,10 +38,10 @@ from eaglenest.core.safetensors_header import read_header
 log = logging.getLogger(__name__)
 
 
-def _recorded_config(path: Path) -> str | None:
+def _recorded_config(path: Path) -> object:
     try:
-        return json.loads(read_header(path).metadata.get(METADATA_KEY, "{}")).get("config")
-    except (OSError, ValueError, AttributeError):
+        return recorded(read_header(path).metadata, "config")
+    except (OSError, ValueError):
         return None
 
 
@@ -55,11 +55,10 @@ def shard_problem(path: Path, rows: range, input_ids: list[list[int]], verifier:
                                  rows_per_shard=rows_per_shard)
     if problem is not None:
         return problem
-    try:
-        with safe_open(str(path), framework="pt") as fh:
-            tokens = fh.get_tensor(TOKENS_KEY).tolist()
-    except (OSError, ValueError, RuntimeError, SafetensorError) as err:
-        return f"unreadable: {err}"
+    tokens = read_shard_tensor(path, TOKENS_KEY)
+    if isinstance(tokens, str):
+        return tokens
+    tokens = tokens.tolist()
     start = 0
     for row in rows:
         if tokens[start: start + lengths[row]] != input_ids[row]:
@@ -92,12 +91,11 @@ def unpack_shard(path: Path, input_ids: list[list[int]], metadata: dict[str, str
 
 def _shard_rows_on_disk(path: Path) -> range | None:
     """The rows a shard file's own index says it holds (contiguous), or None when unreadable."""
-    try:
-        with safe_open(str(path), framework="pt") as fh:
-            rows = [int(r) for r in fh.get_tensor(ROW_INDEX_KEY)[:, 0].tolist()]
-    except (OSError, ValueError, RuntimeError, SafetensorError, KeyError, IndexError):
+    index = read_shard_tensor(path, ROW_INDEX_KEY)
+    if isinstance(index, str) or index.dim() != 2 or not len(index):
         return None
-    return range(rows[0], rows[-1] + 1) if rows else None
+    rows = index[:, 0].tolist()
+    return range(rows[0], rows[-1] + 1)
 
 
 def plan_shards(out_dir: Path, rows: range, input_ids: list[list[int]], verifier: VerifierInfo, dtype: str,
