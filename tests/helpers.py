@@ -241,3 +241,21 @@ def expected_from_pieces(tokenizer, pieces: list[tuple[str, int]]) -> tuple[list
         ids += piece_ids
         mask += [label] * len(piece_ids)
     return ids, mask
+
+
+def stored_row(folder: Path, row: int) -> dict:
+    """Row ``row``'s tensors as stored, from its row file or from the shard holding it."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from eaglenest.artifacts.hidden_states import hs_path, read_shard_row, shard_row_index
+
+    if hs_path(folder, row).is_file():
+        return load_file(hs_path(folder, row))
+    for shard in sorted(folder.glob("shard_*.safetensors")):
+        index = shard_row_index(shard)
+        if row in index:
+            with safe_open(str(shard), framework="pt") as handle:
+                return {key: torch.clone(value) for key, value in read_shard_row(handle, *index[row]).items()}
+    raise FileNotFoundError(f"{folder}: row {row} is in no row file and no shard")

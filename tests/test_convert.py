@@ -20,20 +20,23 @@ from eaglenest.stages.convert import convert
 from eaglenest.stages.extract import extract_hidden_states
 from eaglenest.stages.prepare import prepare_dataset
 
-from .helpers import pipeline_until_prepare
+from .helpers import pipeline_until_prepare, stored_row
 
 
 @pytest.fixture
 def extracted(tmp_path: Path, tiny_verifier_dir: Path) -> dict[str, Path]:
     verifier_dir, prepared = pipeline_until_prepare(tmp_path, tiny_verifier_dir, rows=10)
     hs = tmp_path / "data" / "hidden_states"
-    extract_hidden_states(ExtractParams(), verifier_dir, prepared, hs, tmp_path / "metrics" / "extract.json")
+    # Row files: each test below breaks one file of one row.
+    extract_hidden_states(ExtractParams(rows_per_shard=1), verifier_dir, prepared, hs,
+                          tmp_path / "metrics" / "extract.json")
     return {"verifier": verifier_dir, "prepared": prepared, "hs": hs, "root": tmp_path}
 
 
 def run_convert(paths: dict[str, Path], **params) -> dict:
     params.setdefault("draft_vocab_size", 64)  # the default 8192 exceeds the tiny verifier's 300 tokens
-    return convert(ConvertParams(**params), ExtractParams(dtype="bfloat16"), paths["verifier"], paths["prepared"],
+    return convert(ConvertParams(**params), ExtractParams(dtype="bfloat16", rows_per_shard=1), paths["verifier"],
+                   paths["prepared"],
                    paths["hs"],
                    paths["root"] / "data" / "vocab", paths["root"] / "metrics" / "data.json")
 
@@ -183,7 +186,7 @@ def test_import_formats_feed_the_pipeline(tmp_path: Path, tiny_verifier_dir: Pat
                           root / "data.json")
         assert metrics["samples"] == 6 and metrics["excluded"] == 0
         original = torch.load(tmp_path / "dump" / "data_2.pt", weights_only=True)
-        stored = load_file(hs_path(hs, 2))
+        stored = stored_row(hs, 2)  # the per-row dump lands in a shard (extract.rows_per_shard)
         assert torch.equal(stored["hidden_states"], torch.stack(original["hidden_states"], dim=1))
 
 

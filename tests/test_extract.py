@@ -18,7 +18,7 @@ from eaglenest.stages.extract import extract_hidden_states, part_rows
 from eaglenest.stages.extract.hf import length_sorted_batches
 
 from .conftest import build_tiny_tokenizer, build_tiny_verifier
-from .helpers import pipeline_until_prepare
+from .helpers import pipeline_until_prepare, stored_row
 
 
 def build_tiny_qwen3(path: Path) -> Path:
@@ -63,7 +63,7 @@ def test_every_slot_matches_an_independent_computation(tmp_path: Path, architect
     assert metrics["rows"] == len(dataset) == metrics["rows_computed"]
     for row in range(len(dataset)):
         ids = dataset[row]["input_ids"].tolist()
-        stored = load_file(hs_path(out, row))
+        stored = stored_row(out, row)
         assert stored["token_ids"].tolist() == ids and stored["token_ids"].dtype == torch.int64
         hs = stored["hidden_states"]
         assert hs.shape == (len(ids), 4, 32) and hs.dtype == torch.float32
@@ -82,7 +82,7 @@ def test_speculators_reads_the_files(tmp_path: Path, tiny_verifier_dir: Path):
 
     verifier_dir, prepared = pipeline_until_prepare(tmp_path, tiny_verifier_dir)
     out = tmp_path / "data" / "hidden_states"
-    extract_hidden_states(ExtractParams(), verifier_dir, prepared, out, tmp_path / "extract.json")
+    extract_hidden_states(ExtractParams(rows_per_shard=1), verifier_dir, prepared, out, tmp_path / "extract.json")
     split = load_split(prepared)
     dataset = ArrowDataset(max_len=256, datapath=prepared, transfer=FileTransfer(out), on_missing="raise",
                            train_ratio=split["train_ratio"], split="train")
@@ -101,7 +101,7 @@ def test_speculators_reads_the_files(tmp_path: Path, tiny_verifier_dir: Path):
 def test_resume_recomputes_only_bad_or_missing_files(tmp_path: Path, tiny_verifier_dir: Path):
     verifier_dir, prepared = pipeline_until_prepare(tmp_path, tiny_verifier_dir)
     out = tmp_path / "hs"
-    params = ExtractParams()
+    params = ExtractParams(rows_per_shard=1)  # row files: each is broken its own way below
     extract_hidden_states(params, verifier_dir, prepared, out, tmp_path / "m.json")
     reference = {p.name: p.read_bytes() for p in out.iterdir()}
     untouched = hs_path(out, 5)
@@ -129,9 +129,10 @@ def test_resume_recomputes_only_bad_or_missing_files(tmp_path: Path, tiny_verifi
 def test_changed_dtype_recomputes_everything(tmp_path: Path, tiny_verifier_dir: Path, caplog: pytest.LogCaptureFixture):
     verifier_dir, prepared = pipeline_until_prepare(tmp_path, tiny_verifier_dir)
     out = tmp_path / "hs"
-    extract_hidden_states(ExtractParams(dtype="bfloat16"), verifier_dir, prepared, out, tmp_path / "m.json")
+    extract_hidden_states(ExtractParams(dtype="bfloat16", rows_per_shard=1), verifier_dir, prepared, out,
+                          tmp_path / "m.json")
     with caplog.at_level("INFO", logger="eaglenest.stages.extract"):
-        metrics = extract_hidden_states(ExtractParams(dtype="float32"), verifier_dir, prepared, out,
+        metrics = extract_hidden_states(ExtractParams(dtype="float32", rows_per_shard=1), verifier_dir, prepared, out,
                                         tmp_path / "m.json")
     assert metrics["rows_computed"] == metrics["rows"] == 10
     # three files named, the rest counted: one line per reason, not one per file

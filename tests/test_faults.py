@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 import eaglenest.core.atomic as atomic
+from eaglenest.artifacts.hidden_states import stored_files
 from eaglenest.artifacts.vocab import load_vocab
 from eaglenest.core.atomic import TMP_MARKER, atomic_write_bytes
 from eaglenest.core.errors import EaglenestError, InputFileError, ParamsError
@@ -323,7 +324,7 @@ def test_kill_9_during_extract_and_train_five_times_each(tmp_path: Path, tiny_ve
         "verifier": {"model": str(tiny_verifier_dir), "aux_layers": [1, 3, 5]},
         "prepare": {"source": ["data/conversations/chats.jsonl"], "max_conversations": None,
                     "regenerate": False},
-        "extract": {"batch_tokens": 16},
+        "extract": {"batch_tokens": 16, "rows_per_shard": 16},  # several shards: kills fall inside and between
         "convert": {"draft_vocab_size": 64},
         "train": {"steps": 120, "eval_every": 60, "checkpoint_every": 3, "total_seq_len": 256, "lr": 0.003},
         # no vLLM kernel for head size 8: hf evaluates
@@ -337,6 +338,7 @@ def test_kill_9_during_extract_and_train_five_times_each(tmp_path: Path, tiny_ve
     dvc(["repro"], repo)  # the uninterrupted reference
     hs_dir, draft = repo / "data/hidden_states", repo / "models/draft"
     reference_hs = {p.name: p.read_bytes() for p in hs_dir.iterdir()}
+    assert len(reference_hs) > 4 and all(name.startswith("shard_") for name in reference_hs)
     reference_draft = load_file(draft / "model.safetensors")
     rng = random.Random(1234)
 
@@ -344,12 +346,12 @@ def test_kill_9_during_extract_and_train_five_times_each(tmp_path: Path, tiny_ve
 
     shutil.rmtree(hs_dir)  # extract again from an empty folder, killed 5 times
 
-    def new_hidden_state_file():
-        before = len(list(hs_dir.glob("hs_*.safetensors"))) if hs_dir.is_dir() else 0
-        return lambda: hs_dir.is_dir() and len(list(hs_dir.glob("hs_*.safetensors"))) > before
+    def new_hidden_state_file():  # a row file, or a shard packed from row files
+        before = len(stored_files(hs_dir)) if hs_dir.is_dir() else 0
+        return lambda: hs_dir.is_dir() and len(stored_files(hs_dir)) > before
 
-    def fewer_hidden_states():  # a run finished uninterrupted: take half the files away and go on
-        for path in sorted(hs_dir.glob("hs_*.safetensors"))[::2]:
+    def fewer_hidden_states():  # a run finished uninterrupted: take half the shards away and go on
+        for path in stored_files(hs_dir)[::2]:
             path.unlink()
 
     kill_five_times(repo, "extract", new_hidden_state_file, fewer_hidden_states, rng)

@@ -20,7 +20,7 @@ from eaglenest.stages.convert import convert
 from eaglenest.stages.extract import extract_hidden_states
 from eaglenest.stages.train import TrainPaths, train_draft
 
-from .helpers import pipeline_until_prepare
+from .helpers import pipeline_until_prepare, stored_row
 
 FP8 = "float8_e4m3fn"
 ROWS = 12
@@ -32,7 +32,7 @@ def extracted(tmp_path_factory: pytest.TempPathFactory, tiny_verifier_dir: Path)
     root = tmp_path_factory.mktemp("fp8")
     verifier_dir, prepared = pipeline_until_prepare(root, tiny_verifier_dir, rows=ROWS)
     for dtype in ("float32", FP8):
-        extract_hidden_states(ExtractParams(dtype=dtype), verifier_dir, prepared, root / dtype,
+        extract_hidden_states(ExtractParams(dtype=dtype, rows_per_shard=1), verifier_dir, prepared, root / dtype,
                               root / f"extract-{dtype}.json")
     return {"root": root, "verifier": verifier_dir, "prepared": prepared, "fp32": root / "float32", "fp8": root / FP8}
 
@@ -83,8 +83,8 @@ def test_files_from_speculators_fp8_connector_are_imported_as_they_are(extracted
     out = tmp_path / "hs"
     extract_hidden_states(ExtractParams(backend="import", import_path=str(theirs), dtype=FP8), extracted["verifier"],
                           extracted["prepared"], out, tmp_path / "extract.json")
-    for row in range(ROWS):  # same quantizer, same values: the bytes of the tensors are theirs
-        ours, source = load_file(hs_path(out, row)), load_file(hs_path(theirs, row))
+    for row in range(ROWS):  # same quantizer, same values: the bytes of the tensors are theirs (in a shard)
+        ours, source = stored_row(out, row), load_file(hs_path(theirs, row))
         assert torch.equal(ours[HIDDEN_KEY].view(torch.uint8), source[HIDDEN_KEY].view(torch.uint8))
         assert torch.equal(ours[SCALES_KEY], source[SCALES_KEY])
 
@@ -95,8 +95,8 @@ def test_files_from_speculators_fp8_connector_are_imported_as_they_are(extracted
 
 
 def test_convert_train_and_inspect_run_on_fp8(extracted: dict[str, Path], tmp_path: Path):
-    metrics = convert(ConvertParams(draft_vocab_size=64), ExtractParams(dtype=FP8), extracted["verifier"],
-                      extracted["prepared"],
+    metrics = convert(ConvertParams(draft_vocab_size=64), ExtractParams(dtype=FP8, rows_per_shard=1),
+                      extracted["verifier"], extracted["prepared"],
                       extracted["fp8"], tmp_path / "vocab", tmp_path / "data.json")
     assert metrics["excluded"] == 0
     result = train_draft(TrainParams(steps=4, eval_every=4, total_seq_len=256, lr=3e-3, warmup_steps=1),
@@ -131,7 +131,7 @@ def test_a_broken_fp8_file_is_named_with_its_problem(extracted: dict[str, Path],
         data[SCALES_KEY] = data[SCALES_KEY].bfloat16()
     save_file(data, path)
     with pytest.raises(InputFileError) as err:
-        convert(ConvertParams(draft_vocab_size=64), ExtractParams(dtype=FP8), extracted["verifier"],
+        convert(ConvertParams(draft_vocab_size=64), ExtractParams(dtype=FP8, rows_per_shard=1), extracted["verifier"],
                 extracted["prepared"], hs,
                 tmp_path / "vocab", tmp_path / "data.json")
     assert message.replace("SEQ", str(seq)) in str(err.value) and "hs_4.safetensors" in str(err.value)

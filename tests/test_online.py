@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import eaglenest.stages.train.online as online_module
-from eaglenest.artifacts.hidden_states import MANIFEST_FILE, hs_path
+from eaglenest.artifacts.hidden_states import MANIFEST_FILE, shard_path
 from eaglenest.artifacts.prepared import write_prepared
 from eaglenest.artifacts.verifier import load_verifier_info
 from eaglenest.commands.inspect import inspect_path
@@ -112,7 +112,7 @@ def test_online_manifest_switches_back_and_forth(prepared: Path):
     verifier, prepared_dir = prepared / "models" / "verifier", prepared / "data" / "prepared"
     hs = prepared / "switch"
     extract_hidden_states(ExtractParams(), verifier, prepared_dir, hs, prepared / "e1.json")
-    assert hs_path(hs, 0).is_file()
+    assert shard_path(hs, 0).is_file()
     metrics = extract_hidden_states(ExtractParams(store="online"), verifier, prepared_dir, hs, prepared / "e2.json")
     assert sorted(p.name for p in hs.iterdir()) == [MANIFEST_FILE]  # the stored files are gone
     assert metrics["store"] == "online" and metrics["rows"] == ROWS and metrics["rows_computed"] == 0
@@ -130,7 +130,7 @@ def test_online_manifest_switches_back_and_forth(prepared: Path):
                 prepared / "v",
                 prepared / "d.json")
     extract_hidden_states(ExtractParams(), verifier, prepared_dir, hs, prepared / "e4.json")
-    assert not (hs / MANIFEST_FILE).exists() and hs_path(hs, ROWS - 1).is_file()
+    assert not (hs / MANIFEST_FILE).exists() and shard_path(hs, 0).is_file()
 
 
 def test_a_manifest_for_other_rows_is_refused(prepared: Path, tmp_path: Path):

@@ -70,7 +70,8 @@ def test_default_verifier_and_chitchat_through_dvc_repro(tmp_path: Path):
     assert extract["rows"] == 16 and extract["tokens"] == metrics["tokens"]
     assert extract["bytes_per_token"] == pytest.approx(4 * 576 * 2 + 8, rel=0.01)  # bf16, 4 slots
     hs_dir = repo / "data/hidden_states"
-    assert sorted(p.name for p in hs_dir.iterdir()) == sorted(f"hs_{i}.safetensors" for i in range(16))
+    assert [p.name for p in hs_dir.iterdir()] == ["shard_0.safetensors"]  # the default packs 256 rows a shard
+    assert extract["files"] == 1 and extract["rows_per_shard"] == 256
     data = json.loads((repo / "metrics/data.json").read_text())
     assert data["samples"] == 16 and data["excluded"] == 0 and data["draft_vocab_size"] == 4096
     assert data["vocab_coverage_train"] == 1.0  # 16 short chats have far fewer than 4096 distinct tokens
@@ -112,7 +113,8 @@ def test_default_verifier_and_chitchat_through_dvc_repro(tmp_path: Path):
     second = dvc(["repro"], repo)
     assert_all_skipped(second.stdout)
 
-    # kill -9 in the middle of extraction, then `dvc repro` finishes the job bit-identically.
+    # kill -9 in the middle of extraction (rows are written one file each until their shard is packed), then
+    # `dvc repro` finishes the job bit-identically.
     reference = {p.name: p.read_bytes() for p in hs_dir.iterdir()}
     shutil.rmtree(hs_dir)
     process = subprocess.Popen([str(VENV_BIN / "dvc"), "repro", "extract"], cwd=repo, env=project_env(),

@@ -20,8 +20,8 @@ from eaglenest.artifacts.hidden_states import (
     shard_row_index,
     stored_files,
 )
-from eaglenest.core.errors import InputFileError, ParamsError
-from eaglenest.core.params import ConvertParams, ExtractParams, TrainParams, parse_params
+from eaglenest.core.errors import InputFileError
+from eaglenest.core.params import ConvertParams, ExtractParams, TrainParams
 from eaglenest.stages.convert import convert
 from eaglenest.stages.extract import extract_hidden_states, part_rows
 
@@ -35,9 +35,11 @@ def prepared(tmp_path: Path, tiny_verifier_dir: Path) -> tuple[Path, Path]:
     return pipeline_until_prepare(tmp_path, tiny_verifier_dir, rows=ROWS)
 
 
-def extract(prepared: tuple[Path, Path], out: Path, **params) -> dict:
+def extract(prepared: tuple[Path, Path], out: Path, rows_per_shard: int = 1, **params) -> dict:
+    """The extract stage; row files unless ``rows_per_shard`` says otherwise (the default packs 256)."""
     verifier_dir, prepared_dir = prepared
-    return extract_hidden_states(ExtractParams(**params), verifier_dir, prepared_dir, out, out.parent / "m.json")
+    return extract_hidden_states(ExtractParams(rows_per_shard=rows_per_shard, **params), verifier_dir, prepared_dir,
+                                 out, out.parent / "m.json")
 
 
 def folder(out: Path) -> dict[str, bytes]:
@@ -142,9 +144,29 @@ def test_convert_names_a_bad_row_by_its_shard_and_skip_excludes_only_that_row(tm
     assert metrics["excluded_rows"] == [6] and metrics["samples"] == ROWS - 1
 
 
+def test_convert_refuses_files_of_another_shard_size_in_one_line(tmp_path: Path, prepared):
+    verifier_dir, prepared_dir = prepared
+    rows_dir, shards_dir = tmp_path / "rows", tmp_path / "shards"
+    extract(prepared, rows_dir)
+    extract(prepared, shards_dir, rows_per_shard=4)
+    for hs, size, message in [
+        (rows_dir, 4, r"rows: 10 row files \(hs_\{i\}.safetensors\), written with extract.rows_per_shard = 1, now 4; "
+                      r"run `dvc repro extract`: it re-shards the rows without recomputing them"),
+        (shards_dir, 1, r"shard_0.safetensors: written with extract.rows_per_shard = 4, now 1; run `dvc repro"),
+        (shards_dir, 8, r"shard_0.safetensors: written with extract.rows_per_shard = 4, now 8; run `dvc repro"),
+    ]:
+        with pytest.raises(InputFileError, match=message) as err:
+            convert(ConvertParams(draft_vocab_size=64, on_bad="skip"), ExtractParams(rows_per_shard=size),
+                    verifier_dir, prepared_dir, hs, tmp_path / "vocab", tmp_path / "data.json")
+        assert "\n" not in str(err.value) and not (tmp_path / "vocab").exists()
+    # the fix the line gives: extract at the new size re-shards without recomputing, then convert passes
+    assert extract(prepared, shards_dir, rows_per_shard=8)["rows_computed"] == 0
+    convert(ConvertParams(draft_vocab_size=64), ExtractParams(rows_per_shard=8), verifier_dir, prepared_dir,
+            shards_dir, tmp_path / "vocab", tmp_path / "data.json")
+
+
 @pytest.mark.parametrize(("change", "message"), [
     ("index", "its row index disagrees with its tensors at row 5"),
-    ("size", "written with extract.rows_per_shard = 4, now 3"),
     ("truncated", "(truncated?)"),
 ])
 def test_convert_refuses_a_bad_shard_naming_it(tmp_path: Path, prepared, change: str, message: str):
@@ -158,7 +180,7 @@ def test_convert_refuses_a_bad_shard_naming_it(tmp_path: Path, prepared, change:
     elif change == "truncated":
         shard_path(out, 1).write_bytes(shard_path(out, 1).read_bytes()[:-10])
     with pytest.raises(InputFileError) as err:
-        run_convert(prepared, out, tmp_path, rows_per_shard=3 if change == "size" else 4)
+        run_convert(prepared, out, tmp_path, rows_per_shard=4)
     assert message in str(err.value) and "shard_1.safetensors row" in str(err.value)
 
 
@@ -195,13 +217,24 @@ def test_parts_start_on_shard_boundaries_and_join(tmp_path: Path, prepared):
     assert joined["rows_computed"] == 0 and folder(out) == folder(fresh)
 
 
-def test_online_with_shards_is_refused():
-    with pytest.raises(ParamsError, match="extract.rows_per_shard = 8 packs stored files"):
-        parse_params({"extract": {"store": "online", "rows_per_shard": 8}}, source="t")
+def test_more_nodes_than_shards_leave_a_part_empty_and_still_join(tmp_path: Path, prepared, caplog):
+    """10 rows in shards of 8 are 2 shards for 3 nodes: one node gets none, finishes, and the join is whole."""
+    assert [part_rows(10, rank, 3, 8) for rank in range(3)] == [range(0, 0), range(0, 8), range(8, 10)]
+    out, fresh = tmp_path / "hs", tmp_path / "fresh"
+    extract(prepared, fresh, rows_per_shard=8)
+    empty = extract(prepared, out, rows_per_shard=8, rank=0, world_size=3)
+    assert (empty["rows"], empty["files"], empty["bytes_per_token"]) == (0, 0, None)
+    assert "part 0/3 holds no whole shard" in caplog.text
+    for rank in (2, 1):
+        extract(prepared, out, rows_per_shard=8, rank=rank, world_size=3)
+    joined = extract(prepared, out, rows_per_shard=8)
+    assert joined["rows_computed"] == 0 and folder(out) == folder(fresh)
 
 
 def test_export_writes_speculators_layout_equal_to_row_files(tmp_path: Path, prepared, capsys):
+    from datasets import load_from_disk
     from hs_connectors import FileTransfer
+    from speculators.data_generation.offline import check_hidden_states
 
     from eaglenest.commands.cli import main as cli_main
     from eaglenest.commands.inspect import inspect_path
@@ -215,6 +248,11 @@ def test_export_writes_speculators_layout_equal_to_row_files(tmp_path: Path, pre
     assert folder(out / "hidden_states") == folder(rows_dir)  # the bytes extract writes with rows_per_shard: 1
     assert (out / "dataset_info.json").is_file()
     assert FileTransfer(out / "hidden_states").get_cached(3)["token_ids"].numel() > 0
+    # speculators' own check of a hidden-state file against its row's tokens, file by file
+    exported_rows = load_from_disk(str(out)).with_format(None)["input_ids"]
+    assert len(exported_rows) == ROWS
+    for row, input_ids in enumerate(exported_rows):
+        check_hidden_states(load_file(hs_path(out / "hidden_states", row)), input_ids)
 
     described = "\n".join(inspect_path(shard_path(shards_dir, 1)))
     assert "shard of 4 rows (4..7)" in described and "row 4: hidden_states bfloat16" in described

@@ -22,18 +22,18 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
 
-from eaglenest.artifacts.hidden_states import HIDDEN_KEY, TOKENS_KEY, hs_path
+from eaglenest.artifacts.hidden_states import HIDDEN_KEY, TOKENS_KEY, row_index, shard_number, shard_path
 from eaglenest.stages.extract.vllm import WAVES_PER_CALL, staging_dir_for
 
 from .conftest import requires_vllm
-from .helpers import VENV_BIN, dvc, make_pipeline_repo, project_env, run
+from .helpers import VENV_BIN, dvc, make_pipeline_repo, project_env, run, stored_row
 
 pytestmark = [pytest.mark.slow, requires_vllm]
 
 TRAIN_ROWS, VAL_ROWS = 6, 2
 ROWS = TRAIN_ROWS + VAL_ROWS
+ROWS_PER_SHARD = 3
 FP32_BOUND = 1e-3  # measured 2e-7 to 1.7e-6: the same float32 model, two implementations
 BF16_BOUND = 0.1  # a sanity bound only; measured 2.5e-3 to 4.8e-3 on the aux slots and 1.9e-2 on the last
 BF16_FLOOR = 1e-4  # bf16 compute is far from float32's ~1e-6: below this, vLLM did not compute in bf16
@@ -43,7 +43,9 @@ PARAMS = {
     # calls (with the default 64, all 8 rows come back from one call). It is also the one config where a row
     # cannot share its batch with others; in float32 vLLM's CPU build was measured to give the same bits
     # either way (32 rows in one batch vs one at a time), so byte equality on resume is not an artefact of it.
-    "extract": {"backend": "vllm", "dtype": "float32", "vllm": {"dtype": "float32"}, "max_num_seqs": 1},
+    # Shards of 3 rows (3, 3, 2): vLLM's rows are packed as their shards complete, and a kill falls mid-shard.
+    "extract": {"backend": "vllm", "dtype": "float32", "vllm": {"dtype": "float32"}, "max_num_seqs": 1,
+                "rows_per_shard": ROWS_PER_SHARD},
     "train": {"steps": 2, "eval_every": 1, "checkpoint_every": 2, "total_seq_len": 512},
 }
 
@@ -94,8 +96,17 @@ def extract_with(repo: Path, out: Path, **extract: Any) -> dict[str, Any]:
 
 
 def read_rows(hs_dir: Path) -> list[dict[str, torch.Tensor]]:
-    """Every row's file in ``hs_dir``: ``hidden_states [seq, slots, hidden]`` and ``token_ids [seq]``."""
-    return [load_file(hs_path(hs_dir, row)) for row in range(ROWS)]
+    """Every row in ``hs_dir`` (its shard or its file): ``hidden_states [seq, slots, hidden]``, ``token_ids [seq]``."""
+    return [stored_row(hs_dir, row) for row in range(ROWS)]
+
+
+def rows_stored(hs_dir: Path) -> set[int]:
+    """The rows whose hidden states are on disk: in a row file or in a (finished) shard."""
+    rows = {row_index(path) for path in hs_dir.glob("hs_*.safetensors")}
+    for path in hs_dir.glob("shard_*.safetensors"):
+        shard = shard_number(path)
+        rows.update(range(shard * ROWS_PER_SHARD, min(shard * ROWS_PER_SHARD + ROWS_PER_SHARD, ROWS)))
+    return rows
 
 
 def relative_errors(got: list[dict[str, torch.Tensor]], want: list[dict[str, torch.Tensor]]) -> list[float]:
@@ -123,7 +134,7 @@ def hf_rows(repo: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, A
 
 
 def test_vllm_float32_matches_hf(repo: Path, vllm_run: dict[str, Any], hf_rows: dict[str, Any]):
-    assert sorted(vllm_run["files"]) == sorted(hs_path(Path(), row).name for row in range(ROWS))
+    assert sorted(vllm_run["files"]) == [shard_path(Path(), shard).name for shard in range(3)]
     assert vllm_run["metrics"]["backend"] == "vllm" and vllm_run["metrics"]["rows_computed"] == ROWS
     assert not staging_dir_for(repo / "data/hidden_states").exists()
     got = read_rows(repo / "data/hidden_states")
@@ -160,10 +171,10 @@ def test_vllm_files_convert_and_train(repo: Path, vllm_run: dict[str, Any]):
 
 
 def wait_for_files(process: subprocess.Popen, hs_dir: Path, at_least: int, timeout_s: float) -> None:
-    """Returns once ``hs_dir`` holds ``at_least`` finished files, or the process ended, or time ran out."""
+    """Returns once ``hs_dir`` holds ``at_least`` finished rows, or the process ended, or time ran out."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and process.poll() is None:
-        if hs_dir.is_dir() and len(list(hs_dir.glob("hs_*.safetensors"))) >= at_least:
+        if hs_dir.is_dir() and len(rows_stored(hs_dir)) >= at_least:
             return
         time.sleep(0.02)
 
@@ -201,7 +212,7 @@ def test_kill_9_mid_extraction_resumes_to_the_same_files(repo: Path, vllm_run: d
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
     assert group_is_gone(process.pid), "vLLM's engine processes outlived the kill"
-    finished_before_kill = len(list(hs_dir.glob("hs_*.safetensors")))
+    finished_before_kill = len(rows_stored(hs_dir))
     assert WAVES_PER_CALL <= finished_before_kill < ROWS, finished_before_kill
 
     resumed = dvc(["repro", "-s", "extract"], repo)

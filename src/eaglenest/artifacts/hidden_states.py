@@ -99,6 +99,26 @@ def stored_files(directory: Path) -> list[Path]:
                   if row_index(path) is not None or shard_number(path) is not None)
 
 
+def layout_problem(directory: Path, rows_per_shard: int) -> str | None:
+    """One line when the files in ``directory`` were written at another ``extract.rows_per_shard`` than
+    ``rows_per_shard`` (row files where shards are expected, or shards of another size), else None. The extract
+    stage re-shards such files without recomputing a row, so the fix is to run it."""
+    fix = "run `dvc repro extract`: it re-shards the rows without recomputing them"
+    files = stored_files(directory)
+    shards = [path for path in files if shard_number(path) is not None]
+    if rows_per_shard > 1 and files and not shards:
+        return (f"{directory}: {len(files)} row files (hs_{{i}}.safetensors), written with extract.rows_per_shard = 1, "
+                f"now {rows_per_shard}; {fix}")
+    for path in shards:
+        try:
+            size = recorded(read_header(path).metadata, "rows_per_shard")
+        except (OSError, ValueError):
+            continue  # unreadable: the row checks name it
+        if size != rows_per_shard:
+            return f"{path}: written with extract.rows_per_shard = {size}, now {rows_per_shard}; {fix}"
+    return None
+
+
 def extraction_fingerprint(verifier_fingerprint: str, layer_ids: list[int], dtype: str) -> str:
     """Identifies what a hidden-state file was computed from; a change invalidates every file."""
     key = json.dumps({"verifier": verifier_fingerprint, "layers": layer_ids, "dtype": dtype}, sort_keys=True)

@@ -332,9 +332,10 @@ class ExtractParams(StrictModel):
     store: Literal["files", "online"] = Field(
         default="files",
         description=(
-            "'files': one hs_{i}.safetensors per row in data/hidden_states (DVC-tracked, reused by every training "
-            "run); 'online': nothing stored, the train stage computes each batch's hidden states from the verifier "
-            "(hf back end, on train.device) and extract writes only data/hidden_states/manifest.json."
+            "'files': the hidden states of every row in data/hidden_states, in shards of extract.rows_per_shard "
+            "rows (DVC-tracked, reused by every training run); 'online': nothing stored, the train stage computes "
+            "each batch's hidden states from the verifier (hf back end, on train.device) and extract writes only "
+            "data/hidden_states/manifest.json."
         ),
     )
     dtype: Literal["bfloat16", "float32", "float8_e4m3fn"] = Field(
@@ -352,13 +353,14 @@ class ExtractParams(StrictModel):
         description="hf back end: rows are length-sorted and batched so that rows x longest row <= this.",
     )
     rows_per_shard: int = Field(
-        default=1,
+        default=256,
         ge=1,
         description=(
-            "Consecutive rows packed into one shard_{s}.safetensors once all of them are computed (DVC pays per "
-            "file on every status, push and pull). 1 keeps one hs_{i}.safetensors per row: the layout vLLM's "
-            "connector writes and `speculators train` reads (`eaglenest export` writes it from shards). A change "
-            "re-shards the rows already computed without recomputing them; multi-node parts start on a shard."
+            "store: files: consecutive rows packed into one shard_{s}.safetensors once all of them are computed "
+            "(DVC pays per file on every status, push and pull; docs/scale.md measures it). 1 keeps one "
+            "hs_{i}.safetensors per row: the layout vLLM's connector writes and `speculators train` reads "
+            "(`eaglenest export` writes it from shards). A change re-shards the rows already computed without "
+            "recomputing them; multi-node parts start on a shard. store: online stores nothing and ignores it."
         ),
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
@@ -401,12 +403,6 @@ class ExtractParams(StrictModel):
                     f"{world_size}); set extract.world_size: 1 and share the work with train.nproc (each process "
                     "computes its batches)"
                 )
-        rows_per_shard = values.get("rows_per_shard")
-        if values.get("store") == "online" and isinstance(rows_per_shard, int) and rows_per_shard > 1:
-            problems.append(
-                f"extract.rows_per_shard = {rows_per_shard} packs stored files, and extract.store: online stores "
-                "none; set extract.rows_per_shard: 1 or extract.store: files"
-            )
         if backend == "vllm" and values.get("device") != "auto":
             problems.append(
                 f"extract.device = {values.get('device')!r} is read by the hf back end only; vllm runs where its "

@@ -28,6 +28,7 @@ from eaglenest.artifacts.hidden_states import (
     check_row_tensors,
     check_shard_header,
     hs_path,
+    layout_problem,
     read_hidden_state_file,
     read_online_manifest,
     read_shard_row,
@@ -201,6 +202,9 @@ def find_usable_rows(params: ConvertParams, extract: ExtractParams, verifier_dir
             raise InputFileError(
                 f"{hs_dir / MANIFEST_FILE}: an online extraction, but extract.store is files; run `dvc repro extract`"
             )
+        layout = layout_problem(hs_dir, extract.rows_per_shard)
+        if layout is not None:  # not a bad row: convert.on_bad: skip would exclude every row
+            raise InputFileError(layout)
         problems = validate_hidden_states(input_ids, hs_dir, verifier, extract.dtype, params.workers,
                                           extract.rows_per_shard)
     if problems and params.on_bad == "fail":

@@ -191,6 +191,10 @@ def plan_extraction(params: ExtractParams, verifier_dir: Path, prepared_dir: Pat
     # Parts on several nodes may share one folder: each clears only the temporaries of its own rows.
     removed = remove_stale_temps(out_dir, mine=lambda name: _mine(name, rows, params.rows_per_shard))
     if params.world_size > 1:
+        if not rows:
+            log.warning("part %d/%d holds no whole shard: %d rows in shards of %d are fewer shards than the %d "
+                        "nodes, so this node computes nothing (a smaller extract.rows_per_shard spreads them)",
+                        params.rank, params.world_size, len(input_ids), params.rows_per_shard, params.world_size)
         check_part_start(out_dir, params.rank, params.world_size, rows, len(input_ids), config)
     else:  # the join of a multi-node extraction, or a plain single-node run
         check_join(out_dir, len(input_ids), config, params.rows_per_shard)
@@ -262,7 +266,7 @@ def finish_extraction(plan: ExtractionPlan, out_dir: Path, metrics_path: Path, s
         # Throughput of what this run computed; null when everything was already there.
         "tokens_per_s": round(todo_tokens / seconds, 1) if plan.todo else None,
         "bytes": size,
-        "bytes_per_token": round(size / tokens, 1),
+        "bytes_per_token": round(size / tokens, 1) if tokens else None,  # a part may get no whole shard
         "dtype": params.dtype,
         "backend": params.backend,
     }
