@@ -72,6 +72,7 @@ class Pipeline:
                                     val_fraction=0.25)
         # float32 files: the extraction comparison then sees only the compute's differences, not storage's
         self.base["extract"]["dtype"] = "float32"
+        self.base["extract"]["rows_per_shard"] = 1  # row files: the comparison reads each row's own file
         self.base["train"].update(steps=60, eval_every=30, checkpoint_every=30, total_seq_len=2048)
         self.base["evaluate"].update(sets=[{"name": "val", "source": "val", "num_prompts": 8, "max_new_tokens": 64,
                                             "headline": True}])

@@ -11,9 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from eaglenest.artifacts.hidden_states import hs_path
 from eaglenest.artifacts.prepared import load_chat_kwargs
 from eaglenest.core.params import ConvertParams, ExtractParams, TrainParams
 from eaglenest.stages.convert import convert
@@ -21,7 +19,7 @@ from eaglenest.stages.extract import extract_hidden_states
 from eaglenest.stages.train import TrainPaths, train_draft
 
 from .conftest import build_tiny_tokenizer
-from .helpers import QWEN3_LIKE, REPO, pipeline_until_prepare, run_evaluate
+from .helpers import QWEN3_LIKE, REPO, pipeline_until_prepare, run_evaluate, stored_row
 
 NUM_LAYERS = 6
 AUX_LAYERS = [1, 3, 5]  # pipeline_until_prepare's; the last slot is layer 6, before the final norm
@@ -77,7 +75,7 @@ def test_verifier_family_end_to_end(tmp_path: Path, arch: str):
     # The stored slots are transformers' own hidden states: after layers 1, 3 and 5, and after layer 6 before
     # the final norm (transformers' last entry is after it).
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    stored = load_file(hs_path(hs, 0))
+    stored = stored_row(hs, 0)  # row 0 of shard 0 (the default packs 256 rows a shard)
     with torch.no_grad():
         output = model(input_ids=stored["token_ids"][None], output_hidden_states=True)
         slots = stored["hidden_states"]  # [seq, 4, hidden]
