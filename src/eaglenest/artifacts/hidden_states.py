@@ -110,13 +110,18 @@ def layout_problem(directory: Path, rows_per_shard: int) -> str | None:
         return (f"{directory}: {len(files)} row files (hs_{{i}}.safetensors), written with extract.rows_per_shard = 1, "
                 f"now {rows_per_shard}; {fix}")
     for path in shards:
-        try:
-            size = recorded(read_header(path).metadata, "rows_per_shard")
-        except (OSError, ValueError):
-            continue  # unreadable: the row checks name it
-        if size != rows_per_shard:
+        size = recorded_in(path, "rows_per_shard")
+        if size is not None and size != rows_per_shard:  # None: unreadable or foreign, the row checks name it
             return f"{path}: written with extract.rows_per_shard = {size}, now {rows_per_shard}; {fix}"
     return None
+
+
+def recorded_in(path: Path, key: str) -> object:
+    """``key`` of eaglenest's metadata in the safetensors file ``path``; None when its header cannot be read."""
+    try:
+        return recorded(read_header(path).metadata, key)
+    except (OSError, ValueError):
+        return None
 
 
 def extraction_fingerprint(verifier_fingerprint: str, layer_ids: list[int], dtype: str) -> str:

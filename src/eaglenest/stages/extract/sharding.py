@@ -25,7 +25,7 @@ from eaglenest.artifacts.hidden_states import (
     pack_shard,
     read_shard_row,
     read_shard_tensor,
-    recorded,
+    recorded_in,
     shard_number,
     shard_path,
     shard_rows,
@@ -33,16 +33,8 @@ from eaglenest.artifacts.hidden_states import (
     write_hidden_states,
 )
 from eaglenest.artifacts.verifier import VerifierInfo
-from eaglenest.core.safetensors_header import read_header
 
 log = logging.getLogger(__name__)
-
-
-def _recorded_config(path: Path) -> object:
-    try:
-        return recorded(read_header(path).metadata, "config")
-    except (OSError, ValueError):
-        return None
 
 
 def shard_problem(path: Path, rows: range, input_ids: list[list[int]], verifier: VerifierInfo, dtype: str,
@@ -135,7 +127,7 @@ def plan_shards(out_dir: Path, rows: range, input_ids: list[list[int]], verifier
             path, expected, input_ids, verifier, dtype, config, rows_per_shard)
         if problem is None:
             in_shards.update(expected)
-        elif _recorded_config(path) == config:
+        elif recorded_in(path, "config") == config:
             kept = unpack_shard(path, input_ids, metadata)
             log.info("re-sharding %s (%s): %d rows kept as row files", path.name, problem, kept)
         else:
