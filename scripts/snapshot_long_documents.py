@@ -12,7 +12,8 @@ turn::
 
 Topics shorter than ``MIN_DOCUMENT_CHARS`` are left out (a short page is not a long-context prompt). The file is
 a snapshot, committed and a dependency of evaluate: a new interpreter changes the set only when this script is
-run again and its output committed. No training source may share text with it (tests/test_disjoint_sources.py).
+run again and its output committed. No training source may share text with it
+(tests/stages/prepare/test_disjoint_sources.py).
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ evaluation sets) are skipped. Packages are taken in name order, at most ``MAX_EX
 each, until ``--count``. The file is a snapshot, committed and a dependency of prepare: upgraded packages change
 the pipeline only when this script is run again and its output committed. An excerpt that shares a
 50-character stretch with a prompt of the shipped evaluation sets is left out
-(:mod:`eaglenest.core.overlap`; tests/test_disjoint_sources.py checks the file); the ``long`` evaluation set
-is Python's own documentation.
+(:mod:`eaglenest.core.overlap`; tests/stages/prepare/test_disjoint_sources.py checks the file); the ``long``
+evaluation set is Python's own documentation.
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""Shared fixtures: tiny tokenizers and verifiers built on the spot, and an offline, isolated DVC."""
+"""What every test shares: an offline, isolated DVC, the vLLM marker, and the fixture layers
+(``tests/fixtures``): tiny models (``models``), then pipelines on them and on the real default verifier
+(``pipeline``), then fakes of servers and engines (``fakes``)."""
 
 from __future__ import annotations
 
@@ -8,25 +10,12 @@ from pathlib import Path
 
 import pytest
 
+pytest_plugins = ("tests.fixtures.models", "tests.fixtures.pipeline")
+
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
-
-# A Phi-3-like template, deliberately unlike SmolLM2's ChatML: the mask logic must not assume ChatML.
-TINY_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
-TINY_SPECIALS = ["<unk>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
-TINY_CORPUS = [
-    "hello there how are you today",
-    "I am fine thanks and you",
-    "the weather is nice, let us go for a walk",
-    "what is the capital of France? Paris is the capital.",
-    "numbers 0 1 2 3 4 5 6 7 8 9 and punctuation ! ? . ,",
-]
-
 
 @pytest.fixture(autouse=True)
 def _isolated_dvc(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -43,71 +32,6 @@ def _isolated_weight_hashes(tmp_path_factory: pytest.TempPathFactory, monkeypatc
     monkeypatch.setattr(verifier, "WEIGHT_HASH_CACHE", tmp_path_factory.getbasetemp() / "weight-hashes.json")
 
 
-def build_tiny_tokenizer():
-    """A byte-level BPE tokenizer trained on a few sentences, with a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=TINY_SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(TINY_CORPUS, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>", unk_token="<unk>", pad_token="<|end|>")
-    fast.chat_template = TINY_CHAT_TEMPLATE
-    return fast
-
-
-@pytest.fixture(scope="session")
-def tiny_tokenizer():
-    return build_tiny_tokenizer()
-
-
-def build_tiny_verifier(path: Path, num_layers: int = 8, auto_map: bool = False) -> Path:
-    """A random tiny Llama verifier with the tiny tokenizer, saved as a local model folder."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tokenizer = build_tiny_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)
-    if auto_map:
-        config_file = path / "config.json"
-        raw = json.loads(config_file.read_text())
-        raw["auto_map"] = {"AutoModelForCausalLM": "modeling_custom.CustomModel"}
-        config_file.write_text(json.dumps(raw))
-    return path
-
-
-@pytest.fixture(scope="session")
-def tiny_verifier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_verifier(tmp_path_factory.mktemp("tiny-verifier"))
-
-
-@pytest.fixture(scope="session")
-def smollm2_tokenizer():
-    """SmolLM2-135M-Instruct's real tokenizer and chat template, read from the packaged GGUF."""
-    from transformers import AutoTokenizer
-
-    from eaglenest.stages.verifier import BUILTIN_VERIFIERS, _builtin_gguf
-
-    gguf = _builtin_gguf(BUILTIN_VERIFIERS.get("smollm2-135m-instruct"))
-    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-
-
-def write_jsonl(path: Path, records: list) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
-    return path
-
-
 # --- Real vLLM ------------------------------------------------------------------------------------------
 # The vLLM tests run whenever vLLM is installed (`make setup` installs its CPU build on a machine without a
 # GPU) and are skipped, with the reason, only where it is absent.
@@ -119,29 +43,6 @@ def _vllm_absent_reason() -> str | None:
 
 
 requires_vllm = pytest.mark.skipif(_vllm_absent_reason() is not None, reason=str(_vllm_absent_reason()))
-
-# A tiny configuration of the real default pipeline, trained far enough that drafts are accepted.
-SMOLLM2_TINY_PARAMS = {
-    "prepare": {"max_conversations": 96, "max_len": 256},
-    "extract": {"batch_tokens": 2048},
-    "train": {"steps": 120, "eval_every": 40, "checkpoint_every": 40, "total_seq_len": 1024},
-    "evaluate": {"sets": [{"name": "val", "source": "val", "num_prompts": 4, "max_new_tokens": 32, "headline": True}]},
-}
-
-
-@pytest.fixture(scope="session")
-def smollm2_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A DVC repo of the default pipeline (SmolLM2, chitchat) run through `train` on a tiny configuration:
-    models/verifier, data/prepared, data/hidden_states, data/vocab and models/draft. Built once per session
-    (about 3 minutes on 2 cores); EAGLENEST_TEST_SMOLLM2_REPO points at an existing one while developing."""
-    from .helpers import VENV_BIN, make_pipeline_repo, run
-
-    existing = os.environ.get("EAGLENEST_TEST_SMOLLM2_REPO")
-    if existing:
-        return Path(existing)
-    repo = make_pipeline_repo(tmp_path_factory.mktemp("smollm2") / "repo", SMOLLM2_TINY_PARAMS)
-    run([str(VENV_BIN / "dvc"), "repro", "train"], repo, timeout=2400)  # minutes when the machine is busy
-    return repo
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 
 A draft evaluated on text it was trained on measures recall. ``evaluate`` refuses a prompt found whole in a
 training row (:func:`eaglenest.stages.evaluate.sets.check_disjoint`); the sources that ship with the project
-are held to this stricter rule, by their snapshot scripts and by tests/test_disjoint_sources.py.
+are held to this stricter rule, by their snapshot scripts and by tests/stages/prepare/test_disjoint_sources.py.
 """
 
 from __future__ import annotations

@@ -1,0 +1,576 @@
+"""`eaglenest bench` against fake OpenAI-compatible servers on 127.0.0.1 (no vLLM engine starts): the /metrics
+arithmetic, the refusals (one line, exit 2), the near-tie rule on differing outputs, servers started by --serve
+(the fake run as a process: ``python -m tests.fixtures.fakes --port P ...``) and, slow, whole sweeps run by
+`vllm bench serve` itself."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from eaglenest.commands import bench, cli
+from eaglenest.commands.serve import ServeCommand
+from eaglenest.core.errors import EaglenestError
+from eaglenest.core.lossless_rule import TIE_CANDIDATES
+from tests.fixtures.fakes import LETTERS, TOP_GAP, FakeServer, fake_letters, letter_ids
+from tests.fixtures.models import build_tiny_tokenizer
+from tests.fixtures.pipeline import REPO
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tokenizer")
+    build_tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def prompts(tmp_path: Path) -> Path:
+    path = tmp_path / "prompts.jsonl"
+    records = [{"prompt": "hello there how are you today"},
+               {"messages": [{"role": "user", "content": "what is the capital of France?"}]},
+               {"question_id": 81, "category": "writing", "turns": ["the weather is nice", "and tomorrow?"]}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def bench_args(draft: str, baseline: str, prompts: Path, tokenizer: Path, out: Path, *extra: str) -> list[str]:
+    return ["bench", "--url", draft, "--baseline-url", baseline, "--prompts", str(prompts), "--tokenizer",
+            str(tokenizer), "--out", str(out), *extra]
+
+
+def one_line_refusal(capsys: pytest.CaptureFixture, argv: list[str]) -> str:
+    status = cli.main(argv)
+    err = capsys.readouterr().err.strip()
+    assert status == 2, err
+    assert err.startswith("eaglenest bench: error: ") and "\n" not in err, err
+    return err
+
+
+# --- /metrics ---------------------------------------------------------------------------------------------------
+
+VLLM_METRICS = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 7.0
+vllm:spec_decode_num_drafts_total{engine="1",model_name="m"} 3.0
+# HELP vllm:spec_decode_num_drafts_created Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_created gauge
+vllm:spec_decode_num_drafts_created{engine="0",model_name="m"} 1.7e+09
+# HELP vllm:spec_decode_num_draft_tokens_total Number of draft tokens.
+# TYPE vllm:spec_decode_num_draft_tokens_total counter
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 30.0
+# HELP vllm:spec_decode_num_accepted_tokens_total Number of accepted tokens.
+# TYPE vllm:spec_decode_num_accepted_tokens_total counter
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 19.0
+# HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position.
+# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 9.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 6.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="2"} 4.0
+# HELP vllm:generation_tokens_total Number of generation tokens processed.
+# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{engine="0",model_name="m"} 40.0
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 0.0
+"""
+
+
+def test_metrics_are_read_with_the_prometheus_parser_summed_over_engines():
+    counters = bench.parse_metrics(VLLM_METRICS, "test")
+    assert counters.has_spec_decode
+    assert counters.totals[bench.DRAFTS] == 10.0  # both engines; the _created timestamp is not a count
+    assert counters.totals[bench.ACCEPTED] == 19.0 and counters.totals[bench.GENERATION_TOKENS] == 40.0
+    assert counters.accepted_per_pos == {0: 9.0, 1: 6.0, 2: 4.0}
+    assert "vllm:num_requests_running" not in counters.totals  # a gauge
+    plain = bench.parse_metrics(VLLM_METRICS.split("# HELP vllm:generation")[0].replace("spec_decode", "other"), "t")
+    assert not plain.has_spec_decode
+
+
+def test_tau_is_one_plus_accepted_over_drafts_between_two_readings():
+    before = bench.parse_metrics(VLLM_METRICS, "before")
+    after = bench.Counters(
+        {**before.totals, bench.DRAFTS: 10.0 + 4, bench.DRAFT_TOKENS: 30.0 + 12, bench.ACCEPTED: 19.0 + 6},
+        {0: 9.0 + 3, 1: 6.0 + 2, 2: 4.0 + 1})
+    spec = bench.acceptance(before, after)
+    assert spec == {"drafts": 4, "draft_tokens": 12, "accepted_tokens": 6, "accepted_per_position": [3, 2, 1],
+                    "tau": 2.5, "per_position_acceptance": [0.75, 0.5, 0.25]}
+    raw = {"spec_decode_acceptance_length": 2.5, "total_output_tokens": 0, "completed": 0}
+    assert bench.counter_problems(before, after, spec, raw, spec_expected=True) == []
+    # vLLM's own figure from the same counters disagreeing, or tokens the responses do not hold, are reported
+    raw = {"spec_decode_acceptance_length": 2.4, "total_output_tokens": 5, "completed": 0}
+    problems = bench.counter_problems(before, after, spec, raw, spec_expected=True)
+    assert len(problems) == 2 and "vLLM's bench read 2.4" in problems[1] and "grew by 0" in problems[0]
+    assert bench.acceptance(bench.Counters({}, {}), bench.Counters({}, {})) is None
+    # per-position counts that do not add up, or that rise with the position, are reported too
+    odd = bench.Counters(after.totals, {0: 9.0 + 1, 1: 6.0 + 3, 2: 4.0 + 1})
+    problems = bench.counter_problems(before, odd, bench.acceptance(before, odd),
+                                      {"spec_decode_acceptance_length": 2.5, "total_output_tokens": 0,
+                                       "completed": 0}, spec_expected=True)
+    assert problems == ["the accepted tokens per position sum to 5, not 6",
+                        "accepted tokens per position rise with the position: [1, 3, 1]"]
+
+
+@pytest.mark.parametrize("flags, wanted", [
+    (["--concurrency", "0", "2"], "--concurrency 0 2: every value must be at least 1"),
+    (["--concurrency", "1", "8", "--num-prompts", "4"], "--num-prompts 4: below --concurrency 8"),
+    (["--max-tokens", "0"], "--max-tokens 0: must be at least 1"),
+])
+def test_flags_that_cannot_make_a_sweep_are_refused(capsys, prompts: Path, tokenizer_dir: Path, tmp_path: Path,
+                                                    flags: list[str], wanted: str):
+    err = one_line_refusal(capsys, bench_args("http://127.0.0.1:9", "http://127.0.0.1:10", prompts, tokenizer_dir,
+                                              tmp_path / "o", *flags))
+    assert wanted in err
+
+
+def test_fake_server_metrics_parse_as_vllms():
+    with FakeServer() as fake:
+        fake.complete([1, 2, 3], 5)
+        counters = bench.Endpoint("draft", "--url", fake.url).counters()
+    assert counters.totals[bench.DRAFTS] == 2 and counters.totals[bench.ACCEPTED] == 2
+    assert counters.accepted_per_pos == {0: 2.0, 1: 0.0, 2: 0.0}
+
+
+def test_speedup_stops_paying_at_the_lowest_concurrency_below_one():
+    rows = [{"concurrency": 1, "speedup": 1.4}, {"concurrency": 4, "speedup": 0.97}, {"concurrency": 8,
+                                                                                      "speedup": 1.01},
+            {"concurrency": 16, "speedup": 0.8}]
+    assert bench.stops_paying_at(rows) == 4
+    assert bench.stops_paying_at(rows[:1]) is None
+
+
+def test_outputs_are_compared_request_by_request_skipping_failures():
+    draft = {"generated_texts": ["a", "b", "c", "d"], "errors": ["", "", "", "boom"]}
+    baseline = {"generated_texts": ["a", "x", "c", "d"], "errors": ["", "", "", ""]}
+    assert bench.compare_outputs(draft, baseline, ["p0", "p1", "p2"]) == {
+        "compared": 3, "identical": 2, "differ": [{"request": 1, "prompt": "p1"}]}
+
+
+def test_urls_are_reduced_to_the_server_root():
+    assert bench.base_url("http://127.0.0.1:8000/v1/", "--url") == "http://127.0.0.1:8000"
+    assert bench.base_url("http://host:1/prefix/v1", "--url") == "http://host:1/prefix"
+    with pytest.raises(EaglenestError, match="--url localhost:8000"):
+        bench.base_url("localhost:8000", "--url")
+
+
+# --- refusals: one line, exit 2 ---------------------------------------------------------------------------------
+
+def test_an_unreachable_url_is_refused(capsys, prompts: Path, tokenizer_dir: Path, tmp_path: Path):
+    with FakeServer(spec=False) as baseline:
+        err = one_line_refusal(capsys, bench_args(f"http://127.0.0.1:{free_port()}", baseline.url, prompts,
+                                                  tokenizer_dir, tmp_path / "out"))
+    assert "--url http://127.0.0.1:" in err and "no server answers" in err
+
+
+def test_a_server_of_another_model_is_refused(capsys, prompts: Path, tokenizer_dir: Path, tmp_path: Path):
+    with FakeServer(model="tiny") as draft, FakeServer(model="other", spec=False) as baseline:
+        err = one_line_refusal(capsys, bench_args(draft.url, baseline.url, prompts, tokenizer_dir, tmp_path / "o"))
+        assert "--baseline-url" in err and "'other'" in err and "same model" in err
+        err = one_line_refusal(capsys, bench_args(draft.url, baseline.url, prompts, tokenizer_dir, tmp_path / "o",
+                                                  "--model", "llama"))
+        assert f"--url {draft.url} serves ['tiny'], not 'llama'" in err
+    assert draft.requests == [] and baseline.requests == []
+
+
+def test_a_draft_server_without_spec_decode_counters_is_refused(capsys, prompts: Path, tokenizer_dir: Path,
+                                                                 tmp_path: Path):
+    with FakeServer(spec=False) as draft, FakeServer(spec=False) as baseline:
+        err = one_line_refusal(capsys, bench_args(draft.url, baseline.url, prompts, tokenizer_dir, tmp_path / "o"))
+    assert "vllm:spec_decode_* counters" in err and "--url" in err
+
+
+@pytest.mark.parametrize("content, wanted", [
+    ('{"text": "no known field"}\n', "line 1: expected"),
+    ('{"prompt": "fine"}\nnot json\n', "line 2: not valid JSON"),
+    ("", "no prompts"),
+])
+def test_a_prompts_file_in_none_of_the_formats_is_refused(capsys, tmp_path: Path, tokenizer_dir: Path,
+                                                          content: str, wanted: str):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    err = one_line_refusal(capsys, bench_args("http://127.0.0.1:9", "http://127.0.0.1:10", path, tokenizer_dir,
+                                              tmp_path / "o"))
+    assert "--prompts" in err and str(path) in err and wanted in err
+
+
+def test_evaluates_shipped_sets_are_prompts_by_their_source_name(capsys, tmp_path: Path, tokenizer_dir: Path):
+    from eaglenest.stages.evaluate.sets import GENERAL_SET_FILE, LONG_SET_FILE
+
+    assert bench.bench_prompts_file(Path("builtin:general")) == GENERAL_SET_FILE
+    assert bench.bench_prompts_file(Path("builtin:long")) == LONG_SET_FILE
+    assert bench.bench_prompts_file(Path("data/mine.jsonl")) == Path("data/mine.jsonl")
+    err = one_line_refusal(capsys, bench_args("http://127.0.0.1:9", "http://127.0.0.1:10", Path("builtin:mtbench"),
+                                              tokenizer_dir, tmp_path / "o"))
+    assert "--prompts builtin:mtbench" in err and "builtin:humaneval" in err
+
+
+def test_the_same_server_twice_is_refused(capsys, prompts: Path, tokenizer_dir: Path, tmp_path: Path):
+    err = one_line_refusal(capsys, bench_args("http://127.0.0.1:8000/v1", "http://127.0.0.1:8000", prompts,
+                                              tokenizer_dir, tmp_path / "o"))
+    assert "both http://127.0.0.1:8000" in err
+
+
+# --- whole sweeps, with vLLM's bench (each run starts a Python that imports vLLM: slow on 2 cores) -------------
+
+@pytest.mark.slow
+def test_a_sweep_writes_bench_json_and_the_plot(capsys, prompts: Path, tokenizer_dir: Path, tmp_path: Path):
+    out = tmp_path / "out"
+    with FakeServer(token_delay=0.002) as draft, FakeServer(spec=False, token_delay=0.004) as baseline:
+        status = cli.main(bench_args(draft.url, baseline.url, prompts, tokenizer_dir, out, "--concurrency", "1",
+                                     "2", "--num-prompts", "4", "--max-tokens", "5", "--warmup-prompts", "1"))
+        captured = capsys.readouterr()
+        assert status == 0, captured.err + captured.out
+        # the token ids sent are the chat-templated first turns, request i being prompt i mod 3, on both servers
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        first = tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": "hello there how are you today"}],
+                                                        tokenize=False, add_generation_prompt=True),
+                          add_special_tokens=False)["input_ids"]
+        assert draft.requests[0]["prompt"] == first  # the warm-up's
+        measured = draft.requests[1:]
+        theirs = baseline.requests[1:]
+        assert len(measured) == 8 and [r["prompt"] for r in measured[:4]] == [r["prompt"] for r in theirs[:4]]
+        assert sorted(r["prompt"] for r in measured) == sorted(r["prompt"] for r in theirs)  # c2: in any order
+        assert measured[3]["prompt"] == first and all(r["max_tokens"] == 5 and r["temperature"] == 0
+                                                      for r in measured)
+    result = json.loads((out / "bench.json").read_text())
+    assert result["complete"] and result["concurrency"] == [1, 2] and result["model"] == "tiny"
+    assert result["prompts"]["count"] == 3 and result["prompts"]["requests"] == 4
+    for row in result["results"]:
+        d, b = row["draft"], row["baseline"]
+        assert d["completed"] == b["completed"] == 4 and d["failed"] == b["failed"] == 0
+        assert d["output_tokens"] == 20 and d["tau"] == 2.0 and d["tau_vllm"] == 2.0
+        assert d["per_position_acceptance"] == [1.0, 0.0, 0.0] and d["drafts"] == 8
+        assert d["counter_problems"] == [] and b["counter_problems"] == [] and "tau" not in b
+        assert row["speedup"] == pytest.approx(d["tokens_per_s"] / b["tokens_per_s"], rel=1e-3)
+        assert d["latency_ms"]["p50"] > 0 and d["ttft_ms"]["p99"] >= d["ttft_ms"]["p50"] > 0
+        assert row["outputs"] == {"compared": 4, "identical": 4, "near_ties": [], "differ": []}
+        assert (out / row["draft"]["raw"]).is_file()
+    assert result["stops_paying_at"] == bench.stops_paying_at(result["results"])
+    assert result["tie_checks"] == 0 and baseline.checks == []  # identical outputs need no check
+    assert (out / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "speed-up" in captured.out and "wrote" in captured.out
+
+
+@pytest.mark.slow
+def test_a_server_killed_mid_run_ends_the_bench_in_one_line_keeping_what_was_measured(
+        capsys, prompts: Path, tokenizer_dir: Path, tmp_path: Path):
+    out = tmp_path / "out"
+    # three requests per run: concurrency 1 completes on both, the draft dies at its first request at 2
+    with FakeServer(die_after=3) as draft, FakeServer(spec=False) as baseline:
+        status = cli.main(bench_args(draft.url, baseline.url, prompts, tokenizer_dir, out, "--concurrency", "1",
+                                     "2", "--num-prompts", "3", "--max-tokens", "3", "--warmup-prompts", "0"))
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and err.count("\n") == 0, err
+    assert f"--url {draft.url}" in err and "concurrency 2" in err and "stopped answering" in err
+    assert "keeps concurrency [1]" in err
+    result = json.loads((out / "bench.json").read_text())
+    assert not result["complete"] and [r["concurrency"] for r in result["results"]] == [1]
+    assert result["stopped"] in err and (out / "speedup.png").is_file()
+
+
+# --- the near-tie rule on outputs that differ (fast: the runs below send the requests themselves) -------------
+
+def fake_vllm_bench(endpoint: bench.Endpoint, model: str, dataset: Path, num_requests: int, concurrency: int,
+                    config: bench.BenchConfig, raw_dir: Path, name: str) -> dict:
+    """`vllm bench serve`'s result file, from the requests sent one at a time (no vLLM import: seconds, not
+    minutes); a request the server does not answer is a failed one, as vLLM's bench counts it."""
+    records = [json.loads(line) for line in dataset.read_text().splitlines()][:num_requests]
+    before = endpoint.counters()
+    texts, errors, latencies, tokens = [], [], [], 0
+    start = time.perf_counter()
+    for record in records:
+        sent = time.perf_counter()
+        body = json.dumps({"model": model, "prompt": record["prompt"], "max_tokens": config.max_tokens,
+                           "temperature": config.temperature, "stream": True}).encode()
+        request = urllib.request.Request(endpoint.url + "/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                events = [json.loads(line[6:]) for line in response.read().decode().splitlines()
+                          if line.startswith("data: {")]
+        except (urllib.error.URLError, OSError) as err:
+            texts.append("")
+            errors.append(str(err))
+            latencies.append(0.0)
+            continue
+        texts.append("".join(c["text"] for e in events for c in e["choices"]))
+        tokens += next(e["usage"]["completion_tokens"] for e in events if e.get("usage"))
+        errors.append("")
+        latencies.append(time.perf_counter() - sent)
+    duration = time.perf_counter() - start
+    spec = bench.acceptance(before, endpoint.counters()) if not any(errors) else None
+    failed = sum(bool(e) for e in errors)
+    raw = {"completed": len(records) - failed, "failed": failed, "total_output_tokens": tokens, "duration": duration,
+           "output_throughput": tokens / duration, "request_throughput": (len(records) - failed) / duration,
+           "latencies": latencies, "ttfts": [latency / 2 for latency in latencies], "errors": errors,
+           "generated_texts": texts, "spec_decode_acceptance_length": spec["tau"] if spec else None}
+    (raw_dir / f"{name}.json").write_text(json.dumps(raw))
+    return raw
+
+
+@pytest.fixture
+def fast_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bench, "run_vllm_bench", fake_vllm_bench)
+
+
+@pytest.mark.parametrize("flip_to, extra, status, kind", [
+    (None, [], 0, "identical"),
+    (1, [], 0, "near_ties"),  # the baseline's runner-up, TOP_GAP (0.3) behind its best: within 0.5
+    (13, [], 1, "outside"),  # none of the baseline's top 5
+    (1, ["--tie-margin", "0.2"], 1, "above"),  # the runner-up, but 0.3 is above the margin
+])
+def test_outputs_that_differ_are_judged_by_the_near_tie_rule_on_the_baselines_top_logprobs(
+        capsys, fast_runs, prompts: Path, tokenizer_dir: Path, tmp_path: Path, flip_to: int | None,
+        extra: list[str], status: int, kind: str):
+    out = tmp_path / "out"
+    with FakeServer(flip_at=None if flip_to is None else 2, flip_to=flip_to or 0) as draft, \
+            FakeServer(spec=False) as baseline:
+        got = cli.main(bench_args(draft.url, baseline.url, prompts, tokenizer_dir, out, "--concurrency", "1", "2",
+                                  "--num-prompts", "6", "--max-tokens", "4", "--warmup-prompts", "1", *extra))
+        captured = capsys.readouterr()
+        assert got == status, captured.err + captured.out
+        checks = baseline.checks
+    result = json.loads((out / "bench.json").read_text())
+    assert result["complete"] and result["tie_margin"] == (0.2 if extra else 0.5)
+    rows = [r["outputs"] for r in result["results"]]
+    assert all(o["compared"] == 6 for o in rows)
+    if kind == "identical":
+        assert all(o["identical"] == 6 and o["near_ties"] == [] and o["differ"] == [] for o in rows)
+        assert checks == [] and result["tie_checks"] == 0
+        return
+    # once per prompt (3), whatever the concurrency: the measured token ids, alone, with the top 5 log-probs
+    assert result["tie_checks"] == 3 and len(checks) == 3
+    assert sorted(c["prompt"] for c in checks) == sorted(draft.requests[1 + i]["prompt"] for i in range(3))
+    assert all(c["max_tokens"] == 4 and c["temperature"] == 0 and c["logprobs"] == TIE_CANDIDATES
+               and c["return_tokens_as_token_ids"] and not c["stream"] for c in checks)
+    for outputs in rows:
+        judged, other = ((outputs["near_ties"], outputs["differ"]) if kind == "near_ties" else
+                         (outputs["differ"], outputs["near_ties"]))
+        assert outputs["identical"] == 0 and len(judged) == 6 and other == []
+        first = judged[0]
+        assert first["request"] == 0 and first["prompt"] == "1" and first["position"] == 2
+        plain = LETTERS[fake_letters(draft.requests[1]["prompt"], 4)[2]]  # request 0 is prompt "1"
+        assert first["baseline_text"] == plain and first["baseline_token"] == letter_ids()[LETTERS.index(plain)]
+        taken = LETTERS[(LETTERS.index(plain) + flip_to) % 26]  # the draft's letter there
+        if kind == "outside":
+            assert first["draft_token"] is None and first["gap"] is None and first["draft_text"].startswith(taken)
+            assert first["why"] == "the draft's text there begins with none of the baseline's top 5 tokens"
+        else:
+            assert first["draft_text"] == taken and first["draft_token"] == letter_ids()[LETTERS.index(taken)]
+            assert first["gap"] == pytest.approx(TOP_GAP) and first["rank"] == 1
+        if kind == "above":
+            assert first["why"] == "the gap 0.3 is above the margin 0.2"
+    if kind == "near_ties":
+        assert "6 outputs leave the baseline's at a near-tie within --tie-margin 0.5" in captured.out
+        assert "gap 0.3" in captured.out and captured.err == ""
+    else:
+        assert "6 outputs differ from the baseline's beyond a near-tie" in captured.out
+        assert "12 outputs at temperature 0 differ from the baseline's beyond a near-tie" in captured.err
+
+
+def test_the_draft_text_is_placed_on_the_baselines_tokens():
+    tokenizer = build_tiny_tokenizer()
+    a, b, c, d, f = (letter_ids()[LETTERS.index(x)] for x in "abcdf")
+    end = tokenizer.eos_token_id
+    plain = [a, b, c, d, end]
+    top = [[(t, -0.05), (n, -0.35), (end, -2.0)] for t, n in ((a, b), (b, c), (c, d), (d, f))] + \
+        [[(end, -0.01), (f, -0.2)]]
+    assert bench.draft_divergence("abcd", plain, top, tokenizer) is None
+    tie = bench.draft_divergence("abdd", plain, top, tokenizer)
+    assert (tie.position, tie.plain_token, tie.spec_token, tie.gap) == (2, c, d, pytest.approx(0.3))
+    early = bench.draft_divergence("ab", plain, top, tokenizer)  # the draft ended where plain went on
+    assert (early.position, early.spec_token, early.gap) == (2, end, pytest.approx(1.95))
+    longer = bench.draft_divergence("abcdf", plain, top, tokenizer)  # plain ended, the draft went on
+    assert (longer.position, longer.plain_token, longer.spec_token) == (4, end, f)
+    past = bench.draft_divergence("abcdzz", plain[:4], top, tokenizer)  # past plain's last token: no candidates
+    assert (past.position, past.plain_token, past.gap) == (4, None, None)
+    replay = bench.Replay(plain, top, "abcd")
+    assert bench.judge_difference("abdd", replay, tokenizer, 0.5)["near_tie"]
+    assert bench.judge_difference("abdd", replay, tokenizer, 0.1)["why"] == "the gap 0.3 is above the margin 0.1"
+    assert "cannot be placed" in bench.judge_difference("abdd", bench.Replay(plain, top, "abce"), tokenizer,
+                                                        0.5)["why"]
+    assert bench.judge_difference("abdd", "no replay", tokenizer, 0.5) == {"near_tie": False, "why": "no replay"}
+    with pytest.raises(ValueError, match="token_id:N"):
+        bench.parse_replay({"choices": [{"text": "a", "logprobs": {"tokens": ["a"], "top_logprobs": [{}]}}]})
+
+
+def test_a_draft_text_that_reads_as_several_token_sequences_is_judged_by_its_near_tie_reading():
+    """Only text comes back from the draft server, and a text can be more than one token sequence."""
+    tokenizer = build_tiny_tokenizer()
+    a, z, b = (letter_ids()[LETTERS.index(x)] for x in "azb")
+    space, space_a, space_t, space_the = tokenizer.convert_tokens_to_ids(["Ġ", "Ġa", "Ġt", "Ġthe"])
+    end = tokenizer.eos_token_id
+    # the baseline wrote "a", " ", "z"; the draft wrote "a the": read on the baseline's tokens it took " " and then
+    # "the", which the baseline never considered; read as " the" in place of " ", it parted at a near-tie
+    plain = [a, space, z, end]
+    top = [[(a, -0.05)], [(space, -0.05), (space_the, -0.35)], [(z, -0.05), (b, -0.35)], [(end, -0.01)]]
+    replay = bench.Replay(plain, top, "a z")
+    assert bench.draft_divergence("a the", plain, top, tokenizer).gap is None
+    judged = bench.judge_difference("a the", replay, tokenizer, 0.5)
+    assert judged["near_tie"] and (judged["position"], judged["draft_token"]) == (1, space_the)
+    assert "read_from_text" in judged
+    # at the divergence itself, " the" (2.0 below) and " t" (0.3 below) both fit the text: " t" then "he"
+    plain = [a, space_a, end]
+    top = [[(a, -0.05)], [(space_a, -0.05), (space_t, -0.35), (space_the, -2.05)], [(end, -0.01)]]
+    judged = bench.judge_difference("a the", bench.Replay(plain, top, "a a"), tokenizer, 0.5)
+    assert judged["near_tie"] and judged["draft_token"] == space_t and judged["gap"] == pytest.approx(0.3)
+    # a text no reading explains stays a difference
+    judged = bench.judge_difference("a bzz", bench.Replay(plain, top, "a a"), tokenizer, 0.5)
+    assert not judged["near_tie"]
+
+
+# --- --serve: the servers started here, one after the other (the fake as a process) ----------------------------
+
+def fake_serve_command(events: Path, **role_flags: list[str]):
+    """A stand-in for bench.server_command: the fake server process, on --port, writing start/stop times."""
+
+    def command(serve: bench.ServeSetup, model: str | None, baseline: str | None, cpu_build: bool) -> ServeCommand:
+        role = "draft" if baseline is None else "baseline"
+        # like eaglenest serve's, the fake answers to its served name and to a model path
+        argv = [sys.executable, "-m", "tests.fixtures.fakes", "--port", str(serve.port), "--role", role, "--events",
+                str(events), "--alias", "/models/tiny", *(["--plain"] if baseline is not None else []),
+                *role_flags.get(role, [])]
+        return ServeCommand(argv, {"PYTHONPATH": str(REPO)}, f"the fake {role} server", model or "tiny")
+
+    return command
+
+
+def serve_args(port: int, prompts: Path, tokenizer: Path, out: Path, *extra: str) -> list[str]:
+    return ["bench", "--serve", "--port", str(port), "--server-timeout", "120", "--prompts", str(prompts),
+            "--tokenizer", str(tokenizer), "--out", str(out), *extra]
+
+
+def read_events(path: Path) -> list[tuple[str, str]]:
+    events = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    assert [e["t"] for e in events] == sorted(e["t"] for e in events)
+    return [(e["role"], e["event"]) for e in events]
+
+
+@pytest.mark.slow
+def test_serve_starts_the_draft_server_sweeps_stops_it_then_the_baseline(
+        capsys, monkeypatch, prompts: Path, tokenizer_dir: Path, tmp_path: Path):
+    out, events, port = tmp_path / "out", tmp_path / "events.jsonl", free_port()
+    # the draft takes the baseline's runner-up at token 1: a near-tie, judged against the baseline process
+    monkeypatch.setattr(bench, "server_command", fake_serve_command(events, draft=["--flip-at", "1"]))
+    status = cli.main(serve_args(port, prompts, tokenizer_dir, out, "--concurrency", "1", "2", "--num-prompts",
+                                 "3", "--max-tokens", "4", "--warmup-prompts", "0"))
+    captured = capsys.readouterr()
+    assert status == 0, captured.err + captured.out
+    # one server at a time, each for the whole sweep: the draft stopped before the baseline started
+    assert read_events(events) == [("draft", "start"), ("draft", "stop"), ("baseline", "start"),
+                                   ("baseline", "stop")]
+    result = json.loads((out / "bench.json").read_text())
+    assert result["complete"] and "stopped" not in result and result["model"] == "tiny"
+    assert result["url"] == result["baseline_url"] == f"http://127.0.0.1:{port}"
+    assert [r["concurrency"] for r in result["results"]] == [1, 2]
+    for row in result["results"]:
+        d, b = row["draft"], row["baseline"]
+        assert d["completed"] == b["completed"] == 3 and d["failed"] == b["failed"] == 0
+        assert d["tau"] == 2.0 and d["counter_problems"] == [] and b["counter_problems"] == [] and "tau" not in b
+        assert row["speedup"] == pytest.approx(d["tokens_per_s"] / b["tokens_per_s"], rel=1e-3)
+        outputs = row["outputs"]
+        assert outputs["identical"] == 0 and outputs["differ"] == [] and len(outputs["near_ties"]) == 3
+        assert all(t["position"] == 1 and t["gap"] == pytest.approx(TOP_GAP) for t in outputs["near_ties"])
+    assert result["tie_checks"] == 3  # one per prompt, asked of the baseline process
+    for role in ("draft", "baseline"):
+        assert result["servers"][role]["log"] == f"raw/server-{role}.log"
+        assert f"fake {role} server on" in (out / "raw" / f"server-{role}.log").read_text()
+    assert result["servers"]["baseline"]["kind"] == "none"
+    assert "stopped the draft server" in captured.out and "stopped the baseline server" in captured.out
+    from eaglenest.commands.serve import check_port_free
+
+    check_port_free("127.0.0.1", port)  # nothing left listening
+
+
+def test_a_started_server_that_exits_before_answering_is_one_line_naming_its_log(
+        capsys, monkeypatch, prompts: Path, tokenizer_dir: Path, tmp_path: Path):
+    out, events = tmp_path / "out", tmp_path / "events.jsonl"
+    monkeypatch.setattr(bench, "server_command", fake_serve_command(events, draft=["--fail-at-start"]))
+    err = one_line_refusal(capsys, serve_args(free_port(), prompts, tokenizer_dir, out))
+    log = out / "raw" / "server-draft.log"
+    assert "the draft server exited with 3 before it answered" in err and f"(log: {log})" in err
+    assert "RuntimeError: the fake server could not load its model" in err and log.is_file()
+    assert read_events(events) == [("draft", "start")]  # the baseline never started
+
+
+@pytest.mark.parametrize("how", ["refusal", "interrupt"])
+def test_a_started_server_is_stopped_on_a_refusal_and_on_ctrl_c(capsys, monkeypatch, fast_runs, prompts: Path,
+                                                                tokenizer_dir: Path, tmp_path: Path, how: str):
+    out, events = tmp_path / "out", tmp_path / "events.jsonl"
+    if how == "refusal":  # a draft server without spec-decode counters is refused once it answers
+        monkeypatch.setattr(bench, "server_command", fake_serve_command(events, draft=["--plain"]))
+        err = one_line_refusal(capsys, serve_args(free_port(), prompts, tokenizer_dir, out))
+        assert "the draft server http://127.0.0.1:" in err and "vllm:spec_decode_* counters" in err
+    else:
+        monkeypatch.setattr(bench, "server_command", fake_serve_command(events))
+
+        def interrupted(*args: object) -> dict:
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(bench, "run_vllm_bench", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            cli.main(serve_args(free_port(), prompts, tokenizer_dir, out))
+    assert read_events(events) == [("draft", "start"), ("draft", "stop")]
+
+
+def test_a_started_server_killed_mid_run_ends_the_bench_in_one_line_keeping_what_was_measured(
+        capsys, monkeypatch, fast_runs, prompts: Path, tokenizer_dir: Path, tmp_path: Path):
+    out, events = tmp_path / "out", tmp_path / "events.jsonl"
+    # three requests per run: the draft's run at concurrency 1 completes, the process dies at its first at 2
+    monkeypatch.setattr(bench, "server_command", fake_serve_command(events, draft=["--die-after", "3"]))
+    err = one_line_refusal(capsys, serve_args(free_port(), prompts, tokenizer_dir, out, "--concurrency", "1", "2",
+                                              "--num-prompts", "3", "--max-tokens", "3", "--warmup-prompts", "0"))
+    assert "the draft server http://127.0.0.1:" in err and "concurrency 2" in err and "stopped answering" in err
+    assert "it exited with 1" in err and "keeps the draft's figures at concurrency [1]" in err
+    assert f"server log: {out / 'raw' / 'server-draft.log'}" in err
+    result = json.loads((out / "bench.json").read_text())
+    assert not result["complete"] and result["stopped"] in err
+    assert [(r["concurrency"], r["baseline"]) for r in result["results"]] == [(1, None)]
+    assert result["results"][0]["draft"]["completed"] == 3
+    assert read_events(events) == [("draft", "start")]  # died on its own; the baseline never started
+
+
+@pytest.mark.parametrize("flags, wanted", [
+    (["--serve", "--url", "http://127.0.0.1:9"], "--serve with --url: --serve starts both servers here"),
+    (["--url", "http://127.0.0.1:9"], "--baseline-url missing: give the draft server's --url"),
+    (["--url", "http://127.0.0.1:9", "--baseline-url", "http://127.0.0.1:10", "--port", "8001"],
+     "--port: only with --serve"),
+    (["--url", "http://127.0.0.1:9", "--baseline-url", "http://127.0.0.1:10", "--", "--max-model-len", "512"],
+     "flags after --: only with --serve"),
+    (["--serve", "--tie-margin", "-1"], "--tie-margin -1: must be 0"),
+])
+def test_serve_flags_are_refused_in_one_line_where_they_mean_nothing(capsys, prompts: Path, tokenizer_dir: Path,
+                                                                     tmp_path: Path, flags: list[str], wanted: str):
+    separator = flags.index("--") if "--" in flags else len(flags)
+    argv = ["bench", *flags[:separator], "--prompts", str(prompts), "--tokenizer", str(tokenizer_dir), "--out",
+            str(tmp_path / "o"), *flags[separator:]]
+    assert wanted in one_line_refusal(capsys, argv)
+
+
+def test_serve_builds_eaglenest_serves_commands(pipeline_folders):
+    verifier, draft = pipeline_folders
+    setup = bench.ServeSetup(port=8123, verifier=verifier, draft=draft, vllm_args=("--max-model-len", "512"))
+    commands = {kind: bench.server_command(setup, None, kind, cpu_build=True) for kind in (None, "none", "ngram")}
+    for command in commands.values():
+        assert command.argv[command.argv.index("--port") + 1] == "8123" and command.argv[-2:] == ["--max-model-len",
+                                                                                                  "512"]
+    assert '"eagle3"' in " ".join(commands[None].argv) and "--speculative-config" not in commands["none"].argv
+    assert '"ngram"' in " ".join(commands["ngram"].argv)
+    with pytest.raises(EaglenestError, match=r"^--port after --: eaglenest bench --serve sets it; use --port"):
+        bench.server_command(bench.ServeSetup(verifier=verifier, draft=draft, vllm_args=("--port=1",)), None, None,
+                             True)

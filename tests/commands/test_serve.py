@@ -1,0 +1,169 @@
+"""`eaglenest serve`: the refusals before anything starts (fast), and the real servers on the tiny SmolLM2
+pipeline measured by `eaglenest bench --serve`, against evaluate's in-process figure (slow)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eaglenest.artifacts.prepared import VAL_PROMPTS_FILE
+from eaglenest.commands import cli
+from tests.conftest import requires_vllm
+from tests.fixtures.pipeline import hf_reference, project_env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def no_exec(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Records what would have been exec'd instead of starting a server."""
+    calls: list = []
+    monkeypatch.setattr(os, "execve", lambda *args: calls.append(args))
+    return calls
+
+
+def test_a_taken_port_is_refused_before_anything_starts(capsys, no_exec, tmp_path: Path):
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        status = cli.main(["serve", "--port", str(port), "--verifier", str(tmp_path / "v"),
+                           "--draft", str(tmp_path / "d")])
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and no_exec == []
+    assert err.count("\n") == 0 and f"--port {port}" in err and "already in use" in err and "--port" in err
+
+
+def test_print_command_is_the_exact_server_command(capsys, no_exec, pipeline_folders):
+    verifier, draft = pipeline_folders
+    assert cli.main(["serve", "--verifier", str(verifier), "--draft", str(draft), "--port", "8123",
+                     "--print-command"]) == 0
+    line = capsys.readouterr().out.strip()
+    argv = shlex.split(line)
+    argv = argv[next(i for i, a in enumerate(argv) if "=" not in a):]  # past the environment
+    assert no_exec == []
+    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[argv.index("--port") + 1] == "8123" and argv[argv.index("--host") + 1] == "127.0.0.1"
+    spec = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert spec == {"method": "eagle3", "model": str(draft.resolve()), "num_speculative_tokens": 3}
+    model = Path(argv[argv.index("--model") + 1])
+    assert (model / "config.json").is_file()
+    assert argv[argv.index("--served-model-name") + 1] == "tiny/llama"
+
+
+def test_flags_after_the_separator_go_to_vllm_and_its_own_flags_are_refused(capsys, no_exec, pipeline_folders):
+    """``--`` hands the rest to vLLM as it is; a flag eaglenest sets itself is refused in one line naming the
+    eaglenest flag to use, and another command given ``--`` is refused by the parser."""
+    verifier, draft = pipeline_folders
+    assert cli.main(["serve", "--verifier", str(verifier), "--draft", str(draft), "--served-model-name", "mine",
+                     "--print-command", "--", "--tensor-parallel-size", "2", "--max-model-len=4096"]) == 0
+    argv = shlex.split(capsys.readouterr().out.strip())
+    assert argv[-3:] == ["--tensor-parallel-size", "2", "--max-model-len=4096"]
+    assert argv[argv.index("--served-model-name") + 1] == "mine"
+    assert cli.main(["serve", "--verifier", str(verifier), "--draft", str(draft), "--print-command", "--",
+                     "--port=9000"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--port after --" in err and "eaglenest serve's own --port" in err
+    with pytest.raises(SystemExit):
+        cli.main(["summary", "--", "--x"])
+    assert "only `eaglenest serve -- FLAGS`" in capsys.readouterr().err
+
+
+def test_version_names_the_installed_distribution(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.startswith("eaglenest 0.")
+
+
+def test_k_can_be_served_below_the_drafts_own(capsys, no_exec, pipeline_folders):
+    verifier, draft = pipeline_folders
+    assert cli.main(["serve", "--verifier", str(verifier), "--draft", str(draft), "--num-speculative-tokens", "2",
+                     "--print-command"]) == 0
+    argv = shlex.split(capsys.readouterr().out.strip())
+    assert json.loads(argv[argv.index("--speculative-config") + 1])["num_speculative_tokens"] == 2
+    assert cli.main(["serve", "--verifier", str(verifier), "--draft", str(draft), "--num-speculative-tokens", "0",
+                     "--print-command"]) == 2
+    assert "--num-speculative-tokens 0: must be at least 1 (the draft's own K is 3)" in capsys.readouterr().err
+
+
+def test_a_baseline_server_for_bench_serves_ngram_or_no_drafting(capsys, no_exec, pipeline_folders):
+    """``--baseline``: the server ``eaglenest bench --baseline-url`` compares the draft's against, on the same
+    verifier, name and flags: n-gram drafting at the draft's K (vLLM's default window), or no drafting at all."""
+    verifier, draft = pipeline_folders
+    assert cli.main(["serve", "--verifier", str(verifier), "--draft", str(draft), "--baseline", "ngram",
+                     "--print-command"]) == 0
+    captured = capsys.readouterr()
+    argv = shlex.split(captured.out.strip())
+    assert json.loads(argv[argv.index("--speculative-config") + 1]) == {
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 5, "prompt_lookup_max": 5}
+    assert "n-gram drafting (baseline), K = 3" in captured.err
+    assert cli.main(["serve", "--verifier", str(verifier), "--draft", str(draft), "--baseline", "none",
+                     "--print-command"]) == 0
+    argv = shlex.split(capsys.readouterr().out.strip())
+    assert "--speculative-config" not in argv and argv[argv.index("--served-model-name") + 1] == "tiny/llama"
+
+
+@pytest.mark.parametrize("config", [None, {"speculators_model_type": "mlp_speculator"}, {"model_type": "llama"}])
+def test_a_draft_that_is_not_eagle3_is_refused(capsys, no_exec, pipeline_folders, config):
+    verifier, draft = pipeline_folders
+    if config is None:
+        (draft / "config.json").unlink()
+    else:
+        (draft / "config.json").write_text(json.dumps(config))
+    status = cli.main(["serve", "--verifier", str(verifier), "--draft", str(draft), "--port", str(free_port())])
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and no_exec == [] and err.count("\n") == 0
+    assert f"--draft {draft}" in err and "models/draft" in err
+
+
+# --- the real server (slow) ----------------------------------------------------------------------------
+@pytest.mark.slow
+@requires_vllm
+def test_bench_against_the_served_draft_and_plain_server_agrees_with_evaluate(
+        smollm2_repo: Path, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory):
+    """`eaglenest bench --serve` on the real servers: the draft server (eaglenest serve), then the plain one, at
+    concurrency 1 and 4 on evaluate's first set's prompts. float32, so the served draft decodes as the hf
+    reference does: tau at concurrency 1 is evaluate's in-process figure on the same prompt tokens, and every
+    output equals the plain server's exactly."""
+    import yaml
+
+    first_set = yaml.safe_load((smollm2_repo / "params.yaml").read_text())["evaluate"]["sets"][0]
+    num_prompts, max_tokens = first_set["num_prompts"], first_set["max_new_tokens"]
+    out = tmp_path / "bench"
+    result = subprocess.run(
+        [sys.executable, "-m", "eaglenest", "bench", "--serve", "--port", str(free_port()), "--dtype", "float32",
+         "--verifier", str(smollm2_repo / "models" / "verifier"), "--draft", str(smollm2_repo / "models" / "draft"),
+         "--prompts", str(smollm2_repo / "data" / "prepared" / VAL_PROMPTS_FILE), "--concurrency", "1", "4",
+         "--num-prompts", str(num_prompts), "--max-tokens", str(max_tokens), "--warmup-prompts", "1",
+         "--server-timeout", "600", "--timeout", "600", "--out", str(out)],
+        cwd=tmp_path, env=project_env(), capture_output=True, text=True, timeout=1800)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    bench_result = json.loads((out / "bench.json").read_text())
+    assert bench_result["complete"] and (out / "speedup.png").is_file()
+    reference = hf_reference(str(smollm2_repo), str(tmp_path_factory.mktemp("hf-reference")))
+    k = reference["num_speculative_tokens"]
+    for row in bench_result["results"]:
+        draft, plain = row["draft"], row["baseline"]
+        assert draft["completed"] == plain["completed"] == num_prompts and draft["failed"] == plain["failed"] == 0
+        assert draft["counter_problems"] == [] and plain["counter_problems"] == [] and "tau" not in plain
+        assert draft["drafts"] > 0 and len(draft["accepted_per_position"]) <= k
+        assert 1.05 < draft["tau"] <= k + 1 and draft["tau"] == draft["tau_vllm"]
+        # float32 on both servers: equal outputs, no near-tie needed
+        assert row["outputs"]["identical"] == num_prompts, row["outputs"]
+        assert row["speedup"] == pytest.approx(draft["tokens_per_s"] / plain["tokens_per_s"], rel=1e-2)
+    single = bench_result["results"][0]["draft"]
+    print("bench fp32 tau at concurrency 1", single["tau"], "in-process hf tau", reference["tau"])
+    # Same prompt tokens and lengths, float32: the counts agree; 2% leaves room for a reply one side ends on a
+    # stop token the other does not, without hiding a broken draft.
+    assert single["tau"] == pytest.approx(reference["tau"], rel=0.02)

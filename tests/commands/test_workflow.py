@@ -1,0 +1,111 @@
+"""The pull-request report workflow: its steps after the installation, run with bash in a git + DVC repository of
+two commits as a runner would run them (the posting step aside), write the report without any DVC remote."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.commands.test_report import DVC_YAML, GIT_ENV, commit, eval_documents, git, init_repo, loss_curves
+from tests.fixtures.pipeline import REPO
+
+WORKFLOW = REPO / ".github" / "workflows" / "report.yml"
+VENV_BIN = Path(sys.executable).parent
+BASE_REF = "main"
+INSTALL_STEPS = ("install", "setup-cml")
+# what GitHub puts into the expressions the steps run with, on a pull request into main
+EXPRESSIONS = {"github.base_ref": BASE_REF}
+
+
+@pytest.fixture(scope="module")
+def workflow() -> dict:
+    return yaml.safe_load(WORKFLOW.read_text())
+
+
+def _steps(workflow: dict) -> list[dict]:
+    return workflow["jobs"]["report"]["steps"]
+
+
+def _step(workflow: dict, step_id: str) -> dict:
+    (step,) = [s for s in _steps(workflow) if s.get("id") == step_id]
+    return step
+
+
+def _substitute(text: str) -> str:
+    def value(match: re.Match[str]) -> str:
+        name = match.group(1).strip()
+        assert name in EXPRESSIONS, f"the test does not know what GitHub puts into ${{{{ {name} }}}}"
+        return EXPRESSIONS[name]
+
+    return re.sub(r"\$\{\{(.*?)\}\}", value, text)
+
+
+def test_the_workflow_installs_on_a_stock_runner_and_posts_with_cml(workflow: dict):
+    assert workflow[True] == "pull_request"  # YAML 1.1 reads the key `on` as true
+    assert _step(workflow, "checkout")["with"]["fetch-depth"] == 0
+    assert _step(workflow, "python")["with"]["python-version"] == "3.11"
+    install = _step(workflow, "install")["run"]
+    assert install == "pip install --extra-index-url https://download.pytorch.org/whl/cpu -e ."
+    assert _step(workflow, "setup-cml")["uses"] == "iterative/setup-cml@v2"
+    post = _step(workflow, "post")
+    assert post["run"] == "cml comment update --target=pr --publish report/report.md"
+    assert post["env"] == {"REPO_TOKEN": "${{ secrets.GITHUB_TOKEN }}"}
+    assert _steps(workflow)[-1] is post
+    commands = "\n".join(step.get("run", "") for step in _steps(workflow))
+    assert "dvc pull" not in commands and "make setup" not in commands and "vllm" not in commands
+
+
+def _pull_request_checkout(path: Path) -> Path:
+    """A clone as actions/checkout leaves it: the pull request's head checked out, origin/main fetched."""
+    origin = init_repo(path / "origin")
+    subprocess.run([str(VENV_BIN / "dvc"), "init", "-q"], cwd=origin, check=True)
+    subprocess.run([str(VENV_BIN / "dvc"), "config", "core.analytics", "false"], cwd=origin, check=True)
+    commit(origin, {"dvc.yaml": DVC_YAML, **eval_documents(), **loss_curves()}, "base")
+    git(origin, "checkout", "-q", "-b", "feature")
+    commit(origin, {**eval_documents(acceptance_scale=0.55), **loss_curves(0.9)}, "a draft that accepts less")
+    checkout = path / "checkout"
+    git(path, "clone", "-q", "--branch", "feature", str(origin), str(checkout))
+    git(checkout, "rev-parse", "--verify", f"origin/{BASE_REF}")  # fetch-depth 0: the base branch is there
+    return checkout
+
+
+def test_the_report_steps_write_the_report_without_a_dvc_remote(workflow: dict, tmp_path: Path):
+    checkout = _pull_request_checkout(tmp_path)
+    steps = _steps(workflow)
+    installed = max(i for i, step in enumerate(steps) if step.get("id") in INSTALL_STEPS)
+    chosen = [step for step in steps[installed + 1:] if "run" in step and not step["run"].startswith("cml ")]
+    assert [step["id"] for step in chosen] == ["report"]
+
+    env = dict(os.environ) | GIT_ENV | {
+        "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}",
+        "DVC_SITE_CACHE_DIR": str(tmp_path / "dvc-site-cache"), "DVC_NO_ANALYTICS": "1",
+        "GITHUB_BASE_REF": BASE_REF, "MPLBACKEND": "Agg",
+    }
+    env |= {name: _substitute(str(value)) for name, value in workflow["jobs"]["report"].get("env", {}).items()}
+    for step in chosen:
+        script = tmp_path / f"{step['id']}.sh"
+        script.write_text(_substitute(step["run"]))
+        step_env = env | {name: _substitute(str(value)) for name, value in step.get("env", {}).items()}
+        # the shell GitHub runs `run:` with on Linux
+        result = subprocess.run(["bash", "--noprofile", "--norc", "-eo", "pipefail", str(script)], cwd=checkout,
+                                env=step_env, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, f"step {step['id']}:\n{result.stdout}\n{result.stderr}"
+
+    report = (checkout / "report" / "report.md").read_text()
+    assert report.startswith(f"# eaglenest report: HEAD against origin/{BASE_REF}\n")
+    paired = report.split(f"## Paired comparison: HEAD against origin/{BASE_REF}\n", 1)[1].split("\n## ", 1)[0]
+    for set_name in ("humaneval", "general"):
+        table = paired.split(f"### {set_name}\n", 1)[1].split("\n### ", 1)[0]
+        assert "| tau |" in table and "| speed-up |" in table and table.count("| worse |") == 2, table
+    diff = report.split("\n## dvc metrics diff\n", 1)[1]
+    assert "metrics/eval.json" in diff and "humaneval.vllm_tau" in diff, diff
+    images = sorted((checkout / "report").glob("*.png"))
+    assert {p.name for p in images} >= {"acceptance.png", "tau_per_category.png", "loss.png"}
+    for image in images:
+        assert f"]({image.name})" in report and image.stat().st_size > 5000

@@ -1,0 +1,96 @@
+"""Experiments, metrics diff, the offline report and a DVC remote, on a tiny configuration, with real DVC."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from eaglenest.commands.report import write_report
+from tests.fixtures.models import write_jsonl
+from tests.fixtures.pipeline import dvc, make_pipeline_repo, run
+
+CHAT = [{"from": "human", "value": "hello there how are you"}, {"from": "gpt", "value": "I am fine thanks and you"},
+        {"from": "human", "value": "what is the capital of France?"}, {"from": "gpt", "value": "Paris is the capital."}]
+
+
+@pytest.fixture(scope="module")
+def tiny_repo(tmp_path_factory: pytest.TempPathFactory, tiny_verifier_dir: Path) -> Path:
+    """A committed pipeline on the tiny verifier, run once (the base revision)."""
+    repo = make_pipeline_repo(tmp_path_factory.mktemp("exp") / "repo", {
+        "verifier": {"model": str(tiny_verifier_dir), "aux_layers": [1, 3, 5]},
+        "prepare": {"source": ["data/conversations/chats.jsonl"], "max_conversations": None, "val_fraction": 0.25,
+                    "regenerate": False},
+        "convert": {"draft_vocab_size": 64},
+        "train": {"steps": 4, "eval_every": 2, "total_seq_len": 256, "lr": 0.001},
+        # vLLM's CPU build has no attention kernel for the tiny model's head size 8: hf evaluates here
+        "evaluate": {"backend": "hf", "sets": [
+            {"name": "val", "source": "val", "num_prompts": 2, "max_new_tokens": 6, "headline": True}]},
+    })
+    write_jsonl(repo / "data/conversations/chats.jsonl", [{"conversations": CHAT}] * 12)
+    dvc(["repro"], repo)
+    run(["git", "add", "-A"], repo)
+    run(["git", "commit", "-qm", "baseline run"], repo)
+    return repo
+
+
+@pytest.mark.slow
+def test_two_experiments_diff_and_report(tiny_repo: Path, tmp_path: Path):
+    dvc(["exp", "run", "-n", "lr-high", "-S", "train.lr=0.01"], tiny_repo)
+    dvc(["exp", "run", "-n", "lr-low", "-S", "train.lr=0.0001"], tiny_repo)
+    shown = dvc(["exp", "show", "--json"], tiny_repo).stdout
+    assert "lr-high" in shown and "lr-low" in shown
+
+    diff = json.loads(dvc(["exp", "diff", "lr-low", "lr-high", "--json"], tiny_repo).stdout)
+    changed = diff["metrics"]["metrics/train.json"]
+    assert "val_loss_all_tokens" in changed
+    assert changed["val_loss_all_tokens"]["old"] != changed["val_loss_all_tokens"]["new"]
+    lr = diff["params"]["params.yaml"]["train.lr"]
+    assert (lr["old"], lr["new"]) == (0.0001, 0.01)
+
+    report = write_report(tiny_repo, ["lr-low", "lr-high"], "HEAD", tmp_path / "report")
+    text = report.read_text()
+    assert "| train.val_loss_all_tokens |" in text and "lr-high (change)" in text
+    images = sorted((tmp_path / "report").glob("*.png"))
+    assert {p.name for p in images} >= {"loss.png", "val_accuracy.png", "acceptance.png", "tau_per_category.png"}
+    for image in images:
+        assert image.stat().st_size > 5000 and image.name in text
+    from PIL import Image
+
+    pixels = Image.open(tmp_path / "report/loss.png").convert("L")
+    assert len(set(pixels.getdata())) > 20  # lines and labels drawn, not a blank canvas
+
+
+@pytest.mark.slow
+def test_evaluate_only_change_reruns_only_evaluate(tiny_repo: Path):
+    result = dvc(["exp", "run", "-S", "evaluate.bootstrap_samples=500"], tiny_repo)
+    assert "Running stage 'evaluate'" in result.stdout
+    for stage in ("verifier", "prepare", "extract", "convert", "train"):
+        assert f"Running stage '{stage}'" not in result.stdout
+
+
+@pytest.mark.slow
+def test_invalid_override_fails_with_the_params_error(tiny_repo: Path):
+    result = dvc(["exp", "run", "-S", "train.lr=-1"], tiny_repo, check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "train.lr = -1" in output and "greater than 0" in output
+    assert "Traceback" not in output
+
+
+@pytest.mark.slow
+def test_remote_push_clone_pull_repro_is_a_no_op(tiny_repo: Path, tmp_path: Path):
+    remote = tmp_path / "remote"
+    dvc(["remote", "add", "-d", "local", str(remote)], tiny_repo)
+    run(["git", "add", ".dvc/config"], tiny_repo)
+    run(["git", "commit", "-qm", "remote"], tiny_repo)
+    dvc(["push", "--all-commits"], tiny_repo)  # the workspace holds the last experiment; the clone wants HEAD
+    clone = tmp_path / "clone"
+    run(["git", "clone", "-q", str(tiny_repo), str(clone)], tmp_path)
+    dvc(["pull"], clone)
+    assert (clone / "models/draft/model.safetensors").is_file()
+    status = dvc(["repro"], clone).stdout
+    assert "Running stage" not in status, status
+    shutil.rmtree(clone)

@@ -1,0 +1,292 @@
+"""End to end: the real `dvc repro` of verifier and prepare, and a second repro that skips both."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from datasets import load_from_disk
+from safetensors.torch import load_file, save_file
+
+from tests.fixtures.models import write_jsonl
+from tests.fixtures.pipeline import REPO, VENV_BIN, dvc, make_pipeline_repo, project_env
+
+STAGES = ("verifier", "prepare", "extract", "convert", "train", "evaluate")
+
+
+def assert_all_skipped(output: str) -> None:
+    assert "Running stage" not in output, output
+    for stage in STAGES:
+        assert f"Stage '{stage}' didn't change, skipping" in output
+
+
+# HumanEval from the installed package, an MT-bench-format file (both turns asked) and a sampled set.
+MT_BENCH_SAMPLE = REPO / "tests" / "data" / "mt_bench_sample.jsonl"
+E2E_SETS = [
+    {"name": "humaneval", "source": "builtin:humaneval", "num_prompts": 2, "max_new_tokens": 8, "headline": True},
+    {"name": "mt", "source": str(MT_BENCH_SAMPLE), "num_prompts": 2, "max_new_tokens": 8, "headline": True},
+    {"name": "chat-t07", "source": "builtin:general", "num_prompts": 2, "max_new_tokens": 8, "temperature": 0.7},
+]
+
+
+@pytest.mark.slow
+def test_default_verifier_and_chitchat_through_dvc_repro(tmp_path: Path):
+    repo = make_pipeline_repo(tmp_path / "repo", {"prepare": {"max_conversations": 16, "max_len": 256},
+                                                  "extract": {"batch_tokens": 256},
+                                                  "train": {"steps": 4, "eval_every": 2, "total_seq_len": 512},
+                                                  "evaluate": {"sets": E2E_SETS, "timed_prompts": 2,
+                                                               "reference_prompts": 2}})
+
+    first = dvc(["repro", *STAGES], repo)
+    for stage in STAGES:
+        assert f"Running stage '{stage}'" in first.stdout
+
+    info = json.loads((repo / "models/verifier/verifier.json").read_text())
+    assert info["kind"] == "builtin" and info["path"] == "."
+    assert (info["num_layers"], info["hidden_size"], info["vocab_size"]) == (30, 576, 49152)
+    assert info["aux_layers"] == [2, 15, 27] and info["layer_ids"] == [2, 15, 27, 30]
+    assert info["name"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    config = json.loads((repo / "models/verifier/config.json").read_text())
+    assert "quantization_config" not in config and config["dtype"] == "float32"
+    assert (repo / "models/verifier/model.safetensors").stat().st_size > 500_000_000  # fp32, 135M params
+    assert (repo / "models/verifier/chat_template.jinja").is_file()
+
+    metrics = json.loads((repo / "metrics/prepare.json").read_text())
+    assert metrics["kept"] == 16 and metrics["train_rows"] + metrics["val_rows"] == 16
+    dataset = load_from_disk(str(repo / "data/prepared"))
+    assert len(dataset) == 16 and max(int(n) for n in dataset["seq_len"]) <= 256
+    assert metrics["loss_tokens"] == sum(int(m.sum()) for m in dataset["loss_mask"])
+    # the defaults regenerate each kept conversation's first reply with the verifier itself
+    assert metrics["regenerated_turns"] == 16 and metrics["regenerate_tokens_per_s"] > 0
+
+    extract = json.loads((repo / "metrics/extract.json").read_text())
+    assert extract["rows"] == 16 and extract["tokens"] == metrics["tokens"]
+    assert extract["bytes_per_token"] == pytest.approx(4 * 576 * 2 + 8, rel=0.01)  # bf16, 4 slots
+    hs_dir = repo / "data/hidden_states"
+    assert [p.name for p in hs_dir.iterdir()] == ["shard_0.safetensors"]  # the default packs 256 rows a shard
+    assert extract["files"] == 1 and extract["rows_per_shard"] == 256
+    data = json.loads((repo / "metrics/data.json").read_text())
+    assert data["samples"] == 16 and data["excluded"] == 0 and data["draft_vocab_size"] == 4096
+    assert data["vocab_coverage_train"] == 1.0  # 16 short chats have far fewer than 4096 distinct tokens
+    assert 0.5 < data["vocab_coverage_val"] <= 1.0
+    assert (repo / "data/vocab/d2t-4096.npy").is_file() and (repo / "data/vocab/t2d-4096.npy").is_file()
+    train_details = json.loads((repo / "metrics/train_details.json").read_text())
+    k = yaml.safe_load((repo / "params.yaml").read_text())["train"]["ttt_steps"]  # the draft's K
+    assert train_details["steps"] == 4 and len(train_details["val_acc"]) == k
+    draft = json.loads((repo / "models/draft/config.json").read_text())
+    assert draft["speculators_config"]["verifier"]["name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert draft["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27] and draft["draft_vocab_size"] == 4096
+    # the headline: per headline set, the serving back end's tau and speed-up with their intervals, n-gram's
+    evaluation = json.loads((repo / "metrics/eval.json").read_text())
+    assert set(evaluation) == {"humaneval", "mt", "lossless"} and evaluation["lossless"] == 1.0
+    for name in ("humaneval", "mt"):
+        figures = evaluation[name]
+        assert set(figures) == {"vllm_tau", "vllm_tau_ci95", "vllm_speedup", "vllm_speedup_ci95",
+                                "vllm_ngram_speedup", "vllm_ngram_speedup_ci95"}, figures
+        assert 1.0 <= figures["vllm_tau"] <= 4.0 and figures["vllm_tau_ci95"] >= 0 and figures["vllm_speedup"] > 0
+    records = json.loads((repo / "metrics/eval/records.json").read_text())
+    mt = records["runs"]["vllm"]["sets"]["mt"]["records"]
+    assert [(r["id"], r["turn"]) for r in mt] == [("81", 1), ("81", 2), ("111", 1), ("111", 2)]  # both turns
+    assert mt[1]["prompt_tokens"] > mt[0]["prompt_tokens"] + 8  # turn 2 follows the verifier's own answer
+    humaneval = records["runs"]["hf"]["sets"]["humaneval"]["records"]
+    assert [r["id"] for r in humaneval] == ["HumanEval/0", "HumanEval/1"]
+    details = json.loads((repo / "metrics/eval/details.json").read_text())
+    for backend in ("hf", "vllm"):
+        summary = details["runs"][backend]["sets"]["mt"]["summary"]
+        assert summary["lossless_fraction"] == 1.0 and len(summary["per_position_acceptance"]) == k
+        assert summary["num_prompts"] == 2 and summary["num_turns"] == 4 and summary["speedup"]["value"] > 0
+        assert set(summary["categories"]) == {"writing", "math"}
+    assert details["runs"]["vllm"]["sets"]["chat-t07"]["temperature"] == 0.7
+    train = json.loads((repo / "metrics/train.json").read_text())
+    assert set(train) == {"tau_sim", "val_loss_all_tokens"} and train["tau_sim"] >= 1.0
+    shown = json.loads(dvc(["metrics", "show", "--json"], repo).stdout)
+    numbers = [v for files in shown[""]["data"].values() for v in _leaves(files["data"])]
+    assert len(numbers) <= 25, numbers
+
+    second = dvc(["repro"], repo)
+    assert_all_skipped(second.stdout)
+
+    # kill -9 in the middle of extraction (rows are written one file each until their shard is packed), then
+    # `dvc repro` finishes the job bit-identically.
+    reference = {p.name: p.read_bytes() for p in hs_dir.iterdir()}
+    shutil.rmtree(hs_dir)
+    process = subprocess.Popen([str(VENV_BIN / "dvc"), "repro", "extract"], cwd=repo, env=project_env(),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and process.poll() is None:
+        if hs_dir.is_dir() and len(list(hs_dir.glob("hs_*.safetensors"))) >= 4:
+            break
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    finished_before_kill = len(list(hs_dir.glob("hs_*.safetensors")))
+    assert 4 <= finished_before_kill < 16, finished_before_kill
+    resumed = dvc(["repro"], repo)
+    assert "Running stage 'extract'" in resumed.stdout
+    assert {p.name: p.read_bytes() for p in hs_dir.iterdir()} == reference  # no temp file left either
+    assert json.loads((repo / "metrics/extract.json").read_text())["rows_reused"] >= finished_before_kill
+
+
+def draft_hash(repo: Path) -> str:
+    """models/draft's hash as dvc.lock records it."""
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())
+    return next(out["md5"] for out in lock["stages"]["train"]["outs"] if out["path"] == "models/draft")
+
+
+CHAT = [{"from": "human", "value": "hello there"}, {"from": "gpt", "value": "I am fine thanks"}]
+
+
+def tiny_pipeline_repo(tmp_path: Path, tiny_verifier_dir: Path, precision: str = "auto") -> tuple[Path, Path]:
+    """(the verifier folder, the repository): the tiny verifier used in place and 8 one-turn conversations."""
+    model = tmp_path / "my-verifier"
+    shutil.copytree(tiny_verifier_dir, model)
+    repo = make_pipeline_repo(tmp_path / "repo", {
+        "verifier": {"model": str(model)},
+        # vLLM's CPU build has no attention kernel for the tiny model's head size 8: hf regenerates here
+        "prepare": {"source": ["data/conversations/chats.jsonl"], "max_conversations": None, "val_fraction": 0.25,
+                    "regenerate_backend": "hf"},
+        "convert": {"draft_vocab_size": 64},
+        "train": {"steps": 2, "eval_every": 1, "total_seq_len": 256, "precision": precision},
+        "evaluate": {"backend": "hf", "sets": [
+            {"name": "val", "source": "val", "num_prompts": 1, "max_new_tokens": 4, "headline": True}]},
+    })
+    write_jsonl(repo / "data/conversations/chats.jsonl", [{"conversations": CHAT}] * 8)
+    return model, repo
+
+
+@pytest.mark.slow
+def test_own_verifier_and_conversations(tmp_path: Path, tiny_verifier_dir: Path):
+    """The README's path for real users: a local verifier, used in place, and a JSONL of conversations."""
+    model, repo = tiny_pipeline_repo(tmp_path, tiny_verifier_dir)
+    chat = CHAT
+
+    dvc(["repro"], repo)
+    assert sorted(p.name for p in (repo / "models/verifier").iterdir()) == ["verifier.json"]
+    assert json.loads((repo / "metrics/prepare.json").read_text())["kept"] == 8
+
+    # New conversations re-run prepare only; the verifier record is still valid.
+    write_jsonl(repo / "data/conversations/chats.jsonl", [{"conversations": chat}] * 12)
+    again = dvc(["repro"], repo)
+    assert "Stage 'verifier' didn't change, skipping" in again.stdout
+    assert "Running stage 'prepare'" in again.stdout
+    assert json.loads((repo / "metrics/prepare.json").read_text())["kept"] == 12
+    assert_all_skipped(dvc(["repro"], repo).stdout)
+
+    # A fine-tune of the same shape copied over the same folder: the verifier stage, run again, sees other
+    # weights, and every stage made with the old ones runs again; no regenerated reply is reused.
+    weights = load_file(model / "model.safetensors")
+    weights["model.layers.2.mlp.down_proj.weight"] += 0.01
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    old_fingerprint = json.loads((repo / "models/verifier/verifier.json").read_text())["fingerprint"]
+    dvc(["repro", "-f", "verifier"], repo)
+    assert json.loads((repo / "models/verifier/verifier.json").read_text())["fingerprint"] != old_fingerprint
+    tuned = dvc(["repro"], repo)
+    for stage in ("prepare", "extract", "convert", "train", "evaluate"):
+        assert f"Running stage '{stage}'" in tuned.stdout, stage
+    prepared = json.loads((repo / "metrics/prepare.json").read_text())
+    assert prepared["regenerate_cache_hits"] == 0 and prepared["regenerated_turns"] == 12
+    assert json.loads((repo / "metrics/extract.json").read_text())["rows_reused"] == 0
+
+    # extract.store: online: extract writes a manifest, train computes the hidden states, evaluate follows;
+    # prepare is not touched, and a second repro has nothing to do.
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params["extract"]["store"] = "online"
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    draft_before = draft_hash(repo)
+    online = dvc(["repro"], repo)
+    assert "Stage 'prepare' didn't change, skipping" in online.stdout
+    for stage in ("extract", "convert", "train"):
+        assert f"Running stage '{stage}'" in online.stdout, stage
+    # evaluate runs again unless online training reproduced the stored-file draft byte for byte (it does here)
+    assert ("Running stage 'evaluate'" in online.stdout) != (draft_hash(repo) == draft_before)
+    assert [p.name for p in (repo / "data/hidden_states").iterdir()] == ["manifest.json"]
+    assert json.loads((repo / "metrics/train_details.json").read_text())["hidden_states"] == "online"
+    assert json.loads((repo / "metrics/eval.json").read_text())["lossless"] == 1.0
+    assert_all_skipped(dvc(["repro"], repo).stdout)
+
+
+def test_bad_params_stop_dvc_repro_with_every_problem(tmp_path: Path, tiny_verifier_dir: Path):
+    repo = make_pipeline_repo(tmp_path / "repo", {
+        "verifier": {"model": str(tiny_verifier_dir), "aux_layers": [1, 1]},
+        "prepare": {"max_len": 3, "shuffle": True},
+    })
+    result = dvc(["repro"], repo, check=False)
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert "eaglenest verifier: error: params.yaml: 3 invalid params values" in output
+    assert "verifier.aux_layers = [1, 1]: layer ids must be distinct" in output
+    assert "prepare.max_len = 3: Input should be greater than or equal to 16" in output
+    assert "prepare.shuffle: unknown key" in output
+    assert "Traceback" not in output
+    assert not (repo / "models/verifier").exists()
+
+
+def test_malformed_conversations_stop_prepare_naming_file_and_record(tmp_path: Path, tiny_verifier_dir: Path):
+    repo = make_pipeline_repo(tmp_path / "repo", {
+        "verifier": {"model": str(tiny_verifier_dir)},
+        "prepare": {"source": ["data/conversations/bad.jsonl"]},
+    })
+    (repo / "data/conversations/bad.jsonl").write_text(
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "yo"}]}\n'
+    )
+    result = dvc(["repro"], repo, check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "eaglenest prepare: error: data/conversations/bad.jsonl: line 2: turn 1 has role 'bot'" in output
+    assert "Traceback" not in output
+    assert not (repo / "data/prepared").exists()
+
+
+
+def changed_stages(repo: Path) -> set[str]:
+    """The stages `dvc status` reports as changed."""
+    return set(json.loads(dvc(["status", "--json"], repo).stdout or "{}"))
+
+
+def _leaves(value: object) -> list:
+    """Every number in a nested metrics document (what `dvc metrics show` counts)."""
+    if isinstance(value, dict):
+        return [leaf for item in value.values() for leaf in _leaves(item)]
+    if isinstance(value, list):
+        return [leaf for item in value for leaf in _leaves(item)]
+    return [value] if isinstance(value, (int, float)) and not isinstance(value, bool) else []
+
+
+def append_comment(path: Path) -> None:
+    path.write_text(path.read_text() + "# an edit that changes nothing any stage computes\n")
+
+
+@pytest.mark.slow
+def test_an_edit_re_runs_only_the_stages_that_run_the_edited_code(tmp_path: Path, tiny_verifier_dir: Path):
+    """Each stage depends on exactly the code it runs: commands re-run nothing, the train package re-runs train
+    (and evaluate only if the draft's bytes change), the hidden-state format the stages that read or write it."""
+    _, repo = tiny_pipeline_repo(tmp_path, tiny_verifier_dir, precision="float32")
+    dvc(["repro"], repo)
+    assert changed_stages(repo) == set()
+    code = repo / "src" / "eaglenest"
+
+    for command in ("report.py", "serve.py", "inspect.py", "cli.py", "importer.py", "doctor.py"):
+        append_comment(code / "commands" / command)
+    assert changed_stages(repo) == set()
+
+    append_comment(code / "stages" / "train" / "loop.py")
+    assert changed_stages(repo) == {"train"}
+    draft_before = draft_hash(repo)
+    rerun = dvc(["repro"], repo)
+    assert "Running stage 'train'" in rerun.stdout
+    for stage in ("verifier", "prepare", "extract", "convert"):
+        assert f"Stage '{stage}' didn't change, skipping" in rerun.stdout, stage
+    # float32 on one process: the same data and seed give the same draft, byte for byte, so evaluate is skipped
+    assert draft_hash(repo) == draft_before
+    assert "Stage 'evaluate' didn't change, skipping" in rerun.stdout
+
+    append_comment(code / "artifacts" / "hidden_states.py")
+    assert changed_stages(repo) == {"extract", "convert", "train"}

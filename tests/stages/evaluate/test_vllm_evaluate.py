@@ -1,0 +1,305 @@
+"""evaluate.backend: vllm. Fast: the lossless rule and the counter arithmetic, without vLLM. Slow: the real
+stage on the tiny SmolLM2 pipeline, against the hf reference (float32), in bf16, and with a broken
+acceptance rule."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from eaglenest.artifacts.prepared import VAL_PROMPTS_FILE
+from eaglenest.core.errors import EaglenestError
+from eaglenest.core.params import EvaluateParams, VllmEngineParams
+from eaglenest.core.vllm_support import VllmBuild
+from eaglenest.stages.evaluate.lossless import TIE_CANDIDATES, first_divergence, lossless_counts
+from eaglenest.stages.evaluate.vllm import (
+    build_evaluate_llm_kwargs,
+    check_counters,
+    counter_delta,
+    counters_to_acceptance,
+    read_counters,
+    time_interleaved,
+    top_candidates,
+)
+from tests.conftest import requires_vllm
+from tests.fixtures.pipeline import REPO, hf_reference, run_evaluate, run_train
+
+
+class Counter:
+    def __init__(self, name, value):
+        self.name, self.value = name, value
+
+
+class Vector:
+    def __init__(self, name, values):
+        self.name, self.values = name, values
+
+
+class Logprob:
+    def __init__(self, logprob):
+        self.logprob = logprob
+
+
+# --- the engines' arguments ------------------------------------------------------------------------------
+@pytest.mark.parametrize(("timing", "share"), [("interleaved", 0.3), ("sequential", 0.45)])
+def test_the_engines_share_the_gpu_memory_and_the_tensor_parallel_width(monkeypatch: pytest.MonkeyPatch,
+                                                                        tmp_path: Path, timing: str, share: float):
+    from eaglenest.core import vllm_support
+
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": "bfloat16"}))
+    monkeypatch.setattr(vllm_support, "installed_build", lambda: VllmBuild("gpu", "vllm", "0.33.0"))
+    verifier = SimpleNamespace(trust_remote_code=False, max_position_embeddings=8192)
+    params = EvaluateParams(timing=timing, vllm=VllmEngineParams(gpu_memory_utilization=0.9, tensor_parallel_size=8))
+    kwargs = build_evaluate_llm_kwargs(params, verifier, tmp_path, context_tokens=200)
+    # interleaved: all three engines are up at once; sequential: a stopped one may still hold its memory
+    assert kwargs["gpu_memory_utilization"] == pytest.approx(share)
+    assert kwargs["tensor_parallel_size"] == 8 and kwargs["max_model_len"] == 200
+
+
+def test_interleaved_timing_rotates_the_engines_prompt_by_prompt(monkeypatch: pytest.MonkeyPatch):
+    from eaglenest.stages.evaluate import vllm as evaluate_vllm
+
+    calls: list[tuple[str, int]] = []
+
+    def fake_generate(llm, prompts, sampling):
+        calls.append((llm, prompts[0][0]))
+        return [f"{llm} answers {prompts[0][0]}"]
+
+    monkeypatch.setattr(evaluate_vllm, "_generate", fake_generate)
+    timed = time_interleaved({"plain": "plain", "spec": "spec", "ngram": "ngram"}, [[0], [1], [2], [3]], None)
+    assert calls == [("plain", 0), ("spec", 0), ("ngram", 0), ("spec", 1), ("ngram", 1), ("plain", 1),
+                     ("ngram", 2), ("plain", 2), ("spec", 2), ("plain", 3), ("spec", 3), ("ngram", 3)]
+    assert [output for output, _ in timed["spec"]] == [f"spec answers {i}" for i in range(4)]
+    assert all(seconds >= 0 for pairs in timed.values() for _, seconds in pairs)
+
+
+# --- the lossless rule ---------------------------------------------------------------------------------
+PLAIN = [5, 6, 7, 8]
+# the plain run's top candidates at each position: (token, log-prob), best first
+TOP2 = [[(5, -0.1), (9, -2.5)], [(6, -0.70), (11, -0.75), (14, -0.80)], [(7, -0.2), (12, -3.0)],
+        [(8, -0.1), (13, -4.0)]]
+
+
+def test_identical_outputs_are_lossless_under_every_rule():
+    assert first_divergence(PLAIN, list(PLAIN), TOP2) is None
+    for margin in (None, 0.0, 0.5):
+        counts = lossless_counts([PLAIN], [list(PLAIN)], [TOP2], margin)
+        assert counts["identical_fraction"] == counts["lossless_fraction"] == 1.0
+        assert counts["divergence_gaps"] == []
+
+
+def test_a_flipped_near_tie_is_lossless_below_float32_only():
+    spec = [5, 11, 99, 99]  # plain's runner-up at position 1 (gap 0.05), then its own continuation
+    divergence = first_divergence(PLAIN, spec, TOP2)
+    assert divergence is not None
+    assert (divergence.position, divergence.plain_token, divergence.spec_token) == (1, 6, 11)
+    assert divergence.spec_rank == 1 and divergence.gap == pytest.approx(0.05)
+    assert lossless_counts([PLAIN], [spec], [TOP2], 0.5)["lossless_fraction"] == 1.0
+    assert lossless_counts([PLAIN], [spec], [TOP2], 0.01)["lossless_fraction"] == 0.0  # gap above margin
+    exact = lossless_counts([PLAIN], [spec], None, None)  # float32 / hf: exact equality
+    assert exact["lossless_fraction"] == exact["identical_fraction"] == 0.0
+
+
+def test_a_three_way_near_tie_is_lossless_below_float32():
+    third = first_divergence(PLAIN, [5, 14, 1, 1], TOP2)  # plain's third choice, 0.10 behind its best
+    assert third is not None and third.spec_rank == 2 and third.gap == pytest.approx(0.10)
+    assert third.is_near_tie(0.5) and not third.is_near_tie(0.05)
+
+
+def test_a_token_outside_the_candidates_or_a_wide_gap_is_not_lossless():
+    unknown = first_divergence(PLAIN, [5, 42, 7, 8], TOP2)
+    assert unknown is not None and unknown.spec_rank is None and unknown.gap is None
+    assert not unknown.is_near_tie(10.0)
+    wide = first_divergence(PLAIN, [5, 6, 12, 8], TOP2)  # runner-up, but 2.8 nats behind
+    assert wide is not None and wide.spec_rank == 1 and not wide.is_near_tie(0.5)
+    counts = lossless_counts([PLAIN, PLAIN, PLAIN], [[5, 42, 7, 8], [5, 6, 12, 8], list(PLAIN)], [TOP2] * 3, 0.5)
+    assert counts["identical_fraction"] == counts["lossless_fraction"] == pytest.approx(1 / 3, abs=1e-4)
+    assert counts["divergence_gaps"] == [None, pytest.approx(2.8)]
+
+
+def test_an_output_that_stops_early_or_runs_on_is_not_a_near_tie():
+    for spec in ([5, 6], [5, 6, 7, 8, 9]):
+        divergence = first_divergence(PLAIN, spec, TOP2)
+        assert divergence is not None and divergence.gap is None and not divergence.is_near_tie(100.0)
+
+
+def test_top_candidates_orders_vllm_logprobs_best_first():
+    # vLLM's dict also holds the sampled token; at temperature 0 it is rank 0 anyway.
+    assert top_candidates({7: Logprob(-3.0), 5: Logprob(-0.2), 9: Logprob(-1.0)}) == [(5, -0.2), (9, -1.0), (7, -3.0)]
+    many = {token: Logprob(-float(token)) for token in range(TIE_CANDIDATES + 3)}
+    assert [t for t, _ in top_candidates(many)] == list(range(TIE_CANDIDATES))
+
+
+# --- the counters --------------------------------------------------------------------------------------
+def _snapshot(drafts, draft_tokens, accepted, per_position, engines=1):
+    metrics = []
+    for _ in range(engines):
+        metrics += [Counter("vllm:spec_decode_num_drafts", drafts),
+                    Counter("vllm:spec_decode_num_draft_tokens", draft_tokens),
+                    Counter("vllm:spec_decode_num_accepted_tokens", accepted),
+                    Vector("vllm:spec_decode_num_accepted_tokens_per_pos", per_position),
+                    Counter("vllm:num_requests_running", 3)]
+    return read_counters(metrics)
+
+
+def test_counters_sum_over_engines_and_subtract_the_warm_up():
+    before = _snapshot(10, 30, 12, [6, 4, 2], engines=2)
+    assert before == {"drafts": 20, "draft_tokens": 60, "accepted": 24, "per_position": [12, 8, 4]}
+    after = _snapshot(110, 330, 192, [86, 64, 42], engines=2)
+    delta = counter_delta(before, after, 3)
+    assert delta == {"drafts": 200, "draft_tokens": 600, "accepted": 360, "per_position": [160, 120, 80]}
+    check_counters(delta, 3)
+    metrics = counters_to_acceptance(before, after, 3).summary()
+    assert metrics["tau"] == pytest.approx(2.8) and metrics["verify_steps"] == 200
+    assert metrics["per_position_acceptance"] == [0.8, 0.6, 0.4]
+    assert metrics["draft_acceptance_rate"] == pytest.approx(0.6)
+
+
+def test_counters_before_any_spec_step_have_no_positions():
+    # Before the spec engine's first step the per-position vector may be absent: it counts as zeros.
+    delta = counter_delta(read_counters([]), _snapshot(4, 12, 6, [3, 2, 1]), 3)
+    assert delta["per_position"] == [3, 2, 1]
+    check_counters(delta, 3)
+
+
+@pytest.mark.parametrize(("delta", "message"), [
+    ({"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_position": [0, 0, 0]}, "proposed no drafts"),
+    ({"drafts": 10, "draft_tokens": 30, "accepted": 12, "per_position": [6, 4, 1]}, "sums to 11"),
+    ({"drafts": 10, "draft_tokens": 30, "accepted": 12, "per_position": [6, 4, 1, 1]}, "4 positions for K = 3"),
+    ({"drafts": 10, "draft_tokens": 10, "accepted": 12, "per_position": [6, 4, 2]}, "12 accepted tokens out of 10"),
+    ({"drafts": 3, "draft_tokens": 30, "accepted": 12, "per_position": [6, 4, 2]}, r"exceeds K\+1 = 4"),
+])
+def test_inconsistent_counters_are_one_line_errors(delta, message):
+    with pytest.raises(EaglenestError, match=message) as raised:
+        check_counters(delta, 3)
+    text = str(raised.value)
+    assert "\n" not in text and text.startswith("evaluate.backend: vllm:") and "evaluate.backend: hf" in text
+
+
+# --- the real stage (slow) -----------------------------------------------------------------------------
+def _assert_consistent(metrics: dict) -> None:
+    k = metrics["num_speculative_tokens"]
+    assert metrics["verify_steps"] > 0 and 1.0 <= metrics["tau"] <= k + 1
+    # per-position acceptance x drafts sums to accepted = (tau - 1) x drafts
+    assert sum(metrics["per_position_acceptance"]) == pytest.approx(metrics["tau"] - 1, abs=1e-3)
+
+
+@pytest.mark.slow
+@requires_vllm
+def test_vllm_float32_matches_the_hf_reference(smollm2_repo: Path, tmp_path_factory: pytest.TempPathFactory):
+    reference = hf_reference(str(smollm2_repo), str(tmp_path_factory.mktemp("hf-reference")))
+    result, metrics = run_evaluate(smollm2_repo, tmp_path_factory.mktemp("vllm-fp32"), backend="vllm",
+                                   vllm={"dtype": "float32"})
+    assert result.returncode == 0, result.stderr
+    print("hf", {k: reference[k] for k in ("tau", "per_position_acceptance", "speedup")})
+    print("vllm fp32", {k: metrics[k] for k in ("tau", "per_position_acceptance", "speedup", "ngram_speedup")})
+    assert metrics["backend"] == "vllm" and metrics["dtype"] == "float32" and metrics["lossless_rule"] == "exact"
+    _assert_consistent(metrics)
+    assert metrics["tau"] > 1.05  # drafts were actually accepted
+    assert metrics["tau"] == pytest.approx(reference["tau"], rel=0.01)
+    assert metrics["per_position_acceptance"] == pytest.approx(reference["per_position_acceptance"], abs=0.01)
+    assert metrics["identical_fraction"] == metrics["lossless_fraction"] == 1.0
+    # vLLM's own n-gram drafting ran and was timed the same way (its tau counts only steps with a match)
+    for name in ("speedup", "ngram_speedup", "tokens_per_s_plain", "tokens_per_s_spec", "tokens_per_s_ngram"):
+        assert isinstance(metrics[name], float) and metrics[name] > 0, name
+
+
+@pytest.mark.slow
+@requires_vllm
+@pytest.mark.parametrize("algorithm", ["peagle", "dflash"])
+def test_vllm_decodes_every_algorithm_losslessly(smollm2_repo: Path, tmp_path: Path, algorithm: str):
+    """A P-EAGLE and a DFlash draft, trained by the stage on the same hidden states as the EAGLE-3 one: vLLM
+    serves each (its method from the checkpoint), float32 output equals plain on every prompt, and the hf back
+    end, whose reference decoder is EAGLE-3's, is left out with one log line."""
+    # draft_arch stays 'auto': DFlash gets its Qwen3 layer from the algorithm alone.
+    draft = run_train(smollm2_repo, tmp_path / "train", algorithm=algorithm, steps=60, eval_every=60)
+    result, metrics = run_evaluate(smollm2_repo, tmp_path / "eval", draft=draft, backend=["hf", "vllm"],
+                                   vllm={"dtype": "float32"})
+    assert result.returncode == 0, result.stderr
+    assert f"the draft is {algorithm}: the hf back end's reference decoder decodes EAGLE-3 only" in result.stderr
+    details = json.loads((tmp_path / "eval" / "eval" / "details.json").read_text())
+    assert list(details["runs"]) == ["vllm"] and metrics["backend"] == "vllm"
+    _assert_consistent(metrics)
+    assert metrics["identical_fraction"] == metrics["lossless_fraction"] == 1.0
+    print(algorithm, {k: metrics[k] for k in ("tau", "per_position_acceptance", "speedup", "ngram_speedup")})
+    acceptance = json.loads((tmp_path / "eval" / "eval" / "acceptance.json").read_text())
+    assert {row["drafter"] for row in acceptance} >= {algorithm}
+
+
+# Prompts where bf16 speculative output left plain bf16 output on a near-tie, picked on the tiny SmolLM2 draft
+# of an earlier default mix. Which turns flip depends on the draft (it follows the defaults) and on the CPU's
+# bf16 kernels, so on some drafts and machines none does.
+BF16_PROMPTS = REPO / "tests" / "data" / "bf16_near_tie_prompts.jsonl"
+
+
+@pytest.mark.slow
+@requires_vllm
+def test_vllm_bf16_passes_on_near_ties(smollm2_repo: Path, tmp_path: Path):
+    # The near-tie prompts stand in for the held-out ones (short chat openers: a file set would be refused as
+    # overlapping the training rows, which the val set is never checked against).
+    prepared = tmp_path / "prepared"
+    shutil.copytree(smollm2_repo / "data" / "prepared", prepared)
+    shutil.copy(BF16_PROMPTS, prepared / VAL_PROMPTS_FILE)
+    result, metrics = run_evaluate(smollm2_repo, tmp_path / "run", prepared=prepared, backend="vllm",
+                                   vllm={"dtype": "bfloat16"}, num_prompts=16)
+    print({k: metrics.get(k) for k in ("tau", "identical_fraction", "lossless_fraction", "speedup")})
+    assert result.returncode == 0, result.stderr
+    assert metrics["dtype"] == "bfloat16" and metrics["lossless_rule"].startswith("near_tie")
+    _assert_consistent(metrics)
+    assert metrics["lossless_fraction"] == 1.0  # with identical_fraction < 1: the near-tie rule did the work
+    if metrics["identical_fraction"] == 1.0:
+        # everything above held; what is left unchecked is named, not passed: the rule itself is covered by
+        # the unit tests above, and the demo's bf16 run records its flips (identical_fraction < 1)
+        pytest.skip("no near-tie flipped on this draft and CPU: bf16 was lossless, but the rule did no work")
+
+
+ACCEPT_ALL = '''\
+"""evaluate with vLLM's acceptance rule broken: every draft token is accepted."""
+import os
+import runpy
+import sys
+
+import torch
+import vllm.v1.sample.rejection_sampler as rs
+
+
+def accept_everything(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
+                      target_logits, bonus_token_ids, sampling_metadata, **_):
+    out = torch.full((len(num_draft_tokens), max_spec_len + 1), rs.PLACEHOLDER_TOKEN_ID, dtype=torch.int32,
+                     device=target_logits.device)
+    start = 0
+    for i, n in enumerate(num_draft_tokens):
+        out[i, :n] = draft_token_ids[start:start + n]
+        out[i, n] = bonus_token_ids[i, 0]
+        start += n
+    return out
+
+
+# RejectionSampler.forward looks rejection_sample up in its module at call time.
+rs.rejection_sample = accept_everything
+stage = sys.argv.pop(1)
+sys.path.insert(0, os.path.dirname(stage))  # the stage imports _guard from its own folder
+runpy.run_path(stage, run_name="__main__")
+'''
+
+
+@pytest.mark.slow
+@requires_vllm
+def test_a_broken_acceptance_rule_fails_the_stage(smollm2_repo: Path, tmp_path: Path):
+    wrapper = tmp_path / "accept_all.py"
+    wrapper.write_text(ACCEPT_ALL)
+    # In-process engine core: the patched module is the one the engine runs.
+    result, metrics = run_evaluate(
+        smollm2_repo, tmp_path / "run", wrapper=wrapper, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+        backend="vllm", vllm={"dtype": "bfloat16"}, num_prompts=4, max_new_tokens=24,
+    )
+    print(result.stderr[-2000:])
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("eaglenest evaluate: error: lossless_fraction = ") and "< 1.0 at temperature 0" in last
+    assert "Traceback" not in result.stderr
+    assert metrics["lossless_fraction"] < 1.0

@@ -1,0 +1,183 @@
+"""The hf extract back end: every layer slot checked against an independent computation, resumable."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eaglenest.artifacts.hidden_states import check_header, hs_path
+from eaglenest.artifacts.prepared import load_split
+from eaglenest.core.errors import EaglenestError, ParamsError
+from eaglenest.core.params import ExtractParams, parse_params
+from eaglenest.stages.extract import extract_hidden_states, part_rows
+from eaglenest.stages.extract.hf import length_sorted_batches
+from tests.fixtures.models import build_tiny_tokenizer, build_tiny_verifier
+from tests.fixtures.pipeline import pipeline_until_prepare, stored_row
+
+
+def build_tiny_qwen3(path: Path) -> Path:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = build_tiny_tokenizer()
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(1)
+    Qwen3ForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def reference_hidden_states(model_dir: Path, input_ids: list[int], layer_ids: list[int]) -> torch.Tensor:
+    """Independently of the hooks: one unpadded row through the full causal LM with output_hidden_states.
+
+    transformers' hidden_states[L] for L < N is the residual stream after L layers; its last entry is
+    *after* the final norm, so slot N is checked as norm(slot N) == hidden_states[N] instead.
+    """
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model(torch.tensor([input_ids]), output_hidden_states=True)
+    return torch.stack([out.hidden_states[layer][0] for layer in layer_ids], dim=1), model
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen3"])
+def test_every_slot_matches_an_independent_computation(tmp_path: Path, architecture: str):
+    model_dir = (build_tiny_verifier(tmp_path / "m") if architecture == "llama"
+                 else build_tiny_qwen3(tmp_path / "m"))
+    verifier_dir, prepared = pipeline_until_prepare(tmp_path, model_dir)
+    out = tmp_path / "data" / "hidden_states"
+    # Small batches force padding: rows of different lengths share a batch.
+    metrics = extract_hidden_states(ExtractParams(dtype="float32", batch_tokens=200), verifier_dir, prepared, out,
+                                    tmp_path / "metrics" / "extract.json")
+    from datasets import load_from_disk
+
+    dataset = load_from_disk(str(prepared))
+    assert metrics["rows"] == len(dataset) == metrics["rows_computed"]
+    for row in range(len(dataset)):
+        ids = dataset[row]["input_ids"].tolist()
+        stored = stored_row(out, row)
+        assert stored["token_ids"].tolist() == ids and stored["token_ids"].dtype == torch.int64
+        hs = stored["hidden_states"]
+        assert hs.shape == (len(ids), 4, 32) and hs.dtype == torch.float32
+        expected_aux, model = reference_hidden_states(model_dir, ids, [1, 3, 5])
+        torch.testing.assert_close(hs[:, :3], expected_aux, rtol=1e-4, atol=1e-5)
+        with torch.no_grad():
+            final = model(torch.tensor([ids]), output_hidden_states=True).hidden_states[8][0]
+            torch.testing.assert_close(model.model.norm(hs[:, 3]), final, rtol=1e-4, atol=1e-5)
+        assert not torch.allclose(hs[:, 3], final)  # slot N really is pre-norm
+
+
+def test_speculators_reads_the_files(tmp_path: Path, tiny_verifier_dir: Path):
+    from hs_connectors import FileTransfer
+    from speculators.data_generation.offline import check_hidden_states
+    from speculators.train.data import ArrowDataset, CollateFn
+
+    verifier_dir, prepared = pipeline_until_prepare(tmp_path, tiny_verifier_dir)
+    out = tmp_path / "data" / "hidden_states"
+    extract_hidden_states(ExtractParams(rows_per_shard=1), verifier_dir, prepared, out, tmp_path / "extract.json")
+    split = load_split(prepared)
+    dataset = ArrowDataset(max_len=256, datapath=prepared, transfer=FileTransfer(out), on_missing="raise",
+                           train_ratio=split["train_ratio"], split="train")
+    for index in range(len(dataset)):
+        row = dataset.data.with_format(None)[index]
+        check_hidden_states(load_file(hs_path(out, index)), row["input_ids"])
+    collate = CollateFn(max_len=256, hidden_size=32, num_target_layers=3)
+    batch = collate([dataset[0], dataset[1]])
+    assert batch["hidden_states"].shape == (1, 256, 3 * 32)
+    assert batch["verifier_last_hidden_states"].shape == (1, 256, 32)
+    packed = int(dataset[0]["lengths"] + dataset[1]["lengths"])
+    assert int((batch["document_ids"] >= 0).sum()) == packed  # both rows packed, the rest padding
+    assert batch["error_records"] == 0
+
+
+def test_resume_recomputes_only_bad_or_missing_files(tmp_path: Path, tiny_verifier_dir: Path):
+    verifier_dir, prepared = pipeline_until_prepare(tmp_path, tiny_verifier_dir)
+    out = tmp_path / "hs"
+    params = ExtractParams(rows_per_shard=1)  # row files: each is broken its own way below
+    extract_hidden_states(params, verifier_dir, prepared, out, tmp_path / "m.json")
+    reference = {p.name: p.read_bytes() for p in out.iterdir()}
+    untouched = hs_path(out, 5)
+    mtime = untouched.stat().st_mtime_ns
+
+    data = hs_path(out, 0).read_bytes()
+    hs_path(out, 0).write_bytes(data[: len(data) // 2])  # truncated
+    hs_path(out, 1).unlink()  # missing
+    hs_path(out, 2).write_bytes(b"")  # zero bytes
+    tensors = load_file(hs_path(out, 3))
+    tensors["token_ids"][0] += 1
+    save_file(tensors, hs_path(out, 3), metadata={"eaglenest": '{"config": "other"}'})  # foreign + wrong tokens
+    (out / f".hs_4.safetensors.tmp-{os.getpid() + 1}").write_bytes(b"half")  # a killed writer's leftover
+    hs_path(out, 99).write_bytes(b"stale")  # a row that no longer exists
+
+    metrics = extract_hidden_states(params, verifier_dir, prepared, out, tmp_path / "m.json")
+    assert metrics["rows_computed"] == 4 and metrics["rows_reused"] == metrics["rows"] - 4
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == reference  # bit-identical, nothing else left
+    assert untouched.stat().st_mtime_ns == mtime
+
+    again = extract_hidden_states(params, verifier_dir, prepared, out, tmp_path / "m.json")
+    assert again["rows_computed"] == 0 and again["tokens_per_s"] is None
+
+
+def test_changed_dtype_recomputes_everything(tmp_path: Path, tiny_verifier_dir: Path, caplog: pytest.LogCaptureFixture):
+    verifier_dir, prepared = pipeline_until_prepare(tmp_path, tiny_verifier_dir)
+    out = tmp_path / "hs"
+    extract_hidden_states(ExtractParams(dtype="bfloat16", rows_per_shard=1), verifier_dir, prepared, out,
+                          tmp_path / "m.json")
+    with caplog.at_level("INFO", logger="eaglenest.stages.extract"):
+        metrics = extract_hidden_states(ExtractParams(dtype="float32", rows_per_shard=1), verifier_dir, prepared, out,
+                                        tmp_path / "m.json")
+    assert metrics["rows_computed"] == metrics["rows"] == 10
+    # three files named, the rest counted: one line per reason, not one per file
+    recomputing = [r.getMessage() for r in caplog.records if r.getMessage().startswith("recomputing")]
+    assert len(recomputing) == 4
+    assert recomputing[-1] == "recomputing 10 files in all: hidden_states dtype BF16, expected F32 (float32)"
+    assert check_header(hs_path(out, 0), seq_len=load_file(hs_path(out, 0))["token_ids"].numel(), num_slots=4,
+                        hidden_size=32, dtype="float32") is None
+    written = json.loads((tmp_path / "m.json").read_text())
+    assert written["dtype"] == "float32" and written["bytes_per_token"] == pytest.approx(4 * 32 * 4 + 8, rel=0.2)
+
+
+def test_row_longer_than_context_is_refused_with_its_index(tmp_path: Path):
+    model = build_tiny_verifier(tmp_path / "m")
+    config_file = model / "config.json"
+    config = json.loads(config_file.read_text())
+    config["max_position_embeddings"] = 20
+    config_file.write_text(json.dumps(config))
+    verifier_dir, prepared = pipeline_until_prepare(tmp_path, model)
+    with pytest.raises(EaglenestError, match=r"prepared row \d+ has \d+ tokens, more than the verifier's context "
+                                             r"of 20 .*set prepare.max_len <= 20"):
+        extract_hidden_states(ExtractParams(), verifier_dir, prepared, tmp_path / "hs", tmp_path / "m.json")
+
+
+def test_parts_cover_every_row_once():
+    parts = [list(part_rows(10, rank, 3)) for rank in range(3)]
+    assert sorted(sum(parts, [])) == list(range(10))
+    assert all(parts)
+
+
+def test_batches_are_length_sorted_and_bounded():
+    lengths = [5, 50, 7, 48, 300, 6]
+    batches = length_sorted_batches(list(range(6)), lengths, batch_tokens=100)
+    assert batches[0] == [4]  # longer than the budget: alone
+    assert sorted(sum(batches, [])) == list(range(6))
+    for batch in batches[1:]:
+        assert len(batch) * max(lengths[r] for r in batch) <= 100
+
+
+def test_bad_flag_combinations_are_refused():
+    with pytest.raises(ParamsError) as info:
+        parse_params({"extract": {"backend": "hf", "vllm": {"tensor_parallel_size": 2}, "rank": 2, "world_size": 2}})
+    text = str(info.value)
+    assert "extract.rank = 2 must be < extract.world_size = 2" in text
+    assert "extract.vllm.tensor_parallel_size = 2 needs extract.backend: vllm" in text
+    with pytest.raises(ParamsError, match=r"extract.backend: import needs extract.import_path"):
+        parse_params({"extract": {"backend": "import"}})
+    with pytest.raises(ParamsError, match=r"extract.import_path = 'x' is only read by extract.backend: import"):
+        parse_params({"extract": {"import_path": "x"}})

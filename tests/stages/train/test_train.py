@@ -1,0 +1,410 @@
+"""train: a tiny verifier's draft learns on CPU, saves a speculators checkpoint, resumes exactly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+import eaglenest.stages.train as train_module
+from eaglenest.core.errors import EaglenestError, ParamsError
+from eaglenest.core.params import ConvertParams, ExtractParams, TrainParams, parse_params
+from eaglenest.stages.convert import convert
+from eaglenest.stages.extract import extract_hidden_states
+from eaglenest.stages.train import TrainPaths, train_draft
+from eaglenest.stages.train.data import pack_batches
+from eaglenest.stages.train.validation import tau_from_conditional
+from tests.fixtures.pipeline import REPO, pipeline_until_prepare, run_train_stage
+
+FAST = {"total_seq_len": 256, "lr": 3e-3, "warmup_steps": 2, "ttt_steps": 3}  # 3 TTT steps: two unscored positions
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory, tiny_verifier_dir: Path) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("train")
+    verifier_dir, prepared = pipeline_until_prepare(root, tiny_verifier_dir, rows=40)
+    hs = root / "hs"
+    extract_hidden_states(ExtractParams(), verifier_dir, prepared, hs, root / "extract.json")
+    convert(ConvertParams(draft_vocab_size=64), ExtractParams(dtype="bfloat16"), verifier_dir, prepared, hs,
+            root / "vocab",
+            root / "data.json")
+    return {"verifier": verifier_dir, "prepared": prepared, "hs": hs, "vocab": root / "vocab",
+            "model": tiny_verifier_dir}
+
+
+def inputs_in(paths: dict[str, Path], out: Path) -> TrainPaths:
+    return TrainPaths(verifier=paths["verifier"], prepared=paths["prepared"], hidden_states=paths["hs"],
+                       vocab=paths["vocab"], out=out / "draft", metrics=out / "train.json",
+                                                                details=out / "train_details.json",
+                       live_dir=out / "dvclive", checkpoints=out / "checkpoints")
+
+
+def read_tsv(path: Path) -> list[tuple[int, float]]:
+    rows = path.read_text().splitlines()[1:]
+    return [(int(r.split("\t")[0]), float(r.split("\t")[1])) for r in rows]
+
+
+def test_draft_learns_and_saves_a_speculators_checkpoint(converted: dict[str, Path], tmp_path: Path):
+    params = TrainParams(steps=20, eval_every=10, verifier_name=str(converted["model"]), **FAST)
+    metrics = train_draft(params, inputs_in(converted, tmp_path))
+
+    # Accuracy of the first TTT step rises clearly above the untrained draft's.
+    acc = read_tsv(tmp_path / "dvclive/plots/metrics/val/acc_0.tsv")
+    assert [step for step, _ in acc] == [0, 10, 20]
+    assert acc[-1][1] > acc[0][1] + 0.1, acc
+    assert len(read_tsv(tmp_path / "dvclive/plots/metrics/train/loss.tsv")) == 20
+    assert metrics["steps"] == 20 and len(metrics["val_acc"]) == 3
+    assert metrics["tau_sim"] == pytest.approx(tau_from_conditional(metrics["val_cond_acc"]), abs=1e-3)
+    assert json.loads((tmp_path / "train_details.json").read_text()) == metrics
+    # the declared metric: tau_sim and the validation loss, named by the tokens it covers (train.loss_tokens)
+    assert json.loads((tmp_path / "train.json").read_text()) == {"tau_sim": metrics["tau_sim"],
+                                                                 "val_loss_all_tokens": metrics["val_loss"]}
+
+    config = json.loads((tmp_path / "draft/config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3"
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    assert config["norm_before_residual"] is True
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
+    assert config["draft_vocab_size"] == 64
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str(converted["model"])
+    weights = load_file(tmp_path / "draft/model.safetensors")
+    assert weights["d2t"].shape == (64,) and weights["t2d"].shape == (300,)
+    assert "verifier_lm_head.weight" not in weights
+
+    from speculators import SpeculatorModel
+
+    loaded = SpeculatorModel.from_pretrained(str(tmp_path / "draft"))
+    assert type(loaded).__name__ == "Eagle3DraftModel"
+    assert torch.equal(loaded.state_dict()["fc.weight"], weights["fc.weight"])
+    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
+
+
+def test_resume_after_a_kill_matches_an_uninterrupted_run(converted: dict[str, Path], tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch):
+    params = TrainParams(steps=12, eval_every=6, checkpoint_every=4, **FAST)
+    reference = train_draft(params, inputs_in(converted, tmp_path / "a"))
+
+    original = train_module.save_checkpoint
+
+    def save_then_die(path, model, optimizer, scheduler, step):
+        original(path, model, optimizer, scheduler, step)
+        if step == 8:
+            raise KeyboardInterrupt  # as if killed right after the step-8 checkpoint
+
+    monkeypatch.setattr(train_module, "save_checkpoint", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        train_draft(params, inputs_in(converted, tmp_path / "b"))
+    monkeypatch.setattr(train_module, "save_checkpoint", original)
+    resumed = train_draft(params, inputs_in(converted, tmp_path / "b"))
+
+    assert resumed["resumed_from_step"] == 8 and resumed["steps_this_run"] == 4
+    a = load_file(tmp_path / "a/draft/model.safetensors")
+    b = load_file(tmp_path / "b/draft/model.safetensors")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6)
+    assert resumed["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-5)
+    loss_steps = [step for step, _ in read_tsv(tmp_path / "b/dvclive/plots/metrics/train/loss.tsv")]
+    assert loss_steps == list(range(1, 13))  # the history continues without duplicates
+
+
+def test_changed_params_never_resume_a_stale_run(converted: dict[str, Path], tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch):
+    original = train_module.save_checkpoint
+
+    def save_then_die(*args):
+        original(*args)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_module, "save_checkpoint", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        train_draft(TrainParams(steps=8, checkpoint_every=4, **FAST), inputs_in(converted, tmp_path))
+    monkeypatch.setattr(train_module, "save_checkpoint", original)
+    changed = {**FAST, "lr": 1e-3}
+    metrics = train_draft(TrainParams(steps=8, checkpoint_every=4, **changed), inputs_in(converted, tmp_path))
+    assert metrics["resumed_from_step"] == 0
+
+
+def test_bad_params_are_refused_before_training(converted: dict[str, Path], tmp_path: Path):
+    with pytest.raises(ParamsError) as info:
+        parse_params({"train": {"ttt_steps": 0, "attention": "flash", "total_seq_len": 8}})
+    text = str(info.value)
+    assert "train.ttt_steps = 0: Input should be greater than or equal to 1" in text
+    assert "train.attention = 'flash': Input should be 'auto', 'sdpa', 'eager' or 'simple_flex_attention'" in text
+    assert "train.total_seq_len = 8" in text
+    with pytest.raises(EaglenestError, match=r"train.total_seq_len = 16 is shorter than prepared row \d+ "
+                                             r"\(\d+ tokens; \d+ rows in all\); raise it to at least \d+"):
+        train_draft(TrainParams(total_seq_len=16), inputs_in(converted, tmp_path))
+    assert not (tmp_path / "draft").exists()
+
+
+def test_precision_auto_follows_the_device(monkeypatch: pytest.MonkeyPatch):
+    """bf16 autocast where the CPU multiplies bf16 natively, float32 where it would be emulated (slower)."""
+    import eaglenest.stages.train.model as model_module
+
+    layer = torch.nn.Linear(8, 8)
+    for native, expected in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(model_module, "cpu_has_native_bf16", lambda native=native: native)
+        runtime = model_module.draft_runtime(TrainParams(), torch.device("cpu"))
+        assert runtime.precision == str(expected).removeprefix("torch.")
+        with runtime.autocast():
+            assert layer(torch.ones(2, 8)).dtype == expected
+    monkeypatch.setattr(model_module, "cpu_has_native_bf16", lambda: True)
+    assert model_module.draft_runtime(TrainParams(precision="float32"), torch.device("cpu")).precision == "float32"
+    # On a GPU hidden states are loaded in bf16 only for a bf16 draft: a float32 one needs float32 inputs.
+    assert model_module.draft_runtime(TrainParams(), torch.device("cuda")).hs_dtype == torch.bfloat16
+    assert model_module.draft_runtime(TrainParams(precision="float32"), torch.device("cuda")).hs_dtype == torch.float32
+
+
+def test_bf16_and_fp32_training_agree(converted: dict[str, Path], tmp_path: Path):
+    """bf16 autocast only changes the arithmetic: the validation loss stays within 5 % of float32's, and the
+    weights stay float32."""
+    runs = {precision: train_draft(TrainParams(steps=10, eval_every=10, precision=precision, **FAST),
+                                   inputs_in(converted, tmp_path / precision))
+            for precision in ("float32", "bfloat16")}
+    assert runs["bfloat16"]["precision"] == "bfloat16" and runs["float32"]["precision"] == "float32"
+    assert runs["bfloat16"]["val_loss"] == pytest.approx(runs["float32"]["val_loss"], rel=0.05)
+    weights = load_file(tmp_path / "bfloat16/draft/model.safetensors")
+    assert weights["fc.weight"].dtype == torch.float32  # autocast leaves the weights in float32
+
+
+def test_loss_on_every_token_trains_prompts_too_and_validates_replies(converted: dict[str, Path], tmp_path: Path):
+    """train.loss_tokens: all puts the loss on every position of a training batch, prompts included; the
+    validation batches, and every batch under 'replies', keep prepare's loss mask (the assistant turns)."""
+    from eaglenest.artifacts.verifier import load_verifier_info
+    from eaglenest.stages.train.data import load_training_data
+
+    verifier, _ = load_verifier_info(converted["verifier"])
+    args = (verifier, converted["prepared"], converted["hs"], converted["vocab"], torch.float32)
+    every = load_training_data(TrainParams(loss_tokens="all", **FAST), *args)
+    replies = load_training_data(TrainParams(loss_tokens="replies", **FAST), *args)
+    rows = every.rows["train"][:4]
+    # speculators' shift drops each row's first position; the next ttt_steps - 1 stay unscored, or TTT step k
+    # would score a chain at the end of one row against the first k targets of the next.
+    positions = sum(every.lengths[r] - 1 - (3 - 1) for r in rows)
+    reply_mask = replies.batch(rows, torch.device("cpu"), training=True)["loss_mask"]
+    assert 0 < reply_mask.sum() < positions
+    assert every.batch(rows, torch.device("cpu"), training=True)["loss_mask"].sum() == positions
+    assert torch.equal(every.batch(rows, torch.device("cpu"))["loss_mask"], reply_mask)
+    first_row = every.batch(rows[:1], torch.device("cpu"), training=True)["loss_mask"][0]  # [total_seq_len]
+    assert first_row[:2].tolist() == [0, 0] and first_row[2 : every.lengths[rows[0]] - 1].all()
+
+    metrics = {tokens: train_draft(TrainParams(steps=4, eval_every=4, loss_tokens=tokens, **FAST),
+                                   inputs_in(converted, tmp_path / tokens))
+               for tokens in ("all", "replies")}
+    assert metrics["all"]["loss_tokens"] == "all" and metrics["replies"]["loss_tokens"] == "replies"
+    assert metrics["all"]["train_loss"] != metrics["replies"]["train_loss"]
+
+
+def test_a_checkpoint_that_cannot_be_written_is_one_line_and_keeps_the_last(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch):
+    """A full disk (torch's zip writer: "unexpected pos") stops training with one line naming the checkpoint;
+    no temp file is left and the previous checkpoint still resumes."""
+    from eaglenest.stages.train import checkpoint as checkpoint_module
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    path = tmp_path / "run" / "checkpoint.pt"
+    checkpoint_module.save_checkpoint(path, model, optimizer, scheduler, 100)
+
+    def disk_full(obj, f):
+        Path(f).write_bytes(b"partial")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 88640 vs 88528")
+
+    monkeypatch.setattr(checkpoint_module.torch, "save", disk_full)
+    with pytest.raises(EaglenestError, match=r"could not write the training checkpoint .*checkpoint.pt at step 200 "
+                                             r"\(\[enforce fail.*MiB free there\); free disk space"):
+        checkpoint_module.save_checkpoint(path, model, optimizer, scheduler, 200)
+    assert sorted(p.name for p in path.parent.iterdir()) == ["checkpoint.pt"]
+    monkeypatch.undo()
+    assert checkpoint_module.resume(path, model, optimizer, scheduler) == 100
+
+
+def test_packing_is_deterministic_and_bounded():
+    lengths = [10, 20, 30, 40, 50, 60]
+    a = pack_batches(list(range(6)), lengths, 70, seed=1, epoch=0)
+    assert a == pack_batches(list(range(6)), lengths, 70, seed=1, epoch=0)
+    assert a != pack_batches(list(range(6)), lengths, 70, seed=1, epoch=1)
+    assert sorted(sum(a, [])) == list(range(6))
+    assert all(sum(lengths[r] for r in batch) <= 70 for batch in a)
+
+
+def test_tau_from_conditional_accuracies():
+    assert tau_from_conditional([1.0, 1.0, 1.0]) == 4.0
+    assert tau_from_conditional([0.0, 1.0]) == 1.0
+    assert tau_from_conditional([0.5, 0.5]) == pytest.approx(1.75)
+
+
+@pytest.mark.slow
+def test_two_cpu_processes_match_one_on_the_same_global_batch(tmp_path: Path, tiny_verifier_dir: Path):
+    """torchrun with 2 gloo processes vs 1 process: same rows per step, same losses and weights."""
+    from tests.fixtures.pipeline import equal_length_training_data
+
+    equal_length_training_data(tmp_path, tiny_verifier_dir)
+    results = {}
+    for nproc, seq_len in ((1, 192), (2, 96)):
+        run = tmp_path / f"run{nproc}"
+        # float32: bf16 rounds differently for different batch shapes, and this checks the arithmetic is the same.
+        train = {"steps": 3, "eval_every": 3, "total_seq_len": seq_len, "lr": 3e-3, "warmup_steps": 0,
+                 "nproc": nproc, "precision": "float32"}
+        result = run_train_stage(run, tmp_path, train)
+        assert result.returncode == 0, result.stdout + result.stderr
+        results[nproc] = json.loads((run / "train_details.json").read_text())
+        assert results[nproc]["processes"] == nproc
+    one = read_tsv(tmp_path / "run1/dvclive/plots/metrics/train/loss.tsv")
+    two = read_tsv(tmp_path / "run2/dvclive/plots/metrics/train/loss.tsv")
+    assert [s for s, _ in one] == [s for s, _ in two] == [1, 2, 3]
+    for (_, a), (_, b) in zip(one, two, strict=True):
+        assert a == pytest.approx(b, rel=1e-4)
+    a = load_file(tmp_path / "run1/draft/model.safetensors")
+    b = load_file(tmp_path / "run2/draft/model.safetensors")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5)
+
+
+DIE_AFTER_CHECKPOINT = '''\
+"""The train stage, whose main process exits right after writing its first checkpoint (a node lost mid-run)."""
+import os
+import runpy
+import sys
+
+import eaglenest.stages.train as train
+
+original = train.save_checkpoint
+
+
+def save_then_die(*args, **kwargs):
+    original(*args, **kwargs)
+    os._exit(3)
+
+
+train.save_checkpoint = save_then_die
+# The stage relaunches itself under torchrun: every process runs this wrapper around it.
+relaunch = train.relaunch_with_torchrun
+train.relaunch_with_torchrun = lambda nproc, script, argv: relaunch(nproc, __file__, [script, *argv])
+stage = sys.argv.pop(1)
+sys.path.insert(0, os.path.dirname(stage))  # the stage imports _guard from its own folder
+runpy.run_path(stage, run_name="__main__")
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["peagle", "dflash"])
+def test_every_algorithm_trains_on_two_processes_and_resumes_exactly(tmp_path: Path, tiny_verifier_dir: Path,
+                                                                     algorithm: str):
+    """P-EAGLE and DFlash sample positions at random on each process: after the job dies at its checkpoint,
+    the resumed 2-process run ends with the weights of the uninterrupted one."""
+    from tests.fixtures.pipeline import equal_length_training_data
+
+    equal_length_training_data(tmp_path, tiny_verifier_dir)
+    train = {"steps": 6, "eval_every": 6, "checkpoint_every": 3, "total_seq_len": 96, "lr": 3e-3,
+             "warmup_steps": 0, "nproc": 2, "precision": "float32", **ALGORITHM_PARAMS[algorithm]}
+    uninterrupted = run_train_stage(tmp_path / "a", tmp_path, train)
+    assert uninterrupted.returncode == 0, uninterrupted.stdout + uninterrupted.stderr
+    wrapper = tmp_path / "die_after_checkpoint.py"
+    wrapper.write_text(DIE_AFTER_CHECKPOINT)
+    died = run_train_stage(tmp_path / "b", tmp_path, train, script=wrapper)
+    assert died.returncode != 0 and not (tmp_path / "b/draft").exists()
+    assert "the 2 training processes failed" in died.stderr
+    resumed = run_train_stage(tmp_path / "b", tmp_path, train)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    details = json.loads((tmp_path / "b/train_details.json").read_text())
+    assert details["processes"] == 2 and details["resumed_from_step"] == 3
+    a = load_file(tmp_path / "a/draft/model.safetensors")
+    b = load_file(tmp_path / "b/draft/model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6)
+    assert json.loads((tmp_path / "b/draft/config.json").read_text())["speculators_model_type"] == algorithm
+
+
+def test_dvc_yaml_plots_one_accuracy_curve_per_ttt_step_of_the_default_draft():
+    import re
+
+    repo = REPO
+    ttt_steps = yaml.safe_load((repo / "params.yaml").read_text())["train"]["ttt_steps"]
+    assert ttt_steps == TrainParams().ttt_steps  # params.yaml states the default
+    declared = re.findall(r"dvclive/train/plots/metrics/val/acc_(\d+)\.tsv", (repo / "dvc.yaml").read_text())
+    # a curve for a step the draft does not have is a missing file: `dvc plots show` fails on it
+    assert sorted(int(i) for i in declared) == list(range(ttt_steps))
+
+
+# The other draft algorithms on the same data: speculators' classes, their checkpoint type and K, resume.
+ALGORITHM_PARAMS = {"peagle": {"algorithm": "peagle"}, "dflash": {"algorithm": "dflash"}}
+ALGORITHM_CLASSES = {"peagle": "PEagleDraftModel", "dflash": "DFlashDraftModel"}
+
+
+@pytest.mark.parametrize("algorithm", ["peagle", "dflash"])
+def test_every_algorithm_learns_and_saves_its_speculators_checkpoint(converted: dict[str, Path], tmp_path: Path,
+                                                                     algorithm: str):
+    params = TrainParams(steps=20, eval_every=10, verifier_name=str(converted["model"]),
+                         **{**FAST, **ALGORITHM_PARAMS[algorithm]})
+    metrics = train_draft(params, inputs_in(converted, tmp_path))
+
+    loss = read_tsv(tmp_path / "dvclive/plots/metrics/val/loss.tsv")
+    assert [step for step, _ in loss] == [0, 10, 20] and loss[-1][1] < loss[0][1], loss
+    assert metrics["algorithm"] == algorithm and len(metrics["val_acc"]) == 3 and metrics["val_cond_acc"] == []
+    assert 1.0 <= metrics["tau_sim"] <= 4.0
+    config = json.loads((tmp_path / "draft/config.json").read_text())
+    assert config["speculators_model_type"] == algorithm
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3  # K = ttt_steps
+    assert config["mask_token_id"] is not None
+
+    from speculators import SpeculatorModel
+
+    from eaglenest.artifacts.draft import draft_tokens, vllm_speculative_config
+
+    assert type(SpeculatorModel.from_pretrained(str(tmp_path / "draft"))).__name__ == ALGORITHM_CLASSES[algorithm]
+    assert draft_tokens(tmp_path / "draft", "--draft") == 3
+    served = vllm_speculative_config(tmp_path / "draft", 3)
+    assert served["method"] == {"peagle": "eagle3", "dflash": "dflash"}[algorithm]
+    assert served.get("parallel_drafting", False) is (algorithm == "peagle")
+
+
+@pytest.mark.parametrize("algorithm", ["peagle", "dflash"])
+def test_every_algorithm_resumes_exactly(converted: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         algorithm: str):
+    """P-EAGLE samples its positions at random: the resumed run draws what the uninterrupted one drew."""
+    params = TrainParams(steps=8, eval_every=8, checkpoint_every=4, **{**FAST, **ALGORITHM_PARAMS[algorithm]})
+    reference = train_draft(params, inputs_in(converted, tmp_path / "a"))
+    original = train_module.save_checkpoint
+
+    def save_then_die(path, model, optimizer, scheduler, step):
+        original(path, model, optimizer, scheduler, step)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_module, "save_checkpoint", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        train_draft(params, inputs_in(converted, tmp_path / "b"))
+    monkeypatch.setattr(train_module, "save_checkpoint", original)
+    resumed = train_draft(params, inputs_in(converted, tmp_path / "b"))
+    assert resumed["resumed_from_step"] == 4
+    a = load_file(tmp_path / "a/draft/model.safetensors")
+    b = load_file(tmp_path / "b/draft/model.safetensors")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6)
+    assert resumed["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-5)
+
+
+def test_algorithm_params_are_refused_for_the_wrong_algorithm():
+    with pytest.raises(ParamsError) as info:
+        parse_params({"train": {"peagle": {"max_anchors": 64}, "norm_output": True, "algorithm": "peagle",
+                                "dflash": {"max_anchors": 8}}})
+    text = str(info.value)
+    assert "train.dflash: only with train.algorithm: dflash (it is peagle)" in text
+    assert "train.norm_output: not an option of train.algorithm: peagle" in text
+    with pytest.raises(ParamsError, match="train.draft_arch = 'llama': a dflash draft has Qwen3-style layers"):
+        parse_params({"train": {"algorithm": "dflash", "draft_arch": "llama"}})
+    with pytest.raises(ParamsError, match=r"train.peagle.depth: unknown key \(allowed: down_sample_ratio"):
+        parse_params({"train": {"algorithm": "peagle", "peagle": {"depth": 2}}})
+    assert parse_params({"train": {"algorithm": "dflash", "draft_arch": "qwen3"}}).train.dflash is None
+    # draft_arch: auto (the default) is the layer each algorithm is served with, so one -S switches algorithm.
+    assert parse_params({"train": {"algorithm": "dflash"}}).train.draft_layer == "qwen3"
+    assert parse_params({"train": {"algorithm": "peagle"}}).train.draft_layer == "llama"
+    assert parse_params({"train": {"algorithm": "eagle3", "draft_arch": "qwen3"}}).train.draft_layer == "qwen3"
+    with pytest.raises(ParamsError, match="train.algorithm"):  # not a name at all: reported, not a TypeError
+        parse_params({"train": {"algorithm": [], "peagle": {"max_anchors": 64}}})
