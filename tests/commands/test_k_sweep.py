@@ -14,7 +14,7 @@ import pytest
 from eaglenest.commands import cli, k_sweep
 from eaglenest.commands.k_sweep import PipelinePaths, TimedTurns, add_speedups, best_ks, draft_fingerprint
 from tests.conftest import requires_vllm
-from tests.fixtures.pipeline import project_env
+from tests.fixtures.pipeline import SharedPipeline, project_env
 
 
 def _draft(folder: Path, k: int = 3, weights: bytes = b"weights") -> Path:
@@ -155,10 +155,10 @@ def test_bad_sweep_arguments_are_refused_before_an_engine_starts(capsys, tmp_pat
 
 @pytest.mark.slow
 @requires_vllm
-def test_the_real_sweep_on_the_tiny_pipeline(smollm2_repo: Path, tmp_path: Path):
+def test_the_real_sweep_on_the_tiny_pipeline(shared_pipeline: SharedPipeline, tmp_path: Path):
     out = tmp_path / "k_sweep.json"
-    paths = PipelinePaths(smollm2_repo / "params.yaml", smollm2_repo / "models" / "verifier",
-                          smollm2_repo / "models" / "draft", smollm2_repo / "data" / "prepared")
+    paths = PipelinePaths(shared_pipeline.repo / "params.yaml", shared_pipeline.repo / "models" / "verifier",
+                          shared_pipeline.repo / "models" / "draft", shared_pipeline.repo / "data" / "prepared")
     done = subprocess.run(
         [sys.executable, "-m", "eaglenest", "k-sweep", "--ks", "1", "2", "--out", str(out), "--params",
          str(paths.params), "--verifier", str(paths.verifier), "--draft", str(paths.draft), "--prepared",

@@ -28,6 +28,7 @@ from eaglenest.commands.report import (
 )
 from eaglenest.core.bootstrap import Interval
 from eaglenest.core.errors import InputFileError
+from tests.fixtures.pipeline import SharedPipeline
 
 K = 3
 SAMPLES = 2000
@@ -348,15 +349,17 @@ def _short_draft(repo: Path, dest: Path, steps: int) -> Path:
 
 
 @pytest.mark.slow
-def test_real_drafts_same_twice_is_no_change_and_a_short_one_is_worse(smollm2_repo: Path, tmp_path: Path):
+def test_real_drafts_same_twice_is_no_change_and_a_short_one_is_worse(shared_pipeline: SharedPipeline,
+                                                                      tmp_path: Path):
     from eaglenest.artifacts.evaluation import load_records
     from tests.fixtures.pipeline import run_evaluate
 
     # hf, float32, greedy: the same draft decodes the same tokens, so its acceptance records are identical
     one_set = {"backend": "hf", "source": "builtin:general", "num_prompts": 16, "max_new_tokens": 24}
     runs = {}
-    for name, draft in (("first", None), ("again", None), ("short", _short_draft(smollm2_repo, tmp_path / "t", 4))):
-        result, _ = run_evaluate(smollm2_repo, tmp_path / name, draft=draft, **one_set)
+    repo = shared_pipeline.repo
+    for name, draft in (("first", None), ("again", None), ("short", _short_draft(repo, tmp_path / "t", 4))):
+        result, _ = run_evaluate(repo, tmp_path / name, draft=draft, **one_set)
         assert result.returncode == 0, result.stderr[-3000:]
         runs[name] = load_records((tmp_path / name / "eval" / "records.json").read_text(), name)
     set_name = next(iter(runs["first"]["runs"]["hf"]["sets"]))

@@ -16,7 +16,7 @@ import pytest
 from eaglenest.artifacts.prepared import VAL_PROMPTS_FILE
 from eaglenest.commands import cli
 from tests.conftest import requires_vllm
-from tests.fixtures.pipeline import hf_reference, project_env
+from tests.fixtures.pipeline import SharedPipeline, project_env
 
 
 def free_port() -> int:
@@ -131,27 +131,28 @@ def test_a_draft_that_is_not_eagle3_is_refused(capsys, no_exec, pipeline_folders
 @pytest.mark.slow
 @requires_vllm
 def test_bench_against_the_served_draft_and_plain_server_agrees_with_evaluate(
-        smollm2_repo: Path, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory):
+        shared_pipeline: SharedPipeline, tmp_path: Path):
     """`eaglenest bench --serve` on the real servers: the draft server (eaglenest serve), then the plain one, at
     concurrency 1 and 4 on evaluate's first set's prompts. float32, so the served draft decodes as the hf
     reference does: tau at concurrency 1 is evaluate's in-process figure on the same prompt tokens, and every
     output equals the plain server's exactly."""
     import yaml
 
-    first_set = yaml.safe_load((smollm2_repo / "params.yaml").read_text())["evaluate"]["sets"][0]
+    repo = shared_pipeline.repo
+    first_set = yaml.safe_load((repo / "params.yaml").read_text())["evaluate"]["sets"][0]
     num_prompts, max_tokens = first_set["num_prompts"], first_set["max_new_tokens"]
     out = tmp_path / "bench"
     result = subprocess.run(
         [sys.executable, "-m", "eaglenest", "bench", "--serve", "--port", str(free_port()), "--dtype", "float32",
-         "--verifier", str(smollm2_repo / "models" / "verifier"), "--draft", str(smollm2_repo / "models" / "draft"),
-         "--prompts", str(smollm2_repo / "data" / "prepared" / VAL_PROMPTS_FILE), "--concurrency", "1", "4",
+         "--verifier", str(repo / "models" / "verifier"), "--draft", str(repo / "models" / "draft"),
+         "--prompts", str(repo / "data" / "prepared" / VAL_PROMPTS_FILE), "--concurrency", "1", "4",
          "--num-prompts", str(num_prompts), "--max-tokens", str(max_tokens), "--warmup-prompts", "1",
          "--server-timeout", "600", "--timeout", "600", "--out", str(out)],
         cwd=tmp_path, env=project_env(), capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     bench_result = json.loads((out / "bench.json").read_text())
     assert bench_result["complete"] and (out / "speedup.png").is_file()
-    reference = hf_reference(str(smollm2_repo), str(tmp_path_factory.mktemp("hf-reference")))
+    reference = shared_pipeline.figures("hf", first_set["name"])
     k = reference["num_speculative_tokens"]
     for row in bench_result["results"]:
         draft, plain = row["draft"], row["baseline"]

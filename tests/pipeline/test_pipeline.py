@@ -16,9 +16,15 @@ from datasets import load_from_disk
 from safetensors.torch import load_file, save_file
 
 from tests.fixtures.models import write_jsonl
-from tests.fixtures.pipeline import REPO, VENV_BIN, dvc, make_pipeline_repo, project_env
-
-STAGES = ("verifier", "prepare", "extract", "convert", "train", "evaluate")
+from tests.fixtures.pipeline import (
+    SHARED_PARAMS,
+    STAGES,
+    VENV_BIN,
+    SharedPipeline,
+    dvc,
+    make_pipeline_repo,
+    project_env,
+)
 
 
 def assert_all_skipped(output: str) -> None:
@@ -27,26 +33,13 @@ def assert_all_skipped(output: str) -> None:
         assert f"Stage '{stage}' didn't change, skipping" in output
 
 
-# HumanEval from the installed package, an MT-bench-format file (both turns asked) and a sampled set.
-MT_BENCH_SAMPLE = REPO / "tests" / "data" / "mt_bench_sample.jsonl"
-E2E_SETS = [
-    {"name": "humaneval", "source": "builtin:humaneval", "num_prompts": 2, "max_new_tokens": 8, "headline": True},
-    {"name": "mt", "source": str(MT_BENCH_SAMPLE), "num_prompts": 2, "max_new_tokens": 8, "headline": True},
-    {"name": "chat-t07", "source": "builtin:general", "num_prompts": 2, "max_new_tokens": 8, "temperature": 0.7},
-]
-
-
 @pytest.mark.slow
-def test_default_verifier_and_chitchat_through_dvc_repro(tmp_path: Path):
-    repo = make_pipeline_repo(tmp_path / "repo", {"prepare": {"max_conversations": 16, "max_len": 256},
-                                                  "extract": {"batch_tokens": 256},
-                                                  "train": {"steps": 4, "eval_every": 2, "total_seq_len": 512},
-                                                  "evaluate": {"sets": E2E_SETS, "timed_prompts": 2,
-                                                               "reference_prompts": 2}})
-
-    first = dvc(["repro", *STAGES], repo)
+def test_default_verifier_and_mix_through_dvc_repro(shared_pipeline: SharedPipeline):
+    """The shared pipeline's one `dvc repro`: every stage ran, and each output is what the stage promises."""
+    repo, first = shared_pipeline.repo, shared_pipeline.first_repro
     for stage in STAGES:
-        assert f"Running stage '{stage}'" in first.stdout
+        assert f"Running stage '{stage}'" in first
+    conversations = SHARED_PARAMS["prepare"]["max_conversations"]
 
     info = json.loads((repo / "models/verifier/verifier.json").read_text())
     assert info["kind"] == "builtin" and info["path"] == "."
@@ -59,34 +52,36 @@ def test_default_verifier_and_chitchat_through_dvc_repro(tmp_path: Path):
     assert (repo / "models/verifier/chat_template.jinja").is_file()
 
     metrics = json.loads((repo / "metrics/prepare.json").read_text())
-    assert metrics["kept"] == 16 and metrics["train_rows"] + metrics["val_rows"] == 16
+    assert metrics["kept"] == conversations and metrics["train_rows"] + metrics["val_rows"] == conversations
     dataset = load_from_disk(str(repo / "data/prepared"))
-    assert len(dataset) == 16 and max(int(n) for n in dataset["seq_len"]) <= 256
+    max_len = SHARED_PARAMS["prepare"]["max_len"]
+    assert len(dataset) == conversations and max(int(n) for n in dataset["seq_len"]) <= max_len
     assert metrics["loss_tokens"] == sum(int(m.sum()) for m in dataset["loss_mask"])
     # the defaults regenerate each kept conversation's first reply with the verifier itself
-    assert metrics["regenerated_turns"] == 16 and metrics["regenerate_tokens_per_s"] > 0
+    assert metrics["regenerated_turns"] == conversations and metrics["regenerate_tokens_per_s"] > 0
 
     extract = json.loads((repo / "metrics/extract.json").read_text())
-    assert extract["rows"] == 16 and extract["tokens"] == metrics["tokens"]
+    assert extract["rows"] == conversations and extract["tokens"] == metrics["tokens"]
     assert extract["bytes_per_token"] == pytest.approx(4 * 576 * 2 + 8, rel=0.01)  # bf16, 4 slots
     hs_dir = repo / "data/hidden_states"
     assert [p.name for p in hs_dir.iterdir()] == ["shard_0.safetensors"]  # the default packs 256 rows a shard
     assert extract["files"] == 1 and extract["rows_per_shard"] == 256
     data = json.loads((repo / "metrics/data.json").read_text())
-    assert data["samples"] == 16 and data["excluded"] == 0 and data["draft_vocab_size"] == 4096
-    assert data["vocab_coverage_train"] == 1.0  # 16 short chats have far fewer than 4096 distinct tokens
+    assert data["samples"] == conversations and data["excluded"] == 0 and data["draft_vocab_size"] == 4096
+    assert data["vocab_coverage_train"] == 1.0  # a few short chats have far fewer than 4096 distinct tokens
     assert 0.5 < data["vocab_coverage_val"] <= 1.0
     assert (repo / "data/vocab/d2t-4096.npy").is_file() and (repo / "data/vocab/t2d-4096.npy").is_file()
     train_details = json.loads((repo / "metrics/train_details.json").read_text())
     k = yaml.safe_load((repo / "params.yaml").read_text())["train"]["ttt_steps"]  # the draft's K
-    assert train_details["steps"] == 4 and len(train_details["val_acc"]) == k
+    assert train_details["steps"] == SHARED_PARAMS["train"]["steps"] and len(train_details["val_acc"]) == k
     draft = json.loads((repo / "models/draft/config.json").read_text())
     assert draft["speculators_config"]["verifier"]["name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert draft["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27] and draft["draft_vocab_size"] == 4096
     # the headline: per headline set, the serving back end's tau and speed-up with their intervals, n-gram's
     evaluation = json.loads((repo / "metrics/eval.json").read_text())
-    assert set(evaluation) == {"humaneval", "mt", "lossless"} and evaluation["lossless"] == 1.0
-    for name in ("humaneval", "mt"):
+    headline = [s["name"] for s in SHARED_PARAMS["evaluate"]["sets"] if s.get("headline")]
+    assert set(evaluation) == {*headline, "lossless"} and evaluation["lossless"] == 1.0
+    for name in headline:
         figures = evaluation[name]
         assert set(figures) == {"vllm_tau", "vllm_tau_ci95", "vllm_speedup", "vllm_speedup_ci95",
                                 "vllm_ngram_speedup", "vllm_ngram_speedup_ci95"}, figures
@@ -97,7 +92,7 @@ def test_default_verifier_and_chitchat_through_dvc_repro(tmp_path: Path):
     assert mt[1]["prompt_tokens"] > mt[0]["prompt_tokens"] + 8  # turn 2 follows the verifier's own answer
     humaneval = records["runs"]["hf"]["sets"]["humaneval"]["records"]
     assert [r["id"] for r in humaneval] == ["HumanEval/0", "HumanEval/1"]
-    details = json.loads((repo / "metrics/eval/details.json").read_text())
+    details = shared_pipeline.details()
     for backend in ("hf", "vllm"):
         summary = details["runs"][backend]["sets"]["mt"]["summary"]
         assert summary["lossless_fraction"] == 1.0 and len(summary["per_position_acceptance"]) == k
@@ -109,12 +104,15 @@ def test_default_verifier_and_chitchat_through_dvc_repro(tmp_path: Path):
     shown = json.loads(dvc(["metrics", "show", "--json"], repo).stdout)
     numbers = [v for files in shown[""]["data"].values() for v in _leaves(files["data"])]
     assert len(numbers) <= 25, numbers
+    assert_all_skipped(dvc(["repro"], repo).stdout)
 
-    second = dvc(["repro"], repo)
-    assert_all_skipped(second.stdout)
 
-    # kill -9 in the middle of extraction (rows are written one file each until their shard is packed), then
-    # `dvc repro` finishes the job bit-identically.
+@pytest.mark.slow
+def test_kill_9_in_extraction_then_dvc_repro_finishes_bit_identically(shared_pipeline: SharedPipeline, tmp_path: Path):
+    """kill -9 in the middle of extraction (rows are written one file each until their shard is packed), then
+    `dvc repro` finishes the job bit-identically."""
+    repo = shared_pipeline.copy(tmp_path / "repo")
+    hs_dir = repo / "data/hidden_states"
     reference = {p.name: p.read_bytes() for p in hs_dir.iterdir()}
     shutil.rmtree(hs_dir)
     process = subprocess.Popen([str(VENV_BIN / "dvc"), "repro", "extract"], cwd=repo, env=project_env(),
@@ -127,8 +125,9 @@ def test_default_verifier_and_chitchat_through_dvc_repro(tmp_path: Path):
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
     finished_before_kill = len(list(hs_dir.glob("hs_*.safetensors")))
-    assert 4 <= finished_before_kill < 16, finished_before_kill
-    resumed = dvc(["repro"], repo)
+    rows = SHARED_PARAMS["prepare"]["max_conversations"]
+    assert 4 <= finished_before_kill < rows, finished_before_kill
+    resumed = dvc(["repro", "extract"], repo)
     assert "Running stage 'extract'" in resumed.stdout
     assert {p.name: p.read_bytes() for p in hs_dir.iterdir()} == reference  # no temp file left either
     assert json.loads((repo / "metrics/extract.json").read_text())["rows_reused"] >= finished_before_kill

@@ -72,6 +72,10 @@ def doctor() -> int:
             print(f"device: cuda ({torch.cuda.device_count()} GPU: {names})")
         else:
             print(f"device: cpu ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)")
+        from eaglenest.core.host import host_kind
+
+        # What the figures a run measures here depend on (docs/defaults.md: the demo's time per host kind).
+        print(f"host kind: {host_kind().label}")
         problem = doctor_vllm()
         if problem:
             print(f"error: {problem}", file=sys.stderr)

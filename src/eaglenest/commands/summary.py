@@ -1,7 +1,8 @@
 """``eaglenest summary``: the headline figures as a short table, what ``make demo`` ends with.
 
 It reads the declared metrics (``metrics/eval.json``, ``metrics/train.json``) and, for the training estimate
-beside the decoded figure of the same split, ``metrics/eval/details.json``.
+beside the decoded figure of the same split and the host kind that measured the figures,
+``metrics/eval/details.json``.
 """
 
 from __future__ import annotations
@@ -58,4 +59,17 @@ def summary_lines(repo: Path) -> list[str]:
         decoded = f"; decoded tau of the same split ({backend}): {_interval(tau['value'], tau['ci95'])}"
     if "tau_sim" in train:
         lines.append(f"train: tau_sim {train['tau_sim']:.3f} (validation split, teacher-forced){decoded}")
+    lines.append(f"measured on: {host_line(details.get('host'))}")
     return lines
+
+
+def host_line(host: dict[str, Any] | None) -> str:
+    """The host kind a metrics file records, for people; where it records none, the files predate the record."""
+    if not host:
+        return "a host the metrics do not record (run dvc repro -f -s evaluate to record it)"
+    if host.get("gpu"):
+        return f"{host['gpu']}, {host.get('compute_dtype', '?')}"
+    native = "bf16 native" if host.get("bf16_native") else "no native bf16"
+    simulated = f", simulated {host['simulated']}" if host.get("simulated") else ""
+    return f"{host['cpu']}, {host['aten_capability']} ({native}{simulated}), computing in " \
+           f"{host.get('compute_dtype', '?')}"

@@ -26,7 +26,7 @@ from eaglenest.stages.evaluate.vllm import (
     top_candidates,
 )
 from tests.conftest import requires_vllm
-from tests.fixtures.pipeline import REPO, hf_reference, run_evaluate, run_train
+from tests.fixtures.pipeline import REPO, SharedPipeline, run_evaluate, run_train
 
 
 class Counter:
@@ -190,14 +190,14 @@ def _assert_consistent(metrics: dict) -> None:
 
 @pytest.mark.slow
 @requires_vllm
-def test_vllm_float32_matches_the_hf_reference(smollm2_repo: Path, tmp_path_factory: pytest.TempPathFactory):
-    reference = hf_reference(str(smollm2_repo), str(tmp_path_factory.mktemp("hf-reference")))
-    result, metrics = run_evaluate(smollm2_repo, tmp_path_factory.mktemp("vllm-fp32"), backend="vllm",
-                                   vllm={"dtype": "float32"})
-    assert result.returncode == 0, result.stderr
+def test_vllm_float32_matches_the_hf_reference(shared_pipeline: SharedPipeline):
+    """The shared pipeline's evaluate ran both back ends on the same prompts, vLLM in float32."""
+    reference = shared_pipeline.figures("hf", "val")
+    metrics = shared_pipeline.figures("vllm", "val")
     print("hf", {k: reference[k] for k in ("tau", "per_position_acceptance", "speedup")})
     print("vllm fp32", {k: metrics[k] for k in ("tau", "per_position_acceptance", "speedup", "ngram_speedup")})
     assert metrics["backend"] == "vllm" and metrics["dtype"] == "float32" and metrics["lossless_rule"] == "exact"
+    assert reference["num_prompts"] == metrics["num_prompts"]  # hf decoded every prompt vLLM did
     _assert_consistent(metrics)
     assert metrics["tau"] > 1.05  # drafts were actually accepted
     assert metrics["tau"] == pytest.approx(reference["tau"], rel=0.01)
@@ -211,21 +211,25 @@ def test_vllm_float32_matches_the_hf_reference(smollm2_repo: Path, tmp_path_fact
 @pytest.mark.slow
 @requires_vllm
 @pytest.mark.parametrize("algorithm", ["peagle", "dflash"])
-def test_vllm_decodes_every_algorithm_losslessly(smollm2_repo: Path, tmp_path: Path, algorithm: str):
+def test_vllm_decodes_every_algorithm_losslessly(shared_pipeline: SharedPipeline, tmp_path: Path, algorithm: str):
     """A P-EAGLE and a DFlash draft, trained by the stage on the same hidden states as the EAGLE-3 one: vLLM
     serves each (its method from the checkpoint), float32 output equals plain on every prompt, and the hf back
     end, whose reference decoder is EAGLE-3's, is left out with one log line."""
     # draft_arch stays 'auto': DFlash gets its Qwen3 layer from the algorithm alone.
-    draft = run_train(smollm2_repo, tmp_path / "train", algorithm=algorithm, steps=60, eval_every=60)
-    result, metrics = run_evaluate(smollm2_repo, tmp_path / "eval", draft=draft, backend=["hf", "vllm"],
-                                   vllm={"dtype": "float32"})
+    draft = run_train(shared_pipeline.repo, tmp_path / "train", algorithm=algorithm, steps=60, eval_every=60)
+    # No timed turns: what is checked is decoding, not speed (so no n-gram engine starts either).
+    result, metrics = run_evaluate(shared_pipeline.repo, tmp_path / "eval", draft=draft, backend=["hf", "vllm"],
+                                   vllm={"dtype": "float32"}, timed_prompts=0)
     assert result.returncode == 0, result.stderr
     assert f"the draft is {algorithm}: the hf back end's reference decoder decodes EAGLE-3 only" in result.stderr
     details = json.loads((tmp_path / "eval" / "eval" / "details.json").read_text())
     assert list(details["runs"]) == ["vllm"] and metrics["backend"] == "vllm"
     _assert_consistent(metrics)
     assert metrics["identical_fraction"] == metrics["lossless_fraction"] == 1.0
-    print(algorithm, {k: metrics[k] for k in ("tau", "per_position_acceptance", "speedup", "ngram_speedup")})
+    # no timed turns: no n-gram engine started (each engine start is logged)
+    assert "speedup" not in metrics and "vllm: starting the engine of the verifier with n-gram" not in result.stderr
+    assert "vllm: starting the engine of the verifier with the" in result.stderr
+    print(algorithm, {k: metrics[k] for k in ("tau", "per_position_acceptance")})
     acceptance = json.loads((tmp_path / "eval" / "eval" / "acceptance.json").read_text())
     assert {row["drafter"] for row in acceptance} >= {algorithm}
 
@@ -238,15 +242,15 @@ BF16_PROMPTS = REPO / "tests" / "data" / "bf16_near_tie_prompts.jsonl"
 
 @pytest.mark.slow
 @requires_vllm
-def test_vllm_bf16_passes_on_near_ties(smollm2_repo: Path, tmp_path: Path):
+def test_vllm_bf16_passes_on_near_ties(shared_pipeline: SharedPipeline, tmp_path: Path):
     # The near-tie prompts stand in for the held-out ones (short chat openers: a file set would be refused as
     # overlapping the training rows, which the val set is never checked against).
     prepared = tmp_path / "prepared"
-    shutil.copytree(smollm2_repo / "data" / "prepared", prepared)
+    shutil.copytree(shared_pipeline.repo / "data" / "prepared", prepared)
     shutil.copy(BF16_PROMPTS, prepared / VAL_PROMPTS_FILE)
-    result, metrics = run_evaluate(smollm2_repo, tmp_path / "run", prepared=prepared, backend="vllm",
-                                   vllm={"dtype": "bfloat16"}, num_prompts=16)
-    print({k: metrics.get(k) for k in ("tau", "identical_fraction", "lossless_fraction", "speedup")})
+    result, metrics = run_evaluate(shared_pipeline.repo, tmp_path / "run", prepared=prepared, backend="vllm",
+                                   vllm={"dtype": "bfloat16"}, num_prompts=16, timed_prompts=0)
+    print({k: metrics.get(k) for k in ("tau", "identical_fraction", "lossless_fraction")})
     assert result.returncode == 0, result.stderr
     assert metrics["dtype"] == "bfloat16" and metrics["lossless_rule"].startswith("near_tie")
     _assert_consistent(metrics)
@@ -289,13 +293,13 @@ runpy.run_path(stage, run_name="__main__")
 
 @pytest.mark.slow
 @requires_vllm
-def test_a_broken_acceptance_rule_fails_the_stage(smollm2_repo: Path, tmp_path: Path):
+def test_a_broken_acceptance_rule_fails_the_stage(shared_pipeline: SharedPipeline, tmp_path: Path):
     wrapper = tmp_path / "accept_all.py"
     wrapper.write_text(ACCEPT_ALL)
     # In-process engine core: the patched module is the one the engine runs.
     result, metrics = run_evaluate(
-        smollm2_repo, tmp_path / "run", wrapper=wrapper, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-        backend="vllm", vllm={"dtype": "bfloat16"}, num_prompts=4, max_new_tokens=24,
+        shared_pipeline.repo, tmp_path / "run", wrapper=wrapper, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+        backend="vllm", vllm={"dtype": "bfloat16"}, num_prompts=4, max_new_tokens=24, timed_prompts=0,
     )
     print(result.stderr[-2000:])
     assert result.returncode == 2

@@ -26,7 +26,7 @@ import yaml
 from eaglenest.artifacts.hidden_states import HIDDEN_KEY, TOKENS_KEY, row_index, shard_number, shard_path
 from eaglenest.stages.extract.vllm import WAVES_PER_CALL, staging_dir_for
 from tests.conftest import requires_vllm
-from tests.fixtures.pipeline import VENV_BIN, dvc, make_pipeline_repo, project_env, run, stored_row
+from tests.fixtures.pipeline import VENV_BIN, SharedPipeline, dvc, make_pipeline_repo, project_env, run, stored_row
 
 pytestmark = [pytest.mark.slow, requires_vllm]
 
@@ -74,11 +74,11 @@ def subset_prepared(source: Path, dest: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def repo(smollm2_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def repo(shared_pipeline: SharedPipeline, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A pipeline copy with the fixture's verifier and 8 prepared rows; the stages from extract on run here."""
     repo = make_pipeline_repo(tmp_path_factory.mktemp("vllm-extract") / "repo", PARAMS)
-    shutil.copytree(smollm2_repo / "models/verifier", repo / "models/verifier", copy_function=link_or_copy)
-    subset_prepared(smollm2_repo / "data/prepared", repo / "data/prepared")
+    shutil.copytree(shared_pipeline.repo / "models/verifier", repo / "models/verifier", copy_function=link_or_copy)
+    subset_prepared(shared_pipeline.repo / "data/prepared", repo / "data/prepared")
     return repo
 
 

@@ -21,7 +21,7 @@ from eaglenest.stages.prepare.regenerate import regenerate
 from eaglenest.stages.prepare.regenerate.hf import hf_reply_generator
 from tests.conftest import requires_vllm
 from tests.fixtures.models import write_jsonl
-from tests.fixtures.pipeline import project_env
+from tests.fixtures.pipeline import SharedPipeline, project_env
 
 CONVERSATIONS = [
     [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "I am fine"}],
@@ -252,12 +252,12 @@ def recorded_hf_replies(model, tokenizer, eos, conversations, params: PreparePar
 
 @pytest.mark.slow
 @requires_vllm
-def test_vllm_regeneration_equals_hf_token_for_token_in_float32(smollm2_repo: Path, tmp_path: Path):
+def test_vllm_regeneration_equals_hf_token_for_token_in_float32(shared_pipeline: SharedPipeline, tmp_path: Path):
     """At temperature 0 in float32 both back ends write the same replies, token for token, for the real
     SmolLM2 verifier on chitchat conversations."""
     from eaglenest.artifacts.verifier import load_tokenizer, load_verifier_info
 
-    verifier_dir = smollm2_repo / "models" / "verifier"
+    verifier_dir = shared_pipeline.repo / "models" / "verifier"
     params = PrepareParams(regenerate_backend="vllm", regenerate_vllm=VllmEngineParams(dtype="float32"),
                            regenerate_temperature=0.0,
                            regenerate_max_new_tokens=48, max_len=256, regenerate_batch_size=8)

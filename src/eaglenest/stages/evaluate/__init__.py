@@ -10,7 +10,8 @@ Outputs:
 * ``metrics/eval/records.json`` — one record per decoded turn, per back end and set
   (:mod:`eaglenest.artifacts.evaluation`): what the report pairs between revisions.
 * ``metrics/eval/details.json`` — every figure, per back end and set: tau and speed-up with their intervals,
-  acceptance per position, the n-gram baseline, tokens/s, lossless counts, tau per category.
+  acceptance per position, the n-gram baseline, tokens/s, lossless counts, tau per category; and the host kind
+  that measured them (:func:`eaglenest.core.host.host_record`, with the serving back end's compute dtype).
 * ``metrics/eval/acceptance.json`` — acceptance per position, draft against n-gram (dvc.yaml's plot).
 
 Definitions:
@@ -45,6 +46,7 @@ from eaglenest.artifacts.evaluation import DETAILS_FILE, RECORDS_FILE, headline,
 from eaglenest.artifacts.verifier import load_tokenizer
 from eaglenest.core.atomic import atomic_write_json
 from eaglenest.core.errors import EaglenestError
+from eaglenest.core.host import host_record
 from eaglenest.core.params import EvaluateParams, Params
 from eaglenest.core.registry import Registry
 from eaglenest.core.stage import Stage, path_arg
@@ -77,7 +79,8 @@ def write_eval_outputs(params: EvaluateParams, results: dict[str, dict[str, Any]
     ``algorithm`` (the draft's, ``train.algorithm``) names the draft's series in the plot table."""
     k = next(iter(results.values()))["num_speculative_tokens"]
     records = {"num_speculative_tokens": k, "runs": results}
-    details: dict[str, Any] = {"num_speculative_tokens": k, "headline_backend": params.headline_backend, "runs": {}}
+    details: dict[str, Any] = {"num_speculative_tokens": k, "headline_backend": params.headline_backend,
+                               "host": host_record(results[params.headline_backend]["dtype"]), "runs": {}}
     for backend, run in results.items():
         details["runs"][backend] = {"dtype": run["dtype"], "sets": {
             name: {key: value for key, value in entry.items() if key != "records"}

@@ -273,6 +273,7 @@ def evaluate_draft_vllm(job: EvaluationJob) -> dict[str, Any]:
     timed: dict[str, dict[str, list[tuple[Any, float]]]] = {}  # drafter -> set -> (output, seconds) per turn
 
     def start(kwargs: dict[str, Any], what: str) -> Any:
+        log.info("vllm: starting the engine of %s", what)
         llm = create_llm(kwargs, PARAM, what=what, in_process_on_cpu=True)
         _generate(llm, [warm_up], sampling(job.sets[0]))  # first forwards allocate, pick kernels
         return llm
@@ -317,13 +318,14 @@ def evaluate_draft_vllm(job: EvaluationJob) -> dict[str, Any]:
     done_batching("spec", spec_llm)
 
     ngram_speculative_config, window = ngram_config(params, k)
-    ngram_llm = start({**common, **speculative_engine_kwargs(ngram_speculative_config)},
-                      "the verifier with n-gram drafting")
-    for eval_set in job.sets:
-        # The other two engines have decoded the timed prompts already (their prefixes are cached): so has this.
-        if timed_prompts[eval_set.name]:
-            _generate(ngram_llm, timed_prompts[eval_set.name], sampling(eval_set))
-    done_batching("ngram", ngram_llm)
+    if any(timed_prompts.values()):  # n-gram drafting is the speed-up's baseline: without timed turns, nothing to do
+        ngram_llm = start({**common, **speculative_engine_kwargs(ngram_speculative_config)},
+                          "the verifier with n-gram drafting")
+        for eval_set in job.sets:
+            # The other two engines have decoded the timed prompts already (their prefixes are cached): so has this.
+            if timed_prompts[eval_set.name]:
+                _generate(ngram_llm, timed_prompts[eval_set.name], sampling(eval_set))
+        done_batching("ngram", ngram_llm)
 
     if interleaved:
         for drafter in held:
