@@ -74,4 +74,6 @@ def train_launch(rdzv_endpoint: str | None, rdzv_id: str | None, print_only: boo
     check_rendezvous_endpoint(launch.rdzv_endpoint)
     check_inputs(params.train, placed(params, TrainPaths(**stage_args)))
     run_launcher(launch, script, argv)
+    print("training finished; rank 0 wrote the draft, its metrics and curves: record them with `dvc commit train` "
+          "(scripts/cluster/train.sbatch does)")
     return 0

@@ -164,14 +164,6 @@ class Distributed:
         """Whether ``flag`` holds on every process."""
         return self.sum(0.0 if flag else 1.0) == 0.0
 
-    def broadcast(self, text: str) -> str:
-        """Rank 0's ``text`` on every process."""
-        if self.world_size == 1:
-            return text
-        message = [text]
-        torch.distributed.broadcast_object_list(message, src=0)
-        return message[0]
-
 
 def init_distributed(device: torch.device) -> tuple[Distributed, torch.device]:
     """Joins the torchrun job if there is one (gloo on CPU, NCCL on GPU)."""
