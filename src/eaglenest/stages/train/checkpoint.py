@@ -8,8 +8,8 @@ an ordinary output). The fingerprint covers the train params and the content of 
 learning rate never resumes a stale run; it leaves out how many processes share the global batch, which changes
 nothing trained.
 
-No generator state is saved: :func:`seed_torch` seeds each step from the run's seed, the step and the process,
-so a resumed run draws what the uninterrupted one drew on every process.
+No generator state is saved: :func:`seed_torch` seeds each sequence of a step from the run's seed, the step and
+the sequence's place in the global batch, so a resumed run draws what the uninterrupted one drew.
 """
 
 from __future__ import annotations
@@ -63,9 +63,10 @@ def seed_torch(seed: int, *labels: object) -> None:
     """Seeds torch's generators (CPU and every GPU) from ``train.seed`` and ``labels`` alone.
 
     P-EAGLE and DFlash sample positions at random (``torch.randperm`` over a batch's valid tokens), so a
-    process's generator advances by what its own rows hold. Seeding each step from (seed, "train", step, rank)
-    gives the processes of a DDP run streams of their own, and a resumed run the draws of the uninterrupted one
-    on every rank, whatever rank 0's state was when it saved the checkpoint.
+    process's generator advances by what its own rows hold. Seeding each sequence of a step from (seed, "train",
+    step, its place in the global batch) gives every sequence a stream of its own, the same whichever process
+    trains it, and a resumed run the draws of the uninterrupted one, whatever the state of any generator was when
+    rank 0 saved the checkpoint and however many processes share the global batch after it.
     """
     digest = hashlib.sha256(":".join(str(part) for part in (seed, *labels)).encode()).digest()
     torch.manual_seed(int.from_bytes(digest[:8], "little"))
@@ -83,7 +84,9 @@ def resume(checkpoint_path: Path, model: Any, optimizer: Any, scheduler: Any) ->
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    return int(state["step"]), [(int(step), str(name), float(value)) for step, name, value in state["curves"]]
+    # A checkpoint from before curves were kept resumes with the curves from its step on.
+    curves = state.get("curves", [])
+    return int(state["step"]), [(int(step), str(name), float(value)) for step, name, value in curves]
 
 
 def save_checkpoint(path: Path, model: Any, optimizer: Any, scheduler: Any, step: int, curves: Logged) -> None:

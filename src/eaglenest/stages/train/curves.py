@@ -2,8 +2,8 @@
 
 A resumed run (a rerun after a kill, or a restart by torchrun's launcher) starts a fresh dvclive folder and logs
 the values its checkpoint kept, in their order, before it goes on; so dvclive/train needs no ``persist`` in
-dvc.yaml (which would cost the stage DVC's run-cache), and a resumed run's curves are an uninterrupted run's.
-Only ``train/tokens_per_s``, a measured speed, differs between two runs.
+dvc.yaml (DVC refuses its run-cache to a stage with a persist output), and a resumed run's curves are an
+uninterrupted run's. Only ``train/tokens_per_s``, a measured speed, differs between two runs.
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ from eaglenest.core.params import TorchrunParams, check_endpoint
 
 log = logging.getLogger(__name__)
 
-# With gloo on CPU a restarted worker group can hang on the rendezvous' TCP store when the workers share it with
-# the launcher (measured here with 2 processes); a store of the workers' own avoids that.
+# With gloo on CPU a restarted worker group was seen to hang on the rendezvous' TCP store when the workers shared
+# it with the launcher (2 processes on this project's 2-core machines); a store of the workers' own avoided it.
 LAUNCHER_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 # One machine: the rendezvous on a port the operating system picks, the workers' traffic on loopback.
 LOCAL_ENDPOINT = "127.0.0.1:0"
