@@ -26,7 +26,7 @@ from eaglenest.core.atomic import TMP_MARKER, atomic_write_bytes
 from eaglenest.core.errors import EaglenestError, InputFileError, ParamsError
 from eaglenest.core.params import Params, parse_params
 from tests.fixtures.models import write_jsonl
-from tests.fixtures.pipeline import VENV_BIN, dvc, make_pipeline_repo, project_env
+from tests.fixtures.pipeline import VENV_BIN, dvc, make_pipeline_repo, project_env, read_curves
 
 # ---------------------------------------------------------------------------------------------- network
 
@@ -281,7 +281,8 @@ def kill_during(repo: Path, stage: str, ready, rng: random.Random) -> bool:
 
     Returns False when the stage finished before the kill landed (nothing was interrupted).
     """
-    process = subprocess.Popen([str(VENV_BIN / "dvc"), "repro", stage], cwd=repo, env=project_env(),
+    # --no-run-cache: the stage must run, never be restored from an earlier run of the same inputs
+    process = subprocess.Popen([str(VENV_BIN / "dvc"), "repro", "--no-run-cache", stage], cwd=repo, env=project_env(),
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and process.poll() is None and not ready():
@@ -336,6 +337,7 @@ def test_kill_9_during_extract_and_train_five_times_each(tmp_path: Path, tiny_ve
     reference_hs = {p.name: p.read_bytes() for p in hs_dir.iterdir()}
     assert len(reference_hs) > 4 and all(name.startswith("shard_") for name in reference_hs)
     reference_draft = load_file(draft / "model.safetensors")
+    reference_curves = read_curves(repo / "dvclive/train")
     rng = random.Random(1234)
 
     import shutil
@@ -365,12 +367,14 @@ def test_kill_9_during_extract_and_train_five_times_each(tmp_path: Path, tiny_ve
         shutil.rmtree(draft, ignore_errors=True)
 
     kill_five_times(repo, "train", newer_checkpoint, retrain, rng)
-    final = dvc(["repro"], repo)
+    final = dvc(["repro", "--no-run-cache"], repo)
     assert "Running stage 'train'" in final.stdout
     resumed = json.loads((repo / "metrics/train_details.json").read_text())
     assert resumed["resumed_from_step"] > 0
     weights = load_file(draft / "model.safetensors")
     for name, tensor in reference_draft.items():
         torch.testing.assert_close(weights[name], tensor, rtol=1e-4, atol=1e-5)
+    # DVC deleted dvclive/train before each run; the resumed run wrote back what its checkpoint kept
+    assert read_curves(repo / "dvclive/train") == reference_curves
     assert no_temporaries(hs_dir, draft, repo / "data", repo / "models")
     assert not any(checkpoints.rglob("checkpoint.pt"))  # removed once the draft was written

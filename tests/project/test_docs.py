@@ -27,7 +27,8 @@ DOCS = REPO / "docs"
 # Shell commands in README.md and docs/ that need a GPU, several nodes, a running server or minutes of a pipeline,
 # so are not run or parsed here: each says what stands in for the check. Every entry must still appear (tested).
 UNCHECKED = {
-    "torchrun": "a multi-node launch; tests/stages/extract/test_multinode.py runs two such nodes on this machine",
+    "sbatch": "submits to Slurm; tests/stages/train/test_elastic.py runs the script with stand-ins for srun and "
+    "scontrol and checks it runs the line `eaglenest train-launch --print` prints on every node",
     "python stages/extract.py": "one part on a node; tests/stages/extract/test_multinode.py runs two at once",
     "python -m vllm.entrypoints.openai.api_server": "starts vLLM's server; `eaglenest serve --print-command` "
     "prints it and tests/commands/test_serve.py checks the line",

@@ -123,6 +123,12 @@ def _bench(args: argparse.Namespace) -> int:
         serve=serve))
 
 
+def _train_launch(args: argparse.Namespace) -> int:
+    from eaglenest.commands.train_launch import train_launch
+
+    return train_launch(args.rdzv_endpoint, args.rdzv_id, args.print)
+
+
 def _init(args: argparse.Namespace) -> int:
     from eaglenest.commands.init import Gpus, init_params
 
@@ -314,7 +320,25 @@ def build_parser() -> argparse.ArgumentParser:
     bencher.add_argument("--out", default=str(DEFAULT_OUT), metavar="DIR",
                          help=f"bench.json, speedup.png and vLLM's raw results (default: {DEFAULT_OUT})")
     bencher.set_defaults(func=_bench)
+
+    launcher = add_command(
+        "train-launch", help="this node's part of a multi-node training run: torchrun's elastic launcher on the "
+        "train stage, built from params.yaml (train.nproc, cluster.torchrun) and dvc.yaml",
+        description="This node's part of a multi-node training run: torchrun's elastic launcher (c10d rendezvous, "
+        "restarts from the last checkpoint) on the train stage, with the stage's script and paths from dvc.yaml "
+        "and the node bounds, processes per node and restarts from cluster.torchrun. Run it on every node, in the "
+        "checkout's root (scripts/cluster/train.sbatch does, under Slurm); then `dvc commit train` records the "
+        "outputs. --print shows the line instead of running it.",
+    )
+    launcher.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                          help="the rendezvous, on the first node (default: cluster.torchrun.rdzv_endpoint)")
+    launcher.add_argument("--rdzv-id", default=None, metavar="ID",
+                          help="the job's rendezvous id, the same on every node (default: cluster.torchrun.rdzv_id)")
+    launcher.add_argument("--print", action="store_true",
+                          help="print the exact line (environment, torchrun and its flags, the stage) and exit")
+    launcher.set_defaults(func=_train_launch)
     return parser
+
 
 
 # The import formats, as commands/importer.py registers them (tests hold the two equal); named here so that

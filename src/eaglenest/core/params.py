@@ -9,6 +9,7 @@ given and what is allowed.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
@@ -540,7 +541,11 @@ class TrainParams(StrictModel):
     )
     nproc: int = Field(
         default=1, ge=1,
-        description="Processes for DDP (gloo on CPU, NCCL on GPU); the stage starts torchrun itself when > 1.",
+        description="The global batch: packed sequences of total_seq_len per optimizer step, trained data-parallel "
+        "(DDP: gloo on CPU, NCCL on GPU). On one machine the stage starts this many processes under torchrun's "
+        "elastic launcher when > 1 (cluster.torchrun); on several nodes (eaglenest train-launch) every world size "
+        "that divides it trains the same steps, each process accumulating nproc / world size sequences, so a lost "
+        "node changes nothing trained.",
     )
     norm_before_residual: bool = Field(default=True, description="Written explicitly into the draft config.")
     norm_before_fc: bool = Field(
@@ -766,8 +771,142 @@ class EvaluateParams(StrictModel):
         return "vllm" if "vllm" in self.backend else "hf"
 
 
+RDZV_ENDPOINT_PATTERN = re.compile(r"^[A-Za-z0-9._-]+:([0-9]{1,5})$")
+
+
+def check_endpoint(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` as (host, port); raises ValueError saying what is allowed."""
+    match = RDZV_ENDPOINT_PATTERN.match(value)
+    if not match or not 1 <= int(match.group(1)) <= 65535:
+        raise ValueError("must be HOST:PORT: a host name or IPv4 address, and a port in 1..65535")
+    host, _, port = value.rpartition(":")
+    return host, int(port)
+
+
+class TorchrunParams(StrictModel):
+    """``cluster.torchrun:`` — how the train stage's processes are launched: torchrun's elastic launcher (c10d
+    rendezvous, restarts from the last checkpoint), on this machine for ``train.nproc`` > 1 and on every node
+    under ``eaglenest train-launch``.
+
+    None of it changes what is trained: ``train.nproc`` is the global batch, and every world size these bounds
+    allow divides it, each process accumulating ``train.nproc / world size`` sequences per step.
+    """
+
+    max_restarts: int = Field(
+        default=3, ge=0,
+        description="Times the launcher restarts every training process after one dies (a killed process, a lost "
+        "node); each restart resumes from the last checkpoint rank 0 wrote (train.checkpoint_every). 0: the first "
+        "failure ends the run, and a rerun of the stage resumes.",
+    )
+    min_nodes: int = Field(
+        default=1, ge=1,
+        description="eaglenest train-launch: the fewest nodes training runs on; after a node is lost the others go "
+        "on while at least this many remain (torchrun --nnodes=MIN:MAX).",
+    )
+    max_nodes: int | None = Field(
+        default=None, ge=1,
+        description="eaglenest train-launch: the most nodes that join; null = min_nodes (a fixed number of nodes).",
+    )
+    nproc_per_node: int | None = Field(
+        default=None, ge=1,
+        description="eaglenest train-launch: training processes per node (one per GPU); null = train.nproc / "
+        "max_nodes. Every world size from min_nodes to max_nodes times this must divide train.nproc.",
+    )
+    rdzv_endpoint: str | None = Field(
+        default=None,
+        description="eaglenest train-launch: HOST:PORT of the c10d rendezvous, on the first node (its launcher hosts "
+        "it); null: give --rdzv-endpoint (scripts/cluster/train.sbatch passes the allocation's first node). A "
+        "training run on one machine always uses a free port on 127.0.0.1.",
+    )
+    rdzv_id: str = Field(
+        default="eaglenest-train", pattern=r"^[A-Za-z0-9._-]+$",
+        description="eaglenest train-launch: the job's rendezvous id, the same on every node (letters, digits, '.', "
+        "'_', '-'); --rdzv-id overrides it (scripts/cluster/train.sbatch passes the Slurm job's id).",
+    )
+    checkpoint_dir: str | None = Field(
+        default=None, min_length=1,
+        description="The folder of the train stage's resumable checkpoints (<folder>/<run fingerprint>/"
+        "checkpoint.pt, written by rank 0, read by every process on a restart); null: .eaglenest/train-checkpoints "
+        "in the checkout. On several nodes it must be storage every node mounts at this path (the checkout, when "
+        "it is on a shared filesystem, or a shared scratch folder): the stage refuses one that a process cannot see.",
+    )
+
+    @field_validator("rdzv_endpoint")
+    @classmethod
+    def _host_and_port(cls, value: str | None) -> str | None:
+        if value is not None:
+            check_endpoint(value)
+        return value
+
+    @staticmethod
+    def consistency_problems(values: dict[str, Any]) -> list[str]:
+        """Bad combinations of otherwise valid values, one line each (values of a wrong type are skipped)."""
+        low, high = values.get("min_nodes"), values.get("max_nodes")
+        if isinstance(low, int) and isinstance(high, int) and high < low:
+            return [f"cluster.torchrun.max_nodes = {high} < cluster.torchrun.min_nodes = {low}: the most nodes cannot "
+                    "be fewer than the fewest"]
+        return []
+
+    def plan(self, nproc: int) -> tuple[int, int, int | None]:
+        """(fewest nodes, most nodes, processes per node) for the global batch ``nproc``; see :func:`node_plan`."""
+        return node_plan(nproc, self.min_nodes, self.max_nodes, self.nproc_per_node)
+
+
+def node_plan(nproc: int, min_nodes: int, max_nodes: int | None, nproc_per_node: int | None
+              ) -> tuple[int, int, int | None]:
+    """(fewest nodes, most nodes, processes per node) of ``cluster.torchrun`` for the global batch ``nproc``: the
+    most is the fewest when null, and processes per node default to ``nproc`` over the most nodes (None where that
+    is not a whole number)."""
+    most = max_nodes or min_nodes
+    if nproc_per_node is None and nproc % most == 0:
+        nproc_per_node = nproc // most
+    return min_nodes, most, nproc_per_node
+
+
+class ClusterParams(StrictModel):
+    """``cluster:`` — where and how the stages run. No stage depends on it (dvc.yaml lists no cluster key), so a
+    change here re-runs nothing."""
+
+    torchrun: TorchrunParams = Field(
+        default_factory=TorchrunParams,
+        description="The train stage's launcher: torchrun's elastic launcher, its restarts, node bounds, rendezvous "
+        "and where checkpoints live (docs/scale-out.md).",
+    )
+
+    @staticmethod
+    def consistency_problems(values: dict[str, Any]) -> list[str]:
+        """The nested launcher's own combinations, also where another key of the file is bad."""
+        torchrun = values.get("torchrun")
+        if isinstance(torchrun, TorchrunParams):
+            torchrun = torchrun.model_dump()
+        return TorchrunParams.consistency_problems(torchrun) if isinstance(torchrun, dict) else []
+
+
+def world_size_problems(nproc: Any, torchrun: dict[str, Any]) -> list[str]:
+    """Node bounds under which some world size would not divide ``train.nproc`` (the global batch), one line.
+
+    ``torchrun`` holds ``cluster.torchrun``'s values (defaults where missing); values of a wrong type are skipped.
+    """
+    values = {name: torchrun.get(name, TorchrunParams.model_fields[name].default)
+              for name in ("min_nodes", "max_nodes", "nproc_per_node")}
+    if not all(isinstance(value, int) and value >= 1 for value in (nproc, values["min_nodes"])) or not all(
+            value is None or isinstance(value, int) and value >= 1 for value in values.values()):
+        return []
+    low, high, per_node = node_plan(nproc, **values)
+    if per_node is None:
+        return [f"cluster.torchrun.nproc_per_node: null means train.nproc / cluster.torchrun.max_nodes = {nproc} / "
+                f"{high}, not a whole number; set cluster.torchrun.nproc_per_node"]
+    bad = [nodes for nodes in range(low, high + 1) if nproc % (nodes * per_node)]
+    if bad:
+        return [f"train.nproc = {nproc} (the global batch, in packed sequences) is not a multiple of the world size "
+                f"{bad[0] * per_node} ({bad[0]} node(s) x {per_node} processes per node) that cluster.torchrun's node "
+                f"bounds {low}..{high} allow; every world size must divide it: change the bounds, "
+                "cluster.torchrun.nproc_per_node or train.nproc"]
+    return []
+
+
 class Params(StrictModel):
-    """The whole params.yaml: one section per stage."""
+    """The whole params.yaml: one section per stage, and ``cluster`` (how they run)."""
 
     verifier: VerifierParams = Field(default_factory=VerifierParams, description="The verifier stage.")
     prepare: PrepareParams = Field(default_factory=PrepareParams, description="The prepare stage.")
@@ -775,6 +914,19 @@ class Params(StrictModel):
     convert: ConvertParams = Field(default_factory=ConvertParams, description="The convert stage.")
     train: TrainParams = Field(default_factory=TrainParams, description="The train stage.")
     evaluate: EvaluateParams = Field(default_factory=EvaluateParams, description="The evaluate stage.")
+    cluster: ClusterParams = Field(
+        default_factory=ClusterParams,
+        description="Where and how the stages run (no stage's params dependency: a change re-runs nothing).",
+    )
+
+    @staticmethod
+    def consistency_problems(values: dict[str, Any]) -> list[str]:
+        """Combinations across sections: the launcher's world sizes against the global batch."""
+        train, cluster = values.get("train") or {}, values.get("cluster") or {}
+        if not (isinstance(train, dict) and isinstance(cluster, dict)):
+            return []  # a section that is not a mapping: its own error says so
+        torchrun = cluster.get("torchrun") or {}
+        return world_size_problems(train.get("nproc", 1), torchrun) if isinstance(torchrun, dict) else []
 
 
 def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str] | None:
@@ -811,7 +963,7 @@ def _cross_field_problems(raw: dict[str, Any]) -> list[str]:
         if check is not None and isinstance(values, dict):
             defaults = {name: f.get_default(call_default_factory=True) for name, f in model.model_fields.items()}
             problems += check({**defaults, **values})
-    return problems
+    return problems + Params.consistency_problems(raw)
 
 
 def format_validation_error(err: ValidationError, source: str, model: type[BaseModel] = Params,

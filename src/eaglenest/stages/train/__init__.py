@@ -6,12 +6,19 @@ live beside it: :mod:`~eaglenest.stages.train.data` (speculators' data set and c
 deterministic order), :mod:`~eaglenest.stages.train.model` (the draft, and how it runs on this device),
 :mod:`~eaglenest.stages.train.validation` (in-training validation: loss, accuracy, tau_sim),
 :mod:`~eaglenest.stages.train.loop` (one optimizer step), :mod:`~eaglenest.stages.train.checkpoint` (resume
-after a kill) and :mod:`~eaglenest.stages.train.distributed` (several processes under torchrun). The stage runs in
+after a kill), :mod:`~eaglenest.stages.train.curves` (dvclive, rewritten on resume) and
+:mod:`~eaglenest.stages.train.distributed` (several processes under torchrun's elastic launcher). The stage runs in
 three phases: :func:`setup_training`, :func:`fit` and :func:`finish_training`.
+
+Each optimizer step trains on the global batch, ``train.nproc`` packed sequences drawn from one stream over all the
+training rows; process r of W takes sequences r, r + W, ... and accumulates their gradients, DDP averages over
+processes. So the steps are the same arithmetic whatever W divides ``train.nproc``, and a run that lost a node
+resumes on the others.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -26,7 +33,7 @@ from typing import Any
 import torch
 
 from eaglenest.artifacts.draft import save_draft
-from eaglenest.artifacts.prepared import load_split
+from eaglenest.artifacts.prepared import load_split, load_table
 from eaglenest.artifacts.verifier import VerifierInfo, load_verifier_info
 from eaglenest.artifacts.vocab import load_vocab
 from eaglenest.core.atomic import atomic_write_json
@@ -38,15 +45,16 @@ from eaglenest.core.stage import Stage, path_arg
 from eaglenest.stages.train.checkpoint import (
     CHECKPOINT_FILE,
     CHECKPOINT_ROOT,
+    check_shared,
     resume,
     run_fingerprint,
     save_checkpoint,
     seed_torch,
-    trim_live_history,
 )
-from eaglenest.stages.train.data import PackedBatches, TrainingData, load_training_data, pack_batches
-from eaglenest.stages.train.distributed import Distributed, init_distributed, relaunch_with_torchrun
-from eaglenest.stages.train.loop import Optimization, build_optimization, train_step
+from eaglenest.stages.train.curves import Curves
+from eaglenest.stages.train.data import PackedBatches, TrainingData, checked_rows, load_training_data, pack_batches
+from eaglenest.stages.train.distributed import Distributed, init_distributed, local_launch, run_launcher
+from eaglenest.stages.train.loop import Optimization, backward, build_optimization, optimizer_step
 from eaglenest.stages.train.model import Runtime, build_draft, draft_runtime
 from eaglenest.stages.train.validation import validate_draft
 
@@ -84,8 +92,9 @@ class TrainSession:
         checkpoint_path: Where this run's resumable checkpoint lives.
         start_step: The step this run continues from (0: a fresh start).
         val_batches: The validation rows, packed.
-        train_batches: This process's training batches from ``start_step`` on.
-        live: dvclive's logger on the main process, else None.
+        train_batches: The global batches' sequences from ``start_step`` on, ``params.nproc`` a step (the same
+            stream on every process).
+        curves: The curves (dvclive) on the main process, else None.
     """
 
     params: TrainParams
@@ -101,7 +110,7 @@ class TrainSession:
     start_step: int
     val_batches: list[list[int]]
     train_batches: Iterator[list[int]]
-    live: Any
+    curves: Curves | None
 
 
 @dataclass
@@ -125,11 +134,12 @@ class FitResult:
 
 def setup_training(params: TrainParams, paths: TrainPaths) -> TrainSession:
     """Phase 1: data, draft, optimizer and the resumed state, on every process."""
-    from dvclive import Live
-
     verifier, model_dir = load_verifier_info(paths.verifier)
     vocab, d2t, t2d = load_vocab(paths.vocab)
     dist, device = init_distributed(pick_device(params.device, "train.device"))
+    if params.nproc % dist.world_size:
+        raise EaglenestError(f"train.nproc = {params.nproc} (the global batch) is not a multiple of the "
+                             f"{dist.world_size} training processes; launch a number of them that divides it")
     runtime = draft_runtime(params, device)
     data = load_training_data(params, verifier, paths.prepared, paths.hidden_states, paths.vocab, runtime.hs_dtype,
                               model_dir=model_dir, device=device)
@@ -140,42 +150,40 @@ def setup_training(params: TrainParams, paths: TrainPaths) -> TrainSession:
 
     fingerprint = run_fingerprint(params, verifier, paths.prepared, paths.vocab, paths.hidden_states)
     checkpoint_path = paths.checkpoints / fingerprint / CHECKPOINT_FILE
-    start_step = resume(checkpoint_path, model, optimization.optimizer, optimization.scheduler)
-    if dist.is_main:
-        if start_step:
-            log.info("resuming run %s from step %d (%s)", fingerprint, start_step, checkpoint_path)
-            trim_live_history(paths.live_dir, start_step)
-        elif paths.live_dir.exists():
-            shutil.rmtree(paths.live_dir)
+    check_shared(checkpoint_path.parent, dist)
+    start_step, logged = resume(checkpoint_path, model, optimization.optimizer, optimization.scheduler)
+    if dist.restarts and dist.is_main:
+        log.info("restart %d by torchrun's launcher, after a training process was lost", dist.restarts)
+    if start_step and dist.is_main:
+        log.info("resuming run %s from step %d (%s)", fingerprint, start_step, checkpoint_path)
+    curves = Curves(paths.live_dir, logged) if dist.is_main else None
     dist.barrier()
-    # Each process packs its own share of the rows; the global batch is world_size packed sequences.
     rows, lengths = data.rows, data.lengths
     val_batches = pack_batches(rows["val"], lengths, params.total_seq_len, params.seed, epoch=0)
-    my_rows = rows["train"][dist.rank :: dist.world_size]
-    train_batches = PackedBatches(my_rows, lengths, params.total_seq_len, params.seed).from_step(start_step)
+    train_batches = PackedBatches(rows["train"], lengths, params.total_seq_len, params.seed).from_step(
+        start_step * params.nproc)
     network = (torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda"
                                                          else None) if dist.world_size > 1 else model)
-    # dvclive step s holds what was measured after s optimizer steps (step 0: the untrained draft).
-    live = (Live(dir=str(paths.live_dir), dvcyaml=False, save_dvc_exp=False, resume=start_step > 0, report=None)
-            if dist.is_main else None)
     return TrainSession(params, paths, verifier, dist, runtime, data, model, network, optimization, checkpoint_path,
-                        start_step, val_batches, train_batches, live)
+                        start_step, val_batches, train_batches, curves)
 
 
 def _validate(session: TrainSession, step: int) -> dict[str, Any]:
     """Rank 0 validates on the unwrapped model (no collectives); the others wait."""
     result: dict[str, Any] = {}
-    if session.live is not None:
+    if session.curves is not None:
         seed_torch(session.params.seed, "val", step)  # P-EAGLE and DFlash sample their validation positions too
         result = validate_draft(session.model, session.data, session.val_batches, session.runtime)
-        _log_validation(session.live, step, result)
+        _log_validation(session.curves, step, result)
     session.dist.barrier()
     return result
 
 
 def fit(session: TrainSession) -> FitResult:
     """Phase 2: the training steps from ``session.start_step``, with validation and checkpoints on schedule."""
-    params, dist, live, device = session.params, session.dist, session.live, session.runtime.device
+    params, dist, curves, device = session.params, session.dist, session.curves, session.runtime.device
+    # This process's sequences of each global batch: r, r + W, ...; each counts 1 / share of its gradient.
+    mine = range(dist.rank, params.nproc, dist.world_size)
     if session.start_step == 0:  # the curves start at the untrained draft, so progress shows
         _validate(session, 0)
     started = time.perf_counter()
@@ -184,32 +192,37 @@ def fit(session: TrainSession) -> FitResult:
     meter = progress(params.steps, "train", "step", initial=session.start_step, disable=not dist.is_main)
     for step in range(session.start_step, params.steps):
         step_started = time.perf_counter()
-        seed_torch(params.seed, "train", step, dist.rank)
-        batch_rows = next(session.train_batches)
-        batch = session.data.batch(batch_rows, device, training=True)
-        loss = train_step(session.network, batch, session.runtime, session.optimization, params)
+        sequences = [next(session.train_batches) for _ in range(params.nproc)]  # the global batch
+        losses, my_tokens = [], 0
+        for i, index in enumerate(mine):
+            # Seeded by the sequence's place in the global batch, not the process: the same draws for any W.
+            seed_torch(params.seed, "train", step, index)
+            batch = session.data.batch(sequences[index], device, training=True)
+            losses.append(backward(session.network, batch, session.runtime, params, share=len(mine),
+                                   sync=i == len(mine) - 1))
+            my_tokens += sum(session.data.lengths[r] for r in sequences[index])
+        optimizer_step(session.optimization, params)
         done = step + 1
         result.step_seconds += time.perf_counter() - step_started
-        tokens = dist.sum(sum(session.data.lengths[r] for r in batch_rows))
+        tokens = dist.sum(my_tokens)
         result.trained_tokens += tokens
-        result.train_loss = dist.mean(loss)
+        result.train_loss = dist.mean(sum(losses) / len(losses))
         if not math.isfinite(result.train_loss):
             raise EaglenestError(
                 f"training loss became {result.train_loss} at step {done}; lower train.lr ({params.lr})")
-        if live is not None:
-            live.step = done
-            live.log_metric("train/loss", result.train_loss)
-            live.log_metric("train/lr", session.optimization.scheduler.get_last_lr()[0])
-            live.log_metric("train/tokens_per_s", tokens / (time.perf_counter() - step_started))
+        if curves is not None:
+            curves.log(done, "train/loss", result.train_loss)
+            curves.log(done, "train/lr", session.optimization.scheduler.get_last_lr()[0])
+            curves.log(done, "train/tokens_per_s", tokens / (time.perf_counter() - step_started))
         meter.update(1)
         meter.set_postfix(loss=f"{result.train_loss:.3f}", tok_s=f"{result.trained_tokens / result.step_seconds:.0f}",
                           refresh=False)
         if done % params.eval_every == 0 or done == params.steps:
             result.validation = _validate(session, done)
         if done % params.checkpoint_every == 0 and done < params.steps:
-            if dist.is_main:
+            if curves is not None:
                 save_checkpoint(session.checkpoint_path, session.model, session.optimization.optimizer,
-                                session.optimization.scheduler, done)
+                                session.optimization.scheduler, done, curves.logged)
             dist.barrier()
     meter.close()
     result.seconds = time.perf_counter() - started
@@ -220,8 +233,8 @@ def finish_training(session: TrainSession, result: FitResult) -> dict[str, Any]:
     """Phase 3: the main process saves the draft and the metrics and drops the finished run's checkpoint."""
     params, paths, data, dist = session.params, session.paths, session.data, session.dist
     metrics: dict[str, Any] = {}
-    if session.live is not None:
-        session.live.end()
+    if session.curves is not None:
+        session.curves.end()
         save_draft(session.model, paths.out, params.verifier_name or session.verifier.name)
         validation = result.validation
         metrics = {
@@ -243,6 +256,7 @@ def finish_training(session: TrainSession, result: FitResult) -> dict[str, Any]:
             "algorithm": params.algorithm,
             "loss_tokens": params.loss_tokens,
             "processes": dist.world_size,
+            "launcher_restarts": dist.restarts,
             "hidden_states": "online" if data.online is not None else "files",
             "train_rows": len(data.rows["train"]),
             "val_rows": len(data.rows["val"]),
@@ -272,26 +286,38 @@ def train_draft(params: TrainParams, paths: TrainPaths) -> dict[str, Any]:
     return finish_training(session, fit(session))
 
 
-def _log_validation(live: Any, step: int, result: dict[str, Any]) -> None:
+def _log_validation(curves: Curves, step: int, result: dict[str, Any]) -> None:
     """One validation's figures as dvclive metrics at ``step`` (and one log line)."""
-    live.step = step
-    live.log_metric("val/loss", result["val_loss"])
+    curves.log(step, "val/loss", result["val_loss"])
     for i, full in enumerate(result["val_acc"]):
-        live.log_metric(f"val/acc_{i}", full)
+        curves.log(step, f"val/acc_{i}", full)
     for i, cond in enumerate(result["val_cond_acc"]):  # eagle3 only
-        live.log_metric(f"val/cond_acc_{i}", cond)
-    live.log_metric("val/tau_sim", result["tau_sim"])
+        curves.log(step, f"val/cond_acc_{i}", cond)
+    curves.log(step, "val/tau_sim", result["tau_sim"])
     log.info("step %d: val loss %.4f, acc %s, tau_sim %.3f", step, result["val_loss"],
              [round(a, 3) for a in result["val_acc"]], result["tau_sim"])
 
 
+def check_inputs(params: TrainParams, paths: TrainPaths) -> None:
+    """What the training processes would each refuse, checked once before they start: the verifier record and
+    the rows against ``train.total_seq_len``."""
+    load_verifier_info(paths.verifier)
+    checked_rows(params, paths.vocab, load_table(paths.prepared).column("seq_len").to_pylist())
+
+
+def placed(params: Params, paths: TrainPaths) -> TrainPaths:
+    """``paths`` with the checkpoints where ``cluster.torchrun.checkpoint_dir`` puts them."""
+    folder = params.cluster.torchrun.checkpoint_dir
+    return dataclasses.replace(paths, checkpoints=Path(folder)) if folder else paths
+
+
 def run(params: Params, paths: TrainPaths) -> dict[str, Any]:
-    """The train stage; with ``train.nproc`` > 1 and not yet under torchrun, it starts torchrun on this script."""
-    train = params.train
+    """The train stage; with ``train.nproc`` > 1 and not yet under torchrun, it runs torchrun's elastic launcher
+    on this script, ``train.nproc`` processes on this machine."""
+    train, paths = params.train, placed(params, paths)
     if train.nproc > 1 and "LOCAL_RANK" not in os.environ:
-        code = relaunch_with_torchrun(train.nproc, sys.argv[0], sys.argv[1:])
-        if code != 0:
-            raise EaglenestError(f"the {train.nproc} training processes failed (exit {code}); see their output above")
+        check_inputs(train, paths)
+        run_launcher(local_launch(train.nproc, params.cluster.torchrun), sys.argv[0], sys.argv[1:])
         return {}
     return train_draft(train, paths)
 

@@ -1,27 +1,34 @@
 """Resumable training: what identifies a run, and its checkpoints outside DVC's outputs.
 
-Every ``train.checkpoint_every`` steps the model, optimizer, scheduler and step are saved under
-``.eaglenest/train-checkpoints/<fingerprint>/`` (DVC deletes a stage's outputs before re-running it, so they
-cannot live there). The fingerprint covers the train params and the content of every input, so a changed
-learning rate never resumes a stale run.
+Every ``train.checkpoint_every`` steps rank 0 saves the model, optimizer, scheduler, step and every curve value
+logged so far under ``.eaglenest/train-checkpoints/<fingerprint>/`` (``cluster.torchrun.checkpoint_dir``
+moves it; DVC deletes a stage's outputs before re-running it, so they cannot live there). A resumed run, after a
+rerun or a restart by torchrun's launcher, loads it on every process and writes the curves again (dvclive/train is
+an ordinary output). The fingerprint covers the train params and the content of every input, so a changed
+learning rate never resumes a stale run; it leaves out how many processes share the global batch, which changes
+nothing trained.
 
-No generator state is saved: :func:`seed_torch` seeds each step from the run's seed, the step and the process,
-so a resumed run draws what the uninterrupted one drew on every process.
+No generator state is saved: :func:`seed_torch` seeds each sequence of a step from the run's seed, the step and
+the sequence's place in the global batch, so a resumed run draws what the uninterrupted one drew.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
+import socket
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from eaglenest.artifacts.verifier import VerifierInfo
-from eaglenest.core.atomic import temp_sibling
+from eaglenest.core.atomic import atomic_write_bytes, temp_sibling
 from eaglenest.core.errors import EaglenestError
 from eaglenest.core.params import TrainParams
+from eaglenest.stages.train.curves import Logged
+from eaglenest.stages.train.distributed import Distributed
 
 CHECKPOINT_ROOT = Path(".eaglenest") / "train-checkpoints"
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -56,32 +63,40 @@ def seed_torch(seed: int, *labels: object) -> None:
     """Seeds torch's generators (CPU and every GPU) from ``train.seed`` and ``labels`` alone.
 
     P-EAGLE and DFlash sample positions at random (``torch.randperm`` over a batch's valid tokens), so a
-    process's generator advances by what its own rows hold. Seeding each step from (seed, "train", step, rank)
-    gives the processes of a DDP run streams of their own, and a resumed run the draws of the uninterrupted one
-    on every rank, whatever rank 0's state was when it saved the checkpoint.
+    process's generator advances by what its own rows hold. Seeding each sequence of a step from (seed, "train",
+    step, its place in the global batch) gives every sequence a stream of its own, the same whichever process
+    trains it, and a resumed run the draws of the uninterrupted one, whatever the state of any generator was when
+    rank 0 saved the checkpoint and however many processes share the global batch after it.
     """
     digest = hashlib.sha256(":".join(str(part) for part in (seed, *labels)).encode()).digest()
     torch.manual_seed(int.from_bytes(digest[:8], "little"))
 
 
-def resume(checkpoint_path: Path, model: Any, optimizer: Any, scheduler: Any) -> int:
-    """Loads a checkpoint if this run has one; returns the step to continue from (0: a fresh start)."""
+def resume(checkpoint_path: Path, model: Any, optimizer: Any, scheduler: Any) -> tuple[int, Logged]:
+    """Loads a checkpoint if this run has one.
+
+    Returns:
+        The step to continue from (0: a fresh start) and the curve values logged up to it.
+    """
     if not checkpoint_path.is_file():
-        return 0
+        return 0, []
     state = torch.load(checkpoint_path, map_location="cpu", weights_only=True)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    return int(state["step"])
+    # A checkpoint from before curves were kept resumes with the curves from its step on.
+    curves = state.get("curves", [])
+    return int(state["step"]), [(int(step), str(name), float(value)) for step, name, value in curves]
 
 
-def save_checkpoint(path: Path, model: Any, optimizer: Any, scheduler: Any, step: int) -> None:
+def save_checkpoint(path: Path, model: Any, optimizer: Any, scheduler: Any, step: int, curves: Logged) -> None:
     """Writes everything a resumed run needs (atomically: a kill mid-write leaves the previous checkpoint)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_sibling(path)
     try:
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(), "step": step}, tmp)
+                    "scheduler": scheduler.state_dict(), "step": step, "curves": [list(entry) for entry in curves]},
+                   tmp)
     except (OSError, RuntimeError) as err:
         # A full disk surfaces from torch's zip writer as "unexpected pos ...": name the file and the free space.
         tmp.unlink(missing_ok=True)
@@ -94,9 +109,34 @@ def save_checkpoint(path: Path, model: Any, optimizer: Any, scheduler: Any, step
     tmp.replace(path)
 
 
-def trim_live_history(live_dir: Path, start_step: int) -> None:
-    """On resume, drop dvclive rows logged after the checkpoint (they are about to be logged again)."""
-    for tsv in live_dir.glob("plots/metrics/**/*.tsv"):
-        lines = tsv.read_text().splitlines()
-        kept = [lines[0]] + [line for line in lines[1:] if int(line.split("\t")[0]) <= start_step]
-        tsv.write_text("\n".join(kept) + "\n")
+# Written by rank 0 into the run's checkpoint folder and read back by every process: a folder that some node
+# does not share would let its processes start afresh while rank 0 resumes.
+LAUNCH_MARKER = "launch"
+
+
+def check_shared(run_dir: Path, dist: Distributed) -> None:
+    """Refuses a checkpoint folder that some training process cannot see (several nodes without shared storage).
+
+    Rank 0 writes a marker naming this launch (the launcher's run id, rendezvous and restart count, the same on
+    every process of one attempt); every process reads it back.
+    """
+    if dist.world_size == 1:
+        return
+    names = ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")
+    token = ":".join(os.environ.get(name, "") for name in names)
+    marker = run_dir / LAUNCH_MARKER
+    if dist.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(marker, token.encode())
+    dist.barrier()
+    try:
+        seen = marker.read_text() == token
+    except OSError:
+        seen = False
+    if not dist.all(seen):
+        who = "another training process (its own line names it)" if seen else (
+            f"rank {dist.rank} of {dist.world_size}, on {socket.gethostname()},")
+        raise EaglenestError(
+            f"{run_dir}: {who} cannot read what rank 0 wrote there, so it would not resume from rank 0's "
+            "checkpoints; point cluster.torchrun.checkpoint_dir at storage every node mounts at the same path"
+        )

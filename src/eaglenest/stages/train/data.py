@@ -95,16 +95,9 @@ def load_training_data(params: TrainParams, verifier: VerifierInfo, prepared: Pa
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.data import ArrowDataset, CollateFn
 
-    rows = load_rows(vocab)
     table = load_table(prepared)
     lengths = table.column("seq_len").to_pylist()
-    too_long = [row for row in rows["train"] + rows["val"] if lengths[row] > params.total_seq_len]
-    if too_long:
-        raise EaglenestError(
-            f"train.total_seq_len = {params.total_seq_len} is shorter than prepared row {too_long[0]} "
-            f"({lengths[too_long[0]]} tokens; {len(too_long)} rows in all); raise it to at least "
-            f"{max(lengths)} or lower prepare.max_len"
-        )
+    rows = checked_rows(params, vocab, lengths)
     online = None
     if (hidden_states / MANIFEST_FILE).is_file():
         if model_dir is None or device is None:
@@ -127,6 +120,26 @@ def load_training_data(params: TrainParams, verifier: VerifierInfo, prepared: Pa
                         num_target_layers=len(verifier.aux_layers), dtype=hs_dtype, preprocess=shift)
     return TrainingData(dataset, collate, rows, lengths, online, loss_on_every_token=params.loss_tokens == "all",
                         ttt_steps=params.ttt_steps)
+
+
+def checked_rows(params: TrainParams, vocab: Path, lengths: list[int]) -> dict[str, list[int]]:
+    """The convert stage's train and validation rows; refuses one longer than ``train.total_seq_len`` (one line,
+    with the fix). Cheap: the stage runs it before it starts several processes, so a bad value is said once.
+
+    Args:
+        params: The train params.
+        vocab: The convert stage's folder (its ``rows.json``).
+        lengths: Tokens of every prepared row (the prepared table's ``seq_len``).
+    """
+    rows = load_rows(vocab)
+    too_long = [row for row in rows["train"] + rows["val"] if lengths[row] > params.total_seq_len]
+    if too_long:
+        raise EaglenestError(
+            f"train.total_seq_len = {params.total_seq_len} is shorter than prepared row {too_long[0]} "
+            f"({lengths[too_long[0]]} tokens; {len(too_long)} rows in all); raise it to at least "
+            f"{max(lengths)} or lower prepare.max_len"
+        )
+    return rows
 
 
 def shard_transfer(hidden_states: Path, hs_dtype: torch.dtype) -> Any:

@@ -1,9 +1,11 @@
 """One optimizer step, and what it needs: AdamW over the draft's trainable weights, with linear warm-up and a
-cosine decay to ``train.min_lr_ratio``. The train stage's fit phase and ``bench/`` both step through here, so a
-benchmark measures the stage's own arithmetic."""
+cosine decay to ``train.min_lr_ratio``. The train stage's fit phase accumulates a step's share of the global batch
+with :func:`backward` and steps with :func:`optimizer_step`; ``bench/`` steps one batch at a time with
+:func:`train_step`, the same arithmetic, so a benchmark measures the stage's own."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,30 +55,52 @@ def build_optimization(model: Any, params: TrainParams) -> Optimization:
 
 def train_step(network: Any, batch: dict[str, Any], runtime: Runtime, optimization: Optimization,
                params: TrainParams) -> float:
-    """Forward and backward of one packed batch, gradient clipping, one optimizer and schedule step.
-
-    Args:
-        network: The draft, or its DDP wrapper (which averages the gradients over processes in backward).
-        batch: The packed model inputs (``TrainingData.batch``).
-        runtime: How the draft runs on this device.
-        optimization: The optimizer and schedule.
-        params: The train params (``grad_clip``; named in the out-of-memory message).
+    """One optimizer step on one packed batch: :func:`backward`, then :func:`optimizer_step`.
 
     Returns:
-        This process's loss of the batch.
+        The batch's loss.
     """
+    loss = backward(network, batch, runtime, params)
+    optimizer_step(optimization, params)
+    return loss
+
+
+def backward(network: Any, batch: dict[str, Any], runtime: Runtime, params: TrainParams, share: int = 1,
+             sync: bool = True) -> float:
+    """Forward and backward of one packed batch, its gradients added to those already accumulated.
+
+    Args:
+        network: The draft, or its DDP wrapper (which averages the gradients over processes in the backward it
+            syncs).
+        batch: The packed model inputs (``TrainingData.batch``).
+        runtime: How the draft runs on this device.
+        params: The train params (named in the out-of-memory message).
+        share: The batches this process accumulates for the step: each loss counts 1 / share, so the step's
+            gradient is the mean over the global batch whatever the number of processes.
+        sync: Whether DDP averages the gradients over processes in this backward (the step's last batch); the
+            others run under ``no_sync``.
+
+    Returns:
+        The batch's loss (unscaled).
+    """
+    accumulate = network.no_sync() if not sync and hasattr(network, "no_sync") else contextlib.nullcontext()
     try:
-        with runtime.autocast():
-            _, loss, _ = runtime.forward(network, batch)
-        loss.backward()
+        with accumulate:
+            with runtime.autocast():
+                _, loss, _ = runtime.forward(network, batch)
+            (loss / share if share > 1 else loss).backward()
     except (torch.OutOfMemoryError, MemoryError):
         raise EaglenestError(
             f"out of memory on {runtime.device} for a batch of {params.total_seq_len} tokens x {params.ttt_steps} "
             f"TTT steps; lower train.total_seq_len or train.ttt_steps"
         ) from None
+    return loss.item()
+
+
+def optimizer_step(optimization: Optimization, params: TrainParams) -> None:
+    """Gradient clipping (``train.grad_clip``), one optimizer and schedule step, gradients cleared."""
     if params.grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(optimization.trainable, params.grad_clip)
     optimization.optimizer.step()
     optimization.scheduler.step()
     optimization.optimizer.zero_grad(set_to_none=True)
-    return loss.item()
