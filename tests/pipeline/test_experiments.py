@@ -9,28 +9,13 @@ from pathlib import Path
 import pytest
 
 from eaglenest.commands.report import write_report
-from tests.fixtures.models import write_jsonl
-from tests.fixtures.pipeline import dvc, make_pipeline_repo, run
-
-CHAT = [{"from": "human", "value": "hello there how are you"}, {"from": "gpt", "value": "I am fine thanks and you"},
-        {"from": "human", "value": "what is the capital of France?"}, {"from": "gpt", "value": "Paris is the capital."}]
+from tests.fixtures.pipeline import SharedPipeline, dvc, run
 
 
 @pytest.fixture(scope="module")
-def tiny_repo(tmp_path_factory: pytest.TempPathFactory, tiny_verifier_dir: Path) -> Path:
-    """A committed pipeline on the tiny verifier, run once (the base revision)."""
-    repo = make_pipeline_repo(tmp_path_factory.mktemp("exp") / "repo", {
-        "verifier": {"model": str(tiny_verifier_dir), "aux_layers": [1, 3, 5]},
-        "prepare": {"source": ["data/conversations/chats.jsonl"], "max_conversations": None, "val_fraction": 0.25,
-                    "regenerate": False},
-        "convert": {"draft_vocab_size": 64},
-        "train": {"steps": 4, "eval_every": 2, "total_seq_len": 256, "lr": 0.001},
-        # vLLM's CPU build has no attention kernel for the tiny model's head size 8: hf evaluates here
-        "evaluate": {"backend": "hf", "sets": [
-            {"name": "val", "source": "val", "num_prompts": 2, "max_new_tokens": 6, "headline": True}]},
-    })
-    write_jsonl(repo / "data/conversations/chats.jsonl", [{"conversations": CHAT}] * 12)
-    dvc(["repro"], repo)
+def tiny_repo(tiny_pipeline: SharedPipeline, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the shared tiny pipeline with its outputs committed (the base revision)."""
+    repo = tiny_pipeline.copy(tmp_path_factory.mktemp("exp") / "repo")
     run(["git", "add", "-A"], repo)
     run(["git", "commit", "-qm", "baseline run"], repo)
     return repo

@@ -25,8 +25,7 @@ from eaglenest.artifacts.vocab import load_vocab
 from eaglenest.core.atomic import TMP_MARKER, atomic_write_bytes
 from eaglenest.core.errors import EaglenestError, InputFileError, ParamsError
 from eaglenest.core.params import Params, parse_params
-from tests.fixtures.models import write_jsonl
-from tests.fixtures.pipeline import VENV_BIN, dvc, make_pipeline_repo, project_env, read_curves
+from tests.fixtures.pipeline import VENV_BIN, SharedPipeline, dvc, project_env, read_curves
 
 # ---------------------------------------------------------------------------------------------- network
 
@@ -316,23 +315,8 @@ def no_temporaries(*folders: Path) -> bool:
 
 
 @pytest.mark.slow
-def test_kill_9_during_extract_and_train_five_times_each(tmp_path: Path, tiny_verifier_dir: Path):
-    repo = make_pipeline_repo(tmp_path / "repo", {
-        "verifier": {"model": str(tiny_verifier_dir), "aux_layers": [1, 3, 5]},
-        "prepare": {"source": ["data/conversations/chats.jsonl"], "max_conversations": None,
-                    "regenerate": False},
-        "extract": {"batch_tokens": 16, "rows_per_shard": 16},  # several shards: kills fall inside and between
-        "convert": {"draft_vocab_size": 64},
-        "train": {"steps": 120, "eval_every": 60, "checkpoint_every": 3, "total_seq_len": 256, "lr": 0.003},
-        # no vLLM kernel for head size 8: hf evaluates
-        "evaluate": {"backend": "hf", "sets": [
-            {"name": "val", "source": "val", "num_prompts": 1, "max_new_tokens": 4, "headline": True}]},
-    })
-    chats = [{"conversations": [{"from": "human", "value": f"hello there {i}"},
-                                {"from": "gpt", "value": "I am fine thanks and you " * (1 + i % 3)}]}
-             for i in range(150)]
-    write_jsonl(repo / "data/conversations/chats.jsonl", chats)
-    dvc(["repro"], repo)  # the uninterrupted reference
+def test_kill_9_during_extract_and_train_five_times_each(tiny_pipeline: SharedPipeline, tmp_path: Path):
+    repo = tiny_pipeline.copy(tmp_path / "repo")  # the shared run is the uninterrupted reference
     hs_dir, draft = repo / "data/hidden_states", repo / "models/draft"
     reference_hs = {p.name: p.read_bytes() for p in hs_dir.iterdir()}
     assert len(reference_hs) > 4 and all(name.startswith("shard_") for name in reference_hs)

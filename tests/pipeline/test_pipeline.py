@@ -142,7 +142,7 @@ def draft_hash(repo: Path) -> str:
 CHAT = [{"from": "human", "value": "hello there"}, {"from": "gpt", "value": "I am fine thanks"}]
 
 
-def tiny_pipeline_repo(tmp_path: Path, tiny_verifier_dir: Path, precision: str = "auto") -> tuple[Path, Path]:
+def tiny_pipeline_repo(tmp_path: Path, tiny_verifier_dir: Path) -> tuple[Path, Path]:
     """(the verifier folder, the repository): the tiny verifier used in place and 8 one-turn conversations."""
     model = tmp_path / "my-verifier"
     shutil.copytree(tiny_verifier_dir, model)
@@ -152,7 +152,7 @@ def tiny_pipeline_repo(tmp_path: Path, tiny_verifier_dir: Path, precision: str =
         "prepare": {"source": ["data/conversations/chats.jsonl"], "max_conversations": None, "val_fraction": 0.25,
                     "regenerate_backend": "hf"},
         "convert": {"draft_vocab_size": 64},
-        "train": {"steps": 2, "eval_every": 1, "total_seq_len": 256, "precision": precision},
+        "train": {"steps": 2, "eval_every": 1, "total_seq_len": 256},
         "evaluate": {"backend": "hf", "sets": [
             {"name": "val", "source": "val", "num_prompts": 1, "max_new_tokens": 4, "headline": True}]},
     })
@@ -264,11 +264,10 @@ def append_comment(path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_an_edit_re_runs_only_the_stages_that_run_the_edited_code(tmp_path: Path, tiny_verifier_dir: Path):
+def test_an_edit_re_runs_only_the_stages_that_run_the_edited_code(tiny_pipeline: SharedPipeline, tmp_path: Path):
     """Each stage depends on exactly the code it runs: commands re-run nothing, the train package re-runs train
     (and evaluate only if the draft's bytes change), the hidden-state format the stages that read or write it."""
-    _, repo = tiny_pipeline_repo(tmp_path, tiny_verifier_dir, precision="float32")
-    dvc(["repro"], repo)
+    repo = tiny_pipeline.copy(tmp_path / "repo")  # float32 on one process
     assert changed_stages(repo) == set()
     code = repo / "src" / "eaglenest"
 

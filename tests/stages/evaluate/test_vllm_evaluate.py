@@ -216,7 +216,7 @@ def test_vllm_decodes_every_algorithm_losslessly(shared_pipeline: SharedPipeline
     serves each (its method from the checkpoint), float32 output equals plain on every prompt, and the hf back
     end, whose reference decoder is EAGLE-3's, is left out with one log line."""
     # draft_arch stays 'auto': DFlash gets its Qwen3 layer from the algorithm alone.
-    draft = run_train(shared_pipeline.repo, tmp_path / "train", algorithm=algorithm, steps=60, eval_every=60)
+    draft = run_train(shared_pipeline.repo, tmp_path / "train", algorithm=algorithm, steps=20, eval_every=20)
     # No timed turns: what is checked is decoding, not speed (so no n-gram engine starts either).
     result, metrics = run_evaluate(shared_pipeline.repo, tmp_path / "eval", draft=draft, backend=["hf", "vllm"],
                                    vllm={"dtype": "float32"}, timed_prompts=0)

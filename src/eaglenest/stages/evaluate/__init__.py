@@ -10,7 +10,8 @@ Outputs:
 * ``metrics/eval/records.json`` — one record per decoded turn, per back end and set
   (:mod:`eaglenest.artifacts.evaluation`): what the report pairs between revisions.
 * ``metrics/eval/details.json`` — every figure, per back end and set: tau and speed-up with their intervals,
-  acceptance per position, the n-gram baseline, tokens/s, lossless counts, tau per category; and the host kind
+  acceptance per position, the n-gram baseline, tokens/s, lossless counts, tau per category; per back end the
+  seconds of its phases (engine starts, batched passes, timed turns: where the stage's time goes); and the host kind
   that measured them (:func:`eaglenest.core.host.host_record`, with the serving back end's compute dtype).
 * ``metrics/eval/acceptance.json`` — acceptance per position, draft against n-gram (dvc.yaml's plot).
 
@@ -82,7 +83,7 @@ def write_eval_outputs(params: EvaluateParams, results: dict[str, dict[str, Any]
     details: dict[str, Any] = {"num_speculative_tokens": k, "headline_backend": params.headline_backend,
                                "host": host_record(results[params.headline_backend]["dtype"]), "runs": {}}
     for backend, run in results.items():
-        details["runs"][backend] = {"dtype": run["dtype"], "sets": {
+        details["runs"][backend] = {"dtype": run["dtype"], "phases": run.get("phases", {}), "sets": {
             name: {key: value for key, value in entry.items() if key != "records"}
             | {"summary": summarize(entry["records"], k, params.bootstrap_samples, params.seed)}
             for name, entry in run["sets"].items()}}

@@ -269,13 +269,17 @@ def evaluate_draft_vllm(job: EvaluationJob) -> dict[str, Any]:
         return sampling_params(eval_set.params.max_new_tokens, eval_set.params.temperature, params.seed, **extra)
 
     warm_up = job.sets[0].render(job.sets[0].conversations[0], 0, [], tokenizer)
+    # Where the back end's time goes (seconds): each engine's start with its warm-up, the timed turns per set.
+    phases: dict[str, Any] = {"start": {}, "timed": {}}
     held: dict[str, Any] = {}  # interleaved: drafter -> its engine, until every engine has decoded its batches
     timed: dict[str, dict[str, list[tuple[Any, float]]]] = {}  # drafter -> set -> (output, seconds) per turn
 
-    def start(kwargs: dict[str, Any], what: str) -> Any:
+    def start(kwargs: dict[str, Any], what: str, drafter: str) -> Any:
         log.info("vllm: starting the engine of %s", what)
+        started = time.perf_counter()
         llm = create_llm(kwargs, PARAM, what=what, in_process_on_cpu=True)
         _generate(llm, [warm_up], sampling(job.sets[0]))  # first forwards allocate, pick kernels
+        phases["start"][drafter] = round(time.perf_counter() - started, 3)
         return llm
 
     def done_batching(drafter: str, llm: Any) -> None:
@@ -287,7 +291,7 @@ def evaluate_draft_vllm(job: EvaluationJob) -> dict[str, Any]:
                           for eval_set in job.sets}
         close_engine(llm)
 
-    plain_llm = start(common, "the verifier")
+    plain_llm = start(common, "the verifier", "plain")
     dtype = _engine_dtype(plain_llm, common["dtype"])
     plain: dict[str, Any] = {}
     for eval_set in job.sets:
@@ -306,7 +310,8 @@ def evaluate_draft_vllm(job: EvaluationJob) -> dict[str, Any]:
     done_batching("plain", plain_llm)
 
     spec_llm = start({**common, **speculative_engine_kwargs(vllm_speculative_config(draft_dir, k))},
-                     f"the verifier with the {draft_algorithm(draft_dir, 'evaluate: the draft')} draft {draft_dir}")
+                     f"the verifier with the {draft_algorithm(draft_dir, 'evaluate: the draft')} draft {draft_dir}",
+                     "spec")
     spec: dict[str, Any] = {}
     for eval_set in job.sets:
         started = time.perf_counter()
@@ -320,7 +325,7 @@ def evaluate_draft_vllm(job: EvaluationJob) -> dict[str, Any]:
     ngram_speculative_config, window = ngram_config(params, k)
     if any(timed_prompts.values()):  # n-gram drafting is the speed-up's baseline: without timed turns, nothing to do
         ngram_llm = start({**common, **speculative_engine_kwargs(ngram_speculative_config)},
-                          "the verifier with n-gram drafting")
+                          "the verifier with n-gram drafting", "ngram")
         for eval_set in job.sets:
             # The other two engines have decoded the timed prompts already (their prefixes are cached): so has this.
             if timed_prompts[eval_set.name]:
@@ -331,8 +336,10 @@ def evaluate_draft_vllm(job: EvaluationJob) -> dict[str, Any]:
         for drafter in held:
             timed[drafter] = {}
         for eval_set in job.sets:
+            started = time.perf_counter()
             pairs_of = time_interleaved(held, timed_prompts[eval_set.name], sampling(eval_set),
                                         f"evaluate: timed turns, {eval_set.name}")
+            phases["timed"][eval_set.name] = round(time.perf_counter() - started, 3)
             for drafter, pairs in pairs_of.items():
                 timed[drafter][eval_set.name] = pairs
         for llm in held.values():
@@ -372,7 +379,7 @@ def evaluate_draft_vllm(job: EvaluationJob) -> dict[str, Any]:
             lossless_rule="exact" if tie_margin is None else f"near_tie (bf16_tie_margin {tie_margin})",
             batched_seconds={"plain": round(plain_batched_s, 3), "spec": round(spec_batched_s, 3)},
             timing=params.timing)
-    return {"dtype": dtype, "num_speculative_tokens": k, "sets": sets}
+    return {"dtype": dtype, "num_speculative_tokens": k, "phases": phases, "sets": sets}
 
 
 def time_interleaved(engines: dict[str, Any], prompts: list[list[int]], sampling: Any,
