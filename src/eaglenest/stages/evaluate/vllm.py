@@ -219,24 +219,29 @@ def decode_with_counts(llm: Any, prompts: list[list[int]], sampling: Any, k: int
 
 
 def build_evaluate_llm_kwargs(params: EvaluateParams, info: VerifierInfo, model_dir: Path, *,
-                              context_tokens: int) -> dict[str, Any]:
+                              context_tokens: int, kv_tokens: int | None = None) -> dict[str, Any]:
     """The ``vllm.LLM(**kwargs)`` arguments the engines share (the speculative ones add their method)."""
     # Interleaved timing holds all three engines at once, so each gets a third; sequential, two may hold GPU
     # memory at once (a stopped engine frees it lazily), so each gets half.
     return engine_kwargs(model_dir, info, params.vllm, context_tokens=context_tokens, seed=params.seed,
-                         gpu_memory_share=1 / 3 if params.timing == "interleaved" else 0.5)
+                         gpu_memory_share=1 / 3 if params.timing == "interleaved" else 0.5, kv_tokens=kv_tokens)
 
 
-def context_bound(job: EvaluationJob, tokenizer: Any, k: int) -> int:
-    """Tokens the longest conversation can reach: every turn rendered, each answer at its set's max_new_tokens."""
-    longest = 0
+def context_bounds(job: EvaluationJob, tokenizer: Any, k: int) -> tuple[int, int]:
+    """(the tokens the longest conversation can reach, the most tokens one ``generate`` call holds at once): every
+    turn rendered, each answer at its set's max_new_tokens; a call decodes one turn of each of a set's
+    conversations, so it holds at most the sum of the set's conversations' bounds."""
+    longest = held = 0
     for eval_set in job.sets:
+        in_set = 0
         for conversation in eval_set.conversations:
             last = len(conversation.turns) - 1
             # answers of "" render the template around them; each real answer adds at most max_new_tokens
             prompt = eval_set.render(conversation, last, [""] * last, tokenizer)
-            longest = max(longest, len(prompt) + (last + 1) * (eval_set.params.max_new_tokens + 1))
-    return longest + k + 1
+            bound = len(prompt) + (last + 1) * (eval_set.params.max_new_tokens + 1) + k + 1
+            longest, in_set = max(longest, bound), in_set + bound
+        held = max(held, in_set)
+    return longest, held
 
 
 def ngram_config(params: EvaluateParams, k: int) -> tuple[dict[str, Any], tuple[int, int]]:
@@ -262,7 +267,8 @@ def evaluate_draft_vllm(job: EvaluationJob) -> dict[str, Any]:
     tokenizer = load_tokenizer(job.verifier_dir)
     trained_k = draft_tokens(draft_dir, "evaluate: the draft")  # checked before a minute of engine start
     k = params.num_speculative_tokens or trained_k
-    common = build_evaluate_llm_kwargs(params, info, model_dir, context_tokens=context_bound(job, tokenizer, k))
+    context_tokens, held_tokens = context_bounds(job, tokenizer, k)
+    common = build_evaluate_llm_kwargs(params, info, model_dir, context_tokens=context_tokens, kv_tokens=held_tokens)
     interleaved = params.timing == "interleaved"
 
     def sampling(eval_set: Any, **extra: Any) -> Any:
