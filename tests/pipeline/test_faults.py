@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 import eaglenest.core.atomic as atomic
-from eaglenest.artifacts.hidden_states import stored_files
+from eaglenest.artifacts.hidden_states.format import stored_files
 from eaglenest.artifacts.vocab import load_vocab
 from eaglenest.core.atomic import TMP_MARKER, atomic_write_bytes
 from eaglenest.core.errors import EaglenestError, InputFileError, ParamsError

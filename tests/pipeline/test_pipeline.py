@@ -288,5 +288,8 @@ def test_an_edit_re_runs_only_the_stages_that_run_the_edited_code(tmp_path: Path
     assert draft_hash(repo) == draft_before
     assert "Stage 'evaluate' didn't change, skipping" in rerun.stdout
 
-    append_comment(code / "artifacts" / "hidden_states.py")
+    # the resume state of a running extraction is the extract stage's alone; the file format every reader's
+    append_comment(code / "artifacts" / "hidden_states" / "resume.py")
+    assert changed_stages(repo) == {"extract"}
+    append_comment(code / "artifacts" / "hidden_states" / "format.py")
     assert changed_stages(repo) == {"extract", "convert", "train"}

@@ -23,7 +23,7 @@ import pytest
 import torch
 import yaml
 
-from eaglenest.artifacts.hidden_states import HIDDEN_KEY, TOKENS_KEY, row_index, shard_number, shard_path
+from eaglenest.artifacts.hidden_states.format import HIDDEN_KEY, TOKENS_KEY, row_index, shard_number, shard_path
 from eaglenest.stages.extract.vllm import WAVES_PER_CALL, staging_dir_for
 from tests.conftest import requires_vllm
 from tests.fixtures.pipeline import VENV_BIN, dvc, make_pipeline_repo, project_env, run, stored_row
