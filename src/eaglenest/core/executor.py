@@ -51,8 +51,9 @@ RAY_FIX = "run `make setup` (it installs ray[default] into the project's environ
 # listen on every interface. This switch (meant for single-machine Ray on Windows and macOS) keeps the node on
 # loopback; nodes on other machines are never loopback.
 SINGLE_MACHINE_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-# Nothing leaves the machine: Ray would otherwise report usage statistics to its developers' server.
-QUIET_ENV = {"RAY_USAGE_STATS_ENABLED": "0"}
+# Nothing leaves the machine: Ray would otherwise report usage statistics to its developers' server. Calls still in
+# flight when a task stops the stage are never fetched: their errors are not news (the stage names the one that is).
+QUIET_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_IGNORE_UNHANDLED_ERRORS": "1"}
 # A cluster of our own authenticates its clients with a token (Ray's default for ray.init; set, it is also silent).
 OWN_CLUSTER_ENV = {"RAY_AUTH_MODE": "token"}
 CONNECT_TIMEOUT_S = 5.0
@@ -390,6 +391,20 @@ def _probe(address: str) -> None:
             "`ray start --head --port=6379` (scripts/cluster/ has SLURM and Kubernetes launchers), point "
             "cluster.address at a running head, or set cluster.address: local to start one on this machine"
         ) from None
+
+
+def check_cluster(cluster: ClusterParams) -> None:
+    """Refuses, before any work, ``cluster.executor: ray`` without Ray installed, or a host:port where nothing
+    answers (one line each, with the fix); connecting waits until there is work."""
+    if cluster.executor != "ray":
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        raise EaglenestError(f"cluster.executor: ray needs Ray, which this interpreter lacks; {RAY_FIX}")
+    address = os.environ.get("RAY_ADDRESS", "auto") if cluster.address == "auto" else cluster.address
+    if address not in ("local", "auto"):
+        _probe(address)
 
 
 @contextlib.contextmanager

@@ -291,3 +291,34 @@ def test_vllm_regeneration_equals_hf_token_for_token_in_float32(smollm2_repo: Pa
                           f"hf batched {hf[p][first:first + 4]}, hf alone {alone[p][first:first + 4]}, "
                           f"vllm {vllm[p][first:first + 4]}")
         pytest.fail(f"{len(differing)} of {len(hf)} replies differ:\n" + "\n".join(report))
+
+
+def test_regeneration_on_a_ray_cluster_writes_the_local_executors_replies(tiny_verifier_dir: Path, tmp_path: Path,
+                                                                         ray_cluster, monkeypatch: pytest.MonkeyPatch,
+                                                                         caplog: pytest.LogCaptureFixture):
+    """cluster.executor: ray: each batch a task of an actor that loaded the verifier itself; the same batches and
+    seeds as in this process, so the same replies and the same cache entries."""
+    from eaglenest.artifacts.verifier import load_tokenizer, load_verifier_info
+    from eaglenest.core.params import ClusterParams, VerifierParams
+    from eaglenest.stages.prepare.regenerate import verifier_generator
+    from eaglenest.stages.verifier import build_verifier
+    from tests.fixtures.cluster import engine_processes, wait_until_gone
+
+    build_verifier(VerifierParams(model=str(tiny_verifier_dir)), tmp_path / "verifier")
+    info, model_dir = load_verifier_info(tmp_path / "verifier")
+    tokenizer = load_tokenizer(tmp_path / "verifier")
+    eos = end_of_turn_ids(tokenizer, model_dir)
+    params = PrepareParams(regenerate_backend="hf", regenerate_max_new_tokens=12, regenerate_batch_size=2)
+    conversations = CONVERSATIONS * 2  # 6 conversations: 3 tasks
+    results = {}
+    for name, cluster in (("local", None), ("ray", ClusterParams(executor="ray", address=ray_cluster.address))):
+        (tmp_path / name).mkdir()
+        monkeypatch.chdir(tmp_path / name)  # the regeneration cache is .eaglenest/regenerate-cache here
+        generator = verifier_generator(params, info, model_dir, tokenizer, eos, cluster)
+        with caplog.at_level("INFO", logger="eaglenest"):
+            out, stats = generator.regenerate(conversations)
+        cache = tmp_path / name / ".eaglenest" / "regenerate-cache"
+        results[name] = (out, stats.turns, {p.name: p.read_text() for p in cache.iterdir()})
+    assert results["ray"] == results["local"] and results["local"][1] == 8
+    assert "ray: 3 engines (1 CPU each, on 4 nodes) for 3 tasks" in caplog.text  # it did run on the cluster
+    assert wait_until_gone(engine_processes()) == []

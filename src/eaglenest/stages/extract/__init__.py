@@ -31,7 +31,7 @@ from eaglenest.artifacts.prepared import load_input_ids
 from eaglenest.artifacts.verifier import VerifierInfo, load_verifier_info
 from eaglenest.core.atomic import atomic_write_json, remove_stale_temps
 from eaglenest.core.errors import EaglenestError
-from eaglenest.core.executor import EngineNeeds, open_executor
+from eaglenest.core.executor import EngineNeeds, check_cluster, open_executor
 from eaglenest.core.params import ClusterParams, ExtractParams, Params
 from eaglenest.core.registry import Registry
 from eaglenest.core.stage import Stage, path_arg
@@ -249,10 +249,13 @@ def extract_hidden_states(params: ExtractParams, verifier_dir: Path, prepared_di
         metrics_path: ``metrics/extract.json``.
         cluster: Where the work runs; None: this process.
     """
+    cluster = cluster or ClusterParams()
+    if params.backend != "import" and params.store == "files":
+        check_cluster(cluster)  # before any work: a cluster that is not there is one line
     plan = plan_extraction(params, verifier_dir, prepared_dir, out_dir)
     if params.store == "online":
         return _write_online_manifest(params, plan.verifier, plan.input_ids, out_dir, metrics_path)
-    computed = compute_hidden_states(plan, cluster or ClusterParams())
+    computed = compute_hidden_states(plan, cluster)
     return finish_extraction(plan, computed, metrics_path)
 
 

@@ -34,7 +34,7 @@ from typing import Any
 from eaglenest.artifacts.verifier import VerifierInfo
 from eaglenest.core.atomic import atomic_write_json
 from eaglenest.core.chat import chat_template_kwargs, strip_reasoning
-from eaglenest.core.executor import EngineNeeds, open_executor
+from eaglenest.core.executor import EngineNeeds, check_cluster, open_executor
 from eaglenest.core.params import ClusterParams, PrepareParams
 from eaglenest.core.progress import progress
 from eaglenest.core.registry import Registry
@@ -296,6 +296,7 @@ def verifier_generator(params: PrepareParams, info: VerifierInfo, model_dir: Pat
     generator = f"{params.regenerate_backend}-{backend.dtype(job)}"
     pool = None
     if cluster is not None and cluster.executor == "ray":
+        check_cluster(cluster)  # before any work: a cluster that is not there is one line
         pool = Pool(cluster, ReplySettings(params, info, Path(model_dir).resolve(), frozenset(eos_ids)))
 
     def run(conversations: list[list[dict[str, str]]]) -> tuple[list[list[dict[str, str]]], RegenerationStats]:
