@@ -15,6 +15,8 @@ import yaml
 from datasets import load_from_disk
 from safetensors.torch import load_file, save_file
 
+from eaglenest.artifacts.hidden_states.format import stored_files
+from eaglenest.artifacts.hidden_states.resume import unfinished_dir
 from tests.fixtures.models import write_jsonl
 from tests.fixtures.pipeline import REPO, VENV_BIN, dvc, make_pipeline_repo, project_env
 
@@ -113,25 +115,32 @@ def test_default_verifier_and_chitchat_through_dvc_repro(tmp_path: Path):
     second = dvc(["repro"], repo)
     assert_all_skipped(second.stdout)
 
-    # kill -9 in the middle of extraction (rows are written one file each until their shard is packed), then
-    # `dvc repro` finishes the job bit-identically.
+    # kill -9 in the middle of extraction, then `dvc repro` finishes the job bit-identically. Shards of 2 rows: the
+    # finished ones wait in data/hidden_states.unfinished/ (DVC clears the output itself before a run).
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params["extract"]["rows_per_shard"] = 2
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    dvc(["repro", "extract"], repo)
     reference = {p.name: p.read_bytes() for p in hs_dir.iterdir()}
+    assert len(reference) == 8
     shutil.rmtree(hs_dir)
+    unfinished = unfinished_dir(hs_dir)
     process = subprocess.Popen([str(VENV_BIN / "dvc"), "repro", "extract"], cwd=repo, env=project_env(),
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and process.poll() is None:
-        if hs_dir.is_dir() and len(list(hs_dir.glob("hs_*.safetensors"))) >= 4:
+        if len(stored_files(unfinished)) >= 2:
             break
         time.sleep(0.05)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
-    finished_before_kill = len(list(hs_dir.glob("hs_*.safetensors")))
-    assert 4 <= finished_before_kill < 16, finished_before_kill
-    resumed = dvc(["repro"], repo)
+    finished_before_kill = len(stored_files(unfinished))
+    assert 2 <= finished_before_kill < 8, finished_before_kill
+    resumed = dvc(["repro", "extract"], repo)
     assert "Running stage 'extract'" in resumed.stdout
     assert {p.name: p.read_bytes() for p in hs_dir.iterdir()} == reference  # no temp file left either
-    assert json.loads((repo / "metrics/extract.json").read_text())["rows_reused"] >= finished_before_kill
+    assert not unfinished.exists()
+    assert json.loads((repo / "metrics/extract.json").read_text())["rows_reused"] >= 2 * finished_before_kill
 
 
 def draft_hash(repo: Path) -> str:

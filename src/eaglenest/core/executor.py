@@ -211,11 +211,13 @@ class RayExecutor(Executor[E, T, R]):
                 self._revive(actors, dispatch)
                 if not dispatch.inflight:
                     self._check_capacity(actors)
-                    time.sleep(min(RETRY_CAP_S, max(0.05, min(a.retry_at for a in actors) - time.monotonic())))
+                    time.sleep(self._next_retry(actors))
                     continue
                 ready, _ = ray.wait(list(dispatch.inflight), num_returns=1, timeout=self._next_retry(actors))
                 for ref in ready:
                     self._collect(ref, actors, dispatch, on_result)
+                if not ready:  # a wait ran out: every engine may be gone with the nodes that held it
+                    self._check_capacity(actors)
         finally:
             self._shut_down(actors)
 
@@ -247,16 +249,18 @@ class RayExecutor(Executor[E, T, R]):
                 actor.state = "starting"
 
     @staticmethod
-    def _next_retry(actors: list[_Actor]) -> float | None:
+    def _next_retry(actors: list[_Actor]) -> float:
+        """Seconds until the next actor that died is asked again; at most ``RETRY_CAP_S``."""
         waits = [actor.retry_at - time.monotonic() for actor in actors if actor.state == "down"]
-        return max(0.05, min(waits)) if waits else None
+        return max(0.05, min([RETRY_CAP_S, *waits]))
 
     def _check_capacity(self, actors: list[_Actor]) -> None:
-        """Every actor is down: stop if the nodes left cannot hold a single engine (they will not come back)."""
-        if any(actor.state != "down" for actor in actors):
+        """No engine is up: stop if the nodes left cannot hold a single engine (they will not come back; an actor
+        waiting for a node would wait for ever)."""
+        if any(actor.state in ("idle", "busy") for actor in actors):
             return
         try:
-            plan_engines(self.cluster, self.needs, alive_nodes())
+            plan_engines(self.cluster.model_copy(update={"workers": "auto"}), self.needs, alive_nodes())
         except EaglenestError as err:
             raise EaglenestError(f"every engine was lost and the cluster cannot start another: {err}") from None
 
@@ -270,12 +274,14 @@ class RayExecutor(Executor[E, T, R]):
         try:
             value = ray.get(ref)
         except RayActorError as err:  # the actor's process or node died: its task (if any) goes back in the queue
-            actor.state, actor.retry_at = "down", time.monotonic() + actor.backoff
-            actor.backoff = min(RETRY_CAP_S, actor.backoff * 2)
             if task is not None:
                 log.warning("ray: %s: its engine (%s) was lost (%s); it runs again", task.label, actor.where or "?",
                             type(err).__name__)
                 self._failed(task, dispatch, f"its engine was lost ({type(err).__name__})")
+            if err.actor_init_failed:  # the worker could not even create the actor (an import failed there)
+                self._start_failed(actor, actors, err)
+            else:
+                self._down(actor)
             return
         except RayTaskError as err:
             cause = err.cause if err.cause is not None else err
@@ -310,8 +316,13 @@ class RayExecutor(Executor[E, T, R]):
             if all(other.state == "dropped" for other in actors):
                 raise EaglenestError(f"no engine could start on the cluster; the last failure: {error_line(cause)}")
         else:
-            actor.state, actor.retry_at = "down", time.monotonic() + actor.backoff
-            actor.backoff = min(RETRY_CAP_S, actor.backoff * 2)
+            self._down(actor)
+
+    @staticmethod
+    def _down(actor: _Actor) -> None:
+        """The actor is asked again after its wait, which doubles each time (up to ``RETRY_CAP_S``)."""
+        actor.state, actor.retry_at = "down", time.monotonic() + actor.backoff
+        actor.backoff = min(RETRY_CAP_S, actor.backoff * 2)
 
     @staticmethod
     def _shut_down(actors: list[_Actor]) -> None:
@@ -456,9 +467,9 @@ def connect(cluster: ClusterParams) -> Iterator[None]:
                      logging_level=logging.WARNING, **kwargs)
         except ConnectionError as err:
             raise EaglenestError(
-                f"cluster.address = {cluster.address!r}: {error_line(err)}; start a cluster with `ray start --head` "
-                "(scripts/cluster/ has SLURM and Kubernetes launchers), or set cluster.address: local to start one "
-                "on this machine"
+                f"cluster.address = {cluster.address!r}: {error_line(err).rstrip('.')}; start a cluster with "
+                "`ray start --head` (scripts/cluster/ has SLURM and Kubernetes launchers), or set cluster.address: "
+                "local to start one on this machine"
             ) from None
         try:
             yield

@@ -61,17 +61,24 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 class Writes:
-    """Counts the finished shards the driver writes, by name (a spy on the one place it writes them)."""
+    """Counts the finished shards the driver writes, and those a worker wrote that the driver checks, by name (spies
+    on the one place each happens)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.names: Counter[str] = Counter()
-        accept = Extraction.accept_bytes
+        self.checked: Counter[str] = Counter()
+        accept_bytes, accept_file = Extraction.accept_bytes, Extraction.accept_file
 
-        def counted(extraction: Extraction, spec: Any, data: Any) -> None:
+        def written(extraction: Extraction, spec: Any, data: Any) -> None:
             self.names[spec.name] += 1
-            accept(extraction, spec, data)
+            accept_bytes(extraction, spec, data)
 
-        monkeypatch.setattr(Extraction, "accept_bytes", counted)
+        def checked(extraction: Extraction, spec: Any) -> None:
+            self.checked[spec.name] += 1
+            accept_file(extraction, spec)
+
+        monkeypatch.setattr(Extraction, "accept_bytes", written)
+        monkeypatch.setattr(Extraction, "accept_file", checked)
 
 
 class EngineWatcher(logging.Handler):
@@ -157,6 +164,19 @@ def test_a_removed_node_loses_nothing(data: dict[str, Path], ray_cluster: Any, t
     assert removed and removed[0] < ROWS // ROWS_PER_SHARD and watcher.lost
     assert metrics["rows_computed"] == ROWS and folder(tmp_path / "hs") == folder(data["local"])
     assert sorted(writes.names) == sorted(folder(data["local"])) and set(writes.names.values()) == {1}
+
+
+def test_workers_write_their_shards_themselves_with_output_shared(data: dict[str, Path], ray_cluster: Any,
+                                                                  tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """cluster.output: shared: each worker writes its shards into the unfinished folder (a filesystem the nodes share:
+    this machine's), and the driver only checks them; the bytes are the local executor's."""
+    writes = Writes(monkeypatch)
+    extract_hidden_states(ExtractParams(rows_per_shard=ROWS_PER_SHARD), data["verifier"], data["prepared"],
+                          tmp_path / "hs", tmp_path / "m.json",
+                          ClusterParams(executor="ray", address=ray_cluster.address, output="shared", workers=2))
+    assert folder(tmp_path / "hs") == folder(data["local"])
+    assert not writes.names and sorted(writes.checked) == sorted(folder(data["local"]))
+    assert set(writes.checked.values()) == {1} and wait_until_gone(engine_processes()) == []
 
 
 def poison_embedding(model: Path, dest: Path) -> Path:
@@ -297,3 +317,17 @@ def test_vllm_engines_in_ray_actors_match_hf(data: dict[str, Path], ray_cluster:
     errors = relative_errors(got, want)
     assert max(errors) < FP32_BOUND, errors
     assert wait_until_gone(engine_processes()) == []
+
+
+def test_doctor_reports_the_cluster_or_why_it_cannot_reach_it(ray_cluster: Any, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]):
+    from eaglenest.commands.cli import main as cli_main
+
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"cluster": {"executor": "ray", "address": ray_cluster.address}}))
+    assert cli_main(["doctor", "--params", str(params)]) == 0
+    assert (f"cluster: executor ray at {ray_cluster.address}: 4 nodes alive, 3 CPUs, 0 GPUs"
+            in capsys.readouterr().out)
+    params.write_text(yaml.safe_dump({"cluster": {"executor": "ray", "address": "127.0.0.1:9"}}))
+    assert cli_main(["doctor", "--params", str(params)]) == 1
+    assert capsys.readouterr().err.startswith("error: cluster.address = '127.0.0.1:9': no Ray cluster answers there")
