@@ -326,11 +326,12 @@ class RayExecutor(Executor[E, T, R]):
 
     @staticmethod
     def _shut_down(actors: list[_Actor]) -> None:
-        """Closes every engine still up (a vLLM engine's own processes), then ends the actors."""
+        """Closes the engines of idle actors (a vLLM engine's own processes), then ends every actor; one still busy
+        (the stage stops on another task's error) is ended at once, and Ray ends its children with it."""
         import ray
         from ray.exceptions import GetTimeoutError, RayError
 
-        closing = [actor.handle.close.remote() for actor in actors if actor.state in ("idle", "busy")]
+        closing = [actor.handle.close.remote() for actor in actors if actor.state == "idle"]
         with contextlib.suppress(RayError, GetTimeoutError):
             ray.get(closing, timeout=60)
         for actor in actors:

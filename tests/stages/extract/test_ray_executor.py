@@ -131,6 +131,7 @@ def run_on_ray(data: dict[str, Path], out: Path, cluster: Any, watcher: EngineWa
     return metrics
 
 
+@pytest.mark.slow  # a Ray cluster of 3 nodes (tests/fixtures/cluster.py) and engines that load a model
 def test_a_killed_engine_process_loses_nothing(data: dict[str, Path], ray_cluster: Any, tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch):
     writes, watcher, killed = Writes(monkeypatch), EngineWatcher(), []
@@ -147,6 +148,7 @@ def test_a_killed_engine_process_loses_nothing(data: dict[str, Path], ray_cluste
     assert sorted(writes.names) == sorted(folder(data["local"])) and set(writes.names.values()) == {1}
 
 
+@pytest.mark.slow  # a Ray cluster of 3 nodes (tests/fixtures/cluster.py) and engines that load a model
 def test_a_removed_node_loses_nothing(data: dict[str, Path], ray_cluster: Any, tmp_path: Path,
                                       monkeypatch: pytest.MonkeyPatch):
     writes, watcher, removed = Writes(monkeypatch), EngineWatcher(), []
@@ -166,6 +168,7 @@ def test_a_removed_node_loses_nothing(data: dict[str, Path], ray_cluster: Any, t
     assert sorted(writes.names) == sorted(folder(data["local"])) and set(writes.names.values()) == {1}
 
 
+@pytest.mark.slow  # a Ray cluster of 3 nodes (tests/fixtures/cluster.py) and engines that load a model
 def test_workers_write_their_shards_themselves_with_output_shared(data: dict[str, Path], ray_cluster: Any,
                                                                   tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """cluster.output: shared: each worker writes its shards into the unfinished folder (a filesystem the nodes share:
@@ -197,6 +200,7 @@ def stage(root: Path, params: dict[str, Any]) -> subprocess.CompletedProcess[str
                           cwd=root, env=project_env(), capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow  # a Ray cluster of 3 nodes (tests/fixtures/cluster.py) and engines that load a model
 def test_a_poisoned_row_stops_the_stage_in_one_line_and_the_rerun_keeps_finished_shards(
         data: dict[str, Path], ray_cluster: Any, tmp_path: Path):
     model = poison_embedding(data["model"], tmp_path / "model")
@@ -247,6 +251,7 @@ def test_stage_script_without_a_cluster_at_the_address_is_one_line(tmp_path: Pat
     assert "ray start --head --port=6379" in result.stderr and not (tmp_path / "hs").exists()
 
 
+@pytest.mark.slow  # a Ray cluster of 3 nodes (tests/fixtures/cluster.py) and engines that load a model
 def test_an_engine_wider_than_every_node_is_refused_before_any_work(data: dict[str, Path], ray_cluster: Any,
                                                                     tmp_path: Path):
     """The test cluster has no GPUs, so a CPU engine that asks more CPUs than any node has shows the rule: one line
@@ -319,6 +324,7 @@ def test_vllm_engines_in_ray_actors_match_hf(data: dict[str, Path], ray_cluster:
     assert wait_until_gone(engine_processes()) == []
 
 
+@pytest.mark.slow  # a Ray cluster of 3 nodes (tests/fixtures/cluster.py) and engines that load a model
 def test_doctor_reports_the_cluster_or_why_it_cannot_reach_it(ray_cluster: Any, tmp_path: Path,
                                                               capsys: pytest.CaptureFixture[str]):
     from eaglenest.commands.cli import main as cli_main
