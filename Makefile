@@ -24,8 +24,9 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
-# vLLM would otherwise report usage statistics to its developers' server.
+# vLLM and Ray would otherwise report usage statistics to their developers' servers.
 export VLLM_NO_USAGE_STATS := 1
+export RAY_USAGE_STATS_ENABLED := 0
 export DO_NOT_TRACK := 1
 # Stages run `python` from PATH: put the project's interpreter first.
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)

@@ -35,7 +35,8 @@ from pathlib import Path
 
 import torch
 
-from eaglenest.artifacts.hidden_states import file_metadata, hs_path, pack_shard, write_hidden_states
+from eaglenest.artifacts.hidden_states.format import encode_hidden_states, file_metadata
+from eaglenest.artifacts.hidden_states.layout import FileSink, FileWriter, file_layout, shard_plan
 
 VENV_BIN = Path(sys.executable).parent
 DVC_YAML = """stages:
@@ -61,18 +62,19 @@ DVC_YAML = """stages:
 
 
 def write_rows(folder: Path, rows: int, tokens: int, hidden: int, rows_per_shard: int) -> None:
-    """``rows`` rows of random bf16 hidden states [tokens, 4, hidden] in the stage's format, packed by
-    ``rows_per_shard`` with the stage's own packer (1: row files)."""
+    """``rows`` rows of random bf16 hidden states [tokens, 4, hidden] in the stage's layout, written with the
+    stage's own writer: shards of ``rows_per_shard`` rows (1: row files)."""
     folder.mkdir(parents=True)
     metadata = file_metadata("bench", [1, 2, 3, 4], "bfloat16", "hf")
     generator = torch.Generator().manual_seed(0)
-    for row in range(rows):
-        hidden_states = torch.randn(tokens, 4, hidden, generator=generator).to(torch.bfloat16)
-        token_ids = torch.randint(0, 49152, (tokens,), generator=generator)
-        write_hidden_states(hs_path(folder, row), {"hidden_states": hidden_states}, token_ids, metadata)
-        if rows_per_shard > 1 and ((row + 1) % rows_per_shard == 0 or row == rows - 1):
-            shard = row // rows_per_shard
-            pack_shard(folder, shard, range(shard * rows_per_shard, row + 1), rows_per_shard, metadata)
+    for spec in shard_plan(rows, rows_per_shard):
+        token_ids = [torch.randint(0, 49152, (tokens,), generator=generator).tolist() for _ in spec.rows]
+        layout = file_layout(spec, token_ids, 4, hidden, "bfloat16", metadata)
+        writer = FileWriter(layout, FileSink(layout, spec.path(folder)))
+        for row in spec.rows:
+            writer.write_row(row, encode_hidden_states(torch.randn(tokens, 4, hidden, generator=generator),
+                                                       "bfloat16"))
+        writer.finish()
 
 
 def timed(command: list[str], cwd: Path) -> float:
@@ -86,14 +88,9 @@ def timed(command: list[str], cwd: Path) -> float:
 
 def read_rate(folder: Path, rows: int, sample: int) -> float:
     """Rows per second read in a random order by the train stage's reader for this layout."""
-    from hs_connectors import FP8Transfer
+    from eaglenest.stages.train.data import stored_transfer
 
-    from eaglenest.stages.train.data import shard_transfer
-
-    if any(folder.glob("shard_*.safetensors")):
-        transfer = shard_transfer(folder, torch.float32)
-    else:
-        transfer = FP8Transfer(folder, dequantize_dtype=torch.float32)
+    transfer = stored_transfer(folder, rows, torch.float32)
     order = random.Random(0).sample(range(rows), min(sample, rows))
     started = time.perf_counter()
     for row in order:

@@ -19,12 +19,13 @@ from pathlib import Path
 import torch
 from datasets import load_from_disk
 
-from eaglenest.artifacts.hidden_states import extraction_fingerprint, file_metadata
+from eaglenest.artifacts.hidden_states.format import extraction_fingerprint, file_metadata
+from eaglenest.artifacts.hidden_states.layout import ShardSpec, file_layout
 from eaglenest.artifacts.verifier import load_verifier_info
 from eaglenest.core.decoder import load_decoder, pad_batch
 from eaglenest.core.params import load_params
-from eaglenest.stages.extract.hf import extract_with_transformers, length_sorted_batches
-from eaglenest.stages.extract.job import ExtractionJob
+from eaglenest.stages.extract.hf import HfEngine, length_sorted_batches
+from eaglenest.stages.extract.job import EngineSettings, ExtractTask, run_extract_task
 
 
 def bare_forward(model: torch.nn.Module, batches: list[list[int]], input_ids: list[list[int]]) -> float:
@@ -60,16 +61,15 @@ def main() -> None:
     bare_before = bare_forward(model, batches, input_ids)
     with tempfile.TemporaryDirectory() as tmp:
         config = extraction_fingerprint(verifier.fingerprint, verifier.layer_ids, params.dtype)
-        job = ExtractionJob(verifier=verifier, model_dir=model_dir, params=params, out_dir=Path(tmp), todo=rows,
-                            input_ids=input_ids, metadata=file_metadata(config, verifier.layer_ids, params.dtype, "hf"))
+        metadata = file_metadata(config, verifier.layer_ids, params.dtype, "hf")
+        # the rows as one task (one shard), so its batches are the bare passes' batches
+        layout = file_layout(ShardSpec(0, range(len(rows)), len(rows)), [input_ids[r] for r in rows],
+                             len(verifier.layer_ids), verifier.hidden_size, params.dtype, metadata)
+        engine = HfEngine(EngineSettings(verifier, model_dir, params, max(len(input_ids[r]) for r in rows)))
         started = time.perf_counter()
-        extract_with_transformers(job)  # loads its own copy of the model: load time excluded below
-        total = time.perf_counter() - started
-        load_started = time.perf_counter()
-        load_decoder(model_dir, verifier.trust_remote_code, torch.device("cpu"))
-        load_seconds = time.perf_counter() - load_started
-        written = job.bytes_written
-    extract_seconds = total - load_seconds
+        ((_, path),) = run_extract_task(engine, ExtractTask((layout,), params.dtype, Path(tmp)))
+        extract_seconds = time.perf_counter() - started  # the engine loaded its model before the clock started
+        written = path.stat().st_size
     bare_after = bare_forward(model, batches, input_ids)
     bare = (bare_before + bare_after) / 2
 
@@ -77,7 +77,7 @@ def main() -> None:
           f"torch threads {torch.get_num_threads()}")
     print(f"bare decoder forward: {tokens / bare_before:.0f} tok/s before, {tokens / bare_after:.0f} tok/s after")
     print(f"extraction (hf, {params.dtype}): {tokens / extract_seconds:.0f} tok/s "
-          f"(model load {load_seconds:.1f} s excluded), {written / tokens:.0f} bytes/token")
+          f"(model load excluded), {written / tokens:.0f} bytes/token")
     print(f"ratio extraction / bare: {bare / extract_seconds:.3f}")
     print(f"peak RSS: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
 

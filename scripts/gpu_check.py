@@ -124,7 +124,7 @@ def compare_hidden_states(dir_a: Path, dir_b: Path, rows: int, layer_ids: list[i
     import torch
     from safetensors.torch import load_file
 
-    from eaglenest.artifacts.hidden_states import hs_path
+    from eaglenest.artifacts.hidden_states.format import hs_path
 
     results = []
     for slot, layer in enumerate(layer_ids):

@@ -1,6 +1,7 @@
-"""What every test shares: an offline, isolated DVC, the vLLM marker, and the fixture layers
+"""What every test shares: an offline, isolated DVC, Ray on loopback, the vLLM marker, and the fixture layers
 (``tests/fixtures``): tiny models (``models``), then pipelines on them and on the real default verifier
-(``pipeline``), then fakes of servers and engines (``fakes``)."""
+(``pipeline``), a Ray cluster of several nodes on this machine (``cluster``), then fakes of servers and engines
+(``fakes``)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,17 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ("tests.fixtures.models", "tests.fixtures.pipeline")
+pytest_plugins = ("tests.fixtures.models", "tests.fixtures.pipeline", "tests.fixtures.cluster")
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
+# Every Ray cluster of the tests is on this machine: nodes on 127.0.0.1 (read when Ray is first imported, so set
+# before any test imports it), no usage statistics, clients authenticated with a token.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+os.environ["RAY_AUTH_MODE"] = "token"
 
 @pytest.fixture(autouse=True)
 def _isolated_dvc(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:

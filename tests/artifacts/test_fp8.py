@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eaglenest.artifacts.hidden_states import HIDDEN_KEY, SCALES_KEY, TOKENS_KEY, decode_hidden_states, hs_path
+from eaglenest.artifacts.hidden_states.format import HIDDEN_KEY, SCALES_KEY, TOKENS_KEY, decode_hidden_states, hs_path
 from eaglenest.commands.importer import import_dump
 from eaglenest.commands.inspect import inspect_path
 from eaglenest.core.errors import InputFileError

@@ -1,5 +1,6 @@
-"""Hidden-state shards (extract.rows_per_shard > 1): the same rows as per-row files, resume, re-sharding, convert's
-row-level checks, training reads, multi-node parts on shard boundaries."""
+"""Hidden-state shards (extract.rows_per_shard > 1): the same rows as per-row files, written straight into place in
+any order, resume from the unfinished folder, re-sharding, convert's row-level checks and layout from the files,
+training reads, export."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from eaglenest.artifacts.hidden_states import (
+from eaglenest.artifacts.hidden_states.format import (
     ROW_INDEX_KEY,
     hs_path,
     read_shard_row,
@@ -20,10 +21,11 @@ from eaglenest.artifacts.hidden_states import (
     shard_row_index,
     stored_files,
 )
+from eaglenest.artifacts.hidden_states.resume import unfinished_dir
 from eaglenest.core.errors import InputFileError
 from eaglenest.core.params import ConvertParams, ExtractParams, TrainParams
 from eaglenest.stages.convert import convert
-from eaglenest.stages.extract import extract_hidden_states, part_rows
+from eaglenest.stages.extract import extract_hidden_states
 from tests.fixtures.pipeline import pipeline_until_prepare
 
 ROWS = 10
@@ -35,8 +37,13 @@ def prepared(tmp_path: Path, tiny_verifier_dir: Path) -> tuple[Path, Path]:
 
 
 def extract(prepared: tuple[Path, Path], out: Path, rows_per_shard: int = 1, **params) -> dict:
-    """The extract stage; row files unless ``rows_per_shard`` says otherwise (the default packs 256)."""
+    """The extract stage; row files unless ``rows_per_shard`` says otherwise (the default packs 256).
+
+    Each row is its own batch (``batch_tokens`` 16): files of different layouts are compared byte for byte, and a
+    float32 row's bits depend on the shape of the batch it was computed in, which the hf back end plans within a
+    task (a shard, or a group of row files)."""
     verifier_dir, prepared_dir = prepared
+    params.setdefault("batch_tokens", 16)
     return extract_hidden_states(ExtractParams(rows_per_shard=rows_per_shard, **params), verifier_dir, prepared_dir,
                                  out, out.parent / "m.json")
 
@@ -71,27 +78,30 @@ def test_shards_hold_exactly_the_row_files_rows(tmp_path: Path, prepared, dtype:
     assert header["rows_per_shard"] == 4 and header["shard"] == 2 and header["dtype"] == dtype
 
 
-def test_an_interrupted_extraction_keeps_finished_shards_and_row_files(tmp_path: Path, prepared):
+def test_an_interrupted_extraction_keeps_its_finished_shards(tmp_path: Path, prepared):
     fresh = tmp_path / "fresh"
     extract(prepared, fresh, rows_per_shard=4)
     out = tmp_path / "hs"
-    # a run killed after rows 0..4: their row files (as any back end writes them), shard 0 not yet packed
-    extract(prepared, out)
-    for row in range(5, ROWS):
-        hs_path(out, row).unlink()
+    # a run killed while it wrote shard 1: shard 0 finished in the unfinished folder, shard 1 a preallocated
+    # temporary half written; the output itself empty (DVC clears it before a run)
+    unfinished = unfinished_dir(out)
+    unfinished.mkdir(parents=True)
+    (unfinished / "shard_0.safetensors").write_bytes(shard_path(fresh, 0).read_bytes())
+    (unfinished / ".shard_1.safetensors.tmp-99999").write_bytes(shard_path(fresh, 1).read_bytes()[:100])
+    untouched = (unfinished / "shard_0.safetensors").stat().st_mtime_ns
     metrics = extract(prepared, out, rows_per_shard=4)
-    assert metrics["rows_computed"] == 5 and metrics["rows_reused"] == 5
-    assert folder(out) == folder(fresh)  # the same bytes as an uninterrupted run
+    assert metrics["rows_computed"] == 6 and metrics["rows_reused"] == 4
+    assert folder(out) == folder(fresh) and not unfinished.exists()  # the same bytes as an uninterrupted run
+    assert shard_path(out, 0).stat().st_mtime_ns == untouched  # kept, not written again
 
-    # killed while packing shard 1: the shard and its row files both on disk; and shard 2 truncated
-    for row, stored in shard_rows_as_stored(out, 1).items():
-        tokens = stored.pop("token_ids")
-        save_file({**stored, "token_ids": tokens}, hs_path(out, row))
-    data = shard_path(out, 2).read_bytes()
-    shard_path(out, 2).write_bytes(data[:-10])
+    # finished shards in the output (a run outside DVC), and in the unfinished folder a truncated shard 2
+    shard_path(out, 1).unlink()
+    unfinished.mkdir()
+    (unfinished / "shard_2.safetensors").write_bytes(shard_path(out, 2).read_bytes()[:-10])
+    shard_path(out, 2).unlink()
     untouched = shard_path(out, 0).stat().st_mtime_ns
     metrics = extract(prepared, out, rows_per_shard=4)
-    assert metrics["rows_computed"] == 2  # shard 2's rows only
+    assert metrics["rows_computed"] == 6  # shards 1 and 2
     assert folder(out) == folder(fresh) and shard_path(out, 0).stat().st_mtime_ns == untouched
 
 
@@ -143,25 +153,38 @@ def test_convert_names_a_bad_row_by_its_shard_and_skip_excludes_only_that_row(tm
     assert metrics["excluded_rows"] == [6] and metrics["samples"] == ROWS - 1
 
 
-def test_convert_refuses_files_of_another_shard_size_in_one_line(tmp_path: Path, prepared):
+def test_convert_reads_the_layout_from_the_files_and_refuses_a_mixed_folder_in_one_line(tmp_path: Path, prepared):
     verifier_dir, prepared_dir = prepared
-    rows_dir, shards_dir = tmp_path / "rows", tmp_path / "shards"
+    rows_dir, shards_dir, threes = tmp_path / "rows", tmp_path / "shards", tmp_path / "threes"
     extract(prepared, rows_dir)
     extract(prepared, shards_dir, rows_per_shard=4)
-    for hs, size, message in [
-        (rows_dir, 4, r"rows: 10 row files \(hs_\{i\}.safetensors\), written with extract.rows_per_shard = 1, now 4; "
-                      r"run `dvc repro extract`: it re-shards the rows without recomputing them"),
-        (shards_dir, 1, r"shard_0.safetensors: written with extract.rows_per_shard = 4, now 1; run `dvc repro"),
-        (shards_dir, 8, r"shard_0.safetensors: written with extract.rows_per_shard = 4, now 8; run `dvc repro"),
+    extract(prepared, threes, rows_per_shard=3)
+    # the layout is the files': extract.rows_per_shard (here 8) is never read by convert
+    for hs in (rows_dir, shards_dir):
+        metrics = convert(ConvertParams(draft_vocab_size=64), ExtractParams(rows_per_shard=8), verifier_dir,
+                          prepared_dir, hs, tmp_path / "vocab", tmp_path / "data.json")
+        assert metrics["samples"] == ROWS and metrics["excluded"] == 0
+    mixed, sizes = tmp_path / "mixed", tmp_path / "sizes"
+    for folder_, extra in ((mixed, hs_path(rows_dir, 9)), (sizes, shard_path(threes, 3))):
+        folder_.mkdir()
+        for path in stored_files(shards_dir):
+            (folder_ / path.name).write_bytes(path.read_bytes())
+        (folder_ / extra.name).write_bytes(extra.read_bytes())
+    for hs, message in [
+        (mixed, r"mixed: holds 1 row files \(hs_\{i\}.safetensors\) and 3 shards \(shard_\{s\}.safetensors\), two "
+                r"layouts in one folder; run `dvc repro extract` \(it writes the folder anew\)$"),
+        (sizes, r"sizes: shards of different sizes \(shard_3.safetensors: 3 rows, shard_0.safetensors: 4 rows\); run "
+                r"`dvc repro extract`"),
     ]:
         with pytest.raises(InputFileError, match=message) as err:
-            convert(ConvertParams(draft_vocab_size=64, on_bad="skip"), ExtractParams(rows_per_shard=size),
-                    verifier_dir, prepared_dir, hs, tmp_path / "vocab", tmp_path / "data.json")
-        assert "\n" not in str(err.value) and not (tmp_path / "vocab").exists()
-    # the fix the line gives: extract at the new size re-shards without recomputing, then convert passes
-    assert extract(prepared, shards_dir, rows_per_shard=8)["rows_computed"] == 0
-    convert(ConvertParams(draft_vocab_size=64), ExtractParams(rows_per_shard=8), verifier_dir, prepared_dir,
-            shards_dir, tmp_path / "vocab", tmp_path / "data.json")
+            convert(ConvertParams(draft_vocab_size=64, on_bad="skip"), ExtractParams(rows_per_shard=4),
+                    verifier_dir, prepared_dir, hs, tmp_path / "vocab2", tmp_path / "data2.json")
+        assert "\n" not in str(err.value) and not (tmp_path / "vocab2").exists()
+    # the fix the line gives: extract writes the folder of its layout, without recomputing a row, and convert passes
+    assert extract(prepared, sizes, rows_per_shard=4)["rows_computed"] == 0
+    convert(ConvertParams(draft_vocab_size=64), ExtractParams(rows_per_shard=4), verifier_dir, prepared_dir,
+            sizes, tmp_path / "vocab2", tmp_path / "data2.json")
+    assert folder(sizes) == folder(shards_dir)
 
 
 @pytest.mark.parametrize(("change", "message"), [
@@ -203,33 +226,6 @@ def test_training_reads_the_same_rows_from_shards(tmp_path: Path, prepared, tiny
             assert torch.equal(value, from_shards[key]), key
 
 
-def test_parts_start_on_shard_boundaries_and_join(tmp_path: Path, prepared):
-    assert [part_rows(10, rank, 3) for rank in range(3)] == [range(0, 3), range(3, 6), range(6, 10)]
-    assert [part_rows(10, rank, 3, 4) for rank in range(3)] == [range(0, 4), range(4, 8), range(8, 10)]
-    assert [part_rows(10, rank, 2, 4) for rank in range(2)] == [range(0, 4), range(4, 10)]
-    out, fresh = tmp_path / "hs", tmp_path / "fresh"
-    extract(prepared, fresh, rows_per_shard=4)
-    for rank in (1, 0):
-        metrics = extract(prepared, out, rows_per_shard=4, rank=rank, world_size=2)
-        assert metrics["rows"] == (4 if rank == 0 else 6)
-    joined = extract(prepared, out, rows_per_shard=4)
-    assert joined["rows_computed"] == 0 and folder(out) == folder(fresh)
-
-
-def test_more_nodes_than_shards_leave_a_part_empty_and_still_join(tmp_path: Path, prepared, caplog):
-    """10 rows in shards of 8 are 2 shards for 3 nodes: one node gets none, finishes, and the join is whole."""
-    assert [part_rows(10, rank, 3, 8) for rank in range(3)] == [range(0, 0), range(0, 8), range(8, 10)]
-    out, fresh = tmp_path / "hs", tmp_path / "fresh"
-    extract(prepared, fresh, rows_per_shard=8)
-    empty = extract(prepared, out, rows_per_shard=8, rank=0, world_size=3)
-    assert (empty["rows"], empty["files"], empty["bytes_per_token"]) == (0, 0, None)
-    assert "part 0/3 holds no whole shard" in caplog.text
-    for rank in (2, 1):
-        extract(prepared, out, rows_per_shard=8, rank=rank, world_size=3)
-    joined = extract(prepared, out, rows_per_shard=8)
-    assert joined["rows_computed"] == 0 and folder(out) == folder(fresh)
-
-
 def test_export_writes_speculators_layout_equal_to_row_files(tmp_path: Path, prepared, capsys):
     from datasets import load_from_disk
     from hs_connectors import FileTransfer
@@ -259,29 +255,35 @@ def test_export_writes_speculators_layout_equal_to_row_files(tmp_path: Path, pre
     assert "3 shards" in "\n".join(inspect_path(shards_dir))
 
 
-def test_rows_finishing_out_of_order_are_packed_when_their_shard_completes(tmp_path: Path, prepared,
-                                                                           monkeypatch: pytest.MonkeyPatch):
-    """As vLLM's requests finish: each shard appears exactly when the last of its rows is written."""
+def test_rows_finishing_out_of_order_go_straight_to_their_place(tmp_path: Path, prepared,
+                                                                monkeypatch: pytest.MonkeyPatch):
+    """As vLLM's requests finish: each row is written at its offset when it arrives, and the shard appears under its
+    name only once its last row is in; the bytes are those of rows written in order."""
     import eaglenest.stages.extract as extract_stage
+    from eaglenest.stages.extract.hf import HfEngine
 
+    in_order = tmp_path / "in-order"
+    extract(prepared, in_order, rows_per_shard=4)
+    out = tmp_path / "hs"
     seen: list[int] = []
 
-    def out_of_order(job) -> None:
-        order = list(job.todo)
-        random.Random(1).shuffle(order)
-        for row in order:
-            hidden = torch.randn(len(job.input_ids[row]), len(job.verifier.layer_ids), job.verifier.hidden_size)
-            job.write(row, hidden)
-            seen.append(row)
-            for shard in range(3):
-                rows = range(4 * shard, min(4 * shard + 4, ROWS))
-                assert shard_path(job.out_dir, shard).is_file() == all(r in seen for r in rows), (shard, seen)
+    class OutOfOrder(HfEngine):
+        def compute(self, rows, input_ids, write) -> None:
+            computed = {}
+            super().compute(rows, input_ids, lambda row, hidden: computed.__setitem__(row, hidden.clone()))
+            order = list(computed)
+            random.Random(1).shuffle(order)
+            for row in order:
+                write(row, computed[row])
+                seen.append(row)
+                shard = row // 4
+                # the task (this shard) is not finished yet: no file under its name, only the preallocated temporary
+                assert not (unfinished_dir(out) / shard_path(Path(), shard).name).exists()
 
-    monkeypatch.setattr(extract_stage.BACKENDS, "get", lambda name: out_of_order)
-    out = tmp_path / "hs"
+    monkeypatch.setitem(extract_stage.BACKENDS._items, "hf", OutOfOrder)
     metrics = extract(prepared, out, rows_per_shard=4)
-    assert metrics["rows_computed"] == ROWS and [p.name for p in stored_files(out)] == [
-        f"shard_{s}.safetensors" for s in range(3)]
+    assert metrics["rows_computed"] == ROWS and sorted(seen) == list(range(ROWS)) and seen != sorted(seen)
+    assert folder(out) == folder(in_order)
 
 
 def test_an_unreadable_shard_is_removed_whatever_the_shard_size(tmp_path: Path, prepared):

@@ -104,9 +104,26 @@ def test_aux_layers_sorted():
 
 
 def test_a_bad_combination_is_reported_next_to_an_unrelated_bad_value():
-    text = "\n".join(problems({"extract": {"rank": 5, "batch_tokens": "x"}}))
+    text = "\n".join(problems({"extract": {"import_path": "x", "batch_tokens": "x"}}))
     assert "extract.batch_tokens = 'x': Input should be a valid integer" in text
-    assert "extract.rank = 5 must be < extract.world_size = 1" in text
+    assert "extract.import_path = 'x' is only read by extract.backend: import" in text
+
+
+def test_cluster_params_name_what_is_allowed():
+    """Where the work runs: every bad value in one report; the removed static parts say what replaced them."""
+    lines = problems({"cluster": {"executor": "slurm", "address": "head-node", "workers": 0, "max_task_retries": 0},
+                      "extract": {"rank": 1, "world_size": 2}})
+    assert lines[0] == "params.yaml: 6 invalid params values"
+    assert "  - cluster.executor = 'slurm': Input should be 'local' or 'ray'" in lines
+    assert ("  - cluster.address = 'head-node': allowed: 'local', 'auto' or host:port (the head's GCS port, 6379 by "
+            "default)") in lines
+    assert "  - cluster.workers = 0: must be >= 1, or 'auto'" in lines
+    assert "  - cluster.max_task_retries = 0: Input should be greater than or equal to 1" in lines
+    for key in ("rank", "world_size"):
+        assert (f"  - extract.{key}: removed; use cluster.executor: ray, which shares the shards over the nodes of a "
+                "Ray cluster (docs/scale-out.md)") in lines
+    cluster = parse_params({"cluster": {"executor": "ray", "address": "10.0.0.1:6379", "workers": 16}}).cluster
+    assert (cluster.address, cluster.workers, cluster.output) == ("10.0.0.1:6379", 16, "driver")
 
 
 def test_tensor_parallelism_needs_a_vllm_back_end_in_every_stage():

@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 import eaglenest.core.atomic as atomic
-from eaglenest.artifacts.hidden_states import stored_files
+from eaglenest.artifacts.hidden_states.format import stored_files
+from eaglenest.artifacts.hidden_states.resume import unfinished_dir
 from eaglenest.artifacts.vocab import load_vocab
 from eaglenest.core.atomic import TMP_MARKER, atomic_write_bytes
 from eaglenest.core.errors import EaglenestError, InputFileError, ParamsError
@@ -132,29 +133,36 @@ def test_read_only_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 
 def test_disk_full_during_extraction_then_rerun(tmp_path: Path, tiny_verifier_dir: Path,
                                                 monkeypatch: pytest.MonkeyPatch):
+    """The disk fills up while shard 3 is written: one line naming it, no temporary left, shards 0-2 kept for the
+    rerun, which computes only the rest."""
+    from eaglenest.artifacts.hidden_states import layout
+    from eaglenest.artifacts.hidden_states.resume import unfinished_dir
     from eaglenest.core.params import ExtractParams
     from eaglenest.stages.extract import extract_hidden_states
     from tests.fixtures.pipeline import pipeline_until_prepare
 
     verifier_dir, prepared = pipeline_until_prepare(tmp_path, tiny_verifier_dir, rows=10)
-    real_open, writes = open, {"n": 0}
+    real_pwrite, writes = os.pwrite, {"n": 0}
+    per_shard = 5  # header, token ids, row index, and 2 rows' hidden states
 
-    def fills_up(path, mode="r", *args, **kwargs):
-        if "w" in mode:
-            writes["n"] += 1
-            if writes["n"] > 3:
-                raise OSError(errno.ENOSPC, "No space left on device")
-        return real_open(path, mode, *args, **kwargs)
+    def fills_up(fd, data, offset):
+        writes["n"] += 1
+        if writes["n"] > 3 * per_shard:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwrite(fd, data, offset)
 
-    monkeypatch.setattr(atomic, "open", fills_up, raising=False)
+    monkeypatch.setattr(layout.os, "pwrite", fills_up)
     out = tmp_path / "hs"
-    with pytest.raises(EaglenestError, match=r"could not write .*hs_\d+.safetensors: No space left on device"):
-        extract_hidden_states(ExtractParams(batch_tokens=32), verifier_dir, prepared, out, tmp_path / "m.json")
-    assert len(list(out.glob("hs_*.safetensors"))) == 3
-    assert not [p for p in out.iterdir() if TMP_MARKER in p.name]
+    params = ExtractParams(batch_tokens=32, rows_per_shard=2)
+    with pytest.raises(EaglenestError, match=r"^could not write .*hs.unfinished/shard_3.safetensors: No space left on "
+                                             r"device \(nothing was left under that name\)$"):
+        extract_hidden_states(params, verifier_dir, prepared, out, tmp_path / "m.json")
+    unfinished = unfinished_dir(out)
+    assert sorted(p.name for p in unfinished.iterdir()) == ["earlier", *[f"shard_{s}.safetensors" for s in range(3)]]
+    assert not [p for p in unfinished.rglob("*") if TMP_MARKER in p.name] and not list(out.iterdir())
     monkeypatch.undo()
-    metrics = extract_hidden_states(ExtractParams(batch_tokens=32), verifier_dir, prepared, out, tmp_path / "m.json")
-    assert metrics["rows_reused"] == 3 and metrics["rows_computed"] == 7
+    metrics = extract_hidden_states(params, verifier_dir, prepared, out, tmp_path / "m.json")
+    assert metrics["rows_reused"] == 6 and metrics["rows_computed"] == 4 and not unfinished.exists()
 
 
 def test_out_of_memory_says_which_param_to_lower(tmp_path: Path, tiny_verifier_dir: Path,
@@ -328,9 +336,12 @@ def test_kill_9_during_extract_and_train_five_times_each(tiny_pipeline: SharedPi
 
     shutil.rmtree(hs_dir)  # extract again from an empty folder, killed 5 times
 
-    def new_hidden_state_file():  # a row file, or a shard packed from row files
-        before = len(stored_files(hs_dir)) if hs_dir.is_dir() else 0
-        return lambda: hs_dir.is_dir() and len(stored_files(hs_dir)) > before
+    def finished_shards() -> int:  # waiting in the unfinished folder, or moved into the output at the end
+        return len(stored_files(hs_dir)) + len(stored_files(unfinished_dir(hs_dir)))
+
+    def new_hidden_state_file():  # a shard finished since the stage started
+        before = finished_shards()
+        return lambda: finished_shards() > before
 
     def fewer_hidden_states():  # a run finished uninterrupted: take half the shards away and go on
         for path in stored_files(hs_dir)[::2]:
@@ -339,6 +350,7 @@ def test_kill_9_during_extract_and_train_five_times_each(tiny_pipeline: SharedPi
     kill_five_times(repo, "extract", new_hidden_state_file, fewer_hidden_states, rng)
     dvc(["repro", "extract"], repo)
     assert {p.name: p.read_bytes() for p in hs_dir.iterdir()} == reference_hs  # bit-identical, nothing extra
+    assert not unfinished_dir(hs_dir).exists()
 
     checkpoints = repo / ".eaglenest/train-checkpoints"
     shutil.rmtree(draft)  # train again, killed 5 times, each time after a newer checkpoint was written

@@ -27,9 +27,9 @@ DOCS = REPO / "docs"
 # Shell commands in README.md and docs/ that need a GPU, several nodes, a running server or minutes of a pipeline,
 # so are not run or parsed here: each says what stands in for the check. Every entry must still appear (tested).
 UNCHECKED = {
-    "sbatch": "submits to Slurm; tests/stages/train/test_elastic.py runs the script with stand-ins for srun and "
-    "scontrol and checks it runs the line `eaglenest train-launch --print` prints on every node",
-    "python stages/extract.py": "one part on a node; tests/stages/extract/test_multinode.py runs two at once",
+    "sbatch": "submits to Slurm; tests/stages/train/test_elastic.py runs train.sbatch with stand-ins for srun and "
+    "scontrol and checks it runs the line `eaglenest train-launch --print` prints on every node, and "
+    "tests/project/test_cluster_launchers.py checks slurm.sbatch parses and runs one dvc repro on the head",
     "python -m vllm.entrypoints.openai.api_server": "starts vLLM's server; `eaglenest serve --print-command` "
     "prints it and tests/commands/test_serve.py checks the line",
 }
@@ -145,6 +145,11 @@ def check_command(command: str) -> str | None:
     if head == "source":
         return None if words[1:] == [".venv/bin/activate"] and "VENV := .venv" in (REPO / "Makefile").read_text() \
             else "not the environment make setup creates"
+    if head in ("sbatch", "kubectl"):
+        # a cluster launcher (tests/project/test_cluster_launchers.py checks the files): it must be one of ours
+        launchers = [w for w in words[1:] if w.startswith("scripts/cluster/")]
+        ours = launchers and all((REPO / w).is_file() for w in launchers)
+        return None if ours else "not a launcher of scripts/cluster/"
     if head in ("python", ".venv/bin/python") and words[1].startswith(("scripts/", "bench/")):
         # a script or benchmark: it must exist (its flags are its own; the benchmarks take minutes to run)
         return None if (REPO / words[1]).is_file() else f"{words[1]} does not exist"
@@ -190,6 +195,7 @@ def test_readme_and_docs_commands_work():
     ("dvc exp run -S train.lrr=3e-4", "unknown key"),
     ("dvc exp run -S train.lr=2", "less than or equal to 1"),
     ("dvc metrics difff main", "refuses"),
+    ("sbatch scripts/cluster/slurm.sh", "not a launcher"),
 ])
 def test_a_broken_readme_command_is_caught(command: str, problem: str):
     assert problem in (check_command(command) or "")

@@ -19,10 +19,10 @@ DESCRIPTION = (
 EPILOG = "`eaglenest COMMAND --help` describes each command. Reference: docs/cli.md and docs/params.md."
 
 
-def _doctor(_args: argparse.Namespace) -> int:
+def _doctor(args: argparse.Namespace) -> int:
     from eaglenest.commands.doctor import doctor
 
-    return doctor()
+    return doctor(args.params)
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -147,8 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_command = _command_adder(commands)
     doctor = add_command(
-        "doctor", help="check the interpreter, the installed packages and the device"
+        "doctor", help="check the interpreter, the installed packages, the device and the cluster the work runs on"
     )
+    doctor.add_argument("--params", type=Path, default=None,
+                        help="params file whose cluster section is checked (default: the project's params.yaml)")
     doctor.set_defaults(func=_doctor)
 
     inspect = add_command(

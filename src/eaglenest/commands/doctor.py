@@ -1,4 +1,5 @@
-"""``eaglenest doctor``: the interpreter, the installed packages, the device and the vLLM build, in one report."""
+"""``eaglenest doctor``: the interpreter, the installed packages, the device, the vLLM build and the cluster the
+row-parallel work would run on (``cluster`` in params.yaml), in one report."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 from eaglenest.core.environment import FIX, find_project_root, missing_modules, package_version
 
 # Reported by `eaglenest doctor`; vLLM is reported on its own line (build and device), see doctor_vllm.
-DOCTOR_PACKAGES = ("torch", "transformers", "speculators", "dvc", "dvclive", "datasets")
+DOCTOR_PACKAGES = ("torch", "transformers", "speculators", "dvc", "dvclive", "datasets", "ray")
 
 
 def doctor_vllm() -> str | None:
@@ -43,8 +44,30 @@ def doctor_vllm() -> str | None:
     return None
 
 
-def doctor() -> int:
-    """Prints the environment report; returns 0 if everything required is there, else 1."""
+def doctor_cluster(params_file: Path | None) -> str | None:
+    """Prints where ``cluster.executor`` would run the row-parallel work (a Ray cluster: its nodes, CPUs and GPUs,
+    asked of the cluster itself); returns why it cannot, or None."""
+    from eaglenest.core.errors import EaglenestError
+    from eaglenest.core.executor import describe_cluster
+    from eaglenest.core.params import load_params
+
+    if params_file is None or not params_file.is_file():
+        print(f"cluster: no params file{f' at {params_file}' if params_file else ''}; the stages run in one process")
+        return None
+    try:
+        lines = describe_cluster(load_params(params_file).cluster)
+    except EaglenestError as err:
+        return str(err)
+    print("\n".join(lines))
+    return None
+
+
+def doctor(params_file: Path | None = None) -> int:
+    """Prints the environment report; returns 0 if everything required is there, else 1.
+
+    Args:
+        params_file: The params file whose ``cluster`` section is reported; None: the project's params.yaml.
+    """
     print(f"interpreter: {sys.executable} (Python {sys.version.split()[0]})")
     root = find_project_root()
     project_venv = root / ".venv" if root else None
@@ -80,6 +103,11 @@ def doctor() -> int:
         if problem:
             print(f"error: {problem}", file=sys.stderr)
             return 1
+        if "ray" not in missing:
+            problem = doctor_cluster(params_file or (root / "params.yaml" if root else None))
+            if problem:
+                print(f"error: {problem}", file=sys.stderr)
+                return 1
     print(f"HF_HUB_OFFLINE: {os.environ.get('HF_HUB_OFFLINE', 'unset')}")
     if missing:
         print(f"error: {sys.executable} lacks {', '.join(missing)}; fix: {FIX}", file=sys.stderr)

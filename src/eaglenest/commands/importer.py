@@ -26,14 +26,14 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from eaglenest.artifacts.hidden_states import (
+from eaglenest.artifacts.hidden_states.format import (
     HIDDEN_KEY,
     SCALES_KEY,
     TOKENS_KEY,
     decode_hidden_states,
     hs_path,
-    write_hidden_states,
 )
+from eaglenest.artifacts.hidden_states.layout import write_hidden_states
 from eaglenest.artifacts.prepared import write_prepared_into
 from eaglenest.core.atomic import atomic_directory
 from eaglenest.core.errors import InputFileError

@@ -14,15 +14,16 @@ from typing import Any
 
 import torch
 
-from eaglenest.artifacts.hidden_states import (
+from eaglenest.artifacts.hidden_states.format import (
     HIDDEN_KEY,
-    MANIFEST_FILE,
     ROW_INDEX_KEY,
     SCALES_KEY,
     TOKENS_KEY,
     decode_hidden_states,
     read_shard_row,
+    shard_number,
 )
+from eaglenest.artifacts.hidden_states.online import MANIFEST_FILE
 from eaglenest.core.errors import InputFileError
 from eaglenest.core.safetensors_header import read_header
 
@@ -211,7 +212,7 @@ def describe_folder(path: Path) -> list[str]:
                 dtype, shape = header.tensors[HIDDEN_KEY]
                 shapes[f"{dtype} [seq, {', '.join(map(str, shape[1:]))}]"] += 1
                 tokens += shape[0] if shape else 0
-        shards = sum(1 for file in safetensors if file.name.startswith("shard_"))
+        shards = sum(1 for file in safetensors if shard_number(file) is not None)
         lines.append(f"summary of {len(safetensors)} safetensors files{f' ({shards} shards)' if shards else ''}: "
                      f"{size:,} bytes, {tokens:,} tokens, {bad} unreadable or truncated")
         lines += [f"  {HIDDEN_KEY} {shape}: {count} files" for shape, count in shapes.items()]

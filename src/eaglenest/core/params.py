@@ -82,6 +82,11 @@ MOVED_KEYS = {
     "evaluate.max_new_tokens": "evaluate.sets (each set's max_new_tokens)",
     "evaluate.temperature": "evaluate.sets (each set's temperature)",
 }
+# Keys that are gone, answered with what replaces them.
+REMOVED_KEYS = {
+    f"extract.{key}": "removed; use cluster.executor: ray, which shares the shards over the nodes of a Ray cluster "
+    "(docs/scale-out.md)" for key in ("rank", "world_size")
+}
 
 
 def width_needs_vllm(values: dict[str, Any], section: str, engine_key: str, backend_key: str) -> list[str]:
@@ -357,11 +362,12 @@ class ExtractParams(StrictModel):
         default=256,
         ge=1,
         description=(
-            "store: files: consecutive rows packed into one shard_{s}.safetensors once all of them are computed "
-            "(DVC pays per file on every status, push and pull; docs/scale.md measures it). 1 keeps one "
-            "hs_{i}.safetensors per row: the layout vLLM's connector writes and `speculators train` reads "
-            "(`eaglenest export` writes it from shards). A change re-shards the rows already computed without "
-            "recomputing them; multi-node parts start on a shard. store: online stores nothing and ignores it."
+            "store: files: consecutive rows stored in one shard_{s}.safetensors (DVC pays per file on every status, "
+            "push and pull; docs/scale.md measures it). A shard is the unit of work (one task of cluster.executor) "
+            "and of resuming: its rows are computed together and written straight into their places in the file, "
+            "which appears complete or not at all. 1 keeps one hs_{i}.safetensors per row: the layout vLLM's "
+            "connector writes and `speculators train` reads (`eaglenest export` writes it from shards); a task then "
+            "holds 64 consecutive rows. store: online stores nothing and ignores it."
         ),
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
@@ -373,16 +379,11 @@ class ExtractParams(StrictModel):
         "bfloat16); the files are stored in extract.dtype either way.",
     )
     max_num_seqs: int = Field(default=64, ge=1, description="vllm back end: rows in flight at once.")
-    rank: int = Field(default=0, ge=0, description="This node's part of the row range (0..world_size-1).")
-    world_size: int = Field(default=1, ge=1, description="Nodes sharing the extraction, each a contiguous part.")
 
     @staticmethod
     def consistency_problems(values: dict[str, Any]) -> list[str]:
         """Bad combinations of otherwise valid values, one line each (values of a wrong type are skipped)."""
         problems = []
-        rank, world_size = values.get("rank"), values.get("world_size")
-        if isinstance(rank, int) and isinstance(world_size, int) and rank >= world_size >= 1:
-            problems.append(f"extract.rank = {rank} must be < extract.world_size = {world_size}")
         backend, import_path = values.get("backend"), values.get("import_path")
         problems += width_needs_vllm(values, "extract", "vllm", "backend")
         if backend == "import" and not import_path:
@@ -392,18 +393,11 @@ class ExtractParams(StrictModel):
                 f"extract.import_path = {import_path!r} is only read by extract.backend: import; "
                 "remove it or switch the back end"
             )
-        if values.get("store") == "online":
-            if backend != "hf":
-                problems.append(
-                    f"extract.store: online computes hidden states inside the train stage with transformers; "
-                    f"extract.backend: {backend} cannot (set extract.backend: hf, or extract.store: files)"
-                )
-            if isinstance(world_size, int) and world_size > 1:
-                problems.append(
-                    f"extract.store: online stores nothing to split across nodes (extract.world_size = "
-                    f"{world_size}); set extract.world_size: 1 and share the work with train.nproc (each process "
-                    "computes its batches)"
-                )
+        if values.get("store") == "online" and backend != "hf":
+            problems.append(
+                f"extract.store: online computes hidden states inside the train stage with transformers; "
+                f"extract.backend: {backend} cannot (set extract.backend: hf, or extract.store: files)"
+            )
         if backend == "vllm" and values.get("device") != "auto":
             problems.append(
                 f"extract.device = {values.get('device')!r} is read by the hf back end only; vllm runs where its "
@@ -863,9 +857,54 @@ def node_plan(nproc: int, min_nodes: int, max_nodes: int | None, nproc_per_node:
     return min_nodes, most, nproc_per_node
 
 
+CLUSTER_ADDRESS_FORMS = "'local', 'auto' or host:port"
+
+
 class ClusterParams(StrictModel):
-    """``cluster:`` — where and how the stages run. No stage depends on it (dvc.yaml lists no cluster key), so a
-    change here re-runs nothing."""
+    """``cluster:`` — where the stages run: the row-parallel work (prepare's regeneration, extract) and the train
+    stage's launcher; never what they produce.
+
+    No stage lists this section as a params dependency in dvc.yaml: switching executors re-runs nothing, and
+    both executors write the same bytes (docs/scale-out.md).
+    """
+
+    executor: Literal["local", "ray"] = Field(
+        default="local",
+        description="'local': one process on this machine runs every task in turn; 'ray': a pool of Ray actors, "
+        "each holding one engine (an hf model or a vLLM engine), runs the tasks (extract: one shard each; "
+        "regeneration: one batch each), and a task of an actor that dies is run again by another.",
+    )
+    address: str = Field(
+        default="local",
+        description="executor: ray: 'local' starts a Ray cluster on this machine for the stage (on 127.0.0.1 only); "
+        "'auto' joins the cluster this runs in (`ray start`, SLURM, KubeRay; or RAY_ADDRESS); host:port joins the "
+        "cluster whose head listens there.",
+    )
+    workers: int | Literal["auto"] = Field(
+        default="auto",
+        description="executor: ray: engines (actors) to start; 'auto' is as many as the cluster's nodes hold: "
+        "per node its GPUs // the engine's tensor_parallel_size, or on nodes without GPUs its CPUs // "
+        "cluster.cpus_per_worker.",
+    )
+    cpus_per_worker: int = Field(
+        default=1, ge=1,
+        description="executor: ray: CPUs each engine reserves (its torch threads) where it runs on CPUs; an engine "
+        "on GPUs reserves 1 CPU per GPU.",
+    )
+    max_task_retries: int = Field(
+        default=3, ge=1,
+        description="executor: ray: tries per task (an actor that dies, or an error) before the stage stops, naming "
+        "the task and the error; a problem of the data itself (a checked error) stops it at once. Finished tasks "
+        "are kept, and the next run continues.",
+    )
+    output: Literal["driver", "shared"] = Field(
+        default="driver",
+        description="executor: ray, extract: how finished shards reach data/hidden_states. 'driver': returned "
+        "through Ray to this process, which writes them (no shared filesystem needed; the head holds a shard in "
+        "memory while it writes it). 'shared': each worker writes its shards straight into the output's "
+        "unfinished folder, which must be on a filesystem every node mounts at the same path (terabyte jobs, "
+        "where shards are tens of GB).",
+    )
 
     torchrun: TorchrunParams = Field(
         default_factory=TorchrunParams,
@@ -880,6 +919,23 @@ class ClusterParams(StrictModel):
         if isinstance(torchrun, TorchrunParams):
             torchrun = torchrun.model_dump()
         return TorchrunParams.consistency_problems(torchrun) if isinstance(torchrun, dict) else []
+
+    @field_validator("address")
+    @classmethod
+    def _address_form(cls, value: str) -> str:
+        if value in ("local", "auto"):
+            return value
+        host, _, port = value.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"allowed: {CLUSTER_ADDRESS_FORMS} (the head's GCS port, 6379 by default)")
+        return value
+
+    @field_validator("workers")
+    @classmethod
+    def _positive_workers(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 1:
+            raise ValueError("must be >= 1, or 'auto'")
+        return value
 
 
 def world_size_problems(nproc: Any, torchrun: dict[str, Any]) -> list[str]:
@@ -906,7 +962,7 @@ def world_size_problems(nproc: Any, torchrun: dict[str, Any]) -> list[str]:
 
 
 class Params(StrictModel):
-    """The whole params.yaml: one section per stage, and ``cluster`` (how they run)."""
+    """The whole params.yaml: one section per stage, and ``cluster`` (where and how they run)."""
 
     verifier: VerifierParams = Field(default_factory=VerifierParams, description="The verifier stage.")
     prepare: PrepareParams = Field(default_factory=PrepareParams, description="The prepare stage.")
@@ -916,7 +972,8 @@ class Params(StrictModel):
     evaluate: EvaluateParams = Field(default_factory=EvaluateParams, description="The evaluate stage.")
     cluster: ClusterParams = Field(
         default_factory=ClusterParams,
-        description="Where and how the stages run (no stage's params dependency: a change re-runs nothing).",
+        description="Where and how the stages run: this process or a Ray cluster for regeneration and extract, "
+        "torchrun's elastic launcher for train (no stage's params dependency: a change re-runs nothing).",
     )
 
     @staticmethod
@@ -977,6 +1034,9 @@ def format_validation_error(err: ValidationError, source: str, model: type[BaseM
         if problem["type"] == "extra_forbidden":
             if key in MOVED_KEYS:
                 lines.append(f"{key} moved to {MOVED_KEYS[key]}")
+                continue
+            if key in REMOVED_KEYS:
+                lines.append(f"{key}: {REMOVED_KEYS[key]}")
                 continue
             allowed = _allowed_keys(model, loc)
             hint = f" (allowed: {', '.join(allowed)})" if allowed else ""

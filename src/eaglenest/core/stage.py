@@ -3,9 +3,8 @@
 A stage package (``eaglenest.stages.<name>``) defines ``STAGE = Stage(name, paths, run)``:
 
 * ``paths`` is a frozen dataclass of where dvc.yaml puts the stage's inputs and outputs. Each field made with
-  :func:`path_arg` becomes a required ``--<field-name>`` option of the script (underscores as dashes), each made
-  with :func:`int_option` an optional integer one (the few command-line overrides a stage takes, such as a
-  node's part); fields without either are not on the command line (their defaults serve tests).
+  :func:`path_arg` becomes a required ``--<field-name>`` option of the script (underscores as dashes); fields
+  without it are not on the command line (their defaults serve tests).
 * ``run(params, paths) -> metrics`` gets the whole typed params file, so a stage reads ``params.extract.dtype``
   itself, and returns the metrics it wrote (empty for a stage without metrics).
 
@@ -41,11 +40,6 @@ def path_arg(help_text: str) -> Any:
     return dataclasses.field(metadata={_HELP: help_text, _KIND: "path"})
 
 
-def int_option(help_text: str) -> Any:
-    """A paths-dataclass field that the command line may set as ``--<name> N`` (default None)."""
-    return dataclasses.field(default=None, metadata={_HELP: help_text, _KIND: "int"})
-
-
 @dataclass(frozen=True)
 class Stage(Generic[P]):
     """One pipeline stage.
@@ -53,7 +47,7 @@ class Stage(Generic[P]):
     Attributes:
         name: The stage's name in dvc.yaml ("train"), shown in every message.
         description: One line: what the stage does (the script's ``--help``).
-        paths: The frozen dataclass of the stage's paths and command-line options.
+        paths: The frozen dataclass of the stage's paths.
         run: ``(params, paths) -> metrics``: the stage's work.
     """
 
@@ -64,7 +58,7 @@ class Stage(Generic[P]):
 
 
 def stage_parser(stage: Stage[Any]) -> argparse.ArgumentParser:
-    """The stage script's parser: ``--params`` plus one option per :func:`path_arg` / :func:`int_option` field."""
+    """The stage script's parser: ``--params`` plus one option per :func:`path_arg` field."""
     parser = argparse.ArgumentParser(prog=f"stages/{stage.name}.py", description=stage.description)
     parser.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
     for field in dataclasses.fields(stage.paths):
@@ -72,8 +66,6 @@ def stage_parser(stage: Stage[Any]) -> argparse.ArgumentParser:
         option = "--" + field.name.replace("_", "-")
         if kind == "path":
             parser.add_argument(option, dest=field.name, type=Path, required=True, help=field.metadata[_HELP])
-        elif kind == "int":
-            parser.add_argument(option, dest=field.name, type=int, help=field.metadata[_HELP])
     return parser
 
 

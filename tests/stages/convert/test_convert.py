@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eaglenest.artifacts.hidden_states import hs_path
+from eaglenest.artifacts.hidden_states.format import hs_path
 from eaglenest.artifacts.vocab import load_vocab
 from eaglenest.commands.cli import main as cli_main
 from eaglenest.commands.importer import import_dump

@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eaglenest.artifacts.hidden_states import check_header, hs_path
+from eaglenest.artifacts.hidden_states.format import check_header, hs_path
 from eaglenest.artifacts.prepared import load_split
 from eaglenest.core.errors import EaglenestError, ParamsError
 from eaglenest.core.params import ExtractParams, parse_params
-from eaglenest.stages.extract import extract_hidden_states, part_rows
+from eaglenest.stages.extract import extract_hidden_states
 from eaglenest.stages.extract.hf import length_sorted_batches
 from tests.fixtures.models import build_tiny_tokenizer, build_tiny_verifier
 from tests.fixtures.pipeline import pipeline_until_prepare, stored_row
@@ -130,7 +130,7 @@ def test_changed_dtype_recomputes_everything(tmp_path: Path, tiny_verifier_dir: 
     out = tmp_path / "hs"
     extract_hidden_states(ExtractParams(dtype="bfloat16", rows_per_shard=1), verifier_dir, prepared, out,
                           tmp_path / "m.json")
-    with caplog.at_level("INFO", logger="eaglenest.stages.extract"):
+    with caplog.at_level("INFO", logger="eaglenest"):
         metrics = extract_hidden_states(ExtractParams(dtype="float32", rows_per_shard=1), verifier_dir, prepared, out,
                                         tmp_path / "m.json")
     assert metrics["rows_computed"] == metrics["rows"] == 10
@@ -156,10 +156,18 @@ def test_row_longer_than_context_is_refused_with_its_index(tmp_path: Path):
         extract_hidden_states(ExtractParams(), verifier_dir, prepared, tmp_path / "hs", tmp_path / "m.json")
 
 
-def test_parts_cover_every_row_once():
-    parts = [list(part_rows(10, rank, 3)) for rank in range(3)]
-    assert sorted(sum(parts, [])) == list(range(10))
-    assert all(parts)
+def test_a_token_outside_the_vocabulary_is_refused_before_any_work(tmp_path: Path, tiny_verifier_dir: Path):
+    """Prepared with another tokenizer: one line naming the row, not an index error from inside torch."""
+    from eaglenest.artifacts.prepared import write_prepared
+
+    verifier_dir, _ = pipeline_until_prepare(tmp_path, tiny_verifier_dir)
+    prepared = tmp_path / "other"
+    write_prepared(prepared, [[5, 6, 7], [8, 4000, 9]], [[0, 1, 1], [0, 1, 1]], 1, [])
+    with pytest.raises(EaglenestError, match=r"^prepared row 1 holds token id 4000, outside the verifier's vocabulary "
+                                             r"of \d+ \(1 rows in all\); was data/prepared written with another "
+                                             r"tokenizer\? `dvc repro prepare`$"):
+        extract_hidden_states(ExtractParams(), verifier_dir, prepared, tmp_path / "hs", tmp_path / "m.json")
+    assert not (tmp_path / "hs").exists()
 
 
 def test_batches_are_length_sorted_and_bounded():
@@ -175,7 +183,9 @@ def test_bad_flag_combinations_are_refused():
     with pytest.raises(ParamsError) as info:
         parse_params({"extract": {"backend": "hf", "vllm": {"tensor_parallel_size": 2}, "rank": 2, "world_size": 2}})
     text = str(info.value)
-    assert "extract.rank = 2 must be < extract.world_size = 2" in text
+    # the static parts of multi-node extraction are gone: the keys say what replaced them
+    assert "extract.world_size: removed; use cluster.executor: ray, which shares the shards over the nodes" in text
+    assert "extract.rank: removed; use cluster.executor: ray" in text
     assert "extract.vllm.tensor_parallel_size = 2 needs extract.backend: vllm" in text
     with pytest.raises(ParamsError, match=r"extract.backend: import needs extract.import_path"):
         parse_params({"extract": {"backend": "import"}})

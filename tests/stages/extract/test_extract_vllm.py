@@ -1,4 +1,4 @@
-"""The vllm extract back end without a GPU: the LLM arguments it builds, and the staged-file move."""
+"""The vllm extract back end without a GPU: the LLM arguments it builds, and each staged file into its place."""
 
 from __future__ import annotations
 
@@ -11,17 +11,18 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eaglenest.artifacts.hidden_states import hs_path
+from eaglenest.artifacts.hidden_states.format import file_metadata, hs_path
+from eaglenest.artifacts.hidden_states.layout import file_layout, shard_plan
 from eaglenest.artifacts.verifier import load_verifier_info
 from eaglenest.core.errors import EaglenestError
 from eaglenest.core.params import ExtractParams, VllmEngineParams
 from eaglenest.core.vllm_support import VllmBuild
 from eaglenest.stages.extract import extract_hidden_states
-from eaglenest.stages.extract.job import ExtractionJob
+from eaglenest.stages.extract.job import EngineSettings, ExtractTask, run_extract_task
 from eaglenest.stages.extract.vllm import (
     WAVES_PER_CALL,
+    VllmExtractEngine,
     build_llm_kwargs,
-    extract_with_vllm,
     read_staged,
     staging_dir_for,
 )
@@ -57,20 +58,32 @@ class FakeEngine:
         return files
 
 
-def make_job(tmp_path: Path, tiny_verifier_dir: Path, max_num_seqs: int = 64) -> tuple[ExtractionJob, Path]:
-    verifier_dir, prepared = pipeline_until_prepare(tmp_path, tiny_verifier_dir)
-    verifier, model_dir = load_verifier_info(verifier_dir)
-    from datasets import load_from_disk
+class Job:
+    """The engine's settings, every row's tokens, and the task of writing every row's file into ``out``."""
 
-    input_ids = load_from_disk(str(prepared)).data.column("input_ids").to_pylist()
-    out = tmp_path / "data" / "hidden_states"
-    out.mkdir(parents=True)
-    job = ExtractionJob(verifier=verifier, model_dir=model_dir,
-                        params=ExtractParams(backend="vllm",
-                                             vllm=VllmEngineParams(tensor_parallel_size=2, gpu_memory_utilization=0.5),
-                                             max_num_seqs=max_num_seqs),
-                        out_dir=out, todo=list(range(len(input_ids))), input_ids=input_ids)
-    return job, prepared
+    def __init__(self, tmp_path: Path, tiny_verifier_dir: Path, max_num_seqs: int = 64) -> None:
+        verifier_dir, _ = pipeline_until_prepare(tmp_path, tiny_verifier_dir)
+        verifier, model_dir = load_verifier_info(verifier_dir)
+        from datasets import load_from_disk
+
+        self.input_ids = load_from_disk(str(tmp_path / "data" / "prepared")).data.column("input_ids").to_pylist()
+        self.out = tmp_path / "data" / "hidden_states"
+        self.settings = EngineSettings(
+            verifier, model_dir,
+            ExtractParams(backend="vllm", vllm=VllmEngineParams(tensor_parallel_size=2, gpu_memory_utilization=0.5),
+                          max_num_seqs=max_num_seqs),
+            max(len(ids) for ids in self.input_ids), staging=staging_dir_for(self.out))
+        metadata = file_metadata("c", verifier.layer_ids, "bfloat16", "vllm")
+        layouts = tuple(file_layout(spec, [self.input_ids[spec.number]], len(verifier.layer_ids),
+                                    verifier.hidden_size, "bfloat16", metadata)
+                        for spec in shard_plan(len(self.input_ids), 1))
+        self.task = ExtractTask(layouts, "bfloat16", self.out)
+        self.rows = list(range(len(self.input_ids)))
+
+    def engine(self, engines: list[FakeEngine] | None = None, **fake: bool) -> VllmExtractEngine:
+        engines = [] if engines is None else engines
+        return VllmExtractEngine(self.settings, engine_factory=lambda kwargs: engines.append(
+            FakeEngine(kwargs, **fake)) or engines[-1])
 
 
 @pytest.mark.parametrize("kind", ["cpu", "gpu"])
@@ -78,8 +91,8 @@ def test_llm_arguments(tmp_path: Path, tiny_verifier_dir: Path, monkeypatch: pyt
                        native_bf16: None):
     monkeypatch.setattr("eaglenest.core.vllm_support.installed_build", lambda: VllmBuild(kind, "vllm", "0"))
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
-    job, _ = make_job(tmp_path, tiny_verifier_dir)
-    kwargs = build_llm_kwargs(job, tmp_path / "stage")
+    job = Job(tmp_path, tiny_verifier_dir)
+    kwargs = build_llm_kwargs(job.settings, tmp_path / "stage")
     assert kwargs["model"] == str(tiny_verifier_dir)
     assert kwargs["speculative_config"] == {
         "method": "extract_hidden_states",
@@ -108,35 +121,36 @@ def test_staging_is_a_sibling_outside_the_output(tmp_path: Path):
     assert staging_dir_for(out) == tmp_path / "data" / "hidden_states.vllm-staging"
 
 
-def test_staged_files_are_moved_into_the_layout(tmp_path: Path, tiny_verifier_dir: Path):
-    job, _ = make_job(tmp_path, tiny_verifier_dir)
-    engines = []
-    extract_with_vllm(job, engine_factory=lambda kwargs: engines.append(FakeEngine(kwargs)) or engines[-1])
-    for row in job.todo:
-        data = load_file(hs_path(job.out_dir, row))
+def test_staged_files_go_into_the_layout(tmp_path: Path, tiny_verifier_dir: Path):
+    job = Job(tmp_path, tiny_verifier_dir)
+    engine = job.engine()
+    written = run_extract_task(engine, job.task)
+    engine.close()
+    assert sorted(name for name, _ in written) == sorted(hs_path(Path(), row).name for row in job.rows)
+    for row in job.rows:
+        data = load_file(hs_path(job.out, row))
         assert data["token_ids"].tolist() == job.input_ids[row]
         assert data["hidden_states"].shape == (len(job.input_ids[row]), 4, 32)
-    assert not staging_dir_for(job.out_dir).exists()  # staged files and lock files are gone
+    assert not staging_dir_for(job.out).exists()  # staged files and lock files are gone
 
 
 def test_an_engine_that_fails_to_start_leaves_no_staging(tmp_path: Path, tiny_verifier_dir: Path):
-    job, _ = make_job(tmp_path, tiny_verifier_dir)
+    job = Job(tmp_path, tiny_verifier_dir)
 
     def failing_engine(kwargs: dict) -> FakeEngine:
         raise EaglenestError("extract.backend: vllm could not start")
 
     with pytest.raises(EaglenestError, match="could not start"):
-        extract_with_vllm(job, engine_factory=failing_engine)
-    assert not staging_dir_for(job.out_dir).exists()
+        VllmExtractEngine(job.settings, engine_factory=failing_engine)
+    assert not staging_dir_for(job.out).exists()
 
 
 def test_rows_go_to_vllm_a_few_waves_per_call(tmp_path: Path, tiny_verifier_dir: Path):
-    """Rows are written after their generate() call: calls of WAVES_PER_CALL x max_num_seqs rows bound the
-    work a kill loses and the staging folder's size."""
-    job, _ = make_job(tmp_path, tiny_verifier_dir, max_num_seqs=1)
+    """Rows go to vLLM in calls of WAVES_PER_CALL x max_num_seqs rows, which bound the staging folder's size."""
+    job = Job(tmp_path, tiny_verifier_dir, max_num_seqs=1)
     engines: list[FakeEngine] = []
-    extract_with_vllm(job, engine_factory=lambda kwargs: engines.append(FakeEngine(kwargs)) or engines[-1])
-    rows = len(job.todo)
+    run_extract_task(job.engine(engines), job.task)
+    rows = len(job.rows)
     assert rows > WAVES_PER_CALL
     assert engines[0].call_sizes == [WAVES_PER_CALL] * (rows // WAVES_PER_CALL) + (
         [rows % WAVES_PER_CALL] if rows % WAVES_PER_CALL else [])
@@ -144,10 +158,10 @@ def test_rows_go_to_vllm_a_few_waves_per_call(tmp_path: Path, tiny_verifier_dir:
 
 
 def test_token_mismatch_from_vllm_is_an_error(tmp_path: Path, tiny_verifier_dir: Path):
-    job, _ = make_job(tmp_path, tiny_verifier_dir)
+    job = Job(tmp_path, tiny_verifier_dir)
     with pytest.raises(EaglenestError, match=r"vLLM's token_ids differ from prepared row"):
-        extract_with_vllm(job, engine_factory=lambda kwargs: FakeEngine(kwargs, corrupt_tokens=True))
-    assert not list(job.out_dir.glob("hs_*.safetensors"))
+        run_extract_task(job.engine(corrupt_tokens=True), job.task)
+    assert not list(job.out.iterdir())  # not a file, not a temporary
 
 
 def test_vllm_backend_without_vllm_says_how_to_install(tmp_path: Path, tiny_verifier_dir: Path,

@@ -23,8 +23,9 @@ import pytest
 import torch
 import yaml
 
-from eaglenest.artifacts.hidden_states import HIDDEN_KEY, TOKENS_KEY, row_index, shard_number, shard_path
-from eaglenest.stages.extract.vllm import WAVES_PER_CALL, staging_dir_for
+from eaglenest.artifacts.hidden_states.format import HIDDEN_KEY, TOKENS_KEY, shard_number, shard_path, stored_files
+from eaglenest.artifacts.hidden_states.resume import unfinished_dir
+from eaglenest.stages.extract.vllm import staging_dir_for
 from tests.conftest import requires_vllm
 from tests.fixtures.pipeline import VENV_BIN, SharedPipeline, dvc, make_pipeline_repo, project_env, run, stored_row
 
@@ -38,11 +39,12 @@ BF16_BOUND = 0.1  # a sanity bound only; measured 2.5e-3 to 4.8e-3 on the aux sl
 BF16_FLOOR = 1e-4  # bf16 compute is far from float32's ~1e-6: below this, vLLM did not compute in bf16
 
 PARAMS = {
-    # max_num_seqs 1: rows go to vLLM in calls of WAVES_PER_CALL rows, so a kill -9 can fall between two
-    # calls (with the default 64, all 8 rows come back from one call). It is also the one config where a row
-    # cannot share its batch with others; in float32 vLLM's CPU build was measured to give the same bits
-    # either way (32 rows in one batch vs one at a time), so byte equality on resume is not an artefact of it.
-    # Shards of 3 rows (3, 3, 2): vLLM's rows are packed as their shards complete, and a kill falls mid-shard.
+    # max_num_seqs 1: rows go to vLLM in calls of at most WAVES_PER_CALL rows (a shard's 3 here), so a kill -9 can
+    # fall between two shards (with the default 64, a task's rows come back from one call). It is also the one
+    # config where a row cannot share its batch with others; in float32 vLLM's CPU build was measured to give the
+    # same bits either way (32 rows in one batch vs one at a time), so byte equality on resume is not an artefact of it.
+    # Shards of 3 rows (3, 3, 2): each shard is one task, written as its rows come back, and a kill falls between
+    # or inside shards.
     "extract": {"backend": "vllm", "dtype": "float32", "vllm": {"dtype": "float32"}, "max_num_seqs": 1,
                 "rows_per_shard": ROWS_PER_SHARD},
     "train": {"steps": 2, "eval_every": 1, "checkpoint_every": 2, "total_seq_len": 512},
@@ -100,9 +102,10 @@ def read_rows(hs_dir: Path) -> list[dict[str, torch.Tensor]]:
 
 
 def rows_stored(hs_dir: Path) -> set[int]:
-    """The rows whose hidden states are on disk: in a row file or in a (finished) shard."""
-    rows = {row_index(path) for path in hs_dir.glob("hs_*.safetensors")}
-    for path in hs_dir.glob("shard_*.safetensors"):
+    """The rows whose hidden states are on disk: in a finished shard, waiting in the unfinished folder or moved
+    into the output."""
+    rows = set()
+    for path in stored_files(hs_dir) + stored_files(unfinished_dir(hs_dir)):
         shard = shard_number(path)
         rows.update(range(shard * ROWS_PER_SHARD, min(shard * ROWS_PER_SHARD + ROWS_PER_SHARD, ROWS)))
     return rows
@@ -206,13 +209,13 @@ def test_kill_9_mid_extraction_resumes_to_the_same_files(repo: Path, vllm_run: d
     shutil.rmtree(hs_dir)
     process = subprocess.Popen([str(VENV_BIN / "dvc"), "repro", "-s", "extract"], cwd=repo, env=project_env(),
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    # The first call's rows are written; the engine is computing the next call's when the kill comes.
-    wait_for_files(process, hs_dir, WAVES_PER_CALL, timeout_s=300)
+    # Two shards are finished; the engine is computing the third when the kill comes.
+    wait_for_files(process, hs_dir, ROWS_PER_SHARD + 1, timeout_s=300)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
     assert group_is_gone(process.pid), "vLLM's engine processes outlived the kill"
     finished_before_kill = len(rows_stored(hs_dir))
-    assert WAVES_PER_CALL <= finished_before_kill < ROWS, finished_before_kill
+    assert ROWS_PER_SHARD < finished_before_kill < ROWS, finished_before_kill
 
     resumed = dvc(["repro", "-s", "extract"], repo)
     assert "Running stage 'extract'" in resumed.stdout
@@ -243,7 +246,7 @@ def test_sigterm_to_the_stage_stops_vllms_engine_processes(repo: Path, vllm_run:
         process = subprocess.Popen([str(VENV_BIN / "dvc"), "repro", "-s", "extract"], cwd=repo, env=project_env(),
                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_for_files(process, hs_dir, WAVES_PER_CALL, timeout_s=300)  # the engine is up and computing
+        wait_for_files(process, hs_dir, ROWS_PER_SHARD, timeout_s=300)  # the engine is up and computing
         stage = stage_pid(process.pid, "stages/extract.py")
         assert stage is not None and process.poll() is None, log.read_text()[-2000:]
         os.kill(stage, signal.SIGTERM)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import subprocess
@@ -291,3 +292,44 @@ def test_vllm_regeneration_equals_hf_token_for_token_in_float32(shared_pipeline:
                           f"hf batched {hf[p][first:first + 4]}, hf alone {alone[p][first:first + 4]}, "
                           f"vllm {vllm[p][first:first + 4]}")
         pytest.fail(f"{len(differing)} of {len(hf)} replies differ:\n" + "\n".join(report))
+
+
+@pytest.mark.slow  # a Ray cluster started on this machine, each engine loading the verifier
+def test_regeneration_on_a_ray_cluster_writes_the_local_executors_replies(tiny_verifier_dir: Path, tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch,
+                                                                         caplog: pytest.LogCaptureFixture):
+    """cluster.executor: ray (address: local, a cluster of this machine's CPUs started for the stage): each batch a
+    task of an actor that loaded the verifier itself; the same batches and seeds as in this process, so the same
+    replies and the same cache entries; no Ray process left afterwards."""
+    from eaglenest.artifacts.verifier import load_tokenizer, load_verifier_info
+    from eaglenest.core.params import ClusterParams, VerifierParams
+    from eaglenest.stages.prepare.regenerate import verifier_generator
+    from eaglenest.stages.verifier import build_verifier
+    from tests.fixtures.cluster import ray_processes, wait_until_gone
+
+    build_verifier(VerifierParams(model=str(tiny_verifier_dir)), tmp_path / "verifier")
+    info, model_dir = load_verifier_info(tmp_path / "verifier")
+    tokenizer = load_tokenizer(tmp_path / "verifier")
+    eos = end_of_turn_ids(tokenizer, model_dir)
+    params = PrepareParams(regenerate_backend="hf", regenerate_max_new_tokens=12, regenerate_batch_size=2)
+    conversations = CONVERSATIONS * 2  # 6 conversations: 3 tasks
+    results, seen = {}, []
+
+    def watch(record: logging.LogRecord) -> bool:  # Ray's processes while the stage runs
+        seen.extend(ray_processes())
+        return True
+
+    for name, cluster in (("local", None), ("ray", ClusterParams(executor="ray", cpus_per_worker=1))):
+        (tmp_path / name).mkdir()
+        monkeypatch.chdir(tmp_path / name)  # the regeneration cache is .eaglenest/regenerate-cache here
+        generator = verifier_generator(params, info, model_dir, tokenizer, eos, cluster)
+        with caplog.at_level("INFO", logger="eaglenest"):
+            caplog.handler.addFilter(watch)
+            out, stats = generator.regenerate(conversations)
+            caplog.handler.removeFilter(watch)
+        cache = tmp_path / name / ".eaglenest" / "regenerate-cache"
+        results[name] = (out, stats.turns, {p.name: p.read_text() for p in cache.iterdir()})
+    assert results["ray"] == results["local"] and results["local"][1] == 8
+    cpus = len(os.sched_getaffinity(0))
+    assert f"ray: {min(cpus, 3)} engines (1 CPU each, on 1 nodes) for 3 tasks" in caplog.text  # it ran on Ray
+    assert seen and wait_until_gone(sorted(set(seen))) == []  # the stage's cluster stopped with it

@@ -2,10 +2,12 @@
 
 Validation reads every ``hs_{i}.safetensors`` in full: header (keys, dtypes, shape ``[seq, n_aux + 1,
 hidden]`` against the verifier stage's record, length on disk), ``token_ids`` equal to the prepared
-``input_ids``, and every value finite. Shards (``extract.rows_per_shard`` > 1) are checked the same way row by
-row, after their header and row index; a bad row is named as its shard and row. With ``convert.on_bad: fail`` any
-bad row stops the stage with the first offenders listed; with ``skip`` those rows (not their whole shard) are
-excluded from training and listed in ``data/vocab/rows.json`` and ``metrics/data.json``.
+``input_ids``, and every value finite. Shards are checked the same way row by row, after their header and row
+index; a bad row is named as its shard and row. The layout (row files, or shards of which size) is read from the
+files themselves (:func:`eaglenest.artifacts.hidden_states.store.open_stored`), not from ``extract.rows_per_shard``.
+With ``convert.on_bad: fail`` any bad row stops the stage with the first offenders listed; with ``skip`` those
+rows (not their whole shard) are excluded from training and listed in ``data/vocab/rows.json`` and
+``metrics/data.json``.
 
 The draft vocabulary is speculators' own construction (``build_vocab_mappings_from_distribution``): the
 most frequent loss-masked tokens of the *train* split, ties by id, filled deterministically with the
@@ -23,19 +25,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from eaglenest.artifacts.hidden_states import (
-    MANIFEST_FILE,
+from eaglenest.artifacts.hidden_states.format import (
     check_row_tensors,
     check_shard_header,
-    hs_path,
-    layout_problem,
     read_hidden_state_file,
-    read_online_manifest,
     read_shard_row,
-    shard_path,
     shard_row_index,
-    shard_rows,
 )
+from eaglenest.artifacts.hidden_states.layout import ShardSpec
+from eaglenest.artifacts.hidden_states.online import MANIFEST_FILE, read_online_manifest
+from eaglenest.artifacts.hidden_states.store import StoredHiddenStates, open_stored
 from eaglenest.artifacts.prepared import load_split, load_table
 from eaglenest.artifacts.verifier import VerifierInfo, load_verifier_info
 from eaglenest.artifacts.vocab import write_vocab
@@ -54,71 +53,47 @@ def check_hidden_state_file(path: Path, input_ids: list[int], verifier: Verifier
     return read_hidden_state_file(path, input_ids, verifier, dtype)[0]
 
 
-def row_location(hs_dir: Path, row: int, rows_per_shard: int) -> str:
-    """Where a row's hidden states are stored, for messages: its file, or its shard and row."""
-    if rows_per_shard == 1:
-        return str(hs_path(hs_dir, row))
-    return f"{shard_path(hs_dir, row // rows_per_shard)} row {row}"
-
-
-def check_shard(hs_dir: Path, shard: int, input_ids: list[list[int]], verifier: VerifierInfo, dtype: str,
-                rows_per_shard: int) -> dict[int, str]:
+def check_shard(stored: StoredHiddenStates, spec: ShardSpec, input_ids: list[list[int]], verifier: VerifierInfo,
+                dtype: str) -> dict[int, str]:
     """``{row: problem}`` for the rows of one shard: every row when the header or row index is bad, else each
     row read alone (its token ids and finiteness), so memory is a row's."""
     from safetensors import SafetensorError, safe_open
 
-    rows = shard_rows(shard, rows_per_shard, len(input_ids))
-    path = shard_path(hs_dir, shard)
-    problem = check_shard_header(path, rows=rows, lengths=[len(ids) for ids in input_ids],
+    path = spec.path(stored.folder)
+    problem = check_shard_header(path, rows=spec.rows, lengths=[len(ids) for ids in input_ids],
                                  num_slots=len(verifier.layer_ids), hidden_size=verifier.hidden_size, dtype=dtype,
-                                 config=None, rows_per_shard=rows_per_shard)
+                                 config=None, rows_per_shard=stored.rows_per_shard)
     if problem is not None:
-        return {row: problem for row in rows}
+        return {row: problem for row in spec.rows}
     problems = {}
     try:
         index = shard_row_index(path)
         with safe_open(str(path), framework="pt") as handle:
-            for row in rows:
+            for row in spec.rows:
                 row_problem, _ = check_row_tensors(read_shard_row(handle, *index[row]), input_ids[row])
                 if row_problem is not None:
                     problems[row] = row_problem
     except (OSError, ValueError, RuntimeError, SafetensorError) as err:
-        return {row: f"unreadable: {err}" for row in rows}
+        return {row: f"unreadable: {err}" for row in spec.rows}
     return problems
 
 
-def validate_shards(input_ids: list[list[int]], hs_dir: Path, verifier: VerifierInfo, dtype: str,
-                    rows_per_shard: int, workers: int) -> dict[int, str]:
-    """``{row: problem}`` for every prepared row whose shard is bad or missing, or whose own data is bad."""
+def validate_hidden_states(input_ids: list[list[int]], stored: StoredHiddenStates, verifier: VerifierInfo, dtype: str,
+                           workers: int) -> dict[int, str]:
+    """``{row: problem}`` for every prepared row whose file (or shard) is bad or missing, or whose own data is."""
     from eaglenest.core.progress import progress
 
-    shards = range(-(-len(input_ids) // rows_per_shard))
-    problems: dict[int, str] = {}
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        results = pool.map(lambda shard: check_shard(hs_dir, shard, input_ids, verifier, dtype, rows_per_shard),
-                           shards)
-        for shard_problems in progress(len(shards), "convert: validating", "shard", iterable=results):
-            problems.update(shard_problems)
-    return problems
-
-
-def validate_hidden_states(input_ids: list[list[int]], hs_dir: Path, verifier: VerifierInfo, dtype: str,
-                           workers: int, rows_per_shard: int = 1) -> dict[int, str]:
-    """``{row: problem}`` for every prepared row whose hidden-state file (or shard) is bad or missing."""
-    from eaglenest.core.progress import progress
-
-    if rows_per_shard > 1:
-        return validate_shards(input_ids, hs_dir, verifier, dtype, rows_per_shard, workers)
-
-    def check(row: int) -> tuple[int, str | None]:
-        return row, check_hidden_state_file(hs_path(hs_dir, row), input_ids[row], verifier, dtype)
+    def check(spec: ShardSpec) -> dict[int, str]:
+        if stored.rows_per_shard > 1:
+            return check_shard(stored, spec, input_ids, verifier, dtype)
+        problem = check_hidden_state_file(spec.path(stored.folder), input_ids[spec.number], verifier, dtype)
+        return {} if problem is None else {spec.number: problem}
 
     problems: dict[int, str] = {}
+    unit = "file" if stored.rows_per_shard == 1 else "shard"
     with ThreadPoolExecutor(max_workers=workers) as pool:  # safetensors and torch release the GIL
-        for row, problem in progress(len(input_ids), "convert: validating", "file",
-                                     iterable=pool.map(check, range(len(input_ids)))):
-            if problem is not None:
-                problems[row] = problem
+        for found in progress(len(stored.plan), "convert: validating", unit, iterable=pool.map(check, stored.plan)):
+            problems.update(found)
     return problems
 
 
@@ -144,10 +119,10 @@ def coverage(frequencies: dict[int, int], in_draft: torch.Tensor) -> float | Non
     return round(covered / total, 6)
 
 
-def _bad_files_message(problems: dict[int, str], hs_dir: Path, total: int, rows_per_shard: int) -> str:
-    what = "hidden-state files" if rows_per_shard == 1 else "rows' hidden states"
+def _bad_files_message(problems: dict[int, str], stored: StoredHiddenStates, total: int) -> str:
+    what = "hidden-state files" if stored.rows_per_shard == 1 else "rows' hidden states"
     lines = [f"{len(problems)} of {total} {what} are bad (first {min(SHOW_BAD, len(problems))}):"]
-    lines += [f"  {row_location(hs_dir, row, rows_per_shard)}: {problems[row]}" for row in sorted(problems)[:SHOW_BAD]]
+    lines += [f"  {stored.location(row)}: {problems[row]}" for row in sorted(problems)[:SHOW_BAD]]
     lines.append("  fix: delete them and run `dvc repro` (extract recomputes them), or set convert.on_bad: skip")
     return "\n".join(lines)
 
@@ -163,6 +138,7 @@ class UsableRows:
         train: Usable train rows.
         val: Usable validation rows.
         problems: ``{row: problem}`` of the rows left out (``convert.on_bad: skip``).
+        stored: The hidden-state folder (None for ``extract.store: online``).
     """
 
     verifier: VerifierInfo
@@ -171,6 +147,7 @@ class UsableRows:
     train: list[int]
     val: list[int]
     problems: dict[int, str]
+    stored: StoredHiddenStates | None = None
 
     @property
     def usable(self) -> list[int]:
@@ -194,6 +171,7 @@ def find_usable_rows(params: ConvertParams, extract: ExtractParams, verifier_dir
     if not hs_dir.is_dir():
         raise InputFileError(f"{hs_dir}: no hidden-state folder; run `dvc repro extract` first")
 
+    stored = None
     if extract.store == "online":
         read_online_manifest(hs_dir, verifier, input_ids)
         problems: dict[int, str] = {}
@@ -202,16 +180,12 @@ def find_usable_rows(params: ConvertParams, extract: ExtractParams, verifier_dir
             raise InputFileError(
                 f"{hs_dir / MANIFEST_FILE}: an online extraction, but extract.store is files; run `dvc repro extract`"
             )
-        layout = layout_problem(hs_dir, extract.rows_per_shard)
-        if layout is not None:  # not a bad row: convert.on_bad: skip would exclude every row
-            raise InputFileError(layout)
-        problems = validate_hidden_states(input_ids, hs_dir, verifier, extract.dtype, params.workers,
-                                          extract.rows_per_shard)
+        stored = open_stored(hs_dir, len(input_ids))  # a folder of two layouts: one line, not a bad row each
+        problems = validate_hidden_states(input_ids, stored, verifier, extract.dtype, params.workers)
     if problems and params.on_bad == "fail":
-        raise InputFileError(_bad_files_message(problems, hs_dir, len(input_ids), extract.rows_per_shard))
+        raise InputFileError(_bad_files_message(problems, stored, len(input_ids)))
     for row in sorted(problems)[:SHOW_BAD]:
-        log.warning("excluding row %d: %s: %s", row, row_location(hs_dir, row, extract.rows_per_shard),
-                    problems[row])
+        log.warning("excluding row %d: %s: %s", row, stored.location(row), problems[row])
     usable = [row for row in range(len(input_ids)) if row not in problems]
     train = [row for row in usable if row < split["train_rows"]]
     val = [row for row in usable if row >= split["train_rows"]]
@@ -220,7 +194,7 @@ def find_usable_rows(params: ConvertParams, extract: ExtractParams, verifier_dir
             f"after excluding {len(problems)} bad rows, {len(train)} train and {len(val)} validation rows are left; "
             "both need at least one"
         )
-    return UsableRows(verifier, input_ids, loss_mask, train, val, problems)
+    return UsableRows(verifier, input_ids, loss_mask, train, val, problems, stored)
 
 
 def build_vocabulary(params: ConvertParams, rows: UsableRows, out_dir: Path) -> dict[str, Any]:
@@ -255,18 +229,12 @@ def build_vocabulary(params: ConvertParams, rows: UsableRows, out_dir: Path) -> 
     return record
 
 
-def write_data_metrics(rows: UsableRows, vocab: dict[str, Any], extract: ExtractParams, hs_dir: Path,
-                       metrics_path: Path) -> dict[str, Any]:
+def write_data_metrics(rows: UsableRows, vocab: dict[str, Any], extract: ExtractParams, metrics_path: Path
+                       ) -> dict[str, Any]:
     """Phase 3: what the training set holds (``metrics/data.json``); returns the metrics."""
     usable, problems = rows.usable, rows.problems
     tokens = sum(len(rows.input_ids[row]) for row in usable)
-    if extract.store == "online":
-        size = 0
-    elif extract.rows_per_shard == 1:
-        size = sum(hs_path(hs_dir, row).stat().st_size for row in usable)
-    else:  # the shards holding usable rows
-        size = sum(shard_path(hs_dir, shard).stat().st_size
-                   for shard in sorted({row // extract.rows_per_shard for row in usable}))
+    size = 0 if rows.stored is None else rows.stored.size_of(usable)  # online: nothing stored
     metrics = {
         "store": extract.store,
         "samples": len(usable),
@@ -304,7 +272,7 @@ def convert(params: ConvertParams, extract: ExtractParams, verifier_dir: Path, p
     """
     rows = find_usable_rows(params, extract, verifier_dir, prepared_dir, hs_dir)
     vocab = build_vocabulary(params, rows, out_dir)
-    return write_data_metrics(rows, vocab, extract, hs_dir, metrics_path)
+    return write_data_metrics(rows, vocab, extract, metrics_path)
 
 
 @dataclass(frozen=True)

@@ -1,141 +1,92 @@
-"""The extract stage: the verifier's hidden states for every prepared row, resumable.
+"""The extract stage: the verifier's hidden states for every prepared row, resumable, on one machine or a Ray
+cluster.
 
-The stage's output ``data/hidden_states/`` is declared ``persist: true`` in dvc.yaml. DVC normally deletes
-a stage's outputs before re-running it; persisting them is what lets a rerun — after a kill -9, after a
-changed param, or after ``dvc repro`` decided the stage changed — keep every finished file that still
-validates and compute only what is missing. Validity is decided per file (see
-:mod:`eaglenest.artifacts.hidden_states`): a readable header with the right keys, dtypes and shapes, a length on
-disk that matches the header, metadata naming the current verifier / layers / dtype, and ``token_ids``
-equal to the prepared row. Anything else is recomputed; files for rows that no longer exist and
-temporaries left by a killed run are deleted.
+Phases: :func:`plan_extraction` (the layout's files, which are already finished, what is left),
+:func:`compute_hidden_states` (one task per shard, run by ``cluster.executor``; the stage's own process writes
+each finished file) and :func:`finish_extraction` (the files moved into ``data/hidden_states``, the metrics).
+
+``data/hidden_states`` is a plain DVC output: DVC clears it before the stage runs, and restores an earlier
+extraction from its run-cache instead of running the stage when params and inputs match one. A run's finished
+files wait in ``data/hidden_states.unfinished/`` (:mod:`eaglenest.artifacts.hidden_states.resume`), so a run that
+was killed, or stopped by a failing task, loses none: the next one checks each (header, dtype, shapes, length,
+the verifier / layers / dtype fingerprint, every row's token ids) and computes only the rest. The executor
+changes where the work runs, never what it writes: both run the same task function on the same shards.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import shutil
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from safetensors import safe_open
-
-from eaglenest.artifacts.hidden_states import (
-    MANIFEST_FILE,
-    TOKENS_KEY,
-    check_header,
-    extraction_fingerprint,
-    file_metadata,
-    hs_path,
-    online_manifest,
-    row_index,
-    shard_number,
-    shards_of,
-    stored_files,
-)
+from eaglenest.artifacts.hidden_states.format import extraction_fingerprint, file_metadata, stored_files
+from eaglenest.artifacts.hidden_states.layout import FileLayout, ShardSpec, file_layout, shard_plan, task_groups
+from eaglenest.artifacts.hidden_states.online import MANIFEST_FILE, online_manifest
+from eaglenest.artifacts.hidden_states.resume import Expected, Extraction, unfinished_dir
 from eaglenest.artifacts.prepared import load_input_ids
 from eaglenest.artifacts.verifier import VerifierInfo, load_verifier_info
 from eaglenest.core.atomic import atomic_write_json, remove_stale_temps
 from eaglenest.core.errors import EaglenestError
-from eaglenest.core.params import ExtractParams, Params, parse_params
+from eaglenest.core.executor import EngineNeeds, check_cluster, open_executor
+from eaglenest.core.params import ClusterParams, ExtractParams, Params
 from eaglenest.core.registry import Registry
-from eaglenest.core.stage import Stage, int_option, path_arg
-from eaglenest.stages.extract.job import Backend, ExtractionJob
-from eaglenest.stages.extract.parts import PARTS_DIR, check_join, check_part_start, part_rows, write_record
-from eaglenest.stages.extract.sharding import ShardPacker, missing_rows, plan_shards, stored_size
+from eaglenest.core.stage import Stage, path_arg
+from eaglenest.stages.extract.job import Engine, EngineSettings, ExtractTask, run_extract_task
+from eaglenest.stages.extract.vllm import staging_dir_for
 
 log = logging.getLogger(__name__)
 
-
-BACKENDS: Registry[Backend] = Registry("extract back end")
+# extract.backend -> builds its engine; each imports its module only when called (vLLM only where it runs).
+BACKENDS: Registry[Any] = Registry("extract back end")
 
 
 @BACKENDS.entry("hf")
-def _hf(job: ExtractionJob) -> None:
-    from eaglenest.stages.extract.hf import extract_with_transformers
+def _hf(settings: EngineSettings) -> Engine:
+    from eaglenest.stages.extract.hf import HfEngine
 
-    extract_with_transformers(job)
+    return HfEngine(settings)
 
 
 @BACKENDS.entry("vllm")
-def _vllm(job: ExtractionJob) -> None:
-    from eaglenest.stages.extract.vllm import extract_with_vllm  # imports vllm once its engine starts
+def _vllm(settings: EngineSettings) -> Engine:
+    from eaglenest.stages.extract.vllm import VllmExtractEngine  # imports vllm once its engine starts
 
-    extract_with_vllm(job)
+    return VllmExtractEngine(settings)
 
 
 @BACKENDS.entry("import")
-def _import(job: ExtractionJob) -> None:
-    from eaglenest.stages.extract.imported import copy_hidden_state_files
+def _import(settings: EngineSettings) -> Engine:
+    from eaglenest.stages.extract.imported import ImportEngine
 
-    copy_hidden_state_files(job)
-
-
-def part_params(params: ExtractParams, rank: int | None, world_size: int | None) -> ExtractParams:
-    """``params`` with the part given on the command line, validated as params are (one line naming both)."""
-    values = params.model_dump()
-    values.update({k: v for k, v in (("rank", rank), ("world_size", world_size)) if v is not None})
-    return parse_params({"extract": values}, source="--rank/--world-size").extract
+    return ImportEngine(settings)
 
 
-# Files recomputed for one reason are logged this many times by name, then counted: a changed dtype or verifier
-# invalidates every file, and a million log lines would hide everything else.
-SHOW_RECOMPUTED = 3
+def make_engine(settings: EngineSettings) -> Engine:
+    """The engine of ``extract.backend`` (run where the executor runs it: here, or in a Ray actor)."""
+    return BACKENDS.get(settings.params.backend)(settings)
 
 
-def file_problem(path: Path, input_ids: list[int], verifier: VerifierInfo, dtype: str, config: str) -> str | None:
-    """Why ``path`` does not hold this row's hidden states for this configuration (header, then token ids), or
-    None when it does; "missing" when there is no file."""
-    problem = check_header(path, seq_len=len(input_ids), num_slots=len(verifier.layer_ids),
-                           hidden_size=verifier.hidden_size, dtype=dtype, config=config)
-    if problem is not None:
-        return problem
-    try:
-        with safe_open(str(path), framework="pt") as fh:
-            tokens = fh.get_tensor(TOKENS_KEY)
-    except (OSError, ValueError, RuntimeError) as err:  # safetensors raises SafetensorError(Exception)
-        return str(err)
-    if tokens.tolist() != input_ids:
-        return "token_ids differ from the prepared row"
-    return None
-
-
-def rows_to_compute(out_dir: Path, rows: range, input_ids: list[list[int]], verifier: VerifierInfo, dtype: str,
-                    config: str, skip: set[int] | frozenset[int] = frozenset()) -> list[int]:
-    """The rows of ``rows`` (but ``skip``, already in shards) without a valid row file; why each existing file is
-    recomputed is logged, the first ``SHOW_RECOMPUTED`` by name and the rest counted per reason."""
-    todo: list[int] = []
-    reasons: Counter[str] = Counter()
-    for row in rows:
-        if row in skip:
-            continue
-        path = hs_path(out_dir, row)
-        problem = file_problem(path, input_ids[row], verifier, dtype, config)
-        if problem is None:
-            continue
-        todo.append(row)
-        if problem != "missing":
-            reasons[problem] += 1
-            if reasons[problem] <= SHOW_RECOMPUTED:
-                log.info("recomputing %s: %s", path.name, problem)
-    for problem, count in reasons.items():
-        if count > SHOW_RECOMPUTED:
-            log.info("recomputing %d files in all: %s", count, problem)
-    return todo
-
-
-def _check_context(input_ids: list[list[int]], rows: range, verifier: VerifierInfo) -> None:
+def _check_rows(input_ids: list[list[int]], verifier: VerifierInfo) -> None:
+    """Refuses rows the verifier cannot take: longer than its context, or a token id outside its vocabulary."""
     limit = verifier.max_position_embeddings
-    if limit is None:
-        return
-    too_long = [(row, len(input_ids[row])) for row in rows if len(input_ids[row]) > limit]
+    too_long = [(row, len(ids)) for row, ids in enumerate(input_ids) if limit is not None and len(ids) > limit]
     if too_long:
         row, length = too_long[0]
         raise EaglenestError(
             f"prepared row {row} has {length} tokens, more than the verifier's context of {limit} "
             f"({len(too_long)} rows in all); set prepare.max_len <= {limit}"
+        )
+    outside = [(row, max(ids)) for row, ids in enumerate(input_ids) if ids and not 0 <= min(ids) <= max(ids) <
+               verifier.vocab_size]
+    if outside:
+        row, token = outside[0]
+        raise EaglenestError(
+            f"prepared row {row} holds token id {token}, outside the verifier's vocabulary of {verifier.vocab_size} "
+            f"({len(outside)} rows in all); was data/prepared written with another tokenizer? `dvc repro prepare`"
         )
 
 
@@ -144,159 +95,183 @@ class ExtractionPlan:
     """What this run of the extract stage must do (the first phase's result).
 
     Attributes:
-        params: The extract params (with this node's part).
+        params: The extract params.
         verifier: The verifier stage's record.
         model_dir: The verifier's weights on this machine.
         input_ids: Token ids of every prepared row.
-        rows: This node's rows (all of them on one node).
-        todo: The rows of ``rows`` without a valid file, to compute.
         config: The extraction fingerprint every file records.
-        in_shards: Rows already held by valid shards (``extract.rows_per_shard`` > 1).
+        extraction: The finished files so far (``store: files``).
+        todo: The files still to write.
     """
 
     params: ExtractParams
     verifier: VerifierInfo
     model_dir: Path
     input_ids: list[list[int]]
-    rows: range
-    todo: list[int]
     config: str
-    in_shards: frozenset[int] = frozenset()
+    extraction: Extraction | None = None
+    todo: tuple[ShardSpec, ...] = ()
 
     @property
     def metadata(self) -> dict[str, str]:
-        """The metadata every row file of this run records."""
+        """The metadata every file of this run records."""
         return file_metadata(self.config, self.verifier.layer_ids, self.params.dtype, self.params.backend)
 
-
-def _mine(name: str, rows: range, rows_per_shard: int) -> bool:
-    """Whether a temporary written for file ``name`` belongs to this node's rows."""
-    row, shard = row_index(Path(name)), shard_number(Path(name))
-    if shard is not None:
-        return shard * rows_per_shard in rows
-    return row in rows
+    def layout(self, spec: ShardSpec) -> FileLayout:
+        return file_layout(spec, [self.input_ids[row] for row in spec.rows], len(self.verifier.layer_ids),
+                           self.verifier.hidden_size, self.params.dtype, self.metadata)
 
 
 def plan_extraction(params: ExtractParams, verifier_dir: Path, prepared_dir: Path, out_dir: Path) -> ExtractionPlan:
-    """Phase 1: which rows this node extracts, what already validates, and the stale files cleared away."""
+    """Phase 1: the layout's files, the finished ones kept (checked), the rest to write."""
     verifier, model_dir = load_verifier_info(verifier_dir)
     input_ids = load_input_ids(prepared_dir)
-    rows = part_rows(len(input_ids), params.rank, params.world_size, params.rows_per_shard)
-    _check_context(input_ids, rows, verifier)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    _check_rows(input_ids, verifier)
     config = extraction_fingerprint(verifier.fingerprint, verifier.layer_ids, params.dtype)
     if params.store == "online":
-        return ExtractionPlan(params, verifier, model_dir, input_ids, rows, [], config)
-    (out_dir / MANIFEST_FILE).unlink(missing_ok=True)  # files again: a manifest would say "online"
-    # Parts on several nodes may share one folder: each clears only the temporaries of its own rows.
-    removed = remove_stale_temps(out_dir, mine=lambda name: _mine(name, rows, params.rows_per_shard))
-    if params.world_size > 1:
-        if not rows:
-            log.warning("part %d/%d holds no whole shard: %d rows in shards of %d are fewer shards than the %d "
-                        "nodes, so this node computes nothing (a smaller extract.rows_per_shard spreads them)",
-                        params.rank, params.world_size, len(input_ids), params.rows_per_shard, params.world_size)
-        check_part_start(out_dir, params.rank, params.world_size, rows, len(input_ids), config)
-    else:  # the join of a multi-node extraction, or a plain single-node run
-        check_join(out_dir, len(input_ids), config, params.rows_per_shard)
-    metadata = file_metadata(config, verifier.layer_ids, params.dtype, params.backend)
-    in_shards = plan_shards(out_dir, rows, input_ids, verifier, params.dtype, config, params.rows_per_shard,
-                            metadata)
-    for path in out_dir.glob("hs_*.safetensors"):
-        index = row_index(path)
-        # left over from a larger dataset, or already in a shard (a run killed while it packed)
-        if index is not None and (index >= len(input_ids) or index in in_shards):
-            path.unlink()
-            removed += 1
-    todo = rows_to_compute(out_dir, rows, input_ids, verifier, params.dtype, config,
-                           skip=in_shards)
-    log.info("%d rows in part %d/%d: %d already extracted, %d to compute; %d stale files removed",
-             len(rows), params.rank, params.world_size, len(rows) - len(todo), len(todo), removed)
-    return ExtractionPlan(params, verifier, model_dir, input_ids, rows, todo, config, frozenset(in_shards))
+        return ExtractionPlan(params, verifier, model_dir, input_ids, config)
+    expected = Expected(input_ids, len(verifier.layer_ids), verifier.hidden_size, params.dtype, config)
+    extraction = Extraction(out_dir, shard_plan(len(input_ids), params.rows_per_shard), expected)
+    todo = extraction.collect()
+    log.info("%d rows in %d files: %d files already finished, %d to write; %d stale files removed", len(input_ids),
+             len(extraction.plan), len(extraction.plan) - len(todo), len(todo), extraction.removed)
+    return ExtractionPlan(params, verifier, model_dir, input_ids, config, extraction, tuple(todo))
 
 
-def compute_hidden_states(plan: ExtractionPlan, out_dir: Path) -> float:
-    """Phase 2: the back end computes every row of ``plan.todo`` and writes its file; returns the seconds."""
+def engine_needs(params: ExtractParams) -> EngineNeeds:
+    """What one engine of ``extract.backend`` takes from a node of a Ray cluster."""
+    if params.backend == "vllm":
+        return EngineNeeds(params.vllm.tensor_parallel_size, "extract.vllm.tensor_parallel_size")
+    return EngineNeeds(None if params.device == "cpu" else 1, "extract.device")
+
+
+@dataclass
+class Computed:
+    """What phase 2 did: rows computed, seconds, and where."""
+
+    rows: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    executor: str = "local"
+    engines: int = 0
+
+
+def compute_hidden_states(plan: ExtractionPlan, cluster: ClusterParams) -> Computed:
+    """Phase 2: the files whose rows earlier files hold are assembled from them; the rest are computed, one task
+    per shard, by ``cluster.executor``, and each finished file is written into the unfinished folder."""
     from eaglenest.core.progress import progress
 
-    params, input_ids = plan.params, plan.input_ids
+    params, extraction = plan.params, plan.extraction
+    assert extraction is not None
     started = time.perf_counter()
-    packer = None
-    if params.rows_per_shard > 1:
-        packer = ShardPacker(out_dir, plan.rows, len(input_ids), params.rows_per_shard, set(plan.in_shards),
-                             plan.todo, plan.metadata)
-        packer.pack_ready()  # shards whose rows an interrupted run finished
-    with progress(len(plan.todo), f"extract ({params.backend})", "row") as bar:
-        done_tokens = 0
+    to_compute = []
+    for spec in plan.todo:
+        if extraction.can_copy(spec):
+            extraction.copy_from_earlier(plan.layout(spec))
+        else:
+            to_compute.append(spec)
+    if len(to_compute) < len(plan.todo):
+        log.info("%d files assembled from the rows of earlier files, nothing computed", len(plan.todo) -
+                 len(to_compute))
+    if params.backend == "import" and cluster.executor != "local":
+        log.info("extract.backend: import copies files on this machine; cluster.executor: %s is not used",
+                 cluster.executor)
+        cluster = cluster.model_copy(update={"executor": "local"})
+    ray, shared = cluster.executor == "ray", cluster.output == "shared"
+    destination = None if ray and not shared else extraction.dir.resolve()
+    tasks = [ExtractTask(tuple(plan.layout(spec) for spec in group), params.dtype, destination)
+             for group in task_groups(to_compute)]
+    specs = {spec.name: spec for spec in to_compute}
+    computed = Computed(rows=sum(len(spec.rows) for spec in to_compute),
+                        tokens=sum(len(plan.input_ids[row]) for spec in to_compute for row in spec.rows),
+                        executor=cluster.executor)
+    if not tasks:
+        computed.seconds = time.perf_counter() - started
+        return computed
+    settings = EngineSettings(plan.verifier, plan.model_dir.resolve(), params,
+                              max(len(ids) for ids in plan.input_ids),
+                              staging=None if ray else staging_dir_for(extraction.out_dir))
+    with progress(computed.rows, f"extract ({params.backend}, {cluster.executor})", "row") as bar:
 
-        def on_row(row: int, tokens: int) -> None:
-            nonlocal done_tokens
-            done_tokens += tokens
-            if packer is not None:  # rows finish in any order: a shard is packed after its last
-                packer.row_done(row)
-            bar.update(1)
-            bar.set_postfix(tok_s=f"{done_tokens / max(time.perf_counter() - started, 1e-9):.0f}")
+        def on_result(task: ExtractTask, files: list[tuple[str, Any]]) -> None:
+            for name, value in files:
+                if isinstance(value, Path):
+                    extraction.accept_file(specs[name])
+                else:
+                    extraction.accept_bytes(specs[name], value)
+            bar.update(len(task.rows))
 
-        job = ExtractionJob(verifier=plan.verifier, model_dir=plan.model_dir, params=params, out_dir=out_dir,
-                            todo=plan.todo, input_ids=input_ids, on_row=on_row, metadata=plan.metadata)
-        if plan.todo:
-            BACKENDS.get(params.backend)(job)
-    return time.perf_counter() - started
+        with open_executor(cluster, engine_needs(params)) as executor:
+            computed.engines = executor.workers
+            executor.run(functools.partial(make_engine, settings), run_extract_task, tasks, on_result)
+    computed.seconds = time.perf_counter() - started
+    return computed
 
 
-def finish_extraction(plan: ExtractionPlan, out_dir: Path, metrics_path: Path, seconds: float) -> dict[str, Any]:
-    """Phase 3: every row of the part has its file; the part's record (several nodes) and the metrics."""
-    params, input_ids, rows = plan.params, plan.input_ids, plan.rows
-    missing = missing_rows(out_dir, rows, len(input_ids), params.rows_per_shard)
-    if missing:
-        raise EaglenestError(f"{len(missing)} rows have no hidden states after extraction (first: row {missing[0]})")
-    if params.world_size > 1:
-        write_record(out_dir, params.rank, params.world_size, rows, len(input_ids), plan.config)
-    tokens = sum(len(input_ids[row]) for row in rows)
-    todo_tokens = sum(len(input_ids[row]) for row in plan.todo)
-    size = stored_size(out_dir, rows, len(input_ids), params.rows_per_shard)
+def finish_extraction(plan: ExtractionPlan, computed: Computed, metrics_path: Path) -> dict[str, Any]:
+    """Phase 3: every file is finished: into ``data/hidden_states``, and the metrics."""
+    params, input_ids, extraction = plan.params, plan.input_ids, plan.extraction
+    assert extraction is not None
+    size = extraction.stored_size()
+    extraction.finish()
+    tokens = sum(len(ids) for ids in input_ids)
     metrics = {
         "store": params.store,
-        "rows": len(rows),
+        "rows": len(input_ids),
         "rows_per_shard": params.rows_per_shard,
-        "files": len(rows) if params.rows_per_shard == 1 else len(shards_of(rows, params.rows_per_shard)),
-        "rows_computed": len(plan.todo),
-        "rows_reused": len(rows) - len(plan.todo),
+        "files": len(extraction.plan),
+        "rows_computed": computed.rows,
+        "rows_reused": len(input_ids) - computed.rows,
         "tokens": tokens,
-        "seconds": round(seconds, 3),
-        # Throughput of what this run computed; null when everything was already there.
-        "tokens_per_s": round(todo_tokens / seconds, 1) if plan.todo else None,
+        "seconds": round(computed.seconds, 3),
+        # Throughput of what this run computed, engine start included; null when nothing was computed.
+        "tokens_per_s": round(computed.tokens / computed.seconds, 1) if computed.tokens else None,
         "bytes": size,
-        "bytes_per_token": round(size / tokens, 1) if tokens else None,  # a part may get no whole shard
+        "bytes_per_token": round(size / tokens, 1) if tokens else None,
         "dtype": params.dtype,
         "backend": params.backend,
+        "executor": computed.executor,
+        "engines": computed.engines,
     }
     atomic_write_json(metrics_path, metrics)
     return metrics
 
 
 def extract_hidden_states(params: ExtractParams, verifier_dir: Path, prepared_dir: Path, out_dir: Path,
-                          metrics_path: Path) -> dict[str, Any]:
-    """The extract stage's work: plan, compute what is missing, finish; returns the metrics it writes."""
+                          metrics_path: Path, cluster: ClusterParams | None = None) -> dict[str, Any]:
+    """The extract stage's work: plan, compute what is missing, finish; returns the metrics it writes.
+
+    Args:
+        params: The extract params.
+        verifier_dir: The verifier stage's output folder.
+        prepared_dir: The prepare stage's dataset folder.
+        out_dir: ``data/hidden_states``.
+        metrics_path: ``metrics/extract.json``.
+        cluster: Where the work runs; None: this process.
+    """
+    cluster = cluster or ClusterParams()
+    if params.backend != "import" and params.store == "files":
+        check_cluster(cluster)  # before any work: a cluster that is not there is one line
     plan = plan_extraction(params, verifier_dir, prepared_dir, out_dir)
     if params.store == "online":
         return _write_online_manifest(params, plan.verifier, plan.input_ids, out_dir, metrics_path)
-    seconds = compute_hidden_states(plan, out_dir)
-    return finish_extraction(plan, out_dir, metrics_path, seconds)
+    computed = compute_hidden_states(plan, cluster)
+    return finish_extraction(plan, computed, metrics_path)
 
 
 def _write_online_manifest(params: ExtractParams, verifier: VerifierInfo, input_ids: list[list[int]], out_dir: Path,
                            metrics_path: Path) -> dict[str, Any]:
     """``extract.store: online``: no hidden states, only the manifest the train stage computes them against.
 
-    Files of an earlier ``store: files`` run are deleted: the folder is a DVC output, and keeping them would
-    keep their terabytes in the workspace and cache for nothing (``dvc checkout`` of that commit brings them
-    back).
+    Files of an earlier ``store: files`` run, finished or not, are deleted: keeping them would keep their terabytes
+    in the workspace for nothing (``dvc checkout`` of that commit brings them back).
     """
+    out_dir.mkdir(parents=True, exist_ok=True)
     removed = remove_stale_temps(out_dir)
     for path in stored_files(out_dir):
         path.unlink()
         removed += 1
-    shutil.rmtree(out_dir / PARTS_DIR, ignore_errors=True)
+    shutil.rmtree(unfinished_dir(out_dir), ignore_errors=True)
     manifest = online_manifest(verifier, params.dtype, input_ids)
     atomic_write_json(out_dir / MANIFEST_FILE, manifest)
     log.info("extract.store: online: %d rows (%d tokens) will be computed by the train stage; %d stored files "
@@ -321,22 +296,18 @@ def _write_online_manifest(params: ExtractParams, verifier: VerifierInfo, input_
 
 @dataclass(frozen=True)
 class ExtractPaths:
-    """Where dvc.yaml puts the extract stage's inputs and outputs, and a node's part (multi-node extraction)."""
+    """Where dvc.yaml puts the extract stage's inputs and outputs."""
 
     verifier: Path = path_arg("the verifier stage's output folder")
     prepared: Path = path_arg("the prepare stage's dataset folder")
     out: Path = path_arg("hidden-state folder (data/hidden_states)")
     metrics: Path = path_arg("metrics JSON (metrics/extract.json)")
-    rank: int | None = int_option("this node's part (overrides extract.rank)")
-    world_size: int | None = int_option("the number of parts (overrides extract.world_size)")
 
 
 def run(params: Params, paths: ExtractPaths) -> dict[str, Any]:
-    """The extract stage, on this node's part when ``--rank`` / ``--world-size`` are given (README)."""
-    extract = params.extract
-    if paths.rank is not None or paths.world_size is not None:
-        extract = part_params(extract, paths.rank, paths.world_size)
-    return extract_hidden_states(extract, paths.verifier, paths.prepared, paths.out, paths.metrics)
+    """The extract stage, on ``cluster.executor``."""
+    return extract_hidden_states(params.extract, paths.verifier, paths.prepared, paths.out, paths.metrics,
+                                 params.cluster)
 
 
 STAGE = Stage("extract", "The verifier's hidden states for every prepared row (resumable).", ExtractPaths, run)

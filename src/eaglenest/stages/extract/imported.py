@@ -2,27 +2,35 @@
 
 ``extract.import_path`` holds ``hs_{row}.safetensors`` files in the shared format (vLLM's hidden-states
 connector, ``speculators``' data generation, an earlier eaglenest run). Each is checked against the prepared
-row (tokens, shape, finite values) and rewritten with eaglenest's metadata in ``extract.dtype``.
+row (tokens, shape, finite values) and stored with eaglenest's metadata in ``extract.dtype``, in the layout of
+``extract.rows_per_shard``. It reads files on this machine, so it always runs in the stage's own process.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from eaglenest.artifacts.hidden_states import HIDDEN_KEY, hs_path, read_hidden_state_file
+from eaglenest.artifacts.hidden_states.format import HIDDEN_KEY, hs_path, read_hidden_state_file
 from eaglenest.core.errors import EaglenestError
-from eaglenest.stages.extract.job import ExtractionJob
+from eaglenest.stages.extract.job import EngineSettings, RowWriter
 
 
-def copy_hidden_state_files(job: ExtractionJob) -> None:
-    """Copies ``hs_{row}.safetensors`` from extract.import_path, checking tokens, shape and values."""
-    source = Path(job.params.import_path or "")
-    if not source.is_dir():
-        raise EaglenestError(f"extract.import_path = {str(source)!r}: no such folder")
-    for row in job.todo:
-        path = hs_path(source, row)
-        # Any float dtype is accepted here: job.write converts to extract.dtype.
-        problem, data = read_hidden_state_file(path, job.input_ids[row], job.verifier, None)
-        if problem is not None:
-            raise EaglenestError(f"{path}: {problem}")
-        job.write(row, data[HIDDEN_KEY])
+class ImportEngine:
+    """The folder of another tool's row files."""
+
+    name = "import"
+
+    def __init__(self, settings: EngineSettings) -> None:
+        self.settings = settings
+        self.source = Path(settings.params.import_path or "")
+        if not self.source.is_dir():
+            raise EaglenestError(f"extract.import_path = {str(self.source)!r}: no such folder")
+
+    def compute(self, rows: list[int], input_ids: dict[int, list[int]], write: RowWriter) -> None:
+        """Copies each row's file, checking tokens, shape and values; any float dtype becomes ``extract.dtype``."""
+        for row in rows:
+            path = hs_path(self.source, row)
+            problem, data = read_hidden_state_file(path, input_ids[row], self.settings.verifier, None)
+            if problem is not None:
+                raise EaglenestError(f"{path}: {problem}")
+            write(row, data[HIDDEN_KEY])

@@ -6,8 +6,10 @@ hidden-states connector into a staging folder, one ``{request_id}.safetensors`` 
 asynchronous write ends; the path comes back in ``RequestOutput.kv_transfer_params["hidden_states_path"]``.
 The connector is ours, :class:`eaglenest.stages.extract.vllm_connector.EaglenestHiddenStatesConnector`, loaded through
 ``kv_connector_module_path``: vLLM's own ``ExampleHiddenStatesConnector`` on a GPU, plus a CPU write path.
-Each staged file is checked against the prepared row and rewritten into ``hs_{row}.safetensors`` with
-eaglenest's metadata, in ``extract.dtype`` (vLLM stages float32 on the CPU whatever it computes in).
+Each staged file is checked against the prepared row, and its hidden states go to the row's place in its shard,
+in ``extract.dtype`` (vLLM stages float32 on the CPU whatever it computes in); the staged file is then deleted.
+The staging folder is next to the output in this process (``cluster.executor: local``), and a temporary folder
+of the worker's machine in a Ray actor (``TMPDIR``: point it at local disk).
 
 vLLM numbers layers as eaglenest does: id L is the residual stream after L decoder layers, and id N is the
 last layer's output *before* the final norm; slots come out in ascending id order (our layer ids are
@@ -19,6 +21,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import shutil
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -26,10 +29,10 @@ from typing import Any, Protocol
 
 from safetensors.torch import load_file
 
-from eaglenest.artifacts.hidden_states import HIDDEN_KEY, TOKENS_KEY
+from eaglenest.artifacts.hidden_states.format import HIDDEN_KEY, TOKENS_KEY
 from eaglenest.core.errors import EaglenestError
-from eaglenest.core.vllm_support import create_llm, engine_kwargs, generate
-from eaglenest.stages.extract.job import ExtractionJob
+from eaglenest.core.vllm_support import create_llm, engine_kwargs, generate, require_vllm
+from eaglenest.stages.extract.job import EngineSettings, RowWriter
 
 # Where vLLM finds our connector: a class name and the module it lives in (eaglenest.stages.extract.vllm_connector,
 # which imports vllm at module level and so is named here as a string, not imported).
@@ -50,19 +53,16 @@ class HiddenStateEngine(Protocol):
     def hidden_state_files(self, prompts: Sequence[list[int]]) -> list[Path]: ...
 
 
-def staging_dir_for(out_dir: Path, rank: int = 0, world_size: int = 1) -> Path:
-    """Next to the output (same filesystem), outside the DVC-tracked folder; one per part, since the parts of
-    a multi-node extraction may share the output folder and each clears its staging folder on start."""
-    suffix = ".vllm-staging" if world_size == 1 else f".vllm-staging-{rank}-of-{world_size}"
-    return out_dir.with_name(out_dir.name + suffix)
+def staging_dir_for(out_dir: Path) -> Path:
+    """Next to the output (same filesystem), outside the DVC-tracked folder (the local executor's)."""
+    return out_dir.with_name(out_dir.name + ".vllm-staging")
 
 
-def build_llm_kwargs(job: ExtractionJob, staging_dir: Path) -> dict[str, Any]:
+def build_llm_kwargs(settings: EngineSettings, staging_dir: Path) -> dict[str, Any]:
     """The ``vllm.LLM(**kwargs)`` arguments for hidden-state extraction."""
-    params, verifier = job.params, job.verifier
-    longest = max(len(job.input_ids[row]) for row in job.todo)
+    params, verifier = settings.params, settings.verifier
     # vLLM refuses a prompt of max_model_len tokens or more (it must leave room for one output token).
-    common = engine_kwargs(job.model_dir, verifier, params.vllm, context_tokens=longest + 1)
+    common = engine_kwargs(settings.model_dir, verifier, params.vllm, context_tokens=settings.longest_row + 1)
     return {
         **common,
         "max_num_seqs": params.max_num_seqs,
@@ -124,52 +124,65 @@ def read_staged(path: Path) -> dict[str, Any]:
     return data
 
 
-def collect_row(job: ExtractionJob, row: int, staged: Path) -> None:
-    """Checks a staged file against prepared row ``row`` and writes it into the output layout."""
+def staged_hidden_states(row: int, input_ids: list[int], staged: Path) -> Any:
+    """The ``[seq, n_layers, hidden]`` hidden states vLLM staged for ``row``, checked against its tokens."""
     data = read_staged(staged)
     if HIDDEN_KEY not in data or TOKENS_KEY not in data:
         raise EaglenestError(f"{staged}: vLLM's file has keys {sorted(data)}, expected {HIDDEN_KEY}, {TOKENS_KEY}")
-    if data[TOKENS_KEY].tolist() != job.input_ids[row]:
+    if data[TOKENS_KEY].tolist() != input_ids:
         raise EaglenestError(
             f"{staged}: vLLM's token_ids differ from prepared row {row} (was the prompt re-tokenised?)"
         )
-    job.write(row, data[HIDDEN_KEY])
+    return data[HIDDEN_KEY]
 
 
 EngineFactory = Callable[[dict[str, Any]], HiddenStateEngine]
 
 
-def extract_with_vllm(job: ExtractionJob, engine_factory: EngineFactory | None = None) -> None:
-    """Computes every row in ``job.todo`` with vLLM and hands each to ``job.write``.
+class VllmExtractEngine:
+    """vLLM with the hidden-state connector, started once, and its staging folder.
 
     Args:
-        job: The rows to compute and where they go.
+        settings: What the engine is built from.
         engine_factory: Makes the engine from ``vllm.LLM`` arguments; the real :class:`VllmEngine` by default
             (tests pass a fake).
     """
-    if engine_factory is None:
-        engine_factory = VllmEngine
-    staging = staging_dir_for(job.out_dir, job.params.rank, job.params.world_size)
-    shutil.rmtree(staging, ignore_errors=True)  # whatever a killed run left behind
-    staging.mkdir(parents=True)
-    per_call = WAVES_PER_CALL * job.params.max_num_seqs
-    try:
-        started = time.perf_counter()
-        engine = engine_factory(build_llm_kwargs(job, staging))
-        ready = time.perf_counter()
-        log.info("vLLM engine started in %.1f s", ready - started)
-        tokens = 0
-        for start in range(0, len(job.todo), per_call):
-            rows = job.todo[start : start + per_call]
-            files = engine.hidden_state_files([job.input_ids[row] for row in rows])
-            if len(files) != len(rows):
-                raise EaglenestError(f"vLLM returned {len(files)} results for {len(rows)} prompts")
-            for row, staged in zip(rows, files, strict=True):
-                collect_row(job, row, staged)
-                tokens += len(job.input_ids[row])
-        seconds = time.perf_counter() - ready
-        # The stage's metrics count the engine start too; this is the steady rate a larger job approaches.
-        log.info("vLLM extracted %d rows, %d tokens in %.1f s: %.0f tok/s after the engine start",
-                 len(job.todo), tokens, seconds, tokens / max(seconds, 1e-9))
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+
+    name = "vllm"
+
+    def __init__(self, settings: EngineSettings, engine_factory: EngineFactory | None = None) -> None:
+        if engine_factory is None:
+            require_vllm("extract.backend")  # before anything is staged
+            engine_factory = VllmEngine
+        self.settings = settings
+        if settings.staging is None:
+            self.staging = Path(tempfile.mkdtemp(prefix="eaglenest-vllm-staging-"))
+        else:
+            self.staging = settings.staging
+            shutil.rmtree(self.staging, ignore_errors=True)  # whatever a killed run left behind
+            self.staging.mkdir(parents=True)
+        try:
+            started = time.perf_counter()
+            self.engine = engine_factory(build_llm_kwargs(settings, self.staging))
+        except BaseException:
+            shutil.rmtree(self.staging, ignore_errors=True)
+            raise
+        log.info("vLLM engine started in %.1f s", time.perf_counter() - started)
+
+    def compute(self, rows: list[int], input_ids: dict[int, list[int]], write: RowWriter) -> None:
+        """Every row of ``rows`` through vLLM, in calls of a few waves of ``extract.max_num_seqs`` rows."""
+        per_call = WAVES_PER_CALL * self.settings.params.max_num_seqs
+        started, tokens = time.perf_counter(), 0
+        for start in range(0, len(rows), per_call):
+            batch = rows[start: start + per_call]
+            files = self.engine.hidden_state_files([input_ids[row] for row in batch])
+            if len(files) != len(batch):
+                raise EaglenestError(f"vLLM returned {len(files)} results for {len(batch)} prompts")
+            for row, staged in zip(batch, files, strict=True):
+                write(row, staged_hidden_states(row, input_ids[row], staged))
+                tokens += len(input_ids[row])
+        log.info("vLLM extracted %d rows, %d tokens in %.1f s", len(rows), tokens, time.perf_counter() - started)
+
+    def close(self) -> None:
+        self.engine = None  # vLLM's engine (and its processes) goes with its last reference
+        shutil.rmtree(self.staging, ignore_errors=True)

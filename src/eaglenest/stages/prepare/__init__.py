@@ -455,7 +455,8 @@ class PreparePaths:
 
 
 def run(params: Params, paths: PreparePaths) -> dict[str, Any]:
-    """The prepare stage: the verifier's tokenizer and, with regeneration, the verifier as generator."""
+    """The prepare stage: the verifier's tokenizer and, with regeneration, the verifier as generator (regeneration
+    on ``cluster.executor``)."""
     from eaglenest.stages.prepare.regenerate import verifier_generator
     from eaglenest.stages.prepare.self_instruct import self_instruct_writer
 
@@ -463,7 +464,8 @@ def run(params: Params, paths: PreparePaths) -> dict[str, Any]:
     info, model_dir = load_verifier_info(paths.verifier)
     tokenizer = load_tokenizer(paths.verifier)
     eot = end_of_turn_ids(tokenizer, model_dir)
-    generator = verifier_generator(prepare, info, model_dir, tokenizer, eot) if prepare.regenerate else None
+    generator = (verifier_generator(prepare, info, model_dir, tokenizer, eot, params.cluster)
+                 if prepare.regenerate else None)
     return prepare_dataset(prepare, tokenizer, paths.out, paths.metrics, eot,
                            regenerator=generator.regenerate if generator else None,
                            prompt_writer=self_instruct_writer(prepare, info, generator, tokenizer, eot)

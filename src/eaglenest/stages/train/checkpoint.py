@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from eaglenest.artifacts.hidden_states.format import stored_files
+from eaglenest.artifacts.hidden_states.online import MANIFEST_FILE
 from eaglenest.artifacts.verifier import VerifierInfo
 from eaglenest.core.atomic import atomic_write_bytes, temp_sibling
 from eaglenest.core.errors import EaglenestError
@@ -53,9 +55,8 @@ def run_fingerprint(params: TrainParams, verifier: VerifierInfo, prepared: Path,
     digest.update(verifier.model_dump_json().encode())
     _hash_files([p for p in prepared.iterdir() if p.is_file()], digest, full=True)
     _hash_files([p for p in vocab.iterdir() if p.is_file()], digest, full=True)
-    _hash_files(list(hidden_states.glob("hs_*.safetensors")) + list(hidden_states.glob("shard_*.safetensors")),
-                digest, full=False)
-    _hash_files(list(hidden_states.glob("manifest.json")), digest, full=True)  # extract.store: online
+    _hash_files(stored_files(hidden_states), digest, full=False)
+    _hash_files([p for p in [hidden_states / MANIFEST_FILE] if p.is_file()], digest, full=True)  # store: online
     return digest.hexdigest()[:24]
 
 

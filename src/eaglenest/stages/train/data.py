@@ -9,7 +9,6 @@ function of (seed, epoch), so a resumed run sees exactly the batches the uninter
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ from typing import Any
 
 import torch
 
-from eaglenest.artifacts.hidden_states import MANIFEST_FILE, read_online_manifest
+from eaglenest.artifacts.hidden_states.online import MANIFEST_FILE, read_online_manifest
 from eaglenest.artifacts.prepared import load_table
 from eaglenest.artifacts.verifier import VerifierInfo
 from eaglenest.artifacts.vocab import load_rows
@@ -91,7 +90,6 @@ def load_training_data(params: TrainParams, verifier: VerifierInfo, prepared: Pa
         model_dir: The verifier's weights (online only).
         device: Where the verifier runs (online only): the training device.
     """
-    from hs_connectors import FP8Transfer
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.data import ArrowDataset, CollateFn
 
@@ -106,12 +104,8 @@ def load_training_data(params: TrainParams, verifier: VerifierInfo, prepared: Pa
         manifest = read_online_manifest(hidden_states, verifier, input_ids)
         online = OnlineTransfer(model_dir, verifier, input_ids, str(manifest["dtype"]), device, hs_dtype)
         transfer: Any = online
-    elif any(hidden_states.glob("shard_*.safetensors")):  # extract.rows_per_shard > 1
-        transfer = shard_transfer(hidden_states, hs_dtype)
     else:
-        # speculators' FP8Transfer reads every file as its FileTransfer does, and dequantizes those stored in
-        # fp8 (extract.dtype: float8_e4m3fn) with their per-token scales.
-        transfer = FP8Transfer(hidden_states, dequantize_dtype=hs_dtype)
+        transfer = stored_transfer(hidden_states, len(lengths), hs_dtype)
     dataset = ArrowDataset(max_len=params.total_seq_len, datapath=prepared, transfer=transfer, on_missing="raise",
                            hidden_states_dtype=hs_dtype)
     # EAGLE-3 and P-EAGLE pair the state at t with the token at t + 1 (shift_batch); DFlash reads rows unshifted.
@@ -142,54 +136,21 @@ def checked_rows(params: TrainParams, vocab: Path, lengths: list[int]) -> dict[s
     return rows
 
 
-def shard_transfer(hidden_states: Path, hs_dtype: torch.dtype) -> Any:
-    """speculators' FP8Transfer, reading each row from its shard instead of its own file (see
-    :func:`eaglenest.artifacts.hidden_states.read_shard_row`): a slice of the memory-mapped shard, so a batch costs
-    its rows' memory, never a whole shard's; fp8 rows are dequantized as FP8Transfer does. The convert stage has
-    validated every shard against the prepared rows, so a row is looked up, not checked again."""
-    from collections import OrderedDict
-
+def stored_transfer(hidden_states: Path, num_rows: int, hs_dtype: torch.dtype) -> Any:
+    """speculators' FP8Transfer, reading each row through the hidden-state store (row files, or a slice of the
+    memory-mapped shard: a batch costs its rows' memory, never a whole shard's); rows stored in fp8 are dequantized
+    as FP8Transfer does. The convert stage has validated every file against the prepared rows."""
     from hs_connectors import FP8Transfer
-    from safetensors import safe_open
 
-    from eaglenest.artifacts.hidden_states import METADATA_KEY, ROW_INDEX_KEY, read_shard_row, shard_path
-    from eaglenest.core.safetensors_header import read_header
+    from eaglenest.artifacts.hidden_states.store import open_stored
 
-    first = min(hidden_states.glob("shard_*.safetensors"))
-    rows_per_shard = int(json.loads(read_header(first).metadata[METADATA_KEY])["rows_per_shard"])
+    stored = open_stored(hidden_states, num_rows)
 
-    class ShardTransfer(FP8Transfer):
-        # Open shards (a memory map and a parsed header each) are kept for the next rows: batches are drawn at
-        # random, so a row's shard is rarely the last one's. Each shard's row index is [rows, 3] int64: 24 bytes
-        # a row, kept for every shard read.
-        open_limit = 16
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self.handles: OrderedDict[int, Any] = OrderedDict()
-            self.indices: dict[int, torch.Tensor] = {}
-
-        def handle(self, shard: int) -> Any:
-            if shard in self.handles:
-                self.handles.move_to_end(shard)
-            else:
-                self.handles[shard] = safe_open(str(shard_path(self.hidden_states_path, shard)), framework="pt")
-                if len(self.handles) > self.open_limit:
-                    self.handles.popitem(last=False)
-            return self.handles[shard]
-
+    class StoredTransfer(FP8Transfer):
         def get_cached(self, file_idx: int) -> dict[str, torch.Tensor] | None:
-            shard = file_idx // rows_per_shard
-            handle = self.handle(shard)
-            if shard not in self.indices:
-                self.indices[shard] = handle.get_tensor(ROW_INDEX_KEY)
-            row, first_token, length = self.indices[shard][file_idx - shard * rows_per_shard].tolist()
-            if row != file_idx:  # convert checked every shard against the rows: only a change since can do this
-                raise EaglenestError(f"{shard_path(self.hidden_states_path, shard)}: its row index holds row {row} "
-                                     f"where row {file_idx} belongs; run `dvc repro extract convert`")
-            return self._dequantize(read_shard_row(handle, first_token, length))
+            return self._dequantize(stored.read_row(file_idx))
 
-    return ShardTransfer(hidden_states, dequantize_dtype=hs_dtype)
+    return StoredTransfer(hidden_states, dequantize_dtype=hs_dtype)
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:

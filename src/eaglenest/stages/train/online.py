@@ -25,7 +25,7 @@ import torch
 from hs_connectors.fp8_utils import dequantize_fp8_tensor
 from hs_connectors.transfer import HiddenStatesTransfer
 
-from eaglenest.artifacts.hidden_states import HIDDEN_KEY, SCALES_KEY, TOKENS_KEY, encode_hidden_states
+from eaglenest.artifacts.hidden_states.format import HIDDEN_KEY, SCALES_KEY, TOKENS_KEY, encode_hidden_states
 from eaglenest.artifacts.verifier import VerifierInfo
 from eaglenest.core.decoder import capture_residual_stream, hidden_states_of_rows, load_decoder
 from eaglenest.core.errors import EaglenestError

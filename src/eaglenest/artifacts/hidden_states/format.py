@@ -1,43 +1,40 @@
-"""The hidden-state file format shared with vLLM's hidden-state connector and ``speculators train``, and its
-shards.
+"""One hidden-state file: the format shared with vLLM's hidden-state connector and ``speculators train``, its
+names, its metadata and its checks.
 
-``hs_{i}.safetensors`` holds prepared row ``i``:
+``hs_{i}.safetensors`` (a row file) holds prepared row ``i``:
 
 * ``hidden_states`` ``[seq, n_aux + 1, hidden]`` — the residual stream after each aux layer (sorted) and,
-  in the last slot, after the last decoder layer *before* the final norm; bf16 or fp32.
+  in the last slot, after the last decoder layer *before* the final norm; bf16 or fp32 (fp8: with
+  ``hidden_states_scales`` ``[seq, 1, 1]``, speculators' FP8 layout).
 * ``token_ids`` ``[seq]`` int64 — equal to the prepared ``input_ids``.
 
 eaglenest adds one metadata entry to the safetensors header, ``eaglenest``: a JSON object with
 ``config`` (a hash of the verifier fingerprint, layer ids and dtype), ``layer_ids``, ``dtype`` and
 ``backend``; other readers ignore it. (One key, because safetensors writes several in no fixed order,
-and the files must be bit-identical between runs.) A rerun trusts a file only if its header
-parses, its tensors have the expected keys, dtypes and shapes, its length on disk matches what the header
-promises (so a truncated file is caught without reading it), and its metadata matches the current
-configuration.
+and the files must be bit-identical between runs.) A file is trusted only if its header parses, its tensors
+have the expected keys, dtypes and shapes, its length on disk matches what the header promises (so a truncated
+file is caught without reading it), and its metadata matches the current configuration.
 
 ``shard_{s}.safetensors`` (``extract.rows_per_shard`` R > 1) holds rows ``s*R .. s*R + R - 1`` (fewer in the
 last shard) in the same format, concatenated along the sequence: ``hidden_states`` ``[tokens, n_aux + 1, hidden]``,
-``token_ids`` ``[tokens]`` (and fp8's ``hidden_states_scales`` ``[tokens, 1, 1]``), plus the row index
-``row_index`` ``[rows, 3]`` int64: each row's number, first token and length. Its metadata is a row file's with
-``rows_per_shard`` and ``shard`` added. One file per shard instead of one per row is what DVC pays per file
-for on every status, push and pull; a row is still read alone (a slice of the memory-mapped file).
+``token_ids`` ``[tokens]`` (and fp8's scales ``[tokens, 1, 1]``), plus the row index ``row_index`` ``[rows, 3]``
+int64: each row's number, first token and length. Its metadata is a row file's with ``rows_per_shard`` and
+``shard`` added. One file per shard instead of one per row is what DVC pays per file for on every status, push
+and pull; a row is still read alone (a slice of the memory-mapped file).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save
+from safetensors.torch import load_file
 
-from eaglenest.core.atomic import atomic_open, atomic_write_bytes
-from eaglenest.core.errors import InputFileError
-from eaglenest.core.safetensors_header import Header, read_header, tensor_extents
+from eaglenest.core.safetensors_header import Header, read_header
 
 if TYPE_CHECKING:
     from eaglenest.artifacts.verifier import VerifierInfo
@@ -50,10 +47,11 @@ SCALES_KEY = "hidden_states_scales"
 FP8 = "float8_e4m3fn"
 METADATA_KEY = "eaglenest"
 ROW_INDEX_KEY = "row_index"
-COPY_CHUNK_BYTES = 16 * 1024 * 1024
 SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float32": "F32", "float16": "F16", FP8: "F8_E4M3"}
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16,
                 FP8: torch.float8_e4m3fn}
+
+
 def hs_path(directory: Path, row: int) -> Path:
     """Where prepared row ``row``'s hidden states live (speculators' and vLLM's naming)."""
     return Path(directory) / f"hs_{row}.safetensors"
@@ -81,39 +79,10 @@ def shard_number(path: Path) -> int | None:
     return _file_number(path, "shard_")
 
 
-def shard_rows(shard: int, rows_per_shard: int, num_rows: int) -> range:
-    """The rows shard ``shard`` holds: ``rows_per_shard`` consecutive ones, fewer in the last."""
-    return range(shard * rows_per_shard, min((shard + 1) * rows_per_shard, num_rows))
-
-
-def shards_of(rows: range, rows_per_shard: int) -> range:
-    """The shards that hold ``rows`` (a part's rows start on a shard boundary)."""
-    if not rows:
-        return range(0)
-    return range(rows.start // rows_per_shard, (rows.stop - 1) // rows_per_shard + 1)
-
-
 def stored_files(directory: Path) -> list[Path]:
     """Every row file and shard file in ``directory`` (what DVC tracks of the hidden states), sorted by name."""
     return sorted(path for path in Path(directory).glob("*.safetensors")
                   if row_index(path) is not None or shard_number(path) is not None)
-
-
-def layout_problem(directory: Path, rows_per_shard: int) -> str | None:
-    """One line when the files in ``directory`` were written at another ``extract.rows_per_shard`` than
-    ``rows_per_shard`` (row files where shards are expected, or shards of another size), else None. The extract
-    stage re-shards such files without recomputing a row, so the fix is to run it."""
-    fix = "run `dvc repro extract`: it re-shards the rows without recomputing them"
-    files = stored_files(directory)
-    shards = [path for path in files if shard_number(path) is not None]
-    if rows_per_shard > 1 and files and not shards:
-        return (f"{directory}: {len(files)} row files (hs_{{i}}.safetensors), written with extract.rows_per_shard = 1, "
-                f"now {rows_per_shard}; {fix}")
-    for path in shards:
-        size = recorded_in(path, "rows_per_shard")
-        if size is not None and size != rows_per_shard:  # None: unreadable or foreign, the row checks name it
-            return f"{path}: written with extract.rows_per_shard = {size}, now {rows_per_shard}; {fix}"
-    return None
 
 
 def recorded_in(path: Path, key: str) -> object:
@@ -169,25 +138,6 @@ def decode_hidden_states(data: dict[str, torch.Tensor]) -> torch.Tensor:
     if SCALES_KEY in data:
         return hidden.float() * data[SCALES_KEY].float()
     return hidden
-
-
-def write_hidden_states(path: Path, hidden_states: dict[str, torch.Tensor], token_ids: torch.Tensor,
-                        metadata: dict[str, str]) -> int:
-    """Writes one row atomically; returns the file size in bytes.
-
-    Args:
-        path: The ``hs_{row}.safetensors`` file.
-        hidden_states: The stored tensors, from :func:`encode_hidden_states`.
-        token_ids: ``[seq]`` the prepared row's tokens.
-        metadata: eaglenest's metadata entry (:func:`file_metadata`).
-
-    No fsync: a rename is atomic against a killed process, and a file torn by a power loss fails the
-    length check in :func:`check_header` on the next run, which then recomputes it.
-    """
-    tensors = {name: tensor.contiguous() for name, tensor in hidden_states.items()}
-    data = save({**tensors, TOKENS_KEY: token_ids.to(torch.int64).contiguous()}, metadata=metadata)
-    atomic_write_bytes(path, data, fsync=False)
-    return len(data)
 
 
 def check_header(path: Path, *, seq_len: int, num_slots: int, hidden_size: int, dtype: str | None,
@@ -271,55 +221,6 @@ def read_hidden_state_file(path: Path, input_ids: list[int], verifier: VerifierI
     return None, {TOKENS_KEY: data[TOKENS_KEY], HIDDEN_KEY: hidden}  # fp8 already dequantized
 
 
-def pack_shard(directory: Path, shard: int, rows: range, rows_per_shard: int, metadata: dict[str, str]) -> int:
-    """Packs the row files of ``rows`` (each already validated) into ``shard_{shard}.safetensors`` atomically, then
-    deletes them; returns the shard's size in bytes.
-
-    Each tensor of the shard is the rows' tensors concatenated along the sequence, which for row-major tensors is
-    their bytes one after another: the shard is streamed from the row files' byte ranges, so memory stays at a
-    copy buffer whatever the shard's size (a shard of a large verifier's long rows runs to tens of GB). The bytes
-    are as stored (fp8 stays fp8 with its scales), and the same rows always make the same file.
-    """
-    paths = [hs_path(directory, row) for row in rows]
-    extents = [tensor_extents(path) for path in paths]  # (data start, {name: (dtype, shape, begin, end)})
-    names = sorted(extents[0][1])
-    lengths = [extent[TOKENS_KEY][1][0] for _, extent in extents]
-    starts = [sum(lengths[:i]) for i in range(len(lengths))]
-    row_index_bytes = torch.tensor([[row, start, length] for row, start, length in zip(
-        rows, starts, lengths, strict=True)], dtype=torch.int64).numpy().tobytes()  # [rows, 3]
-    header: dict[str, Any] = {"__metadata__": shard_metadata(metadata, rows_per_shard, shard)}
-    offset = 0
-    for name in names:
-        dtype, shape, _, _ = extents[0][1][name]
-        size = sum(end - begin for _, extent in extents for _, _, begin, end in [extent[name]])
-        header[name] = {"dtype": dtype, "shape": [sum(lengths), *shape[1:]], "data_offsets": [offset, offset + size]}
-        offset += size
-    header[ROW_INDEX_KEY] = {"dtype": "I64", "shape": [len(lengths), 3],
-                             "data_offsets": [offset, offset + len(row_index_bytes)]}
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # safetensors aligns the data section to 8 bytes
-    final = shard_path(directory, shard)
-    with atomic_open(final, fsync=False) as out:
-        out.write(struct.pack("<Q", len(encoded)))
-        out.write(encoded)
-        for name in names:
-            for path, (data_start, extent) in zip(paths, extents, strict=True):
-                _, _, begin, end = extent[name]
-                with open(path, "rb") as source:
-                    source.seek(data_start + begin)
-                    remaining = end - begin
-                    while remaining:
-                        chunk = source.read(min(remaining, COPY_CHUNK_BYTES))
-                        if not chunk:
-                            raise OSError(f"{path}: shorter than its header says")
-                        out.write(chunk)
-                        remaining -= len(chunk)
-        out.write(row_index_bytes)
-    for path in paths:  # only once the shard holds them: a kill in between leaves both, and both validate
-        path.unlink(missing_ok=True)
-    return final.stat().st_size
-
-
 def check_shard_header(path: Path, *, rows: range, lengths: list[int], num_slots: int, hidden_size: int,
                        dtype: str | None, config: str | None, rows_per_shard: int) -> str | None:
     """What is wrong with a shard's header and row index, or None.
@@ -332,15 +233,14 @@ def check_shard_header(path: Path, *, rows: range, lengths: list[int], num_slots
         hidden_size: The verifier's hidden size.
         dtype: Expected storage dtype name; None accepts any.
         config: Expected ``config`` in the metadata; None skips that check.
-        rows_per_shard: ``extract.rows_per_shard`` now.
+        rows_per_shard: The shard size the file must have been written with.
     """
     header = _read_checked_header(path)
     if isinstance(header, str):
         return header
     written_size = recorded(header.metadata, "rows_per_shard")
     if written_size != rows_per_shard:
-        return (f"written with extract.rows_per_shard = {written_size}, now {rows_per_shard} (its valid rows are "
-                "re-sharded by `dvc repro extract`)")
+        return f"written with extract.rows_per_shard = {written_size}, expected {rows_per_shard}"
     problem = _tensor_problem(header, sum(lengths[row] for row in rows), num_slots, hidden_size, dtype,
                               (HIDDEN_KEY, TOKENS_KEY, ROW_INDEX_KEY))
     if problem is not None:
@@ -395,62 +295,3 @@ def check_row_tensors(data: dict[str, torch.Tensor], input_ids: list[int]) -> tu
         bad = (~finite).nonzero()[0].tolist()
         return f"{int((~finite).sum())} non-finite values (first at token {bad[0]}, slot {bad[1]})", None
     return None, hidden
-
-
-# extract.store: online keeps no files; the extract stage writes this manifest instead, so that DVC still sees
-# an output change exactly when the rows, the verifier, its layers or the dtype change, and the train stage
-# can refuse to compute hidden states for data the manifest was not written for.
-MANIFEST_FILE = "manifest.json"
-
-
-def rows_digest(input_ids: list[list[int]]) -> str:
-    """sha256 of every prepared row's token ids, in order."""
-    digest = hashlib.sha256()
-    for ids in input_ids:
-        digest.update(json.dumps(ids).encode())
-        digest.update(b"\n")
-    return digest.hexdigest()
-
-
-def online_manifest(verifier: VerifierInfo, dtype: str, input_ids: list[list[int]]) -> dict[str, object]:
-    """What ``data/hidden_states/manifest.json`` records for ``extract.store: online``."""
-    return {
-        "store": "online",
-        "rows": len(input_ids),
-        "tokens": sum(len(ids) for ids in input_ids),
-        "rows_sha256": rows_digest(input_ids),
-        "verifier": verifier.fingerprint,
-        "layer_ids": list(verifier.layer_ids),
-        "hidden_size": verifier.hidden_size,
-        "dtype": dtype,
-        "config": extraction_fingerprint(verifier.fingerprint, verifier.layer_ids, dtype),
-    }
-
-
-def read_online_manifest(hs_dir: Path, verifier: VerifierInfo, input_ids: list[list[int]]) -> dict[str, object]:
-    """The manifest of an online extraction, checked against the prepared rows and the verifier.
-
-    Raises:
-        InputFileError: it is missing, unreadable, or written for other rows / another verifier or layer set
-            (one line, with the fix).
-    """
-    path = Path(hs_dir) / MANIFEST_FILE
-    try:
-        manifest = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise InputFileError(
-            f"{path}: missing, but extract.store is online; run `dvc repro extract` (it writes the manifest)"
-        ) from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise InputFileError(f"{path}: not readable JSON ({err}); run `dvc repro extract`") from None
-    if not isinstance(manifest, dict) or manifest.get("store") != "online" or manifest.get("dtype") not in TORCH_DTYPES:
-        raise InputFileError(f"{path}: not an eaglenest online manifest; run `dvc repro extract`")
-    expected = online_manifest(verifier, str(manifest["dtype"]), input_ids)
-    stale = [key for key in ("rows", "rows_sha256", "verifier", "layer_ids", "hidden_size", "config")
-             if manifest.get(key) != expected[key]]
-    if stale:
-        raise InputFileError(
-            f"{path}: its {', '.join(stale)} differ from the prepared rows and verifier now (an earlier "
-            "extract wrote it); run `dvc repro extract`"
-        )
-    return manifest

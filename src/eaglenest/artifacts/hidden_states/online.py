@@ -1,0 +1,72 @@
+"""``extract.store: online``: no hidden states are stored; the extract stage writes a manifest instead, so that DVC
+still sees an output change exactly when the rows, the verifier, its layers or the dtype change, and the train
+stage can refuse to compute hidden states for data the manifest was not written for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from eaglenest.artifacts.hidden_states.format import TORCH_DTYPES, extraction_fingerprint
+from eaglenest.core.errors import InputFileError
+
+if TYPE_CHECKING:
+    from eaglenest.artifacts.verifier import VerifierInfo
+
+MANIFEST_FILE = "manifest.json"
+
+
+def rows_digest(input_ids: list[list[int]]) -> str:
+    """sha256 of every prepared row's token ids, in order."""
+    digest = hashlib.sha256()
+    for ids in input_ids:
+        digest.update(json.dumps(ids).encode())
+        digest.update(b"\n")
+    return digest.hexdigest()
+
+
+def online_manifest(verifier: VerifierInfo, dtype: str, input_ids: list[list[int]]) -> dict[str, object]:
+    """What ``data/hidden_states/manifest.json`` records for ``extract.store: online``."""
+    return {
+        "store": "online",
+        "rows": len(input_ids),
+        "tokens": sum(len(ids) for ids in input_ids),
+        "rows_sha256": rows_digest(input_ids),
+        "verifier": verifier.fingerprint,
+        "layer_ids": list(verifier.layer_ids),
+        "hidden_size": verifier.hidden_size,
+        "dtype": dtype,
+        "config": extraction_fingerprint(verifier.fingerprint, verifier.layer_ids, dtype),
+    }
+
+
+def read_online_manifest(hs_dir: Path, verifier: VerifierInfo, input_ids: list[list[int]]) -> dict[str, object]:
+    """The manifest of an online extraction, checked against the prepared rows and the verifier.
+
+    Raises:
+        InputFileError: it is missing, unreadable, or written for other rows / another verifier or layer set
+            (one line, with the fix).
+    """
+    path = Path(hs_dir) / MANIFEST_FILE
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise InputFileError(
+            f"{path}: missing, but extract.store is online; run `dvc repro extract` (it writes the manifest)"
+        ) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise InputFileError(f"{path}: not readable JSON ({err}); run `dvc repro extract`") from None
+    if not isinstance(manifest, dict) or manifest.get("store") != "online" or manifest.get("dtype") not in TORCH_DTYPES:
+        raise InputFileError(f"{path}: not an eaglenest online manifest; run `dvc repro extract`")
+    expected = online_manifest(verifier, str(manifest["dtype"]), input_ids)
+    stale = [key for key in ("rows", "rows_sha256", "verifier", "layer_ids", "hidden_size", "config")
+             if manifest.get(key) != expected[key]]
+    if stale:
+        raise InputFileError(
+            f"{path}: its {', '.join(stale)} differ from the prepared rows and verifier now (an earlier "
+            "extract wrote it); run `dvc repro extract`"
+        )
+    return manifest

@@ -1,0 +1,517 @@
+"""Row-parallel work (prepare's regeneration, extract): one task function over many tasks, run in this process or
+by a pool of Ray actors (``cluster.executor``).
+
+A stage cuts its work into tasks (extract: one shard each; regeneration: one batch each) and hands the executor
+three things: ``make_engine`` (loads an engine: an hf model, a vLLM engine), ``run_task(engine, task) -> result``
+and ``on_result(task, result)``, which the stage runs in its own process as each task finishes (it writes the
+result). Both executors run the very same ``run_task``, so they produce the same bytes by construction; the
+executor knows neither vLLM nor any stage.
+
+* :class:`LocalExecutor` loads one engine and runs the tasks in turn (``cluster.executor: local``).
+* :class:`RayExecutor` starts ``cluster.workers`` actors, each owning one engine, loaded once per actor; GPUs per
+  actor come from the engine's ``tensor_parallel_size``, in a placement group when it spans GPUs. A small
+  dispatcher over ``ray.wait`` hands each idle actor the next task. Actors restart when their process dies
+  (``max_restarts=-1``) and Ray never retries a call itself (``max_task_retries=0``): a task whose actor died (its
+  process killed, its node removed) is put back in the queue and run by another actor, so a finished task is
+  never run again and its result arrives once. A task that fails ``cluster.max_task_retries`` times stops the
+  stage naming the task and the error; an :class:`~eaglenest.core.errors.EaglenestError` raised by a task (a
+  checked problem of its data, which another try would meet again) stops it at once. Results that arrived
+  before are kept by ``on_result``, so the next run continues.
+
+Ray is imported only here and only when ``cluster.executor`` is ``ray``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+
+from eaglenest.core.errors import EaglenestError
+
+if TYPE_CHECKING:
+    from eaglenest.core.params import ClusterParams
+
+log = logging.getLogger(__name__)
+
+E = TypeVar("E")
+T = TypeVar("T", bound="Task")
+R = TypeVar("R")
+
+RAY_FIX = "run `make setup` (it installs ray[default] into the project's environment)"
+# A cluster started for one stage on this machine, and a loopback cluster address, keep Ray on 127.0.0.1: Ray
+# otherwise swaps a loopback node address for the machine's routable one, and with a routable one its servers
+# listen on every interface. This switch (meant for single-machine Ray on Windows and macOS) keeps the node on
+# loopback; nodes on other machines are never loopback.
+SINGLE_MACHINE_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+# Nothing leaves the machine: Ray would otherwise report usage statistics to its developers' server. Calls still in
+# flight when a task stops the stage are never fetched: their errors are not news (the stage names the one that is).
+QUIET_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_IGNORE_UNHANDLED_ERRORS": "1"}
+# A cluster of our own authenticates its clients with a token (Ray's default for ray.init; set, it is also silent).
+OWN_CLUSTER_ENV = {"RAY_AUTH_MODE": "token"}
+CONNECT_TIMEOUT_S = 5.0
+# An actor that died is asked again whether its engine is up after this many seconds, doubling up to the cap: a
+# restarted actor loads its model again, which takes from seconds to many minutes.
+RETRY_FIRST_S, RETRY_CAP_S = 1.0, 30.0
+
+
+class Task(Protocol):
+    """One unit of work; ``label`` names it in messages ("shard 3 (rows 768..1023)")."""
+
+    @property
+    def label(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class EngineNeeds:
+    """What one engine takes from a node.
+
+    Attributes:
+        gpus: GPUs one engine spreads over where the cluster has GPUs (its ``tensor_parallel_size``); None for an
+            engine that runs on CPUs only.
+        param: The params key that sets ``gpus``, named when no node holds that many.
+    """
+
+    gpus: int | None = 1
+    param: str = "tensor_parallel_size"
+
+
+class Executor(Generic[E, T, R]):
+    """Runs ``run_task`` over ``tasks`` with engines from ``make_engine``; :meth:`run` returns once every task has
+    a result (``on_result`` has run for each) or raises :class:`EaglenestError` naming the task that failed."""
+
+    kind = "executor"
+    workers = 1
+
+    def run(self, make_engine: Callable[[], E], run_task: Callable[[E, T], R], tasks: Sequence[T],
+            on_result: Callable[[T, R], None]) -> None:
+        raise NotImplementedError
+
+
+def close_engine(engine: Any) -> None:
+    """Releases an engine that holds more than memory (a vLLM engine's processes, a staging folder)."""
+    close = getattr(engine, "close", None)
+    if close is not None:
+        close()
+
+
+class LocalExecutor(Executor[E, T, R]):
+    """One engine in this process; the tasks in order (``cluster.executor: local``)."""
+
+    kind = "local"
+
+    def run(self, make_engine: Callable[[], E], run_task: Callable[[E, T], R], tasks: Sequence[T],
+            on_result: Callable[[T, R], None]) -> None:
+        if not tasks:
+            return
+        engine = make_engine()
+        try:
+            for task in tasks:
+                on_result(task, run_task(engine, task))
+        finally:
+            close_engine(engine)
+
+
+class EngineHost:
+    """The actor class: one engine, built on first use (so that a failure to build it comes back as the error of
+    a call, with its message, instead of killing the actor), and the task function."""
+
+    def __init__(self, make_engine: Callable[[], Any], run_task: Callable[[Any, Any], Any]) -> None:
+        self._make_engine, self._run_task = make_engine, run_task
+        self._engine: Any = None
+        self._started = False
+
+    def start(self) -> str:
+        """Builds the engine if this process has none yet; returns where it runs."""
+        if not self._started:
+            self._engine = self._make_engine()
+            self._started = True
+        import ray
+
+        context = ray.get_runtime_context()
+        return f"node {context.get_node_id()[:8]}, pid {os.getpid()}"
+
+    def run(self, task: Any) -> Any:
+        self.start()  # a restarted actor meets its first task before the driver's start call
+        return self._run_task(self._engine, task)
+
+    def close(self) -> None:
+        if self._started:
+            close_engine(self._engine)
+            self._started, self._engine = False, None
+
+
+@dataclass
+class _Actor:
+    """The dispatcher's view of one actor."""
+
+    handle: Any
+    state: str = "starting"  # starting (its start call in flight) | idle | busy | down (retry at retry_at)
+    where: str = ""
+    retry_at: float = 0.0
+    backoff: float = RETRY_FIRST_S
+    start_failures: int = 0
+
+
+@dataclass
+class _Dispatch(Generic[T]):
+    """What is queued and in flight, and how often each task failed."""
+
+    pending: deque[T]
+    inflight: dict[Any, tuple[int, T | None]] = field(default_factory=dict)  # ref -> (actor, task or start call)
+    tries: dict[int, int] = field(default_factory=dict)  # id(task) -> failed tries
+
+    def tasks_in_flight(self) -> bool:
+        return any(task is not None for _, task in self.inflight.values())
+
+
+def error_line(err: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"
+
+
+class RayExecutor(Executor[E, T, R]):
+    """A pool of Ray actors, one engine each, fed by a dispatcher over ``ray.wait`` (see the module docstring).
+
+    Args:
+        cluster: The ``cluster`` params (workers, CPUs per worker, tries per task).
+        needs: What one engine takes from a node.
+    """
+
+    kind = "ray"
+
+    def __init__(self, cluster: ClusterParams, needs: EngineNeeds) -> None:
+        self.cluster, self.needs = cluster, needs
+        self.options, self.workers, self.description = plan_engines(cluster, needs, alive_nodes())
+
+    def run(self, make_engine: Callable[[], E], run_task: Callable[[E, T], R], tasks: Sequence[T],
+            on_result: Callable[[T, R], None]) -> None:
+        if not tasks:
+            return
+        import ray
+
+        host = ray.remote(max_restarts=-1, max_task_retries=0)(EngineHost)
+        count = min(self.workers, len(tasks))
+        log.info("ray: %d engines (%s) for %d tasks", count, self.description, len(tasks))
+        actors = [_Actor(host.options(**self.actor_options()).remote(make_engine, run_task)) for _ in range(count)]
+        dispatch: _Dispatch[T] = _Dispatch(deque(tasks))
+        try:
+            for index, actor in enumerate(actors):
+                dispatch.inflight[actor.handle.start.remote()] = (index, None)
+            while dispatch.pending or dispatch.tasks_in_flight():
+                self._assign(actors, dispatch)
+                self._revive(actors, dispatch)
+                if not dispatch.inflight:
+                    self._check_capacity(actors)
+                    time.sleep(self._next_retry(actors))
+                    continue
+                ready, _ = ray.wait(list(dispatch.inflight), num_returns=1, timeout=self._next_retry(actors))
+                for ref in ready:
+                    self._collect(ref, actors, dispatch, on_result)
+                if not ready:  # a wait ran out: every engine may be gone with the nodes that held it
+                    self._check_capacity(actors)
+        finally:
+            self._shut_down(actors)
+
+    def actor_options(self) -> dict[str, Any]:
+        """Ray options of one actor; a placement group per engine that spans GPUs (all on one node)."""
+        if "placement_bundles" not in self.options:
+            return dict(self.options)
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        group = placement_group(self.options["placement_bundles"], strategy="STRICT_PACK")
+        # The engine's own workers (vLLM's, one per GPU) are scheduled into the group by the engine.
+        return {"num_cpus": 0, "num_gpus": 0, "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            group, placement_group_capture_child_tasks=True)}
+
+    def _assign(self, actors: list[_Actor], dispatch: _Dispatch[T]) -> None:
+        for index, actor in enumerate(actors):
+            if actor.state == "idle" and dispatch.pending:
+                task = dispatch.pending.popleft()
+                dispatch.inflight[actor.handle.run.remote(task)] = (index, task)
+                actor.state = "busy"
+
+    def _revive(self, actors: list[_Actor], dispatch: _Dispatch[T]) -> None:
+        """Asks each actor that died, once its wait is over, to start again (Ray restarts its process)."""
+        now = time.monotonic()
+        for index, actor in enumerate(actors):
+            if actor.state == "down" and actor.retry_at <= now:
+                dispatch.inflight[actor.handle.start.remote()] = (index, None)
+                actor.state = "starting"
+
+    @staticmethod
+    def _next_retry(actors: list[_Actor]) -> float:
+        """Seconds until the next actor that died is asked again; at most ``RETRY_CAP_S``."""
+        waits = [actor.retry_at - time.monotonic() for actor in actors if actor.state == "down"]
+        return max(0.05, min([RETRY_CAP_S, *waits]))
+
+    def _check_capacity(self, actors: list[_Actor]) -> None:
+        """No engine is up: stop if the nodes left cannot hold a single engine (they will not come back; an actor
+        waiting for a node would wait for ever)."""
+        if any(actor.state in ("idle", "busy") for actor in actors):
+            return
+        try:
+            plan_engines(self.cluster.model_copy(update={"workers": "auto"}), self.needs, alive_nodes())
+        except EaglenestError as err:
+            raise EaglenestError(f"every engine was lost and the cluster cannot start another: {err}") from None
+
+    def _collect(self, ref: Any, actors: list[_Actor], dispatch: _Dispatch[T],
+                 on_result: Callable[[T, R], None]) -> None:
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        index, task = dispatch.inflight.pop(ref)
+        actor = actors[index]
+        try:
+            value = ray.get(ref)
+        except RayActorError as err:  # the actor's process or node died: its task (if any) goes back in the queue
+            if task is not None:
+                log.warning("ray: %s: its engine (%s) was lost (%s); it runs again", task.label, actor.where or "?",
+                            type(err).__name__)
+                self._failed(task, dispatch, f"its engine was lost ({type(err).__name__})")
+            if err.actor_init_failed:  # the worker could not even create the actor (an import failed there)
+                self._start_failed(actor, actors, err)
+            else:
+                self._down(actor)
+            return
+        except RayTaskError as err:
+            cause = err.cause if err.cause is not None else err
+            if isinstance(cause, EaglenestError):  # checked, so another try would meet it again
+                raise EaglenestError(f"{task.label}: {cause}" if task is not None else str(cause)) from None
+            if task is None:
+                self._start_failed(actor, actors, cause)
+                return
+            actor.state = "idle"
+            log.warning("ray: %s failed on %s: %s", task.label, actor.where, error_line(cause))
+            self._failed(task, dispatch, error_line(cause))
+            return
+        if task is None:
+            actor.state, actor.where, actor.backoff = "idle", str(value), RETRY_FIRST_S
+            log.info("ray: engine %d ready (%s)", index, actor.where)
+            return
+        actor.state = "idle"
+        on_result(task, value)
+
+    def _failed(self, task: T, dispatch: _Dispatch[T], why: str) -> None:
+        tries = dispatch.tries[id(task)] = dispatch.tries.get(id(task), 0) + 1
+        if tries >= self.cluster.max_task_retries:
+            raise EaglenestError(f"{task.label} failed {tries} times (cluster.max_task_retries = "
+                                 f"{self.cluster.max_task_retries}); the last: {why}")
+        dispatch.pending.appendleft(task)
+
+    def _start_failed(self, actor: _Actor, actors: list[_Actor], cause: BaseException) -> None:
+        actor.start_failures += 1
+        log.warning("ray: an engine failed to start: %s", error_line(cause))
+        if actor.start_failures >= self.cluster.max_task_retries:
+            actor.state = "dropped"
+            if all(other.state == "dropped" for other in actors):
+                raise EaglenestError(f"no engine could start on the cluster; the last failure: {error_line(cause)}")
+        else:
+            self._down(actor)
+
+    @staticmethod
+    def _down(actor: _Actor) -> None:
+        """The actor is asked again after its wait, which doubles each time (up to ``RETRY_CAP_S``)."""
+        actor.state, actor.retry_at = "down", time.monotonic() + actor.backoff
+        actor.backoff = min(RETRY_CAP_S, actor.backoff * 2)
+
+    @staticmethod
+    def _shut_down(actors: list[_Actor]) -> None:
+        """Closes the engines of idle actors (a vLLM engine's own processes), then ends every actor; one still busy
+        (the stage stops on another task's error) is ended at once, and Ray ends its children with it."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayError
+
+        closing = [actor.handle.close.remote() for actor in actors if actor.state == "idle"]
+        with contextlib.suppress(RayError, GetTimeoutError):
+            ray.get(closing, timeout=60)
+        for actor in actors:
+            with contextlib.suppress(RayError):
+                ray.kill(actor.handle, no_restart=True)
+
+
+def alive_nodes() -> list[dict[str, float]]:
+    """The resources (``CPU``, ``GPU``, ...) of every node of the connected cluster that is alive."""
+    import ray
+
+    return [dict(node.get("Resources", {})) for node in ray.nodes() if node.get("Alive")]
+
+
+def plan_engines(cluster: ClusterParams, needs: EngineNeeds, nodes: list[dict[str, float]]
+                 ) -> tuple[dict[str, Any], int, str]:
+    """(one actor's Ray options, engines to start, a description) for ``nodes``.
+
+    On a cluster with GPUs an engine takes ``needs.gpus`` of one node's GPUs (and a CPU per GPU); elsewhere
+    ``cluster.cpus_per_worker`` CPUs. ``cluster.workers: auto`` starts as many engines as the nodes hold.
+
+    Raises:
+        EaglenestError: no node holds one engine (one line: what an engine needs, what the largest node has).
+    """
+    max_gpus = max((node.get("GPU", 0.0) for node in nodes), default=0.0)
+    gpus = needs.gpus if needs.gpus is not None and sum(node.get("GPU", 0.0) for node in nodes) > 0 else None
+    if gpus is not None:
+        if max_gpus < gpus:
+            raise EaglenestError(
+                f"{needs.param} = {gpus}: an engine needs {gpus} GPUs on one node, and the largest node of the Ray "
+                f"cluster has {max_gpus:g}; lower {needs.param} or add nodes with more GPUs"
+            )
+        fit = sum(int(node.get("GPU", 0.0) // gpus) for node in nodes)
+        options: dict[str, Any] = ({"num_gpus": 1, "num_cpus": 1} if gpus == 1
+                                   else {"placement_bundles": [{"GPU": 1, "CPU": 1}] * gpus})
+        per_engine = f"{gpus} GPU{'s' if gpus > 1 else ''} each"
+    else:
+        cpus = cluster.cpus_per_worker
+        fit = sum(int(node.get("CPU", 0.0) // cpus) for node in nodes)
+        if fit == 0:
+            largest = max((node.get("CPU", 0.0) for node in nodes), default=0.0)
+            raise EaglenestError(
+                f"cluster.cpus_per_worker = {cpus}: no node of the Ray cluster has that many CPUs (the largest has "
+                f"{largest:g}, in {len(nodes)} nodes alive); lower it or add nodes"
+            )
+        options = {"num_cpus": cpus, "num_gpus": 0}
+        per_engine = f"{cpus} CPU{'s' if cpus > 1 else ''} each"
+    wanted = fit if cluster.workers == "auto" else int(cluster.workers)
+    if wanted > fit:
+        log.warning("cluster.workers = %d, but the cluster holds %d engines of %s: starting %d", wanted, fit,
+                    per_engine, fit)
+        wanted = fit
+    return options, wanted, f"{per_engine}, on {len(nodes)} nodes"
+
+
+def _is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def _probe(address: str) -> None:
+    """Refuses a host:port where nothing answers (``ray.init`` would retry it for minutes)."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S):
+            return
+    except (OSError, ValueError) as err:
+        raise EaglenestError(
+            f"cluster.address = {address!r}: no Ray cluster answers there ({err}); start its head there with "
+            "`ray start --head --port=6379` (scripts/cluster/ has SLURM and Kubernetes launchers), point "
+            "cluster.address at a running head, or set cluster.address: local to start one on this machine"
+        ) from None
+
+
+def check_cluster(cluster: ClusterParams) -> None:
+    """Refuses, before any work, ``cluster.executor: ray`` without Ray installed, or a host:port where nothing
+    answers (one line each, with the fix); connecting waits until there is work."""
+    if cluster.executor != "ray":
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        raise EaglenestError(f"cluster.executor: ray needs Ray, which this interpreter lacks; {RAY_FIX}")
+    address = os.environ.get("RAY_ADDRESS", "auto") if cluster.address == "auto" else cluster.address
+    if address not in ("local", "auto"):
+        _probe(address)
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in os.environ (those the user set keep theirs) while the block runs, for Ray's processes too."""
+    added = {key: value for key, value in values.items() if key not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
+
+
+def _package_dir() -> Path:
+    import eaglenest
+
+    return Path(eaglenest.__file__).resolve().parent
+
+
+@contextlib.contextmanager
+def connect(cluster: ClusterParams) -> Iterator[None]:
+    """Connected to the Ray cluster of ``cluster.address`` (started for the block when 'local'), with this
+    checkout's eaglenest shipped to every worker (Ray's ``py_modules``: no shared filesystem needed for the
+    code); disconnected (a started cluster stopped) afterwards.
+
+    Raises:
+        EaglenestError: Ray is not installed, or no cluster answers at the address (one line, with the fix).
+    """
+    address = cluster.address
+    if address == "auto" and os.environ.get("RAY_ADDRESS"):
+        address = os.environ["RAY_ADDRESS"]
+    env = dict(QUIET_ENV)
+    kwargs: dict[str, Any] = {}
+    if address == "local":
+        env |= SINGLE_MACHINE_ENV | OWN_CLUSTER_ENV
+        kwargs["include_dashboard"] = False
+    elif address != "auto":
+        _probe(address)
+        if _is_loopback(address.rpartition(":")[0]):
+            env |= SINGLE_MACHINE_ENV
+    with _environment(env):  # before Ray's first import: it reads the single-machine switch then
+        try:
+            import ray
+        except ImportError:
+            raise EaglenestError(f"cluster.executor: ray needs Ray, which this interpreter lacks; {RAY_FIX}") from None
+        try:
+            ray.init(address=address, runtime_env={"py_modules": [str(_package_dir())]},
+                     logging_level=logging.WARNING, **kwargs)
+        except ConnectionError as err:
+            raise EaglenestError(
+                f"cluster.address = {cluster.address!r}: {error_line(err).rstrip('.')}; start a cluster with "
+                "`ray start --head` (scripts/cluster/ has SLURM and Kubernetes launchers), or set cluster.address: "
+                "local to start one on this machine"
+            ) from None
+        try:
+            yield
+        finally:
+            ray.shutdown()
+
+
+@contextlib.contextmanager
+def open_executor(cluster: ClusterParams, needs: EngineNeeds) -> Iterator[Executor[Any, Any, Any]]:
+    """The executor ``cluster.executor`` names, connected for the block.
+
+    Raises:
+        EaglenestError: as :func:`connect`, or no node holds one engine (:func:`plan_engines`); before any work.
+    """
+    if cluster.executor == "local":
+        yield LocalExecutor()
+        return
+    with connect(cluster):
+        yield RayExecutor(cluster, needs)
+
+
+def describe_cluster(cluster: ClusterParams) -> list[str]:
+    """What ``cluster`` would run on, for ``eaglenest doctor``: a line per fact.
+
+    Raises:
+        EaglenestError: Ray is missing, or no cluster answers at ``cluster.address``.
+    """
+    if cluster.executor == "local":
+        return ["cluster: executor local (one process on this machine; cluster.executor: ray shares the work)"]
+    if cluster.address == "local":
+        try:
+            import ray  # noqa: F401  (only whether it is there: a local cluster is started by the stage itself)
+        except ImportError:
+            raise EaglenestError(f"cluster.executor: ray needs Ray, which this interpreter lacks; {RAY_FIX}") from None
+        import torch
+
+        return [f"cluster: executor ray, address local: the stage starts Ray on this machine (127.0.0.1): "
+                f"{len(os.sched_getaffinity(0))} CPUs, {torch.cuda.device_count()} GPUs"]
+    with connect(cluster):
+        nodes = alive_nodes()
+    cpus = sum(node.get("CPU", 0.0) for node in nodes)
+    gpus = sum(node.get("GPU", 0.0) for node in nodes)
+    return [f"cluster: executor ray at {cluster.address}: {len(nodes)} nodes alive, {cpus:g} CPUs, {gpus:g} GPUs"]
+
