@@ -258,6 +258,23 @@ def test_site_builds_strict(tmp_path: Path):
     assert (tmp_path / "site" / "index.html").read_text().count("Quickstart") >= 1
 
 
+# A path of the machine a run happened on: a reader's machine has none of them ("a fresh clone", "a scratch folder").
+MACHINE_PATH = re.compile(r"(?<![\w.~/-])/(?:tmp|work)/")
+
+
+def test_docs_name_no_machines_scratch_paths():
+    problems = [f"{name}:{number}: {line.strip()[:100]}" for name in SHELL_PAGES
+                for number, line in enumerate((REPO / name).read_text().splitlines(), 1) if MACHINE_PATH.search(line)]
+    assert not problems, "absolute /tmp/ or /work/ paths in the docs; say what the folder was (a fresh clone, a " \
+                         "scratch folder):\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("line, found", [("`git clone /work/main /tmp/demo5`", True), ("--scratch /tmp/bench", True),
+                                         ("`--out report/`", False), ("https://example.com/tmp/x", False)])
+def test_the_machine_path_pattern(line: str, found: bool):
+    assert bool(MACHINE_PATH.search(line)) is found
+
+
 def _tracked_text_files() -> list[str]:
     names = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
     return [name for name in names.splitlines()
