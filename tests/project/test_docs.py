@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import shlex
 import shutil
@@ -145,6 +146,9 @@ def check_command(command: str) -> str | None:
     if head == "source":
         return None if words[1:] == [".venv/bin/activate"] and "VENV := .venv" in (REPO / "Makefile").read_text() \
             else "not the environment make setup creates"
+    if head.startswith(("scripts/", "bench/")):  # a script run by its path: it must exist and be executable
+        script = REPO / head
+        return None if script.is_file() and os.access(script, os.X_OK) else f"{head} is not an executable file"
     if head in ("python", ".venv/bin/python") and words[1].startswith(("scripts/", "bench/")):
         # a script or benchmark: it must exist (its flags are its own; the benchmarks take minutes to run)
         return None if (REPO / words[1]).is_file() else f"{words[1]} does not exist"
