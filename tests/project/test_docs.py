@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import shlex
 import shutil
@@ -150,6 +151,9 @@ def check_command(command: str) -> str | None:
         launchers = [w for w in words[1:] if w.startswith("scripts/cluster/")]
         ours = launchers and all((REPO / w).is_file() for w in launchers)
         return None if ours else "not a launcher of scripts/cluster/"
+    if head.startswith(("scripts/", "bench/")):  # a script run by its path: it must exist and be executable
+        script = REPO / head
+        return None if script.is_file() and os.access(script, os.X_OK) else f"{head} is not an executable file"
     if head in ("python", ".venv/bin/python") and words[1].startswith(("scripts/", "bench/")):
         # a script or benchmark: it must exist (its flags are its own; the benchmarks take minutes to run)
         return None if (REPO / words[1]).is_file() else f"{words[1]} does not exist"
@@ -262,6 +266,23 @@ def test_site_builds_strict(tmp_path: Path):
                             cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, f"mkdocs build --strict failed:\n{result.stdout}{result.stderr}"
     assert (tmp_path / "site" / "index.html").read_text().count("Quickstart") >= 1
+
+
+# A path of the machine a run happened on: a reader's machine has none of them ("a fresh clone", "a scratch folder").
+MACHINE_PATH = re.compile(r"(?<![\w.~/-])/(?:tmp|work)/")
+
+
+def test_docs_name_no_machines_scratch_paths():
+    problems = [f"{name}:{number}: {line.strip()[:100]}" for name in SHELL_PAGES
+                for number, line in enumerate((REPO / name).read_text().splitlines(), 1) if MACHINE_PATH.search(line)]
+    assert not problems, "absolute /tmp/ or /work/ paths in the docs; say what the folder was (a fresh clone, a " \
+                         "scratch folder):\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("line, found", [("`git clone /work/main /tmp/demo5`", True), ("--scratch /tmp/bench", True),
+                                         ("`--out report/`", False), ("https://example.com/tmp/x", False)])
+def test_the_machine_path_pattern(line: str, found: bool):
+    assert bool(MACHINE_PATH.search(line)) is found
 
 
 def _tracked_text_files() -> list[str]:
