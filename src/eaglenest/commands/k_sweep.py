@@ -81,6 +81,8 @@ def timed_turns(paths: PipelinePaths, max_k: int | None = None) -> TimedTurns:
     sets = [s for s in load_eval_sets(params.sets, paths.prepared, tokenizer) if s.params.headline]
     if not sets:
         raise EaglenestError(f"{paths.params}: evaluate.sets has no headline set (headline: true) to time")
+    if params.timed_prompts == 0:
+        raise EaglenestError(f"{paths.params}: evaluate.timed_prompts = 0: the sweep times turns; set it to 1 or more")
     prompts = {s.name: [s.render(c, 0, [], tokenizer) for c in s.conversations[:params.timed_prompts]] for s in sets}
     info, model_dir = load_verifier_info(paths.verifier)
     longest = max(len(p) for ps in prompts.values() for p in ps)

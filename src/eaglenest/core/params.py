@@ -666,10 +666,10 @@ class EvaluateParams(StrictModel):
         description="The evaluation sets, each decoded by every back end; see docs/evaluation.md.",
     )
     timed_prompts: int = Field(
-        default=8, ge=1,
+        default=8, ge=0,
         description="vllm: turns of each headline set decoded one at a time (single stream, as a chat user sees "
         "it) by the plain, EAGLE-3 and n-gram engines, for the speed-ups; acceptance is read on every turn of "
-        "every set, decoded together.",
+        "every set, decoded together. 0: no speed-ups, and no n-gram engine starts (a check of decoding alone).",
     )
     timing: Literal["interleaved", "sequential"] = Field(
         default="interleaved",
