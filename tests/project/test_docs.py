@@ -246,6 +246,31 @@ def test_a_stale_reference_names_the_command_that_regenerates_it(tmp_path: Path)
     assert "python scripts/gen_reference.py" in stale(tmp_path, (TARGETS[0],))[0]
 
 
+def test_the_headline_figure_shows_the_metrics_at_page_width_and_names_a_missing_key(tmp_path: Path):
+    from eaglenest.commands.generated import HEADLINE_SVG, headline_svg
+
+    svg = headline_svg(REPO)
+    assert svg == headline_svg(REPO)  # the same metrics, the same bytes: --check can compare it
+    assert f"]({HEADLINE_SVG})" in README.read_text()
+    width_pt = float(re.search(r'<svg [^>]*width="([0-9.]+)pt"', svg).group(1))
+    assert width_pt * 96 / 72 <= 1600  # px at the browser's 96 per inch
+    metrics = json.loads((REPO / "metrics" / "eval.json").read_text())
+    labels = set(re.findall(r">([0-9]+\.[0-9]{2})<", svg))  # the value on each bar, kept as text
+    for name, figures in metrics.items():
+        if isinstance(figures, dict):
+            assert name in svg
+            for key in ("vllm_tau", "vllm_speedup", "vllm_ngram_speedup"):
+                assert f"{figures[key]:.2f}" in labels, (name, key)
+    (tmp_path / "metrics" / "eval").mkdir(parents=True)
+    first = next(name for name, value in metrics.items() if isinstance(value, dict))
+    del metrics[first]["vllm_ngram_speedup_ci95"]
+    (tmp_path / "metrics" / "eval.json").write_text(json.dumps(metrics))
+    shutil.copy(REPO / "metrics" / "eval" / "details.json", tmp_path / "metrics" / "eval" / "details.json")
+    with pytest.raises(InputFileError, match=r"metrics/eval.json: no vllm_ngram_speedup with "
+                                             r"vllm_ngram_speedup_ci95; the figure docs/img/headline.svg needs both"):
+        headline_svg(tmp_path)
+
+
 def test_a_readme_without_its_markers_is_refused_in_one_line(tmp_path: Path):
     with pytest.raises(InputFileError, match="needs exactly one block between"):
         render_readme("# no markers\n", REPO, tmp_path / "README.md")

@@ -54,11 +54,11 @@ def _import(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace) -> int:
     if args.readme:
-        from eaglenest.commands.generated import README_TARGET, regenerate
+        from eaglenest.commands.generated import README_TARGETS, regenerate
 
         if args.heads or args.base:
             raise EaglenestError("--readme takes no revisions: it renders the workspace's metrics into README.md")
-        return regenerate(Path(args.repo), (README_TARGET,), args.check)
+        return regenerate(Path(args.repo), README_TARGETS, args.check)
     if args.base is None:
         raise EaglenestError("give BASE, the revision to compare against (or --readme)")
     from eaglenest.commands.report import write_report

@@ -3,11 +3,14 @@
 A :class:`Generated` file is rendered from its current text and the repository; :func:`stale` names the ones that
 differ from what their generator writes now, and :func:`write` rewrites them atomically. README.md's headline
 figure and its table of what the demo measures are rendered from ``metrics/eval.json`` and
-``metrics/eval/details.json`` into blocks between HTML comment markers (``eaglenest report --readme``).
+``metrics/eval/details.json`` into blocks between HTML comment markers (``eaglenest report --readme``), and the
+figure the README shows, ``docs/img/headline.svg`` (τ and the speed-ups per headline set, draft against n-gram,
+with their intervals), from the same files.
 """
 
 from __future__ import annotations
 
+import io
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,6 +58,64 @@ def readme_blocks(repo: Path) -> dict[str, list[str]]:
     return {"headline": [sentence], "demo-table": table}
 
 
+HEADLINE_SVG = "docs/img/headline.svg"
+
+
+def _with_interval(figures: dict[str, Any], key: str, where: str) -> tuple[float, float]:
+    """``figures[key]`` and its 95% half-width; one line naming the file and the key where either is missing."""
+    value, half = figures.get(key), figures.get(f"{key}_ci95")
+    if not isinstance(value, int | float) or not isinstance(half, int | float):
+        raise InputFileError(f"{where}: no {key} with {key}_ci95; the figure {HEADLINE_SVG} needs both (rerun "
+                             "evaluate with vllm among its back ends)")
+    return float(value), float(half)
+
+
+def headline_svg(repo: Path) -> str:
+    """The README's figure as SVG text: per headline set, τ (left) and the single-stream speed-up of the draft and of
+    n-gram drafting (right), each with its 95% interval. Byte for byte the same for the same metrics (no date, a
+    fixed id salt, text kept as text), so that ``--check`` can compare it like the other generated files."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import rcParams
+    from matplotlib.figure import Figure
+
+    backend, headline, details = _headline_figures(repo)
+    where = str(repo / "metrics" / "eval.json")
+    sets = [name for name, figures in headline.items() if isinstance(figures, dict)]
+    if not sets:
+        raise InputFileError(f"{where}: holds no evaluation set")
+    tau = [_with_interval(headline[name], f"{backend}_tau", where) for name in sets]
+    draft = [_with_interval(headline[name], f"{backend}_speedup", where) for name in sets]
+    ngram = [_with_interval(headline[name], f"{backend}_ngram_speedup", where) for name in sets]
+    rcParams.update({"svg.hashsalt": "eaglenest", "svg.fonttype": "none", "font.size": 9})
+    fig = Figure(figsize=(8, 2.8))  # 576 x 202 pt: readable at a page's width
+    left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [2, 3]})
+    positions = range(len(sets))
+    left.bar(positions, [v for v, _ in tau], yerr=[h for _, h in tau], capsize=3, color="#4c72b0")
+    left.set_ylim(1.0, max(v + h for v, h in tau) * 1.08)
+    left.set_title(f"τ, tokens per verifier step (K = {details.get('num_speculative_tokens')})")
+    width = 0.38
+    for offset, values, label, colour in ((-width / 2, draft, "the draft", "#4c72b0"),
+                                          (width / 2, ngram, "vLLM n-gram", "#dd8452")):
+        right.bar([p + offset for p in positions], [v for v, _ in values], width, yerr=[h for _, h in values],
+                  capsize=3, color=colour, label=label)
+    right.axhline(1.0, color="black", linewidth=0.8)
+    right.set_ylim(min(0.8, min(v - h for v, h in draft + ngram) - 0.05), max(v + h for v, h in draft + ngram) + 0.1)
+    right.set_title("single-stream speed-up over plain decoding")
+    right.legend(loc="upper right", frameon=False)
+    for axes in (left, right):
+        axes.set_xticks(list(positions), sets)
+        for value_label in axes.containers:
+            if hasattr(value_label, "datavalues"):
+                axes.bar_label(value_label, fmt="%.2f", padding=2, fontsize=7)
+    fig.suptitle(f"metrics/eval.json ({backend}; bars: 95% intervals over prompts)", fontsize=9)
+    fig.tight_layout()
+    out = io.StringIO()
+    fig.savefig(out, format="svg", metadata={"Date": None, "Creator": "eaglenest"})
+    return out.getvalue()
+
+
 def _marker(name: str) -> tuple[str, str]:
     return (f"<!-- generated:{name} by `{README_COMMAND}` from metrics/; do not edit -->",
             f"<!-- /generated:{name} -->")
@@ -83,6 +144,9 @@ class Generated:
 
 
 README_TARGET = Generated("README.md", lambda old, repo: render_readme(old, repo, repo / "README.md"), README_COMMAND)
+HEADLINE_SVG_TARGET = Generated(HEADLINE_SVG, lambda _old, repo: headline_svg(repo), README_COMMAND)
+# What `eaglenest report --readme` writes from the committed metrics.
+README_TARGETS = (README_TARGET, HEADLINE_SVG_TARGET)
 
 
 def _current(path: Path) -> str:
@@ -116,6 +180,7 @@ def write(repo: Path, targets: tuple[Generated, ...]) -> list[str]:
     for target in targets:
         path, old, new = _rendered(repo, target)
         if new != old:
+            path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_bytes(path, new.encode("utf-8"), fsync=False)
             written.append(target.path)
     return written

@@ -25,7 +25,7 @@ import yaml
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from eaglenest.commands.generated import README_TARGET, Generated, regenerate
+from eaglenest.commands.generated import README_TARGETS, Generated, regenerate
 from eaglenest.core.errors import InputFileError
 from eaglenest.core.params import Params
 
@@ -190,7 +190,7 @@ def cli_markdown() -> str:
 
 PARAMS_TARGET = Generated("docs/params.md", lambda _old, _repo: params_markdown(), GENERATE_COMMAND)
 CLI_TARGET = Generated("docs/cli.md", lambda _old, _repo: cli_markdown(), GENERATE_COMMAND)
-TARGETS = (PARAMS_TARGET, CLI_TARGET, README_TARGET)
+TARGETS = (PARAMS_TARGET, CLI_TARGET, *README_TARGETS)
 
 
 
