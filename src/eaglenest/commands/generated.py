@@ -35,6 +35,17 @@ def _headline_figures(repo: Path) -> tuple[str, dict[str, Any], dict[str, Any]]:
     return backend, headline, details
 
 
+def _host(details: dict[str, Any]) -> str:
+    """", on <the host kind>" where the evaluation recorded it."""
+    host = details.get("host")
+    return f", on {host['key']}" if isinstance(host, dict) and host.get("key") else ""
+
+
+def _fraction(summary: dict[str, Any], key: str) -> str:
+    value = summary.get(key)
+    return f"{value:.3f}" if isinstance(value, int | float) else "—"
+
+
 def readme_blocks(repo: Path) -> dict[str, list[str]]:
     """The README's generated blocks: the headline sentence and the table of what the demo measures."""
     backend, headline, details = _headline_figures(repo)
@@ -47,14 +58,19 @@ def readme_blocks(repo: Path) -> dict[str, list[str]]:
     sentence = (f"**`{first}`: τ {figure(figures, f'{backend}_tau')} tokens per verifier step at K = {k}, and "
                 f"{figure(figures, f'{backend}_speedup', 'x')} single-stream speed-up over plain decoding** "
                 f"({backend}, 95% intervals over prompts; n-gram drafting "
-                f"{figure(figures, f'{backend}_ngram_speedup', 'x')}; lossless {headline.get('lossless')}).")
-    table = [f"| set | prompts | timed turns | {backend} τ (95%) | speed-up (95%) | n-gram speed-up (95%) |",
-             "|---|---|---|---|---|---|"]
+                f"{figure(figures, f'{backend}_ngram_speedup', 'x')}; lossless fraction {headline.get('lossless')}, "
+                f"{details.get('runs', {}).get(backend, {}).get('dtype', '—')}{_host(details)}).")
+    table = [f"| set | prompts | timed turns | {backend} τ (95%) | speed-up (95%) | n-gram speed-up (95%) | "
+             "lossless | identical to plain |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, values in sets.items():
         summary = runs.get(name, {}).get("summary", {})
+        # lossless: every turn equal to plain decoding under the set's rule (exact, or a flipped near-tie below
+        # float32); identical: the turns equal token for token
         table.append(f"| `{name}` | {summary.get('num_prompts', '—')} | {summary.get('timed_turns', '—')} | "
                      f"{figure(values, f'{backend}_tau')} | {figure(values, f'{backend}_speedup', 'x')} | "
-                     f"{figure(values, f'{backend}_ngram_speedup', 'x')} |")
+                     f"{figure(values, f'{backend}_ngram_speedup', 'x')} | {_fraction(summary, 'lossless_fraction')} "
+                     f"| {_fraction(summary, 'identical_fraction')} |")
     return {"headline": [sentence], "demo-table": table}
 
 
