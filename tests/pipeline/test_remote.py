@@ -63,3 +63,39 @@ def test_a_clone_elsewhere_pulls_and_runs_nothing(tiny_pipeline: SharedPipeline,
     repro = dvc(["repro"], clone)
     assert "Running stage" not in repro.stdout, repro.stdout
     assert out_hashes(clone, ("extract", "train")) == out_hashes(origin, ("extract", "train"))
+
+
+def test_an_experiment_travels_and_a_taken_name_is_refused(tiny_pipeline: SharedPipeline,
+                                                            store_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+    git_remote = tmp_path / "team.git"
+    run(["git", "init", "-q", "--bare", str(git_remote)], tmp_path)
+    mine = tiny_pipeline.copy(tmp_path / "mine")
+    run(["git", "add", "-A"], mine)
+    run(["git", "commit", "-qm", "outputs"], mine)
+    run(["git", "remote", "add", "origin", str(git_remote)], mine)
+    run(["git", "push", "-q", "origin", "HEAD:main"], mine)
+    use_store(mine, store_dir)
+    assert dvc_remote(["push"], mine).returncode == 0
+    dvc(["exp", "run", "-n", "fewer-samples", "-S", "evaluate.bootstrap_samples=500"], mine)
+    pushed = dvc_remote(["exp", "push", "origin", "fewer-samples"], mine)
+    assert pushed.returncode == 0, pushed.stderr
+
+    theirs = tmp_path / "elsewhere" / "theirs"
+    run(["git", "clone", "-q", "-b", "main", str(git_remote), str(theirs)], tmp_path)
+    use_store(theirs, store_dir)
+    pulled = dvc_remote(["exp", "pull", "origin", "fewer-samples"], theirs)
+    assert pulled.returncode == 0, pulled.stderr
+    dvc(["exp", "apply", "fewer-samples"], theirs)
+    assert "up to date" in dvc(["status"], theirs).stdout  # the experiment's outputs came with it
+    mine_eval = (mine / "metrics" / "eval.json")
+    dvc(["exp", "apply", "fewer-samples"], mine)
+    assert (theirs / "metrics" / "eval.json").read_text() == mine_eval.read_text()
+
+    # a teammate's experiment of the same name with other outputs: the push is refused, the pushed one stays
+    ref = run(["git", "ls-remote", str(git_remote), "refs/exps/*"], tmp_path).stdout
+    run(["git", "checkout", "-q", "--", "."], theirs)
+    dvc(["exp", "remove", "fewer-samples"], theirs)
+    dvc(["exp", "run", "-n", "fewer-samples", "-S", "evaluate.bootstrap_samples=400"], theirs)
+    refused = dvc_remote(["exp", "push", "origin", "fewer-samples"], theirs)
+    assert refused.returncode != 0 and "fewer-samples" in refused.stderr, refused.stdout + refused.stderr
+    assert run(["git", "ls-remote", str(git_remote), "refs/exps/*"], tmp_path).stdout == ref

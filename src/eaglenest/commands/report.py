@@ -59,6 +59,9 @@ DEFAULT_SAMPLES = 2000
 DEFAULT_SEED = 0
 MIN_SAMPLES = 100
 NO_SPREAD = "no seed spread recorded"
+# A change without a recorded spread, or between revisions from two host kinds, is shown and never judged.
+NO_VERDICT = "no verdict"
+OTHER_HOST = "no verdict (another host kind)"
 TAU_FIELDS = ("accepted", "steps")
 SPEEDUP_FIELDS = ("spec_tokens", "spec_s", "plain_tokens", "plain_s")
 
@@ -212,11 +215,12 @@ class PairedFigure:
     head: float
     difference: Interval
     spread: float | None
+    other_host: bool = False
 
     @property
     def verdict(self) -> str:
-        """``better``/``worse``, ``within seed spread`` or ``no change``; see :func:`verdict`."""
-        return verdict(self.difference, self.spread)
+        """``better``/``worse``, ``within seed spread``, ``no change`` or no verdict; see :func:`verdict`."""
+        return OTHER_HOST if self.other_host else verdict(self.difference, self.spread)
 
 
 @dataclass(frozen=True)
@@ -248,13 +252,16 @@ SPREAD_ROUNDING = 1e-4
 
 
 def verdict(diff: Interval, spread: float | None) -> str:
-    """``better``/``worse`` when the paired interval excludes zero and the change exceeds the seed spread
-    (0 where none is recorded); ``within seed spread`` when only the first holds; else ``no change``.
+    """``better``/``worse`` when the paired interval excludes zero and the change exceeds the seed spread;
+    ``within seed spread`` when only the first holds; :data:`NO_VERDICT` when it does and no spread is recorded
+    (a seed alone may move a figure that far); else ``no change``.
 
     The change is compared at the spread's precision: a retrained seed's own change, recomputed from its
     records, must not exceed the spread it defines by a rounding."""
     if not diff.excludes_zero():
         return "no change"
+    if spread is None:
+        return NO_VERDICT
     if abs(diff.value) <= (spread + SPREAD_ROUNDING if spread else 0.0):
         return "within seed spread"
     return "better" if diff.value > 0 else "worse"
@@ -302,8 +309,8 @@ def _run_and_set(document: dict[str, Any], backend: str, set_name: str, label: s
 
 
 def compare_set(base_records: dict[str, Any], head_records: dict[str, Any], set_name: str, backend: str,
-                spreads: dict[str, float], samples: int, seed: int, labels: tuple[str, str] = ("base", "head")
-                ) -> SetComparison:
+                spreads: dict[str, float], samples: int, seed: int, labels: tuple[str, str] = ("base", "head"),
+                other_host: bool = False) -> SetComparison:
     """Pairs one set's records of two revisions (load_records documents) and compares tau and speed-up.
 
     Args:
@@ -315,6 +322,7 @@ def compare_set(base_records: dict[str, Any], head_records: dict[str, Any], set_
         samples: Bootstrap resamples.
         seed: Seed of the resampling.
         labels: How the report names base and head.
+        other_host: The two ran on different host kinds: figures are shown, never judged.
 
     Returns:
         The comparison, or one with ``refused`` set where the records cannot be paired: a side lacks the set,
@@ -341,12 +349,12 @@ def compare_set(base_records: dict[str, Any], head_records: dict[str, Any], set_
         return SetComparison(set_name, backend, refused=f"Not paired: {labels[0]} and {labels[1]} share no "
                              "decoded turn (no record with the same id and turn)")
     figures = [PairedFigure("tau", f"{backend}_tau", *paired_interval(pairs, TAU_FIELDS, tau_statistic, samples,
-                                                                      seed), spreads.get(f"{backend}_tau"))]
+                                                                      seed), spreads.get(f"{backend}_tau"), other_host)]
     timed = [(b, h) for b, h in pairs if _is_timed(b) and _is_timed(h)]
     if timed:
         figures.append(PairedFigure("speed-up", f"{backend}_speedup",
                                     *paired_interval(timed, SPEEDUP_FIELDS, speedup_statistic, samples, seed),
-                                    spreads.get(f"{backend}_speedup")))
+                                    spreads.get(f"{backend}_speedup"), other_host))
     return SetComparison(set_name, backend, pairs=len(pairs), conversations=len({str(b["id"]) for b, _ in pairs}),
                          timed_pairs=len(timed), figures=tuple(figures))
 
@@ -411,6 +419,12 @@ def _records(revision: Revision) -> dict[str, Any] | None:
     return None if text is None else load_records(text, f"{revision.rev}:{RECORDS}")
 
 
+def host_key(details: Any) -> str | None:
+    """The host kind's key evaluate recorded in details.json; None where it recorded none."""
+    host = details.get("host") if isinstance(details, dict) else None
+    return host.get("key") if isinstance(host, dict) and isinstance(host.get("key"), str) else None
+
+
 def paired_section(base: Revision, head: Revision, samples: int, seed: int) -> list[str]:
     """The Markdown of one head against base: every headline set present in either revision."""
     lines = [f"## Paired comparison: {head.rev} against {base.rev}", ""]
@@ -436,14 +450,19 @@ def paired_section(base: Revision, head: Revision, samples: int, seed: int) -> l
               f"the difference is a paired bootstrap over conversations ({samples} resamples, seed {seed}). A change "
               "is better or worse when that interval excludes zero and the change exceeds the seed-to-seed spread "
               f"recorded in {SEED_SPREAD} at {spread_at.rev}"
-              + ("" if spreads else f" ({NO_SPREAD}: the threshold is 0)") + ".", ""]
+              + ("" if spreads else f" ({NO_SPREAD}: {NO_VERDICT} on any change)") + ".", ""]
+    hosts = {revision.rev: host_key(revision.read_json(DETAILS)) for revision in (base, head)}
+    other_host = None not in hosts.values() and hosts[base.rev] != hosts[head.rev]
+    if other_host:
+        lines += [f"Host kinds differ ({base.rev}: {hosts[base.rev]}; {head.rev}: {hosts[head.rev]}): kernels "
+                  "differ by host kind, so the figures are shown and neither revision is called better or worse.", ""]
     for set_name in sets_head + [name for name in sets_base if name not in sets_head]:
         if set_name not in sets_base or set_name not in sets_head:
             where = base.rev if set_name in sets_base else head.rev
             lines += [f"### {set_name}", "", f"Not paired: a headline set only at {where}.", ""]
             continue
         comparison = compare_set(base_records, head_records, set_name, backend, spreads.get(set_name, {}),
-                                 samples, seed, (base.rev, head.rev))
+                                 samples, seed, (base.rev, head.rev), other_host)
         lines += comparison_lines(comparison, base.rev, head.rev)
     return lines
 
