@@ -105,3 +105,31 @@ def test_faults_wrong_credentials_store_down_corrupt_object(tmp_path: Path) -> N
 def test_status_without_a_store(tmp_path: Path) -> None:
     result = eaglenest_remote("status", dvc_repo(tmp_path / "repo"), tmp_path / "none")
     assert result.returncode == 1 and result.stdout.count("\n") == 1
+
+
+def test_prepare_s_caches_travel_as_a_merge(tmp_path: Path) -> None:
+    from eaglenest.commands.remote import cache_folders
+
+    mine, theirs, store = dvc_repo(tmp_path / "mine"), dvc_repo(tmp_path / "theirs"), tmp_path / "store"
+    replies, prompts = cache_folders()
+    (mine / replies).mkdir(parents=True)
+    (mine / replies / "aaa.json").write_text('["a reply"]')
+    (theirs / prompts).mkdir(parents=True)
+    (theirs / prompts / "bbb.json").write_text('["a prompt"]')
+    assert eaglenest_remote("start", mine, store).returncode == 0
+    try:
+        assert eaglenest_remote("start", theirs, store).returncode == 0  # the running store, configured
+        pushed = eaglenest_remote("push-caches", mine, store)
+        assert pushed.returncode == 0 and "1 cache entries copied" in pushed.stdout, pushed.stderr
+        assert eaglenest_remote("push-caches", theirs, store).returncode == 0
+        pulled = eaglenest_remote("pull-caches", theirs, store)
+        assert pulled.returncode == 0 and "1 cache entries copied" in pulled.stdout, pulled.stderr
+        assert (theirs / replies / "aaa.json").read_text() == '["a reply"]'
+        assert eaglenest_remote("pull-caches", mine, store).returncode == 0
+        assert (mine / prompts / "bbb.json").read_text() == '["a prompt"]'
+        assert not [p for p in (theirs / replies).iterdir() if p.name.endswith(".partial")]
+    finally:
+        eaglenest_remote("stop", mine, store)
+    down = eaglenest_remote("push-caches", mine, store)
+    assert down.returncode != 0 and len(down.stderr.strip().splitlines()) == 1, down.stderr
+    assert "eaglenest remote status" in down.stderr

@@ -214,7 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
         "the repository's default DVC remote in .dvc/config.local (nothing enters git); stop: stops it, keeping "
         "its objects; status: exit 0 where it runs. A remote elsewhere (AWS S3, GCS, MinIO): docs/team-remote.md.",
     )
-    store.add_argument("action", choices=["start", "stop", "status"])
+    store.add_argument("action", choices=["start", "stop", "status", "push-caches", "pull-caches"],
+                       help="push-caches / pull-caches: copy prepare's caches of regenerated replies and prompts "
+                       "to / from the DVC remote --name (only entries the other side lacks)")
     store.add_argument("--dir", default=".eaglenest/store", help="the store's folder: objects, log and state "
                        "(default: .eaglenest/store; a second clone on this machine names the first one's)")
     store.add_argument("--name", default="team", help="the DVC remote's name (default: team)")

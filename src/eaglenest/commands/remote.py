@@ -207,8 +207,69 @@ def configure_remote(repo: Path, store: Store, name: str = DEFAULT_REMOTE, prefi
     return url
 
 
+# Under the remote's root, beside DVC's files/: prepare's caches of regenerated replies and self-instruct prompts.
+CACHES_PREFIX = "eaglenest-caches"
+
+
+def cache_folders() -> tuple[Path, ...]:
+    """Prepare's caches (relative to the repository): regenerated replies and self-instruct prompts."""
+    from eaglenest.stages.prepare.regenerate import CACHE_ROOT as REPLIES
+    from eaglenest.stages.prepare.self_instruct import CACHE_ROOT as PROMPTS
+
+    return REPLIES, PROMPTS
+
+
+def sync_caches(repo: Path, direction: str, name: str | None = None) -> int:
+    """Copies prepare's cache entries the other side lacks, to (``push``) or from (``pull``) the DVC remote.
+
+    The caches are no DVC output: an output would be deleted before each run (or be ``persist``, which keeps DVC's
+    run-cache from the stage), and prepare reuses them after any param change. Their entries are files named by
+    the hash of everything that made them and never rewritten, so a copy of the missing ones is a safe merge of
+    two machines' caches. Returns how many files were copied.
+
+    Raises:
+        EaglenestError: no remote, or the remote unreachable or refusing (one line naming it).
+    """
+    from botocore.exceptions import BotoCoreError  # an S3 endpoint unreachable (dvc-s3 is a dependency)
+    from dvc.exceptions import DvcException
+    from dvc.repo import Repo
+
+    copied = 0
+    try:
+        with Repo(str(repo)) as dvc_repo:
+            target = dvc_repo.cloud.get_remote(name, "eaglenest remote")
+            for folder in cache_folders():
+                local = repo / folder
+                remote_dir = target.fs.join(target.path, CACHES_PREFIX, folder.name)
+                there = {target.fs.name(p) for p in target.fs.find(remote_dir)}
+                here = {p.name for p in local.glob("*.json")} if local.is_dir() else set()
+                if direction == "push":
+                    for entry in sorted(here - there):
+                        target.fs.put_file(str(local / entry), target.fs.join(remote_dir, entry))
+                        copied += 1
+                else:
+                    local.mkdir(parents=True, exist_ok=True)
+                    for entry in sorted(there - here):
+                        # a partial download never carries an entry's name (prepare would trust it)
+                        partial = local / f".{entry}.partial"
+                        target.fs.get_file(target.fs.join(remote_dir, entry), str(partial))
+                        os.replace(partial, local / entry)
+                        copied += 1
+    except (DvcException, OSError, BotoCoreError) as err:
+        where = f"remote {name!r}" if name else "the default DVC remote"
+        raise EaglenestError(f"{direction} of prepare's caches to {where} failed: {err}; check "
+                             "`eaglenest remote status` (or the remote's endpoint and credentials), then run it "
+                             "again: entries already copied stay") from None
+    return copied
+
+
 def remote(action: str, repo: Path, directory: Path, name: str) -> int:
-    """``eaglenest remote start|stop|status``: prints one line, returns the exit status."""
+    """``eaglenest remote start|stop|status|push-caches|pull-caches``: prints one line, returns the exit status."""
+    if action in ("push-caches", "pull-caches"):
+        direction = action.removesuffix("-caches")
+        copied = sync_caches(repo, direction, name)
+        print(f"{direction}: {copied} cache entries copied ({', '.join(str(f) for f in cache_folders())})")
+        return 0
     directory = directory if directory.is_absolute() else repo / directory
     if action == "start":
         store = start_store(directory)

@@ -18,14 +18,16 @@ DVC's ``dvc plots diff`` writes HTML that loads Vega from a CDN, so it is blank 
 the plots here are PNG files drawn with matplotlib.
 
 Revisions are git revisions (branch, tag, commit), DVC experiment names (``dvc exp show`` lists them), or
-``workspace``. Everything is read at each revision with ``git show`` from files git tracks (metrics, the
-evaluate stage's records and details, dvclive's curves: all ``cache: false``), so no ``dvc pull`` is needed.
+``workspace``. Everything is read at each revision with ``git show`` from files git tracks (the declared metrics,
+the evaluate stage's records and details: ``cache: false``); dvclive's curves and the stages' bookkeeping metrics are
+cached DVC outputs, read at a revision from the DVC cache or, where it lacks them, the default remote.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import logging
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +47,7 @@ WORKSPACE = "workspace"
 EVAL_METRICS = "metrics/eval.json"
 RECORDS = "metrics/eval/records.json"
 DETAILS = "metrics/eval/details.json"
+log = logging.getLogger(__name__)
 SEED_SPREAD = "docs/seed-spread.json"
 TRAIN_LOSS = "dvclive/train/plots/metrics/train/loss.tsv"
 VAL_LOSS = "dvclive/train/plots/metrics/val/loss.tsv"
@@ -78,6 +81,7 @@ class Revision:
 
     def __init__(self, repo: Path, rev: str) -> None:
         self.repo, self.rev = repo, rev
+        self._outputs: Any = None  # the revision's DVC outputs (a DVCFileSystem), opened on the first need
         self.ref = None if rev == WORKSPACE else self._resolve(rev)
         self.identity = WORKSPACE
         if self.ref is not None:
@@ -106,7 +110,26 @@ class Revision:
             file = self.repo / path
             return file.read_text() if file.is_file() else None
         shown = self._git("show", f"{self.ref}:{path}")
-        return shown.stdout if shown.returncode == 0 else None
+        return shown.stdout if shown.returncode == 0 else self._read_output(path)
+
+    def _read_output(self, path: str) -> str | None:
+        """A file of a cached DVC output at this revision (the bookkeeping metrics and dvclive's curves leave git
+        so that DVC's run-cache restores their stages): from the local cache, else the default remote; None where
+        neither has it."""
+        from dvc.api import DVCFileSystem
+        from dvc.exceptions import DvcException
+
+        if self._outputs is False:
+            return None
+        try:
+            if self._outputs is None:
+                self._outputs = DVCFileSystem(str(self.repo), rev=self.identity)
+            return self._outputs.read_text(path) if self._outputs.isfile(path) else None
+        except (DvcException, OSError) as err:  # not a DVC repository, no remote, an object missing everywhere
+            if self._outputs is None:
+                self._outputs = False  # asked once per revision
+            log.debug("%s:%s: not read from DVC (%s)", self.rev, path, err)
+            return None
 
     def read_json(self, path: str) -> Any:
         """The file parsed as JSON, or None where it does not exist.
