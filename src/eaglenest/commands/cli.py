@@ -210,9 +210,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     store = add_command(
         "remote", help="start, stop or check the team's S3 store on this machine and its DVC remote",
-        description="start: runs SeaweedFS (weed mini) on free 127.0.0.1 ports with fresh credentials and makes it "
-        "the repository's default DVC remote in .dvc/config.local (nothing enters git); stop: stops it, keeping "
-        "its objects; status: exit 0 where it runs. A remote elsewhere (AWS S3, GCS, MinIO): docs/team-remote.md.",
+        description="The team's S3 store on this machine. start: runs SeaweedFS (weed mini) on free 127.0.0.1 "
+        "ports (credentials made once, kept across restarts) and makes it the repository's default DVC remote in "
+        ".dvc/config.local (nothing enters git); stop: stops it, keeping its objects; status: exit 0 where it runs; "
+        "push-caches / pull-caches: prepare's caches to / from the remote. A remote elsewhere (AWS S3, GCS, "
+        "MinIO): docs/team-remote.md.",
     )
     store.add_argument("action", choices=["start", "stop", "status", "push-caches", "pull-caches"],
                        help="push-caches / pull-caches: copy prepare's caches of regenerated replies and prompts "
