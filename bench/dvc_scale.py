@@ -16,6 +16,9 @@ values in bf16, a few hundred bytes) measure DVC's per-file cost; ``--real-rows`
 * rows read per second in a random order through the train stage's readers (speculators' FP8Transfer for row
   files, eaglenest's shard reader for shards).
 
+``--remote s3`` pushes and pulls through a SeaweedFS S3 store on 127.0.0.1 instead (``eaglenest remote``'s own
+start, one per run), the team remote's path; both give seconds and MB/s.
+
 Prints a markdown table and writes ``--out`` (JSON). An object-store remote pays a request per file per push or
 pull on top of the bytes: the projection column multiplies the file count by ``--round-trip-ms``.
 """
@@ -37,6 +40,8 @@ import torch
 
 from eaglenest.artifacts.hidden_states.format import encode_hidden_states, file_metadata
 from eaglenest.artifacts.hidden_states.layout import FileSink, FileWriter, file_layout, shard_plan
+from eaglenest.commands.remote import Store, configure_remote, start_store, stop_store
+from eaglenest.core.host import host_record
 
 VENV_BIN = Path(sys.executable).parent
 DVC_YAML = """stages:
@@ -98,7 +103,9 @@ def read_rate(folder: Path, rows: int, sample: int) -> float:
     return round(len(order) / (time.perf_counter() - started), 1)
 
 
-def measure(rows: int, rows_per_shard: int, tokens: int, hidden: int, scratch: Path, read_sample: int) -> dict:
+def measure(rows: int, rows_per_shard: int, tokens: int, hidden: int, scratch: Path, read_sample: int,
+            store: Store | None = None) -> dict:
+    """One case; ``store``: push and pull through that S3 store, else through a local folder."""
     repo = scratch / f"repo-{rows}-{rows_per_shard}-{hidden}"
     remote = scratch / f"remote-{rows}-{rows_per_shard}-{hidden}"
     repo.mkdir()
@@ -108,7 +115,10 @@ def measure(rows: int, rows_per_shard: int, tokens: int, hidden: int, scratch: P
     subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
     subprocess.run([dvc, "init", "-q"], cwd=repo, check=True)
     subprocess.run([dvc, "config", "core.analytics", "false"], cwd=repo, check=True)
-    subprocess.run([dvc, "remote", "add", "-d", "local", str(remote)], cwd=repo, check=True, capture_output=True)
+    if store is None:
+        subprocess.run([dvc, "remote", "add", "-d", "local", str(remote)], cwd=repo, check=True, capture_output=True)
+    else:
+        configure_remote(repo, store, prefix=remote.name)
     (repo / "dvc.yaml").write_text(DVC_YAML)
     started = time.perf_counter()
     write_rows(repo / "data" / "hidden_states", rows, tokens, hidden, rows_per_shard)
@@ -122,14 +132,16 @@ def measure(rows: int, rows_per_shard: int, tokens: int, hidden: int, scratch: P
     result["noop_repro_s"] = timed([dvc, "repro", "-q"], repo)
     result["noop_status_s"] = timed([dvc, "status", "-q"], repo)
     result["push_s"] = timed([dvc, "push", "-q"], repo)
+    result["push_mb_per_s"] = round(size / 1e6 / result["push_s"], 1)
     shutil.rmtree(repo / ".dvc" / "cache")
     shutil.rmtree(folder)
     result["pull_s"] = timed([dvc, "pull", "-q"], repo)
+    result["pull_mb_per_s"] = round(size / 1e6 / result["pull_s"], 1)
     shutil.rmtree(folder)
     result["checkout_s"] = timed([dvc, "checkout", "-q", "data/hidden_states"], repo)
     result["read_rows_per_s"] = read_rate(folder, rows, read_sample)
     shutil.rmtree(repo)
-    shutil.rmtree(remote)
+    shutil.rmtree(remote, ignore_errors=True)  # an S3 run's objects stay in the store, deleted with the scratch
     return result
 
 
@@ -145,29 +157,37 @@ def main() -> None:
     parser.add_argument("--round-trip-ms", type=float, default=20.0,
                         help="an object store's per-request latency, for the projection")
     parser.add_argument("--scratch", type=Path, default=None, help="where the repositories go (default: a temp dir)")
+    parser.add_argument("--remote", choices=["local", "s3"], default="local",
+                        help="push and pull through a local folder or a SeaweedFS S3 store on 127.0.0.1")
     parser.add_argument("--out", type=Path, default=Path("bench/results/dvc_scale.json"))
     args = parser.parse_args()
 
     scratch = Path(tempfile.mkdtemp(prefix="dvc-scale-", dir=args.scratch))
+    store = start_store(scratch / "store") if args.remote == "s3" else None
     cases = [(rows, args.row_tokens, 8) for rows in args.rows]
     if args.real_rows:
         cases.append((args.real_rows, args.real_tokens, 576))
     results = []
-    print("| rows | rows/shard | files | MB | first repro s | no-op repro s | no-op status s | push s | pull s | "
-          "checkout s | rows/s read | object store: requests x RTT s |")
+    print(f"remote: {args.remote}")
+    print("| rows | rows/shard | files | MB | first repro s | no-op repro s | no-op status s | push s (MB/s) | "
+          "pull s (MB/s) | checkout s | rows/s read | object store: requests x RTT s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for rows, tokens, hidden in cases:
         for rows_per_shard in args.rows_per_shard:
-            result = measure(rows, rows_per_shard, tokens, hidden, scratch, args.read_sample)
-            result |= {"row_tokens": tokens, "hidden": hidden,
+            result = measure(rows, rows_per_shard, tokens, hidden, scratch, args.read_sample, store)
+            result |= {"row_tokens": tokens, "hidden": hidden, "remote": args.remote,
                        "object_store_request_s": round(result["files"] * args.round_trip_ms / 1000, 1)}
             results.append(result)
             print(f"| {rows:,} | {rows_per_shard} | {result['files']:,} | {result['bytes'] / 1e6:,.1f} | "
                   f"{result['first_repro_s']} | {result['noop_repro_s']} | {result['noop_status_s']} | "
-                  f"{result['push_s']} | {result['pull_s']} | {result['checkout_s']} | {result['read_rows_per_s']} | "
+                  f"{result['push_s']} ({result['push_mb_per_s']}) | {result['pull_s']} ({result['pull_mb_per_s']}) | "
+                  f"{result['checkout_s']} | {result['read_rows_per_s']} | "
                   f"{result['object_store_request_s']} |", flush=True)
             args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps({"round_trip_ms": args.round_trip_ms, "results": results}, indent=2) + "\n")
+            args.out.write_text(json.dumps({"round_trip_ms": args.round_trip_ms, "host": host_record(),
+                                            "results": results}, indent=2) + "\n")
+    if store is not None:
+        stop_store(scratch / "store")
     shutil.rmtree(scratch, ignore_errors=True)
 
 

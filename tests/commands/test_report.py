@@ -16,6 +16,8 @@ from eaglenest.artifacts.evaluation import headline, summarize
 from eaglenest.commands.cli import main
 from eaglenest.commands.report import (
     NO_SPREAD,
+    NO_VERDICT,
+    OTHER_HOST,
     Revision,
     acceptance_figure,
     compare_set,
@@ -33,6 +35,7 @@ from tests.fixtures.pipeline import SharedPipeline
 K = 3
 SAMPLES = 2000
 SEED = 0
+ZERO_SPREAD = {"vllm_tau": 0.0, "vllm_speedup": 0.0}  # a spread of 0: any change outside the interval is judged
 CATEGORIES = ["coding", "math", "writing", "reasoning"]
 DVC_YAML = "stages:\n  evaluate:\n    cmd: 'true'\n    metrics:\n      - metrics/eval.json:\n          cache: false\n"
 GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
@@ -170,12 +173,31 @@ def test_same_records_at_two_commits_are_no_change(tmp_path: Path, good: dict):
     assert f"| eval.humaneval.vllm_tau | {good['metrics/eval.json']['humaneval']['vllm_tau']:.4g} |" in text
 
 
+ZERO_SPREAD_FILE = {"docs/seed-spread.json": {"figures": {name: ZERO_SPREAD for name in ("humaneval", "general")}}}
+
+
 def test_lower_acceptance_on_the_same_prompts_is_worse(tmp_path: Path, good: dict, worse: dict):
-    repo = _repo(tmp_path, good, worse)
+    repo = _repo(tmp_path, good, worse, ZERO_SPREAD_FILE)
     text = write_report(repo, ["HEAD"], "HEAD~1", tmp_path / "out").read_text()
     for set_name in ("humaneval", "general"):
         rows = _rows(text, set_name)
         assert rows["tau"][4] == "worse" and rows["speed-up"][4] == "worse", rows
+
+
+def test_a_revision_from_another_host_kind_is_labelled_and_not_judged(tmp_path: Path, good: dict, worse: dict):
+    other = json.loads(json.dumps(worse))
+    details = other["metrics/eval/details.json"]
+    details["host"] = {**details.get("host", {}), "key": "Another CPU | AVX2 | no-bf16 | no-gpu | torch 2.13"}
+    base_details = good["metrics/eval/details.json"]
+    base = {**good, "metrics/eval/details.json": {**base_details, "host": {**base_details.get("host", {}),
+                                                                          "key": "This CPU | AVX512 | bf16"}}}
+    text = write_report(_repo(tmp_path, base, other, ZERO_SPREAD_FILE), ["HEAD"], "HEAD~1",
+                        tmp_path / "out").read_text()
+    assert "Host kinds differ (HEAD~1: This CPU | AVX512 | bf16; HEAD: Another CPU" in text
+    for set_name in ("humaneval", "general"):
+        rows = _rows(text, set_name)
+        assert rows["tau"][4] == OTHER_HOST and rows["speed-up"][4] == OTHER_HOST, rows
+        assert rows["tau"][0] != rows["tau"][1]  # the numbers are there
 
     base_records, head_records = good["metrics/eval/records.json"], worse["metrics/eval/records.json"]
     comparison = compare_set(base_records, head_records, "general", "vllm", {}, SAMPLES, SEED)
@@ -190,8 +212,13 @@ def test_lower_acceptance_on_the_same_prompts_is_worse(tmp_path: Path, good: dic
     head_summary = worse["metrics/eval/details.json"]["runs"]["vllm"]["sets"]["general"]["summary"]
     assert tau.difference.half_width < summary["tau"]["ci95"] + head_summary["tau"]["ci95"]
     # the other way round it is better
-    reverse = compare_set(head_records, base_records, "general", "vllm", {}, SAMPLES, SEED)
+    reverse = compare_set(head_records, base_records, "general", "vllm", ZERO_SPREAD, SAMPLES, SEED)
     assert [f.verdict for f in reverse.figures] == ["better", "better"]
+    # without a recorded spread, or across host kinds, no verdict
+    assert [f.verdict for f in compare_set(head_records, base_records, "general", "vllm", {}, SAMPLES,
+                                           SEED).figures] == [NO_VERDICT, NO_VERDICT]
+    assert {f.verdict for f in compare_set(head_records, base_records, "general", "vllm", ZERO_SPREAD, SAMPLES,
+                                           SEED, other_host=True).figures} == {OTHER_HOST}
 
 
 def test_a_seed_spread_larger_than_the_change_is_within_seed_spread(tmp_path: Path, good: dict, worse: dict):
@@ -204,7 +231,7 @@ def test_a_seed_spread_larger_than_the_change_is_within_seed_spread(tmp_path: Pa
     humaneval, general = _rows(text, "humaneval"), _rows(text, "general")
     assert humaneval["tau"][3] == f"{spread['figures']['humaneval']['vllm_tau']:.3g}"
     assert humaneval["tau"][4] == "within seed spread" and humaneval["speed-up"][4] == "within seed spread"
-    assert general["tau"][3] == NO_SPREAD and general["tau"][4] == "worse"  # no spread recorded for this set
+    assert general["tau"][3] == NO_SPREAD and general["tau"][4] == NO_VERDICT  # no spread recorded for this set
 
 
 def test_an_experiment_branched_before_the_spread_was_recorded_reads_base_s(tmp_path: Path, good: dict,
@@ -228,6 +255,7 @@ def test_a_change_equal_to_the_spread_it_defines_is_within_it():
     assert verdict(change, 0.0284) == "better"
     assert verdict(Interval(value=-0.02852, low=-0.043, high=-0.015, units=164), 0.0284) == "worse"
     assert verdict(Interval(value=0.02, low=-0.01, high=0.05, units=164), 0.0) == "no change"
+    assert verdict(change, None) == NO_VERDICT
 
 
 def test_a_malformed_seed_spread_is_one_line(tmp_path: Path, good: dict):
@@ -369,7 +397,7 @@ def test_real_drafts_same_twice_is_no_change_and_a_short_one_is_worse(shared_pip
     assert (tau.name, tau.verdict, tau.difference.value) == ("tau", "no change", 0.0)
     # speed-up is not asserted: wall time drifts between two processes, which is why it carries an interval
 
-    short = compare_set(runs["first"], runs["short"], set_name, "hf", {}, SAMPLES, SEED)
+    short = compare_set(runs["first"], runs["short"], set_name, "hf", {"hf_tau": 0.0}, SAMPLES, SEED)
     tau = short.figures[0]
     print("trained", tau.base, "4 steps", tau.head, "difference", tau.difference)
     assert short.pairs == 16 and tau.verdict == "worse" and tau.difference.high < 0 < tau.base - tau.head

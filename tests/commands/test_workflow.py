@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from eaglenest.commands.remote import configure_remote, start_store, stop_store
 from tests.commands.test_report import DVC_YAML, GIT_ENV, commit, eval_documents, git, init_repo, loss_curves
 from tests.fixtures.pipeline import REPO
 
@@ -19,8 +21,14 @@ WORKFLOW = REPO / ".github" / "workflows" / "report.yml"
 VENV_BIN = Path(sys.executable).parent
 BASE_REF = "main"
 INSTALL_STEPS = ("install", "setup-cml")
-# what GitHub puts into the expressions the steps run with, on a pull request into main
+# what GitHub puts into the expressions the steps run with, on a pull request into main (a fork's: no secrets)
 EXPRESSIONS = {"github.base_ref": BASE_REF}
+REMOTE_SECRETS = ("EAGLENEST_REMOTE_URL", "EAGLENEST_REMOTE_ENDPOINT", "EAGLENEST_REMOTE_ACCESS_KEY_ID",
+                  "EAGLENEST_REMOTE_SECRET_ACCESS_KEY")
+FORK = {**EXPRESSIONS, **{f"secrets.{name}": "" for name in REMOTE_SECRETS}}
+# a spread of 0 for every figure: any change outside its interval gets a verdict
+ZERO_SPREAD = {"docs/seed-spread.json": {"figures": {name: {"vllm_tau": 0.0, "vllm_speedup": 0.0}
+                                                     for name in ("humaneval", "general")}}}
 
 
 @pytest.fixture(scope="module")
@@ -37,11 +45,11 @@ def _step(workflow: dict, step_id: str) -> dict:
     return step
 
 
-def _substitute(text: str) -> str:
+def _substitute(text: str, expressions: dict[str, str] = EXPRESSIONS) -> str:
     def value(match: re.Match[str]) -> str:
         name = match.group(1).strip()
-        assert name in EXPRESSIONS, f"the test does not know what GitHub puts into ${{{{ {name} }}}}"
-        return EXPRESSIONS[name]
+        assert name in expressions, f"the test does not know what GitHub puts into ${{{{ {name} }}}}"
+        return expressions[name]
 
     return re.sub(r"\$\{\{(.*?)\}\}", value, text)
 
@@ -66,7 +74,9 @@ def _pull_request_checkout(path: Path) -> Path:
     origin = init_repo(path / "origin")
     subprocess.run([str(VENV_BIN / "dvc"), "init", "-q"], cwd=origin, check=True)
     subprocess.run([str(VENV_BIN / "dvc"), "config", "core.analytics", "false"], cwd=origin, check=True)
-    commit(origin, {"dvc.yaml": DVC_YAML, **eval_documents(), **loss_curves()}, "base")
+    (origin / "scripts").mkdir()
+    shutil.copy2(REPO / "scripts" / "pr_report.sh", origin / "scripts")  # the step runs the repository's script
+    commit(origin, {"dvc.yaml": DVC_YAML, **eval_documents(), **loss_curves(), **ZERO_SPREAD}, "base")
     git(origin, "checkout", "-q", "-b", "feature")
     commit(origin, {**eval_documents(acceptance_scale=0.55), **loss_curves(0.9)}, "a draft that accepts less")
     checkout = path / "checkout"
@@ -75,8 +85,8 @@ def _pull_request_checkout(path: Path) -> Path:
     return checkout
 
 
-def test_the_report_steps_write_the_report_without_a_dvc_remote(workflow: dict, tmp_path: Path):
-    checkout = _pull_request_checkout(tmp_path)
+def _run_report_steps(workflow: dict, checkout: Path, tmp_path: Path, expressions: dict[str, str]) -> str:
+    """Runs the steps after the installation (the posting step aside) as a runner would; returns report.md."""
     steps = _steps(workflow)
     installed = max(i for i, step in enumerate(steps) if step.get("id") in INSTALL_STEPS)
     chosen = [step for step in steps[installed + 1:] if "run" in step and not step["run"].startswith("cml ")]
@@ -87,17 +97,23 @@ def test_the_report_steps_write_the_report_without_a_dvc_remote(workflow: dict, 
         "DVC_SITE_CACHE_DIR": str(tmp_path / "dvc-site-cache"), "DVC_NO_ANALYTICS": "1",
         "GITHUB_BASE_REF": BASE_REF, "MPLBACKEND": "Agg",
     }
-    env |= {name: _substitute(str(value)) for name, value in workflow["jobs"]["report"].get("env", {}).items()}
+    env |= {name: _substitute(str(value), expressions)
+            for name, value in workflow["jobs"]["report"].get("env", {}).items()}
     for step in chosen:
         script = tmp_path / f"{step['id']}.sh"
-        script.write_text(_substitute(step["run"]))
-        step_env = env | {name: _substitute(str(value)) for name, value in step.get("env", {}).items()}
+        script.write_text(_substitute(step["run"], expressions))
+        step_env = env | {name: _substitute(str(value), expressions) for name, value in step.get("env", {}).items()}
         # the shell GitHub runs `run:` with on Linux
         result = subprocess.run(["bash", "--noprofile", "--norc", "-eo", "pipefail", str(script)], cwd=checkout,
                                 env=step_env, capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, f"step {step['id']}:\n{result.stdout}\n{result.stderr}"
+    return (checkout / "report" / "report.md").read_text()
 
-    report = (checkout / "report" / "report.md").read_text()
+
+def test_the_report_steps_write_the_report_without_a_dvc_remote(workflow: dict, tmp_path: Path):
+    checkout = _pull_request_checkout(tmp_path)
+    report = _run_report_steps(workflow, checkout, tmp_path, FORK)
+    assert "Read from the files git tracks" in report
     assert report.startswith(f"# eaglenest report: HEAD against origin/{BASE_REF}\n")
     paired = report.split(f"## Paired comparison: HEAD against origin/{BASE_REF}\n", 1)[1].split("\n## ", 1)[0]
     for set_name in ("humaneval", "general"):
@@ -109,3 +125,32 @@ def test_the_report_steps_write_the_report_without_a_dvc_remote(workflow: dict, 
     assert {p.name for p in images} >= {"acceptance.png", "tau_per_category.png", "loss.png"}
     for image in images:
         assert f"]({image.name})" in report and image.stat().st_size > 5000
+
+
+def test_with_the_remote_s_secrets_the_report_step_pulls_the_head_s_outputs(workflow: dict, tmp_path: Path):
+    checkout = _pull_request_checkout(tmp_path)
+    # the head's draft, pushed to a real store by whoever ran the pipeline
+    (checkout / "models").mkdir()
+    (checkout / "models" / "draft.bin").write_bytes(b"draft weights")
+    subprocess.run([str(VENV_BIN / "dvc"), "add", "-q", "models/draft.bin"], cwd=checkout, check=True)
+    git(checkout, "add", "-A")
+    git(checkout, "commit", "-qm", "the draft")
+    store_dir = tmp_path / "store"
+    store = start_store(store_dir)
+    try:
+        configure_remote(checkout, store)
+        subprocess.run([str(VENV_BIN / "dvc"), "push", "-q"], cwd=checkout, check=True)
+        (checkout / ".dvc" / "config.local").unlink()  # the runner's checkout knows only the secrets
+        (checkout / "models" / "draft.bin").unlink()
+        subprocess.run([str(VENV_BIN / "dvc"), "cache", "dir", str(tmp_path / "runner-cache")], cwd=checkout,
+                       check=True)
+        secrets = {"EAGLENEST_REMOTE_URL": f"s3://{store.bucket}/eaglenest",
+                   "EAGLENEST_REMOTE_ENDPOINT": store.endpoint, "EAGLENEST_REMOTE_ACCESS_KEY_ID": store.access_key,
+                   "EAGLENEST_REMOTE_SECRET_ACCESS_KEY": store.secret_key}
+        report = _run_report_steps(workflow, checkout, tmp_path,
+                                   {**EXPRESSIONS, **{f"secrets.{k}": v for k, v in secrets.items()}})
+    finally:
+        stop_store(store_dir)
+    assert (checkout / "models" / "draft.bin").read_bytes() == b"draft weights"
+    assert "Read from the head's outputs pulled from the team remote." in report
+    assert "humaneval.vllm_tau" in report.split("\n## dvc metrics diff\n", 1)[1]

@@ -8,6 +8,7 @@ writes it into the stage's (temporary) output folder.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -17,6 +18,10 @@ from eaglenest.core.atomic import atomic_write_json
 from eaglenest.core.errors import EaglenestError, ParamsError
 
 INFO_FILE = "verifier.json"
+# Where this machine keeps an external verifier when its copy is not at verifier.model: the record, an output every
+# clone shares, keeps params' value and the weights' fingerprint; each machine names its own copy here, so neither
+# params.yaml nor any output changes from one machine to the next.
+VERIFIER_PATH_ENV = "EAGLENEST_VERIFIER_PATH"
 
 
 class VerifierInfo(BaseModel):
@@ -55,8 +60,28 @@ def hf_cache_path(model_id: str) -> Path:
         ) from None
 
 
+def verifier_path_override() -> Path | None:
+    """This machine's copy of the external verifier (:data:`VERIFIER_PATH_ENV`), or None where unset.
+
+    Raises:
+        ParamsError: the variable names no folder.
+    """
+    value = os.environ.get(VERIFIER_PATH_ENV)
+    if not value:
+        return None
+    path = Path(value).expanduser()
+    if not path.is_dir():
+        raise ParamsError(f"{VERIFIER_PATH_ENV}={value!r}: no such folder; set it to this machine's copy of the "
+                          "verifier in params' verifier.model, or unset it")
+    return path
+
+
 def resolve_model_path(source: str, kind: str) -> Path:
-    """Where the weights of a recorded (non-built-in) verifier are on this machine."""
+    """Where the weights of a recorded (non-built-in) verifier are on this machine: :data:`VERIFIER_PATH_ENV` where
+    set, else the recorded path or cache id."""
+    override = verifier_path_override()
+    if override is not None:
+        return override
     return hf_cache_path(source) if kind == "hf-cache" else Path(source)
 
 

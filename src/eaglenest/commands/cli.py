@@ -74,6 +74,12 @@ def _summary(args: argparse.Namespace) -> int:
     return 0
 
 
+def _remote(args: argparse.Namespace) -> int:
+    from eaglenest.commands.remote import remote
+
+    return remote(args.action, Path(args.repo), Path(args.dir), args.name)
+
+
 def _serve(args: argparse.Namespace) -> int:
     from eaglenest.commands.serve import serve
 
@@ -201,6 +207,23 @@ def build_parser() -> argparse.ArgumentParser:
     summary = add_command("summary", help="the headline figures of the workspace as a short table")
     summary.add_argument("--repo", default=".", help="the repository (default: the current folder)")
     summary.set_defaults(func=_summary)
+
+    store = add_command(
+        "remote", help="start, stop or check the team's S3 store on this machine and its DVC remote",
+        description="The team's S3 store on this machine. start: runs SeaweedFS (weed mini) on free 127.0.0.1 "
+        "ports (credentials made once, kept across restarts) and makes it the repository's default DVC remote in "
+        ".dvc/config.local (nothing enters git); stop: stops it, keeping its objects; status: exit 0 where it runs; "
+        "push-caches / pull-caches: prepare's caches to / from the remote. A remote elsewhere (AWS S3, GCS, "
+        "MinIO): docs/team-remote.md.",
+    )
+    store.add_argument("action", choices=["start", "stop", "status", "push-caches", "pull-caches"],
+                       help="push-caches / pull-caches: copy prepare's caches of regenerated replies and prompts "
+                       "to / from the DVC remote --name (only entries the other side lacks)")
+    store.add_argument("--dir", default=".eaglenest/store", help="the store's folder: objects, log and state "
+                       "(default: .eaglenest/store; a second clone on this machine names the first one's)")
+    store.add_argument("--name", default="team", help="the DVC remote's name (default: team)")
+    store.add_argument("--repo", default=".", help="the repository (default: the current folder)")
+    store.set_defaults(func=_remote)
 
     server = add_command(
         "serve", help="run vLLM's OpenAI-compatible server for the verifier with the trained draft",

@@ -18,14 +18,16 @@ DVC's ``dvc plots diff`` writes HTML that loads Vega from a CDN, so it is blank 
 the plots here are PNG files drawn with matplotlib.
 
 Revisions are git revisions (branch, tag, commit), DVC experiment names (``dvc exp show`` lists them), or
-``workspace``. Everything is read at each revision with ``git show`` from files git tracks (metrics, the
-evaluate stage's records and details, dvclive's curves: all ``cache: false``), so no ``dvc pull`` is needed.
+``workspace``. Everything is read at each revision with ``git show`` from files git tracks (the declared metrics,
+the evaluate stage's records and details: ``cache: false``); dvclive's curves and the stages' bookkeeping metrics are
+cached DVC outputs, read at a revision from the DVC cache or, where it lacks them, the default remote.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import logging
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +47,7 @@ WORKSPACE = "workspace"
 EVAL_METRICS = "metrics/eval.json"
 RECORDS = "metrics/eval/records.json"
 DETAILS = "metrics/eval/details.json"
+log = logging.getLogger(__name__)
 SEED_SPREAD = "docs/seed-spread.json"
 TRAIN_LOSS = "dvclive/train/plots/metrics/train/loss.tsv"
 VAL_LOSS = "dvclive/train/plots/metrics/val/loss.tsv"
@@ -59,6 +62,9 @@ DEFAULT_SAMPLES = 2000
 DEFAULT_SEED = 0
 MIN_SAMPLES = 100
 NO_SPREAD = "no seed spread recorded"
+# A change without a recorded spread, or between revisions from two host kinds, is shown and never judged.
+NO_VERDICT = "no verdict"
+OTHER_HOST = "no verdict (another host kind)"
 TAU_FIELDS = ("accepted", "steps")
 SPEEDUP_FIELDS = ("spec_tokens", "spec_s", "plain_tokens", "plain_s")
 
@@ -75,6 +81,7 @@ class Revision:
 
     def __init__(self, repo: Path, rev: str) -> None:
         self.repo, self.rev = repo, rev
+        self._outputs: Any = None  # the revision's DVC outputs (a DVCFileSystem), opened on the first need
         self.ref = None if rev == WORKSPACE else self._resolve(rev)
         self.identity = WORKSPACE
         if self.ref is not None:
@@ -103,7 +110,26 @@ class Revision:
             file = self.repo / path
             return file.read_text() if file.is_file() else None
         shown = self._git("show", f"{self.ref}:{path}")
-        return shown.stdout if shown.returncode == 0 else None
+        return shown.stdout if shown.returncode == 0 else self._read_output(path)
+
+    def _read_output(self, path: str) -> str | None:
+        """A file of a cached DVC output at this revision (the bookkeeping metrics and dvclive's curves leave git
+        so that DVC's run-cache restores their stages): from the local cache, else the default remote; None where
+        neither has it."""
+        from dvc.api import DVCFileSystem
+        from dvc.exceptions import DvcException
+
+        if self._outputs is False:
+            return None
+        try:
+            if self._outputs is None:
+                self._outputs = DVCFileSystem(str(self.repo), rev=self.identity)
+            return self._outputs.read_text(path) if self._outputs.isfile(path) else None
+        except (DvcException, OSError) as err:  # not a DVC repository, no remote, an object missing everywhere
+            if self._outputs is None:
+                self._outputs = False  # asked once per revision
+            log.debug("%s:%s: not read from DVC (%s)", self.rev, path, err)
+            return None
 
     def read_json(self, path: str) -> Any:
         """The file parsed as JSON, or None where it does not exist.
@@ -212,11 +238,12 @@ class PairedFigure:
     head: float
     difference: Interval
     spread: float | None
+    other_host: bool = False
 
     @property
     def verdict(self) -> str:
-        """``better``/``worse``, ``within seed spread`` or ``no change``; see :func:`verdict`."""
-        return verdict(self.difference, self.spread)
+        """``better``/``worse``, ``within seed spread``, ``no change`` or no verdict; see :func:`verdict`."""
+        return OTHER_HOST if self.other_host else verdict(self.difference, self.spread)
 
 
 @dataclass(frozen=True)
@@ -248,13 +275,16 @@ SPREAD_ROUNDING = 1e-4
 
 
 def verdict(diff: Interval, spread: float | None) -> str:
-    """``better``/``worse`` when the paired interval excludes zero and the change exceeds the seed spread
-    (0 where none is recorded); ``within seed spread`` when only the first holds; else ``no change``.
+    """``better``/``worse`` when the paired interval excludes zero and the change exceeds the seed spread;
+    ``within seed spread`` when only the first holds; :data:`NO_VERDICT` when it does and no spread is recorded
+    (a seed alone may move a figure that far); else ``no change``.
 
     The change is compared at the spread's precision: a retrained seed's own change, recomputed from its
     records, must not exceed the spread it defines by a rounding."""
     if not diff.excludes_zero():
         return "no change"
+    if spread is None:
+        return NO_VERDICT
     if abs(diff.value) <= (spread + SPREAD_ROUNDING if spread else 0.0):
         return "within seed spread"
     return "better" if diff.value > 0 else "worse"
@@ -302,8 +332,8 @@ def _run_and_set(document: dict[str, Any], backend: str, set_name: str, label: s
 
 
 def compare_set(base_records: dict[str, Any], head_records: dict[str, Any], set_name: str, backend: str,
-                spreads: dict[str, float], samples: int, seed: int, labels: tuple[str, str] = ("base", "head")
-                ) -> SetComparison:
+                spreads: dict[str, float], samples: int, seed: int, labels: tuple[str, str] = ("base", "head"),
+                other_host: bool = False) -> SetComparison:
     """Pairs one set's records of two revisions (load_records documents) and compares tau and speed-up.
 
     Args:
@@ -315,6 +345,7 @@ def compare_set(base_records: dict[str, Any], head_records: dict[str, Any], set_
         samples: Bootstrap resamples.
         seed: Seed of the resampling.
         labels: How the report names base and head.
+        other_host: The two ran on different host kinds: figures are shown, never judged.
 
     Returns:
         The comparison, or one with ``refused`` set where the records cannot be paired: a side lacks the set,
@@ -341,12 +372,12 @@ def compare_set(base_records: dict[str, Any], head_records: dict[str, Any], set_
         return SetComparison(set_name, backend, refused=f"Not paired: {labels[0]} and {labels[1]} share no "
                              "decoded turn (no record with the same id and turn)")
     figures = [PairedFigure("tau", f"{backend}_tau", *paired_interval(pairs, TAU_FIELDS, tau_statistic, samples,
-                                                                      seed), spreads.get(f"{backend}_tau"))]
+                                                                      seed), spreads.get(f"{backend}_tau"), other_host)]
     timed = [(b, h) for b, h in pairs if _is_timed(b) and _is_timed(h)]
     if timed:
         figures.append(PairedFigure("speed-up", f"{backend}_speedup",
                                     *paired_interval(timed, SPEEDUP_FIELDS, speedup_statistic, samples, seed),
-                                    spreads.get(f"{backend}_speedup")))
+                                    spreads.get(f"{backend}_speedup"), other_host))
     return SetComparison(set_name, backend, pairs=len(pairs), conversations=len({str(b["id"]) for b, _ in pairs}),
                          timed_pairs=len(timed), figures=tuple(figures))
 
@@ -411,6 +442,12 @@ def _records(revision: Revision) -> dict[str, Any] | None:
     return None if text is None else load_records(text, f"{revision.rev}:{RECORDS}")
 
 
+def host_key(details: Any) -> str | None:
+    """The host kind's key evaluate recorded in details.json; None where it recorded none."""
+    host = details.get("host") if isinstance(details, dict) else None
+    return host.get("key") if isinstance(host, dict) and isinstance(host.get("key"), str) else None
+
+
 def paired_section(base: Revision, head: Revision, samples: int, seed: int) -> list[str]:
     """The Markdown of one head against base: every headline set present in either revision."""
     lines = [f"## Paired comparison: {head.rev} against {base.rev}", ""]
@@ -436,14 +473,19 @@ def paired_section(base: Revision, head: Revision, samples: int, seed: int) -> l
               f"the difference is a paired bootstrap over conversations ({samples} resamples, seed {seed}). A change "
               "is better or worse when that interval excludes zero and the change exceeds the seed-to-seed spread "
               f"recorded in {SEED_SPREAD} at {spread_at.rev}"
-              + ("" if spreads else f" ({NO_SPREAD}: the threshold is 0)") + ".", ""]
+              + ("" if spreads else f" ({NO_SPREAD}: {NO_VERDICT} on any change)") + ".", ""]
+    hosts = {revision.rev: host_key(revision.read_json(DETAILS)) for revision in (base, head)}
+    other_host = None not in hosts.values() and hosts[base.rev] != hosts[head.rev]
+    if other_host:
+        lines += [f"Host kinds differ ({base.rev}: {hosts[base.rev]}; {head.rev}: {hosts[head.rev]}): kernels "
+                  "differ by host kind, so the figures are shown and neither revision is called better or worse.", ""]
     for set_name in sets_head + [name for name in sets_base if name not in sets_head]:
         if set_name not in sets_base or set_name not in sets_head:
             where = base.rev if set_name in sets_base else head.rev
             lines += [f"### {set_name}", "", f"Not paired: a headline set only at {where}.", ""]
             continue
         comparison = compare_set(base_records, head_records, set_name, backend, spreads.get(set_name, {}),
-                                 samples, seed, (base.rev, head.rev))
+                                 samples, seed, (base.rev, head.rev), other_host)
         lines += comparison_lines(comparison, base.rev, head.rev)
     return lines
 

@@ -133,3 +133,24 @@ def test_weight_hashes_are_read_once_per_path_size_and_mtime(tmp_path: Path, tin
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))  # touched: hashed again
     assert fingerprint_model_dir(model, cache) == first and len(reads) == 3
     assert json.loads(cache.read_text())[str(weights.resolve())]["mtime_ns"] == stat.st_mtime_ns + 1_000_000_000
+
+
+def test_each_machine_names_its_copy_of_an_external_verifier(tmp_path: Path, tiny_verifier_dir: Path,
+                                                             monkeypatch: pytest.MonkeyPatch):
+    """The record is the same on a machine whose copy lives elsewhere, and every stage loads that copy."""
+    import shutil
+
+    from eaglenest.artifacts.verifier import VERIFIER_PATH_ENV
+
+    params = VerifierParams(model="/models/tiny-llama", aux_layers=[1, 3, 5])  # where no machine here keeps it
+    here = build_verifier(VerifierParams(model=str(tiny_verifier_dir), aux_layers=[1, 3, 5]), tmp_path / "a")
+    copy = shutil.copytree(tiny_verifier_dir, tmp_path / "my-copy")
+    monkeypatch.setenv(VERIFIER_PATH_ENV, str(copy))
+    info = build_verifier(params, tmp_path / "b")
+    assert (info.path, info.source, info.kind, info.name) == ("/models/tiny-llama", "/models/tiny-llama", "local",
+                                                              "tiny-llama")
+    assert info.fingerprint == here.fingerprint  # the same weights, wherever they are
+    assert load_verifier_info(tmp_path / "b") == (info, copy)
+    monkeypatch.setenv(VERIFIER_PATH_ENV, str(tmp_path / "nowhere"))
+    with pytest.raises(ParamsError, match=f"{VERIFIER_PATH_ENV}=.*nowhere.*no such folder"):
+        load_verifier_info(tmp_path / "b")

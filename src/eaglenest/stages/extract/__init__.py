@@ -32,6 +32,7 @@ from eaglenest.artifacts.verifier import VerifierInfo, load_verifier_info
 from eaglenest.core.atomic import atomic_write_json, remove_stale_temps
 from eaglenest.core.errors import EaglenestError
 from eaglenest.core.executor import EngineNeeds, check_cluster, open_executor
+from eaglenest.core.host import host_record
 from eaglenest.core.params import ClusterParams, ExtractParams, Params
 from eaglenest.core.registry import Registry
 from eaglenest.core.stage import Stage, path_arg
@@ -232,6 +233,8 @@ def finish_extraction(plan: ExtractionPlan, computed: Computed, metrics_path: Pa
         "backend": params.backend,
         "executor": computed.executor,
         "engines": computed.engines,
+        # kernels differ by CPU kind: the same commit extracts other bytes on another kind
+        "host": host_record(params.dtype),
     }
     atomic_write_json(metrics_path, metrics)
     return metrics

@@ -27,6 +27,7 @@ from eaglenest.artifacts.verifier import load_tokenizer, load_verifier_info
 from eaglenest.core.atomic import atomic_write_json
 from eaglenest.core.chat import chat_template_kwargs, end_of_turn_ids, template_handles_reasoning, without_reasoning
 from eaglenest.core.errors import EaglenestError, InputFileError, ParamsError, TemplateError
+from eaglenest.core.host import host_record
 from eaglenest.core.params import SELF_INSTRUCT_SOURCE, Params, PrepareParams
 from eaglenest.core.stage import Stage, path_arg
 from eaglenest.stages.prepare.sources import LONG_ROW_SOURCES, PROMPT_ONLY_SOURCES, Conversation, read_source
@@ -351,6 +352,8 @@ def write_dataset(params: PrepareParams, mix: Mix, rendered: Rendered, out_dir: 
         "prompt_cache_hits": prompt_stats.cache_hits if prompt_stats else 0,
         "prompt_tokens_per_s": (round(prompt_stats.tokens / prompt_stats.seconds, 1)
                                 if prompt_stats and prompt_stats.tokens and prompt_stats.seconds else None),
+        # regenerated replies depend on the kernels of the host kind (the engines' dtype is in params)
+        "host": host_record(),
     }
     atomic_write_json(metrics_path, metrics)
     log.info("kept %d of %d conversations (%d tokens, %d loss tokens) -> %s",

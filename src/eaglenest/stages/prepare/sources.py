@@ -71,7 +71,7 @@ PYTHON_FUNCTIONS_FILE = Path(__file__).resolve().parents[4] / "data" / "conversa
 
 def _python_functions() -> Iterator[Conversation]:
     """The snapshot's functions: the def line(s) and docstring as the user turn, the body as the reply."""
-    return read_file(PYTHON_FUNCTIONS_FILE)
+    return read_file(PYTHON_FUNCTIONS_FILE, BUILTIN_PREFIX + "python-functions")
 
 
 # Documentation excerpts to summarize or answer from, from installed packages' READMEs: snapshots written by
@@ -81,24 +81,25 @@ PACKAGE_DOCS_FILE = PYTHON_FUNCTIONS_FILE.with_name("package-docs.jsonl")
 LONG_READMES_FILE = PYTHON_FUNCTIONS_FILE.with_name("long-readmes.jsonl")
 
 
-def _prompts(path: Path, script: str) -> Iterator[Conversation]:
-    """A prompt snapshot's records, each a user prompt with an empty reply for the verifier to write."""
+def _prompts(path: Path, name: str, script: str) -> Iterator[Conversation]:
+    """A prompt snapshot's records, each a user prompt with an empty reply for the verifier to write; their origin
+    names the built-in source ``name``, never the checkout's path."""
     for label, record in _read_records(path):
         prompt = record.get("prompt") if isinstance(record, dict) else None
         if not isinstance(prompt, str) or not prompt.strip():
             raise InputFileError(f"{path}: {label}: expected {{'prompt': '...'}}; rerun scripts/{script}")
-        yield Conversation(origin=f"{path}: {label}",
+        yield Conversation(origin=f"{BUILTIN_PREFIX}{name}: {label}",
                            messages=[{"role": "user", "content": prompt}, {"role": "assistant", "content": ""}])
 
 
 def _package_docs() -> Iterator[Conversation]:
     """The short README excerpts (builtin:package-docs)."""
-    return _prompts(PACKAGE_DOCS_FILE, "snapshot_package_docs.py")
+    return _prompts(PACKAGE_DOCS_FILE, "package-docs", "snapshot_package_docs.py")
 
 
 def _long_readmes() -> Iterator[Conversation]:
     """The long README excerpts (builtin:long-readmes)."""
-    return _prompts(LONG_READMES_FILE, "snapshot_long_readmes.py")
+    return _prompts(LONG_READMES_FILE, "long-readmes", "snapshot_long_readmes.py")
 
 
 def _math_problems() -> Iterator[Conversation]:
@@ -216,11 +217,18 @@ def _read_records(path: Path) -> Iterator[tuple[str, Any]]:
         raise InputFileError(f"{path}: is a directory; list the files in prepare.source") from None
 
 
-def read_file(path: Path) -> Iterator[Conversation]:
-    """Every conversation in one JSON, JSONL or parquet file."""
+def read_file(path: Path, name: str | None = None) -> Iterator[Conversation]:
+    """Every conversation in one JSON, JSONL or parquet file.
+
+    Args:
+        path: The file.
+        name: What origins call the file; None is ``path`` as given. Origins land in the prepared data, so a
+            built-in source names itself: an absolute path would make a clone elsewhere hash differently.
+    """
     for label, record in _read_records(path):
         where = f"{path}: {label}"
-        yield Conversation(origin=where, messages=normalise_record(record, where))
+        origin = where if name is None else f"{name}: {label}"
+        yield Conversation(origin=origin, messages=normalise_record(record, where))
 
 
 def read_source(source: str) -> list[Conversation]:
@@ -231,7 +239,11 @@ def read_source(source: str) -> list[Conversation]:
             allowed = ", ".join(BUILTIN_PREFIX + n for n in [*BUILTIN_SOURCES.names(), "self-instruct"])
             raise ParamsError(f"prepare.source: {source!r} is not a built-in source; allowed: {allowed}")
         return list(BUILTIN_SOURCES.get(name)())
-    return list(read_file(Path(source)))
+    path = Path(source)
+    # a file inside the checkout given by its absolute path is named relative to the checkout (stages run at its
+    # root), so the prepared data is the same in every clone
+    inside = path.is_absolute() and path.is_relative_to(Path.cwd())
+    return list(read_file(path, str(path.relative_to(Path.cwd())) if inside else None))
 
 
 def read_sources(sources: list[str]) -> list[Conversation]:

@@ -39,6 +39,7 @@ from eaglenest.artifacts.vocab import load_vocab
 from eaglenest.core.atomic import atomic_write_json
 from eaglenest.core.device import pick_device
 from eaglenest.core.errors import EaglenestError
+from eaglenest.core.host import host_record
 from eaglenest.core.params import Params, TrainParams
 from eaglenest.core.progress import progress
 from eaglenest.core.stage import Stage, path_arg
@@ -261,6 +262,8 @@ def finish_training(session: TrainSession, result: FitResult) -> dict[str, Any]:
             "train_rows": len(data.rows["train"]),
             "val_rows": len(data.rows["val"]),
             "split_train_rows": load_split(paths.prepared)["train_rows"],
+            # kernels differ by CPU kind: the same commit trains another draft on another kind
+            "host": host_record(session.runtime.precision),
         }
         atomic_write_json(paths.details, metrics)
         atomic_write_json(paths.metrics, headline_metrics(metrics))

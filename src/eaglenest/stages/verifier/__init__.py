@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eaglenest.artifacts.verifier import VerifierInfo, hf_cache_path, write_verifier_record
+from eaglenest.artifacts.verifier import VerifierInfo, hf_cache_path, verifier_path_override, write_verifier_record
 from eaglenest.core.atomic import atomic_directory, atomic_write_json
 from eaglenest.core.errors import EaglenestError, ParamsError
 from eaglenest.core.params import BUILTIN_PREFIX, Params, VerifierParams
@@ -243,10 +243,15 @@ def record_external(params: VerifierParams) -> VerifierInfo:
     """Checks a local or HF-cache verifier and describes it, without copying anything."""
     source = params.model
     local = Path(source).expanduser()
-    if local.exists():
+    model_id = source.count("/") == 1 and not source.startswith((".", "/", "~")) and not local.exists()
+    override = verifier_path_override()  # this machine's copy; the record keeps params' value, not this path
+    if override is not None:
+        kind, path = ("hf-cache" if model_id else "local"), override
+        default_name = source if model_id else local.name
+    elif local.exists():
         kind, path = "local", local
         default_name = local.resolve().name
-    elif source.count("/") == 1 and not source.startswith((".", "/", "~")):
+    elif model_id:
         kind, path = "hf-cache", hf_cache_path(source)
         default_name = source
     else:
