@@ -150,10 +150,10 @@ def test_tensor_parallelism_needs_a_vllm_back_end_in_every_stage():
 
 def test_a_width_refusal_comes_with_an_unrelated_bad_value_and_a_missing_engine_section():
     text = "\n".join(problems({"extract": {"backend": "hf", "vllm": {"tensor_parallel_size": 2}, "batch_tokens": "x"},
-                               "evaluate": {"backend": "hf", "timed_prompts": 0}}))
+                               "evaluate": {"backend": "hf", "timed_prompts": -1}}))
     assert "extract.batch_tokens = 'x': Input should be a valid integer" in text
     assert "extract.vllm.tensor_parallel_size = 2 needs extract.backend: vllm" in text
-    assert "evaluate.timed_prompts = 0: Input should be greater than or equal to 1" in text  # no vllm: given
+    assert "evaluate.timed_prompts = -1: Input should be greater than or equal to 0" in text  # no vllm: given
     assert "evaluate.vllm" not in text
 
 

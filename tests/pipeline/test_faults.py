@@ -288,8 +288,10 @@ def kill_during(repo: Path, stage: str, ready, rng: random.Random) -> bool:
 
     Returns False when the stage finished before the kill landed (nothing was interrupted).
     """
-    # --no-run-cache: the stage must run, never be restored from an earlier run of the same inputs
-    process = subprocess.Popen([str(VENV_BIN / "dvc"), "repro", "--no-run-cache", stage], cwd=repo, env=project_env(),
+    # The stage must run, never be restored: every output is in DVC's cache, so with its dependencies unchanged
+    # `dvc repro` would check the locked outputs out instead (-f -s: this stage, run), or take the run-cache's.
+    process = subprocess.Popen([str(VENV_BIN / "dvc"), "repro", "-f", "-s", "--no-run-cache", stage], cwd=repo,
+                               env=project_env(),
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and process.poll() is None and not ready():
@@ -348,7 +350,7 @@ def test_kill_9_during_extract_and_train_five_times_each(tiny_pipeline: SharedPi
             path.unlink()
 
     kill_five_times(repo, "extract", new_hidden_state_file, fewer_hidden_states, rng)
-    dvc(["repro", "extract"], repo)
+    dvc(["repro", "-f", "-s", "extract"], repo)  # resumes from the finished shards (forced: see kill_during)
     assert {p.name: p.read_bytes() for p in hs_dir.iterdir()} == reference_hs  # bit-identical, nothing extra
     assert not unfinished_dir(hs_dir).exists()
 
@@ -363,7 +365,7 @@ def test_kill_9_during_extract_and_train_five_times_each(tiny_pipeline: SharedPi
         shutil.rmtree(draft, ignore_errors=True)
 
     kill_five_times(repo, "train", newer_checkpoint, retrain, rng)
-    final = dvc(["repro", "--no-run-cache"], repo)
+    final = dvc(["repro", "-f", "-s", "--no-run-cache", "train"], repo)
     assert "Running stage 'train'" in final.stdout
     resumed = json.loads((repo / "metrics/train_details.json").read_text())
     assert resumed["resumed_from_step"] > 0
