@@ -207,7 +207,8 @@ def group_is_gone(pgid: int, timeout_s: float = 30) -> bool:
 def test_kill_9_mid_extraction_resumes_to_the_same_files(repo: Path, vllm_run: dict[str, Any]):
     hs_dir = repo / "data/hidden_states"
     shutil.rmtree(hs_dir)
-    process = subprocess.Popen([str(VENV_BIN / "dvc"), "repro", "-s", "extract"], cwd=repo, env=project_env(),
+    # -f: the locked extraction is in DVC's cache, so an unforced repro would check it out instead of running
+    process = subprocess.Popen([str(VENV_BIN / "dvc"), "repro", "-f", "-s", "extract"], cwd=repo, env=project_env(),
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     # Two shards are finished; the engine is computing the third when the kill comes.
     wait_for_files(process, hs_dir, ROWS_PER_SHARD + 1, timeout_s=300)
@@ -217,7 +218,7 @@ def test_kill_9_mid_extraction_resumes_to_the_same_files(repo: Path, vllm_run: d
     finished_before_kill = len(rows_stored(hs_dir))
     assert ROWS_PER_SHARD < finished_before_kill < ROWS, finished_before_kill
 
-    resumed = dvc(["repro", "-s", "extract"], repo)
+    resumed = dvc(["repro", "-f", "-s", "extract"], repo)
     assert "Running stage 'extract'" in resumed.stdout
     # Same bytes as the uninterrupted run, and nothing else in the folder (no temporaries, no staged files).
     assert {p.name: p.read_bytes() for p in hs_dir.iterdir()} == vllm_run["files"]
@@ -243,7 +244,7 @@ def test_sigterm_to_the_stage_stops_vllms_engine_processes(repo: Path, vllm_run:
     shutil.rmtree(hs_dir)
     log = tmp_path / "repro.log"
     with log.open("w") as out:
-        process = subprocess.Popen([str(VENV_BIN / "dvc"), "repro", "-s", "extract"], cwd=repo, env=project_env(),
+        process = subprocess.Popen([str(VENV_BIN / "dvc"), "repro", "-f", "-s", "extract"], cwd=repo, env=project_env(),
                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_for_files(process, hs_dir, ROWS_PER_SHARD, timeout_s=300)  # the engine is up and computing
@@ -257,5 +258,5 @@ def test_sigterm_to_the_stage_stops_vllms_engine_processes(repo: Path, vllm_run:
             os.killpg(process.pid, signal.SIGKILL)
     assert "eaglenest extract: interrupted; rerun to continue" in log.read_text()
 
-    dvc(["repro", "-s", "extract"], repo)  # resumes: the module's later tests see the whole extraction
+    dvc(["repro", "-f", "-s", "extract"], repo)  # resumes: the module's later tests see the whole extraction
     assert {p.name: p.read_bytes() for p in hs_dir.iterdir()} == vllm_run["files"]
