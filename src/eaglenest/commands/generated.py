@@ -93,7 +93,7 @@ def headline_svg(repo: Path) -> str:
     import matplotlib
 
     matplotlib.use("Agg")
-    from matplotlib import rcParams
+    from matplotlib import rc_context
     from matplotlib.figure import Figure
 
     backend, headline, details = _headline_figures(repo)
@@ -104,31 +104,33 @@ def headline_svg(repo: Path) -> str:
     tau = [_with_interval(headline[name], f"{backend}_tau", where) for name in sets]
     draft = [_with_interval(headline[name], f"{backend}_speedup", where) for name in sets]
     ngram = [_with_interval(headline[name], f"{backend}_ngram_speedup", where) for name in sets]
-    rcParams.update({"svg.hashsalt": "eaglenest", "svg.fonttype": "none", "font.size": 9})
-    fig = Figure(figsize=(8, 2.8))  # 576 x 202 pt: readable at a page's width
-    left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [2, 3]})
-    positions = range(len(sets))
-    left.bar(positions, [v for v, _ in tau], yerr=[h for _, h in tau], capsize=3, color="#4c72b0")
-    left.set_ylim(1.0, max(v + h for v, h in tau) * 1.08)
-    left.set_title(f"τ, tokens per verifier step (K = {details.get('num_speculative_tokens')})")
-    width = 0.38
-    for offset, values, label, colour in ((-width / 2, draft, "the draft", "#4c72b0"),
-                                          (width / 2, ngram, "vLLM n-gram", "#dd8452")):
-        right.bar([p + offset for p in positions], [v for v, _ in values], width, yerr=[h for _, h in values],
-                  capsize=3, color=colour, label=label)
-    right.axhline(1.0, color="black", linewidth=0.8)
-    right.set_ylim(min(0.8, min(v - h for v, h in draft + ngram) - 0.05), max(v + h for v, h in draft + ngram) + 0.1)
-    right.set_title("single-stream speed-up over plain decoding")
-    right.legend(loc="upper right", frameon=False)
-    for axes in (left, right):
-        axes.set_xticks(list(positions), sets)
-        for value_label in axes.containers:
-            if hasattr(value_label, "datavalues"):
-                axes.bar_label(value_label, fmt="%.2f", padding=2, fontsize=7)
-    fig.suptitle(f"metrics/eval.json ({backend}; bars: 95% intervals over prompts)", fontsize=9)
-    fig.tight_layout()
-    out = io.StringIO()
-    fig.savefig(out, format="svg", metadata={"Date": None, "Creator": "eaglenest"})
+    # The settings hold for this figure only: the process may draw others (eaglenest report) with the defaults.
+    with rc_context({"svg.hashsalt": "eaglenest", "svg.fonttype": "none", "font.size": 9}):
+        fig = Figure(figsize=(8, 2.8))  # 576 x 202 pt: readable at a page's width
+        left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [2, 3]})
+        positions = range(len(sets))
+        left.bar(positions, [v for v, _ in tau], yerr=[h for _, h in tau], capsize=3, color="#4c72b0")
+        left.set_ylim(1.0, max(v + h for v, h in tau) * 1.08)
+        left.set_title(f"τ, tokens per verifier step (K = {details.get('num_speculative_tokens')})")
+        width = 0.38
+        for offset, values, label, colour in ((-width / 2, draft, "the draft", "#4c72b0"),
+                                              (width / 2, ngram, "vLLM n-gram", "#dd8452")):
+            right.bar([p + offset for p in positions], [v for v, _ in values], width, yerr=[h for _, h in values],
+                      capsize=3, color=colour, label=label)
+        right.axhline(1.0, color="black", linewidth=0.8)
+        speedups = draft + ngram
+        right.set_ylim(min(0.8, min(v - h for v, h in speedups) - 0.05), max(v + h for v, h in speedups) + 0.1)
+        right.set_title("single-stream speed-up over plain decoding")
+        right.legend(loc="upper right", frameon=False)
+        for axes in (left, right):
+            axes.set_xticks(list(positions), sets)
+            for value_label in axes.containers:
+                if hasattr(value_label, "datavalues"):
+                    axes.bar_label(value_label, fmt="%.2f", padding=2, fontsize=7)
+        fig.suptitle(f"metrics/eval.json ({backend}; bars: 95% intervals over prompts)", fontsize=9)
+        fig.tight_layout()
+        out = io.StringIO()
+        fig.savefig(out, format="svg", metadata={"Date": None, "Creator": "eaglenest"})
     return out.getvalue()
 
 
