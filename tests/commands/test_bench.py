@@ -15,10 +15,19 @@ from pathlib import Path
 
 import pytest
 
-from eaglenest.commands import bench, cli
+from eaglenest.commands import cli
+from eaglenest.commands.bench import sweep
+from eaglenest.commands.bench.config import BenchConfig, ServeSetup
+from eaglenest.commands.bench.counters import GENERATION_TOKENS, Counters, acceptance, counter_problems, parse_metrics
+from eaglenest.commands.bench.endpoint import Endpoint, base_url
+from eaglenest.commands.bench.figures import stops_paying_at
+from eaglenest.commands.bench.outputs import Replay, compare_outputs, draft_divergence, judge_difference, parse_replay
+from eaglenest.commands.bench.prompts import bench_prompts_file
+from eaglenest.commands.bench.servers import server_command
 from eaglenest.commands.serve import ServeCommand
 from eaglenest.core.errors import EaglenestError
 from eaglenest.core.lossless_rule import TIE_CANDIDATES
+from eaglenest.core.vllm_metrics import ACCEPTED, DRAFT_TOKENS, DRAFTS
 from tests.fixtures.fakes import LETTERS, TOP_GAP, FakeServer, fake_letters, letter_ids
 from tests.fixtures.models import build_tiny_tokenizer
 from tests.fixtures.pipeline import REPO
@@ -90,34 +99,34 @@ vllm:num_requests_running{engine="0",model_name="m"} 0.0
 
 
 def test_metrics_are_read_with_the_prometheus_parser_summed_over_engines():
-    counters = bench.parse_metrics(VLLM_METRICS, "test")
+    counters = parse_metrics(VLLM_METRICS, "test")
     assert counters.has_spec_decode
-    assert counters.totals[bench.DRAFTS] == 10.0  # both engines; the _created timestamp is not a count
-    assert counters.totals[bench.ACCEPTED] == 19.0 and counters.totals[bench.GENERATION_TOKENS] == 40.0
+    assert counters.totals[DRAFTS] == 10.0  # both engines; the _created timestamp is not a count
+    assert counters.totals[ACCEPTED] == 19.0 and counters.totals[GENERATION_TOKENS] == 40.0
     assert counters.accepted_per_pos == {0: 9.0, 1: 6.0, 2: 4.0}
     assert "vllm:num_requests_running" not in counters.totals  # a gauge
-    plain = bench.parse_metrics(VLLM_METRICS.split("# HELP vllm:generation")[0].replace("spec_decode", "other"), "t")
+    plain = parse_metrics(VLLM_METRICS.split("# HELP vllm:generation")[0].replace("spec_decode", "other"), "t")
     assert not plain.has_spec_decode
 
 
 def test_tau_is_one_plus_accepted_over_drafts_between_two_readings():
-    before = bench.parse_metrics(VLLM_METRICS, "before")
-    after = bench.Counters(
-        {**before.totals, bench.DRAFTS: 10.0 + 4, bench.DRAFT_TOKENS: 30.0 + 12, bench.ACCEPTED: 19.0 + 6},
+    before = parse_metrics(VLLM_METRICS, "before")
+    after = Counters(
+        {**before.totals, DRAFTS: 10.0 + 4, DRAFT_TOKENS: 30.0 + 12, ACCEPTED: 19.0 + 6},
         {0: 9.0 + 3, 1: 6.0 + 2, 2: 4.0 + 1})
-    spec = bench.acceptance(before, after)
+    spec = acceptance(before, after)
     assert spec == {"drafts": 4, "draft_tokens": 12, "accepted_tokens": 6, "accepted_per_position": [3, 2, 1],
                     "tau": 2.5, "per_position_acceptance": [0.75, 0.5, 0.25]}
     raw = {"spec_decode_acceptance_length": 2.5, "total_output_tokens": 0, "completed": 0}
-    assert bench.counter_problems(before, after, spec, raw, spec_expected=True) == []
+    assert counter_problems(before, after, spec, raw, spec_expected=True) == []
     # vLLM's own figure from the same counters disagreeing, or tokens the responses do not hold, are reported
     raw = {"spec_decode_acceptance_length": 2.4, "total_output_tokens": 5, "completed": 0}
-    problems = bench.counter_problems(before, after, spec, raw, spec_expected=True)
+    problems = counter_problems(before, after, spec, raw, spec_expected=True)
     assert len(problems) == 2 and "vLLM's bench read 2.4" in problems[1] and "grew by 0" in problems[0]
-    assert bench.acceptance(bench.Counters({}, {}), bench.Counters({}, {})) is None
+    assert acceptance(Counters({}, {}), Counters({}, {})) is None
     # per-position counts that do not add up, or that rise with the position, are reported too
-    odd = bench.Counters(after.totals, {0: 9.0 + 1, 1: 6.0 + 3, 2: 4.0 + 1})
-    problems = bench.counter_problems(before, odd, bench.acceptance(before, odd),
+    odd = Counters(after.totals, {0: 9.0 + 1, 1: 6.0 + 3, 2: 4.0 + 1})
+    problems = counter_problems(before, odd, acceptance(before, odd),
                                       {"spec_decode_acceptance_length": 2.5, "total_output_tokens": 0,
                                        "completed": 0}, spec_expected=True)
     assert problems == ["the accepted tokens per position sum to 5, not 6",
@@ -139,8 +148,8 @@ def test_flags_that_cannot_make_a_sweep_are_refused(capsys, prompts: Path, token
 def test_fake_server_metrics_parse_as_vllms():
     with FakeServer() as fake:
         fake.complete([1, 2, 3], 5)
-        counters = bench.Endpoint("draft", "--url", fake.url).counters()
-    assert counters.totals[bench.DRAFTS] == 2 and counters.totals[bench.ACCEPTED] == 2
+        counters = Endpoint("draft", "--url", fake.url).counters()
+    assert counters.totals[DRAFTS] == 2 and counters.totals[ACCEPTED] == 2
     assert counters.accepted_per_pos == {0: 2.0, 1: 0.0, 2: 0.0}
 
 
@@ -148,22 +157,22 @@ def test_speedup_stops_paying_at_the_lowest_concurrency_below_one():
     rows = [{"concurrency": 1, "speedup": 1.4}, {"concurrency": 4, "speedup": 0.97}, {"concurrency": 8,
                                                                                       "speedup": 1.01},
             {"concurrency": 16, "speedup": 0.8}]
-    assert bench.stops_paying_at(rows) == 4
-    assert bench.stops_paying_at(rows[:1]) is None
+    assert stops_paying_at(rows) == 4
+    assert stops_paying_at(rows[:1]) is None
 
 
 def test_outputs_are_compared_request_by_request_skipping_failures():
     draft = {"generated_texts": ["a", "b", "c", "d"], "errors": ["", "", "", "boom"]}
     baseline = {"generated_texts": ["a", "x", "c", "d"], "errors": ["", "", "", ""]}
-    assert bench.compare_outputs(draft, baseline, ["p0", "p1", "p2"]) == {
+    assert compare_outputs(draft, baseline, ["p0", "p1", "p2"]) == {
         "compared": 3, "identical": 2, "differ": [{"request": 1, "prompt": "p1"}]}
 
 
 def test_urls_are_reduced_to_the_server_root():
-    assert bench.base_url("http://127.0.0.1:8000/v1/", "--url") == "http://127.0.0.1:8000"
-    assert bench.base_url("http://host:1/prefix/v1", "--url") == "http://host:1/prefix"
+    assert base_url("http://127.0.0.1:8000/v1/", "--url") == "http://127.0.0.1:8000"
+    assert base_url("http://host:1/prefix/v1", "--url") == "http://host:1/prefix"
     with pytest.raises(EaglenestError, match="--url localhost:8000"):
-        bench.base_url("localhost:8000", "--url")
+        base_url("localhost:8000", "--url")
 
 
 # --- refusals: one line, exit 2 ---------------------------------------------------------------------------------
@@ -209,9 +218,9 @@ def test_a_prompts_file_in_none_of_the_formats_is_refused(capsys, tmp_path: Path
 def test_evaluates_shipped_sets_are_prompts_by_their_source_name(capsys, tmp_path: Path, tokenizer_dir: Path):
     from eaglenest.stages.evaluate.sets import GENERAL_SET_FILE, LONG_SET_FILE
 
-    assert bench.bench_prompts_file(Path("builtin:general")) == GENERAL_SET_FILE
-    assert bench.bench_prompts_file(Path("builtin:long")) == LONG_SET_FILE
-    assert bench.bench_prompts_file(Path("data/mine.jsonl")) == Path("data/mine.jsonl")
+    assert bench_prompts_file(Path("builtin:general")) == GENERAL_SET_FILE
+    assert bench_prompts_file(Path("builtin:long")) == LONG_SET_FILE
+    assert bench_prompts_file(Path("data/mine.jsonl")) == Path("data/mine.jsonl")
     err = one_line_refusal(capsys, bench_args("http://127.0.0.1:9", "http://127.0.0.1:10", Path("builtin:mtbench"),
                                               tokenizer_dir, tmp_path / "o"))
     assert "--prompts builtin:mtbench" in err and "builtin:humaneval" in err
@@ -260,7 +269,7 @@ def test_a_sweep_writes_bench_json_and_the_plot(capsys, prompts: Path, tokenizer
         assert d["latency_ms"]["p50"] > 0 and d["ttft_ms"]["p99"] >= d["ttft_ms"]["p50"] > 0
         assert row["outputs"] == {"compared": 4, "identical": 4, "near_ties": [], "differ": []}
         assert (out / row["draft"]["raw"]).is_file()
-    assert result["stops_paying_at"] == bench.stops_paying_at(result["results"])
+    assert result["stops_paying_at"] == stops_paying_at(result["results"])
     assert result["tie_checks"] == 0 and baseline.checks == []  # identical outputs need no check
     assert (out / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "speed-up" in captured.out and "wrote" in captured.out
@@ -285,8 +294,8 @@ def test_a_server_killed_mid_run_ends_the_bench_in_one_line_keeping_what_was_mea
 
 # --- the near-tie rule on outputs that differ (fast: the runs below send the requests themselves) -------------
 
-def fake_vllm_bench(endpoint: bench.Endpoint, model: str, dataset: Path, num_requests: int, concurrency: int,
-                    config: bench.BenchConfig, raw_dir: Path, name: str) -> dict:
+def fake_vllm_bench(endpoint: Endpoint, model: str, dataset: Path, num_requests: int, concurrency: int,
+                    config: BenchConfig, raw_dir: Path, name: str) -> dict:
     """`vllm bench serve`'s result file, from the requests sent one at a time (no vLLM import: seconds, not
     minutes); a request the server does not answer is a failed one, as vLLM's bench counts it."""
     records = [json.loads(line) for line in dataset.read_text().splitlines()][:num_requests]
@@ -313,7 +322,7 @@ def fake_vllm_bench(endpoint: bench.Endpoint, model: str, dataset: Path, num_req
         errors.append("")
         latencies.append(time.perf_counter() - sent)
     duration = time.perf_counter() - start
-    spec = bench.acceptance(before, endpoint.counters()) if not any(errors) else None
+    spec = acceptance(before, endpoint.counters()) if not any(errors) else None
     failed = sum(bool(e) for e in errors)
     raw = {"completed": len(records) - failed, "failed": failed, "total_output_tokens": tokens, "duration": duration,
            "output_throughput": tokens / duration, "request_throughput": (len(records) - failed) / duration,
@@ -325,7 +334,7 @@ def fake_vllm_bench(endpoint: bench.Endpoint, model: str, dataset: Path, num_req
 
 @pytest.fixture
 def fast_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(bench, "run_vllm_bench", fake_vllm_bench)
+    monkeypatch.setattr(sweep, "run_vllm_bench", fake_vllm_bench)
 
 
 @pytest.mark.parametrize("flip_to, extra, status, kind", [
@@ -390,23 +399,23 @@ def test_the_draft_text_is_placed_on_the_baselines_tokens():
     plain = [a, b, c, d, end]
     top = [[(t, -0.05), (n, -0.35), (end, -2.0)] for t, n in ((a, b), (b, c), (c, d), (d, f))] + \
         [[(end, -0.01), (f, -0.2)]]
-    assert bench.draft_divergence("abcd", plain, top, tokenizer) is None
-    tie = bench.draft_divergence("abdd", plain, top, tokenizer)
+    assert draft_divergence("abcd", plain, top, tokenizer) is None
+    tie = draft_divergence("abdd", plain, top, tokenizer)
     assert (tie.position, tie.plain_token, tie.spec_token, tie.gap) == (2, c, d, pytest.approx(0.3))
-    early = bench.draft_divergence("ab", plain, top, tokenizer)  # the draft ended where plain went on
+    early = draft_divergence("ab", plain, top, tokenizer)  # the draft ended where plain went on
     assert (early.position, early.spec_token, early.gap) == (2, end, pytest.approx(1.95))
-    longer = bench.draft_divergence("abcdf", plain, top, tokenizer)  # plain ended, the draft went on
+    longer = draft_divergence("abcdf", plain, top, tokenizer)  # plain ended, the draft went on
     assert (longer.position, longer.plain_token, longer.spec_token) == (4, end, f)
-    past = bench.draft_divergence("abcdzz", plain[:4], top, tokenizer)  # past plain's last token: no candidates
+    past = draft_divergence("abcdzz", plain[:4], top, tokenizer)  # past plain's last token: no candidates
     assert (past.position, past.plain_token, past.gap) == (4, None, None)
-    replay = bench.Replay(plain, top, "abcd")
-    assert bench.judge_difference("abdd", replay, tokenizer, 0.5)["near_tie"]
-    assert bench.judge_difference("abdd", replay, tokenizer, 0.1)["why"] == "the gap 0.3 is above the margin 0.1"
-    assert "cannot be placed" in bench.judge_difference("abdd", bench.Replay(plain, top, "abce"), tokenizer,
+    replay = Replay(plain, top, "abcd")
+    assert judge_difference("abdd", replay, tokenizer, 0.5)["near_tie"]
+    assert judge_difference("abdd", replay, tokenizer, 0.1)["why"] == "the gap 0.3 is above the margin 0.1"
+    assert "cannot be placed" in judge_difference("abdd", Replay(plain, top, "abce"), tokenizer,
                                                         0.5)["why"]
-    assert bench.judge_difference("abdd", "no replay", tokenizer, 0.5) == {"near_tie": False, "why": "no replay"}
+    assert judge_difference("abdd", "no replay", tokenizer, 0.5) == {"near_tie": False, "why": "no replay"}
     with pytest.raises(ValueError, match="token_id:N"):
-        bench.parse_replay({"choices": [{"text": "a", "logprobs": {"tokens": ["a"], "top_logprobs": [{}]}}]})
+        parse_replay({"choices": [{"text": "a", "logprobs": {"tokens": ["a"], "top_logprobs": [{}]}}]})
 
 
 def test_a_draft_text_that_reads_as_several_token_sequences_is_judged_by_its_near_tie_reading():
@@ -419,27 +428,27 @@ def test_a_draft_text_that_reads_as_several_token_sequences_is_judged_by_its_nea
     # "the", which the baseline never considered; read as " the" in place of " ", it parted at a near-tie
     plain = [a, space, z, end]
     top = [[(a, -0.05)], [(space, -0.05), (space_the, -0.35)], [(z, -0.05), (b, -0.35)], [(end, -0.01)]]
-    replay = bench.Replay(plain, top, "a z")
-    assert bench.draft_divergence("a the", plain, top, tokenizer).gap is None
-    judged = bench.judge_difference("a the", replay, tokenizer, 0.5)
+    replay = Replay(plain, top, "a z")
+    assert draft_divergence("a the", plain, top, tokenizer).gap is None
+    judged = judge_difference("a the", replay, tokenizer, 0.5)
     assert judged["near_tie"] and (judged["position"], judged["draft_token"]) == (1, space_the)
     assert "read_from_text" in judged
     # at the divergence itself, " the" (2.0 below) and " t" (0.3 below) both fit the text: " t" then "he"
     plain = [a, space_a, end]
     top = [[(a, -0.05)], [(space_a, -0.05), (space_t, -0.35), (space_the, -2.05)], [(end, -0.01)]]
-    judged = bench.judge_difference("a the", bench.Replay(plain, top, "a a"), tokenizer, 0.5)
+    judged = judge_difference("a the", Replay(plain, top, "a a"), tokenizer, 0.5)
     assert judged["near_tie"] and judged["draft_token"] == space_t and judged["gap"] == pytest.approx(0.3)
     # a text no reading explains stays a difference
-    judged = bench.judge_difference("a bzz", bench.Replay(plain, top, "a a"), tokenizer, 0.5)
+    judged = judge_difference("a bzz", Replay(plain, top, "a a"), tokenizer, 0.5)
     assert not judged["near_tie"]
 
 
 # --- --serve: the servers started here, one after the other (the fake as a process) ----------------------------
 
 def fake_serve_command(events: Path, **role_flags: list[str]):
-    """A stand-in for bench.server_command: the fake server process, on --port, writing start/stop times."""
+    """A stand-in for server_command: the fake server process, on --port, writing start/stop times."""
 
-    def command(serve: bench.ServeSetup, model: str | None, baseline: str | None, cpu_build: bool) -> ServeCommand:
+    def command(serve: ServeSetup, model: str | None, baseline: str | None, cpu_build: bool) -> ServeCommand:
         role = "draft" if baseline is None else "baseline"
         # like eaglenest serve's, the fake answers to its served name and to a model path
         argv = [sys.executable, "-m", "tests.fixtures.fakes", "--port", str(serve.port), "--role", role, "--events",
@@ -466,7 +475,7 @@ def test_serve_starts_the_draft_server_sweeps_stops_it_then_the_baseline(
         capsys, monkeypatch, prompts: Path, tokenizer_dir: Path, tmp_path: Path):
     out, events, port = tmp_path / "out", tmp_path / "events.jsonl", free_port()
     # the draft takes the baseline's runner-up at token 1: a near-tie, judged against the baseline process
-    monkeypatch.setattr(bench, "server_command", fake_serve_command(events, draft=["--flip-at", "1"]))
+    monkeypatch.setattr(sweep, "server_command", fake_serve_command(events, draft=["--flip-at", "1"]))
     status = cli.main(serve_args(port, prompts, tokenizer_dir, out, "--concurrency", "1", "2", "--num-prompts",
                                  "3", "--max-tokens", "4", "--warmup-prompts", "0"))
     captured = capsys.readouterr()
@@ -500,7 +509,7 @@ def test_serve_starts_the_draft_server_sweeps_stops_it_then_the_baseline(
 def test_a_started_server_that_exits_before_answering_is_one_line_naming_its_log(
         capsys, monkeypatch, prompts: Path, tokenizer_dir: Path, tmp_path: Path):
     out, events = tmp_path / "out", tmp_path / "events.jsonl"
-    monkeypatch.setattr(bench, "server_command", fake_serve_command(events, draft=["--fail-at-start"]))
+    monkeypatch.setattr(sweep, "server_command", fake_serve_command(events, draft=["--fail-at-start"]))
     err = one_line_refusal(capsys, serve_args(free_port(), prompts, tokenizer_dir, out))
     log = out / "raw" / "server-draft.log"
     assert "the draft server exited with 3 before it answered" in err and f"(log: {log})" in err
@@ -513,16 +522,16 @@ def test_a_started_server_is_stopped_on_a_refusal_and_on_ctrl_c(capsys, monkeypa
                                                                 tokenizer_dir: Path, tmp_path: Path, how: str):
     out, events = tmp_path / "out", tmp_path / "events.jsonl"
     if how == "refusal":  # a draft server without spec-decode counters is refused once it answers
-        monkeypatch.setattr(bench, "server_command", fake_serve_command(events, draft=["--plain"]))
+        monkeypatch.setattr(sweep, "server_command", fake_serve_command(events, draft=["--plain"]))
         err = one_line_refusal(capsys, serve_args(free_port(), prompts, tokenizer_dir, out))
         assert "the draft server http://127.0.0.1:" in err and "vllm:spec_decode_* counters" in err
     else:
-        monkeypatch.setattr(bench, "server_command", fake_serve_command(events))
+        monkeypatch.setattr(sweep, "server_command", fake_serve_command(events))
 
         def interrupted(*args: object) -> dict:
             raise KeyboardInterrupt
 
-        monkeypatch.setattr(bench, "run_vllm_bench", interrupted)
+        monkeypatch.setattr(sweep, "run_vllm_bench", interrupted)
         with pytest.raises(KeyboardInterrupt):
             cli.main(serve_args(free_port(), prompts, tokenizer_dir, out))
     assert read_events(events) == [("draft", "start"), ("draft", "stop")]
@@ -532,7 +541,7 @@ def test_a_started_server_killed_mid_run_ends_the_bench_in_one_line_keeping_what
         capsys, monkeypatch, fast_runs, prompts: Path, tokenizer_dir: Path, tmp_path: Path):
     out, events = tmp_path / "out", tmp_path / "events.jsonl"
     # three requests per run: the draft's run at concurrency 1 completes, the process dies at its first at 2
-    monkeypatch.setattr(bench, "server_command", fake_serve_command(events, draft=["--die-after", "3"]))
+    monkeypatch.setattr(sweep, "server_command", fake_serve_command(events, draft=["--die-after", "3"]))
     err = one_line_refusal(capsys, serve_args(free_port(), prompts, tokenizer_dir, out, "--concurrency", "1", "2",
                                               "--num-prompts", "3", "--max-tokens", "3", "--warmup-prompts", "0"))
     assert "the draft server http://127.0.0.1:" in err and "concurrency 2" in err and "stopped answering" in err
@@ -564,13 +573,13 @@ def test_serve_flags_are_refused_in_one_line_where_they_mean_nothing(capsys, pro
 
 def test_serve_builds_eaglenest_serves_commands(pipeline_folders):
     verifier, draft = pipeline_folders
-    setup = bench.ServeSetup(port=8123, verifier=verifier, draft=draft, vllm_args=("--max-model-len", "512"))
-    commands = {kind: bench.server_command(setup, None, kind, cpu_build=True) for kind in (None, "none", "ngram")}
+    setup = ServeSetup(port=8123, verifier=verifier, draft=draft, vllm_args=("--max-model-len", "512"))
+    commands = {kind: server_command(setup, None, kind, cpu_build=True) for kind in (None, "none", "ngram")}
     for command in commands.values():
         assert command.argv[command.argv.index("--port") + 1] == "8123" and command.argv[-2:] == ["--max-model-len",
                                                                                                   "512"]
     assert '"eagle3"' in " ".join(commands[None].argv) and "--speculative-config" not in commands["none"].argv
     assert '"ngram"' in " ".join(commands["ngram"].argv)
     with pytest.raises(EaglenestError, match=r"^--port after --: eaglenest bench --serve sets it; use --port"):
-        bench.server_command(bench.ServeSetup(verifier=verifier, draft=draft, vllm_args=("--port=1",)), None, None,
+        server_command(ServeSetup(verifier=verifier, draft=draft, vllm_args=("--port=1",)), None, None,
                              True)

@@ -4,8 +4,15 @@ allowed values of a choice listed (the import formats equal to what the importer
 from __future__ import annotations
 
 import argparse
+import importlib
+import pkgutil
+import subprocess
+import sys
 
-from eaglenest.commands import cli
+import pytest
+
+from eaglenest import commands
+from eaglenest.commands import bench, cli
 from eaglenest.commands.importer import IMPORT_FORMATS
 
 
@@ -23,6 +30,27 @@ def test_every_command_opens_its_help_with_a_description():
 
 
 def test_import_lists_the_formats_the_importer_registers():
-    assert sorted(cli.IMPORT_FORMAT_NAMES) == sorted(IMPORT_FORMATS.names())
     importer = _subparsers(cli.build_parser())["import"]
-    assert "{speculators-pt,speculators}" in importer.format_usage()
+    assert f"--format {{{','.join(IMPORT_FORMATS.names())}}}" in importer.format_usage()
+
+
+def test_every_command_module_is_registered_once_in_the_order_of_the_help():
+    """A module that declares a COMMAND but is missing from COMMAND_MODULES would be a command nobody can run; the
+    parser lists exactly the registered commands, in COMMAND_MODULES' order."""
+    declaring = {info.name for info in pkgutil.walk_packages(commands.__path__, "eaglenest.commands.")
+                 if hasattr(importlib.import_module(info.name), "COMMAND")}
+    assert declaring == {module.__name__ for module in cli.COMMAND_MODULES}
+    names = [module.COMMAND.name for module in cli.COMMAND_MODULES]
+    assert list(_subparsers(cli.build_parser())) == names and sorted(names) == cli.COMMANDS.names()
+    with pytest.raises(ValueError, match="command 'bench' is already registered"):
+        cli.COMMANDS.register("bench", bench.COMMAND)
+
+
+def test_building_the_parser_imports_no_heavy_package():
+    """`eaglenest --help` and `eaglenest doctor` must run where torch, transformers or vLLM are missing or broken:
+    the command modules import them only when a command runs."""
+    code = ("import sys; from eaglenest.commands.cli import build_parser; build_parser(); "
+            "print(sorted(m for m in ('torch', 'transformers', 'vllm', 'matplotlib', 'safetensors', 'datasets') "
+            "if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"

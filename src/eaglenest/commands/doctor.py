@@ -3,11 +3,13 @@ row-parallel work would run on (``cluster`` in params.yaml), in one report."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
 import sys
 from pathlib import Path
 
+from eaglenest.commands.command import Command
 from eaglenest.core.environment import FIX, find_project_root, missing_modules, package_version
 
 # Reported by `eaglenest doctor`; vLLM is reported on its own line (build and device), see doctor_vllm.
@@ -114,3 +116,13 @@ def doctor(params_file: Path | None = None) -> int:
         return 1
     print("ok")
     return 0
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--params", type=Path, default=None,
+                        help="params file whose cluster section is checked (default: the project's params.yaml)")
+
+
+COMMAND = Command(
+    "doctor", help="check the interpreter, the installed packages, the device and the cluster the work runs on",
+    add_arguments=_add_arguments, run=lambda args: doctor(args.params))

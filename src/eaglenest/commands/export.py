@@ -8,15 +8,11 @@ Rows are copied as stored (fp8 stays fp8 with its scales), each checked against 
 
 from __future__ import annotations
 
+import argparse
 import shutil
 from pathlib import Path
 
-from safetensors import SafetensorError
-
-from eaglenest.artifacts.hidden_states.format import TOKENS_KEY, hs_path
-from eaglenest.artifacts.hidden_states.layout import metadata_of_row_files, write_hidden_states
-from eaglenest.artifacts.hidden_states.store import open_stored
-from eaglenest.artifacts.prepared import load_input_ids
+from eaglenest.commands.command import Command
 from eaglenest.core.atomic import atomic_directory
 from eaglenest.core.errors import InputFileError
 from eaglenest.core.progress import progress
@@ -30,6 +26,14 @@ def export_speculators(prepared: Path, hidden_states: Path, out: Path) -> int:
         InputFileError: a folder that is not the pipeline's, a row missing from every file, or a row whose tokens
             differ from the prepared row (one line naming the file and row).
     """
+    # Here, not at the top: the hidden-state modules import torch, which building the parser must not.
+    from safetensors import SafetensorError
+
+    from eaglenest.artifacts.hidden_states.format import TOKENS_KEY, hs_path
+    from eaglenest.artifacts.hidden_states.layout import metadata_of_row_files, write_hidden_states
+    from eaglenest.artifacts.hidden_states.store import open_stored
+    from eaglenest.artifacts.prepared import load_input_ids
+
     if not (prepared / "dataset_info.json").is_file():
         raise InputFileError(f"--prepared {prepared}: not the prepare stage's dataset folder (data/prepared)")
     if not hidden_states.is_dir():
@@ -59,3 +63,26 @@ def export_speculators(prepared: Path, hidden_states: Path, out: Path) -> int:
                                      "`dvc repro extract`")
             write_hidden_states(hs_path(target, row), data, tokens, metadata)
     return len(input_ids)
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--format", required=True, choices=["speculators"],
+                        help="speculators: a prepare-data dataset with hidden_states/hs_{i}.safetensors inside, "
+                        "as `speculators train --data-path` reads it")
+    parser.add_argument("--prepared", default="data/prepared", help="the prepare stage's dataset folder "
+                        "(default: data/prepared)")
+    parser.add_argument("--hidden-states", default="data/hidden_states", help="the extract stage's folder "
+                        "(default: data/hidden_states)")
+    parser.add_argument("--out", required=True, help="the folder to write (replaced whole, atomically)")
+
+
+def _run(args: argparse.Namespace) -> int:
+    rows = export_speculators(Path(args.prepared), Path(args.hidden_states), Path(args.out))
+    print(f"exported {rows} rows to {args.out} (hs_{{i}}.safetensors in {args.out}/hidden_states); train on it with "
+          f"`speculators train --data-path {args.out}`")
+    return 0
+
+
+COMMAND = Command(
+    "export", help="write the prepared rows and their hidden states in speculators' layout, one "
+    "hs_{i}.safetensors per row (from shards or row files)", add_arguments=_add_arguments, run=_run)

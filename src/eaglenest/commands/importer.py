@@ -16,33 +16,28 @@ Formats (a registry; ``eaglenest import --help`` lists them):
 
 from __future__ import annotations
 
+import argparse
 import logging
 import pickle
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
-
-from eaglenest.artifacts.hidden_states.format import (
-    HIDDEN_KEY,
-    SCALES_KEY,
-    TOKENS_KEY,
-    decode_hidden_states,
-    hs_path,
-)
-from eaglenest.artifacts.hidden_states.layout import write_hidden_states
-from eaglenest.artifacts.prepared import write_prepared_into
+from eaglenest.commands.command import Command
 from eaglenest.core.atomic import atomic_directory
 from eaglenest.core.errors import InputFileError
 from eaglenest.core.registry import Registry
 
+# torch, safetensors and the hidden-state modules (which import torch) are imported in the functions that read
+# and write tensors, so that building the command line's parser does not import torch.
+if TYPE_CHECKING:
+    import torch
+
 log = logging.getLogger(__name__)
 
 # input_ids, loss_mask, and the stored hidden-state tensors: hidden_states [seq, slots, hidden] (+ fp8 scales)
-Sample = tuple[list[int], list[int], dict[str, torch.Tensor]]
+Sample = tuple[list[int], list[int], dict[str, "torch.Tensor"]]
 
 
 def _natural_key(path: Path) -> tuple:
@@ -51,6 +46,10 @@ def _natural_key(path: Path) -> tuple:
 
 def load_pt_sample(path: Path) -> Sample:
     """One speculators-pt sample, checked; never unpickles arbitrary objects."""
+    import torch
+
+    from eaglenest.artifacts.hidden_states.format import HIDDEN_KEY
+
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
@@ -92,6 +91,10 @@ def read_speculators_pt(source: Path) -> Iterator[Sample]:
 
 def read_speculators(source: Path) -> Iterator[Sample]:
     from datasets import load_from_disk
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from eaglenest.artifacts.hidden_states.format import HIDDEN_KEY, SCALES_KEY, TOKENS_KEY, hs_path
 
     try:
         table = load_from_disk(str(source)).data
@@ -123,7 +126,12 @@ IMPORT_FORMATS.register("speculators", read_speculators)
 
 def import_dump(fmt: str, source: Path, out: Path, val_fraction: float = 0.05) -> dict[str, int]:
     """Converts ``source`` (in format ``fmt``) into ``out``; returns counts. ``out`` appears only when complete."""
+    import torch
     from tqdm import tqdm
+
+    from eaglenest.artifacts.hidden_states.format import HIDDEN_KEY, decode_hidden_states, hs_path
+    from eaglenest.artifacts.hidden_states.layout import write_hidden_states
+    from eaglenest.artifacts.prepared import write_prepared_into
 
     if fmt not in IMPORT_FORMATS:
         raise InputFileError(f"unknown format {fmt!r}; known: {', '.join(IMPORT_FORMATS.names())}")
@@ -151,3 +159,23 @@ def import_dump(fmt: str, source: Path, out: Path, val_fraction: float = 0.05) -
         train_rows = max(1, len(all_ids) - max(1, round(len(all_ids) * val_fraction)))
         write_prepared_into(tmp, all_ids, all_masks, train_rows, [])
     return {"samples": len(all_ids), "layers": int(slots or 0), "hidden_size": int(hidden or 0)}
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--format", required=True, choices=IMPORT_FORMATS.names(),
+                        help="speculators-pt (one .pt per sample) or speculators (0.9 / vLLM hs_{i}.safetensors)")
+    parser.add_argument("source", help="the dump (a folder)")
+    parser.add_argument("--out", required=True, help="output folder: a dataset with hidden_states/ inside")
+    parser.add_argument("--val-fraction", type=float, default=0.05, help="last rows held out for validation")
+
+
+def _run(args: argparse.Namespace) -> int:
+    counts = import_dump(args.format, Path(args.source), Path(args.out), args.val_fraction)
+    print(f"imported {counts['samples']} samples ({counts['layers']} layers x {counts['hidden_size']}) into "
+          f"{args.out}\nuse it with params: prepare.source: [import:{args.out}], extract.backend: import, "
+          f"extract.import_path: {args.out}/hidden_states")
+    return 0
+
+
+COMMAND = Command("import", help="turn hidden states dumped by other tools into eaglenest's layout",
+                  add_arguments=_add_arguments, run=_run)

@@ -7,30 +7,27 @@ any of these (one file described in full, the rest summarised from their headers
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from eaglenest.artifacts.hidden_states.format import (
-    HIDDEN_KEY,
-    ROW_INDEX_KEY,
-    SCALES_KEY,
-    TOKENS_KEY,
-    decode_hidden_states,
-    read_shard_row,
-    shard_number,
-)
-from eaglenest.artifacts.hidden_states.online import MANIFEST_FILE
+from eaglenest.commands.command import Command
 from eaglenest.core.errors import InputFileError
 from eaglenest.core.safetensors_header import read_header
+
+# torch and the hidden-state format (which imports torch) are imported in the functions that read tensors, so
+# that building the command line's parser does not import torch.
+if TYPE_CHECKING:
+    import torch
 
 MAX_TENSORS_LISTED = 40
 
 
 def _stats(tensor: torch.Tensor) -> str:
+    import torch
+
     if tensor.numel() == 0:
         return "empty"
     values = tensor.float()
@@ -50,6 +47,8 @@ def _describe_tensor(name: str, tensor: torch.Tensor) -> str:
 
 
 def _describe_tree(name: str, value: Any, depth: int = 0) -> list[str]:
+    import torch
+
     pad = "  " * depth
     if isinstance(value, torch.Tensor):
         return [pad + _describe_tensor(name, value).strip()]
@@ -67,7 +66,16 @@ def _describe_tree(name: str, value: Any, depth: int = 0) -> list[str]:
 
 
 def describe_safetensors(path: Path) -> list[str]:
+    import torch
     from safetensors.torch import load_file
+
+    from eaglenest.artifacts.hidden_states.format import (
+        HIDDEN_KEY,
+        ROW_INDEX_KEY,
+        SCALES_KEY,
+        TOKENS_KEY,
+        decode_hidden_states,
+    )
 
     header = read_header(path)
     lines = [f"{path}: safetensors, {header.actual_size:,} bytes"]
@@ -110,6 +118,14 @@ def describe_shard(path: Path) -> list[str]:
     and the first row's per-slot statistics (one row read, whatever the shard's size)."""
     from safetensors import safe_open
 
+    from eaglenest.artifacts.hidden_states.format import (
+        HIDDEN_KEY,
+        ROW_INDEX_KEY,
+        SCALES_KEY,
+        decode_hidden_states,
+        read_shard_row,
+    )
+
     with safe_open(str(path), framework="pt") as handle:
         index = handle.get_tensor(ROW_INDEX_KEY)  # [rows, 3]: row, first token, length
         stored_tokens = handle.get_slice(HIDDEN_KEY).get_shape()[0]
@@ -133,6 +149,8 @@ def describe_shard(path: Path) -> list[str]:
 
 def describe_pt(path: Path) -> list[str]:
     import pickle
+
+    import torch
 
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
@@ -170,6 +188,8 @@ def describe_checkpoint(path: Path) -> list[str]:
 
 
 def describe_file(path: Path) -> list[str]:
+    import torch
+
     if path.suffix == ".safetensors":
         return describe_safetensors(path)
     if path.suffix in (".pt", ".pth", ".bin"):
@@ -183,6 +203,9 @@ def describe_file(path: Path) -> list[str]:
 
 
 def describe_folder(path: Path) -> list[str]:
+    from eaglenest.artifacts.hidden_states.format import HIDDEN_KEY, shard_number
+    from eaglenest.artifacts.hidden_states.online import MANIFEST_FILE
+
     files = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
     kinds = Counter(p.suffix for p in files)
     kinds_text = ", ".join(f"{count} {suffix or 'other'}" for suffix, count in kinds.items())
@@ -235,3 +258,18 @@ def inspect_path(path: Path) -> list[str]:
             lines += describe_folder(path / "hidden_states")
         return lines
     return describe_folder(path)
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("paths", nargs="+", help="a .safetensors/.pt/.npy file, a checkpoint, dataset or folder")
+
+
+def _run(args: argparse.Namespace) -> int:
+    for path in args.paths:
+        print("\n".join(inspect_path(Path(path))))
+    return 0
+
+
+COMMAND = Command(
+    "inspect", help="show keys, shapes, dtypes, value ranges and token counts of dumps and checkpoints",
+    add_arguments=_add_arguments, run=_run)

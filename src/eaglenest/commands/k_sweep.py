@@ -22,6 +22,7 @@ at its own K.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import statistics
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eaglenest.commands.command import Command
 from eaglenest.core.atomic import atomic_write_json
 from eaglenest.core.errors import EaglenestError
 
@@ -275,3 +277,25 @@ def recorded_k(draft_dir: Path, sweep_file: Path) -> tuple[int | None, str]:
 def short_commit() -> str:
     done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
     return done.stdout.strip() or "unknown"
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ks", nargs="+", type=int, default=None, metavar="K",
+                        help="the Ks to time (default: 1 up to the draft's own)")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of the whole sweep (default: 1)")
+    parser.add_argument("--out", default=str(K_SWEEP_FILE), help=f"the result (default: {K_SWEEP_FILE})")
+    parser.add_argument("--params", default="params.yaml", help="the pipeline's params (default: params.yaml)")
+    parser.add_argument("--verifier", default="models/verifier", help="the verifier stage's output folder")
+    parser.add_argument("--draft", default="models/draft", help="the train stage's draft checkpoint")
+    parser.add_argument("--prepared", default="data/prepared", help="the prepare stage's dataset (val sets)")
+
+
+def _run(args: argparse.Namespace) -> int:
+    paths = PipelinePaths(Path(args.params), Path(args.verifier), Path(args.draft), Path(args.prepared))
+    print("\n".join(summary_lines(run_sweep(paths, args.ks, args.repeats, Path(args.out)))))
+    return 0
+
+
+COMMAND = Command(
+    "k-sweep", help="time the draft and vLLM's n-gram drafting at each K, single-stream on the headline sets; "
+    "record the fastest K for `eaglenest serve`", add_arguments=_add_arguments, run=_run)

@@ -8,6 +8,7 @@ so neither enters git (docs/team-remote.md: the same remote on AWS S3, GCS, MinI
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -21,6 +22,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from eaglenest.commands.command import Command
 from eaglenest.core.atomic import atomic_write_json
 from eaglenest.core.errors import EaglenestError
 
@@ -286,3 +288,23 @@ def remote(action: str, repo: Path, directory: Path, name: str) -> int:
         return 1
     print(f"store up at {store.endpoint} (objects in {directory / 'data'}, pid {store.pid})")
     return 0
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", choices=["start", "stop", "status", "push-caches", "pull-caches"],
+                        help="push-caches / pull-caches: copy prepare's caches of regenerated replies and prompts "
+                        "to / from the DVC remote --name (only entries the other side lacks)")
+    parser.add_argument("--dir", default=".eaglenest/store", help="the store's folder: objects, log and state "
+                        "(default: .eaglenest/store; a second clone on this machine names the first one's)")
+    parser.add_argument("--name", default="team", help="the DVC remote's name (default: team)")
+    parser.add_argument("--repo", default=".", help="the repository (default: the current folder)")
+
+
+COMMAND = Command(
+    "remote", help="start, stop or check the team's S3 store on this machine and its DVC remote",
+    description="The team's S3 store on this machine. start: runs SeaweedFS (weed mini) on free 127.0.0.1 "
+    "ports (credentials made once, kept across restarts) and makes it the repository's default DVC remote in "
+    ".dvc/config.local (nothing enters git); stop: stops it, keeping its objects; status: exit 0 where it runs; "
+    "push-caches / pull-caches: prepare's caches to / from the remote. A remote elsewhere (AWS S3, GCS, "
+    "MinIO): docs/team-remote.md.",
+    add_arguments=_add_arguments, run=lambda args: remote(args.action, Path(args.repo), Path(args.dir), args.name))

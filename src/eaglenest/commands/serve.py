@@ -19,6 +19,7 @@ of a kind the pipeline trains are each refused with one line.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shlex
@@ -27,7 +28,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from eaglenest.artifacts.draft import draft_tokens, vllm_speculative_config
+from eaglenest.commands.command import Command
 from eaglenest.commands.k_sweep import K_SWEEP_FILE, recorded_k
 from eaglenest.core.errors import EaglenestError
 from eaglenest.core.vllm_support import DEFAULT_CPU_KVCACHE_GIB, VLLM_DTYPES, VLLM_NGRAM_WINDOW, serving_dtype
@@ -97,6 +98,8 @@ def build_command(verifier_dir: Path, draft_dir: Path, host: str, port: int, dty
         baseline: None serves the draft; ``"none"`` the verifier alone, ``"ngram"`` with vLLM's n-gram drafting
             at the same K (vLLM's default window): what ``eaglenest bench --baseline-url`` compares against.
     """
+    # Here, not at the top: the draft's module imports torch, which building the parser must not.
+    from eaglenest.artifacts.draft import draft_tokens, vllm_speculative_config
     from eaglenest.artifacts.verifier import load_verifier_info
 
     for arg in vllm_args or []:
@@ -173,3 +176,37 @@ def serve(verifier_dir: Path, draft_dir: Path, host: str = "127.0.0.1", port: in
     # exec: the server is this process, so Ctrl-C, kill and a process-group signal reach it directly.
     os.execve(command.argv[0], command.argv, {**os.environ, **command.env})
     return 1  # not reached
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--verifier", default="models/verifier", help="the verifier stage's output folder")
+    parser.add_argument("--draft", default="models/draft", help="the train stage's draft checkpoint")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="compute dtype; auto serves an fp32 checkpoint in bfloat16 (default: auto)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                        help="drafts per verify step (default: the fastest K `eaglenest k-sweep` measured for this "
+                        "draft, else the draft's own, train.ttt_steps)")
+    parser.add_argument("--k-sweep", default=str(K_SWEEP_FILE), metavar="FILE",
+                        help=f"the sweep's result the default K is read from (default: {K_SWEEP_FILE})")
+    parser.add_argument("--served-model-name", default=None, metavar="NAME",
+                        help="the model name clients ask for (default: the verifier's, verifier.name or its hub id)")
+    parser.add_argument("--baseline", choices=["ngram", "none"], default=None,
+                        help="serve a baseline instead of the draft, for eaglenest bench --baseline-url: vLLM's "
+                        "n-gram drafting at the same K, or the verifier alone (default: the draft)")
+    parser.add_argument("--print-command", action="store_true",
+                        help="print the exact server command instead of running it")
+
+
+def _run(args: argparse.Namespace) -> int:
+    return serve(Path(args.verifier), Path(args.draft), args.host, args.port, args.dtype, args.print_command,
+                 args.num_speculative_tokens, Path(args.k_sweep), args.served_model_name, args.vllm_args,
+                 args.baseline)
+
+
+COMMAND = Command(
+    "serve", help="run vLLM's OpenAI-compatible server for the verifier with the trained draft",
+    description="Run vLLM's OpenAI-compatible server for the verifier with the trained draft. Flags after "
+    "-- go to vLLM as they are (for example: eaglenest serve -- --tensor-parallel-size 8 --max-model-len 8192).",
+    add_arguments=_add_arguments, run=_run, passes_flags=True)

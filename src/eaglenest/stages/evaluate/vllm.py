@@ -36,6 +36,7 @@ from eaglenest.artifacts.verifier import VerifierInfo, load_tokenizer, load_veri
 from eaglenest.core.errors import EaglenestError
 from eaglenest.core.params import EvaluateParams
 from eaglenest.core.progress import progress
+from eaglenest.core.vllm_metrics import ACCEPTED, ACCEPTED_PER_POS, DRAFT_TOKENS, DRAFTS
 from eaglenest.core.vllm_support import VLLM_NGRAM_WINDOW, create_llm, engine_kwargs, generate
 from eaglenest.stages.evaluate.acceptance import Acceptance, total
 from eaglenest.stages.evaluate.job import EvaluationJob, add_ngram, add_timing, ask_turns, set_entry, turn_record
@@ -44,10 +45,6 @@ from eaglenest.stages.evaluate.lossless import TIE_CANDIDATES
 log = logging.getLogger(__name__)
 
 PARAM = "evaluate.backend"
-DRAFTS = "vllm:spec_decode_num_drafts"
-DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
-ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
-ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
 def read_counters(metrics: list[Any]) -> dict[str, Any]:

@@ -1,0 +1,166 @@
+"""The servers ``--serve`` starts: ``eaglenest serve``'s command, a process group of its own, stopped whatever ends the
+bench.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from eaglenest.commands.bench.config import ServeSetup
+from eaglenest.commands.bench.endpoint import answers
+from eaglenest.commands.bench.load import failure_line
+from eaglenest.core.errors import EaglenestError
+
+SERVER_HOST = "127.0.0.1"
+
+
+# After SIGTERM, how long a started server (and its engine processes) may take to go before SIGKILL.
+SERVER_STOP_GRACE_S = 30.0
+
+
+SERVER_POLL_S = 0.5
+
+
+def server_command(serve: ServeSetup, model: str | None, baseline: str | None, cpu_build: bool) -> Any:
+    """``eaglenest serve``'s command for the draft server (``baseline`` None) or a baseline one, on ``--port``.
+
+    Returns:
+        A :class:`eaglenest.commands.serve.ServeCommand`.
+    """
+    from eaglenest.commands.serve import OWN_FLAGS, build_command
+
+    for arg in serve.vllm_args:
+        flag = arg.split("=", 1)[0]
+        if flag in OWN_FLAGS:
+            instead = ("--model" if flag == "--served-model-name" else
+                       "nothing: the servers listen on 127.0.0.1" if flag == "--host" else OWN_FLAGS[flag])
+            raise EaglenestError(f"{flag} after --: eaglenest bench --serve sets it; use {instead} (before --)")
+    return build_command(serve.verifier, serve.draft, SERVER_HOST, serve.port, serve.dtype, cpu_build=cpu_build,
+                         num_speculative_tokens=serve.num_speculative_tokens, served_model_name=model,
+                         vllm_args=list(serve.vllm_args), baseline=baseline)
+
+
+class StartedServer:
+    """A server bench started: a subprocess in its own process group, its output in a log file.
+
+    Its own group: Ctrl-C at the terminal does not reach it (bench stops it, in order), and a signal to the group
+    reaches vLLM's engine processes too.
+    """
+
+    def __init__(self, role: str, command: Any, url: str, log: Path) -> None:
+        self.role, self.command, self.url, self.log = role, command, url, log
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with self.log.open("wb") as log:  # the child keeps its own descriptor
+            try:
+                self.process = subprocess.Popen(self.command.argv, stdin=subprocess.DEVNULL, stdout=log,
+                                                stderr=subprocess.STDOUT, env={**os.environ, **self.command.env},
+                                                start_new_session=True)
+            except OSError as err:
+                raise EaglenestError(f"the {self.role} server did not start: {err}") from None
+
+    def exit_status(self, wait_s: float = 0.0) -> int | None:
+        """The server's exit status; None while it runs (after waiting up to ``wait_s`` for it to end)."""
+        if self.process is None:
+            return None
+        try:
+            return self.process.wait(timeout=wait_s) if wait_s > 0 else self.process.poll()
+        except subprocess.TimeoutExpired:
+            return None
+
+    def wait_until_ready(self, timeout_s: float) -> float:
+        """Seconds until ``/v1/models`` answered.
+
+        Raises:
+            EaglenestError: the server exited first, or stayed silent ``timeout_s`` (one line naming its log).
+        """
+        start = time.monotonic()
+        while True:
+            status = self.exit_status()
+            if status is not None:
+                why = failure_line(self.log.read_text(errors="replace"))
+                raise EaglenestError(f"the {self.role} server exited with {status} before it answered at "
+                                     f"{self.url}/v1/models: {why} (log: {self.log})")
+            if answers(self.url + "/v1/models"):
+                return time.monotonic() - start
+            if time.monotonic() - start > timeout_s:
+                raise EaglenestError(f"the {self.role} server did not answer at {self.url}/v1/models within "
+                                     f"--server-timeout {timeout_s:g} s (log: {self.log}); raise --server-timeout "
+                                     "if it was still loading")
+            time.sleep(SERVER_POLL_S)
+
+    def stop(self) -> None:
+        """SIGTERM to the server's process group, SIGKILL after ``SERVER_STOP_GRACE_S``; returns once it is gone."""
+        if self.process is None:
+            return
+        group = self.process.pid  # start_new_session: the group's id is the leader's pid
+        _signal_group(group, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=SERVER_STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            _signal_group(group, signal.SIGKILL)
+            self.process.wait()
+        # The leader gone, its engine processes may still be shutting down: the next server needs the cores.
+        deadline = time.monotonic() + SERVER_STOP_GRACE_S
+        while _signal_group(group, 0):
+            if time.monotonic() > deadline:
+                _signal_group(group, signal.SIGKILL)
+                break
+            time.sleep(0.1)
+
+
+def _signal_group(group: int, signum: int) -> bool:
+    """Sends ``signum`` to a process group; False when the group has no process left."""
+    try:
+        os.killpg(group, signum)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a group id reused by another user's processes: not ours
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def started_server(role: str, command: Any, serve: ServeSetup, log: Path) -> Iterator[StartedServer]:
+    """The server, started and answering; stopped on leaving, whatever the way out."""
+    from eaglenest.commands.serve import check_port_free
+
+    check_port_free(SERVER_HOST, serve.port)
+    server = StartedServer(role, command, f"http://{SERVER_HOST}:{serve.port}", log)
+    print(f"eaglenest bench: starting the {role} server ({command.k_reason}; log: {log})", flush=True)
+    try:
+        server.start()
+        waited = server.wait_until_ready(serve.timeout_s)
+        print(f"eaglenest bench: the {role} server answers at {server.url} (after {waited:.0f} s)", flush=True)
+        yield server
+    finally:
+        if server.process is not None:
+            server.stop()
+            print(f"eaglenest bench: stopped the {role} server", flush=True)
+
+
+@contextlib.contextmanager
+def sigterm_as_exit() -> Iterator[None]:
+    """SIGTERM raises SystemExit while bench holds started servers, so that they are stopped on the way out."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,40 @@
+"""What an ``eaglenest`` command declares: its name, its help, its arguments and what it runs.
+
+Each command's module defines one ``COMMAND = Command(...)``; ``commands/cli.py`` lists the modules in the order
+``eaglenest --help`` shows them, registers each ``COMMAND`` (a name given twice is refused) and builds the parser
+from them. A command module imports heavy packages (torch, transformers, vLLM) only inside its functions, so that
+building the parser, and ``eaglenest doctor``, run where they are missing or broken.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Command:
+    """One ``eaglenest`` subcommand.
+
+    Attributes:
+        name: What follows ``eaglenest`` on the command line.
+        help: The one line ``eaglenest --help`` lists it with.
+        add_arguments: Adds the command's arguments to its subparser.
+        run: Runs the command on the parsed arguments (with ``vllm_args``, the flags after ``--``); the exit
+            status. An ``EaglenestError`` it raises becomes one line and exit status 2.
+        description: The opening of ``eaglenest NAME --help``; None: ``help`` as a sentence.
+        passes_flags: Flags after ``--`` go on to vLLM; any other command refuses them.
+    """
+
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+    description: str | None = None
+    passes_flags: bool = False
+
+    @property
+    def sentence(self) -> str:
+        """The description ``--help`` opens with: the given one, else the one-line help as a sentence."""
+        return self.description or self.help[:1].upper() + self.help[1:].rstrip(".") + "."
