@@ -18,10 +18,24 @@ import pytest
 from eaglenest.commands import cli
 from eaglenest.commands.bench import sweep
 from eaglenest.commands.bench.config import BenchConfig, ServeSetup
-from eaglenest.commands.bench.counters import GENERATION_TOKENS, Counters, acceptance, counter_problems, parse_metrics
+from eaglenest.commands.bench.counters import (
+    GENERATION_TOKENS,
+    Acceptance,
+    Counters,
+    acceptance,
+    counter_problems,
+    parse_metrics,
+)
 from eaglenest.commands.bench.endpoint import Endpoint, base_url
 from eaglenest.commands.bench.figures import stops_paying_at
-from eaglenest.commands.bench.outputs import Replay, compare_outputs, draft_divergence, judge_difference, parse_replay
+from eaglenest.commands.bench.outputs import (
+    Replay,
+    Verdict,
+    compare_outputs,
+    draft_divergence,
+    judge_difference,
+    parse_replay,
+)
 from eaglenest.commands.bench.prompts import bench_prompts_file
 from eaglenest.commands.bench.servers import server_command
 from eaglenest.commands.serve import ServeCommand
@@ -115,8 +129,8 @@ def test_tau_is_one_plus_accepted_over_drafts_between_two_readings():
         {**before.totals, DRAFTS: 10.0 + 4, DRAFT_TOKENS: 30.0 + 12, ACCEPTED: 19.0 + 6},
         {0: 9.0 + 3, 1: 6.0 + 2, 2: 4.0 + 1})
     spec = acceptance(before, after)
-    assert spec == {"drafts": 4, "draft_tokens": 12, "accepted_tokens": 6, "accepted_per_position": [3, 2, 1],
-                    "tau": 2.5, "per_position_acceptance": [0.75, 0.5, 0.25]}
+    assert spec == Acceptance(drafts=4, draft_tokens=12, accepted_tokens=6, accepted_per_position=[3, 2, 1])
+    assert (spec.tau, spec.per_position_acceptance) == (2.5, [0.75, 0.5, 0.25])
     raw = {"spec_decode_acceptance_length": 2.5, "total_output_tokens": 0, "completed": 0}
     assert counter_problems(before, after, spec, raw, spec_expected=True) == []
     # vLLM's own figure from the same counters disagreeing, or tokens the responses do not hold, are reported
@@ -164,8 +178,8 @@ def test_speedup_stops_paying_at_the_lowest_concurrency_below_one():
 def test_outputs_are_compared_request_by_request_skipping_failures():
     draft = {"generated_texts": ["a", "b", "c", "d"], "errors": ["", "", "", "boom"]}
     baseline = {"generated_texts": ["a", "x", "c", "d"], "errors": ["", "", "", ""]}
-    assert compare_outputs(draft, baseline, ["p0", "p1", "p2"]) == {
-        "compared": 3, "identical": 2, "differ": [{"request": 1, "prompt": "p1"}]}
+    compared = compare_outputs(draft, baseline, ["p0", "p1", "p2"])
+    assert (compared.compared, compared.identical, compared.differ) == (3, 2, [{"request": 1, "prompt": "p1"}])
 
 
 def test_urls_are_reduced_to_the_server_root():
@@ -327,7 +341,7 @@ def fake_vllm_bench(endpoint: Endpoint, model: str, dataset: Path, num_requests:
     raw = {"completed": len(records) - failed, "failed": failed, "total_output_tokens": tokens, "duration": duration,
            "output_throughput": tokens / duration, "request_throughput": (len(records) - failed) / duration,
            "latencies": latencies, "ttfts": [latency / 2 for latency in latencies], "errors": errors,
-           "generated_texts": texts, "spec_decode_acceptance_length": spec["tau"] if spec else None}
+           "generated_texts": texts, "spec_decode_acceptance_length": spec.tau if spec else None}
     (raw_dir / f"{name}.json").write_text(json.dumps(raw))
     return raw
 
@@ -409,11 +423,11 @@ def test_the_draft_text_is_placed_on_the_baselines_tokens():
     past = draft_divergence("abcdzz", plain[:4], top, tokenizer)  # past plain's last token: no candidates
     assert (past.position, past.plain_token, past.gap) == (4, None, None)
     replay = Replay(plain, top, "abcd")
-    assert judge_difference("abdd", replay, tokenizer, 0.5)["near_tie"]
-    assert judge_difference("abdd", replay, tokenizer, 0.1)["why"] == "the gap 0.3 is above the margin 0.1"
+    assert judge_difference("abdd", replay, tokenizer, 0.5).near_tie
+    assert judge_difference("abdd", replay, tokenizer, 0.1).detail["why"] == "the gap 0.3 is above the margin 0.1"
     assert "cannot be placed" in judge_difference("abdd", Replay(plain, top, "abce"), tokenizer,
-                                                        0.5)["why"]
-    assert judge_difference("abdd", "no replay", tokenizer, 0.5) == {"near_tie": False, "why": "no replay"}
+                                                        0.5).detail["why"]
+    assert judge_difference("abdd", "no replay", tokenizer, 0.5) == Verdict(False, {"why": "no replay"})
     with pytest.raises(ValueError, match="token_id:N"):
         parse_replay({"choices": [{"text": "a", "logprobs": {"tokens": ["a"], "top_logprobs": [{}]}}]})
 
@@ -430,17 +444,18 @@ def test_a_draft_text_that_reads_as_several_token_sequences_is_judged_by_its_nea
     top = [[(a, -0.05)], [(space, -0.05), (space_the, -0.35)], [(z, -0.05), (b, -0.35)], [(end, -0.01)]]
     replay = Replay(plain, top, "a z")
     assert draft_divergence("a the", plain, top, tokenizer).gap is None
-    judged = judge_difference("a the", replay, tokenizer, 0.5)
-    assert judged["near_tie"] and (judged["position"], judged["draft_token"]) == (1, space_the)
+    verdict = judge_difference("a the", replay, tokenizer, 0.5)
+    judged = verdict.detail
+    assert verdict.near_tie and (judged["position"], judged["draft_token"]) == (1, space_the)
     assert "read_from_text" in judged
     # at the divergence itself, " the" (2.0 below) and " t" (0.3 below) both fit the text: " t" then "he"
     plain = [a, space_a, end]
     top = [[(a, -0.05)], [(space_a, -0.05), (space_t, -0.35), (space_the, -2.05)], [(end, -0.01)]]
-    judged = judge_difference("a the", Replay(plain, top, "a a"), tokenizer, 0.5)
-    assert judged["near_tie"] and judged["draft_token"] == space_t and judged["gap"] == pytest.approx(0.3)
+    verdict = judge_difference("a the", Replay(plain, top, "a a"), tokenizer, 0.5)
+    judged = verdict.detail
+    assert verdict.near_tie and judged["draft_token"] == space_t and judged["gap"] == pytest.approx(0.3)
     # a text no reading explains stays a difference
-    judged = judge_difference("a bzz", Replay(plain, top, "a a"), tokenizer, 0.5)
-    assert not judged["near_tie"]
+    assert not judge_difference("a bzz", Replay(plain, top, "a a"), tokenizer, 0.5).near_tie
 
 
 # --- --serve: the servers started here, one after the other (the fake as a process) ----------------------------

@@ -3,6 +3,7 @@ pipeline measured by `eaglenest bench --serve`, against evaluate's in-process fi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -27,9 +28,11 @@ def free_port() -> int:
 
 @pytest.fixture
 def no_exec(monkeypatch: pytest.MonkeyPatch) -> list:
-    """Records what would have been exec'd instead of starting a server."""
+    """Records what would have been run instead of starting a server."""
+    from eaglenest.commands import serve
+
     calls: list = []
-    monkeypatch.setattr(os, "execve", lambda *args: calls.append(args))
+    monkeypatch.setattr(serve, "run_in_foreground", lambda *args: calls.append(args) or 0)
     return calls
 
 
@@ -128,6 +131,56 @@ def test_a_draft_that_is_not_eagle3_is_refused(capsys, no_exec, pipeline_folders
 
 
 # --- the real server (slow) ----------------------------------------------------------------------------
+@pytest.mark.slow
+@requires_vllm
+def test_a_killed_serve_leaves_no_vllm_process(pipeline_folders, tmp_path: Path):
+    """`kill -9` of `eaglenest serve` takes vLLM's API server and its engine processes with it. The tiny verifier
+    with heads of 32 (a size vLLM's CPU build has kernels for), served alone (--baseline none: no draft to load)."""
+    import time
+    import urllib.request
+
+    from tests.commands.test_supervised import alive, descendants, wait_for
+    from tests.fixtures.models import build_tiny_verifier
+
+    verifier, draft = pipeline_folders
+    model = build_tiny_verifier(tmp_path / "model32", hidden_size=128, num_heads=4)
+    record = json.loads((verifier / "verifier.json").read_text())
+    (verifier / "verifier.json").write_text(json.dumps({**record, "source": str(model), "path": str(model),
+                                                        "hidden_size": 128}))
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "eaglenest", "serve", "--verifier", str(verifier), "--draft", str(draft),
+         "--baseline", "none", "--dtype", "float32", "--port", str(port), "--", "--max-model-len", "256"],
+        cwd=tmp_path, env=project_env(VLLM_CPU_KVCACHE_SPACE="1"), stdout=subprocess.DEVNULL,
+        stderr=(tmp_path / "serve.log").open("wb"))
+
+    def answers() -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as response:
+                return response.status == 200
+        except OSError:
+            return server.poll() is not None  # stop waiting on a server that exited
+
+    try:
+        assert wait_for(answers, timeout_s=600) and server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+        tree = descendants(server.pid)
+        engines = [pid for pid in tree if "EngineCore" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")
+                   or "EngineCore" in Path(f"/proc/{pid}/comm").read_text()]
+        server.kill()
+        server.wait()
+        started = time.monotonic()
+        assert wait_for(lambda: not any(alive(pid) for pid in tree), timeout_s=10), [
+            (pid, Path(f"/proc/{pid}/cmdline").read_text(errors="replace")[:80]) for pid in tree if alive(pid)]
+        print(f"serve's tree of {len(tree)} processes ({len(engines)} engine core) gone "
+              f"{time.monotonic() - started:.1f} s after kill -9")
+    finally:  # whatever failed, nothing of the server outlives the test
+        leftovers = descendants(server.pid)
+        server.kill()
+        for pid in leftovers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+
+
 @pytest.mark.slow
 @requires_vllm
 def test_bench_against_the_served_draft_and_plain_server_agrees_with_evaluate(

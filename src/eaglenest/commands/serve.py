@@ -15,6 +15,10 @@ which are refused with the eaglenest flag to use instead.
 asks importlib.metadata for a distribution named ``vllm`` and fails before parsing its arguments. Before
 anything starts, a taken port, a missing or wrong vLLM build and a draft that is not a speculators checkpoint
 of a kind the pipeline trains are each refused with one line.
+
+The server runs as a child of ``eaglenest serve`` in a process group of its own
+(:mod:`eaglenest.commands.supervised`): Ctrl-C, SIGTERM and SIGHUP are passed on to it, its exit status is
+``eaglenest serve``'s, and its engine processes end with it, also when ``eaglenest serve`` is killed with SIGKILL.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from pathlib import Path
 
 from eaglenest.commands.command import Command
 from eaglenest.commands.k_sweep import K_SWEEP_FILE, recorded_k
+from eaglenest.commands.supervised import run_in_foreground
 from eaglenest.core.errors import EaglenestError
 from eaglenest.core.vllm_support import DEFAULT_CPU_KVCACHE_GIB, VLLM_DTYPES, VLLM_NGRAM_WINDOW, serving_dtype
 
@@ -153,7 +158,8 @@ def serve(verifier_dir: Path, draft_dir: Path, host: str = "127.0.0.1", port: in
     """Checks, then runs (or with ``print_only`` prints) vLLM's OpenAI server for verifier and draft.
 
     Returns:
-        0 after printing; running replaces this process with the server, so it returns only on failure.
+        0 after printing; else the server's exit status (128 + N when a signal N ended it), once no process of
+        it is left.
     """
     from eaglenest.core.vllm_support import require_vllm
 
@@ -173,9 +179,8 @@ def serve(verifier_dir: Path, draft_dir: Path, host: str = "127.0.0.1", port: in
         print(command.shell())
         return 0
     print(f"eaglenest serve: {command.shell()}", file=sys.stderr, flush=True)
-    # exec: the server is this process, so Ctrl-C, kill and a process-group signal reach it directly.
-    os.execve(command.argv[0], command.argv, {**os.environ, **command.env})
-    return 1  # not reached
+    # A supervised child, not an exec: vLLM's engine processes end with this one, even when it is killed with SIGKILL.
+    return run_in_foreground(command.argv, {**os.environ, **command.env})
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -59,13 +59,41 @@ def parse_metrics(text: str, where: str) -> Counters:
     return Counters(totals, per_pos)
 
 
-def acceptance(before: Counters, after: Counters) -> dict[str, Any] | None:
-    """Speculative decoding over the requests between two readings; None without spec-decode counters.
+@dataclass(frozen=True)
+class Acceptance:
+    """Speculative decoding over the requests between two readings, as vLLM defines it.
 
-    Returns:
-        ``drafts``, ``draft_tokens``, ``accepted_tokens`` (the differences), ``tau`` = 1 + accepted / drafts and
-        ``per_position_acceptance`` = accepted at position i / drafts (None without a draft), as vLLM defines them.
+    Attributes:
+        drafts: Draft proposals (verify steps that drafted).
+        draft_tokens: Tokens drafted.
+        accepted_tokens: Draft tokens the verifier accepted.
+        accepted_per_position: Accepted tokens at each draft position (a chain's position i only after i-1).
     """
+
+    drafts: int
+    draft_tokens: int
+    accepted_tokens: int
+    accepted_per_position: list[int]
+
+    @property
+    def tau(self) -> float | None:
+        """Tokens per verifier step, 1 + accepted / drafts; None without a draft."""
+        return round(1 + self.accepted_tokens / self.drafts, 4) if self.drafts > 0 else None
+
+    @property
+    def per_position_acceptance(self) -> list[float] | None:
+        """Accepted at position i / drafts; None without a draft."""
+        return [round(n / self.drafts, 4) for n in self.accepted_per_position] if self.drafts > 0 else None
+
+    def as_json(self) -> dict[str, Any]:
+        """The figures as bench.json records them."""
+        return {"tau": self.tau, "per_position_acceptance": self.per_position_acceptance, "drafts": self.drafts,
+                "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
+                "accepted_per_position": self.accepted_per_position}
+
+
+def acceptance(before: Counters, after: Counters) -> Acceptance | None:
+    """Speculative decoding over the requests between two readings; None without spec-decode counters."""
     if not (before.has_spec_decode and after.has_spec_decode):
         return None
     drafts = after.totals[DRAFTS] - before.totals[DRAFTS]
@@ -73,12 +101,10 @@ def acceptance(before: Counters, after: Counters) -> dict[str, Any] | None:
     draft_tokens = after.totals.get(DRAFT_TOKENS, 0.0) - before.totals.get(DRAFT_TOKENS, 0.0)
     positions = sorted(set(before.accepted_per_pos) | set(after.accepted_per_pos))
     per_pos = [int(after.accepted_per_pos.get(p, 0.0) - before.accepted_per_pos.get(p, 0.0)) for p in positions]
-    return {"drafts": int(drafts), "draft_tokens": int(draft_tokens), "accepted_tokens": int(accepted),
-            "accepted_per_position": per_pos, "tau": round(1 + accepted / drafts, 4) if drafts > 0 else None,
-            "per_position_acceptance": [round(n / drafts, 4) for n in per_pos] if drafts > 0 else None}
+    return Acceptance(int(drafts), int(draft_tokens), int(accepted), per_pos)
 
 
-def counter_problems(before: Counters, after: Counters, spec: dict[str, Any] | None, raw: dict[str, Any],
+def counter_problems(before: Counters, after: Counters, spec: Acceptance | None, raw: dict[str, Any],
                      spec_expected: bool) -> list[str]:
     """Where a run's counters disagree with its responses or with vLLM's own reading of them; [] when none.
 
@@ -101,17 +127,17 @@ def counter_problems(before: Counters, after: Counters, spec: dict[str, Any] | N
             problems.append(f"{REQUEST_SUCCESS} grew by {int(finished)}, {raw.get('completed')} requests completed")
     if spec is None:
         return problems
-    if spec_expected and spec["drafts"] == 0 and raw.get("total_output_tokens", 0) > raw.get("completed", 0):
+    if spec_expected and spec.drafts == 0 and raw.get("total_output_tokens", 0) > raw.get("completed", 0):
         problems.append("no drafts during the run: is speculative decoding on?")
-    if spec["accepted_tokens"] > spec["draft_tokens"]:
-        problems.append(f"{spec['accepted_tokens']} tokens accepted of {spec['draft_tokens']} drafted")
-    per_pos = spec["accepted_per_position"]
-    if per_pos and sum(per_pos) != spec["accepted_tokens"]:
-        problems.append(f"the accepted tokens per position sum to {sum(per_pos)}, not {spec['accepted_tokens']}")
+    if spec.accepted_tokens > spec.draft_tokens:
+        problems.append(f"{spec.accepted_tokens} tokens accepted of {spec.draft_tokens} drafted")
+    per_pos = spec.accepted_per_position
+    if per_pos and sum(per_pos) != spec.accepted_tokens:
+        problems.append(f"the accepted tokens per position sum to {sum(per_pos)}, not {spec.accepted_tokens}")
     # a chain draft's token i is accepted only after token i-1 was
     if any(later > earlier for earlier, later in zip(per_pos, per_pos[1:], strict=False)):
         problems.append(f"accepted tokens per position rise with the position: {per_pos}")
     theirs = raw.get("spec_decode_acceptance_length")
-    if spec["tau"] is not None and (theirs is None or abs(float(theirs) - spec["tau"]) > 1e-3):
-        problems.append(f"tau {spec['tau']} from /metrics, vLLM's bench read {theirs}")
+    if spec.tau is not None and (theirs is None or abs(float(theirs) - spec.tau) > 1e-3):
+        problems.append(f"tau {spec.tau} from /metrics, vLLM's bench read {theirs}")
     return problems

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from eaglenest.commands.bench.counters import Acceptance
+
 
 def _stats_ms(values: list[float]) -> dict[str, float] | None:
     """Mean, median and 99th percentile in milliseconds (numpy's percentiles, as vLLM's bench takes them)."""
@@ -18,7 +20,7 @@ def _stats_ms(values: list[float]) -> dict[str, float] | None:
             "p99": round(float(np.percentile(array, 99)), 2)}
 
 
-def endpoint_figures(raw: dict[str, Any], spec: dict[str, Any] | None, problems: list[str],
+def endpoint_figures(raw: dict[str, Any], spec: Acceptance | None, problems: list[str],
                      raw_name: str) -> dict[str, Any]:
     """One endpoint's figures at one concurrency, from vLLM's result and the counters."""
     ok = [i for i, error in enumerate(raw.get("errors", [])) if not error and raw["latencies"][i] > 0]
@@ -31,10 +33,7 @@ def endpoint_figures(raw: dict[str, Any], spec: dict[str, Any] | None, problems:
         "ttft_ms": _stats_ms([raw["ttfts"][i] for i in ok]),
     }
     if spec is not None:
-        figures |= {"tau": spec["tau"], "per_position_acceptance": spec["per_position_acceptance"],
-                    "drafts": spec["drafts"], "draft_tokens": spec["draft_tokens"],
-                    "accepted_tokens": spec["accepted_tokens"], "accepted_per_position": spec["accepted_per_position"],
-                    "tau_vllm": _rounded(raw.get("spec_decode_acceptance_length"))}
+        figures |= spec.as_json() | {"tau_vllm": _rounded(raw.get("spec_decode_acceptance_length"))}
     errors = [str(error).strip() for error in raw.get("errors", []) if error and str(error).strip()]
     if errors:  # the last line of the first (often a traceback): what went wrong, in a line
         figures["first_error"] = errors[0].splitlines()[-1][:300]

@@ -13,7 +13,38 @@ from eaglenest.core.errors import EaglenestError
 from eaglenest.core.lossless_rule import TIE_CANDIDATES, Divergence, TopCandidates, first_divergence, is_lossless
 
 
-def compare_outputs(draft: dict[str, Any], baseline: dict[str, Any], prompt_ids: list[str]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Comparison:
+    """The draft server's outputs against the baseline's, request by request.
+
+    Attributes:
+        compared: Requests that succeeded on both sides.
+        differ: ``{"request": i, "prompt": id}`` of each compared request whose texts differ.
+    """
+
+    compared: int
+    differ: list[dict[str, Any]]
+
+    @property
+    def identical(self) -> int:
+        return self.compared - len(self.differ)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One differing output under the near-tie rule.
+
+    Attributes:
+        near_tie: The draft's output left the baseline's only at a near-tie.
+        detail: What bench.json records of it: where (``position``), which tokens (``baseline_token``,
+            ``draft_token`` and their texts), the ``gap`` and ``rank``, or ``why`` it is not a near-tie.
+    """
+
+    near_tie: bool
+    detail: dict[str, Any]
+
+
+def compare_outputs(draft: dict[str, Any], baseline: dict[str, Any], prompt_ids: list[str]) -> Comparison:
     """The temperature-0 check: request by request (request i is prompt i mod P), are the texts identical?
 
     Requests that failed on either side are not compared.
@@ -25,7 +56,7 @@ def compare_outputs(draft: dict[str, Any], baseline: dict[str, Any], prompt_ids:
         compared += 1
         if ours != theirs:
             differ.append({"request": i, "prompt": prompt_ids[i % len(prompt_ids)]})
-    return {"compared": compared, "identical": compared - len(differ), "differ": differ}
+    return Comparison(compared, differ)
 
 
 @dataclass(frozen=True)
@@ -170,8 +201,9 @@ def tokenization_alternatives(draft_text: str, plain: list[int], plain_top: list
     return found[::-1]
 
 
-def judge_difference(draft_text: str, replay: Replay | str, tokenizer: Any, margin: float) -> dict[str, Any]:
-    """One differing output under the near-tie rule: ``near_tie`` and where, which tokens, the gap, or why not.
+def judge_difference(draft_text: str, replay: Replay | str, tokenizer: Any, margin: float) -> Verdict:
+    """One differing output under the near-tie rule: whether it is a near-tie, and where, which tokens, the gap, or
+    why not.
 
     Args:
         draft_text: The draft server's output text.
@@ -180,14 +212,14 @@ def judge_difference(draft_text: str, replay: Replay | str, tokenizer: Any, marg
         margin: ``--tie-margin``.
     """
     if isinstance(replay, str):
-        return {"near_tie": False, "why": replay}
+        return Verdict(False, {"why": replay})
     if _text(tokenizer, replay.tokens) != replay.text:
-        return {"near_tie": False, "why": "the tokenizer decodes the baseline's tokens to another text than the "
-                "server's, so the draft's text cannot be placed on them"}
+        return Verdict(False, {"why": "the tokenizer decodes the baseline's tokens to another text than the "
+                                      "server's, so the draft's text cannot be placed on them"})
     divergence = draft_divergence(draft_text, replay.tokens, replay.top, tokenizer)
     if divergence is None:
-        return {"near_tie": True, "position": None, "why": "the baseline asked alone gives the draft's text: its "
-                "own output varies between runs"}
+        return Verdict(True, {"position": None, "why": "the baseline asked alone gives the draft's text: its "
+                                                       "own output varies between runs"})
     ambiguous = False
     if not is_lossless(divergence, margin):
         # the text may hide where the draft's tokens parted: take an earlier reading that is a near-tie, if any
@@ -216,4 +248,4 @@ def judge_difference(draft_text: str, replay: Replay | str, tokenizer: Any, marg
             entry["why"] = f"the draft's text there begins with none of the baseline's top {TIE_CANDIDATES} tokens"
         else:
             entry["why"] = f"the gap {divergence.gap:g} is above the margin {margin:g}"
-    return {"near_tie": near, **entry}
+    return Verdict(near, entry)

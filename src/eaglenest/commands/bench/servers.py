@@ -17,15 +17,10 @@ from typing import Any
 from eaglenest.commands.bench.config import ServeSetup
 from eaglenest.commands.bench.endpoint import answers
 from eaglenest.commands.bench.load import failure_line
+from eaglenest.commands.supervised import SupervisedGroup
 from eaglenest.core.errors import EaglenestError
 
 SERVER_HOST = "127.0.0.1"
-
-
-# After SIGTERM, how long a started server (and its engine processes) may take to go before SIGKILL.
-SERVER_STOP_GRACE_S = 30.0
-
-
 SERVER_POLL_S = 0.5
 
 
@@ -49,34 +44,32 @@ def server_command(serve: ServeSetup, model: str | None, baseline: str | None, c
 
 
 class StartedServer:
-    """A server bench started: a subprocess in its own process group, its output in a log file.
+    """A server bench started: a :class:`~eaglenest.commands.supervised.SupervisedGroup`, its output in a log file.
 
-    Its own group: Ctrl-C at the terminal does not reach it (bench stops it, in order), and a signal to the group
-    reaches vLLM's engine processes too.
+    Its own group: Ctrl-C at the terminal does not reach it (bench stops it, in order), a signal to the group
+    reaches vLLM's engine processes too, and the whole group ends with bench, even when bench is killed.
     """
 
     def __init__(self, role: str, command: Any, url: str, log: Path) -> None:
         self.role, self.command, self.url, self.log = role, command, url, log
-        self.process: subprocess.Popen[bytes] | None = None
+        self.group: SupervisedGroup | None = None
 
     def start(self) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with self.log.open("wb") as log:  # the child keeps its own descriptor
             try:
-                self.process = subprocess.Popen(self.command.argv, stdin=subprocess.DEVNULL, stdout=log,
-                                                stderr=subprocess.STDOUT, env={**os.environ, **self.command.env},
-                                                start_new_session=True)
+                self.group = SupervisedGroup(self.command.argv, {**os.environ, **self.command.env}, stdout=log,
+                                             stderr=subprocess.STDOUT)
             except OSError as err:
                 raise EaglenestError(f"the {self.role} server did not start: {err}") from None
 
+    @property
+    def started(self) -> bool:
+        return self.group is not None
+
     def exit_status(self, wait_s: float = 0.0) -> int | None:
         """The server's exit status; None while it runs (after waiting up to ``wait_s`` for it to end)."""
-        if self.process is None:
-            return None
-        try:
-            return self.process.wait(timeout=wait_s) if wait_s > 0 else self.process.poll()
-        except subprocess.TimeoutExpired:
-            return None
+        return None if self.group is None else self.group.exit_status(wait_s)
 
     def wait_until_ready(self, timeout_s: float) -> float:
         """Seconds until ``/v1/models`` answered.
@@ -100,34 +93,9 @@ class StartedServer:
             time.sleep(SERVER_POLL_S)
 
     def stop(self) -> None:
-        """SIGTERM to the server's process group, SIGKILL after ``SERVER_STOP_GRACE_S``; returns once it is gone."""
-        if self.process is None:
-            return
-        group = self.process.pid  # start_new_session: the group's id is the leader's pid
-        _signal_group(group, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=SERVER_STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            _signal_group(group, signal.SIGKILL)
-            self.process.wait()
-        # The leader gone, its engine processes may still be shutting down: the next server needs the cores.
-        deadline = time.monotonic() + SERVER_STOP_GRACE_S
-        while _signal_group(group, 0):
-            if time.monotonic() > deadline:
-                _signal_group(group, signal.SIGKILL)
-                break
-            time.sleep(0.1)
-
-
-def _signal_group(group: int, signum: int) -> bool:
-    """Sends ``signum`` to a process group; False when the group has no process left."""
-    try:
-        os.killpg(group, signum)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # a group id reused by another user's processes: not ours
-        return False
-    return True
+        """SIGTERM to the server's process group, SIGKILL after a grace period; returns once it is gone."""
+        if self.group is not None:
+            self.group.stop()
 
 
 @contextlib.contextmanager
@@ -144,7 +112,7 @@ def started_server(role: str, command: Any, serve: ServeSetup, log: Path) -> Ite
         print(f"eaglenest bench: the {role} server answers at {server.url} (after {waited:.0f} s)", flush=True)
         yield server
     finally:
-        if server.process is not None:
+        if server.started:
             server.stop()
             print(f"eaglenest bench: stopped the {role} server", flush=True)
 

@@ -16,8 +16,9 @@ takes the other's: the draft server (``eaglenest serve``'s command, :func:`eagle
 on 127.0.0.1:``--port``, waited for until ``/v1/models`` answers (``--server-timeout``), warmed up and measured at
 every concurrency, then stopped; then the baseline server (``--baseline``: ``none``, the verifier alone, or
 ``ngram``) the same way on the same port. Each runs as a subprocess in its own process group (SIGTERM to the group,
-SIGKILL after ``SERVER_STOP_GRACE_S``), its output in ``raw/server-<role>.log``, and is stopped whatever ends the
-bench: the last run, a refusal, Ctrl-C or SIGTERM. Flags after ``--`` go to both servers.
+SIGKILL after ``STOP_GRACE_S``: :mod:`eaglenest.commands.supervised`), its output in ``raw/server-<role>.log``, and
+is stopped whatever ends the bench: the last run, a refusal, Ctrl-C or SIGTERM; a bench killed with SIGKILL takes
+its server's whole process tree with it. Flags after ``--`` go to both servers.
 
 The load and its timing are vLLM's own benchmark, ``vllm bench serve``, run once per concurrency and endpoint
 (``--max-concurrency C``, every request sent at once, closed loop). It runs as
@@ -199,14 +200,14 @@ class Sweep:
         """The temperature-0 check: identical texts, else the near-tie rule against the baseline's replay."""
         compared = compare_outputs(draft, baseline, self.prompt_ids)
         near_ties, differ = [], []
-        for entry in compared["differ"]:
+        for entry in compared.differ:
             request = entry["request"]
             replay = self.replay(baseline_endpoint, request % len(self.prompts), concurrency)
             verdict = judge_difference(draft["generated_texts"][request], replay, self.tokenizer,
                                        self.result["tie_margin"])
-            (near_ties if verdict.pop("near_tie") else differ).append(entry | verdict)
+            (near_ties if verdict.near_tie else differ).append(entry | verdict.detail)
         self.real_differences += len(differ)
-        return {"compared": compared["compared"], "identical": compared["identical"], "near_ties": near_ties,
+        return {"compared": compared.compared, "identical": compared.identical, "near_ties": near_ties,
                 "differ": differ}
 
     def replay(self, endpoint: Endpoint, prompt: int, concurrency: int) -> Replay | str:
@@ -238,7 +239,6 @@ def run_bench(config: BenchConfig) -> tuple[dict[str, Any], int]:
     Raises:
         EaglenestError: a refusal, or a server that stopped answering (bench.json then keeps what was measured).
     """
-    from eaglenest.core.vllm_support import installed_build
     from eaglenest.stages.evaluate.sets import read_jsonl_conversations
 
     check_config(config)
@@ -246,22 +246,12 @@ def run_bench(config: BenchConfig) -> tuple[dict[str, Any], int]:
     conversations = read_jsonl_conversations(prompts_file, "--prompts")
     if not conversations:
         raise InputFileError(f"--prompts: {config.prompts}: no prompts")
-    build = installed_build()
-    if build is None:
-        raise EaglenestError(f"eaglenest bench runs vLLM's `vllm bench serve`, and this interpreter "
-                             f"({sys.executable}) has no vLLM; install it (make setup) or run eaglenest from the "
-                             "environment that has it")
+    build = _require_vllm()
     served: dict[str, Any] | None = None
+    commands: dict[str, Any] = {}
     if config.serve is None:
-        draft = Endpoint("draft", "--url", base_url(str(config.url), "--url"))
-        baseline = Endpoint("baseline", "--baseline-url", base_url(str(config.baseline_url), "--baseline-url"))
+        draft, baseline = _url_endpoints(config)
         urls = (draft.url, baseline.url)
-        if draft.url == baseline.url:
-            raise EaglenestError(f"--url and --baseline-url are both {draft.url}: the baseline is another server, "
-                                 "the same model without the draft (or with n-gram drafting)")
-        for endpoint in (draft, baseline):
-            endpoint.get("/v1/models")  # both reachable before the tokenizer loads
-        commands = {}
     else:
         # both commands built (and their refusals made) before anything starts
         commands = {role: server_command(config.serve, config.model, kind, cpu_build=build.kind == "cpu")
@@ -271,26 +261,58 @@ def run_bench(config: BenchConfig) -> tuple[dict[str, Any], int]:
     if config.serve is None:
         served = check_models(draft, baseline, config.model, expected)
         require_spec_decode(draft, str(served["id"]))
-
     prompts = render_prompts(conversations, prompts_file, tokenizer)
     if served is not None:
         check_length(served, prompts, config)
-    levels = sorted(set(config.concurrency))
-    num_requests = config.num_prompts or 4 * levels[-1]
+    result = _new_result(config, f"vllm bench serve ({build.distribution} {build.version})", urls, served, prompts,
+                         commands)
+    sweep = Sweep(config, result, _write_requests(config, prompts, result["prompts"]["requests"]), prompts,
+                  [c.id for c in conversations], tokenizer)
+    if config.serve is None:
+        _sweep_urls(sweep, draft, baseline, result["concurrency"])
+    else:
+        with sigterm_as_exit():
+            _sweep_servers(sweep, config.serve, commands, result["concurrency"])
+    result["complete"] = True
+    sweep.write()
+    return result, 1 if sweep.failed or sweep.real_differences else 0
 
-    out, raw_dir = config.out, config.out / "raw"
-    raw_dir.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(out)
-    (out / "speedup.png").unlink(missing_ok=True)  # an earlier run's plot must not pass for this one's
-    dataset = raw_dir / "requests.jsonl"  # `custom` reads only a .jsonl name
-    atomic_write_bytes(dataset, "".join(json.dumps({"prompt": prompts[i % len(prompts)]}) + "\n"
-                                        for i in range(num_requests)).encode())
+
+def _require_vllm() -> Any:
+    """The installed vLLM build (:class:`eaglenest.core.vllm_support.VllmBuild`), whose ``vllm bench serve`` makes
+    the load; one line where this interpreter has none."""
+    from eaglenest.core.vllm_support import installed_build
+
+    build = installed_build()
+    if build is None:
+        raise EaglenestError(f"eaglenest bench runs vLLM's `vllm bench serve`, and this interpreter "
+                             f"({sys.executable}) has no vLLM; install it (make setup) or run eaglenest from the "
+                             "environment that has it")
+    return build
+
+
+def _url_endpoints(config: BenchConfig) -> tuple[Endpoint, Endpoint]:
+    """The draft and baseline servers of ``--url`` and ``--baseline-url``, two servers that both answer."""
+    draft = Endpoint("draft", "--url", base_url(str(config.url), "--url"))
+    baseline = Endpoint("baseline", "--baseline-url", base_url(str(config.baseline_url), "--baseline-url"))
+    if draft.url == baseline.url:
+        raise EaglenestError(f"--url and --baseline-url are both {draft.url}: the baseline is another server, "
+                             "the same model without the draft (or with n-gram drafting)")
+    for endpoint in (draft, baseline):
+        endpoint.get("/v1/models")  # both reachable before the tokenizer loads
+    return draft, baseline
+
+
+def _new_result(config: BenchConfig, tool: str, urls: tuple[str, str], served: dict[str, Any] | None,
+                prompts: list[list[int]], commands: dict[str, Any]) -> dict[str, Any]:
+    """bench.json before the first run: what is measured, how, and on which prompts."""
+    levels = sorted(set(config.concurrency))
     result: dict[str, Any] = {
         "url": urls[0], "baseline_url": urls[1],
         "model": None if served is None else str(served["id"]),
-        "tool": f"vllm bench serve ({build.distribution} {build.version})",
-        "prompts": {"file": str(config.prompts), "count": len(prompts), "requests": num_requests,
-                    "tokens": [len(p) for p in prompts]},
+        "tool": tool,
+        "prompts": {"file": str(config.prompts), "count": len(prompts),
+                    "requests": config.num_prompts or 4 * levels[-1], "tokens": [len(p) for p in prompts]},
         "max_tokens": config.max_tokens, "temperature": config.temperature, "concurrency": levels,
         "tie_margin": default_tie_margin() if config.tie_margin is None else config.tie_margin, "tie_checks": 0,
         "results": [], "stops_paying_at": None, "complete": False,
@@ -300,15 +322,20 @@ def run_bench(config: BenchConfig) -> tuple[dict[str, Any], int]:
             role: {"kind": "draft" if role == "draft" else config.serve.baseline, "command": command.shell(),
                    "why": command.k_reason, "log": f"raw/server-{role}.log"}
             for role, command in commands.items()}
-    sweep = Sweep(config, result, dataset, prompts, [c.id for c in conversations], tokenizer)
-    if config.serve is None:
-        _sweep_urls(sweep, draft, baseline, levels)
-    else:
-        with sigterm_as_exit():
-            _sweep_servers(sweep, config.serve, commands, levels)
-    result["complete"] = True
-    sweep.write()
-    return result, 1 if sweep.failed or sweep.real_differences else 0
+    return result
+
+
+def _write_requests(config: BenchConfig, prompts: list[list[int]], num_requests: int) -> Path:
+    """``--out`` cleared of an earlier run's leftovers, and the requests file ``vllm bench serve`` reads (request i
+    is prompt i mod P)."""
+    out, raw_dir = config.out, config.out / "raw"
+    raw_dir.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(out)
+    (out / "speedup.png").unlink(missing_ok=True)  # an earlier run's plot must not pass for this one's
+    dataset = raw_dir / "requests.jsonl"  # `custom` reads only a .jsonl name
+    atomic_write_bytes(dataset, "".join(json.dumps({"prompt": prompts[i % len(prompts)]}) + "\n"
+                                        for i in range(num_requests)).encode())
+    return dataset
 
 
 def _sweep_urls(sweep: Sweep, draft: Endpoint, baseline: Endpoint, levels: list[int]) -> None:
