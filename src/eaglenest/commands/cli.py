@@ -1,8 +1,9 @@
 """The ``eaglenest`` command: its parser, built from the commands' registry, and its entry point.
 
 Every command is declared by its own module (``COMMAND``, see :mod:`eaglenest.commands.command`); adding one is
-that module and its entry in ``COMMAND_MODULES``. The modules import heavy packages only when a command runs, so
-``eaglenest --help`` and ``eaglenest doctor`` run anywhere.
+that module and its entry in ``COMMAND_MODULES``. The modules import only the standard library and eaglenest's
+own light modules at their top (third-party packages when a command runs), so ``eaglenest --help`` and
+``eaglenest doctor`` run in an interpreter without any of them.
 """
 
 from __future__ import annotations
@@ -15,14 +16,14 @@ from eaglenest.commands import (
     doctor,
     export,
     importer,
-    init,
+    init_command,
     inspect,
     k_sweep,
     remote,
-    report,
+    report_command,
     serve,
     summary,
-    train_launch,
+    train_launch_command,
 )
 from eaglenest.commands.command import Command
 from eaglenest.core.errors import EaglenestError
@@ -36,8 +37,8 @@ DESCRIPTION = (
 EPILOG = "`eaglenest COMMAND --help` describes each command. Reference: docs/cli.md and docs/params.md."
 
 # The modules that declare the commands, in the order `eaglenest --help` lists them.
-COMMAND_MODULES = (doctor, inspect, export, importer, report, summary, remote, serve, init, k_sweep, bench,
-                   train_launch)
+COMMAND_MODULES = (doctor, inspect, export, importer, report_command, summary, remote, serve, init_command, k_sweep,
+                   bench, train_launch_command)
 COMMANDS: Registry[Command] = Registry("command")
 for _module in COMMAND_MODULES:
     COMMANDS.register(_module.COMMAND.name, _module.COMMAND)

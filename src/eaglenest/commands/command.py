@@ -2,8 +2,10 @@
 
 Each command's module defines one ``COMMAND = Command(...)``; ``commands/cli.py`` lists the modules in the order
 ``eaglenest --help`` shows them, registers each ``COMMAND`` (a name given twice is refused) and builds the parser
-from them. A command module imports heavy packages (torch, transformers, vLLM) only inside its functions, so that
-building the parser, and ``eaglenest doctor``, run where they are missing or broken.
+from them. A command module imports only the standard library and eaglenest's light modules at its top, and
+third-party packages inside its functions, so that building the parser, and ``eaglenest doctor``, run in an
+interpreter without them. Where the work needs them at its top (``report``, ``init``, ``train_launch``), the
+declaration sits in a companion module, ``<name>_command.py``, that imports the work when the command runs.
 """
 
 from __future__ import annotations

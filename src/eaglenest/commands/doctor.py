@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from eaglenest.commands.command import Command
+from eaglenest.commands.interrupted_run import interrupted_run_problems
 from eaglenest.core.environment import FIX, find_project_root, missing_modules, package_version
 
 # Reported by `eaglenest doctor`; vLLM is reported on its own line (build and device), see doctor_vllm.
@@ -65,7 +66,8 @@ def doctor_cluster(params_file: Path | None) -> str | None:
 
 
 def doctor(params_file: Path | None = None) -> int:
-    """Prints the environment report; returns 0 if everything required is there, else 1.
+    """Prints the environment report; returns 0 if everything required is there and no killed ``dvc exp run`` left
+    the workspace detached or changed (:mod:`eaglenest.commands.interrupted_run`), else 1.
 
     Args:
         params_file: The params file whose ``cluster`` section is reported; None: the project's params.yaml.
@@ -79,6 +81,11 @@ def doctor(params_file: Path | None = None) -> int:
         print(f"project environment: yes ({project_venv})")
     else:
         print(f"project environment: no (this is {sys.prefix}; the project's is {project_venv})")
+    # Before the packages: it needs none of them, and a report that stops at a missing package still says it.
+    run_problems = interrupted_run_problems(root) if root else []
+    print(f"experiment runs: {'an interrupted one left the workspace as below' if run_problems else 'ok'}")
+    for problem in run_problems:
+        print(f"error: {problem}", file=sys.stderr)
     missing: list[str] = []
     for dist in DOCTOR_PACKAGES:
         version = package_version(dist)
@@ -113,6 +120,8 @@ def doctor(params_file: Path | None = None) -> int:
     print(f"HF_HUB_OFFLINE: {os.environ.get('HF_HUB_OFFLINE', 'unset')}")
     if missing:
         print(f"error: {sys.executable} lacks {', '.join(missing)}; fix: {FIX}", file=sys.stderr)
+        return 1
+    if run_problems:
         return 1
     print("ok")
     return 0

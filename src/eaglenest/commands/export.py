@@ -15,7 +15,6 @@ from pathlib import Path
 from eaglenest.commands.command import Command
 from eaglenest.core.atomic import atomic_directory
 from eaglenest.core.errors import InputFileError
-from eaglenest.core.progress import progress
 from eaglenest.core.safetensors_header import read_header
 
 
@@ -33,6 +32,7 @@ def export_speculators(prepared: Path, hidden_states: Path, out: Path) -> int:
     from eaglenest.artifacts.hidden_states.layout import metadata_of_row_files, write_hidden_states
     from eaglenest.artifacts.hidden_states.store import open_stored
     from eaglenest.artifacts.prepared import load_input_ids
+    from eaglenest.core.progress import progress
 
     if not (prepared / "dataset_info.json").is_file():
         raise InputFileError(f"--prepared {prepared}: not the prepare stage's dataset folder (data/prepared)")

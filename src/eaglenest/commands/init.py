@@ -11,7 +11,6 @@ strict params check before it is written, and an existing file is kept unless ``
 
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,6 @@ from typing import Any
 
 import yaml
 
-from eaglenest.commands.command import Command
 from eaglenest.core.atomic import atomic_write_bytes
 from eaglenest.core.chat import REASONING_MARKERS
 from eaglenest.core.errors import EaglenestError
@@ -266,32 +264,3 @@ def init_params(verifier: str, out: Path, *, force: bool = False, gpus: Gpus | N
     gpu_line = f"{gpus.count} GPU(s) of {gpus.memory_gib:.0f} GiB" if gpus.count else "no GPU"
     return [f"wrote {out} for {verifier} ({gpu_line}):", *(f"  {key}: {_flow(values[key])}  ({why[key]})"
                                                           for key in values)]
-
-
-def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("verifier", metavar="VERIFIER", help="the verifier's model folder (config.json, weights, "
-                        "tokenizer), or builtin:smollm2-135m-instruct")
-    parser.add_argument("--out", default="params.yaml", help="the file to write (default: params.yaml)")
-    parser.add_argument("--force", action="store_true", help="replace --out if it exists")
-    parser.add_argument("--gpus", type=int, default=None, metavar="N",
-                        help="GPUs per node for the engines (default: those torch sees); with --gpu-memory-gib")
-    parser.add_argument("--gpu-memory-gib", type=float, default=None, metavar="GIB",
-                        help="memory of one GPU in GiB (default: torch's reading); with --gpus")
-
-
-def _run(args: argparse.Namespace) -> int:
-    if (args.gpus is None) != (args.gpu_memory_gib is None):
-        raise EaglenestError("--gpus and --gpu-memory-gib go together (the engines' widths need both); give both, "
-                             "or neither to use the GPUs torch sees")
-    gpus = None if args.gpus is None else Gpus(args.gpus, args.gpu_memory_gib)
-    print("\n".join(init_params(args.verifier, Path(args.out), force=args.force, gpus=gpus)))
-    return 0
-
-
-COMMAND = Command(
-    "init", help="write a params.yaml for a new verifier: aux layers, remote code, reasoning, draft layer and "
-    "vocabulary, engine widths, each choice explained in a comment",
-    description="Write a params.yaml for a new verifier. Reads its config.json, chat template and weight sizes "
-    "(nothing is loaded, no code runs) and the GPUs torch sees; each value chosen for the verifier carries a "
-    "comment saying why, and the file passes the strict params check.",
-    add_arguments=_add_arguments, run=_run)

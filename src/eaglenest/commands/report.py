@@ -25,7 +25,6 @@ cached DVC outputs, read at a revision from the DVC cache or, where it lacks the
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import logging
@@ -37,7 +36,6 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from eaglenest.artifacts.evaluation import cluster_sums, load_records
-from eaglenest.commands.command import Command
 from eaglenest.core.atomic import atomic_write_bytes
 from eaglenest.core.bootstrap import Interval, Statistic, bootstrap, difference, speedup_statistic, tau_statistic
 from eaglenest.core.errors import EaglenestError, InputFileError
@@ -763,37 +761,3 @@ def write_report(repo: Path, revisions: list[str], base: str, out_dir: Path, sam
     report = out_dir / "report.md"
     atomic_write_bytes(report, "\n".join(lines).encode())
     return report
-
-
-def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("base", metavar="BASE", nargs="?", help="the revision to compare against: a git revision, "
-                        "a DVC experiment name or 'workspace'")
-    parser.add_argument("heads", metavar="HEAD", nargs="*", help="the revisions compared with BASE, same kinds "
-                        "(default: workspace)")
-    parser.add_argument("--out", default="report", help="output folder (report.md and PNG plots)")
-    parser.add_argument("--repo", default=".", help="the repository (default: the current folder)")
-    parser.add_argument("--samples", type=int, default=2000,
-                        help="bootstrap resamples of the paired comparison (default: 2000, as evaluate's)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the resampling (default: 0, as evaluate's)")
-    parser.add_argument("--readme", action="store_true", help="instead of a report, render README.md's headline "
-                        "figure and demo table from the workspace's metrics/eval.json")
-    parser.add_argument("--check", action="store_true", help="with --readme: write nothing, exit 1 if README.md's "
-                        "figures differ from the metrics")
-
-
-def _run(args: argparse.Namespace) -> int:
-    if args.readme:
-        from eaglenest.commands.generated import README_TARGETS, regenerate
-
-        if args.heads or args.base:
-            raise EaglenestError("--readme takes no revisions: it renders the workspace's metrics into README.md")
-        return regenerate(Path(args.repo), README_TARGETS, args.check)
-    if args.base is None:
-        raise EaglenestError("give BASE, the revision to compare against (or --readme)")
-    print(write_report(Path(args.repo), args.heads, args.base, Path(args.out), args.samples, args.seed))
-    return 0
-
-
-COMMAND = Command(
-    "report", help="Markdown report of revisions against a base: headline metrics, a paired comparison of the "
-    "evaluation records, and plots as PNG images", add_arguments=_add_arguments, run=_run)
