@@ -373,7 +373,7 @@ BUILTIN_PROMPTS = ("builtin:humaneval", "builtin:general", "builtin:long")
 
 def bench_prompts_file(prompts: Path) -> Path:
     """The file ``--prompts`` names: a JSONL path, or one of evaluate's shipped sets by its ``source`` name."""
-    from eaglenest.core.params import EvalSetParams
+    from eaglenest.stages.evaluate.params import EvalSetParams
     from eaglenest.stages.evaluate.sets import source_file
 
     if str(prompts) in BUILTIN_PROMPTS:
@@ -386,7 +386,7 @@ def bench_prompts_file(prompts: Path) -> Path:
 
 def render_prompts(conversations: list[Any], source: Path, tokenizer: Any) -> list[list[int]]:
     """Token ids of each conversation's first turn in the verifier's chat template, as evaluate renders it."""
-    from eaglenest.core.params import EvalSetParams
+    from eaglenest.stages.evaluate.params import EvalSetParams
     from eaglenest.stages.evaluate.sets import EvalSet
 
     eval_set = EvalSet(EvalSetParams(name="bench", source=str(source)), conversations, {})
@@ -1004,7 +1004,7 @@ def _check_config(config: BenchConfig) -> None:
 
 def default_tie_margin() -> float:
     """``evaluate.bf16_tie_margin``'s default: ``--tie-margin`` when not given."""
-    from eaglenest.core.params import EvaluateParams
+    from eaglenest.stages.evaluate.params import EvaluateParams
 
     return float(EvaluateParams.model_fields["bf16_tie_margin"].default)
 
