@@ -93,7 +93,7 @@ def validate_hidden_states(input_ids: list[list[int]], stored: StoredHiddenState
     problems: dict[int, str] = {}
     unit = "file" if stored.rows_per_shard == 1 else "shard"
     with ThreadPoolExecutor(max_workers=workers) as pool:  # safetensors and torch release the GIL
-        for found in progress(len(stored.plan), "validating hidden states", unit, iterable=pool.map(check, stored.plan)):
+        for found in progress(len(stored.plan), "validating", unit, iterable=pool.map(check, stored.plan)):
             problems.update(found)
     return problems
 
