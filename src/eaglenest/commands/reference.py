@@ -118,9 +118,10 @@ def params_markdown() -> str:
     out = [GENERATED_NOTE.format(command=GENERATE_COMMAND, source="src/eaglenest/commands/params_file.py"), "",
            "# Params reference", "",
            "Every key of `params.yaml`, its type, its default and what it does: the reference for the "
-           "[pipeline's stages](index.md). The file is checked strictly before any model loads: an unknown "
-           "key, a wrong type or a value out of range stops the stage with one line per problem. A key left "
-           "out takes the default below; `dvc exp run -S section.key=value` overrides one for an experiment. "
+           "[pipeline's stages](index.md). Each stage checks the sections it reads strictly before any model "
+           "loads (`eaglenest doctor` checks the whole file): an unknown key, a wrong type or a value out of range "
+           "stops the stage with one line per problem. A key left out takes the default below; "
+           "`dvc exp run -S section.key=value` overrides one for an experiment. "
            "A key `a.b[]` is a list whose entries are the section shown.", ""]
     done: set[str] = set()
     for key, field in Params.model_fields.items():
