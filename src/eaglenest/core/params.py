@@ -121,10 +121,10 @@ HiddenStateDtype = Annotated[Literal["bfloat16", "float32", "float8_e4m3fn"], Fi
 
 
 class HiddenStateStorage(StrictModel):
-    """How the hidden states are stored: ``extract.store`` and ``extract.dtype``, read by the stages after extract.
+    """How the hidden states are stored: ``extract.store`` and ``extract.dtype``, what convert reads of extract.
 
     The extract stage's own section (``eaglenest.stages.extract.params``) declares these two keys with the same
-    types; a later stage reads only them, so an edit to the rest of extract's schema re-runs extract alone. The
+    types; convert reads only them, so an edit to the rest of extract's schema re-runs extract alone. The
     section's other keys are extract's: its stage refuses a typo there.
     """
 
