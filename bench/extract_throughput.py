@@ -22,8 +22,8 @@ from datasets import load_from_disk
 from eaglenest.artifacts.hidden_states.format import extraction_fingerprint, file_metadata
 from eaglenest.artifacts.hidden_states.layout import ShardSpec, file_layout
 from eaglenest.artifacts.verifier import load_verifier_info
+from eaglenest.commands.params_file import load_params
 from eaglenest.core.decoder import load_decoder, pad_batch
-from eaglenest.core.params import load_params
 from eaglenest.stages.extract.hf import HfEngine, length_sorted_batches
 from eaglenest.stages.extract.job import EngineSettings, ExtractTask, run_extract_task
 

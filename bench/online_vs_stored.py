@@ -18,7 +18,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from eaglenest.core.params import load_params
+from eaglenest.commands.params_file import load_params
 from eaglenest.stages.extract import extract_hidden_states
 from eaglenest.stages.train import TrainPaths, train_draft
 

@@ -20,7 +20,7 @@ from datasets import load_from_disk
 
 from eaglenest.artifacts.prepared import write_prepared
 from eaglenest.artifacts.verifier import load_verifier_info
-from eaglenest.core.params import load_params
+from eaglenest.commands.params_file import load_params
 from eaglenest.stages.extract import extract_hidden_states
 
 DTYPES = {"float32": 4, "bfloat16": 2, "float8_e4m3fn": 1}  # bytes per stored value

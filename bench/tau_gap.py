@@ -30,7 +30,7 @@ import torch
 
 from eaglenest.artifacts.draft import load_draft
 from eaglenest.artifacts.verifier import load_verifier_info
-from eaglenest.core.params import load_params
+from eaglenest.commands.params_file import load_params
 from eaglenest.stages.train.data import load_training_data, pack_batches
 from eaglenest.stages.train.model import draft_runtime
 from eaglenest.stages.train.validation import tau_from_conditional

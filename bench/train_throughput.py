@@ -19,7 +19,7 @@ import torch
 
 from eaglenest.artifacts.verifier import load_verifier_info
 from eaglenest.artifacts.vocab import load_vocab
-from eaglenest.core.params import load_params
+from eaglenest.commands.params_file import load_params
 from eaglenest.stages.train import TrainPaths, train_draft
 from eaglenest.stages.train.data import load_training_data, pack_batches
 from eaglenest.stages.train.loop import build_optimization, train_step

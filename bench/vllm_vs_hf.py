@@ -77,7 +77,8 @@ def regeneration_worker(args: argparse.Namespace) -> dict[str, Any]:
 
     from eaglenest.artifacts.verifier import load_tokenizer, load_verifier_info
     from eaglenest.core.chat import end_of_turn_ids
-    from eaglenest.core.params import PrepareParams, VllmEngineParams
+    from eaglenest.core.params import VllmEngineParams
+    from eaglenest.stages.prepare.params import PrepareParams
     from eaglenest.stages.prepare.regenerate import BACKENDS, regenerate
     from eaglenest.stages.prepare.regenerate.job import GeneratorJob
 

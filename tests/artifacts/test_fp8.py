@@ -15,10 +15,12 @@ from eaglenest.artifacts.hidden_states.format import HIDDEN_KEY, SCALES_KEY, TOK
 from eaglenest.commands.importer import import_dump
 from eaglenest.commands.inspect import inspect_path
 from eaglenest.core.errors import InputFileError
-from eaglenest.core.params import ConvertParams, ExtractParams, TrainParams
 from eaglenest.stages.convert import convert
+from eaglenest.stages.convert.params import ConvertParams
 from eaglenest.stages.extract import extract_hidden_states
+from eaglenest.stages.extract.params import ExtractParams
 from eaglenest.stages.train import TrainPaths, train_draft
+from eaglenest.stages.train.params import TrainParams
 from tests.fixtures.pipeline import pipeline_until_prepare, stored_row
 
 FP8 = "float8_e4m3fn"

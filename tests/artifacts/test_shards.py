@@ -23,9 +23,11 @@ from eaglenest.artifacts.hidden_states.format import (
 )
 from eaglenest.artifacts.hidden_states.resume import unfinished_dir
 from eaglenest.core.errors import InputFileError
-from eaglenest.core.params import ConvertParams, ExtractParams, TrainParams
 from eaglenest.stages.convert import convert
+from eaglenest.stages.convert.params import ConvertParams
 from eaglenest.stages.extract import extract_hidden_states
+from eaglenest.stages.extract.params import ExtractParams
+from eaglenest.stages.train.params import TrainParams
 from tests.fixtures.pipeline import pipeline_until_prepare
 
 ROWS = 10

@@ -11,7 +11,7 @@ import yaml
 
 from eaglenest.commands import cli
 from eaglenest.commands.init import Gpus, VerifierFacts, choose, init_aux_layers, tensor_parallel
-from eaglenest.core.params import load_params
+from eaglenest.commands.params_file import load_params
 from eaglenest.stages.verifier import build_verifier
 from tests.fixtures.models import QWEN3_LIKE, build_tiny_verifier, build_verifier_folder
 from tests.fixtures.pipeline import REPO

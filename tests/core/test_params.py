@@ -8,17 +8,12 @@ from typing import get_args, get_origin
 import pytest
 import yaml
 
+from eaglenest.commands.params_file import MOVED_KEYS, Params, load_params, parse_params
 from eaglenest.core.errors import ParamsError
-from eaglenest.core.params import (
-    MOVED_KEYS,
-    EvaluateParams,
-    ExtractParams,
-    Params,
-    PrepareParams,
-    VllmEngineParams,
-    load_params,
-    parse_params,
-)
+from eaglenest.core.params import VllmEngineParams
+from eaglenest.stages.evaluate.params import EvaluateParams
+from eaglenest.stages.extract.params import ExtractParams
+from eaglenest.stages.prepare.params import PrepareParams
 from eaglenest.stages.verifier import check_aux_layers, default_aux_layers
 from tests.fixtures.pipeline import REPO
 

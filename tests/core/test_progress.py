@@ -112,6 +112,10 @@ def test_the_train_stage_logs_timestamped_steps_with_the_loss(tmp_path: Path, ti
     assert result.returncode == 0, result.stdout + result.stderr
     log = result.stdout + result.stderr
     assert "\r" not in log  # not a terminal: lines, not a redrawn bar
-    steps = [line for line in log.splitlines() if " eaglenest train: train:" in line]
-    assert steps and re.match(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d eaglenest train: train: ", steps[-1])
+    steps = [line for line in log.splitlines() if " eaglenest train: optimizer steps:" in line]
+    assert steps and re.match(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d eaglenest train: optimizer steps: ", steps[-1])
+    # one prefix per line: no message repeats the stage's name after run_stage's "eaglenest train: "
+    lines = [line for line in log.splitlines() if "eaglenest train: " in line]
+    assert lines and all(line.count("eaglenest") == 1 for line in lines)
+    assert not [line for line in lines if line.partition("eaglenest train: ")[2].startswith("train")]
     assert "4/4" in steps[-1] and "loss=" in steps[-1] and "tok_s=" in steps[-1]

@@ -23,9 +23,9 @@ import eaglenest.core.atomic as atomic
 from eaglenest.artifacts.hidden_states.format import stored_files
 from eaglenest.artifacts.hidden_states.resume import unfinished_dir
 from eaglenest.artifacts.vocab import load_vocab
+from eaglenest.commands.params_file import Params, parse_params
 from eaglenest.core.atomic import TMP_MARKER, atomic_write_bytes
 from eaglenest.core.errors import EaglenestError, InputFileError, ParamsError
-from eaglenest.core.params import Params, parse_params
 from tests.fixtures.pipeline import VENV_BIN, SharedPipeline, dvc, project_env, read_curves
 
 # ---------------------------------------------------------------------------------------------- network
@@ -137,8 +137,8 @@ def test_disk_full_during_extraction_then_rerun(tmp_path: Path, tiny_verifier_di
     rerun, which computes only the rest."""
     from eaglenest.artifacts.hidden_states import layout
     from eaglenest.artifacts.hidden_states.resume import unfinished_dir
-    from eaglenest.core.params import ExtractParams
     from eaglenest.stages.extract import extract_hidden_states
+    from eaglenest.stages.extract.params import ExtractParams
     from tests.fixtures.pipeline import pipeline_until_prepare
 
     verifier_dir, prepared = pipeline_until_prepare(tmp_path, tiny_verifier_dir, rows=10)
@@ -168,8 +168,8 @@ def test_disk_full_during_extraction_then_rerun(tmp_path: Path, tiny_verifier_di
 def test_out_of_memory_says_which_param_to_lower(tmp_path: Path, tiny_verifier_dir: Path,
                                                  monkeypatch: pytest.MonkeyPatch):
     import eaglenest.core.decoder as decoder
-    from eaglenest.core.params import ExtractParams
     from eaglenest.stages.extract import extract_hidden_states
+    from eaglenest.stages.extract.params import ExtractParams
     from tests.fixtures.pipeline import pipeline_until_prepare
 
     verifier_dir, prepared = pipeline_until_prepare(tmp_path, tiny_verifier_dir, rows=4)
@@ -187,10 +187,12 @@ def test_out_of_memory_says_which_param_to_lower(tmp_path: Path, tiny_verifier_d
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory, tiny_verifier_dir: Path) -> dict[str, Path]:
-    from eaglenest.core.params import ConvertParams, ExtractParams, TrainParams
     from eaglenest.stages.convert import convert
+    from eaglenest.stages.convert.params import ConvertParams
     from eaglenest.stages.extract import extract_hidden_states
+    from eaglenest.stages.extract.params import ExtractParams
     from eaglenest.stages.train import TrainPaths, train_draft
+    from eaglenest.stages.train.params import TrainParams
     from tests.fixtures.pipeline import pipeline_until_prepare
 
     root = tmp_path_factory.mktemp("faults")
@@ -269,7 +271,7 @@ def test_corrupt_draft_checkpoint(trained: dict[str, Path], tmp_path: Path, dama
 def test_bad_set_file_is_one_line_naming_the_set_and_the_file(trained: dict[str, Path], tmp_path: Path,
                                                                 content: str, message: str):
     from eaglenest.artifacts.verifier import load_tokenizer
-    from eaglenest.core.params import EvalSetParams
+    from eaglenest.stages.evaluate.params import EvalSetParams
     from eaglenest.stages.evaluate.sets import load_eval_set
 
     prompts = tmp_path / "prompts.jsonl"

@@ -11,6 +11,10 @@ import yaml
 from datasets import load_from_disk
 from safetensors.torch import load_file, save_file
 
+from eaglenest.commands.params_file import parse_params
+from eaglenest.core.errors import ParamsError
+from eaglenest.core.params import parse_sections
+from eaglenest.stages.prepare.params import PrepareParams, PrepareStageParams
 from tests.fixtures.models import write_jsonl
 from tests.fixtures.pipeline import (
     SHARED_PARAMS,
@@ -187,12 +191,25 @@ def test_bad_params_stop_dvc_repro_with_every_problem(tmp_path: Path, tiny_verif
     result = dvc(["repro"], repo, check=False)
     assert result.returncode != 0
     output = result.stdout + result.stderr
-    assert "eaglenest verifier: error: params.yaml: 3 invalid params values" in output
+    # a stage checks the sections it reads: the verifier stage names its own problem, not prepare's
+    assert "eaglenest verifier: error: params.yaml: 1 invalid params value\n" in output
     assert "verifier.aux_layers = [1, 1]: layer ids must be distinct" in output
-    assert "prepare.max_len = 3: Input should be greater than or equal to 16" in output
-    assert "prepare.shuffle: unknown key" in output
+    assert "prepare." not in output
     assert "Traceback" not in output
     assert not (repo / "models/verifier").exists()
+    # the whole-file check names every problem at once, before any stage runs
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    with pytest.raises(ParamsError) as info:
+        parse_params(params)
+    assert str(info.value).splitlines()[1:] == [
+        "  - verifier.aux_layers = [1, 1]: layer ids must be distinct",
+        "  - prepare.max_len = 3: Input should be greater than or equal to 16",
+        "  - prepare.shuffle: unknown key (allowed: " + ", ".join(PrepareParams.model_fields) + ")",
+    ]
+    # and the prepare stage, when it runs, both of its own
+    with pytest.raises(ParamsError) as info:
+        parse_sections(params, PrepareStageParams)
+    assert str(info.value).splitlines()[0] == "params.yaml: 2 invalid params values"
 
 
 def test_malformed_conversations_stop_prepare_naming_file_and_record(tmp_path: Path, tiny_verifier_dir: Path):

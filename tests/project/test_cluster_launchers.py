@@ -9,7 +9,7 @@ import subprocess
 
 import yaml
 
-from eaglenest.core.params import parse_params
+from eaglenest.commands.params_file import parse_params
 from tests.fixtures.pipeline import REPO
 
 CLUSTER = REPO / "scripts" / "cluster"

@@ -17,9 +17,9 @@ import pytest
 import yaml
 
 from eaglenest.commands.generated import README_TARGET, Generated, render_readme, stale
+from eaglenest.commands.params_file import Params, parse_params
 from eaglenest.commands.reference import TARGETS
 from eaglenest.core.errors import InputFileError, ParamsError
-from eaglenest.core.params import Params, parse_params
 from tests.fixtures.pipeline import REPO
 
 README = REPO / "README.md"

@@ -8,6 +8,7 @@ counts, also those inside functions (a lazy import still ties two modules togeth
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import sys
 from pathlib import Path
@@ -200,3 +201,40 @@ def test_a_missing_or_extra_code_dep_is_named_with_its_stage(tmp_path: Path):
         "stage train: dvc.yaml misses src/eaglenest/stages/train/loop.py (the stage runs it)",
         "stage evaluate: dvc.yaml lists src/eaglenest/commands/report.py, which the stage does not run",
     ]
+
+
+def test_a_stages_params_module_is_a_code_dep_of_that_stage_alone():
+    """An edit to one stage's schema re-runs that stage alone: its params module (and the rest of its package) is
+    in no other stage's code deps, and the shared params module is in those of the stages that import it."""
+    deps = {stage: set(stage_deps.expected_code_deps(stage)) for stage in stage_deps.stage_names()}
+    for stage in deps:
+        module = f"src/eaglenest/stages/{stage}/params.py"
+        assert (REPO / module).is_file(), f"stage {stage} has no params module {module}"
+        assert [other for other in deps if module in deps[other]] == [stage], module
+        package = f"src/eaglenest/stages/{stage}/"
+        assert [other for other in deps if any(dep.startswith(package) for dep in deps[other])] == [stage], package
+    # the shared module is every stage's (core.stage loads a stage's sections with it): an edit there re-runs all
+    assert all("src/eaglenest/core/params.py" in deps[stage] for stage in deps)
+
+
+def test_each_stage_declares_as_params_deps_the_sections_it_reads():
+    """dvc.yaml's ``params:`` of a stage are the sections its StageParams reads (a view of another stage's section,
+    as convert's of extract's storage settings: its keys), but ``cluster``, which changes where a stage runs, never
+    what it makes."""
+    import yaml
+
+    from eaglenest.commands.params_file import SECTIONS, STAGE_PARAMS
+
+    declared = {name: stage.get("params", []) for name, stage in
+                yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"].items()}
+    for stage in stage_deps.stage_names():
+        importlib.import_module(f"eaglenest.stages.{stage}")
+        assert sys.modules[f"eaglenest.stages.{stage}"].STAGE.params is STAGE_PARAMS.get(stage)
+        expected = []
+        for section, field in STAGE_PARAMS.get(stage).model_fields.items():
+            if section == "cluster":
+                continue
+            whole = SECTIONS.get(section).model
+            expected += [section] if field.annotation is whole else [f"{section}.{key}"
+                                                                    for key in field.annotation.model_fields]
+        assert sorted(declared[stage]) == sorted(expected), stage

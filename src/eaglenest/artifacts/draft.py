@@ -58,7 +58,7 @@ def draft_tokens(draft_dir: Path, name: str) -> int:
 
     Args:
         draft_dir: The train stage's output folder.
-        name: How the user named the draft (``--draft``, ``evaluate: the draft``), for the message.
+        name: How the user named the draft (``--draft``, ``the draft``), for the message.
     """
     config = _read_config(draft_dir, name)
     try:

@@ -50,9 +50,9 @@ def doctor_vllm() -> str | None:
 def doctor_cluster(params_file: Path | None) -> str | None:
     """Prints where ``cluster.executor`` would run the row-parallel work (a Ray cluster: its nodes, CPUs and GPUs,
     asked of the cluster itself); returns why it cannot, or None."""
+    from eaglenest.commands.params_file import load_params
     from eaglenest.core.errors import EaglenestError
     from eaglenest.core.executor import describe_cluster
-    from eaglenest.core.params import load_params
 
     if params_file is None or not params_file.is_file():
         print(f"cluster: no params file{f' at {params_file}' if params_file else ''}; the stages run in one process")

@@ -18,10 +18,11 @@ from typing import Any
 
 import yaml
 
+from eaglenest.commands.params_file import parse_params
 from eaglenest.core.atomic import atomic_write_bytes
 from eaglenest.core.chat import REASONING_MARKERS
 from eaglenest.core.errors import EaglenestError
-from eaglenest.core.params import BUILTIN_PREFIX, parse_params
+from eaglenest.core.params import BUILTIN_PREFIX
 
 # Draft vocabulary: speculators' recipes use 32k for verifiers with larger vocabularies; the CPU demo's 4096 trains
 # faster on a CPU, where the draft's LM head is most of a step (docs/defaults.md).

@@ -73,11 +73,12 @@ def timed_turns(paths: PipelinePaths, max_k: int | None = None) -> TimedTurns:
     """The timed turns of the checkout's headline sets, the engines sized for K up to ``max_k``."""
     from eaglenest.artifacts.draft import draft_tokens
     from eaglenest.artifacts.verifier import load_tokenizer, load_verifier_info
-    from eaglenest.core.params import load_params
+    from eaglenest.core.params import load_sections
+    from eaglenest.stages.evaluate.params import EvaluateStageParams
     from eaglenest.stages.evaluate.sets import load_eval_sets
     from eaglenest.stages.evaluate.vllm import build_evaluate_llm_kwargs
 
-    params = load_params(paths.params).evaluate
+    params = load_sections(paths.params, EvaluateStageParams).evaluate
     trained_k = draft_tokens(paths.draft, "--draft")  # one line before a minute of engine start
     tokenizer = load_tokenizer(paths.verifier)
     sets = [s for s in load_eval_sets(params.sets, paths.prepared, tokenizer) if s.params.headline]

@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 
 from eaglenest.core.errors import EaglenestError
-from eaglenest.core.params import check_endpoint, load_params
+from eaglenest.core.params import check_endpoint, load_sections
 
 DVC_FILE = Path("dvc.yaml")
 
@@ -66,7 +66,7 @@ def train_launch(rdzv_endpoint: str | None, rdzv_id: str | None, print_only: boo
 
     script, argv = stage_command()
     stage_args = vars(stage_parser(STAGE).parse_args(argv))
-    params = load_params(stage_args.pop("params"))
+    params = load_sections(stage_args.pop("params"), STAGE.params)  # what the train stage reads
     launch = cluster_launch(params.train.nproc, params.cluster.torchrun, rdzv_endpoint, rdzv_id)
     if print_only:
         print(launch.shell_line(script, argv))

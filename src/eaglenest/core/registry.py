@@ -50,6 +50,11 @@ class Registry(Generic[T]):
         """The registered names, sorted."""
         return sorted(self._items)
 
+    def items(self) -> list[tuple[str, T]]:
+        """``(name, item)`` pairs in the order they were registered (an order that means something: the
+        pipeline's stages, the sections of params.yaml)."""
+        return list(self._items.items())
+
     def __contains__(self, name: object) -> bool:
         return name in self._items
 

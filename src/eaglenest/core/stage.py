@@ -1,15 +1,19 @@
 """The stage contract: every stage is a :class:`Stage`, and every ``stages/<name>.py`` script is the same lines.
 
-A stage package (``eaglenest.stages.<name>``) defines ``STAGE = Stage(name, paths, run)``:
+A stage package (``eaglenest.stages.<name>``) defines ``STAGE = Stage(name, description, params, paths, run)``:
 
+* ``params`` is the :class:`~eaglenest.core.params.StageParams` of what the stage reads of params.yaml (its own
+  section and the shared ones, from ``eaglenest.stages.<name>.params``): the stage validates those sections and no
+  others, so an edit to another stage's schema or section neither re-runs nor stops it.
 * ``paths`` is a frozen dataclass of where dvc.yaml puts the stage's inputs and outputs. Each field made with
   :func:`path_arg` becomes a required ``--<field-name>`` option of the script (underscores as dashes); fields
   without it are not on the command line (their defaults serve tests).
-* ``run(params, paths) -> metrics`` gets the whole typed params file, so a stage reads ``params.extract.dtype``
-  itself, and returns the metrics it wrote (empty for a stage without metrics).
+* ``run(params, paths) -> metrics`` gets those typed sections (``params.train``, ``params.cluster``) and returns
+  the metrics it wrote (empty for a stage without metrics).
 
-:func:`run_stage` parses the command line, loads and validates params.yaml, runs the stage, and turns an
-:class:`~eaglenest.core.errors.EaglenestError` into one line on stderr and exit status 2. SIGTERM (a
+:func:`run_stage` parses the command line, loads and validates the stage's sections of params.yaml, runs the
+stage, and turns an :class:`~eaglenest.core.errors.EaglenestError` into one line on stderr and exit status 2.
+Every log line carries one prefix, ``eaglenest <stage>:``; a message never repeats the stage's name. SIGTERM (a
 scheduler's time limit, ``kill``, ``timeout``) interrupts a stage as Ctrl-C does: the interpreter unwinds, so
 a vLLM engine's own processes are shut down with it instead of outliving it, and the stage exits 130.
 """
@@ -27,9 +31,10 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from eaglenest.core.errors import EaglenestError
-from eaglenest.core.params import Params, load_params
+from eaglenest.core.params import StageParams, load_sections
 
 P = TypeVar("P")
+S = TypeVar("S", bound=StageParams)
 
 _HELP = "eaglenest_help"
 _KIND = "eaglenest_kind"
@@ -41,23 +46,25 @@ def path_arg(help_text: str) -> Any:
 
 
 @dataclass(frozen=True)
-class Stage(Generic[P]):
+class Stage(Generic[S, P]):
     """One pipeline stage.
 
     Attributes:
         name: The stage's name in dvc.yaml ("train"), shown in every message.
         description: One line: what the stage does (the script's ``--help``).
+        params: What the stage reads of params.yaml: its own section and the shared ones.
         paths: The frozen dataclass of the stage's paths.
         run: ``(params, paths) -> metrics``: the stage's work.
     """
 
     name: str
     description: str
+    params: type[S]
     paths: type[P]
-    run: Callable[[Params, P], dict[str, Any]]
+    run: Callable[[S, P], dict[str, Any]]
 
 
-def stage_parser(stage: Stage[Any]) -> argparse.ArgumentParser:
+def stage_parser(stage: Stage[Any, Any]) -> argparse.ArgumentParser:
     """The stage script's parser: ``--params`` plus one option per :func:`path_arg` field."""
     parser = argparse.ArgumentParser(prog=f"stages/{stage.name}.py", description=stage.description)
     parser.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
@@ -75,7 +82,7 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def run_stage(stage: Stage[Any], argv: Sequence[str] | None = None) -> int:
+def run_stage(stage: Stage[Any, Any], argv: Sequence[str] | None = None) -> int:
     """Parses ``argv``, runs the stage and returns the process exit status.
 
     Args:
@@ -92,7 +99,7 @@ def run_stage(stage: Stage[Any], argv: Sequence[str] | None = None) -> int:
                         datefmt="%Y-%m-%d %H:%M:%S")
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        stage.run(load_params(params_file), stage.paths(**args))
+        stage.run(load_sections(params_file, stage.params), stage.paths(**args))
     except EaglenestError as err:
         print(f"eaglenest {stage.name}: error: {err}", file=sys.stderr)
         return 2

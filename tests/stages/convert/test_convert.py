@@ -15,10 +15,12 @@ from eaglenest.commands.cli import main as cli_main
 from eaglenest.commands.importer import import_dump
 from eaglenest.commands.inspect import inspect_path
 from eaglenest.core.errors import EaglenestError, InputFileError
-from eaglenest.core.params import ConvertParams, ExtractParams, PrepareParams
 from eaglenest.stages.convert import convert
+from eaglenest.stages.convert.params import ConvertParams
 from eaglenest.stages.extract import extract_hidden_states
+from eaglenest.stages.extract.params import ExtractParams
 from eaglenest.stages.prepare import prepare_dataset
+from eaglenest.stages.prepare.params import PrepareParams
 from tests.fixtures.pipeline import pipeline_until_prepare, stored_row
 
 
@@ -163,8 +165,8 @@ def test_pt_with_pickled_object_is_refused(tmp_path: Path):
 
 def test_import_formats_feed_the_pipeline(tmp_path: Path, tiny_verifier_dir: Path):
     """speculators-pt -> eaglenest layout -> speculators layout again; both run prepare/extract/convert."""
-    from eaglenest.core.params import VerifierParams
     from eaglenest.stages.verifier import build_verifier
+    from eaglenest.stages.verifier.params import VerifierParams
 
     write_pt_dump(tmp_path / "dump", 6)
     counts = import_dump("speculators-pt", tmp_path / "dump", tmp_path / "imported")

@@ -130,10 +130,12 @@ def test_always_wrong_draft_gives_tau_one(verifier: VerifierRunner):
 def test_trained_draft_is_lossless_at_temperature_zero(verifier: VerifierRunner, tmp_path: Path,
                                                        tiny_verifier_dir: Path):
     from eaglenest.artifacts.draft import load_draft
-    from eaglenest.core.params import ConvertParams, ExtractParams, TrainParams
     from eaglenest.stages.convert import convert
+    from eaglenest.stages.convert.params import ConvertParams
     from eaglenest.stages.extract import extract_hidden_states
+    from eaglenest.stages.extract.params import ExtractParams
     from eaglenest.stages.train import TrainPaths, train_draft
+    from eaglenest.stages.train.params import TrainParams
     from tests.fixtures.pipeline import pipeline_until_prepare
 
     verifier_dir, prepared = pipeline_until_prepare(tmp_path, tiny_verifier_dir, rows=20)
@@ -161,8 +163,8 @@ def random_draft(request: pytest.FixtureRequest, tiny_verifier_dir: Path) -> Any
     """A random but non-trivial EAGLE-3 draft for the tiny verifier (full vocabulary, no d2t); also with
     EAGLE-3.1's two norms (``train.norm_before_fc``, ``train.norm_output``), which change what is fed back."""
     from eaglenest.artifacts.verifier import VerifierInfo
-    from eaglenest.core.params import TrainParams
     from eaglenest.stages.train.model import build_draft
+    from eaglenest.stages.train.params import TrainParams
 
     info = VerifierInfo(source="x", kind="local", path=str(tiny_verifier_dir), name="x", fingerprint="x",
                         model_type="llama", num_layers=8, hidden_size=32, vocab_size=VOCAB,

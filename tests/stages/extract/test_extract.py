@@ -12,10 +12,11 @@ from safetensors.torch import load_file, save_file
 
 from eaglenest.artifacts.hidden_states.format import check_header, hs_path
 from eaglenest.artifacts.prepared import load_split
+from eaglenest.commands.params_file import parse_params
 from eaglenest.core.errors import EaglenestError, ParamsError
-from eaglenest.core.params import ExtractParams, parse_params
 from eaglenest.stages.extract import extract_hidden_states
 from eaglenest.stages.extract.hf import length_sorted_batches
+from eaglenest.stages.extract.params import ExtractParams
 from tests.fixtures.models import build_tiny_tokenizer, build_tiny_verifier
 from tests.fixtures.pipeline import pipeline_until_prepare, stored_row
 

@@ -15,10 +15,11 @@ from eaglenest.artifacts.hidden_states.format import file_metadata, hs_path
 from eaglenest.artifacts.hidden_states.layout import file_layout, shard_plan
 from eaglenest.artifacts.verifier import load_verifier_info
 from eaglenest.core.errors import EaglenestError
-from eaglenest.core.params import ExtractParams, VllmEngineParams
+from eaglenest.core.params import VllmEngineParams
 from eaglenest.core.vllm_support import VllmBuild
 from eaglenest.stages.extract import extract_hidden_states
 from eaglenest.stages.extract.job import EngineSettings, ExtractTask, run_extract_task
+from eaglenest.stages.extract.params import ExtractParams
 from eaglenest.stages.extract.vllm import (
     WAVES_PER_CALL,
     VllmExtractEngine,

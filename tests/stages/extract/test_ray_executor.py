@@ -24,9 +24,11 @@ from safetensors.torch import load_file, save_file
 from eaglenest.artifacts.hidden_states.format import stored_files
 from eaglenest.artifacts.hidden_states.resume import Extraction, unfinished_dir
 from eaglenest.artifacts.prepared import write_prepared
-from eaglenest.core.params import ClusterParams, ExtractParams, VerifierParams
+from eaglenest.core.params import ClusterParams
 from eaglenest.stages.extract import extract_hidden_states
+from eaglenest.stages.extract.params import ExtractParams
 from eaglenest.stages.verifier import build_verifier
+from eaglenest.stages.verifier.params import VerifierParams
 from tests.conftest import requires_vllm
 from tests.fixtures.cluster import engine_processes, wait_until_gone
 from tests.fixtures.models import build_tiny_verifier

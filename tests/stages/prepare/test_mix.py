@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 from datasets import load_from_disk
 
+from eaglenest.commands.params_file import parse_params
 from eaglenest.core.chat import end_of_turn_ids
 from eaglenest.core.errors import EaglenestError, InputFileError, ParamsError
-from eaglenest.core.params import SELF_INSTRUCT_SOURCE, PrepareParams, parse_params
 from eaglenest.stages.prepare import prepare_dataset, source_quotas
+from eaglenest.stages.prepare.params import SELF_INSTRUCT_SOURCE, PrepareParams
 from eaglenest.stages.prepare.regenerate import Sampling
 from eaglenest.stages.prepare.self_instruct import user_prefix, write_prompts
 from tests.fixtures.models import write_jsonl

@@ -12,8 +12,8 @@ from datasets import load_from_disk
 from eaglenest.artifacts.prepared import load_split
 from eaglenest.core.chat import end_of_turn_ids
 from eaglenest.core.errors import TemplateError
-from eaglenest.core.params import PrepareParams
 from eaglenest.stages.prepare import first_user_turn, prepare_dataset, render_rows
+from eaglenest.stages.prepare.params import PrepareParams
 from tests.fixtures.models import expected_from_pieces, write_jsonl
 
 CONVERSATION = [

@@ -18,8 +18,8 @@ from datasets import load_from_disk
 from eaglenest.artifacts.prepared import CHAT_FILE, load_chat_kwargs, load_split
 from eaglenest.core.chat import chat_template_kwargs, end_of_turn_ids, strip_reasoning, without_reasoning
 from eaglenest.core.errors import ParamsError
-from eaglenest.core.params import PrepareParams
 from eaglenest.stages.prepare import prepare_dataset, render_rows
+from eaglenest.stages.prepare.params import PrepareParams
 from eaglenest.stages.prepare.regenerate import regenerate
 from tests.fixtures.models import KIMI_K2_LIKE, QWEN3_LIKE, build_tiny_tokenizer, expected_from_pieces, write_jsonl
 

@@ -15,9 +15,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eaglenest.core.chat import end_of_turn_ids
-from eaglenest.core.params import PrepareParams, VllmEngineParams
+from eaglenest.core.params import VllmEngineParams
 from eaglenest.core.vllm_support import installed_build
 from eaglenest.stages.prepare import prepare_dataset
+from eaglenest.stages.prepare.params import PrepareParams
 from eaglenest.stages.prepare.regenerate import regenerate
 from eaglenest.stages.prepare.regenerate.hf import hf_reply_generator
 from tests.conftest import requires_vllm
@@ -147,8 +148,8 @@ def test_vllm_regeneration_arguments(tiny_verifier_dir: Path, tmp_path: Path, na
 def load_verifier_info_for(tiny_verifier_dir: Path, tmp_path: Path):
     """verifier.json for the tiny model, as the verifier stage writes it."""
     from eaglenest.artifacts.verifier import load_verifier_info
-    from eaglenest.core.params import VerifierParams
     from eaglenest.stages.verifier import build_verifier
+    from eaglenest.stages.verifier.params import VerifierParams
 
     out = tmp_path / "verifier"
     build_verifier(VerifierParams(model=str(tiny_verifier_dir)), out)
@@ -188,7 +189,7 @@ VLLM_REGENERATION_SCRIPT = """
 import json, sys
 from pathlib import Path
 
-from eaglenest.core.params import PrepareParams
+from eaglenest.stages.prepare.params import PrepareParams
 from eaglenest.core.chat import end_of_turn_ids
 from eaglenest.stages.prepare.regenerate import regenerate
 from eaglenest.stages.prepare.regenerate.job import GeneratorJob
@@ -302,9 +303,10 @@ def test_regeneration_on_a_ray_cluster_writes_the_local_executors_replies(tiny_v
     task of an actor that loaded the verifier itself; the same batches and seeds as in this process, so the same
     replies and the same cache entries; no Ray process left afterwards."""
     from eaglenest.artifacts.verifier import load_tokenizer, load_verifier_info
-    from eaglenest.core.params import ClusterParams, VerifierParams
+    from eaglenest.core.params import ClusterParams
     from eaglenest.stages.prepare.regenerate import verifier_generator
     from eaglenest.stages.verifier import build_verifier
+    from eaglenest.stages.verifier.params import VerifierParams
     from tests.fixtures.cluster import ray_processes, wait_until_gone
 
     build_verifier(VerifierParams(model=str(tiny_verifier_dir)), tmp_path / "verifier")

@@ -20,10 +20,11 @@ import yaml
 from safetensors.torch import load_file
 
 from eaglenest.commands.cli import main
+from eaglenest.commands.params_file import parse_params
 from eaglenest.core.errors import ParamsError
-from eaglenest.core.params import TrainParams, parse_params
 from eaglenest.stages.train import TrainPaths, train_draft
 from eaglenest.stages.train.checkpoint import CHECKPOINT_ROOT
+from eaglenest.stages.train.params import TrainParams
 from tests.fixtures.pipeline import REPO, equal_length_training_data, project_env, read_curves, run_train_stage
 
 # The tiny data's 8 training rows of 24 tokens make 2 sequences of 96 per epoch: the global batch of 2 is every

@@ -16,13 +16,16 @@ from eaglenest.artifacts.hidden_states.online import MANIFEST_FILE
 from eaglenest.artifacts.prepared import write_prepared
 from eaglenest.artifacts.verifier import load_verifier_info
 from eaglenest.commands.inspect import inspect_path
+from eaglenest.commands.params_file import parse_params
 from eaglenest.core.errors import EaglenestError, InputFileError, ParamsError
-from eaglenest.core.params import ConvertParams, ExtractParams, TrainParams, parse_params
 from eaglenest.stages.convert import convert
+from eaglenest.stages.convert.params import ConvertParams
 from eaglenest.stages.extract import extract_hidden_states
+from eaglenest.stages.extract.params import ExtractParams
 from eaglenest.stages.train import TrainPaths, train_draft
 from eaglenest.stages.train.data import load_training_data
 from eaglenest.stages.train.online import OnlineTransfer
+from eaglenest.stages.train.params import TrainParams
 from tests.fixtures.pipeline import pipeline_until_prepare
 
 ROWS = 24

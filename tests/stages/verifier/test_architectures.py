@@ -13,10 +13,12 @@ import pytest
 import torch
 
 from eaglenest.artifacts.prepared import load_chat_kwargs
-from eaglenest.core.params import ConvertParams, ExtractParams, TrainParams
 from eaglenest.stages.convert import convert
+from eaglenest.stages.convert.params import ConvertParams
 from eaglenest.stages.extract import extract_hidden_states
+from eaglenest.stages.extract.params import ExtractParams
 from eaglenest.stages.train import TrainPaths, train_draft
+from eaglenest.stages.train.params import TrainParams
 from tests.fixtures.models import NUM_LAYERS, QWEN3_LIKE, build_tiny_tokenizer, build_verifier_folder
 from tests.fixtures.pipeline import REPO, pipeline_until_prepare, run_evaluate, stored_row
 
@@ -121,8 +123,8 @@ def build_remote_code_verifier(path: Path) -> Path:
 @pytest.mark.slow
 def test_a_remote_code_verifier_runs_only_with_trust_remote_code(tmp_path: Path):
     from eaglenest.core.errors import ParamsError
-    from eaglenest.core.params import VerifierParams
     from eaglenest.stages.verifier import build_verifier
+    from eaglenest.stages.verifier.params import VerifierParams
 
     model_dir = build_remote_code_verifier(tmp_path / "custom")
     with pytest.raises(ParamsError, match=r"needs its own Python code.*verifier.trust_remote_code: true"):

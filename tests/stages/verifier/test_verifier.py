@@ -9,8 +9,8 @@ import pytest
 
 from eaglenest.artifacts.verifier import INFO_FILE, load_tokenizer, load_verifier_info
 from eaglenest.core.errors import EaglenestError, ParamsError
-from eaglenest.core.params import VerifierParams
 from eaglenest.stages.verifier import build_verifier, fingerprint_model_dir
+from eaglenest.stages.verifier.params import VerifierParams
 from tests.fixtures.models import build_tiny_verifier
 
 

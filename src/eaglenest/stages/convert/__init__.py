@@ -40,8 +40,9 @@ from eaglenest.artifacts.verifier import VerifierInfo, load_verifier_info
 from eaglenest.artifacts.vocab import write_vocab
 from eaglenest.core.atomic import atomic_directory, atomic_write_json
 from eaglenest.core.errors import EaglenestError, InputFileError
-from eaglenest.core.params import ConvertParams, ExtractParams, Params
+from eaglenest.core.params import HiddenStateStorage
 from eaglenest.core.stage import Stage, path_arg
+from eaglenest.stages.convert.params import ConvertParams, ConvertStageParams
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ def validate_hidden_states(input_ids: list[list[int]], stored: StoredHiddenState
     problems: dict[int, str] = {}
     unit = "file" if stored.rows_per_shard == 1 else "shard"
     with ThreadPoolExecutor(max_workers=workers) as pool:  # safetensors and torch release the GIL
-        for found in progress(len(stored.plan), "convert: validating", unit, iterable=pool.map(check, stored.plan)):
+        for found in progress(len(stored.plan), "validating", unit, iterable=pool.map(check, stored.plan)):
             problems.update(found)
     return problems
 
@@ -154,7 +155,7 @@ class UsableRows:
         return sorted(self.train + self.val)
 
 
-def find_usable_rows(params: ConvertParams, extract: ExtractParams, verifier_dir: Path, prepared_dir: Path,
+def find_usable_rows(params: ConvertParams, extract: HiddenStateStorage, verifier_dir: Path, prepared_dir: Path,
                      hs_dir: Path) -> UsableRows:
     """Phase 1: every hidden-state file validated against its prepared row (``extract.store: online``: the
     manifest against the rows, every row usable; the train stage checks each row it computes)."""
@@ -229,7 +230,7 @@ def build_vocabulary(params: ConvertParams, rows: UsableRows, out_dir: Path) -> 
     return record
 
 
-def write_data_metrics(rows: UsableRows, vocab: dict[str, Any], extract: ExtractParams, metrics_path: Path
+def write_data_metrics(rows: UsableRows, vocab: dict[str, Any], extract: HiddenStateStorage, metrics_path: Path
                        ) -> dict[str, Any]:
     """Phase 3: what the training set holds (``metrics/data.json``); returns the metrics."""
     usable, problems = rows.usable, rows.problems
@@ -257,7 +258,7 @@ def write_data_metrics(rows: UsableRows, vocab: dict[str, Any], extract: Extract
     return metrics
 
 
-def convert(params: ConvertParams, extract: ExtractParams, verifier_dir: Path, prepared_dir: Path, hs_dir: Path,
+def convert(params: ConvertParams, extract: HiddenStateStorage, verifier_dir: Path, prepared_dir: Path, hs_dir: Path,
             out_dir: Path, metrics_path: Path) -> dict[str, Any]:
     """The convert stage's work: validate, build the vocabulary, count; returns the metrics it writes.
 
@@ -286,10 +287,11 @@ class ConvertPaths:
     metrics: Path = path_arg("metrics JSON (metrics/data.json)")
 
 
-def run(params: Params, paths: ConvertPaths) -> dict[str, Any]:
+def run(params: ConvertStageParams, paths: ConvertPaths) -> dict[str, Any]:
     """The convert stage: reads ``extract.dtype`` and ``extract.store``, which its input was written with."""
     return convert(params.convert, params.extract, paths.verifier, paths.prepared, paths.hidden_states, paths.out,
                    paths.metrics)
 
 
-STAGE = Stage("convert", "Validate every hidden-state file and build the draft vocabulary.", ConvertPaths, run)
+STAGE = Stage("convert", "Validate every hidden-state file and build the draft vocabulary.", ConvertStageParams,
+              ConvertPaths, run)

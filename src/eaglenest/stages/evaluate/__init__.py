@@ -48,10 +48,10 @@ from eaglenest.artifacts.verifier import load_tokenizer
 from eaglenest.core.atomic import atomic_write_json
 from eaglenest.core.errors import EaglenestError
 from eaglenest.core.host import host_record
-from eaglenest.core.params import EvaluateParams, Params
 from eaglenest.core.registry import Registry
 from eaglenest.core.stage import Stage, path_arg
 from eaglenest.stages.evaluate.job import Backend, EvaluationJob
+from eaglenest.stages.evaluate.params import EvaluateParams, EvaluateStageParams
 from eaglenest.stages.evaluate.sets import load_eval_sets
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ def write_eval_outputs(params: EvaluateParams, results: dict[str, dict[str, Any]
 def evaluate(params: EvaluateParams, verifier_dir: Path, prepared_dir: Path, draft_dir: Path, metrics_path: Path,
              out_dir: Path) -> dict[str, Any]:
     """The evaluate stage: every back end of evaluate.backend on every set of evaluate.sets."""
-    algorithm = draft_algorithm(draft_dir, "evaluate: the draft")
+    algorithm = draft_algorithm(draft_dir, "the draft")
     backends = decoding_backends(params, algorithm)
     tokenizer = load_tokenizer(verifier_dir)
     job = EvaluationJob(params, verifier_dir, load_eval_sets(params.sets, prepared_dir, tokenizer), draft_dir)
@@ -170,11 +170,11 @@ class EvaluatePaths:
     out: Path = path_arg("folder for the records, details and plot table (metrics/eval)")
 
 
-def run(params: Params, paths: EvaluatePaths) -> dict[str, Any]:
+def run(params: EvaluateStageParams, paths: EvaluatePaths) -> dict[str, Any]:
     """The evaluate stage."""
     return evaluate(params.evaluate, paths.verifier, paths.prepared, paths.draft, paths.metrics, paths.out)
 
 
 STAGE = Stage("evaluate", "The draft in real speculative decoding on fixed sets: tau and speed-up with 95% intervals, "
               "lossless check, vLLM n-gram baseline.",
-              EvaluatePaths, run)
+              EvaluateStageParams, EvaluatePaths, run)

@@ -99,7 +99,7 @@ def _evaluate_set_hf(eval_set: EvalSet, decoder: ReferenceDecoder, limit: int | 
                                                for p in prompts],
                               lambda output: output[0])
     records = []
-    for item, (plain, plain_s) in progress(len(turns), f"evaluate: hf speculative, {eval_set.name}", "turn",
+    for item, (plain, plain_s) in progress(len(turns), f"hf speculative, {eval_set.name}", "turn",
                                            iterable=zip(turns, plains, strict=True)):
         spec = decoder.speculative(item.prompt, params.max_new_tokens, params.temperature, generator)
         # float32: the exact lossless rule

@@ -34,13 +34,13 @@ from typing import Any
 from eaglenest.artifacts.draft import draft_algorithm, draft_tokens, vllm_speculative_config
 from eaglenest.artifacts.verifier import VerifierInfo, load_tokenizer, load_verifier_info
 from eaglenest.core.errors import EaglenestError
-from eaglenest.core.params import EvaluateParams
 from eaglenest.core.progress import progress
 from eaglenest.core.vllm_metrics import ACCEPTED, ACCEPTED_PER_POS, DRAFT_TOKENS, DRAFTS
 from eaglenest.core.vllm_support import VLLM_NGRAM_WINDOW, create_llm, engine_kwargs, generate
 from eaglenest.stages.evaluate.acceptance import Acceptance, total
 from eaglenest.stages.evaluate.job import EvaluationJob, add_ngram, add_timing, ask_turns, set_entry, turn_record
 from eaglenest.stages.evaluate.lossless import TIE_CANDIDATES
+from eaglenest.stages.evaluate.params import EvaluateParams
 
 log = logging.getLogger(__name__)
 
@@ -262,7 +262,7 @@ def evaluate_draft_vllm(job: EvaluationJob) -> dict[str, Any]:
     params, draft_dir = job.params, job.draft_dir
     info, model_dir = load_verifier_info(job.verifier_dir)
     tokenizer = load_tokenizer(job.verifier_dir)
-    trained_k = draft_tokens(draft_dir, "evaluate: the draft")  # checked before a minute of engine start
+    trained_k = draft_tokens(draft_dir, "the draft")  # checked before a minute of engine start
     k = params.num_speculative_tokens or trained_k
     context_tokens, held_tokens = context_bounds(job, tokenizer, k)
     common = build_evaluate_llm_kwargs(params, info, model_dir, context_tokens=context_tokens, kv_tokens=held_tokens)
@@ -304,7 +304,7 @@ def evaluate_draft_vllm(job: EvaluationJob) -> dict[str, Any]:
         reference = sampling(eval_set, logprobs=TIE_CANDIDATES if greedy else None)
         started = time.perf_counter()
         turns, outputs = ask_turns(eval_set, eval_set.conversations, tokenizer,
-                                   lambda prompts, s=reference, d=f"evaluate: vllm plain, {eval_set.name}":
+                                   lambda prompts, s=reference, d=f"vllm plain, {eval_set.name}":
                                    _generate(plain_llm, prompts, s, d), _tokens)
         plain[eval_set.name] = (turns, outputs, time.perf_counter() - started)
         log.info("vllm plain, %s: %d turns together in %.0f s", eval_set.name, len(turns), plain[eval_set.name][2])
@@ -313,13 +313,13 @@ def evaluate_draft_vllm(job: EvaluationJob) -> dict[str, Any]:
     done_batching("plain", plain_llm)
 
     spec_llm = start({**common, **speculative_engine_kwargs(vllm_speculative_config(draft_dir, k))},
-                     f"the verifier with the {draft_algorithm(draft_dir, 'evaluate: the draft')} draft {draft_dir}",
+                     f"the verifier with the {draft_algorithm(draft_dir, 'the draft')} draft {draft_dir}",
                      "spec")
     spec: dict[str, Any] = {}
     for eval_set in job.sets:
         started = time.perf_counter()
         outputs, counts = decode_with_counts(spec_llm, [t.prompt for t in plain[eval_set.name][0]],
-                                             sampling(eval_set), k, f"evaluate: vllm draft, {eval_set.name}")
+                                             sampling(eval_set), k, f"vllm draft, {eval_set.name}")
         spec[eval_set.name] = (outputs, counts, time.perf_counter() - started)
         log.info("vllm eagle3, %s: %d turns together in %.0f s", eval_set.name, len(outputs),
                  spec[eval_set.name][2])
@@ -341,7 +341,7 @@ def evaluate_draft_vllm(job: EvaluationJob) -> dict[str, Any]:
         for eval_set in job.sets:
             started = time.perf_counter()
             pairs_of = time_interleaved(held, timed_prompts[eval_set.name], sampling(eval_set),
-                                        f"evaluate: timed turns, {eval_set.name}")
+                                        f"timed turns, {eval_set.name}")
             phases["timed"][eval_set.name] = round(time.perf_counter() - started, 3)
             for drafter, pairs in pairs_of.items():
                 timed[drafter][eval_set.name] = pairs

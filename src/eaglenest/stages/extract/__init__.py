@@ -33,10 +33,11 @@ from eaglenest.core.atomic import atomic_write_json, remove_stale_temps
 from eaglenest.core.errors import EaglenestError
 from eaglenest.core.executor import EngineNeeds, check_cluster, open_executor
 from eaglenest.core.host import host_record
-from eaglenest.core.params import ClusterParams, ExtractParams, Params
+from eaglenest.core.params import ClusterParams
 from eaglenest.core.registry import Registry
 from eaglenest.core.stage import Stage, path_arg
 from eaglenest.stages.extract.job import Engine, EngineSettings, ExtractTask, run_extract_task
+from eaglenest.stages.extract.params import ExtractParams, ExtractStageParams
 from eaglenest.stages.extract.vllm import staging_dir_for
 
 log = logging.getLogger(__name__)
@@ -192,7 +193,7 @@ def compute_hidden_states(plan: ExtractionPlan, cluster: ClusterParams) -> Compu
     settings = EngineSettings(plan.verifier, plan.model_dir.resolve(), params,
                               max(len(ids) for ids in plan.input_ids),
                               staging=None if ray else staging_dir_for(extraction.out_dir))
-    with progress(computed.rows, f"extract ({params.backend}, {cluster.executor})", "row") as bar:
+    with progress(computed.rows, f"hidden states ({params.backend}, {cluster.executor})", "row") as bar:
 
         def on_result(task: ExtractTask, files: list[tuple[str, Any]]) -> None:
             for name, value in files:
@@ -307,10 +308,11 @@ class ExtractPaths:
     metrics: Path = path_arg("metrics JSON (metrics/extract.json)")
 
 
-def run(params: Params, paths: ExtractPaths) -> dict[str, Any]:
+def run(params: ExtractStageParams, paths: ExtractPaths) -> dict[str, Any]:
     """The extract stage, on ``cluster.executor``."""
     return extract_hidden_states(params.extract, paths.verifier, paths.prepared, paths.out, paths.metrics,
                                  params.cluster)
 
 
-STAGE = Stage("extract", "The verifier's hidden states for every prepared row (resumable).", ExtractPaths, run)
+STAGE = Stage("extract", "The verifier's hidden states for every prepared row (resumable).", ExtractStageParams,
+              ExtractPaths, run)

@@ -21,7 +21,7 @@ from eaglenest.artifacts.hidden_states.format import encode_hidden_states
 from eaglenest.artifacts.hidden_states.layout import FileLayout, FileSink, FileWriter, MemorySink
 from eaglenest.artifacts.verifier import VerifierInfo
 from eaglenest.core.errors import EaglenestError
-from eaglenest.core.params import ExtractParams
+from eaglenest.stages.extract.params import ExtractParams
 
 # (row, its [seq, n_aux + 1, hidden] hidden states) -> stored in the row's file
 RowWriter = Callable[[int, torch.Tensor], None]

@@ -28,8 +28,8 @@ from eaglenest.core.atomic import atomic_write_json
 from eaglenest.core.chat import chat_template_kwargs, end_of_turn_ids, template_handles_reasoning, without_reasoning
 from eaglenest.core.errors import EaglenestError, InputFileError, ParamsError, TemplateError
 from eaglenest.core.host import host_record
-from eaglenest.core.params import SELF_INSTRUCT_SOURCE, Params, PrepareParams
 from eaglenest.core.stage import Stage, path_arg
+from eaglenest.stages.prepare.params import SELF_INSTRUCT_SOURCE, PrepareParams, PrepareStageParams
 from eaglenest.stages.prepare.sources import LONG_ROW_SOURCES, PROMPT_ONLY_SOURCES, Conversation, read_source
 
 log = logging.getLogger(__name__)
@@ -299,7 +299,7 @@ def render_mix(params: PrepareParams, tokenizer: Any, mix: Mix, eot_ids: set[int
     dropped: Counter[str] = Counter({reason: 0 for reason in DROP_REASONS})
     dropped["no_assistant_turn"] = mix.picks.no_reply
     kept: list[tuple[list[PreparedRow], Conversation]] = []
-    for conversation in progress(len(mix.conversations), "prepare: render", "conv", iterable=mix.conversations):
+    for conversation in progress(len(mix.conversations), "rendering", "conv", iterable=mix.conversations):
         rows_of_conversation = [row for row in render_rows(tokenizer, conversation.messages, params.max_len, eot_ids,
                                                            chat_kwargs) if sum(row.loss_mask) > 0]
         if not rows_of_conversation:
@@ -457,7 +457,7 @@ class PreparePaths:
     metrics: Path = path_arg("metrics JSON (metrics/prepare.json)")
 
 
-def run(params: Params, paths: PreparePaths) -> dict[str, Any]:
+def run(params: PrepareStageParams, paths: PreparePaths) -> dict[str, Any]:
     """The prepare stage: the verifier's tokenizer and, with regeneration, the verifier as generator (regeneration
     on ``cluster.executor``)."""
     from eaglenest.stages.prepare.regenerate import verifier_generator
@@ -475,5 +475,5 @@ def run(params: Params, paths: PreparePaths) -> dict[str, Any]:
                            if generator else None)
 
 
-STAGE = Stage("prepare", "Render conversations with the verifier's chat template into training rows.", PreparePaths,
-              run)
+STAGE = Stage("prepare", "Render conversations with the verifier's chat template into training rows.",
+              PrepareStageParams, PreparePaths, run)

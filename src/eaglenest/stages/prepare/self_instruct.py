@@ -29,7 +29,7 @@ from typing import Any
 from eaglenest.artifacts.verifier import VerifierInfo
 from eaglenest.core.atomic import atomic_write_json
 from eaglenest.core.errors import EaglenestError
-from eaglenest.core.params import PrepareParams
+from eaglenest.stages.prepare.params import PrepareParams
 from eaglenest.stages.prepare.regenerate import VerifierGenerator
 from eaglenest.stages.prepare.regenerate.job import ReplyGenerator, Sampling
 

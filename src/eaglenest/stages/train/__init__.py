@@ -40,7 +40,6 @@ from eaglenest.core.atomic import atomic_write_json
 from eaglenest.core.device import pick_device
 from eaglenest.core.errors import EaglenestError
 from eaglenest.core.host import host_record
-from eaglenest.core.params import Params, TrainParams
 from eaglenest.core.progress import progress
 from eaglenest.core.stage import Stage, path_arg
 from eaglenest.stages.train.checkpoint import (
@@ -57,6 +56,7 @@ from eaglenest.stages.train.data import PackedBatches, TrainingData, checked_row
 from eaglenest.stages.train.distributed import Distributed, init_distributed, local_launch, run_launcher
 from eaglenest.stages.train.loop import Optimization, backward, build_optimization, optimizer_step
 from eaglenest.stages.train.model import Runtime, build_draft, draft_runtime
+from eaglenest.stages.train.params import TrainParams, TrainStageParams
 from eaglenest.stages.train.validation import validate_draft
 
 log = logging.getLogger(__name__)
@@ -190,7 +190,7 @@ def fit(session: TrainSession) -> FitResult:
     started = time.perf_counter()
     result = FitResult(train_loss=float("nan"), validation={}, seconds=0.0, step_seconds=0.0, trained_tokens=0.0)
     # Rank 0's meter: steps with the loss, tokens/s and the ETA (a resumed run counts from where it stopped).
-    meter = progress(params.steps, "train", "step", initial=session.start_step, disable=not dist.is_main)
+    meter = progress(params.steps, "optimizer steps", "step", initial=session.start_step, disable=not dist.is_main)
     for step in range(session.start_step, params.steps):
         step_started = time.perf_counter()
         sequences = [next(session.train_batches) for _ in range(params.nproc)]  # the global batch
@@ -308,13 +308,13 @@ def check_inputs(params: TrainParams, paths: TrainPaths) -> None:
     checked_rows(params, paths.vocab, load_table(paths.prepared).column("seq_len").to_pylist())
 
 
-def placed(params: Params, paths: TrainPaths) -> TrainPaths:
+def placed(params: TrainStageParams, paths: TrainPaths) -> TrainPaths:
     """``paths`` with the checkpoints where ``cluster.torchrun.checkpoint_dir`` puts them."""
     folder = params.cluster.torchrun.checkpoint_dir
     return dataclasses.replace(paths, checkpoints=Path(folder)) if folder else paths
 
 
-def run(params: Params, paths: TrainPaths) -> dict[str, Any]:
+def run(params: TrainStageParams, paths: TrainPaths) -> dict[str, Any]:
     """The train stage; with ``train.nproc`` > 1 and not yet under torchrun, it runs torchrun's elastic launcher
     on this script, ``train.nproc`` processes on this machine."""
     train, paths = params.train, placed(params, paths)
@@ -327,4 +327,4 @@ def run(params: Params, paths: TrainPaths) -> dict[str, Any]:
 
 STAGE = Stage("train", "The draft (EAGLE-3, P-EAGLE or DFlash), trained on the hidden states, logged with "
               "dvclive, resumable.",
-              TrainPaths, run)
+              TrainStageParams, TrainPaths, run)

@@ -28,9 +28,9 @@ from eaglenest.artifacts.hidden_states.online import MANIFEST_FILE
 from eaglenest.artifacts.verifier import VerifierInfo
 from eaglenest.core.atomic import atomic_write_bytes, temp_sibling
 from eaglenest.core.errors import EaglenestError
-from eaglenest.core.params import TrainParams
 from eaglenest.stages.train.curves import Logged
 from eaglenest.stages.train.distributed import Distributed
+from eaglenest.stages.train.params import TrainParams
 
 CHECKPOINT_ROOT = Path(".eaglenest") / "train-checkpoints"
 CHECKPOINT_FILE = "checkpoint.pt"

@@ -22,9 +22,9 @@ from eaglenest.artifacts.prepared import load_table
 from eaglenest.artifacts.verifier import VerifierInfo
 from eaglenest.artifacts.vocab import load_rows
 from eaglenest.core.errors import EaglenestError
-from eaglenest.core.params import TrainParams
 from eaglenest.stages.train.model import ALGORITHMS
 from eaglenest.stages.train.online import OnlineTransfer
+from eaglenest.stages.train.params import TrainParams
 
 
 @dataclass(frozen=True)

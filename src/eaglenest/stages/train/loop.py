@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from eaglenest.core.errors import EaglenestError
-from eaglenest.core.params import TrainParams
 from eaglenest.stages.train.model import Runtime
+from eaglenest.stages.train.params import TrainParams
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ import torch
 
 from eaglenest.artifacts.verifier import VerifierInfo, register_remote_config
 from eaglenest.core.device import cpu_has_native_bf16
-from eaglenest.core.params import DFlashParams, PEagleParams, TrainParams
 from eaglenest.core.registry import Registry
+from eaglenest.stages.train.params import DFlashParams, PEagleParams, TrainParams
 
 
 @dataclass(frozen=True)

@@ -27,10 +27,11 @@ from typing import Any
 from eaglenest.artifacts.verifier import VerifierInfo, hf_cache_path, verifier_path_override, write_verifier_record
 from eaglenest.core.atomic import atomic_directory, atomic_write_json
 from eaglenest.core.errors import EaglenestError, ParamsError
-from eaglenest.core.params import BUILTIN_PREFIX, Params, VerifierParams
+from eaglenest.core.params import BUILTIN_PREFIX
 from eaglenest.core.progress import progress
 from eaglenest.core.registry import Registry
 from eaglenest.core.stage import Stage, path_arg
+from eaglenest.stages.verifier.params import VerifierParams, VerifierStageParams
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +140,7 @@ def fingerprint_model_dir(path: Path, cache_file: Path | None = None, remember: 
             digest.update(name.encode() + b"\0" + file.read_bytes())
     files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES)
     # The first read of a verifier's weights (a terabyte for the largest) shows its rate and ETA.
-    with progress(sum(f.stat().st_size for f in files), "verifier: hashing the weights", "B", unit_scale=True,
+    with progress(sum(f.stat().st_size for f in files), "hashing the weights", "B", unit_scale=True,
                   unit_divisor=1024) as meter:
         for weights in files:
             digest.update(weights.name.encode() + b"\0" + content_hash(weights, cache_file, remember, meter).encode())
@@ -294,11 +295,12 @@ class VerifierPaths:
     out: Path = path_arg("output folder (models/verifier)")
 
 
-def run(params: Params, paths: VerifierPaths) -> dict[str, Any]:
+def run(params: VerifierStageParams, paths: VerifierPaths) -> dict[str, Any]:
     """The verifier stage; it writes no metrics, and returns the record it wrote."""
     return build_verifier(params.verifier, paths.out).model_dump()
 
 
-STAGE = Stage("verifier", "Resolve verifier.model and record N, hidden size, vocab and aux layers.", VerifierPaths, run)
+STAGE = Stage("verifier", "Resolve verifier.model and record N, hidden size, vocab and aux layers.",
+              VerifierStageParams, VerifierPaths, run)
 
 

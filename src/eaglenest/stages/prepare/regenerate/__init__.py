@@ -35,10 +35,11 @@ from eaglenest.artifacts.verifier import VerifierInfo
 from eaglenest.core.atomic import atomic_write_json
 from eaglenest.core.chat import chat_template_kwargs, strip_reasoning
 from eaglenest.core.executor import EngineNeeds, check_cluster, open_executor
-from eaglenest.core.params import ClusterParams, PrepareParams
+from eaglenest.core.params import ClusterParams
 from eaglenest.core.progress import progress
 from eaglenest.core.registry import Registry
 from eaglenest.core.vllm_support import serving_dtype
+from eaglenest.stages.prepare.params import PrepareParams
 from eaglenest.stages.prepare.regenerate.job import GeneratorJob, ReplyBackend, ReplyGenerator, Sampling
 
 log = logging.getLogger(__name__)
@@ -213,7 +214,7 @@ def regenerate(conversations: list[list[dict[str, str]]], generate_replies: Repl
     size = params.regenerate_batch_size
     batches = {start: todo[start: start + size] for start in range(0, len(todo), size)}
     tasks = [RegenerationTask(start, [conversations[i] for i in batch], params) for start, batch in batches.items()]
-    meter = progress(len(todo), "prepare: regenerated", "conv")  # per batch: the overall rate and ETA
+    meter = progress(len(todo), "regenerated", "conv")  # per batch: the overall rate and ETA
 
     def on_result(task: RegenerationTask, result: BatchResult) -> None:
         stats.turns += result.turns

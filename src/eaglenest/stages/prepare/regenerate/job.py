@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from eaglenest.artifacts.verifier import VerifierInfo
-from eaglenest.core.params import PrepareParams
+from eaglenest.stages.prepare.params import PrepareParams
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ from typing import Any
 from eaglenest.artifacts.verifier import VerifierInfo
 from eaglenest.core.chat import cut_after_end_of_turn
 from eaglenest.core.errors import EaglenestError
-from eaglenest.core.params import PrepareParams
 from eaglenest.core.vllm_support import create_llm, engine_kwargs, generate, installed_build
+from eaglenest.stages.prepare.params import PrepareParams
 from eaglenest.stages.prepare.regenerate.job import GeneratorJob, ReplyGenerator, Sampling
 
 PARAM = "prepare.regenerate_backend"
@@ -73,7 +73,7 @@ def vllm_reply_generator(job: GeneratorJob) -> ReplyGenerator:
                            for i in range(len(prompts))]
         what = "write prompts" if sampling is not None else "regenerate"
         outputs = generate(llm, [{"prompt_token_ids": list(p)} for p in prompts], per_request, PARAM,
-                           progress_desc=f"prepare: {what}, a batch of {len(prompts)}")
+                           progress_desc=f"{what}, a batch of {len(prompts)}")
         if len(outputs) != len(prompts):
             raise EaglenestError(f"vLLM returned {len(outputs)} replies for {len(prompts)} prompts")
         return replies_from_outputs(outputs, eos_ids)
