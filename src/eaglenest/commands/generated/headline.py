@@ -78,8 +78,7 @@ def headline_lines(repo: Path) -> list[str]:
             f"{details.get('num_speculative_tokens')}, and {figure(figures, f'{backend}_speedup', 'x')} single-stream "
             f"speed-up over plain decoding** ({backend}, 95% intervals over prompts; n-gram drafting "
             f"{figure(figures, f'{backend}_ngram_speedup', 'x')}); {lossless}"
-            f"; {run.get('dtype', '—')}, on {host_label(details)}.",
-            "", headline_clause(load_serve_record(repo))]
+            f"; {run.get('dtype', '—')}, on {host_label(details)}. {headline_clause(load_serve_record(repo))}"]
 
 
 def demo_table(repo: Path) -> list[str]:
