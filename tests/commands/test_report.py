@@ -348,6 +348,9 @@ def test_cli_takes_base_then_heads(tmp_path: Path, good: dict, worse: dict, caps
     assert main(["report", "main~1", "main", "--repo", str(repo), "--out", str(out)]) == 0
     assert capsys.readouterr().out.splitlines() == [str(out / "report.md"), str(out / "report.html")]
     assert "## Paired comparison: main against main~1" in (out / "report.md").read_text()
+    assert main(["report", "main", "--docs", "--repo", str(repo)]) == 2
+    assert capsys.readouterr().err == ("eaglenest report: error: --docs takes no revisions: it renders the "
+                                       "workspace's committed measurements\n")
     assert main(["report", "no-such-branch", "--repo", str(repo), "--out", str(out)]) == 2
     assert capsys.readouterr().err == ("eaglenest report: error: revision 'no-such-branch': not a git revision, "
                                        "DVC experiment or 'workspace'\n")
