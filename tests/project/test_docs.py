@@ -365,6 +365,31 @@ def test_a_real_bench_result_recorded_renders_the_docs_figures(tmp_path: Path, c
     assert stale(repo, CONCURRENCY_TARGETS) == [] and (repo / "docs/img/concurrency.svg").is_file()
 
 
+def test_recording_a_bench_result_adds_the_command_commit_and_host_kind(tmp_path: Path):
+    from eaglenest.core.host import host_kind
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], cwd=repo, check=True)
+    subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "t"], cwd=repo, check=True)
+    head = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=repo, capture_output=True, text=True,
+                          check=True).stdout.strip()
+    result = bench_result({1: 1.1, 4: 0.8})
+    del result["recorded"]
+    (tmp_path / "bench.json").write_text(json.dumps(result))
+    record = record_bench(tmp_path / "bench.json", "eaglenest bench --serve", repo, repo / SERVE_RECORD)
+    assert [(level.concurrency, level.speedup) for level in record.levels] == [(1, 1.1), (4, 0.8)]
+    recorded = json.loads((repo / SERVE_RECORD).read_text())["recorded"]
+    assert recorded["command"] == "eaglenest bench --serve" and recorded["commit"] == head
+    assert recorded["host"]["key"] == host_kind().key and recorded["host"]["label"] == host_kind().label
+    script = [sys.executable, str(REPO / "scripts" / "record_serve_bench.py")]
+    missing = subprocess.run([*script, str(tmp_path / "none.json"), "--command", "x", "--repo", str(repo)],
+                             capture_output=True, text=True)
+    assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
+    assert missing.stderr.startswith(f"record_serve_bench.py: error: {tmp_path / 'none.json'}: not a bench result")
+
+
 @pytest.mark.parametrize("path, edit, line", [
     ("results.1.baseline", lambda row: row.pop("tokens_per_s"), "no results[1].baseline.tokens_per_s (expected an "
                                                                 "integer or a number)"),

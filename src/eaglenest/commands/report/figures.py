@@ -213,7 +213,8 @@ def loss_figure(series: list[tuple[str, str | None, str | None]]) -> Figure | No
         if train:
             ax.plot(*tsv_series(train), color=color, linewidth=1, label=f"{label}: training")
         if val:
-            ax.plot(*tsv_series(val), color=color, linestyle="--", marker="o", markersize=3, label=f"{label}: validation")
+            ax.plot(*tsv_series(val), color=color, linestyle="--", marker="o", markersize=3,
+                    label=f"{label}: validation")
     values = [v for line in ax.get_lines() for v in line.get_ydata()]
     if values and min(values) > 0 and max(values) > 10 * min(values):
         ax.set_yscale("log")  # early losses are tens of times the late ones, which a linear axis flattens
