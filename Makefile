@@ -35,7 +35,7 @@ export DO_NOT_TRACK := 1
 # Stages run `python` from PATH: put the project's interpreter first.
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup demo test test-fast lint doctor clean-venv
+.PHONY: setup demo test test-fast lint doctor figures clean-venv
 
 setup: $(STAMP)
 
@@ -72,6 +72,11 @@ lint: setup
 
 doctor: setup
 	$(VENV)/bin/eaglenest doctor
+
+# Every figure of README.md and docs/ drawn from a committed measurement (blocks and docs/img/*.svg), after
+# `make demo` or a recorded bench; docs/img/training.svg needs dvclive/train in the workspace (dvc pull).
+figures: setup
+	$(VENV)/bin/eaglenest report --docs
 
 clean-venv:
 	rm -rf $(VENV)

@@ -3,8 +3,10 @@ recorded seed spread, and the plots' panels, in small git repositories built on 
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from matplotlib.container import BarContainer
 from eaglenest.artifacts.evaluation import headline, summarize
 from eaglenest.commands.cli import main
 from eaglenest.commands.report import (
+    MAX_WIDTH_PX,
     NO_SPREAD,
     NO_VERDICT,
     OTHER_HOST,
@@ -343,11 +346,56 @@ def test_cli_takes_base_then_heads(tmp_path: Path, good: dict, worse: dict, caps
     repo = _repo(tmp_path, good, worse)
     out = tmp_path / "out"
     assert main(["report", "main~1", "main", "--repo", str(repo), "--out", str(out)]) == 0
-    assert capsys.readouterr().out.strip() == str(out / "report.md")
+    assert capsys.readouterr().out.splitlines() == [str(out / "report.md"), str(out / "report.html")]
     assert "## Paired comparison: main against main~1" in (out / "report.md").read_text()
+    assert main(["report", "main", "--docs", "--repo", str(repo)]) == 2
+    assert capsys.readouterr().err == ("eaglenest report: error: --docs takes no revisions: it renders the "
+                                       "workspace's committed measurements\n")
     assert main(["report", "no-such-branch", "--repo", str(repo), "--out", str(out)]) == 2
     assert capsys.readouterr().err == ("eaglenest report: error: revision 'no-such-branch': not a git revision, "
                                        "DVC experiment or 'workspace'\n")
+
+
+def test_the_html_report_works_offline_and_holds_every_plot_and_table(tmp_path: Path, good: dict, worse: dict):
+    repo = _repo(tmp_path, good, worse)
+    out = tmp_path / "out"
+    report = write_report(repo, ["main"], "main~1", out)
+    page = (out / "report.html").read_text()
+    # nothing fetched: no script at all, and every image and link source is inline
+    assert "<script" not in page and "<link" not in page and "@import" not in page
+    sources = re.findall(r'(?:src|href)="([^"]*)"', page)
+    assert sources and all(source.startswith("data:image/png;base64,") for source in sources), sources
+    images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", report.read_text())
+    assert {"acceptance.png", "tau_per_category.png", "loss.png"} <= set(images)
+    for name in images:  # each plot of report.md, the same bytes inlined
+        assert f"data:image/png;base64,{base64.b64encode((out / name).read_bytes()).decode()}" in page
+    rows = _rows(report.read_text(), "general")
+    assert rows["tau"][4] == NO_VERDICT  # no seed spread committed here
+    assert "<td>tau</td>" in page and f"<td>{NO_VERDICT}</td>" in page and "<h3>general</h3>" in page
+
+
+def _five_sets(details: dict) -> dict:
+    """details.json with five headline sets (copies of the two): a wide report."""
+    wide = json.loads(json.dumps(details))
+    sets = wide["runs"]["vllm"]["sets"]
+    for i in range(3):
+        sets[f"copy{i}"] = sets["general"]
+    return wide
+
+
+def test_a_figure_of_many_sets_wraps_its_panels_to_the_page_width(good: dict):
+    from eaglenest.commands.report.figures import DPI, Plot
+
+    details = _five_sets(good["metrics/eval/details.json"])
+    for fig in (acceptance_figure([("main", details)], "vllm"), tau_category_figure([("main", details)], "vllm")):
+        width_px = fig.get_size_inches()[0] * DPI
+        assert width_px <= MAX_WIDTH_PX
+        assert [ax.get_title() for ax in fig.axes] == [f"{name} (vllm)" for name in
+                                                      ("humaneval", "general", "copy0", "copy1", "copy2")]
+        rows = {round(ax.get_position().y0, 3) for ax in fig.axes}
+        assert len(rows) == 2  # three panels a row, then two
+    png = Plot("acceptance", "acceptance", acceptance_figure([("main", details)], "vllm")).png()
+    assert int.from_bytes(png[16:20], "big") <= MAX_WIDTH_PX  # the PNG's own width (IHDR)
 
 
 # --- real drafts (slow) ----------------------------------------------------------------------------------------

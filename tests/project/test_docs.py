@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eaglenest.commands.generated import README_TARGET, Generated, render_readme, stale
+from eaglenest.commands.generated import DOCS_TARGETS, README_TARGET, Generated, render_readme, stale, write
+from eaglenest.commands.generated.concurrency import SERVE_RECORD, load_serve_record, record_bench
+from eaglenest.commands.generated.training import TRAINING_SVG, drawn_md5, folder_md5, locked_md5, render_training_svg
 from eaglenest.commands.params_file import Params, parse_params
 from eaglenest.commands.reference import TARGETS
 from eaglenest.core.errors import InputFileError, ParamsError
@@ -269,6 +271,186 @@ def test_the_headline_figure_shows_the_metrics_at_page_width_and_names_a_missing
     with pytest.raises(InputFileError, match=r"metrics/eval.json: no vllm_ngram_speedup with "
                                              r"vllm_ngram_speedup_ci95; the figure docs/img/headline.svg needs both"):
         headline_svg(tmp_path)
+
+
+def bench_result(speedups: dict[int, float], plain_tokens_per_s: float = 20.0) -> dict:
+    """A bench.json as ``eaglenest bench --serve`` writes it (the keys the docs' figures read), with ``recorded``."""
+    results = [{"concurrency": c, "speedup": speedup,
+                "draft": {"completed": 8, "failed": 0, "tokens_per_s": round(plain_tokens_per_s * c * speedup, 3),
+                          "latency_ms": {"mean": 900.0, "p50": 880.0 * c, "p99": 990.0}, "tau": 1.5626},
+                "baseline": {"completed": 8, "failed": 0, "tokens_per_s": plain_tokens_per_s * c,
+                             "latency_ms": {"mean": 950.0, "p50": 940.0 * c, "p99": 999.0}},
+                "outputs": {"compared": 8, "identical": 7, "near_ties": [{"request": 3}], "differ": []}}
+               for c, speedup in speedups.items()]
+    below = [c for c, speedup in speedups.items() if speedup < 1]
+    return {"model": "HuggingFaceTB/SmolLM2-135M-Instruct", "prompts": {"count": 8, "requests": 8}, "max_tokens": 64,
+            "temperature": 0.0, "concurrency": list(speedups), "results": results, "complete": True,
+            "stops_paying_at": min(below) if below else None, "servers": {"baseline": {"kind": "none"}},
+            "recorded": {"command": "eaglenest bench --serve --concurrency 1 4 16", "commit": "0123456789",
+                         "host": {"key": "AMD EPYC | AVX512 | bf16", "label": "AMD EPYC, AVX512 with AVX512-BF16"}}}
+
+
+def _docs_copy(tmp_path: Path) -> Path:
+    """The pages and measurements the docs' figures are drawn from, copied into ``tmp_path``."""
+    for name in ("README.md", "docs/serving.md", "docs/defaults.md", "metrics/eval.json", "metrics/eval/details.json"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(REPO / name, tmp_path / name)
+    return tmp_path
+
+
+CONCURRENCY_TARGETS = tuple(t for t in DOCS_TARGETS if t.path in ("README.md", "docs/serving.md",
+                                                                  "docs/img/concurrency.svg"))
+
+
+def test_the_docs_concurrency_figures_follow_the_committed_bench_result(tmp_path: Path):
+    repo = _docs_copy(tmp_path)
+    (repo / SERVE_RECORD).parent.mkdir(parents=True)
+    (repo / SERVE_RECORD).write_text(json.dumps(bench_result({1: 1.06, 4: 0.705, 16: 0.537})))
+    assert write(repo, CONCURRENCY_TARGETS) == [f"wrote {t.path}" for t in CONCURRENCY_TARGETS]
+    serving = (repo / "docs/serving.md").read_text()
+    for row in ("| 1 | 21.2 | 20.0 | x1.060 | 1.5626 | 880 / 940 | 7 / 1 / 0 |",
+                "| 4 | 56.4 | 80.0 | x0.705 | 1.5626 | 3,520 / 3,760 | 7 / 1 / 0 |",
+                "| 16 | 171.8 | 320.0 | x0.537 | 1.5626 | 14,080 / 15,040 | 7 / 1 / 0 |"):
+        assert row in serving
+    assert "speculation stops paying at concurrency 4" in serving and "at 0123456789, on AMD EPYC" in serving
+    assert "x1.06 single-stream, x0.70 at 4 requests in flight, x0.54 at 16 requests in flight" in \
+        (repo / "README.md").read_text()
+    svg = (repo / "docs/img/concurrency.svg").read_text()
+    assert float(re.search(r'<svg [^>]*width="([0-9.]+)pt"', svg).group(1)) * 96 / 72 <= 1600
+    assert {"1.06", "0.70", "0.54", "21.20", "320.00"} <= set(re.findall(r">([0-9]+\.[0-9]{2})<", svg))
+    assert stale(repo, CONCURRENCY_TARGETS) == []
+    # a page that disagrees with the file: a hand edit, then a new measurement
+    (repo / "docs/serving.md").write_text(serving.replace("x0.705", "x0.750"))
+    assert [p.split(" ")[0] for p in stale(repo, CONCURRENCY_TARGETS)] == ["docs/serving.md"]
+    (repo / SERVE_RECORD).write_text(json.dumps(bench_result({1: 1.06, 4: 0.92, 16: 0.537})))
+    assert [p.split(" ")[0] for p in stale(repo, CONCURRENCY_TARGETS)] == [t.path for t in CONCURRENCY_TARGETS]
+    (repo / SERVE_RECORD).unlink()  # no measurement: the blocks say how to make one, the figure must go
+    assert stale(repo, CONCURRENCY_TARGETS)[-1] == (
+        "docs/img/concurrency.svg draws a measurement that is not committed; run `eaglenest report --docs` (it "
+        "removes the file) and commit the result")
+    write(repo, CONCURRENCY_TARGETS)
+    assert not (repo / "docs/img/concurrency.svg").exists()
+    assert "Not measured at this commit" in (repo / "docs/serving.md").read_text()
+
+
+@pytest.mark.slow
+def test_a_real_bench_result_recorded_renders_the_docs_figures(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """``eaglenest bench`` (vLLM's own `vllm bench serve`) against two fake servers, recorded by the script, drawn."""
+    from eaglenest.commands import cli
+    from tests.fixtures.fakes import FakeServer
+    from tests.fixtures.models import build_tiny_tokenizer
+
+    build_tiny_tokenizer().save_pretrained(tmp_path / "tokenizer")
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"tell me about {word}"}) + "\n"
+                                                    for word in ("cats", "rain", "maps")))
+    out = tmp_path / "bench"
+    with FakeServer(token_delay=0.002) as draft, FakeServer(spec=False, token_delay=0.004) as baseline:
+        argv = ["bench", "--url", draft.url, "--baseline-url", baseline.url, "--prompts",
+                str(tmp_path / "prompts.jsonl"), "--tokenizer", str(tmp_path / "tokenizer"), "--out", str(out),
+                "--concurrency", "1", "4", "--num-prompts", "4", "--max-tokens", "5", "--warmup-prompts", "1"]
+        assert cli.main(argv) == 0, capsys.readouterr().err
+    repo = _docs_copy(tmp_path / "repo")
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "t"],
+                   cwd=repo, check=True)
+    record = record_bench(out / "bench.json", "eaglenest bench --concurrency 1 4", repo, repo / SERVE_RECORD)
+    measured = json.loads((out / "bench.json").read_text())["results"]
+    assert [(level.concurrency, level.speedup) for level in record.levels] == [
+        (row["concurrency"], row["speedup"]) for row in measured]
+    write(repo, CONCURRENCY_TARGETS)
+    serving = (repo / "docs/serving.md").read_text()
+    for row in measured:
+        assert f"| {row['concurrency']} | {row['draft']['tokens_per_s']:.1f} | " \
+               f"{row['baseline']['tokens_per_s']:.1f} | x{row['speedup']:.3f} |" in serving
+    assert stale(repo, CONCURRENCY_TARGETS) == [] and (repo / "docs/img/concurrency.svg").is_file()
+
+
+def test_recording_a_bench_result_adds_the_command_commit_and_host_kind(tmp_path: Path):
+    from eaglenest.core.host import host_kind
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], cwd=repo, check=True)
+    subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "t"], cwd=repo, check=True)
+    head = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=repo, capture_output=True, text=True,
+                          check=True).stdout.strip()
+    result = bench_result({1: 1.1, 4: 0.8})
+    del result["recorded"]
+    (tmp_path / "bench.json").write_text(json.dumps(result))
+    record = record_bench(tmp_path / "bench.json", "eaglenest bench --serve", repo, repo / SERVE_RECORD)
+    assert [(level.concurrency, level.speedup) for level in record.levels] == [(1, 1.1), (4, 0.8)]
+    recorded = json.loads((repo / SERVE_RECORD).read_text())["recorded"]
+    assert recorded["command"] == "eaglenest bench --serve" and recorded["commit"] == head
+    assert recorded["host"]["key"] == host_kind().key and recorded["host"]["label"] == host_kind().label
+    script = [sys.executable, str(REPO / "scripts" / "record_serve_bench.py")]
+    missing = subprocess.run([*script, str(tmp_path / "none.json"), "--command", "x", "--repo", str(repo)],
+                             capture_output=True, text=True)
+    assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
+    assert missing.stderr.startswith(f"record_serve_bench.py: error: {tmp_path / 'none.json'}: not a bench result")
+
+
+@pytest.mark.parametrize("path, edit, line", [
+    ("results.1.baseline", lambda row: row.pop("tokens_per_s"), "no results[1].baseline.tokens_per_s (expected an "
+                                                                "integer or a number)"),
+    ("results.0", lambda row: row.update(speedup="fast"), "no results[0].speedup (expected an integer or a number)"),
+    ("recorded", lambda row: row.pop("commit"), "no recorded.commit (expected text)"),
+])
+def test_a_bench_record_missing_a_key_is_one_line_naming_file_and_key(tmp_path: Path, path: str, edit, line: str):
+    document = bench_result({1: 1.06, 4: 0.705})
+    node = document
+    for key in path.split("."):
+        node = node[int(key)] if key.isdigit() else node[key]
+    edit(node)
+    (tmp_path / SERVE_RECORD).parent.mkdir(parents=True)
+    (tmp_path / SERVE_RECORD).write_text(json.dumps(document))
+    with pytest.raises(InputFileError) as raised:
+        load_serve_record(tmp_path)
+    assert str(raised.value) == (f"{tmp_path / SERVE_RECORD}: {line}; the figures of docs/serving.md and "
+                                 "docs/img/concurrency.svg need it")
+
+
+def test_the_training_figure_was_drawn_from_the_curves_dvc_lock_records(tmp_path: Path):
+    """Holds in a clone without DVC's cache: the figure carries the md5 of the curves it was drawn from."""
+    assert drawn_md5((REPO / TRAINING_SVG).read_text()) == locked_md5(REPO)
+    assert f"]({TRAINING_SVG.removeprefix('docs/')})" in (DOCS / "training.md").read_text()
+    (tmp_path / "docs/img").mkdir(parents=True)
+    shutil.copy(REPO / TRAINING_SVG, tmp_path / TRAINING_SVG)
+    old = (tmp_path / TRAINING_SVG).read_text()
+    lock = (REPO / "dvc.lock").read_text()
+    (tmp_path / "dvc.lock").write_text(lock)
+    assert render_training_svg(old, tmp_path) == old  # no curves here, and the figure is of the locked ones
+    retrained = "0" * 32 + ".dir"
+    (tmp_path / "dvc.lock").write_text(lock.replace(locked_md5(REPO), retrained))
+    with pytest.raises(InputFileError, match=rf"{TRAINING_SVG} was drawn from dvclive/train md5 "
+                                             rf"{locked_md5(REPO)}, but dvc.lock records {retrained}, and "
+                                             r"dvclive/train is not in the workspace: `dvc pull dvclive/train`"):
+        render_training_svg(old, tmp_path)
+    (tmp_path / "dvclive/train").mkdir(parents=True)
+    (tmp_path / "dvclive/train/metrics.json").write_text("{}")
+    with pytest.raises(InputFileError, match=rf"dvclive/train: md5 [0-9a-f]{{32}}\.dir, but dvc.lock records "
+                                             rf"{retrained}; `dvc checkout dvclive/train`"):
+        render_training_svg(old, tmp_path)
+
+
+def test_the_folder_md5_is_the_one_dvc_records(tmp_path: Path):
+    folder = tmp_path / "curves"
+    (folder / "plots" / "val").mkdir(parents=True)
+    (folder / "metrics.json").write_text('{"step": 3}\n')
+    (folder / "plots" / "val" / "acc_0.tsv").write_text("step\tacc_0\n0\t0.1\n100\t0.3\n")
+    from dvc.repo import Repo
+
+    Repo.init(str(tmp_path), no_scm=True).add(str(folder))  # DVC's own hashing, in this process
+    recorded = yaml.safe_load((tmp_path / "curves.dvc").read_text())["outs"][0]["md5"]
+    assert folder_md5(folder) == recorded
+
+
+def test_every_docs_figure_is_shown_and_fits_the_page_width():
+    pages = "".join(page.read_text() for page in (README, *DOCS.glob("*.md")))
+    for svg in sorted((DOCS / "img").glob("*.svg")):
+        width_pt = float(re.search(r'<svg [^>]*width="([0-9.]+)pt"', svg.read_text()).group(1))
+        assert width_pt * 96 / 72 <= 1600, svg.name
+        assert f"img/{svg.name})" in pages, f"docs/img/{svg.name} is shown on no page"
 
 
 def test_a_readme_without_its_markers_is_refused_in_one_line(tmp_path: Path):

@@ -1,15 +1,15 @@
-"""Generated reference text that cannot drift: ``docs/params.md``, ``docs/cli.md`` and the README's figures.
+"""Generated reference text that cannot drift: ``docs/params.md``, ``docs/cli.md`` and every measured figure.
 
 * ``docs/params.md`` is rendered from the typed params (:mod:`eaglenest.commands.params_file`): one section per
   top-level key of ``params.yaml``, one row per field with its type, default and description, and a section
   for every nested settings block.
 * ``docs/cli.md`` is rendered from the ``eaglenest`` command's argument parsers
   (:func:`eaglenest.commands.cli.build_parser`).
-* The README's headline figure and its table of what the demo measures (:mod:`eaglenest.commands.generated`) are
-  rendered from the committed metrics into blocks between HTML comment markers; ``eaglenest report --readme``
-  rewrites them.
+* Every figure of README.md and docs/ that comes from a committed measurement (:mod:`eaglenest.commands.generated`:
+  the README's headline and table, docs/serving.md's and docs/defaults.md's blocks, ``docs/img/*.svg``) is
+  rendered from it; ``eaglenest report --docs`` rewrites them.
 
-``python scripts/gen_reference.py`` writes all three; ``--check`` writes nothing and exits 1, naming each file
+``python scripts/gen_reference.py`` writes them all; ``--check`` writes nothing and exits 1, naming each file
 that differs from what would be written and the command that regenerates it. Every write is atomic.
 """
 
@@ -25,7 +25,7 @@ import yaml
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from eaglenest.commands.generated import README_TARGETS, Generated, regenerate
+from eaglenest.commands.generated import DOCS_TARGETS, Generated, regenerate
 from eaglenest.commands.params_file import Params
 from eaglenest.core.errors import InputFileError
 
@@ -191,8 +191,7 @@ def cli_markdown() -> str:
 
 PARAMS_TARGET = Generated("docs/params.md", lambda _old, _repo: params_markdown(), GENERATE_COMMAND)
 CLI_TARGET = Generated("docs/cli.md", lambda _old, _repo: cli_markdown(), GENERATE_COMMAND)
-TARGETS = (PARAMS_TARGET, CLI_TARGET, *README_TARGETS)
-
+TARGETS = (PARAMS_TARGET, CLI_TARGET, *DOCS_TARGETS)
 
 
 def main(argv: list[str] | None = None) -> int:

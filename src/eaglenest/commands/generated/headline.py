@@ -1,0 +1,161 @@
+"""The README's figures, rendered from the committed metrics: the headline, the table of what the demo measures,
+``docs/img/headline.svg``, and docs/defaults.md's sentence on the committed draft's tau.
+
+The headline states, from ``metrics/eval.json`` and ``metrics/eval/details.json``, τ and the single-stream speed-up
+of the first headline set with their intervals, the n-gram baseline's, lossless as evaluate checked it with the
+fraction identical to plain decoding per set, the dtype and the host kind; and, from the committed bench result
+(:mod:`eaglenest.commands.generated.concurrency`), the served draft's speed-up single-stream and at each higher
+concurrency.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from eaglenest.commands.generated.concurrency import headline_clause, load_serve_record
+from eaglenest.commands.generated.svg import BLUE, ORANGE, label_bars, new_figure, page_style, svg_text
+from eaglenest.commands.summary import figure, read_json
+from eaglenest.core.errors import InputFileError
+from eaglenest.core.host import HostKind
+
+README_COMMAND = "eaglenest report --readme"
+METRICS_SOURCE = "metrics/"
+HEADLINE_SVG = "docs/img/headline.svg"
+
+
+def _headline_figures(repo: Path) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """The headline back end, ``metrics/eval.json`` and ``metrics/eval/details.json`` of ``repo``."""
+    headline = read_json(repo / "metrics" / "eval.json")
+    details = read_json(repo / "metrics" / "eval" / "details.json")
+    backend = details.get("headline_backend")
+    if backend not in ("hf", "vllm"):
+        raise InputFileError(f"{repo / 'metrics/eval/details.json'}: no headline_backend; rerun evaluate")
+    return backend, headline, details
+
+
+def host_label(details: dict[str, Any]) -> str:
+    """The host kind evaluate recorded, as people read it (:attr:`HostKind.label`)."""
+    host = details.get("host")
+    if not isinstance(host, dict):
+        return "a host kind evaluate did not record"
+    try:
+        kind = HostKind(**{name: host[name] for name in HostKind.__dataclass_fields__ if name in host})
+        return kind.label
+    except TypeError:  # a record of another layout: its key still names the kind
+        return str(host.get("key", "host kind not recorded"))
+
+
+def _fraction(summary: dict[str, Any], key: str) -> str:
+    value = summary.get(key)
+    return f"{value:.3f}" if isinstance(value, int | float) else "—"
+
+
+def _sets(headline: dict[str, Any], repo: Path) -> dict[str, dict[str, Any]]:
+    sets = {name: figures for name, figures in headline.items() if isinstance(figures, dict)}
+    if not sets:
+        raise InputFileError(f"{repo / 'metrics/eval.json'}: holds no evaluation set")
+    return sets
+
+
+def _lossless(headline: dict[str, Any], runs: dict[str, Any], sets: list[str]) -> str:
+    """Lossless as checked, and the fraction identical to plain decoding token for token per set."""
+    lossless = headline.get("lossless")
+    checked = ("lossless on every turn as evaluate checks it" if lossless == 1 else f"lossless fraction {lossless}")
+    identical = ", ".join(f"`{name}` {_fraction(runs.get(name, {}).get('summary', {}), 'identical_fraction')}"
+                          for name in sets)
+    return f"{checked} (identical to plain decoding token for token: {identical})"
+
+
+def headline_lines(repo: Path) -> list[str]:
+    """The README's headline: the first set's figures, lossless per set, host kind, the served draft under load."""
+    backend, headline, details = _headline_figures(repo)
+    sets = _sets(headline, repo)
+    run = details.get("runs", {}).get(backend, {})
+    first, figures = next(iter(sets.items()))
+    lossless = _lossless(headline, run.get("sets", {}), list(sets))
+    return [f"**`{first}`: τ {figure(figures, f'{backend}_tau')} tokens per verifier step at K = "
+            f"{details.get('num_speculative_tokens')}, and {figure(figures, f'{backend}_speedup', 'x')} single-stream "
+            f"speed-up over plain decoding** ({backend}, 95% intervals over prompts; n-gram drafting "
+            f"{figure(figures, f'{backend}_ngram_speedup', 'x')}); {lossless}"
+            f"; {run.get('dtype', '—')}, on {host_label(details)}. {headline_clause(load_serve_record(repo))}"]
+
+
+def demo_table(repo: Path) -> list[str]:
+    """The README's table of what the demo measures, one row per headline set."""
+    backend, headline, details = _headline_figures(repo)
+    runs = details.get("runs", {}).get(backend, {}).get("sets", {})
+    table = [f"| set | prompts | timed turns | {backend} τ (95%) | speed-up (95%) | n-gram speed-up (95%) | "
+             "lossless | identical to plain |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, values in _sets(headline, repo).items():
+        summary = runs.get(name, {}).get("summary", {})
+        # lossless: every turn equal to plain decoding under the set's rule (exact, or a flipped near-tie below
+        # float32); identical: the turns equal token for token
+        table.append(f"| `{name}` | {summary.get('num_prompts', '—')} | {summary.get('timed_turns', '—')} | "
+                     f"{figure(values, f'{backend}_tau')} | {figure(values, f'{backend}_speedup', 'x')} | "
+                     f"{figure(values, f'{backend}_ngram_speedup', 'x')} | {_fraction(summary, 'lossless_fraction')} "
+                     f"| {_fraction(summary, 'identical_fraction')} |")
+    return table
+
+
+def readme_blocks(repo: Path) -> dict[str, list[str]]:
+    """The README's generated blocks: the headline and the table of what the demo measures."""
+    return {"headline": headline_lines(repo), "demo-table": demo_table(repo)}
+
+
+def committed_tau_lines(repo: Path) -> list[str]:
+    """docs/defaults.md's sentence: the committed draft's τ per headline set and on the validation split."""
+    backend, headline, details = _headline_figures(repo)
+    runs = details.get("runs", {}).get(backend, {}).get("sets", {})
+    parts = [f"{headline[name][f'{backend}_tau']:.3f} on `{name}`" for name in _sets(headline, repo)
+             if isinstance(headline[name].get(f"{backend}_tau"), int | float)]
+    val = runs.get("val", {}).get("summary", {}).get("tau", {})
+    if isinstance(val, dict) and isinstance(val.get("value"), int | float):
+        parts.append(f"{val['value']:.3f} on the validation split")
+    listed = ", ".join(parts[:-1]) + f" and {parts[-1]}" if len(parts) > 1 else "".join(parts)
+    return [f"The committed draft reaches {backend} τ {listed} at K = {details.get('num_speculative_tokens')} "
+            f"(lossless {headline.get('lossless')}; `metrics/eval.json`),"]
+
+
+def _with_interval(figures: dict[str, Any], key: str, where: str) -> tuple[float, float]:
+    """``figures[key]`` and its 95% half-width; one line naming the file and the key where either is missing."""
+    value, half = figures.get(key), figures.get(f"{key}_ci95")
+    if not isinstance(value, int | float) or not isinstance(half, int | float):
+        raise InputFileError(f"{where}: no {key} with {key}_ci95; the figure {HEADLINE_SVG} needs both (rerun "
+                             "evaluate with vllm among its back ends)")
+    return float(value), float(half)
+
+
+def headline_svg(repo: Path) -> str:
+    """The README's figure as SVG text: per headline set, τ (left) and the single-stream speed-up of the draft and of
+    n-gram drafting (right), each with its 95% interval."""
+    backend, headline, details = _headline_figures(repo)
+    where = str(repo / "metrics" / "eval.json")
+    sets = list(_sets(headline, repo))
+    tau = [_with_interval(headline[name], f"{backend}_tau", where) for name in sets]
+    draft = [_with_interval(headline[name], f"{backend}_speedup", where) for name in sets]
+    ngram = [_with_interval(headline[name], f"{backend}_ngram_speedup", where) for name in sets]
+    with page_style():
+        fig = new_figure(8, 2.8)  # 576 x 202 pt: readable at a page's width
+        left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [2, 3]})
+        positions = range(len(sets))
+        left.bar(positions, [v for v, _ in tau], yerr=[h for _, h in tau], capsize=3, color=BLUE)
+        left.set_ylim(1.0, max(v + h for v, h in tau) * 1.08)
+        left.set_title(f"τ, tokens per verifier step (K = {details.get('num_speculative_tokens')})")
+        width = 0.38
+        for offset, values, label, colour in ((-width / 2, draft, "the draft", BLUE),
+                                              (width / 2, ngram, "vLLM n-gram", ORANGE)):
+            right.bar([p + offset for p in positions], [v for v, _ in values], width, yerr=[h for _, h in values],
+                      capsize=3, color=colour, label=label)
+        right.axhline(1.0, color="black", linewidth=0.8)
+        speedups = draft + ngram
+        right.set_ylim(min(0.8, min(v - h for v, h in speedups) - 0.05), max(v + h for v, h in speedups) + 0.1)
+        right.set_title("single-stream speed-up over plain decoding")
+        right.legend(loc="upper right", frameon=False)
+        for axes in (left, right):
+            axes.set_xticks(list(positions), sets)
+            label_bars(axes)
+        fig.suptitle(f"metrics/eval.json ({backend}; bars: 95% intervals over prompts)", fontsize=9)
+        fig.tight_layout()
+        return svg_text(fig)
