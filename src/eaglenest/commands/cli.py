@@ -77,7 +77,7 @@ def _summary(args: argparse.Namespace) -> int:
 def _remote(args: argparse.Namespace) -> int:
     from eaglenest.commands.remote import remote
 
-    return remote(args.action, Path(args.repo), Path(args.dir), args.name)
+    return remote(args.action, Path(args.repo), Path(args.dir), args.name, args.args, args.vllm_args)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -209,16 +209,21 @@ def build_parser() -> argparse.ArgumentParser:
     summary.set_defaults(func=_summary)
 
     store = add_command(
-        "remote", help="start, stop or check the team's S3 store on this machine and its DVC remote",
-        description="The team's S3 store on this machine. start: runs SeaweedFS (weed mini) on free 127.0.0.1 "
-        "ports (credentials made once, kept across restarts) and makes it the repository's default DVC remote in "
-        ".dvc/config.local (nothing enters git); stop: stops it, keeping its objects; status: exit 0 where it runs; "
-        "push-caches / pull-caches: prepare's caches to / from the remote. A remote elsewhere (AWS S3, GCS, "
-        "MinIO): docs/team-remote.md.",
+        "remote", help="the team's DVC remote: push and pull (with prepare's caches), experiments, and an S3 "
+        "store on this machine",
+        description="The team's DVC remote. push / pull: dvc push / pull --run-cache to the DVC remote --name, "
+        "then prepare's caches (only entries the other side lacks); ARGS are DVC targets, DVC's own flags go after "
+        "-- (eaglenest remote push -- --jobs 4). exp-push NAME [GIT_REMOTE]: dvc exp push --run-cache, refused "
+        "where the Git remote (default origin) holds another experiment NAME; exp-pull NAME [GIT_REMOTE]: dvc exp "
+        "pull --run-cache. A failure is one line naming the remote and what to do. start: runs SeaweedFS (weed "
+        "mini) on free 127.0.0.1 ports (credentials made once, kept across restarts) and makes it the repository's "
+        "default DVC remote in .dvc/config.local (nothing enters git); stop: stops it, keeping its objects; status: "
+        "exit 0 where it runs. A remote elsewhere (AWS S3, GCS, MinIO): docs/team-remote.md.",
     )
-    store.add_argument("action", choices=["start", "stop", "status", "push-caches", "pull-caches"],
-                       help="push-caches / pull-caches: copy prepare's caches of regenerated replies and prompts "
-                       "to / from the DVC remote --name (only entries the other side lacks)")
+    store.add_argument("action", choices=["push", "pull", "exp-push", "exp-pull", "start", "stop", "status"],
+                       help="what to do (above)")
+    store.add_argument("args", nargs="*", metavar="ARG", help="push / pull: DVC targets (default: all); exp-push / "
+                       "exp-pull: NAME [GIT_REMOTE]")
     store.add_argument("--dir", default=".eaglenest/store", help="the store's folder: objects, log and state "
                        "(default: .eaglenest/store; a second clone on this machine names the first one's)")
     store.add_argument("--name", default="team", help="the DVC remote's name (default: team)")
@@ -396,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script.
 
     ``eaglenest serve ... -- FLAGS`` hands everything after ``--`` to vLLM's server, ``eaglenest bench --serve ...
-    -- FLAGS`` to the servers it starts; no other command takes it.
+    -- FLAGS`` to the servers it starts, ``eaglenest remote push|pull ... -- FLAGS`` to DVC; no other command takes
+    it.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     vllm_args: list[str] = []
@@ -405,9 +411,10 @@ def main(argv: list[str] | None = None) -> int:
         argv, vllm_args = argv[:separator], argv[separator + 1:]
     parser = build_parser()
     args = parser.parse_args(argv)
-    if vllm_args and args.command not in ("serve", "bench"):
+    if vllm_args and args.command not in ("serve", "bench", "remote"):
         parser.error(f"{args.command}: takes no arguments after --; only `eaglenest serve -- FLAGS` and "
-                     "`eaglenest bench --serve -- FLAGS` pass flags on (to vLLM)")
+                     "`eaglenest bench --serve -- FLAGS` pass flags on (to vLLM), and `eaglenest remote push|pull "
+                     "-- FLAGS` (to DVC)")
     args.vllm_args = vllm_args
     try:
         return args.func(args)
