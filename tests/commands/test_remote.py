@@ -9,9 +9,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from eaglenest.commands.remote import DOWN_AFTER_S, STATE_FILE, store_status
 from tests.fixtures.pipeline import VENV_BIN, project_env, run
-from tests.fixtures.store import dvc_remote, eaglenest_remote, eaglenest_remote_command
+from tests.fixtures.store import dvc_remote, eaglenest_remote, eaglenest_remote_command, store_dir, use_store  # noqa: F401 (fixture)
 
 MID_PUSH_OBJECTS = 600
 
@@ -162,3 +164,33 @@ def test_prepare_s_caches_travel_as_a_merge(tmp_path: Path) -> None:
         eaglenest_remote("stop", mine, "--dir", store)
     # the store down from the start: DVC fails at once, with the same line
     assert "does not answer at http://127.0.0.1:" in only_line(eaglenest_remote("push", mine))
+
+
+def test_exp_push_refuses_a_name_taken_on_another_baseline(tmp_path: Path, store_dir: Path) -> None:  # noqa: F811
+    git_remote = tmp_path / "team.git"
+    run(["git", "init", "-q", "--bare", str(git_remote)], tmp_path)
+    repo = dvc_repo(tmp_path / "repo")
+    (repo / "params.yaml").write_text("x: 1\n")
+    (repo / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"copy": {
+        "cmd": "python -c \"import shutil; shutil.copy('params.yaml', 'out.txt')\"", "params": ["x"],
+        "outs": ["out.txt"]}}}))
+    run(["git", "add", "-A"], repo)
+    run(["git", "commit", "-qm", "base"], repo)
+    run(["git", "remote", "add", "origin", str(git_remote)], repo)
+    use_store(repo, store_dir)
+    run([str(VENV_BIN / "dvc"), "exp", "run", "-q", "-n", "wide", "-S", "x=2"], repo)
+    pushed = eaglenest_remote("exp-push", repo, "wide")
+    assert pushed.returncode == 0 and "Pushed experiment wide to Git remote 'origin'" in pushed.stdout, pushed.stderr
+    pushed_refs = run(["git", "ls-remote", str(git_remote), "refs/exps/*"], tmp_path).stdout
+
+    # the same name on the next commit: DVC would push it beside the first, and `dvc exp pull wide` would then be
+    # ambiguous; exp-push refuses it before anything moves
+    run(["git", "commit", "-q", "--allow-empty", "-m", "next"], repo)
+    run([str(VENV_BIN / "dvc"), "exp", "run", "-q", "-n", "wide", "-S", "x=3"], repo)
+    assert only_line(eaglenest_remote("exp-push", repo, "wide", "origin")).startswith(
+        "experiment wide on origin is a teammate's with other outputs: rename yours (`dvc exp rename wide NEW`)")
+    assert run(["git", "ls-remote", str(git_remote), "refs/exps/*"], tmp_path).stdout == pushed_refs
+
+    assert only_line(eaglenest_remote("exp-push", repo, "narrow")).startswith("no experiment narrow in ")
+    assert only_line(eaglenest_remote("exp-push", repo, "wide", "nowhere")) == (
+        "Git remote 'nowhere' did not list its experiments: fatal: 'nowhere' does not appear to be a git repository")

@@ -428,19 +428,24 @@ def _remote_experiments(repo: Path, git_remote: str, name: str) -> dict[str, str
     Raises:
         EaglenestError: the Git remote does not answer.
     """
+    from dvc.repo.experiments.exceptions import InvalidExpRefError
     from dvc.repo.experiments.refs import EXPS_NAMESPACE, ExpRefInfo
 
     listed = subprocess.run(["git", "ls-remote", git_remote, f"{EXPS_NAMESPACE}/*"], cwd=repo, capture_output=True,
                             text=True, stdin=subprocess.DEVNULL)
     if listed.returncode != 0:
-        said = listed.stderr.strip().splitlines() or [f"git ls-remote exited {listed.returncode}"]
-        raise EaglenestError(f"Git remote {git_remote!r} did not list its experiments: {said[-1]}")
+        said = [line for line in listed.stderr.splitlines() if line.strip()]
+        # git's first line says what failed ("fatal: 'x' does not appear to be a git repository"); advice follows
+        raise EaglenestError(f"Git remote {git_remote!r} did not list its experiments: "
+                             f"{said[0] if said else f'git ls-remote exited {listed.returncode}'}")
     found = {}
     for line in listed.stdout.splitlines():
         commit, ref = line.split("\t")
-        # refs/exps/AB/CDEF.../NAME; DVC's own bookkeeping refs there (stash, exec, ...) name no experiment
-        parts = ref.split("/")
-        if len(parts) == 5 and parts[-1] == name and ExpRefInfo.from_ref(ref).name == name:
+        try:
+            experiment = ExpRefInfo.from_ref(ref)  # refs/exps/AB/CDEF.../NAME: baseline AB..., then the name
+        except InvalidExpRefError:  # DVC's own bookkeeping under refs/exps (its stash) names no experiment
+            continue
+        if experiment.name == name:
             found[ref] = commit
     return found
 
@@ -462,7 +467,7 @@ def _local_experiment(repo: Path, name: str) -> tuple[str, str]:
     except DvcException as err:
         raise EaglenestError(f"experiment {name}: {err}") from None
     if found is None or found[1] is None:
-        raise EaglenestError(f"no experiment {name} in {repo} (`dvc exp list` names them)")
+        raise EaglenestError(f"no experiment {name} in {repo.resolve()} (`dvc exp list` names them)")
     return found
 
 
