@@ -1,4 +1,6 @@
-"""``eaglenest remote``: a team's S3 store on this machine (SeaweedFS' ``weed mini``), and the DVC remote on it.
+"""``eaglenest remote``: a team's DVC remote. Push and pull (DVC's objects and run-cache, then prepare's caches) and
+experiments, each failure one line naming the remote and what to do; and an S3 store on this machine (SeaweedFS'
+``weed mini``) with the DVC remote on it.
 
 The store keeps its objects, its log and its state (process id, ports, credentials) in one folder, by default
 ``.eaglenest/store`` (ignored by git). Every port is a free one on 127.0.0.1, so several stores can run at once. The
@@ -450,8 +452,8 @@ def _remote_experiments(repo: Path, git_remote: str, name: str) -> dict[str, str
     return found
 
 
-def _local_experiment(repo: Path, name: str) -> tuple[str, str]:
-    """The local experiment ``name`` as ``dvc exp push`` resolves it: its ref and commit.
+def _local_experiment(repo: Path, name: str) -> str:
+    """The commit of the local experiment ``name``, as ``dvc exp push`` resolves the name.
 
     Raises:
         EaglenestError: no experiment of that name here, or several that DVC cannot tell apart.
@@ -463,12 +465,12 @@ def _local_experiment(repo: Path, name: str) -> tuple[str, str]:
     try:
         scm = SCM(str(repo))
         ref = resolve_name(scm, name)[name]
-        found = None if ref is None else (str(ref), scm.get_ref(str(ref)))
+        commit = None if ref is None else scm.get_ref(str(ref))
     except DvcException as err:
         raise EaglenestError(f"experiment {name}: {err}") from None
-    if found is None or found[1] is None:
+    if commit is None:
         raise EaglenestError(f"no experiment {name} in {repo.resolve()} (`dvc exp list` names them)")
-    return found
+    return commit
 
 
 def exp_push(repo: Path, name: str, git_remote: str, remote_name: str) -> list[str]:
@@ -477,13 +479,14 @@ def exp_push(repo: Path, name: str, git_remote: str, remote_name: str) -> list[s
     that name; returns DVC's lines.
 
     The Git remote's refs are compared before anything moves (on every baseline: DVC would push a same-named
-    experiment of another baseline beside the teammate's, and ``dvc exp pull NAME`` would then be ambiguous), and
-    DVC's own divergence line is read after, for a teammate who pushed in between.
+    experiment of another baseline beside the teammate's, and ``dvc exp pull NAME`` would then take the one of the
+    commit checked out, and refuse the name as ambiguous on any other), and DVC's own divergence line is read after,
+    for a teammate who pushed in between.
 
     Raises:
         EaglenestError: the name is taken, or the push failed (one line).
     """
-    ref, commit = _local_experiment(repo, name)
+    commit = _local_experiment(repo, name)
     if any(theirs != commit for theirs in _remote_experiments(repo, git_remote, name).values()):
         raise EaglenestError(_taken(name, git_remote))
     remote = dvc_remote(repo, remote_name)
@@ -503,8 +506,8 @@ def exp_pull(repo: Path, name: str, git_remote: str, remote_name: str) -> list[s
     remote = dvc_remote(repo, remote_name)
     said = run_dvc(repo, ["exp", "pull", "--run-cache", "-r", remote.name, git_remote, name], remote, "pull")
     if DIVERGED_MARKER in said:
-        raise EaglenestError(f"experiment {name} here is another than {git_remote}'s: rename yours (`dvc exp "
-                             f"rename {name} NEW`) and pull again; yours stays as it was")
+        raise EaglenestError(f"experiment {name} here is another than the one on {git_remote}: rename yours (`dvc "
+                             f"exp rename {name} NEW`) and pull again; yours stays as it was")
     return said.strip().splitlines()
 
 
