@@ -18,9 +18,10 @@ if [ -n "${EAGLENEST_REMOTE_URL:-}" ]; then
         dvc remote modify --local ci endpointurl "$EAGLENEST_REMOTE_ENDPOINT"
     fi
     dvc remote modify --local ci verify true  # an object changed in the store is refused, not reported on
-    if ! dvc pull --quiet; then
-        echo "scripts/pr_report.sh: dvc pull from $EAGLENEST_REMOTE_URL failed (the line above says why); check" \
-             "the remote's secrets, or unset EAGLENEST_REMOTE_URL to report from tracked files" >&2
+    # the team's pull (dvc pull --run-cache, then prepare's caches); a failure is one line naming the remote
+    if ! eaglenest remote pull --name ci > /dev/null; then
+        echo "scripts/pr_report.sh: the line above says why the pull from $EAGLENEST_REMOTE_URL failed; check the" \
+             "remote's secrets, or unset EAGLENEST_REMOTE_URL to report from tracked files" >&2
         exit 1
     fi
     source="the head's outputs pulled from the team remote"

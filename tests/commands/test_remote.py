@@ -1,15 +1,21 @@
-"""``eaglenest remote`` against a real SeaweedFS store: start, status, stop, DVC push and pull through it, and its
-faults: wrong credentials, the store down mid-way, an object corrupted in the store."""
+"""``eaglenest remote`` against a real SeaweedFS store: start, status, stop, push and pull through it, and its
+faults, each one line naming the remote and what to do: wrong credentials, the store down mid-push, an object
+corrupted in the store."""
 
 from __future__ import annotations
 
-import json
 import subprocess
+import time
 from pathlib import Path
+from typing import Any
 
-from eaglenest.commands.remote import STATE_FILE, store_status
-from tests.fixtures.pipeline import VENV_BIN, run
-from tests.fixtures.store import dvc_remote, eaglenest_remote
+import yaml
+
+from eaglenest.commands.remote import DOWN_AFTER_S, STATE_FILE, store_status
+from tests.fixtures.pipeline import VENV_BIN, project_env, run
+from tests.fixtures.store import dvc_remote, eaglenest_remote, eaglenest_remote_command, store_dir, use_store  # noqa: F401 (fixture)
+
+MID_PUSH_OBJECTS = 600
 
 
 def dvc_repo(path: Path) -> Path:
@@ -17,10 +23,6 @@ def dvc_repo(path: Path) -> Path:
     run(["git", "init", "-q"], path)
     run([str(VENV_BIN / "dvc"), "init", "-q"], path)
     return path
-
-
-def error_lines(result: subprocess.CompletedProcess[str]) -> list[str]:
-    return [line for line in result.stderr.splitlines() if line.startswith("ERROR")]
 
 
 def listening_ports(pid: int) -> list[str]:
@@ -31,7 +33,7 @@ def listening_ports(pid: int) -> list[str]:
 
 def test_start_status_stop_and_push_pull(tmp_path: Path) -> None:
     repo, store = dvc_repo(tmp_path / "repo"), tmp_path / "store"
-    started = eaglenest_remote("start", repo, store)
+    started = eaglenest_remote("start", repo, "--dir", store)
     assert started.returncode == 0 and "DVC remote 'team'" in started.stdout, started.stderr
     state = store_status(store)
     assert state is not None
@@ -40,7 +42,7 @@ def test_start_status_stop_and_push_pull(tmp_path: Path) -> None:
     assert "team" not in (repo / ".dvc" / "config").read_text()
     assert state.secret_key in (repo / ".dvc" / "config.local").read_text()
     assert run(["git", "check-ignore", ".dvc/config.local"], repo).returncode == 0
-    assert eaglenest_remote("status", repo, store).returncode == 0
+    assert eaglenest_remote("status", repo, "--dir", store).returncode == 0
 
     (repo / "data.txt").write_text("rows\n")
     run([str(VENV_BIN / "dvc"), "add", "-q", "data.txt"], repo)
@@ -50,60 +52,90 @@ def test_start_status_stop_and_push_pull(tmp_path: Path) -> None:
     assert dvc_remote(["pull"], repo).returncode == 0
     assert (repo / "data.txt").read_text() == "rows\n"
 
-    stopped = eaglenest_remote("stop", repo, store)
+    stopped = eaglenest_remote("stop", repo, "--dir", store)
     assert stopped.returncode == 0 and "stopped" in stopped.stdout
     assert store_status(store) is None and (store / STATE_FILE).is_file()
-    down = eaglenest_remote("status", repo, store)
+    down = eaglenest_remote("status", repo, "--dir", store)
     assert down.returncode == 1 and "eaglenest remote start" in down.stdout
 
 
-def test_faults_wrong_credentials_store_down_corrupt_object(tmp_path: Path) -> None:
-    repo, store = dvc_repo(tmp_path / "repo"), tmp_path / "store"
-    assert eaglenest_remote("start", repo, store).returncode == 0
-    try:
-        for name in ("a", "b"):
-            (repo / f"{name}.txt").write_text(name * 1000)
-        run([str(VENV_BIN / "dvc"), "add", "-q", "a.txt", "b.txt"], repo)
+def first_object_in(fs: Any, prefix: str) -> bool:
+    """Whether the store holds an object under ``prefix`` now (s3fs caches listings: asked afresh)."""
+    fs.invalidate_cache()
+    return fs.exists(prefix)
 
-        # wrong credentials: one line, and nothing pushed
+
+def only_line(result: subprocess.CompletedProcess[str]) -> str:
+    """The one line a failed ``eaglenest remote`` printed on stderr, without its command's prefix."""
+    lines = result.stderr.splitlines()
+    assert result.returncode != 0 and len(lines) == 1, (result.returncode, result.stderr)
+    assert lines[0].startswith("eaglenest remote: error: "), lines
+    return lines[0].removeprefix("eaglenest remote: error: ")
+
+
+def test_faults_wrong_credentials_store_down_mid_push_corrupt_object(tmp_path: Path) -> None:
+    repo, store = dvc_repo(tmp_path / "repo"), tmp_path / "store"
+    assert eaglenest_remote("start", repo, "--dir", store).returncode == 0
+    live = store_status(store)
+    assert live is not None
+    try:
+        # many small objects, so that a push one object at a time is still running when the store stops
+        (repo / "rows").mkdir()
+        for i in range(MID_PUSH_OBJECTS):
+            (repo / "rows" / f"{i}.txt").write_text(f"{i}\n" * 20)
+        (repo / "a.txt").write_text("a" * 1000)
+        run([str(VENV_BIN / "dvc"), "add", "-q", "a.txt", "rows"], repo)
+
+        # wrong credentials: one line naming the remote and the fix, and nothing pushed
         config_local = repo / ".dvc" / "config.local"
         good = config_local.read_text()
-        state = json.loads((store / STATE_FILE).read_text())
-        config_local.write_text(good.replace(state["secret_key"], "not-the-secret"))
-        wrong = dvc_remote(["push"], repo)
-        assert wrong.returncode != 0 and len(error_lines(wrong)) == 1, wrong.stderr
-        assert "SignatureDoesNotMatch" in error_lines(wrong)[0] and "Traceback" not in wrong.stderr
+        config_local.write_text(good.replace(live.secret_key, "not-the-secret"))
+        wrong = only_line(eaglenest_remote("push", repo))
+        assert wrong.startswith(f"remote 'team' (s3://dvc/eaglenest at {live.endpoint}) refused the credentials in "
+                                ".dvc/config.local"), wrong
         config_local.write_text(good)
 
-        # the store down: one line; after a restart (same credentials and ports) the push completes
-        assert eaglenest_remote("stop", repo, store).returncode == 0
-        down = dvc_remote(["push"], repo)
-        assert down.returncode != 0 and len(error_lines(down)) == 1, down.stderr
-        assert "Could not connect to the endpoint URL" in error_lines(down)[0]
-        assert eaglenest_remote("start", repo, store).returncode == 0
-        assert dvc_remote(["push"], repo).returncode == 0
-        assert "in sync" in dvc_remote(["status", "-c"], repo).stdout
-
-        # an object whose bytes changed in the store: the pull refuses it and the workspace keeps no such file
+        # the store down mid-push: one line; after a restart (same credentials and ports) the push sends the rest
         import s3fs
 
-        live = store_status(store)
-        assert live is not None
         fs = s3fs.S3FileSystem(key=live.access_key, secret=live.secret_key,
                                client_kwargs={"endpoint_url": live.endpoint})
+        objects = f"{live.bucket}/eaglenest/files/md5"
+        pushing = subprocess.Popen(eaglenest_remote_command("push", "--", "--jobs", "1"), cwd=repo,
+                                   env=project_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 300
+        while not first_object_in(fs, objects) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert pushing.poll() is None, "the push ended before the store stopped"
+        assert eaglenest_remote("stop", repo, "--dir", store).returncode == 0
+        stopped_at = time.monotonic()
+        out, err = pushing.communicate(timeout=300)
+        down = only_line(subprocess.CompletedProcess(pushing.args, pushing.returncode, out, err))
+        assert down == (f"remote 'team' (s3://dvc/eaglenest) does not answer at {live.endpoint}: start it "
+                        "(`eaglenest remote start`) or fix its endpointurl; run the push again, objects already "
+                        "pushed stay"), down
+        assert time.monotonic() - stopped_at < DOWN_AFTER_S + 30  # DVC alone retries for many minutes
+        assert eaglenest_remote("start", repo, "--dir", store).returncode == 0
+        again = eaglenest_remote("push", repo)
+        assert again.returncode == 0, again.stderr
+        resent = int(again.stdout.split(" files pushed")[0].split()[-1])
+        assert 0 < resent < MID_PUSH_OBJECTS + 2, again.stdout  # the objects pushed before the stop stayed
+        assert "in sync" in dvc_remote(["status", "-c"], repo).stdout
+
+        # an object whose bytes changed in the store: the pull refuses it, and the workspace keeps no such file
         a_hash = (repo / "a.txt.dvc").read_text().split("md5: ")[1].split()[0]
-        fs.pipe(f"{live.bucket}/eaglenest/files/md5/{a_hash[:2]}/{a_hash[2:]}", b"tampered")
+        fs.pipe(f"{objects}/{a_hash[:2]}/{a_hash[2:]}", b"tampered")
         (repo / "a.txt").unlink()
         run([str(VENV_BIN / "dvc"), "cache", "dir", str(tmp_path / "empty-cache")], repo)
-        pulled = dvc_remote(["pull", "a.txt"], repo)
-        assert pulled.returncode != 0, pulled.stdout
+        refused = only_line(eaglenest_remote("pull", repo, "a.txt"))
+        assert refused.startswith(f"remote 'team' (s3://dvc/eaglenest at {live.endpoint}): "), refused
         assert not (repo / "a.txt").exists()
     finally:
-        eaglenest_remote("stop", repo, store)
+        eaglenest_remote("stop", repo, "--dir", store)
 
 
 def test_status_without_a_store(tmp_path: Path) -> None:
-    result = eaglenest_remote("status", dvc_repo(tmp_path / "repo"), tmp_path / "none")
+    result = eaglenest_remote("status", dvc_repo(tmp_path / "repo"), "--dir", tmp_path / "none")
     assert result.returncode == 1 and result.stdout.count("\n") == 1
 
 
@@ -116,20 +148,49 @@ def test_prepare_s_caches_travel_as_a_merge(tmp_path: Path) -> None:
     (mine / replies / "aaa.json").write_text('["a reply"]')
     (theirs / prompts).mkdir(parents=True)
     (theirs / prompts / "bbb.json").write_text('["a prompt"]')
-    assert eaglenest_remote("start", mine, store).returncode == 0
+    assert eaglenest_remote("start", mine, "--dir", store).returncode == 0
     try:
-        assert eaglenest_remote("start", theirs, store).returncode == 0  # the running store, configured
-        pushed = eaglenest_remote("push-caches", mine, store)
-        assert pushed.returncode == 0 and "1 cache entries copied" in pushed.stdout, pushed.stderr
-        assert eaglenest_remote("push-caches", theirs, store).returncode == 0
-        pulled = eaglenest_remote("pull-caches", theirs, store)
-        assert pulled.returncode == 0 and "1 cache entries copied" in pulled.stdout, pulled.stderr
+        assert eaglenest_remote("start", theirs, "--dir", store).returncode == 0  # the running store, configured
+        pushed = eaglenest_remote("push", mine)
+        assert pushed.returncode == 0 and "push: 1 cache entries copied" in pushed.stdout, pushed.stderr
+        assert eaglenest_remote("push", theirs).returncode == 0
+        pulled = eaglenest_remote("pull", theirs)
+        assert pulled.returncode == 0 and "pull: 1 cache entries copied" in pulled.stdout, pulled.stderr
         assert (theirs / replies / "aaa.json").read_text() == '["a reply"]'
-        assert eaglenest_remote("pull-caches", mine, store).returncode == 0
+        assert eaglenest_remote("pull", mine).returncode == 0
         assert (mine / prompts / "bbb.json").read_text() == '["a prompt"]'
         assert not [p for p in (theirs / replies).iterdir() if p.name.endswith(".partial")]
     finally:
-        eaglenest_remote("stop", mine, store)
-    down = eaglenest_remote("push-caches", mine, store)
-    assert down.returncode != 0 and len(down.stderr.strip().splitlines()) == 1, down.stderr
-    assert "eaglenest remote status" in down.stderr
+        eaglenest_remote("stop", mine, "--dir", store)
+    # the store down from the start: DVC fails at once, with the same line
+    assert "does not answer at http://127.0.0.1:" in only_line(eaglenest_remote("push", mine))
+
+
+def test_exp_push_refuses_a_name_taken_on_another_baseline(tmp_path: Path, store_dir: Path) -> None:  # noqa: F811
+    git_remote = tmp_path / "team.git"
+    run(["git", "init", "-q", "--bare", str(git_remote)], tmp_path)
+    repo = dvc_repo(tmp_path / "repo")
+    (repo / "params.yaml").write_text("x: 1\n")
+    (repo / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"copy": {
+        "cmd": "python -c \"import shutil; shutil.copy('params.yaml', 'out.txt')\"", "params": ["x"],
+        "outs": ["out.txt"]}}}))
+    run(["git", "add", "-A"], repo)
+    run(["git", "commit", "-qm", "base"], repo)
+    run(["git", "remote", "add", "origin", str(git_remote)], repo)
+    use_store(repo, store_dir)
+    run([str(VENV_BIN / "dvc"), "exp", "run", "-q", "-n", "wide", "-S", "x=2"], repo)
+    pushed = eaglenest_remote("exp-push", repo, "wide")
+    assert pushed.returncode == 0 and "Pushed experiment wide to Git remote 'origin'" in pushed.stdout, pushed.stderr
+    pushed_refs = run(["git", "ls-remote", str(git_remote), "refs/exps/*"], tmp_path).stdout
+
+    # the same name on the next commit: DVC would push it beside the first, and `dvc exp pull wide` would then be
+    # ambiguous; exp-push refuses it before anything moves
+    run(["git", "commit", "-q", "--allow-empty", "-m", "next"], repo)
+    run([str(VENV_BIN / "dvc"), "exp", "run", "-q", "-n", "wide", "-S", "x=3"], repo)
+    assert only_line(eaglenest_remote("exp-push", repo, "wide", "origin")).startswith(
+        "experiment wide on origin is a teammate's with other outputs: rename yours (`dvc exp rename wide NEW`)")
+    assert run(["git", "ls-remote", str(git_remote), "refs/exps/*"], tmp_path).stdout == pushed_refs
+
+    assert only_line(eaglenest_remote("exp-push", repo, "narrow")).startswith("no experiment narrow in ")
+    assert only_line(eaglenest_remote("exp-push", repo, "wide", "nowhere")) == (
+        "Git remote 'nowhere' did not list its experiments: fatal: 'nowhere' does not appear to be a git repository")

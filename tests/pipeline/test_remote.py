@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from eaglenest.commands.remote import DIVERGED_MARKER
 from tests.fixtures.pipeline import SharedPipeline, dvc, run
-from tests.fixtures.store import dvc_remote, store_dir, use_store  # noqa: F401 (fixture)
+from tests.fixtures.store import dvc_remote, eaglenest_remote, store_dir, use_store  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.slow
 PATH_FREE_STAGES = ("prepare", "extract", "convert")
@@ -51,13 +52,13 @@ def test_a_clone_elsewhere_pulls_and_runs_nothing(tiny_pipeline: SharedPipeline,
     run(["git", "add", "-A"], origin)
     run(["git", "commit", "-qm", "outputs"], origin)
     use_store(origin, store_dir)
-    pushed = dvc_remote(["push"], origin)
+    pushed = eaglenest_remote("push", origin)
     assert pushed.returncode == 0, pushed.stderr
 
     clone = tmp_path / "elsewhere" / "clone"
     run(["git", "clone", "-q", str(origin), str(clone)], tmp_path)
     use_store(clone, store_dir)
-    pulled = dvc_remote(["pull"], clone)
+    pulled = eaglenest_remote("pull", clone)
     assert pulled.returncode == 0, pulled.stderr
     assert "up to date" in dvc(["status"], clone).stdout
     repro = dvc(["repro"], clone)
@@ -75,15 +76,15 @@ def test_an_experiment_travels_and_a_taken_name_is_refused(tiny_pipeline: Shared
     run(["git", "remote", "add", "origin", str(git_remote)], mine)
     run(["git", "push", "-q", "origin", "HEAD:main"], mine)
     use_store(mine, store_dir)
-    assert dvc_remote(["push"], mine).returncode == 0
+    assert eaglenest_remote("push", mine).returncode == 0
     dvc(["exp", "run", "-n", "fewer-samples", "-S", "evaluate.bootstrap_samples=500"], mine)
-    pushed = dvc_remote(["exp", "push", "origin", "fewer-samples"], mine)
+    pushed = eaglenest_remote("exp-push", mine, "fewer-samples")  # to origin
     assert pushed.returncode == 0, pushed.stderr
 
     theirs = tmp_path / "elsewhere" / "theirs"
     run(["git", "clone", "-q", "-b", "main", str(git_remote), str(theirs)], tmp_path)
     use_store(theirs, store_dir)
-    pulled = dvc_remote(["exp", "pull", "origin", "fewer-samples"], theirs)
+    pulled = eaglenest_remote("exp-pull", theirs, "fewer-samples", "origin")
     assert pulled.returncode == 0, pulled.stderr
     dvc(["exp", "apply", "fewer-samples"], theirs)
     assert "up to date" in dvc(["status"], theirs).stdout  # the experiment's outputs came with it
@@ -96,11 +97,15 @@ def test_an_experiment_travels_and_a_taken_name_is_refused(tiny_pipeline: Shared
     run(["git", "checkout", "-q", "--", "."], theirs)
     dvc(["exp", "remove", "fewer-samples"], theirs)
     dvc(["exp", "run", "-n", "fewer-samples", "-S", "evaluate.bootstrap_samples=400"], theirs)
-    refused = dvc_remote(["exp", "push", "origin", "fewer-samples"], theirs)
-    # DVC 3.67 refuses it with a clear message, though with exit status 0 (docs/team-remote.md)
-    said = refused.stdout + refused.stderr
-    assert "Local experiment fewer-samples has diverged from remote experiment" in said, said
+    refused = eaglenest_remote("exp-push", theirs, "fewer-samples", "origin")
+    assert refused.returncode != 0 and refused.stderr.splitlines() == [
+        "eaglenest remote: error: experiment fewer-samples on origin is a teammate's with other outputs: rename yours "
+        "(`dvc exp rename fewer-samples NEW`) and push again; theirs stays as it was"], refused.stderr
     assert run(["git", "ls-remote", str(git_remote), "refs/exps/*"], tmp_path).stdout == ref
+    # DVC alone refuses it too, though with exit status 0 (a script would believe it pushed), in the words
+    # exp-push reads for a teammate who pushes between its check and its push
+    said = dvc_remote(["exp", "push", "origin", "fewer-samples"], theirs)
+    assert said.returncode == 0 and DIVERGED_MARKER in said.stderr, said.stderr
 
 
 def test_a_pulled_run_cache_restores_every_stage_but_evaluate(tiny_pipeline: SharedPipeline, store_dir: Path,  # noqa: F811

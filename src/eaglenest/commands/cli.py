@@ -68,8 +68,9 @@ def _version() -> str:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script.
 
-    Everything after ``--`` goes on to vLLM, for the commands that pass flags on (``eaglenest serve ... -- FLAGS``
-    to vLLM's server, ``eaglenest bench --serve ... -- FLAGS`` to the servers it starts); the others refuse it.
+    Everything after ``--`` goes on, for the commands that pass flags on (``eaglenest serve ... -- FLAGS`` to vLLM's
+    server, ``eaglenest bench --serve ... -- FLAGS`` to the servers it starts, ``eaglenest remote push|pull ... --
+    FLAGS`` to DVC); the others refuse it.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     vllm_args: list[str] = []
@@ -81,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     command = COMMANDS.get(args.command)
     if vllm_args and not command.passes_flags:
         parser.error(f"{args.command}: takes no arguments after --; only `eaglenest serve -- FLAGS` and "
-                     "`eaglenest bench --serve -- FLAGS` pass flags on (to vLLM)")
+                     "`eaglenest bench --serve -- FLAGS` pass flags on (to vLLM), and `eaglenest remote push|pull "
+                     "-- FLAGS` (to DVC)")
     args.vllm_args = vllm_args
     try:
         return command.run(args)

@@ -26,7 +26,7 @@ class Command:
         run: Runs the command on the parsed arguments (with ``vllm_args``, the flags after ``--``); the exit
             status. An ``EaglenestError`` it raises becomes one line and exit status 2.
         description: The opening of ``eaglenest NAME --help``; None: ``help`` as a sentence.
-        passes_flags: Flags after ``--`` go on to vLLM; any other command refuses them.
+        passes_flags: Flags after ``--`` go on (to vLLM, or to DVC); any other command refuses them.
     """
 
     name: str

@@ -1,4 +1,6 @@
-"""``eaglenest remote``: a team's S3 store on this machine (SeaweedFS' ``weed mini``), and the DVC remote on it.
+"""``eaglenest remote``: a team's DVC remote. Push and pull (DVC's objects and run-cache, then prepare's caches) and
+experiments, each failure one line naming the remote and what to do; and an S3 store on this machine (SeaweedFS'
+``weed mini``) with the DVC remote on it.
 
 The store keeps its objects, its log and its state (process id, ports, credentials) in one folder, by default
 ``.eaglenest/store`` (ignored by git). Every port is a free one on 127.0.0.1, so several stores can run at once. The
@@ -21,6 +23,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from eaglenest.commands.command import Command
 from eaglenest.core.atomic import atomic_write_json
@@ -77,9 +80,10 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _answers(port: int) -> bool:
+def _answers(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether ``host:port`` accepts a TCP connection within half a second."""
     try:
-        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+        socket.create_connection((host, port), timeout=0.5).close()
         return True
     except OSError:
         return False
@@ -211,6 +215,142 @@ def configure_remote(repo: Path, store: Store, name: str = DEFAULT_REMOTE, prefi
 
 # Under the remote's root, beside DVC's files/: prepare's caches of regenerated replies and self-instruct prompts.
 CACHES_PREFIX = "eaglenest-caches"
+# DVC runs as a child of this interpreter: the project's own DVC, with its S3 plugin.
+DVC = (sys.executable, "-m", "dvc")
+# A push or pull whose endpoint stops answering this long is stopped. DVC does not stop by itself: with the store
+# gone mid-transfer, s3fs and botocore retry every object with back-off (a push of 3,000 objects was still waiting
+# 14 minutes after its store stopped; one whose store was down from the start fails at once).
+DOWN_AFTER_S = 8.0
+PROBE_INTERVAL_S = 1.0
+# botocore's and s3fs' words in DVC's error line: the store refused the credentials, or could not be reached.
+REFUSED_MARKERS = ("SignatureDoesNotMatch", "InvalidAccessKeyId", "AccessDenied", "(403)", "Forbidden",
+                   "Unable to locate credentials", "ExpiredToken", "InvalidToken")
+UNREACHABLE_MARKERS = ("Could not connect to the endpoint URL", "Connect timeout on endpoint URL",
+                       "Connection was closed before we received a valid response")
+# DVC 3.67's line for an experiment whose name the Git remote holds for another commit (exit status 0).
+DIVERGED_MARKER = "has diverged from remote experiment"
+PAST = {"push": "pushed", "pull": "pulled"}
+
+
+@dataclass(frozen=True)
+class DvcRemote:
+    """A DVC remote as the repository's DVC config (``.dvc/config``, then ``.dvc/config.local``) defines it.
+
+    Attributes:
+        name: Its DVC name.
+        url: Its URL (``s3://bucket/prefix``).
+        endpoint: Its ``endpointurl``; None for the provider's own (AWS S3).
+    """
+
+    name: str
+    url: str
+    endpoint: str | None
+
+    def __str__(self) -> str:
+        return f"remote {self.name!r} ({self.url}" + (f" at {self.endpoint})" if self.endpoint else ")")
+
+    def address(self) -> tuple[str, int] | None:
+        """The endpoint's host and port; None without an endpoint, or with one that names no host."""
+        if self.endpoint is None:
+            return None
+        parts = urlsplit(self.endpoint)
+        try:
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+        except ValueError:  # a port that is no number: DVC names it when it tries
+            return None
+        return (parts.hostname, port) if parts.hostname else None
+
+    def down(self, verb: str) -> str:
+        """The line for a store that does not answer."""
+        return (f"remote {self.name!r} ({self.url}) does not answer at {self.endpoint or self.url}: start it "
+                f"(`eaglenest remote start`) or fix its endpointurl; run the {verb} again, objects already "
+                f"{PAST[verb]} stay")
+
+    def failure(self, said: str, verb: str) -> str:
+        """The line for a failed ``verb`` from what DVC (or s3fs) said: this remote, and what to do."""
+        if any(marker in said for marker in REFUSED_MARKERS):
+            return (f"{self} refused the credentials in .dvc/config.local (or the AWS_* environment): fix its "
+                    f"access_key_id and secret_access_key (`dvc remote modify --local {self.name} ...`; "
+                    f"`eaglenest remote start` rewrites them for this machine's store), then run the {verb} again")
+        if any(marker in said for marker in UNREACHABLE_MARKERS):
+            return self.down(verb)
+        return f"{self}: {_error_line(said)}"
+
+
+def _error_line(said: str) -> str:
+    """DVC's first ``ERROR:`` line without its prefixes (else its last line): the fault in DVC's words."""
+    lines = [line.strip() for line in said.splitlines() if line.strip()]
+    errors = [line.removeprefix("ERROR:").strip() for line in lines if line.startswith("ERROR:")]
+    line = errors[0] if errors else lines[-1] if lines else "DVC failed without a message"
+    return line.removeprefix("unexpected error - ")
+
+
+def dvc_remote(repo: Path, name: str) -> DvcRemote:
+    """The DVC remote ``name`` of ``repo``.
+
+    Raises:
+        EaglenestError: DVC's config is malformed, or names no such remote.
+    """
+    from dvc.config import Config, ConfigError
+
+    try:
+        section = Config(dvc_dir=str(repo / ".dvc"))["remote"].get(name)
+    except ConfigError as err:
+        raise EaglenestError(f"{repo / '.dvc'}: {err}") from None
+    if section is None:
+        raise EaglenestError(f"no DVC remote {name!r} in {repo.resolve()}: `eaglenest remote start` makes it on this "
+                             "machine's store, `dvc remote add` one elsewhere (docs/team-remote.md); --name picks "
+                             "another")
+    return DvcRemote(name, section["url"], section.get("endpointurl"))
+
+
+def _interrupt(process: subprocess.Popen[str]) -> None:
+    """Stops DVC as Ctrl-C does (it exits at once, keeping what it transferred); SIGKILL if it lingers."""
+    process.send_signal(signal.SIGINT)
+    try:
+        process.communicate(timeout=STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()
+
+
+def run_dvc(repo: Path, args: list[str], remote: DvcRemote, verb: str) -> str:
+    """Runs ``dvc ARGS`` in ``repo`` against ``remote``; returns what it printed (its output, then its messages).
+
+    Where the remote's endpoint answers at the start, it is probed while DVC runs, and DVC is stopped once the
+    endpoint has been silent for :data:`DOWN_AFTER_S`. One that does not answer at the start is left to DVC, which
+    fails at once where the store is down, and succeeds where only a proxy reaches the endpoint.
+
+    Raises:
+        EaglenestError: DVC failed, or the endpoint went silent (one line: the remote and what to do).
+    """
+    address = remote.address()
+    watched = address if address is not None and _answers(address[1], address[0]) else None
+    process = subprocess.Popen([*DVC, *args], cwd=repo, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, encoding="utf-8", errors="replace")
+    silent_since: float | None = None
+    while True:
+        try:
+            out, err = process.communicate(timeout=PROBE_INTERVAL_S)
+            break
+        except subprocess.TimeoutExpired:
+            pass
+        except KeyboardInterrupt:  # the terminal's Ctrl-C reached DVC too: it stops by itself
+            process.communicate()
+            raise EaglenestError(f"the {verb} with remote {remote.name!r} was interrupted: run it again, objects "
+                                 f"already {PAST[verb]} stay") from None
+        if watched is None:
+            continue
+        if _answers(watched[1], watched[0]):
+            silent_since = None
+        elif silent_since is None:
+            silent_since = time.monotonic()
+        elif time.monotonic() - silent_since >= DOWN_AFTER_S:
+            _interrupt(process)
+            raise EaglenestError(remote.down(verb))
+    if process.returncode != 0:
+        raise EaglenestError(remote.failure(err + out, verb))
+    return out + err
 
 
 def cache_folders() -> tuple[Path, ...]:
@@ -221,7 +361,7 @@ def cache_folders() -> tuple[Path, ...]:
     return REPLIES, PROMPTS
 
 
-def sync_caches(repo: Path, direction: str, name: str | None = None) -> int:
+def sync_caches(repo: Path, direction: str, remote: DvcRemote) -> int:
     """Copies prepare's cache entries the other side lacks, to (``push``) or from (``pull``) the DVC remote.
 
     The caches are no DVC output: an output would be deleted before each run (or be ``persist``, which keeps DVC's
@@ -230,7 +370,7 @@ def sync_caches(repo: Path, direction: str, name: str | None = None) -> int:
     two machines' caches. Returns how many files were copied.
 
     Raises:
-        EaglenestError: no remote, or the remote unreachable or refusing (one line naming it).
+        EaglenestError: the remote unreachable or refusing (one line naming it).
     """
     from botocore.exceptions import BotoCoreError  # an S3 endpoint unreachable (dvc-s3 is a dependency)
     from dvc.exceptions import DvcException
@@ -239,7 +379,7 @@ def sync_caches(repo: Path, direction: str, name: str | None = None) -> int:
     copied = 0
     try:
         with Repo(str(repo)) as dvc_repo:
-            target = dvc_repo.cloud.get_remote(name, "eaglenest remote")
+            target = dvc_repo.cloud.get_remote(remote.name, "eaglenest remote")
             for folder in cache_folders():
                 local = repo / folder
                 remote_dir = target.fs.join(target.path, CACHES_PREFIX, folder.name)
@@ -258,26 +398,155 @@ def sync_caches(repo: Path, direction: str, name: str | None = None) -> int:
                         os.replace(partial, local / entry)
                         copied += 1
     except (DvcException, OSError, BotoCoreError) as err:
-        where = f"remote {name!r}" if name else "the default DVC remote"
-        raise EaglenestError(f"{direction} of prepare's caches to {where} failed: {err}; check "
-                             "`eaglenest remote status` (or the remote's endpoint and credentials), then run it "
-                             "again: entries already copied stay") from None
+        # s3fs turns botocore's error into an OSError of the server's message; its cause names the S3 error code
+        said = f"ERROR: {err} ({err.__cause__})" if err.__cause__ else f"ERROR: {err}"
+        raise EaglenestError(f"prepare's caches: {remote.failure(said, direction)}") from None
     return copied
 
 
-def remote(action: str, repo: Path, directory: Path, name: str) -> int:
-    """``eaglenest remote start|stop|status|push-caches|pull-caches``: prints one line, returns the exit status."""
-    if action in ("push-caches", "pull-caches"):
-        direction = action.removesuffix("-caches")
-        copied = sync_caches(repo, direction, name)
-        print(f"{direction}: {copied} cache entries copied ({', '.join(str(f) for f in cache_folders())})")
+def transfer(repo: Path, direction: str, name: str, targets: list[str], dvc_flags: list[str]) -> list[str]:
+    """``eaglenest remote push|pull``: ``dvc push|pull --run-cache -r NAME`` (flags, then targets), then prepare's
+    caches; returns DVC's lines and the caches' count.
+
+    Raises:
+        EaglenestError: a flag names DVC's remote (``--name`` does), or the transfer failed (one line).
+    """
+    if any(flag in ("-r", "--remote") or flag.startswith(("-r", "--remote=")) for flag in dvc_flags):
+        raise EaglenestError("the DVC remote is --name (default: team), not DVC's -r: the push, the pull and "
+                             "prepare's caches go to one remote")
+    remote = dvc_remote(repo, name)
+    said = run_dvc(repo, [direction, "--run-cache", "-r", remote.name, *dvc_flags, *targets], remote, direction)
+    copied = sync_caches(repo, direction, remote)
+    folders = ", ".join(str(f) for f in cache_folders())
+    return [*said.strip().splitlines(), f"{direction}: {copied} cache entries copied ({folders})"]
+
+
+def _taken(name: str, git_remote: str) -> str:
+    return (f"experiment {name} on {git_remote} is a teammate's with other outputs: rename yours (`dvc exp rename "
+            f"{name} NEW`) and push again; theirs stays as it was")
+
+
+def _remote_experiments(repo: Path, git_remote: str, name: str) -> dict[str, str]:
+    """The Git remote's experiments called ``name``, on any baseline: commit per ref.
+
+    Raises:
+        EaglenestError: the Git remote does not answer.
+    """
+    from dvc.repo.experiments.exceptions import InvalidExpRefError
+    from dvc.repo.experiments.refs import EXPS_NAMESPACE, ExpRefInfo
+
+    listed = subprocess.run(["git", "ls-remote", git_remote, f"{EXPS_NAMESPACE}/*"], cwd=repo, capture_output=True,
+                            text=True, stdin=subprocess.DEVNULL)
+    if listed.returncode != 0:
+        said = [line for line in listed.stderr.splitlines() if line.strip()]
+        # git's first line says what failed ("fatal: 'x' does not appear to be a git repository"); advice follows
+        raise EaglenestError(f"Git remote {git_remote!r} did not list its experiments: "
+                             f"{said[0] if said else f'git ls-remote exited {listed.returncode}'}")
+    found = {}
+    for line in listed.stdout.splitlines():
+        commit, ref = line.split("\t")
+        try:
+            experiment = ExpRefInfo.from_ref(ref)  # refs/exps/AB/CDEF.../NAME: baseline AB..., then the name
+        except InvalidExpRefError:  # DVC's own bookkeeping under refs/exps (its stash) names no experiment
+            continue
+        if experiment.name == name:
+            found[ref] = commit
+    return found
+
+
+def _local_experiment(repo: Path, name: str) -> str:
+    """The commit of the local experiment ``name``, as ``dvc exp push`` resolves the name.
+
+    Raises:
+        EaglenestError: no experiment of that name here, or several that DVC cannot tell apart.
+    """
+    from dvc.exceptions import DvcException
+    from dvc.repo.experiments.utils import resolve_name
+    from dvc.scm import SCM
+
+    try:
+        scm = SCM(str(repo))
+        ref = resolve_name(scm, name)[name]
+        commit = None if ref is None else scm.get_ref(str(ref))
+    except DvcException as err:
+        raise EaglenestError(f"experiment {name}: {err}") from None
+    if commit is None:
+        raise EaglenestError(f"no experiment {name} in {repo.resolve()} (`dvc exp list` names them)")
+    return commit
+
+
+def exp_push(repo: Path, name: str, git_remote: str, remote_name: str) -> list[str]:
+    """``eaglenest remote exp-push NAME GIT_REMOTE``: ``dvc exp push --run-cache -r REMOTE GIT_REMOTE NAME`` (the
+    experiment's Git ref, its outputs and its run-cache), refused where the Git remote holds another experiment of
+    that name; returns DVC's lines.
+
+    The Git remote's refs are compared before anything moves (on every baseline: DVC would push a same-named
+    experiment of another baseline beside the teammate's, and ``dvc exp pull NAME`` would then take the one of the
+    commit checked out, and refuse the name as ambiguous on any other), and DVC's own divergence line is read after,
+    for a teammate who pushed in between.
+
+    Raises:
+        EaglenestError: the name is taken, or the push failed (one line).
+    """
+    commit = _local_experiment(repo, name)
+    if any(theirs != commit for theirs in _remote_experiments(repo, git_remote, name).values()):
+        raise EaglenestError(_taken(name, git_remote))
+    remote = dvc_remote(repo, remote_name)
+    said = run_dvc(repo, ["exp", "push", "--run-cache", "-r", remote.name, git_remote, name], remote, "push")
+    if DIVERGED_MARKER in said:
+        raise EaglenestError(_taken(name, git_remote))
+    return said.strip().splitlines()
+
+
+def exp_pull(repo: Path, name: str, git_remote: str, remote_name: str) -> list[str]:
+    """``eaglenest remote exp-pull NAME GIT_REMOTE``: ``dvc exp pull --run-cache -r REMOTE GIT_REMOTE NAME``,
+    refused where this clone holds another experiment of that name; returns DVC's lines.
+
+    Raises:
+        EaglenestError: the name is taken here, or the pull failed (one line).
+    """
+    remote = dvc_remote(repo, remote_name)
+    said = run_dvc(repo, ["exp", "pull", "--run-cache", "-r", remote.name, git_remote, name], remote, "pull")
+    if DIVERGED_MARKER in said:
+        raise EaglenestError(f"experiment {name} here is another than the one on {git_remote}: rename yours (`dvc "
+                             f"exp rename {name} NEW`) and pull again; yours stays as it was")
+    return said.strip().splitlines()
+
+
+def remote(action: str, repo: Path, directory: Path, name: str, args: list[str], dvc_flags: list[str]) -> int:
+    """``eaglenest remote ACTION [ARGS] [-- DVC_FLAGS]``: prints what happened, returns the exit status.
+
+    Args:
+        action: start, stop, status; push, pull (DVC and prepare's caches); exp-push, exp-pull.
+        repo: The repository.
+        directory: The store's folder (start, stop, status).
+        name: The DVC remote.
+        args: push / pull: DVC targets; exp-push / exp-pull: the experiment, then the Git remote (default origin).
+        dvc_flags: push / pull: DVC's own flags (``--jobs``, ``--all-commits``, ...).
+
+    Raises:
+        EaglenestError: arguments the action does not take, or its failure (one line).
+    """
+    if (args and action not in ("push", "pull", "exp-push", "exp-pull")) or (dvc_flags and action not in
+                                                                             ("push", "pull")):
+        raise EaglenestError(f"{action} takes no {'arguments' if args else 'flags after --'}: "
+                             f"{' '.join(args or dvc_flags)}")
+    if action in ("push", "pull"):
+        print("\n".join(transfer(repo, action, name, args, dvc_flags)))
+        return 0
+    if action in ("exp-push", "exp-pull"):
+        if not 1 <= len(args) <= 2:
+            raise EaglenestError(f"{action} takes the experiment's name and, optionally, the Git remote (default "
+                                 f"origin): eaglenest remote {action} NAME [GIT_REMOTE]")
+        sync = exp_push if action == "exp-push" else exp_pull
+        print("\n".join(sync(repo, args[0], args[1] if len(args) == 2 else "origin", name)))
         return 0
     directory = directory if directory.is_absolute() else repo / directory
     if action == "start":
         store = start_store(directory)
         url = configure_remote(repo, store, name)
         print(f"store up at {store.endpoint} (objects in {directory / 'data'}, pid {store.pid}); DVC remote "
-              f"{name!r} = {url} in .dvc/config.local: `dvc push`, `dvc pull`")
+              f"{name!r} = {url} in .dvc/config.local: `eaglenest remote push`, `eaglenest remote pull`")
         return 0
     if action == "stop":
         print(f"store in {directory} stopped" if stop_store(directory) else f"no store running in {directory}")
@@ -291,9 +560,10 @@ def remote(action: str, repo: Path, directory: Path, name: str) -> int:
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("action", choices=["start", "stop", "status", "push-caches", "pull-caches"],
-                        help="push-caches / pull-caches: copy prepare's caches of regenerated replies and prompts "
-                        "to / from the DVC remote --name (only entries the other side lacks)")
+    parser.add_argument("action", choices=["push", "pull", "exp-push", "exp-pull", "start", "stop", "status"],
+                        help="what to do (above)")
+    parser.add_argument("args", nargs="*", metavar="ARG", help="push / pull: DVC targets (default: all); exp-push / "
+                        "exp-pull: NAME [GIT_REMOTE]")
     parser.add_argument("--dir", default=".eaglenest/store", help="the store's folder: objects, log and state "
                         "(default: .eaglenest/store; a second clone on this machine names the first one's)")
     parser.add_argument("--name", default="team", help="the DVC remote's name (default: team)")
@@ -301,10 +571,15 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 COMMAND = Command(
-    "remote", help="start, stop or check the team's S3 store on this machine and its DVC remote",
-    description="The team's S3 store on this machine. start: runs SeaweedFS (weed mini) on free 127.0.0.1 "
-    "ports (credentials made once, kept across restarts) and makes it the repository's default DVC remote in "
-    ".dvc/config.local (nothing enters git); stop: stops it, keeping its objects; status: exit 0 where it runs; "
-    "push-caches / pull-caches: prepare's caches to / from the remote. A remote elsewhere (AWS S3, GCS, "
-    "MinIO): docs/team-remote.md.",
-    add_arguments=_add_arguments, run=lambda args: remote(args.action, Path(args.repo), Path(args.dir), args.name))
+    "remote", help="the team's DVC remote: push and pull (with prepare's caches), experiments, and an S3 "
+    "store on this machine",
+    description="The team's DVC remote. push / pull: dvc push / pull --run-cache to the DVC remote --name, "
+    "then prepare's caches (only entries the other side lacks); ARGS are DVC targets, DVC's own flags go after "
+    "-- (eaglenest remote push -- --jobs 4). exp-push NAME [GIT_REMOTE]: dvc exp push --run-cache, refused "
+    "where the Git remote (default origin) holds another experiment NAME; exp-pull NAME [GIT_REMOTE]: dvc exp "
+    "pull --run-cache. A failure is one line naming the remote and what to do. start: runs SeaweedFS (weed "
+    "mini) on free 127.0.0.1 ports (credentials made once, kept across restarts) and makes it the repository's "
+    "default DVC remote in .dvc/config.local (nothing enters git); stop: stops it, keeping its objects; status: "
+    "exit 0 where it runs. A remote elsewhere (AWS S3, GCS, MinIO): docs/team-remote.md.",
+    add_arguments=_add_arguments, passes_flags=True,
+    run=lambda args: remote(args.action, Path(args.repo), Path(args.dir), args.name, args.args, args.vllm_args))
