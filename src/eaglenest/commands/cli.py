@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from eaglenest.artifacts.k_record import K_RECORD_FILE
 from eaglenest.commands.bench import DEFAULT_CONCURRENCY, DEFAULT_OUT, DEFAULT_PORT, DEFAULT_SERVER_TIMEOUT_S
-from eaglenest.commands.k_sweep import K_SWEEP_FILE
 from eaglenest.core.errors import EaglenestError
 
 DESCRIPTION = (
@@ -89,10 +89,10 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _k_sweep(args: argparse.Namespace) -> int:
-    from eaglenest.commands.k_sweep import PipelinePaths, run_sweep, summary_lines
+    from eaglenest.commands.k_sweep import run_sweep, summary_lines
 
-    paths = PipelinePaths(Path(args.params), Path(args.verifier), Path(args.draft), Path(args.prepared))
-    print("\n".join(summary_lines(run_sweep(paths, args.ks, args.repeats, Path(args.out)))))
+    print("\n".join(summary_lines(run_sweep(Path(args.params), Path(args.verifier), Path(args.draft),
+                                            Path(args.prepared), Path(args.out), args.ks, args.repeats))))
     return 0
 
 
@@ -237,10 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="compute dtype; auto serves an fp32 checkpoint in bfloat16 (default: auto)")
     server.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
-                        help="drafts per verify step (default: the fastest K `eaglenest k-sweep` measured for this "
+                        help="drafts per verify step (default: the fastest K the k_sweep stage measured for this "
                         "draft, else the draft's own, train.ttt_steps)")
-    server.add_argument("--k-sweep", default=str(K_SWEEP_FILE), metavar="FILE",
-                        help=f"the sweep's result the default K is read from (default: {K_SWEEP_FILE})")
+    server.add_argument("--k-sweep", default=str(K_RECORD_FILE), metavar="FILE",
+                        help=f"the K record the default K is read from (default: {K_RECORD_FILE})")
     server.add_argument("--served-model-name", default=None, metavar="NAME",
                         help="the model name clients ask for (default: the verifier's, verifier.name or its hub id)")
     server.add_argument("--baseline", choices=["ngram", "none"], default=None,
@@ -268,13 +268,15 @@ def build_parser() -> argparse.ArgumentParser:
     init.set_defaults(func=_init)
 
     sweep = add_command(
-        "k-sweep", help="time the draft and vLLM's n-gram drafting at each K, single-stream on the headline sets; "
-        "record the fastest K for `eaglenest serve`"
+        "k-sweep", help="the k_sweep stage's timing by hand, for other Ks or rounds than params.yaml's k_sweep: "
+        "the draft at each K, single-stream on the headline sets; records the fastest K for `eaglenest serve`"
     )
     sweep.add_argument("--ks", nargs="+", type=int, default=None, metavar="K",
-                       help="the Ks to time (default: 1 up to the draft's own)")
-    sweep.add_argument("--repeats", type=int, default=1, help="rounds of the whole sweep (default: 1)")
-    sweep.add_argument("--out", default=str(K_SWEEP_FILE), help=f"the result (default: {K_SWEEP_FILE})")
+                       help="the Ks to time (default: k_sweep.ks)")
+    sweep.add_argument("--repeats", type=int, default=None, help="rounds on the same engines (default: "
+                       "k_sweep.repeats)")
+    sweep.add_argument("--out", default=str(K_RECORD_FILE), help=f"the K record (default: {K_RECORD_FILE}, the "
+                       "stage's)")
     sweep.add_argument("--params", default="params.yaml", help="the pipeline's params (default: params.yaml)")
     sweep.add_argument("--verifier", default="models/verifier", help="the verifier stage's output folder")
     sweep.add_argument("--draft", default="models/draft", help="the train stage's draft checkpoint")
@@ -311,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="with --serve: the servers' compute dtype, as eaglenest serve's (default: auto)")
     bencher.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                          help="with --serve: drafts per verify step, as eaglenest serve's (default: the fastest "
-                         "K eaglenest k-sweep measured, else the draft's own)")
+                         "K the k_sweep stage measured, else the draft's own)")
     bencher.add_argument("--server-timeout", type=float, default=None, metavar="S",
                          help="with --serve: seconds a started server may take to answer /v1/models (default: "
                          f"{DEFAULT_SERVER_TIMEOUT_S:g})")

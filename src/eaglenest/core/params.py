@@ -497,7 +497,7 @@ class TrainParams(StrictModel):
         default=2, ge=1, description="K, the tokens the draft proposes per step: eagle3's training-time-test "
         "unroll depth, peagle's parallel depths, dflash's block less its anchor. It is the draft's "
         "speculative_tokens: the K evaluate uses unless evaluate.num_speculative_tokens says otherwise, and "
-        "`eaglenest serve` unless metrics/k_sweep.json measured another K for this draft."
+        "`eaglenest serve` unless the k_sweep stage measured another K for this draft (metrics/k_sweep.json)."
     )
     ttt_step_loss_decay: float = Field(default=1.0, gt=0.0, description="Loss weight factor per TTT step.")
     total_seq_len: int = Field(
@@ -765,6 +765,43 @@ class EvaluateParams(StrictModel):
         return "vllm" if "vllm" in self.backend else "hf"
 
 
+class KSweepParams(StrictModel):
+    """``k_sweep:`` — K, the drafts per verify step, chosen by timing the trained draft at each K (what
+    ``eaglenest serve`` uses for this draft). Reads the headline sets, their sampling and the engine settings from
+    ``evaluate:``."""
+
+    ks: list[int] | None = Field(
+        default=None, min_length=1,
+        description="The Ks timed, each at least 1; null: 1 to the draft's own K (train.ttt_steps). Every two Ks "
+        "(with ngram: every two engines) beyond the first two start their engines in processes of their own, "
+        "about 25 s each on the CPU build.",
+    )
+    timed_prompts: int = Field(
+        default=2, ge=1,
+        description="Turns of each headline set decoded one at a time per engine and round, fewer than "
+        "evaluate.timed_prompts: the sweep chooses between Ks, evaluate measures the chosen one. Each turn costs "
+        "about 2 to 9 s per engine on a 2-core CPU for SmolLM2-135M.",
+    )
+    repeats: int = Field(
+        default=1, ge=1,
+        description="Rounds of timing on the same engines; the spread between rounds shows the timing noise.",
+    )
+    ngram: bool = Field(
+        default=False,
+        description="Also time vLLM's n-gram drafting at each K (evaluate's window). Off: serving decides the "
+        "draft's K; the n-gram baseline is evaluate's.",
+    )
+
+    @field_validator("ks")
+    @classmethod
+    def _ks_at_least_one(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and min(value) < 1:
+            raise ValueError("every K must be at least 1 (K is the drafts per verify step)")
+        if value is not None and len(set(value)) != len(value):
+            raise ValueError("lists a K twice; list each K once")
+        return value
+
+
 RDZV_ENDPOINT_PATTERN = re.compile(r"^[A-Za-z0-9._-]+:([0-9]{1,5})$")
 
 
@@ -970,6 +1007,7 @@ class Params(StrictModel):
     convert: ConvertParams = Field(default_factory=ConvertParams, description="The convert stage.")
     train: TrainParams = Field(default_factory=TrainParams, description="The train stage.")
     evaluate: EvaluateParams = Field(default_factory=EvaluateParams, description="The evaluate stage.")
+    k_sweep: KSweepParams = Field(default_factory=KSweepParams, description="The k_sweep stage.")
     cluster: ClusterParams = Field(
         default_factory=ClusterParams,
         description="Where and how the stages run: this process or a Ray cluster for regeneration and extract, "

@@ -1,0 +1,89 @@
+"""The k_sweep stage's vLLM side: engines started, warmed, and timed turn by turn, taking turns.
+
+Engines share this process where the CPU build allows it (``in_process_on_cpu``: about 8 s to start instead of
+about 25 s), which is at most three per process (a fourth fails registering its kernel overrides again); the
+engines after the third run their engine core in processes of their own. evaluate's back end
+(``eaglenest.stages.evaluate.vllm``) times its engines the same way; these functions are the ones it can share.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import Any
+
+from eaglenest.core.progress import progress
+from eaglenest.core.vllm_support import create_llm, generate
+
+PARAM = "k_sweep"
+# The CPU build starts at most this many engines in one process (core/vllm_support.create_llm).
+IN_PROCESS_ENGINES = 3
+WARM_UP_TOKENS = 16
+
+_started_in_process = 0
+
+
+def start_engine(kwargs: dict[str, Any], what: str, warm_up: list[int], seed: int) -> tuple[Any, float]:
+    """One engine, warmed up on ``warm_up`` (a prompt not timed: first forwards allocate and pick kernels, and the
+    timed turns' prefixes stay uncached, as a server first meets them); and its seconds to start.
+
+    In this process while fewer than :data:`IN_PROCESS_ENGINES` have started in it, else in its own processes.
+    """
+    global _started_in_process
+    started = time.perf_counter()
+    in_process = _started_in_process < IN_PROCESS_ENGINES
+    llm = create_llm(kwargs, PARAM, what=what, in_process_on_cpu=in_process)
+    _started_in_process += in_process
+    generate(llm, [{"prompt_token_ids": warm_up}], sampling_params(WARM_UP_TOKENS, 0.0, seed), PARAM)
+    return llm, round(time.perf_counter() - started, 3)
+
+
+def sampling_params(max_tokens: int, temperature: float, seed: int) -> Any:
+    """vLLM's ``SamplingParams``, one seed per request, as evaluate decodes (call it once an engine started)."""
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
+
+
+def speculative_engine_kwargs(speculative_config: dict[str, Any]) -> dict[str, Any]:
+    """A speculative engine's ``vllm.LLM`` arguments beyond the shared ones: its method, with per-request counts."""
+    return {"disable_log_stats": False, "per_request_spec_decode_metrics": "summary",
+            "speculative_config": speculative_config}
+
+
+def close_engine(llm: Any) -> None:
+    """Stops an engine's core (its process, on the multiprocessing client) so the next one has the memory."""
+    client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if client is not None:
+        client.shutdown()
+    del llm
+    gc.collect()
+
+
+def time_interleaved(engines: dict[str, Any], prompts: list[list[int]], sampling: Any,
+                     progress_desc: str) -> dict[str, list[tuple[Any, float]]]:
+    """Each prompt alone on every engine, the engines taking turns prompt by prompt, the order rotating: a
+    speed-up divides seconds measured moments apart, so the machine's drift between minutes cancels.
+
+    Returns:
+        ``{engine name: [(output, seconds), ...]}``, one pair per prompt, in the prompts' order.
+    """
+    names = list(engines)
+    timed: dict[str, list[tuple[Any, float]]] = {name: [] for name in names}
+    for i, prompt in enumerate(progress(len(prompts), progress_desc, "turn", iterable=prompts)):
+        shift = i % len(names)
+        for name in names[shift:] + names[:shift]:
+            started = time.perf_counter()
+            (output,) = generate(engines[name], [{"prompt_token_ids": prompt}], sampling, PARAM)
+            timed[name].append((output, time.perf_counter() - started))
+    return timed
+
+
+def drafted_steps(output: Any) -> tuple[int, int] | None:
+    """(verify steps that had a draft, drafts accepted) of one request, from vLLM's per-request
+    ``spec_decode_metrics`` (its histogram counts steps by drafts accepted); None where the build reports none."""
+    metrics = getattr(output.outputs[0], "spec_decode_metrics", None)
+    if metrics is None:
+        return None
+    histogram = list(metrics.histogram)  # [K + 1]
+    return sum(histogram), sum(j * count for j, count in enumerate(histogram))
