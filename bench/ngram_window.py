@@ -25,9 +25,9 @@ from eaglenest.artifacts.draft import draft_tokens
 from eaglenest.artifacts.verifier import load_verifier_info
 from eaglenest.core.atomic import atomic_write_json
 from eaglenest.core.params import load_params
+from eaglenest.core.single_stream import close_engine, speculative_engine_kwargs, start_engine
 from eaglenest.core.vllm_support import engine_kwargs
 from eaglenest.stages.k_sweep import KSweepPaths, short_commit, time_beside_plain, timed_turns
-from eaglenest.stages.k_sweep.timing import close_engine, speculative_engine_kwargs, start_engine
 
 OUT = Path("bench/results/ngram_window.json")
 
@@ -44,12 +44,12 @@ def main() -> int:
     info, model_dir = load_verifier_info(paths.verifier)
     common = engine_kwargs(model_dir, info, params.evaluate.vllm, context_tokens=turns.context_tokens,
                            seed=params.evaluate.seed, gpu_memory_share=0.5, kv_tokens=turns.context_tokens)
-    plain, _ = start_engine(common, "the verifier", turns.warm_up, params.evaluate.seed)
+    plain, _ = start_engine(common, "bench/ngram_window.py", "the verifier", turns.warm_up, params.evaluate.seed)
     runs = {}
     for low, high in windows:
         config = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": low, "prompt_lookup_max": high}
-        ngram, _ = start_engine({**common, **speculative_engine_kwargs(config)}, f"n-gram {low}:{high}",
-                                turns.warm_up, params.evaluate.seed)
+        ngram, _ = start_engine({**common, **speculative_engine_kwargs(config)}, "bench/ngram_window.py",
+                                f"n-gram {low}:{high}", turns.warm_up, params.evaluate.seed)
         # taking turns prompt by prompt with the plain engine
         runs[f"{low}:{high}"] = time_beside_plain(turns, plain, {"ngram": ngram}, params.evaluate,
                                                   f"window {low}:{high}")["ngram"]

@@ -6,7 +6,7 @@ and of drafting. Per headline set of ``evaluate.sets``, the first turn of each o
 that is not timed, so a timed turn meets the engine as a new chat turn meets a server), with evaluate's
 sampling and engine settings, by the plain engine and by the draft at each K of ``k_sweep.ks`` (with
 ``k_sweep.ngram``, also by vLLM's n-gram drafting at each K). The plain engine and up to two speculative ones take
-turns prompt by prompt (:func:`~eaglenest.stages.k_sweep.timing.time_interleaved`), so every speed-up divides
+turns prompt by prompt (:func:`~eaglenest.core.single_stream.time_interleaved`), so every speed-up divides
 seconds measured moments apart; the plain engine stays up for every group of two. ``k_sweep.repeats`` rounds
 time the same engines again.
 
@@ -40,6 +40,7 @@ from eaglenest.stages.k_sweep.choice import add_speedup, best_ks, serve_k
 
 log = logging.getLogger(__name__)
 
+PARAM = "k_sweep"  # the params section named in vLLM's errors
 # Engines timed beside the plain one at once: the CPU build holds three per process, a GPU a third of
 # evaluate.vllm.gpu_memory_utilization each.
 SPECULATIVE_PER_GROUP = 2
@@ -127,7 +128,7 @@ def sweep(params: Params, paths: KSweepPaths, ks: list[int] | None = None, repea
 
 def _measure(params: Params, paths: KSweepPaths, ks: list[int], repeats: int, trained_k: int, algorithm: str
              ) -> dict[str, Any]:
-    from eaglenest.stages.k_sweep.timing import close_engine, speculative_engine_kwargs, start_engine
+    from eaglenest.core.single_stream import close_engine, speculative_engine_kwargs, start_engine
 
     evaluate, own = params.evaluate, params.k_sweep
     began = time.perf_counter()
@@ -147,14 +148,14 @@ def _measure(params: Params, paths: KSweepPaths, ks: list[int], repeats: int, tr
 
     plain = None
     try:
-        plain, seconds["start"]["plain"] = start_engine(common, "the verifier", turns.warm_up, evaluate.seed)
+        plain, seconds["start"]["plain"] = start_engine(common, PARAM, "the verifier", turns.warm_up, evaluate.seed)
         for group in groups:
             engines: dict[str, Any] = {}
             try:
                 for drafter, k in group:
                     name = f"{drafter} K={k}"
                     engines[name], seconds["start"][name] = start_engine(
-                        {**common, **speculative_engine_kwargs(speculative[drafter, k])},
+                        {**common, **speculative_engine_kwargs(speculative[drafter, k])}, PARAM,
                         f"the {algorithm} draft at K={k}" if drafter == "draft" else f"n-gram drafting at K={k}",
                         turns.warm_up, evaluate.seed)
                 label = ", ".join(engines)
@@ -192,12 +193,12 @@ def time_beside_plain(turns: TimedTurns, plain: Any, engines: dict[str, Any], ev
     """Every headline set's timed turns on the plain engine and ``engines`` (name -> speculative engine), taking
     turns prompt by prompt; per engine and set its figures beside the plain engine's (:func:`_entry`), with the
     speed-up and its 95% interval."""
-    from eaglenest.stages.k_sweep.timing import drafted_steps, sampling_params, time_interleaved
+    from eaglenest.core.single_stream import drafted_steps, sampling_params, time_interleaved
 
     result: dict[str, dict[str, Any]] = {name: {} for name in engines}
     for eval_set in turns.sets:
         sampling = sampling_params(eval_set.params.max_new_tokens, eval_set.params.temperature, evaluate.seed)
-        timed = time_interleaved({"plain": plain, **engines}, turns.prompts[eval_set.name], sampling,
+        timed = time_interleaved({"plain": plain, **engines}, turns.prompts[eval_set.name], sampling, PARAM,
                                  f"k_sweep: {label}, {eval_set.name}, {', '.join(engines)}")
         plain_turns = _turns(timed["plain"])
         for name in engines:

@@ -1,9 +1,12 @@
-"""The k_sweep stage's vLLM side: engines started, warmed, and timed turn by turn, taking turns.
+"""Single-stream timing with vLLM: engines started and warmed, then each prompt decoded alone by every engine in
+turn, as a chat user meets a server. The k_sweep stage times with it; evaluate's vllm back end
+(``eaglenest.stages.evaluate.vllm``) holds its own copies of these functions until its next measured run adopts
+them.
 
 Engines share this process where the CPU build allows it (``in_process_on_cpu``: about 8 s to start instead of
 about 25 s), which is at most three per process (a fourth fails registering its kernel overrides again); the
-engines after the third run their engine core in processes of their own. evaluate's back end
-(``eaglenest.stages.evaluate.vllm``) times its engines the same way; these functions are the ones it can share.
+engines after the third run their engine core in processes of their own. Every function takes ``param``, the
+params key that asked for vLLM, named in every error.
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ from typing import Any
 from eaglenest.core.progress import progress
 from eaglenest.core.vllm_support import create_llm, generate
 
-PARAM = "k_sweep"
 # The CPU build starts at most this many engines in one process (core/vllm_support.create_llm).
 IN_PROCESS_ENGINES = 3
 WARM_UP_TOKENS = 16
@@ -23,7 +25,7 @@ WARM_UP_TOKENS = 16
 _started_in_process = 0
 
 
-def start_engine(kwargs: dict[str, Any], what: str, warm_up: list[int], seed: int) -> tuple[Any, float]:
+def start_engine(kwargs: dict[str, Any], param: str, what: str, warm_up: list[int], seed: int) -> tuple[Any, float]:
     """One engine, warmed up on ``warm_up`` (a prompt not timed: first forwards allocate and pick kernels, and the
     timed turns' prefixes stay uncached, as a server first meets them); and its seconds to start.
 
@@ -32,9 +34,9 @@ def start_engine(kwargs: dict[str, Any], what: str, warm_up: list[int], seed: in
     global _started_in_process
     started = time.perf_counter()
     in_process = _started_in_process < IN_PROCESS_ENGINES
-    llm = create_llm(kwargs, PARAM, what=what, in_process_on_cpu=in_process)
+    llm = create_llm(kwargs, param, what=what, in_process_on_cpu=in_process)
     _started_in_process += in_process
-    generate(llm, [{"prompt_token_ids": warm_up}], sampling_params(WARM_UP_TOKENS, 0.0, seed), PARAM)
+    generate(llm, [{"prompt_token_ids": warm_up}], sampling_params(WARM_UP_TOKENS, 0.0, seed), param)
     return llm, round(time.perf_counter() - started, 3)
 
 
@@ -60,7 +62,7 @@ def close_engine(llm: Any) -> None:
     gc.collect()
 
 
-def time_interleaved(engines: dict[str, Any], prompts: list[list[int]], sampling: Any,
+def time_interleaved(engines: dict[str, Any], prompts: list[list[int]], sampling: Any, param: str,
                      progress_desc: str) -> dict[str, list[tuple[Any, float]]]:
     """Each prompt alone on every engine, the engines taking turns prompt by prompt, the order rotating: a
     speed-up divides seconds measured moments apart, so the machine's drift between minutes cancels.
@@ -74,7 +76,7 @@ def time_interleaved(engines: dict[str, Any], prompts: list[list[int]], sampling
         shift = i % len(names)
         for name in names[shift:] + names[:shift]:
             started = time.perf_counter()
-            (output,) = generate(engines[name], [{"prompt_token_ids": prompt}], sampling, PARAM)
+            (output,) = generate(engines[name], [{"prompt_token_ids": prompt}], sampling, param)
             timed[name].append((output, time.perf_counter() - started))
     return timed
 
