@@ -79,7 +79,6 @@ class KRecord:
     sha256: str
     served: ServedFigure | None
     not_measured: str | None
-    commit: str
 
 
 def read_k_record(path: Path) -> KRecord | None:
@@ -101,7 +100,7 @@ def read_k_record(path: Path) -> KRecord | None:
                              f"{MEASURE_HINT} again, or pass --num-speculative-tokens K") from None
     if served is not None and served.k < 1:
         raise InputFileError(f"{path}: serve.k is {served.k}; {MEASURE_HINT} again")
-    return KRecord(sha256, served, document.get("not_measured"), str(document.get("commit", "?")))
+    return KRecord(sha256, served, document.get("not_measured"))
 
 
 @dataclass(frozen=True)

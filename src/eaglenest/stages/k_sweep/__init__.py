@@ -31,6 +31,7 @@ from eaglenest.artifacts.draft import draft_algorithm, draft_tokens, vllm_specul
 from eaglenest.artifacts.eval_sets import EvalSet, load_eval_sets
 from eaglenest.artifacts.k_record import ServedFigure, write_k_record
 from eaglenest.artifacts.verifier import load_tokenizer, load_verifier_info
+from eaglenest.core import single_stream
 from eaglenest.core.errors import EaglenestError
 from eaglenest.core.host import host_record
 from eaglenest.core.params import EvaluateParams, Params
@@ -64,7 +65,7 @@ class TimedTurns:
         sets: The headline sets.
         prompts: Set name -> the first turn of each of its first k_sweep.timed_prompts conversations (token ids).
         warm_up: A prompt no engine is timed on (the first set's next conversation, where it has one).
-        context_tokens: The longest timed prompt with its answer and the largest K's drafts.
+        context_tokens: The longest prompt (timed or warm-up) with its answer and the largest K's drafts.
     """
 
     sets: list[EvalSet]
@@ -81,9 +82,9 @@ def timed_turns(params: Params, paths: KSweepPaths, max_k: int) -> TimedTurns:
     prompts = {s.name: [s.render(c, 0, [], tokenizer) for c in s.conversations[:count]] for s in sets}
     first = sets[0]
     spare = first.conversations[count] if len(first.conversations) > count else first.conversations[-1]
-    longest = max(len(p) for ps in prompts.values() for p in ps)
-    return TimedTurns(sets, prompts, first.render(spare, 0, [], tokenizer),
-                      longest + max(s.params.max_new_tokens for s in sets) + max_k + 1)
+    warm_up = first.render(spare, 0, [], tokenizer)
+    longest = max([len(warm_up)] + [len(p) for ps in prompts.values() for p in ps])
+    return TimedTurns(sets, prompts, warm_up, longest + max(s.params.max_new_tokens for s in sets) + max_k + 1)
 
 
 def ngram_config(params: EvaluateParams, k: int) -> dict[str, Any]:
@@ -128,8 +129,6 @@ def sweep(params: Params, paths: KSweepPaths, ks: list[int] | None = None, repea
 
 def _measure(params: Params, paths: KSweepPaths, ks: list[int], repeats: int, trained_k: int, algorithm: str
              ) -> dict[str, Any]:
-    from eaglenest.core.single_stream import close_engine, speculative_engine_kwargs, start_engine
-
     evaluate, own = params.evaluate, params.k_sweep
     began = time.perf_counter()
     turns = timed_turns(params, paths, max(ks))
@@ -148,14 +147,15 @@ def _measure(params: Params, paths: KSweepPaths, ks: list[int], repeats: int, tr
 
     plain = None
     try:
-        plain, seconds["start"]["plain"] = start_engine(common, PARAM, "the verifier", turns.warm_up, evaluate.seed)
+        plain, seconds["start"]["plain"] = single_stream.start_engine(common, PARAM, "the verifier", turns.warm_up,
+                                                                      evaluate.seed)
         for group in groups:
             engines: dict[str, Any] = {}
             try:
                 for drafter, k in group:
                     name = f"{drafter} K={k}"
-                    engines[name], seconds["start"][name] = start_engine(
-                        {**common, **speculative_engine_kwargs(speculative[drafter, k])}, PARAM,
+                    engines[name], seconds["start"][name] = single_stream.start_engine(
+                        {**common, **single_stream.speculative_engine_kwargs(speculative[drafter, k])}, PARAM,
                         f"the {algorithm} draft at K={k}" if drafter == "draft" else f"n-gram drafting at K={k}",
                         turns.warm_up, evaluate.seed)
                 label = ", ".join(engines)
@@ -169,10 +169,10 @@ def _measure(params: Params, paths: KSweepPaths, ks: list[int], repeats: int, tr
                             f"{n} x{e['speedup']} ± {e['speedup_ci95']}" for n, e in measured[drafter][str(k)].items()))
             finally:
                 for llm in engines.values():
-                    close_engine(llm)
+                    single_stream.close_engine(llm)
     finally:
         if plain is not None:
-            close_engine(plain)
+            single_stream.close_engine(plain)
 
     names = [s.name for s in turns.sets]
     k_best, speedup, ci95 = serve_k(rounds, names, ks, evaluate.bootstrap_samples, evaluate.seed)
@@ -193,16 +193,15 @@ def time_beside_plain(turns: TimedTurns, plain: Any, engines: dict[str, Any], ev
     """Every headline set's timed turns on the plain engine and ``engines`` (name -> speculative engine), taking
     turns prompt by prompt; per engine and set its figures beside the plain engine's (:func:`_entry`), with the
     speed-up and its 95% interval."""
-    from eaglenest.core.single_stream import drafted_steps, sampling_params, time_interleaved
-
     result: dict[str, dict[str, Any]] = {name: {} for name in engines}
     for eval_set in turns.sets:
-        sampling = sampling_params(eval_set.params.max_new_tokens, eval_set.params.temperature, evaluate.seed)
-        timed = time_interleaved({"plain": plain, **engines}, turns.prompts[eval_set.name], sampling, PARAM,
-                                 f"k_sweep: {label}, {eval_set.name}, {', '.join(engines)}")
+        sampling = single_stream.sampling_params(eval_set.params.max_new_tokens, eval_set.params.temperature,
+                                                 evaluate.seed)
+        timed = single_stream.time_interleaved({"plain": plain, **engines}, turns.prompts[eval_set.name], sampling,
+                                               PARAM, f"k_sweep: {label}, {eval_set.name}, {', '.join(engines)}")
         plain_turns = _turns(timed["plain"])
         for name in engines:
-            entry = _entry(timed[name], plain_turns, drafted_steps)
+            entry = _entry(timed[name], plain_turns)
             add_speedup(entry, evaluate.bootstrap_samples, evaluate.seed)
             result[name][eval_set.name] = entry
     return result
@@ -213,13 +212,13 @@ def _turns(timed: list[tuple[Any, float]]) -> list[list[float]]:
     return [[len(output.outputs[0].token_ids), round(seconds, 4)] for output, seconds in timed]
 
 
-def _entry(timed: list[tuple[Any, float]], plain_turns: list[list[float]], drafted_steps: Any) -> dict[str, Any]:
+def _entry(timed: list[tuple[Any, float]], plain_turns: list[list[float]]) -> dict[str, Any]:
     """One set's figures for one speculative engine: its turns beside the plain engine's, tokens/s of both, and tau
     over the verify steps that had a draft (every step, for a draft; n-gram drafts only on a match)."""
     turns = _turns(timed)
     entry: dict[str, Any] = {"tokens_per_s": _rate(turns), "plain_tokens_per_s": _rate(plain_turns),
                              "turns": turns, "plain_turns": plain_turns}
-    counts = [drafted_steps(output) for output, _ in timed]
+    counts = [single_stream.drafted_steps(output) for output, _ in timed]
     if counts and all(c is not None for c in counts):
         steps, accepted = sum(c[0] for c in counts), sum(c[1] for c in counts)  # type: ignore[index]
         entry |= {"steps_with_draft": steps, "tau_when_drafted": round(1 + accepted / max(steps, 1), 3)}
