@@ -15,8 +15,9 @@ import gc
 import time
 from typing import Any
 
+from eaglenest.core.params import EvaluateParams
 from eaglenest.core.progress import progress
-from eaglenest.core.vllm_support import create_llm, generate
+from eaglenest.core.vllm_support import VLLM_NGRAM_WINDOW, create_llm, generate
 
 # The CPU build starts at most this many engines in one process (core/vllm_support.create_llm).
 IN_PROCESS_ENGINES = 3
@@ -40,11 +41,13 @@ def start_engine(kwargs: dict[str, Any], param: str, what: str, warm_up: list[in
     return llm, round(time.perf_counter() - started, 3)
 
 
-def sampling_params(max_tokens: int, temperature: float, seed: int) -> Any:
-    """vLLM's ``SamplingParams``, one seed per request, as evaluate decodes (call it once an engine started)."""
+def sampling_params(max_tokens: int, temperature: float, seed: int, **extra: Any) -> Any:
+    """vLLM's ``SamplingParams``, one seed per request: a sampled set decodes the same in every run, whatever else is
+    in the batch (``extra``: more of its arguments, as ``logprobs``). Call it once an engine has started
+    (:func:`~eaglenest.core.vllm_support.create_llm` checks the build)."""
     from vllm import SamplingParams
 
-    return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, **extra)
 
 
 def speculative_engine_kwargs(speculative_config: dict[str, Any]) -> dict[str, Any]:
@@ -89,3 +92,13 @@ def drafted_steps(output: Any) -> tuple[int, int] | None:
         return None
     histogram = list(metrics.histogram)  # [K + 1]
     return sum(histogram), sum(j * count for j, count in enumerate(histogram))
+
+
+def ngram_config(params: EvaluateParams, k: int) -> tuple[dict[str, Any], tuple[int, int]]:
+    """vLLM's n-gram ``speculative_config`` at the draft's K, and the lookup window it runs with."""
+    low, high = params.ngram_prompt_lookup_min, params.ngram_prompt_lookup_max
+    if low is None and high is None:
+        low, high = VLLM_NGRAM_WINDOW
+    low, high = low or 1, high or max(low or 1, VLLM_NGRAM_WINDOW[1])
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": low, "prompt_lookup_max": high}, (
+        low, high)

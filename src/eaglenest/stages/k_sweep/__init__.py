@@ -36,7 +36,7 @@ from eaglenest.core.errors import EaglenestError
 from eaglenest.core.host import host_record
 from eaglenest.core.params import EvaluateParams, Params
 from eaglenest.core.stage import Stage, path_arg
-from eaglenest.core.vllm_support import VLLM_NGRAM_WINDOW, engine_kwargs
+from eaglenest.core.vllm_support import engine_kwargs
 from eaglenest.stages.k_sweep.choice import add_speedup, best_ks, serve_k
 
 log = logging.getLogger(__name__)
@@ -87,16 +87,6 @@ def timed_turns(params: Params, paths: KSweepPaths, max_k: int) -> TimedTurns:
     return TimedTurns(sets, prompts, warm_up, longest + max(s.params.max_new_tokens for s in sets) + max_k + 1)
 
 
-def ngram_config(params: EvaluateParams, k: int) -> dict[str, Any]:
-    """vLLM's n-gram ``speculative_config`` at K with evaluate's lookup window (null ends: vLLM's default)."""
-    low, high = params.ngram_prompt_lookup_min, params.ngram_prompt_lookup_max
-    if low is None and high is None:
-        low, high = VLLM_NGRAM_WINDOW
-    low = low or 1
-    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": low,
-            "prompt_lookup_max": high or max(low, VLLM_NGRAM_WINDOW[1])}
-
-
 def sweep_ks(asked: list[int] | None, own_k: int) -> list[int]:
     """The Ks timed: those asked for, in order, else 1 to the draft's own K."""
     return sorted(asked) if asked else list(range(1, own_k + 1))
@@ -138,7 +128,7 @@ def _measure(params: Params, paths: KSweepPaths, ks: list[int], repeats: int, tr
                            gpu_memory_share=1 / (SPECULATIVE_PER_GROUP + 1), kv_tokens=turns.context_tokens)
     drafters = ["draft", "ngram"] if own.ngram else ["draft"]
     speculative = {(drafter, k): (vllm_speculative_config(paths.draft, k) if drafter == "draft"
-                                  else ngram_config(evaluate, k)) for drafter in drafters for k in ks}
+                                  else single_stream.ngram_config(evaluate, k)[0]) for drafter in drafters for k in ks}
     groups = [list(speculative)[i:i + SPECULATIVE_PER_GROUP]
               for i in range(0, len(speculative), SPECULATIVE_PER_GROUP)]
     seconds: dict[str, Any] = {"start": {}, "timed": {}}
@@ -181,8 +171,7 @@ def _measure(params: Params, paths: KSweepPaths, ks: list[int], repeats: int, tr
              trained_k)
     details = {"commit": short_commit(), "host": host_record(common["dtype"]), "ks": ks, "repeats": repeats,
                "timed_prompts": own.timed_prompts, "drafters": drafters,
-               "ngram_window": [ngram_config(evaluate, 1)[key] for key in ("prompt_lookup_min", "prompt_lookup_max")]
-               if own.ngram else None,
+               "ngram_window": list(single_stream.ngram_config(evaluate, 1)[1]) if own.ngram else None,
                "best": best_ks(rounds, names, ks, drafters), "seconds": seconds, "rounds": rounds}
     return write_k_record(paths.out, paths.draft, algorithm, trained_k, ServedFigure(k_best, speedup, ci95, names),
                           details)
