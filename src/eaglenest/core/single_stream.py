@@ -27,8 +27,8 @@ _started_in_process = 0
 
 
 def start_engine(kwargs: dict[str, Any], param: str, what: str, warm_up: list[int], seed: int) -> tuple[Any, float]:
-    """One engine, warmed up on ``warm_up`` (a prompt not timed: first forwards allocate and pick kernels, and the
-    timed turns' prefixes stay uncached, as a server first meets them); and its seconds to start.
+    """One engine, warmed up on ``warm_up`` (a prompt not timed: first forwards allocate and pick kernels, and no
+    timed turn's prefix is cached by it); and its seconds to start.
 
     In this process while fewer than :data:`IN_PROCESS_ENGINES` have started in it, else in its own processes.
     """

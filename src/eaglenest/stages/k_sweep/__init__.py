@@ -2,8 +2,8 @@
 
 At low acceptance a smaller K can serve faster: a rejected draft token still costs its share of the verify step
 and of drafting. Per headline set of ``evaluate.sets``, the first turn of each of the first
-``k_sweep.timed_prompts`` conversations is decoded alone (prefill included: each engine warms up on a prompt
-that is not timed, so a timed turn meets the engine as a new chat turn meets a server), with evaluate's
+``k_sweep.timed_prompts`` conversations is decoded alone (prefill included: the engines keep no prefix cache, so
+every timed turn, in every round, meets its engine as a new chat turn meets a server), with evaluate's
 sampling and engine settings, by the plain engine and by the draft at each K of ``k_sweep.ks`` (with
 ``k_sweep.ngram``, also by vLLM's n-gram drafting at each K). The plain engine and up to two speculative ones take
 turns prompt by prompt (:func:`~eaglenest.core.single_stream.time_interleaved`), so every speed-up divides
@@ -123,9 +123,11 @@ def _measure(params: Params, paths: KSweepPaths, ks: list[int], repeats: int, tr
     began = time.perf_counter()
     turns = timed_turns(params, paths, max(ks))
     info, model_dir = load_verifier_info(paths.verifier)
-    # one prompt at a time: the KV cache holds one sequence; up to three engines hold GPU memory at once
-    common = engine_kwargs(model_dir, info, evaluate.vllm, context_tokens=turns.context_tokens, seed=evaluate.seed,
-                           gpu_memory_share=1 / (SPECULATIVE_PER_GROUP + 1), kv_tokens=turns.context_tokens)
+    # one prompt at a time: the KV cache holds one sequence; up to three engines hold GPU memory at once. No prefix
+    # cache: every timed turn, in every round, includes its prefill, as a new chat turn meets a server.
+    common = {**engine_kwargs(model_dir, info, evaluate.vllm, context_tokens=turns.context_tokens, seed=evaluate.seed,
+                              gpu_memory_share=1 / (SPECULATIVE_PER_GROUP + 1), kv_tokens=turns.context_tokens),
+              "enable_prefix_caching": False}
     drafters = ["draft", "ngram"] if own.ngram else ["draft"]
     speculative = {(drafter, k): (vllm_speculative_config(paths.draft, k) if drafter == "draft"
                                   else single_stream.ngram_config(evaluate, k)[0]) for drafter in drafters for k in ks}
