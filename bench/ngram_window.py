@@ -42,14 +42,17 @@ def main() -> int:
     k = params.evaluate.num_speculative_tokens or draft_tokens(paths.draft, "models/draft")
     turns = timed_turns(params, paths, k)
     info, model_dir = load_verifier_info(paths.verifier)
-    common = engine_kwargs(model_dir, info, params.evaluate.vllm, context_tokens=turns.context_tokens,
-                           seed=params.evaluate.seed, gpu_memory_share=0.5, kv_tokens=turns.context_tokens)
-    plain, _ = start_engine(common, "bench/ngram_window.py", "the verifier", turns.warm_up, params.evaluate.seed)
+    # no prefix cache: the plain engine is timed beside every window, each time with the prompts' prefill
+    common = {**engine_kwargs(model_dir, info, params.evaluate.vllm, context_tokens=turns.context_tokens,
+                              seed=params.evaluate.seed, gpu_memory_share=0.5, kv_tokens=turns.context_tokens),
+              "enable_prefix_caching": False}
+    plain, _ = start_engine(common, "bench/ngram_window.py", "the verifier", turns.warm_up, params.evaluate.seed,
+                            turns.every_prompt)
     runs = {}
     for low, high in windows:
         config = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": low, "prompt_lookup_max": high}
         ngram, _ = start_engine({**common, **speculative_engine_kwargs(config)}, "bench/ngram_window.py",
-                                f"n-gram {low}:{high}", turns.warm_up, params.evaluate.seed)
+                                f"n-gram {low}:{high}", turns.warm_up, params.evaluate.seed, turns.every_prompt)
         # taking turns prompt by prompt with the plain engine
         runs[f"{low}:{high}"] = time_beside_plain(turns, plain, {"ngram": ngram}, params.evaluate,
                                                   f"window {low}:{high}")["ngram"]

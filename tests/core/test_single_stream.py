@@ -31,12 +31,16 @@ def test_the_engines_after_the_third_in_a_process_get_processes_of_their_own(mon
     monkeypatch.setattr(single_stream, "_started_in_process", 0)
     monkeypatch.setattr(single_stream, "create_llm", lambda kwargs, param, what, in_process_on_cpu: in_process.append(
         in_process_on_cpu) or what)
-    monkeypatch.setattr(single_stream, "generate", lambda *args: [])
-    monkeypatch.setattr(single_stream, "sampling_params", lambda *args: None)
+    given: list[tuple[list[int], int]] = []
+    monkeypatch.setattr(single_stream, "generate", lambda llm, requests, sampling, param: given.append(
+        (requests[0]["prompt_token_ids"], sampling)))
+    monkeypatch.setattr(single_stream, "sampling_params", lambda max_tokens, temperature, seed: max_tokens)
     for number in range(5):
-        llm, seconds = single_stream.start_engine({}, "k_sweep", f"engine {number}", [1], 0)
+        llm, seconds = single_stream.start_engine({}, "k_sweep", f"engine {number}", [1], 0, [[2], [3, 4]])
         assert llm == f"engine {number}" and seconds >= 0
     assert in_process == [True, True, True, False, False]
+    # each engine: the warm-up decoded, then every timed prompt alone for one token (its length's kernels)
+    assert given[:3] == [([1], single_stream.WARM_UP_TOKENS), ([2], 1), ([3, 4], 1)] and len(given) == 15
 
 
 def test_drafted_steps_come_from_the_requests_histogram():

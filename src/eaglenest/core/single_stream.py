@@ -26,9 +26,12 @@ WARM_UP_TOKENS = 16
 _started_in_process = 0
 
 
-def start_engine(kwargs: dict[str, Any], param: str, what: str, warm_up: list[int], seed: int) -> tuple[Any, float]:
-    """One engine, warmed up on ``warm_up`` (a prompt not timed: first forwards allocate and pick kernels, and no
-    timed turn's prefix is cached by it); and its seconds to start.
+def start_engine(kwargs: dict[str, Any], param: str, what: str, warm_up: list[int], seed: int,
+                 shapes: list[list[int]] | None = None) -> tuple[Any, float]:
+    """One engine, warmed up on ``warm_up`` (a prompt not timed: first forwards allocate and pick kernels), then
+    given each of ``shapes`` alone for one token (the timed prompts: the kernels for a prompt length are set up the
+    first time the process meets it, which would otherwise fall on whichever engine is timed on it first); and its
+    seconds to start. Time only engines without a prefix cache after this, or the timed turns' prefills are cached.
 
     In this process while fewer than :data:`IN_PROCESS_ENGINES` have started in it, else in its own processes.
     """
@@ -38,6 +41,8 @@ def start_engine(kwargs: dict[str, Any], param: str, what: str, warm_up: list[in
     llm = create_llm(kwargs, param, what=what, in_process_on_cpu=in_process)
     _started_in_process += in_process
     generate(llm, [{"prompt_token_ids": warm_up}], sampling_params(WARM_UP_TOKENS, 0.0, seed), param)
+    for prompt in shapes or []:
+        generate(llm, [{"prompt_token_ids": prompt}], sampling_params(1, 0.0, seed), param)
     return llm, round(time.perf_counter() - started, 3)
 
 

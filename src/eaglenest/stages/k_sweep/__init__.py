@@ -3,7 +3,8 @@
 At low acceptance a smaller K can serve faster: a rejected draft token still costs its share of the verify step
 and of drafting. Per headline set of ``evaluate.sets``, the first turn of each of the first
 ``k_sweep.timed_prompts`` conversations is decoded alone (prefill included: the engines keep no prefix cache, so
-every timed turn, in every round, meets its engine as a new chat turn meets a server), with evaluate's
+every timed turn, in every round, meets its engine as a new chat turn meets a server; each engine has met every
+prompt's length once before timing, so no engine pays the process's first kernel set-up for it), with evaluate's
 sampling and engine settings, by the plain engine and by the draft at each K of ``k_sweep.ks`` (with
 ``k_sweep.ngram``, also by vLLM's n-gram drafting at each K). The plain engine and up to two speculative ones take
 turns prompt by prompt (:func:`~eaglenest.core.single_stream.time_interleaved`), so every speed-up divides
@@ -73,6 +74,11 @@ class TimedTurns:
     warm_up: list[int]
     context_tokens: int
 
+    @property
+    def every_prompt(self) -> list[list[int]]:
+        """The timed prompts of every set, in order."""
+        return [prompt for prompts in self.prompts.values() for prompt in prompts]
+
 
 def timed_turns(params: Params, paths: KSweepPaths, max_k: int) -> TimedTurns:
     """The headline sets' timed prompts, rendered as evaluate renders a first turn."""
@@ -140,7 +146,7 @@ def _measure(params: Params, paths: KSweepPaths, ks: list[int], repeats: int, tr
     plain = None
     try:
         plain, seconds["start"]["plain"] = single_stream.start_engine(common, PARAM, "the verifier", turns.warm_up,
-                                                                      evaluate.seed)
+                                                                      evaluate.seed, turns.every_prompt)
         for group in groups:
             engines: dict[str, Any] = {}
             try:
@@ -149,7 +155,7 @@ def _measure(params: Params, paths: KSweepPaths, ks: list[int], repeats: int, tr
                     engines[name], seconds["start"][name] = single_stream.start_engine(
                         {**common, **single_stream.speculative_engine_kwargs(speculative[drafter, k])}, PARAM,
                         f"the {algorithm} draft at K={k}" if drafter == "draft" else f"n-gram drafting at K={k}",
-                        turns.warm_up, evaluate.seed)
+                        turns.warm_up, evaluate.seed, turns.every_prompt)
                 label = ", ".join(engines)
                 for round_number, measured in enumerate(rounds):
                     started = time.perf_counter()
