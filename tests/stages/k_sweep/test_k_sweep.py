@@ -39,7 +39,7 @@ def test_params_problems_are_one_line_each():
 
 
 def test_the_ks_default_to_one_up_to_the_drafts_own():
-    assert sweep_ks(None, 3) == [1, 2, 3] and sweep_ks([3, 1], 2) == [1, 3]
+    assert sweep_ks(None, 3) == [1, 2, 3] and sweep_ks([3, 1], 2) == [1, 3] and sweep_ks([2, 2], 3) == [2]
 
 
 def _timed(spec: float, plain: float, turns: int = 4) -> dict:

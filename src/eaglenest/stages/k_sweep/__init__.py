@@ -94,8 +94,8 @@ def timed_turns(params: Params, paths: KSweepPaths, max_k: int) -> TimedTurns:
 
 
 def sweep_ks(asked: list[int] | None, own_k: int) -> list[int]:
-    """The Ks timed: those asked for, in order, else 1 to the draft's own K."""
-    return sorted(asked) if asked else list(range(1, own_k + 1))
+    """The Ks timed: those asked for, each once, in order; else 1 to the draft's own K."""
+    return sorted(set(asked)) if asked else list(range(1, own_k + 1))
 
 
 def sweep(params: Params, paths: KSweepPaths, ks: list[int] | None = None, repeats: int | None = None
@@ -125,6 +125,7 @@ def sweep(params: Params, paths: KSweepPaths, ks: list[int] | None = None, repea
 
 def _measure(params: Params, paths: KSweepPaths, ks: list[int], repeats: int, trained_k: int, algorithm: str
              ) -> dict[str, Any]:
+    """The timing: the plain engine up throughout, the speculative engines two at a time beside it; the record."""
     evaluate, own = params.evaluate, params.k_sweep
     began = time.perf_counter()
     turns = timed_turns(params, paths, max(ks))
