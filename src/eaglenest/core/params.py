@@ -777,10 +777,10 @@ class KSweepParams(StrictModel):
         "about 25 s each on the CPU build.",
     )
     timed_prompts: int = Field(
-        default=2, ge=1,
+        default=4, ge=1,
         description="Turns of each headline set decoded one at a time per engine and round, fewer than "
         "evaluate.timed_prompts: the sweep chooses between Ks, evaluate measures the chosen one. Each turn costs "
-        "about 2 to 9 s per engine on a 2-core CPU for SmolLM2-135M.",
+        "about 1.5 to 3.5 s per engine on an idle 2-core EPYC for SmolLM2-135M (docs/experiments.md).",
     )
     repeats: int = Field(
         default=1, ge=1,
