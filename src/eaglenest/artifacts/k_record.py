@@ -128,9 +128,9 @@ def served_k(draft_dir: Path, told: int | None = None, record_file: Path | None 
         if told < 1:
             raise EaglenestError(f"{told_name} {told}: must be at least 1 (the draft's own K is {own})")
         return KChoice(told, told_name)
-    record = read_k_record(record_file) if record_file is not None else None
     if record_file is None:
         return KChoice(own, "the draft's own")
+    record = read_k_record(record_file)
     if record is None:
         return KChoice(own, f"the draft's own: no {record_file}; {MEASURE_HINT}")
     if record.sha256 != draft_fingerprint(draft_dir):
