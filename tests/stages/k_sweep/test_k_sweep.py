@@ -198,3 +198,24 @@ def test_the_real_sweep_in_the_shared_pipeline(shared_pipeline: SharedPipeline):
             assert len(entry["turns"]) == len(entry["plain_turns"]) == params["k_sweep"]["timed_prompts"]
     assert set(record["seconds"]["start"]) == {"plain", *(f"draft K={k}" for k in record["ks"])}
     assert served_k(repo / "models" / "draft", record_file=repo / "metrics" / "k_sweep.json").k == record["serve_k"]
+
+
+def test_an_interrupted_sweep_writes_nothing_and_stops_every_engine(tmp_path: Path, monkeypatch, pipeline_folders):
+    verifier, draft = pipeline_folders
+    rates = {"the verifier": 10.0} | {f"the eagle3 draft at K={k}": 12.0 for k in (1, 2, 3)}
+    fake = FakeEngines(rates)
+    fake.install(monkeypatch, ["general"])
+    timed = fake.time_interleaved
+
+    def interrupted_in_the_second_group(engines, *args):
+        if "draft K=3" in engines:
+            raise KeyboardInterrupt  # Ctrl-C, or SIGTERM (core/stage.py turns it into this)
+        return timed(engines, *args)
+
+    monkeypatch.setattr("eaglenest.core.single_stream.time_interleaved", interrupted_in_the_second_group)
+    out = tmp_path / "k_sweep.json"
+    out.write_text("an earlier record")
+    with pytest.raises(KeyboardInterrupt):
+        sweep(_params(ks=[1, 2, 3]), KSweepPaths(verifier, tmp_path, draft, out))
+    assert sorted(fake.closed) == sorted(fake.started)  # the plain engine and both groups' engines
+    assert out.read_text() == "an earlier record"  # the record is written whole at the end, or not at all
