@@ -7,8 +7,9 @@ Clones this repository (its committed HEAD) to ``--clone``, times ``make setup``
 one stage at a time (``dvc repro -s STAGE``, in the pipeline's order) so each stage's wall time is its own, and
 ``eaglenest summary``. Per stage it also keeps what the stage's metrics say of its own phases (prepare: prompts
 and replies; extract and train: seconds and tokens/s; evaluate: each engine's start, its batched passes and the
-timed turns, from ``metrics/eval/details.json``). Writes one JSON record with the host kind
-(:func:`eaglenest.core.host.host_record`) and the commit, and prints a table. Run it on an idle machine: the
+timed turns, from ``metrics/eval/details.json``; k_sweep: each engine's start and each round's timed turns).
+Writes one JSON record with the host kind (:func:`eaglenest.core.host.host_record`) and the commit, and prints a
+table. Run it on an idle machine: the
 figures are wall-clock.
 """
 
@@ -54,6 +55,8 @@ def stage_phases(clone: Path, stage: str) -> dict:
     if stage == "evaluate":
         details = read("metrics/eval/details.json")
         return {backend: run.get("phases", {}) for backend, run in details.get("runs", {}).items()}
+    if stage == "k_sweep":
+        return read("metrics/k_sweep.json").get("seconds", {})
     return {}
 
 

@@ -5,9 +5,10 @@ Run in a checkout whose pipeline is up to date, with the project's interpreter o
 
     .venv/bin/python bench/ngram_window.py --windows 5:5 3:5 2:4 1:3 1:5
 
-Per headline set of ``params.yaml``, the first ``evaluate.timed_prompts`` turns are decoded alone by the plain
-engine and by one n-gram engine per window (``prompt_lookup_min:prompt_lookup_max``), each after a warm-up, in
-its own processes, the two taking turns prompt by prompt. Prints and writes ``bench/results/ngram_window.json``:
+Per headline set of ``params.yaml``, the first ``k_sweep.timed_prompts`` turns are decoded alone by the plain
+engine and by one n-gram engine per window (``prompt_lookup_min:prompt_lookup_max``), each after a warm-up, the
+two taking turns prompt by prompt, as the k_sweep stage times them (:mod:`eaglenest.stages.k_sweep`).
+Prints and writes ``bench/results/ngram_window.json``:
 per window and set, tokens/s, the speed-up over the plain engine timed beside it, and the share of verify steps
 where n-gram proposed a draft and tau conditional on that. Each window's speed-up divides seconds timed moments
 apart, so the machine's drift between windows cancels out of it.
@@ -20,16 +21,13 @@ import json
 import sys
 from pathlib import Path
 
-from eaglenest.commands.k_sweep import (
-    PipelinePaths,
-    add_speedups,
-    short_commit,
-    start_engine,
-    time_together,
-    timed_turns,
-)
+from eaglenest.artifacts.draft import draft_tokens
+from eaglenest.artifacts.verifier import load_verifier_info
 from eaglenest.core.atomic import atomic_write_json
-from eaglenest.stages.evaluate.vllm import close_engine, speculative_engine_kwargs
+from eaglenest.core.params import load_params
+from eaglenest.core.single_stream import close_engine, speculative_engine_kwargs, start_engine
+from eaglenest.core.vllm_support import engine_kwargs
+from eaglenest.stages.k_sweep import KSweepPaths, short_commit, time_beside_plain, timed_turns
 
 OUT = Path("bench/results/ngram_window.json")
 
@@ -39,24 +37,33 @@ def main() -> int:
     parser.add_argument("--windows", nargs="+", default=["5:5", "3:5", "2:4", "1:3"], metavar="MIN:MAX")
     args = parser.parse_args()
     windows = [tuple(int(v) for v in w.split(":")) for w in args.windows]
-    turns = timed_turns(PipelinePaths())
-    k = turns.params.num_speculative_tokens or turns.trained_k
-    plain = start_engine(turns, {}, "the verifier")
-    runs, plain_runs = {}, {}
+    params = load_params("params.yaml")
+    paths = KSweepPaths(Path("models/verifier"), Path("data/prepared"), Path("models/draft"), OUT)
+    k = params.evaluate.num_speculative_tokens or draft_tokens(paths.draft, "models/draft")
+    turns = timed_turns(params, paths, k)
+    info, model_dir = load_verifier_info(paths.verifier)
+    # no prefix cache: the plain engine is timed beside every window, each time with the prompts' prefill
+    common = {**engine_kwargs(model_dir, info, params.evaluate.vllm, context_tokens=turns.context_tokens,
+                              seed=params.evaluate.seed, gpu_memory_share=0.5, kv_tokens=turns.context_tokens),
+              "enable_prefix_caching": False}
+    plain, _ = start_engine(common, "bench/ngram_window.py", "the verifier", turns.warm_up, params.evaluate.seed,
+                            turns.every_prompt)
+    runs = {}
     for low, high in windows:
         config = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": low, "prompt_lookup_max": high}
-        ngram = start_engine(turns, speculative_engine_kwargs(config), f"n-gram {low}:{high}")
-        measured = time_together(turns, {"plain": (plain, 0), "ngram": (ngram, k)})  # taking turns prompt by prompt
+        ngram, _ = start_engine({**common, **speculative_engine_kwargs(config)}, "bench/ngram_window.py",
+                                f"n-gram {low}:{high}", turns.warm_up, params.evaluate.seed, turns.every_prompt)
+        # taking turns prompt by prompt with the plain engine
+        runs[f"{low}:{high}"] = time_beside_plain(turns, plain, {"ngram": ngram}, params.evaluate,
+                                                  f"window {low}:{high}")["ngram"]
         close_engine(ngram)
-        runs[f"{low}:{high}"], plain_runs[f"{low}:{high}"] = measured["ngram"], measured["plain"]
-        add_speedups(runs[f"{low}:{high}"], plain_runs[f"{low}:{high}"])
         print(f"window {low}:{high}: " + ", ".join(f"{n} x{e['speedup']}" for n, e in runs[f"{low}:{high}"].items()),
               flush=True)
     close_engine(plain)
     OUT.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(OUT, {"command": " ".join(["bench/ngram_window.py", *sys.argv[1:]]), "commit": short_commit(),
-                            "num_speculative_tokens": k, "timed_prompts": turns.params.timed_prompts,
-                            "plain": plain_runs, "windows": runs})
+                            "num_speculative_tokens": k, "timed_prompts": params.k_sweep.timed_prompts,
+                            "windows": runs})
     print(json.dumps(runs, indent=1))
     return 0
 

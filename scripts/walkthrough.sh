@@ -14,7 +14,7 @@
 # the environment to activate (default: the checkout's .venv); WALKTHROUGH_PORT (8000); WALKTHROUGH_SERVE_TIMEOUT,
 # seconds for the server to answer (900); WALKTHROUGH_RECORD, where the run's record goes (default:
 # bench/results/walkthrough.json of the checkout this script is in). It takes the demo's time (16-50 minutes on
-# 2 cores) plus an experiment's (train and evaluate again) and a server start: run it by hand or in a benchmark
+# 2 cores) plus an experiment's (train, evaluate and k_sweep again) and a server start: run it by hand or in a benchmark
 # job, never in `make test`.
 set -uo pipefail
 
@@ -99,6 +99,8 @@ summary_table() {  # checks the summary's table in the step's output: header, a 
   need_output '^set +[a-z]+ tau \(95%\) +speed-up \(95%\) +n-gram speed-up \(95%\)' "the summary's table header"
   for set in $(headline_sets); do need_output "^$set +[0-9.]+ ± [0-9.]+ +x[0-9.]+" "the summary's row for set $set"; done
   need_output '^lossless: 1\.0$' "lossless: 1.0 (greedy output equal to plain decoding)"
+  need_output '^served K: [0-9]+ \(measured for this draft by the k_sweep stage: x[0-9.]+ ± [0-9.]+ on ' \
+    "the served K, measured for this draft by the k_sweep stage"
 }
 
 # --- Quickstart -------------------------------------------------------------------------------------------------
@@ -110,7 +112,9 @@ if [ -z "${WALKTHROUGH_CHECKOUT:-}" ]; then
 
   step demo "make demo"
   for file in models/verifier/config.json models/draft/config.json models/draft/model.safetensors dvc.lock \
-              metrics/eval.json metrics/train.json metrics/eval/details.json; do need_file "$file"; done
+              metrics/eval.json metrics/train.json metrics/eval/details.json metrics/k_sweep.json; do
+    need_file "$file"
+  done
   summary_table
   passed "$(headline_sets | wc -w) headline sets, lossless 1.0"
 fi

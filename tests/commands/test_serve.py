@@ -110,7 +110,7 @@ def test_a_baseline_server_for_bench_serves_ngram_or_no_drafting(capsys, no_exec
     argv = shlex.split(captured.out.strip())
     assert json.loads(argv[argv.index("--speculative-config") + 1]) == {
         "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 5, "prompt_lookup_max": 5}
-    assert "n-gram drafting (baseline), K = 3" in captured.err
+    assert "n-gram drafting (baseline), served K: 3" in captured.err
     assert cli.main(["serve", "--verifier", str(verifier), "--draft", str(draft), "--baseline", "none",
                      "--print-command"]) == 0
     argv = shlex.split(capsys.readouterr().out.strip())

@@ -10,8 +10,8 @@ import yaml
 
 from eaglenest.commands.params_file import MOVED_KEYS, Params, load_params, parse_params
 from eaglenest.core.errors import ParamsError
+from eaglenest.core.eval_params import EvaluateParams
 from eaglenest.core.params import VllmEngineParams
-from eaglenest.stages.evaluate.params import EvaluateParams
 from eaglenest.stages.extract.params import ExtractParams
 from eaglenest.stages.prepare.params import PrepareParams
 from eaglenest.stages.verifier import check_aux_layers, default_aux_layers
@@ -35,7 +35,7 @@ def test_empty_file_means_defaults():
 def test_unknown_top_level_and_nested_keys_are_errors_listing_allowed_keys():
     lines = problems({"verifer": {}, "prepare": {"maxlen": 5}})
     assert lines[0] == "params.yaml: 2 invalid params values"
-    allowed = "verifier, prepare, extract, convert, train, evaluate, cluster"
+    allowed = "verifier, prepare, extract, convert, train, evaluate, k_sweep, cluster"
     assert any(f"verifer: unknown key (allowed: {allowed})" in line for line in lines)
     assert any(line.strip().startswith("- prepare.maxlen: unknown key (allowed: source,") for line in lines)
 

@@ -251,7 +251,8 @@ def append_comment(path: Path) -> None:
 @pytest.mark.slow
 def test_an_edit_re_runs_only_the_stages_that_run_the_edited_code(tiny_pipeline: SharedPipeline, tmp_path: Path):
     """Each stage depends on exactly the code it runs: commands re-run nothing, the train package re-runs train
-    (and evaluate only if the draft's bytes change), the hidden-state format the stages that read or write it."""
+    (and evaluate and k_sweep only if the draft's bytes change), the hidden-state format the stages that read or
+    write it."""
     repo = tiny_pipeline.copy(tmp_path / "repo")  # float32 on one process
     assert changed_stages(repo) == set()
     code = repo / "src" / "eaglenest"
@@ -270,6 +271,12 @@ def test_an_edit_re_runs_only_the_stages_that_run_the_edited_code(tiny_pipeline:
     # float32 on one process: the same data and seed give the same draft, byte for byte, so evaluate is skipped
     assert draft_hash(repo) == draft_before
     assert "Stage 'evaluate' didn't change, skipping" in rerun.stdout
+    assert "Stage 'k_sweep' didn't change, skipping" in rerun.stdout
+    # the K record's format and rule: the stage that writes it (serve and summary read it: commands re-run nothing)
+    record_code = (code / "artifacts" / "k_record.py").read_text()
+    append_comment(code / "artifacts" / "k_record.py")
+    assert changed_stages(repo) == {"k_sweep"}
+    (code / "artifacts" / "k_record.py").write_text(record_code)
 
     # the resume state of a running extraction is the extract stage's alone; the file format every reader's
     append_comment(code / "artifacts" / "hidden_states" / "resume.py")

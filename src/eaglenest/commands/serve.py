@@ -32,8 +32,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from eaglenest.artifacts.k_record import K_RECORD_FILE, served_k
 from eaglenest.commands.command import Command
-from eaglenest.commands.k_sweep import K_SWEEP_FILE, recorded_k
 from eaglenest.commands.supervised import run_in_foreground
 from eaglenest.core.errors import EaglenestError
 from eaglenest.core.vllm_support import DEFAULT_CPU_KVCACHE_GIB, VLLM_DTYPES, VLLM_NGRAM_WINDOW, serving_dtype
@@ -84,7 +84,7 @@ def check_port_free(host: str, port: int) -> None:
 
 def build_command(verifier_dir: Path, draft_dir: Path, host: str, port: int, dtype: str = "auto",
                   cpu_build: bool = True, num_speculative_tokens: int | None = None,
-                  k_sweep_file: Path | None = K_SWEEP_FILE, served_model_name: str | None = None,
+                  k_sweep_file: Path | None = K_RECORD_FILE, served_model_name: str | None = None,
                   vllm_args: list[str] | None = None, baseline: str | None = None) -> ServeCommand:
     """The vLLM server command for the verifier stage's folder and the draft (or a baseline without it).
 
@@ -95,16 +95,17 @@ def build_command(verifier_dir: Path, draft_dir: Path, host: str, port: int, dty
         port: Port to listen on.
         dtype: ``auto`` (an fp32 checkpoint is served in bfloat16), float32, bfloat16 or float16.
         cpu_build: vLLM's CPU build: eager mode and a KV cache size, as the vllm back ends use.
-        num_speculative_tokens: K, the drafts per verify step; None: the fastest K ``eaglenest k-sweep`` measured
-            for this draft (``k_sweep_file``), else the draft's own (``train.ttt_steps``).
-        k_sweep_file: The sweep's result; None: not consulted.
+        num_speculative_tokens: K, the drafts per verify step; None: the fastest K the k_sweep stage measured
+            for this draft (``k_sweep_file``), else the draft's own (``train.ttt_steps``):
+            :func:`eaglenest.artifacts.k_record.served_k`.
+        k_sweep_file: The K record; None: not consulted.
         served_model_name: The name clients ask for; None: the verifier's (``verifier.name``, the hub id).
         vllm_args: Further vLLM server flags, appended as given; none of ``OWN_FLAGS``.
         baseline: None serves the draft; ``"none"`` the verifier alone, ``"ngram"`` with vLLM's n-gram drafting
             at the same K (vLLM's default window): what ``eaglenest bench --baseline-url`` compares against.
     """
     # Here, not at the top: the draft's module imports torch, which building the parser must not.
-    from eaglenest.artifacts.draft import draft_tokens, vllm_speculative_config
+    from eaglenest.artifacts.draft import vllm_speculative_config
     from eaglenest.artifacts.verifier import load_verifier_info
 
     for arg in vllm_args or []:
@@ -116,15 +117,8 @@ def build_command(verifier_dir: Path, draft_dir: Path, host: str, port: int, dty
     if dtype not in VLLM_DTYPES:
         raise EaglenestError(f"--dtype {dtype}: expected one of {', '.join(VLLM_DTYPES)}")
     info, model_dir = load_verifier_info(verifier_dir)
-    k = draft_tokens(draft_dir, "--draft")
-    if num_speculative_tokens is not None:
-        if num_speculative_tokens < 1:
-            raise EaglenestError(f"--num-speculative-tokens {num_speculative_tokens}: must be at least 1 (the "
-                                 f"draft's own K is {k})")
-        k, k_reason = num_speculative_tokens, "--num-speculative-tokens"
-    else:
-        measured, why = recorded_k(draft_dir, k_sweep_file) if k_sweep_file is not None else (None, "")
-        k, k_reason = (measured, why) if measured is not None else (k, f"the draft's own; {why}".removesuffix("; "))
+    choice = served_k(draft_dir, num_speculative_tokens, k_sweep_file)
+    k = choice.k
     if baseline not in BASELINES:
         raise EaglenestError(f"--baseline {baseline}: expected one of {', '.join(b for b in BASELINES if b)}")
     served_name = served_model_name or info.name
@@ -147,13 +141,12 @@ def build_command(verifier_dir: Path, draft_dir: Path, host: str, port: int, dty
         env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KVCACHE_GIB)
     argv += vllm_args or []
     what = {None: "the draft", "ngram": "n-gram drafting (baseline)", "none": "no drafting (baseline)"}[baseline]
-    return ServeCommand(argv, env, f"{what}" if baseline == "none" else f"{what}, K = {k}: {k_reason}",
-                        served_name)
+    return ServeCommand(argv, env, what if baseline == "none" else f"{what}, {choice.line()}", served_name)
 
 
 def serve(verifier_dir: Path, draft_dir: Path, host: str = "127.0.0.1", port: int = 8000, dtype: str = "auto",
           print_only: bool = False, num_speculative_tokens: int | None = None,
-          k_sweep_file: Path | None = K_SWEEP_FILE, served_model_name: str | None = None,
+          k_sweep_file: Path | None = K_RECORD_FILE, served_model_name: str | None = None,
           vllm_args: list[str] | None = None, baseline: str | None = None) -> int:
     """Checks, then runs (or with ``print_only`` prints) vLLM's OpenAI server for verifier and draft.
 
@@ -191,10 +184,10 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="compute dtype; auto serves an fp32 checkpoint in bfloat16 (default: auto)")
     parser.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
-                        help="drafts per verify step (default: the fastest K `eaglenest k-sweep` measured for this "
+                        help="drafts per verify step (default: the fastest K the k_sweep stage measured for this "
                         "draft, else the draft's own, train.ttt_steps)")
-    parser.add_argument("--k-sweep", default=str(K_SWEEP_FILE), metavar="FILE",
-                        help=f"the sweep's result the default K is read from (default: {K_SWEEP_FILE})")
+    parser.add_argument("--k-sweep", default=str(K_RECORD_FILE), metavar="FILE",
+                        help=f"the K record the default K is read from (default: {K_RECORD_FILE})")
     parser.add_argument("--served-model-name", default=None, metavar="NAME",
                         help="the model name clients ask for (default: the verifier's, verifier.name or its hub id)")
     parser.add_argument("--baseline", choices=["ngram", "none"], default=None,

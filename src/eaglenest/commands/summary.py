@@ -2,7 +2,8 @@
 
 It reads the declared metrics (``metrics/eval.json``, ``metrics/train.json``) and, for the training estimate
 beside the decoded figure of the same split and the host kind that measured the figures,
-``metrics/eval/details.json``.
+``metrics/eval/details.json``; and the K ``eaglenest serve`` uses for the draft, with why
+(:func:`eaglenest.artifacts.k_record.served_k` over the k_sweep stage's ``metrics/k_sweep.json``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from eaglenest.artifacts.k_record import K_RECORD_FILE, served_k
 from eaglenest.commands.command import Command
 from eaglenest.core.errors import InputFileError
 
@@ -62,6 +64,9 @@ def summary_lines(repo: Path) -> list[str]:
     if "tau_sim" in train:
         lines.append(f"train: tau_sim {train['tau_sim']:.3f} (validation split, teacher-forced){decoded}")
     lines.append(f"measured on: {host_line(details.get('host'))}")
+    draft = repo / "models" / "draft"
+    if (draft / "config.json").is_file():
+        lines.append(served_k(draft, record_file=repo / K_RECORD_FILE).line())
     return lines
 
 

@@ -15,9 +15,9 @@ from eaglenest.artifacts.prepared import write_prepared
 from eaglenest.commands.params_file import parse_params
 from eaglenest.core.bootstrap import bootstrap, difference, tau_statistic
 from eaglenest.core.errors import EaglenestError, InputFileError, ParamsError
+from eaglenest.core.eval_params import EvalSetParams, EvaluateParams
 from eaglenest.stages.evaluate import decoding_backends, write_eval_outputs
 from eaglenest.stages.evaluate.job import ask_turns
-from eaglenest.stages.evaluate.params import EvalSetParams, EvaluateParams
 from eaglenest.stages.evaluate.sets import GENERAL_SET_FILE, LONG_SET_FILE, load_eval_set
 from tests.fixtures.models import write_jsonl
 from tests.fixtures.pipeline import REPO

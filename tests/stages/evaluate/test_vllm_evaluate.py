@@ -13,10 +13,10 @@ import pytest
 
 from eaglenest.artifacts.prepared import VAL_PROMPTS_FILE
 from eaglenest.core.errors import EaglenestError
+from eaglenest.core.eval_params import EvaluateParams
 from eaglenest.core.params import VllmEngineParams
 from eaglenest.core.vllm_support import VllmBuild
 from eaglenest.stages.evaluate.lossless import TIE_CANDIDATES, first_divergence, lossless_counts
-from eaglenest.stages.evaluate.params import EvaluateParams
 from eaglenest.stages.evaluate.vllm import (
     build_evaluate_llm_kwargs,
     check_counters,

@@ -49,7 +49,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --serve: the servers' compute dtype, as eaglenest serve's (default: auto)")
     parser.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                         help="with --serve: drafts per verify step, as eaglenest serve's (default: the fastest "
-                        "K eaglenest k-sweep measured, else the draft's own)")
+                        "K the k_sweep stage measured, else the draft's own)")
     parser.add_argument("--server-timeout", type=float, default=None, metavar="S",
                         help="with --serve: seconds a started server may take to answer /v1/models (default: "
                         f"{DEFAULT_SERVER_TIMEOUT_S:g})")

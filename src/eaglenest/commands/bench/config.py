@@ -106,6 +106,6 @@ def check_config(config: BenchConfig) -> None:
 
 def default_tie_margin() -> float:
     """``evaluate.bf16_tie_margin``'s default: ``--tie-margin`` when not given."""
-    from eaglenest.stages.evaluate.params import EvaluateParams
+    from eaglenest.core.eval_params import EvaluateParams
 
     return float(EvaluateParams.model_fields["bf16_tie_margin"].default)

@@ -43,7 +43,7 @@ BUILTIN_PROMPTS = ("builtin:humaneval", "builtin:general", "builtin:long")
 
 def bench_prompts_file(prompts: Path) -> Path:
     """The file ``--prompts`` names: a JSONL path, or one of evaluate's shipped sets by its ``source`` name."""
-    from eaglenest.stages.evaluate.params import EvalSetParams
+    from eaglenest.core.eval_params import EvalSetParams
     from eaglenest.stages.evaluate.sets import source_file
 
     if str(prompts) in BUILTIN_PROMPTS:
@@ -56,7 +56,7 @@ def bench_prompts_file(prompts: Path) -> Path:
 
 def render_prompts(conversations: list[Any], source: Path, tokenizer: Any) -> list[list[int]]:
     """Token ids of each conversation's first turn in the verifier's chat template, as evaluate renders it."""
-    from eaglenest.stages.evaluate.params import EvalSetParams
+    from eaglenest.core.eval_params import EvalSetParams
     from eaglenest.stages.evaluate.sets import EvalSet
 
     eval_set = EvalSet(EvalSetParams(name="bench", source=str(source)), conversations, {})

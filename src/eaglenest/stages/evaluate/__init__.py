@@ -47,11 +47,12 @@ from eaglenest.artifacts.evaluation import DETAILS_FILE, RECORDS_FILE, headline,
 from eaglenest.artifacts.verifier import load_tokenizer
 from eaglenest.core.atomic import atomic_write_json
 from eaglenest.core.errors import EaglenestError
+from eaglenest.core.eval_params import EvaluateParams
 from eaglenest.core.host import host_record
 from eaglenest.core.registry import Registry
 from eaglenest.core.stage import Stage, path_arg
 from eaglenest.stages.evaluate.job import Backend, EvaluationJob
-from eaglenest.stages.evaluate.params import EvaluateParams, EvaluateStageParams
+from eaglenest.stages.evaluate.params import EvaluateStageParams
 from eaglenest.stages.evaluate.sets import load_eval_sets
 
 log = logging.getLogger(__name__)

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from eaglenest.core.eval_params import EvaluateParams
 from eaglenest.stages.evaluate.acceptance import Acceptance
 from eaglenest.stages.evaluate.lossless import TopCandidates, first_divergence, is_lossless
-from eaglenest.stages.evaluate.params import EvaluateParams
 from eaglenest.stages.evaluate.sets import EvalConversation, EvalSet
 
 

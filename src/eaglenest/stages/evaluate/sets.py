@@ -26,7 +26,7 @@ from typing import Any
 
 from eaglenest.artifacts.prepared import VAL_PROMPTS_FILE, load_chat_kwargs, load_split
 from eaglenest.core.errors import InputFileError
-from eaglenest.stages.evaluate.params import EvalSetParams
+from eaglenest.core.eval_params import EvalSetParams
 
 GENERAL_SET_FILE = Path(__file__).resolve().parents[4] / "data" / "eval" / "general.jsonl"
 # Sections of Python's documentation to summarize or answer from (scripts/snapshot_long_documents.py writes it).

@@ -34,13 +34,13 @@ from typing import Any
 from eaglenest.artifacts.draft import draft_algorithm, draft_tokens, vllm_speculative_config
 from eaglenest.artifacts.verifier import VerifierInfo, load_tokenizer, load_verifier_info
 from eaglenest.core.errors import EaglenestError
+from eaglenest.core.eval_params import EvaluateParams
 from eaglenest.core.progress import progress
 from eaglenest.core.vllm_metrics import ACCEPTED, ACCEPTED_PER_POS, DRAFT_TOKENS, DRAFTS
 from eaglenest.core.vllm_support import VLLM_NGRAM_WINDOW, create_llm, engine_kwargs, generate
 from eaglenest.stages.evaluate.acceptance import Acceptance, total
 from eaglenest.stages.evaluate.job import EvaluationJob, add_ngram, add_timing, ask_turns, set_entry, turn_record
 from eaglenest.stages.evaluate.lossless import TIE_CANDIDATES
-from eaglenest.stages.evaluate.params import EvaluateParams
 
 log = logging.getLogger(__name__)
 

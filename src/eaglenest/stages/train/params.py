@@ -83,7 +83,7 @@ class TrainParams(StrictModel):
         default=2, ge=1, description="K, the tokens the draft proposes per step: eagle3's training-time-test "
         "unroll depth, peagle's parallel depths, dflash's block less its anchor. It is the draft's "
         "speculative_tokens: the K evaluate uses unless evaluate.num_speculative_tokens says otherwise, and "
-        "`eaglenest serve` unless metrics/k_sweep.json measured another K for this draft."
+        "`eaglenest serve` unless the k_sweep stage measured another K for this draft (metrics/k_sweep.json)."
     )
     ttt_step_loss_decay: float = Field(default=1.0, gt=0.0, description="Loss weight factor per TTT step.")
     total_seq_len: int = Field(
