@@ -23,8 +23,8 @@ from pathlib import Path
 
 from eaglenest.artifacts.draft import draft_tokens
 from eaglenest.artifacts.verifier import load_verifier_info
+from eaglenest.commands.params_file import load_params
 from eaglenest.core.atomic import atomic_write_json
-from eaglenest.core.params import load_params
 from eaglenest.core.single_stream import close_engine, speculative_engine_kwargs, start_engine
 from eaglenest.core.vllm_support import engine_kwargs
 from eaglenest.stages.k_sweep import KSweepPaths, short_commit, time_beside_plain, timed_turns

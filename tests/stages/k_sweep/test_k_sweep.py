@@ -13,8 +13,8 @@ import yaml
 
 from eaglenest.artifacts.k_record import draft_fingerprint, read_k_record, served_k
 from eaglenest.commands import cli
+from eaglenest.commands.params_file import parse_params
 from eaglenest.core.errors import ParamsError
-from eaglenest.core.params import parse_params
 from eaglenest.stages.k_sweep import KSweepPaths, sweep, sweep_ks
 from eaglenest.stages.k_sweep.choice import add_speedup, best_ks, serve_k
 from tests.conftest import requires_vllm
