@@ -103,8 +103,8 @@ def package_records(count: int, cut: Callable[[str], list[str]], requests: tuple
         if (name and name.lower() not in EXCLUDED and licence is not None
                 and len(description) >= MIN_DESCRIPTION_CHARS):
             described.setdefault(name.lower(), (description, licence))
+    from eaglenest.artifacts.eval_sets import shipped_evaluation_prompts
     from eaglenest.core.overlap import StretchIndex
-    from eaglenest.stages.evaluate.sets import shipped_evaluation_prompts
 
     evaluation = StretchIndex(shipped_evaluation_prompts())
     chosen: list[dict[str, str]] = []

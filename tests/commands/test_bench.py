@@ -230,7 +230,7 @@ def test_a_prompts_file_in_none_of_the_formats_is_refused(capsys, tmp_path: Path
 
 
 def test_evaluates_shipped_sets_are_prompts_by_their_source_name(capsys, tmp_path: Path, tokenizer_dir: Path):
-    from eaglenest.stages.evaluate.sets import GENERAL_SET_FILE, LONG_SET_FILE
+    from eaglenest.artifacts.eval_sets import GENERAL_SET_FILE, LONG_SET_FILE
 
     assert bench_prompts_file(Path("builtin:general")) == GENERAL_SET_FILE
     assert bench_prompts_file(Path("builtin:long")) == LONG_SET_FILE

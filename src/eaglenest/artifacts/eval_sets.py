@@ -1,7 +1,6 @@
 """The evaluation sets of ``evaluate.sets``: each a fixed source of prompts, read into conversations whose
 user turns are asked in order, each later one after the verifier's own answer to the earlier ones. The stages
-that decode them (k_sweep; evaluate keeps its own copy, ``eaglenest.stages.evaluate.sets``, until its next
-measured run adopts this one) read them here.
+that decode them (evaluate and k_sweep) read them here.
 
 Formats of a JSONL source, one record per line (detected per record):
 

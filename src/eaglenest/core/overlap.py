@@ -1,7 +1,7 @@
 """Text an evaluation set shares with training text: whole normalised prompts and 50-character stretches.
 
 A draft evaluated on text it was trained on measures recall. ``evaluate`` refuses a prompt found whole in a
-training row (:func:`eaglenest.stages.evaluate.sets.check_disjoint`); the sources that ship with the project
+training row (:func:`eaglenest.artifacts.eval_sets.check_disjoint`); the sources that ship with the project
 are held to this stricter rule, by their snapshot scripts and by tests/stages/prepare/test_disjoint_sources.py.
 """
 

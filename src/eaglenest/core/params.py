@@ -134,43 +134,6 @@ class HiddenStateStorage(StrictModel):
     dtype: HiddenStateDtype = "bfloat16"
 
 
-class KSweepParams(StrictModel):
-    """``k_sweep:`` — K, the drafts per verify step, chosen by timing the trained draft at each K (what
-    ``eaglenest serve`` uses for this draft). Reads the headline sets, their sampling and the engine settings from
-    ``evaluate:``."""
-
-    ks: list[int] | None = Field(
-        default=None, min_length=1,
-        description="The Ks timed, each at least 1; null: 1 to the draft's own K (train.ttt_steps). Every two Ks "
-        "(with ngram: every two engines) beyond the first two start their engines in processes of their own, "
-        "about 25 s each on the CPU build.",
-    )
-    timed_prompts: int = Field(
-        default=4, ge=1,
-        description="Turns of each headline set decoded one at a time per engine and round, fewer than "
-        "evaluate.timed_prompts: the sweep chooses between Ks, evaluate measures the chosen one. Each turn costs "
-        "about 1.5 to 3.5 s per engine on an idle 2-core EPYC for SmolLM2-135M (docs/experiments.md).",
-    )
-    repeats: int = Field(
-        default=1, ge=1,
-        description="Rounds of timing on the same engines; the spread between rounds shows the timing noise.",
-    )
-    ngram: bool = Field(
-        default=False,
-        description="Also time vLLM's n-gram drafting at each K (evaluate's window). Off: serving decides the "
-        "draft's K; the n-gram baseline is evaluate's.",
-    )
-
-    @field_validator("ks")
-    @classmethod
-    def _ks_at_least_one(cls, value: list[int] | None) -> list[int] | None:
-        if value is not None and min(value) < 1:
-            raise ValueError("every K must be at least 1 (K is the drafts per verify step)")
-        if value is not None and len(set(value)) != len(value):
-            raise ValueError("lists a K twice; list each K once")
-        return value
-
-
 RDZV_ENDPOINT_PATTERN = re.compile(r"^[A-Za-z0-9._-]+:([0-9]{1,5})$")
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from eaglenest.artifacts.eval_sets import GENERAL_SET_FILE, LONG_SET_FILE, load_eval_set
 from eaglenest.artifacts.evaluation import headline, summarize, tau_interval
 from eaglenest.artifacts.prepared import write_prepared
 from eaglenest.commands.params_file import parse_params
@@ -18,7 +19,6 @@ from eaglenest.core.errors import EaglenestError, InputFileError, ParamsError
 from eaglenest.core.eval_params import EvalSetParams, EvaluateParams
 from eaglenest.stages.evaluate import decoding_backends, write_eval_outputs
 from eaglenest.stages.evaluate.job import ask_turns
-from eaglenest.stages.evaluate.sets import GENERAL_SET_FILE, LONG_SET_FILE, load_eval_set
 from tests.fixtures.models import write_jsonl
 from tests.fixtures.pipeline import REPO
 

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from eaglenest.artifacts.eval_sets import shipped_evaluation_prompts
 from eaglenest.core.overlap import STRETCH, StretchIndex, normalised
-from eaglenest.stages.evaluate.sets import shipped_evaluation_prompts
 from tests.fixtures.pipeline import REPO
 
 

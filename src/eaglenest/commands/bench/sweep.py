@@ -239,7 +239,7 @@ def run_bench(config: BenchConfig) -> tuple[dict[str, Any], int]:
     Raises:
         EaglenestError: a refusal, or a server that stopped answering (bench.json then keeps what was measured).
     """
-    from eaglenest.stages.evaluate.sets import read_jsonl_conversations
+    from eaglenest.artifacts.eval_sets import read_jsonl_conversations
 
     check_config(config)
     prompts_file = bench_prompts_file(config.prompts)

@@ -1,5 +1,5 @@
 """The evaluate stage: the trained draft in real speculative decoding, against plain decoding and against
-vLLM's own n-gram drafting, on fixed evaluation sets (``evaluate.sets``, :mod:`eaglenest.stages.evaluate.sets`).
+vLLM's own n-gram drafting, on fixed evaluation sets (``evaluate.sets``, :mod:`eaglenest.artifacts.eval_sets`).
 
 Outputs:
 
@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from eaglenest.artifacts.draft import draft_algorithm
+from eaglenest.artifacts.eval_sets import load_eval_sets
 from eaglenest.artifacts.evaluation import DETAILS_FILE, RECORDS_FILE, headline, records_path, summarize
 from eaglenest.artifacts.verifier import load_tokenizer
 from eaglenest.core.atomic import atomic_write_json
@@ -53,7 +54,6 @@ from eaglenest.core.registry import Registry
 from eaglenest.core.stage import Stage, path_arg
 from eaglenest.stages.evaluate.job import Backend, EvaluationJob
 from eaglenest.stages.evaluate.params import EvaluateStageParams
-from eaglenest.stages.evaluate.sets import load_eval_sets
 
 log = logging.getLogger(__name__)
 

@@ -17,12 +17,12 @@ from typing import Any
 import torch
 
 from eaglenest.artifacts.draft import load_draft
+from eaglenest.artifacts.eval_sets import EvalSet
 from eaglenest.artifacts.verifier import load_tokenizer, load_verifier_info
 from eaglenest.core.chat import cut_after_end_of_turn, end_of_turn_ids
 from eaglenest.core.progress import progress
 from eaglenest.stages.evaluate.job import EvaluationJob, add_ngram, add_timing, ask_turns, set_entry, turn_record
 from eaglenest.stages.evaluate.ngram import ngram_acceptance
-from eaglenest.stages.evaluate.sets import EvalSet
 from eaglenest.stages.evaluate.speculative import EagleDrafter, VerifierRunner, speculative_decode
 
 log = logging.getLogger(__name__)

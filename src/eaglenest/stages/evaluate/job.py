@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from eaglenest.artifacts.eval_sets import EvalConversation, EvalSet
 from eaglenest.core.eval_params import EvaluateParams
 from eaglenest.stages.evaluate.acceptance import Acceptance
 from eaglenest.stages.evaluate.lossless import TopCandidates, first_divergence, is_lossless
-from eaglenest.stages.evaluate.sets import EvalConversation, EvalSet
 
 
 @dataclass(frozen=True)
