@@ -8,6 +8,9 @@ import socket
 import subprocess
 import sys
 
+import pytest
+import torch
+
 from eaglenest.core import host
 from tests.fixtures.pipeline import REPO
 
@@ -38,3 +41,13 @@ def test_the_avx2_simulation_is_recorded_as_one():
     result = subprocess.run([str(REPO / "bench" / "avx2_host.sh"), sys.executable, "-c", code], capture_output=True,
                             text=True, check=True)
     assert result.stdout.split() == ["AVX2", "False", "float32", "avx2"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the record names the GPUs torch sees)")
+def test_a_gpu_host_is_recorded_by_its_gpus():
+    record = host.host_record("bfloat16")
+    kind = host.host_kind()
+    names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    print(f"\nhost record on a GPU: {record}\nlabel: {kind.label}")
+    assert record["gpu"] == f"{len(names)} x {names[0]}" if len(set(names)) == 1 else ", ".join(names)
+    assert kind.compute == "bfloat16" and kind.label.startswith(kind.gpu) and kind.gpu in kind.key

@@ -19,12 +19,18 @@ from torch import nn
 from eaglenest.core.errors import EaglenestError
 
 
+def decoder_dtype(device: torch.device) -> torch.dtype:
+    """What the verifier's decoder computes in on ``device``: fp32 on CPU (bf16 matmuls are slow without native
+    bf16), bf16 on GPU."""
+    return torch.float32 if device.type == "cpu" else torch.bfloat16
+
+
 def load_decoder(model_dir: Path, trust_remote_code: bool, device: torch.device) -> nn.Module:
-    """The verifier's base model (no LM head): fp32 on CPU (bf16 matmuls are slow without native bf16), bf16 on GPU."""
+    """The verifier's base model (no LM head), in :func:`decoder_dtype` on ``device``."""
     from transformers import AutoModel
     from transformers.utils import logging as hf_logging
 
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    dtype = decoder_dtype(device)
     # The checkpoint's lm_head.weight is deliberately not loaded; silence the "UNEXPECTED key" report.
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()

@@ -129,8 +129,11 @@ def test_resume_recomputes_only_bad_or_missing_files(tmp_path: Path, tiny_verifi
 def test_changed_dtype_recomputes_everything(tmp_path: Path, tiny_verifier_dir: Path, caplog: pytest.LogCaptureFixture):
     verifier_dir, prepared = pipeline_until_prepare(tmp_path, tiny_verifier_dir)
     out = tmp_path / "hs"
-    extract_hidden_states(ExtractParams(dtype="bfloat16", rows_per_shard=1), verifier_dir, prepared, out,
-                          tmp_path / "m.json")
+    first = extract_hidden_states(ExtractParams(dtype="bfloat16", rows_per_shard=1), verifier_dir, prepared, out,
+                                  tmp_path / "m.json")
+    # the host record names what the decoder computed in: float32 on a CPU, whatever is stored (a GPU's bf16 is
+    # checked in test_extract_cuda.py)
+    assert first["host"]["compute_dtype"] == "float32" and first["dtype"] == "bfloat16"
     with caplog.at_level("INFO", logger="eaglenest"):
         metrics = extract_hidden_states(ExtractParams(dtype="float32", rows_per_shard=1), verifier_dir, prepared, out,
                                         tmp_path / "m.json")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ from eaglenest.stages.train import TrainPaths, train_draft
 from eaglenest.stages.train.data import pack_batches
 from eaglenest.stages.train.params import TrainParams
 from eaglenest.stages.train.validation import tau_from_conditional
-from tests.fixtures.pipeline import REPO, pipeline_until_prepare, read_curves
+from tests.fixtures.pipeline import REPO, killed_and_resumed_training, pipeline_until_prepare, read_curves
 
 FAST = {"total_seq_len": 256, "lr": 3e-3, "warmup_steps": 2, "ttt_steps": 3}  # 3 TTT steps: two unscored positions
 
@@ -91,20 +90,7 @@ def test_resume_after_a_kill_matches_an_uninterrupted_run(converted: dict[str, P
                                                           monkeypatch: pytest.MonkeyPatch):
     params = TrainParams(steps=12, eval_every=6, checkpoint_every=4, **FAST)
     reference = train_draft(params, inputs_in(converted, tmp_path / "a"))
-
-    original = train_module.save_checkpoint
-
-    def save_then_die(path, model, optimizer, scheduler, step, curves):
-        original(path, model, optimizer, scheduler, step, curves)
-        if step == 8:
-            raise KeyboardInterrupt  # as if killed right after the step-8 checkpoint
-
-    monkeypatch.setattr(train_module, "save_checkpoint", save_then_die)
-    with pytest.raises(KeyboardInterrupt):
-        train_draft(params, inputs_in(converted, tmp_path / "b"))
-    monkeypatch.setattr(train_module, "save_checkpoint", original)
-    shutil.rmtree(tmp_path / "b/dvclive")  # dvclive/train is no persist output: DVC deletes it before a rerun
-    resumed = train_draft(params, inputs_in(converted, tmp_path / "b"))
+    resumed = killed_and_resumed_training(params, inputs_in(converted, tmp_path / "b"), monkeypatch, step=8)
 
     assert resumed["resumed_from_step"] == 8 and resumed["steps_this_run"] == 4
     a = load_file(tmp_path / "a/draft/model.safetensors")
@@ -164,6 +150,22 @@ def test_precision_auto_follows_the_device(monkeypatch: pytest.MonkeyPatch):
     # On a GPU hidden states are loaded in bf16 only for a bf16 draft: a float32 one needs float32 inputs.
     assert model_module.draft_runtime(TrainParams(), torch.device("cuda")).hs_dtype == torch.bfloat16
     assert model_module.draft_runtime(TrainParams(precision="float32"), torch.device("cuda")).hs_dtype == torch.float32
+
+
+def test_the_fused_loss_kernels_get_autotune_configs_of_their_own():
+    """On CUDA speculators compiles the draft's forward, and torch.compile refuses the one config list its fused
+    loss kernels share; each gets its own, with the same candidates (test_train_cuda.py trains through it)."""
+    pytest.importorskip("triton")
+    from speculators.losses import fused
+
+    from eaglenest.stages.train.model import separate_fused_loss_configs
+
+    separate_fused_loss_configs()
+    separate_fused_loss_configs()  # idempotent: draft_runtime calls it for every CUDA run
+    forward, backward = fused.loss_forward_kernel.configs, fused.loss_backward_kernel.configs
+    assert backward is not forward and not any(b is f for b, f in zip(backward, forward, strict=True))
+    assert [(c.kwargs, c.num_warps, c.num_stages) for c in backward] == [
+        (c.kwargs, c.num_warps, c.num_stages) for c in forward]
 
 
 def test_bf16_and_fp32_training_agree(converted: dict[str, Path], tmp_path: Path):

@@ -210,6 +210,18 @@ def compute_hidden_states(plan: ExtractionPlan, cluster: ClusterParams) -> Compu
     return computed
 
 
+def computed_in(params: ExtractParams) -> str:
+    """The dtype the host record names for this extraction: the hf back end's decoder dtype on its device (bf16
+    on a GPU, float32 on a CPU, whatever ``extract.dtype`` stores); the vllm and import back ends record
+    ``extract.dtype``, the dtype stored."""
+    if params.backend != "hf":
+        return params.dtype
+    from eaglenest.core.decoder import decoder_dtype
+    from eaglenest.core.device import pick_device
+
+    return str(decoder_dtype(pick_device(params.device, "extract.device"))).removeprefix("torch.")
+
+
 def finish_extraction(plan: ExtractionPlan, computed: Computed, metrics_path: Path) -> dict[str, Any]:
     """Phase 3: every file is finished: into ``data/hidden_states``, and the metrics."""
     params, input_ids, extraction = plan.params, plan.input_ids, plan.extraction
@@ -235,7 +247,7 @@ def finish_extraction(plan: ExtractionPlan, computed: Computed, metrics_path: Pa
         "executor": computed.executor,
         "engines": computed.engines,
         # kernels differ by CPU kind: the same commit extracts other bytes on another kind
-        "host": host_record(params.dtype),
+        "host": host_record(computed_in(params)),
     }
     atomic_write_json(metrics_path, metrics)
     return metrics

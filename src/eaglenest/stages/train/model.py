@@ -138,6 +138,25 @@ class Runtime:
         return model(**batch, **self.forward_kwargs)
 
 
+def separate_fused_loss_configs() -> None:
+    """Gives the fused losses' backward Triton kernel its own autotune configs (idempotent).
+
+    speculators 0.9 decorates the forward and the backward kernel with one ``triton.autotune``, so both hold one
+    list of the same ``triton.Config`` objects. On CUDA speculators compiles the draft's forward, and torch.compile
+    (2.11) traces the loss's backward inside it: it refuses one list reached from two sources ("ListVariable ... is
+    already tracked for mutation"), so every GPU training step failed. A deep copy gives the backward kernel the same
+    candidates as objects of its own.
+    """
+    import copy
+
+    from speculators.losses import fused
+
+    forward, backward = fused.loss_forward_kernel, fused.loss_backward_kernel
+    if backward.configs is forward.configs or any(b is f for b, f in zip(backward.configs, forward.configs,
+                                                                          strict=False)):
+        backward.configs = copy.deepcopy(backward.configs)
+
+
 def draft_runtime(params: TrainParams, device: torch.device) -> Runtime:
     """The :class:`Runtime` for ``device``; ``train.attention: auto`` picks by device."""
     from speculators.losses import resolve_loss_config
@@ -145,6 +164,8 @@ def draft_runtime(params: TrainParams, device: torch.device) -> Runtime:
     cuda = device.type == "cuda"
     attention = params.attention if params.attention != "auto" else ("simple_flex_attention" if cuda else "sdpa")
     loss_config = resolve_loss_config(params.loss, "fused" if cuda else "eager")
+    if cuda:
+        separate_fused_loss_configs()
     precision = params.precision if params.precision != "auto" else (
         "bfloat16" if cuda or cpu_has_native_bf16() else "float32")
     # Hidden states come in bf16 only where the GPU computes in bf16: a float32 draft on CUDA needs float32

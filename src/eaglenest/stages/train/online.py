@@ -27,7 +27,7 @@ from hs_connectors.transfer import HiddenStatesTransfer
 
 from eaglenest.artifacts.hidden_states.format import HIDDEN_KEY, SCALES_KEY, TOKENS_KEY, encode_hidden_states
 from eaglenest.artifacts.verifier import VerifierInfo
-from eaglenest.core.decoder import capture_residual_stream, hidden_states_of_rows, load_decoder
+from eaglenest.core.decoder import capture_residual_stream, decoder_dtype, hidden_states_of_rows, load_decoder
 from eaglenest.core.errors import EaglenestError
 from eaglenest.core.safetensors_header import read_header
 
@@ -38,8 +38,8 @@ MEMORY_MARGIN = 1.25
 
 
 def verifier_weight_bytes(model_dir: Path, device: torch.device) -> int:
-    """The verifier's weights as the hf back end loads them on ``device`` (fp32 on CPU, bf16 on a GPU), from
-    the safetensors headers (nothing is read beyond them)."""
+    """The verifier's weights as the hf back end loads them on ``device`` (in :func:`decoder_dtype`), from the
+    safetensors headers (nothing is read beyond them)."""
     numel = 0
     for path in sorted(Path(model_dir).glob("*.safetensors")):
         for _dtype, shape in read_header(path).tensors.values():
@@ -47,7 +47,7 @@ def verifier_weight_bytes(model_dir: Path, device: torch.device) -> int:
             for dim in shape:
                 count *= dim
             numel += count
-    return numel * (4 if device.type == "cpu" else 2)
+    return numel * decoder_dtype(device).itemsize
 
 
 def available_memory(device: torch.device) -> int:
