@@ -3,7 +3,10 @@
 Every test here shares one small DVC repo: the smollm2 fixture's verifier and 8 of its prepared rows (6 train,
 2 validation), with ``extract.backend: vllm`` in float32. A vLLM engine start costs 20-40 s on 2 cores, so the
 uninterrupted vLLM run is made once (:func:`vllm_run`) and serves as the reference for the comparison with hf,
-for convert and train, and for the resume after a kill -9.
+for convert and train, and for the resume after a kill -9. The runs that are not about vLLM's engine processes
+run its engine core in the stage's process (:data:`IN_PROCESS`: about 15 s less a start, without the engine-core
+process that imports torch and vLLM again); the interrupted runs keep the default, engine processes, whose files
+the resumed runs must then equal byte for byte.
 
 Relative error, per slot (layer id): ``||vllm - hf|| / ||hf||``, Frobenius norms over every token of every row.
 """
@@ -51,6 +54,10 @@ PARAMS = {
 }
 
 
+# vLLM's engine core in the stage's process (the CPU build's in-process engine, as evaluate runs its engines).
+IN_PROCESS = project_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")
+
+
 def link_or_copy(src: str, dst: str) -> str:
     """Hard links the fixture's 540 MB verifier where the filesystem allows (nothing writes into it)."""
     try:
@@ -85,14 +92,16 @@ def repo(shared_pipeline: SharedPipeline, tmp_path_factory: pytest.TempPathFacto
 
 
 def extract_with(repo: Path, out: Path, **extract: Any) -> dict[str, Any]:
-    """Runs the extract stage script with ``extract`` params over the repo's, into ``out``; its metrics."""
+    """Runs the extract stage script (its engine in the stage's process) with ``extract`` params over the repo's,
+    into ``out``; its metrics."""
     params = yaml.safe_load((repo / "params.yaml").read_text())
     params["extract"].update(extract)
     params_file = out.with_suffix(".params.yaml")
     params_file.write_text(yaml.safe_dump(params, sort_keys=False))
     metrics = out.with_suffix(".json")
     run([str(VENV_BIN / "python"), "stages/extract.py", "--params", str(params_file), "--verifier",
-         "models/verifier", "--prepared", "data/prepared", "--out", str(out), "--metrics", str(metrics)], repo)
+         "models/verifier", "--prepared", "data/prepared", "--out", str(out), "--metrics", str(metrics)], repo,
+        env=IN_PROCESS)
     return json.loads(metrics.read_text())
 
 
@@ -120,8 +129,9 @@ def relative_errors(got: list[dict[str, torch.Tensor]], want: list[dict[str, tor
 
 @pytest.fixture(scope="module")
 def vllm_run(repo: Path) -> dict[str, Any]:
-    """`dvc repro -s extract` with vLLM in float32: the files' bytes and the metrics."""
-    dvc(["repro", "-s", "extract"], repo)
+    """`dvc repro -s extract` with vLLM in float32 (its engine in the stage's process): the files' bytes and the
+    metrics."""
+    dvc(["repro", "-s", "extract"], repo, env=IN_PROCESS)
     hs_dir = repo / "data/hidden_states"
     return {"files": {p.name: p.read_bytes() for p in hs_dir.iterdir()},
             "metrics": json.loads((repo / "metrics/extract.json").read_text())}
@@ -129,9 +139,15 @@ def vllm_run(repo: Path) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def hf_rows(repo: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The hf reference over the same rows, in float32 (transformers' fp32 on the CPU)."""
+    """The hf reference over the same rows, in float32 (transformers' fp32 on the CPU), by the stage's code in this
+    process (no Python to start)."""
+    from eaglenest.stages.extract import extract_hidden_states
+    from eaglenest.stages.extract.params import ExtractParams
+
     out = tmp_path_factory.mktemp("hf") / "hidden_states"
-    metrics = extract_with(repo, out, backend="hf", dtype="float32")
+    params = yaml.safe_load((repo / "params.yaml").read_text())["extract"]
+    metrics = extract_hidden_states(ExtractParams(**{**params, "backend": "hf", "dtype": "float32"}),
+                                    repo / "models/verifier", repo / "data/prepared", out, out.with_suffix(".json"))
     return {"rows": read_rows(out), "metrics": metrics}
 
 
@@ -218,7 +234,7 @@ def test_kill_9_mid_extraction_resumes_to_the_same_files(repo: Path, vllm_run: d
     finished_before_kill = len(rows_stored(hs_dir))
     assert ROWS_PER_SHARD < finished_before_kill < ROWS, finished_before_kill
 
-    resumed = dvc(["repro", "-f", "-s", "extract"], repo)
+    resumed = dvc(["repro", "-f", "-s", "extract"], repo, env=IN_PROCESS)
     assert "Running stage 'extract'" in resumed.stdout
     # Same bytes as the uninterrupted run, and nothing else in the folder (no temporaries, no staged files).
     assert {p.name: p.read_bytes() for p in hs_dir.iterdir()} == vllm_run["files"]
@@ -258,5 +274,6 @@ def test_sigterm_to_the_stage_stops_vllms_engine_processes(repo: Path, vllm_run:
             os.killpg(process.pid, signal.SIGKILL)
     assert "eaglenest extract: interrupted; rerun to continue" in log.read_text()
 
-    dvc(["repro", "-f", "-s", "extract"], repo)  # resumes: the module's later tests see the whole extraction
+    # resumes: the module's later tests see the whole extraction
+    dvc(["repro", "-f", "-s", "extract"], repo, env=IN_PROCESS)
     assert {p.name: p.read_bytes() for p in hs_dir.iterdir()} == vllm_run["files"]
