@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -270,14 +271,8 @@ BF16_PROMPTS = REPO / "tests" / "data" / "bf16_near_tie_prompts.jsonl"
 
 @pytest.mark.slow
 @requires_vllm
-def test_vllm_bf16_passes_on_near_ties(shared_pipeline: SharedPipeline, tmp_path: Path):
-    # The near-tie prompts stand in for the held-out ones (short chat openers: a file set would be refused as
-    # overlapping the training rows, which the val set is never checked against).
-    prepared = tmp_path / "prepared"
-    shutil.copytree(shared_pipeline.repo / "data" / "prepared", prepared)
-    shutil.copy(BF16_PROMPTS, prepared / VAL_PROMPTS_FILE)
-    result, metrics = run_evaluate(shared_pipeline.repo, tmp_path / "run", prepared=prepared, backend="vllm",
-                                   vllm={"dtype": "bfloat16"}, num_prompts=16, timed_prompts=0)
+def test_vllm_bf16_passes_on_near_ties(bf16_runs):
+    result, metrics = bf16_runs["near_ties"]
     print({k: metrics.get(k) for k in ("tau", "identical_fraction", "lossless_fraction")})
     assert result.returncode == 0, result.stderr
     assert metrics["dtype"] == "bfloat16" and metrics["lossless_rule"].startswith("near_tie")
@@ -319,16 +314,37 @@ runpy.run_path(stage, run_name="__main__")
 '''
 
 
+@pytest.fixture(scope="module")
+def bf16_runs(shared_pipeline: SharedPipeline, tmp_path_factory: pytest.TempPathFactory
+              ) -> dict[str, tuple[subprocess.CompletedProcess[str], dict]]:
+    """evaluate by vLLM in bf16, two runs at once (each mostly one thread: a Python importing torch and vLLM, then
+    engines of one thread): ``near_ties`` on :data:`BF16_PROMPTS`, ``accept_all`` with vLLM's acceptance rule
+    broken (:data:`ACCEPT_ALL`). Each: the run and its figures (:func:`run_evaluate`)."""
+    root = tmp_path_factory.mktemp("bf16")
+    # The near-tie prompts stand in for the held-out ones (short chat openers: a file set would be refused as
+    # overlapping the training rows, which the val set is never checked against).
+    prepared = root / "prepared"
+    shutil.copytree(shared_pipeline.repo / "data" / "prepared", prepared)
+    shutil.copy(BF16_PROMPTS, prepared / VAL_PROMPTS_FILE)
+    wrapper = root / "accept_all.py"
+    wrapper.write_text(ACCEPT_ALL)
+    runs = {
+        "near_ties": partial(run_evaluate, shared_pipeline.repo, root / "near_ties", prepared=prepared,
+                             backend="vllm", vllm={"dtype": "bfloat16"}, num_prompts=16, timed_prompts=0),
+        # In-process engine core: the patched module is the one the engine runs.
+        "accept_all": partial(run_evaluate, shared_pipeline.repo, root / "accept_all", wrapper=wrapper,
+                              env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, backend="vllm",
+                              vllm={"dtype": "bfloat16"}, num_prompts=2, max_new_tokens=16, timed_prompts=0),
+    }
+    with ThreadPoolExecutor(len(runs)) as pool:
+        started = {name: pool.submit(run) for name, run in runs.items()}
+        return {name: future.result() for name, future in started.items()}
+
+
 @pytest.mark.slow
 @requires_vllm
-def test_a_broken_acceptance_rule_fails_the_stage(shared_pipeline: SharedPipeline, tmp_path: Path):
-    wrapper = tmp_path / "accept_all.py"
-    wrapper.write_text(ACCEPT_ALL)
-    # In-process engine core: the patched module is the one the engine runs.
-    result, metrics = run_evaluate(
-        shared_pipeline.repo, tmp_path / "run", wrapper=wrapper, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-        backend="vllm", vllm={"dtype": "bfloat16"}, num_prompts=2, max_new_tokens=16, timed_prompts=0,
-    )
+def test_a_broken_acceptance_rule_fails_the_stage(bf16_runs):
+    result, metrics = bf16_runs["accept_all"]
     print(result.stderr[-2000:])
     assert result.returncode == 2
     last = result.stderr.strip().splitlines()[-1]
