@@ -3,10 +3,9 @@
 Every test here shares one small DVC repo: the smollm2 fixture's verifier and 8 of its prepared rows (6 train,
 2 validation), with ``extract.backend: vllm`` in float32. A vLLM engine start costs 20-40 s on 2 cores, so the
 uninterrupted vLLM run is made once (:func:`vllm_run`) and serves as the reference for the comparison with hf,
-for convert and train, and for the resume after a kill -9. The runs that are not about vLLM's engine processes
-run its engine core in the stage's process (:func:`in_process_env`: about 15 s less a start, without the engine-core
-process that imports torch and vLLM again); the interrupted runs keep the default, engine processes, whose files
-the resumed runs must then equal byte for byte.
+for convert and train, and for the resume after a kill -9. Every vLLM run keeps the extract back end's engine
+processes: with the engine core in the stage's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) the stage was seen
+to wait, using no CPU, beside its first staged file's lock. The hf reference is computed in this process.
 
 Relative error, per slot (layer id): ``||vllm - hf|| / ||hf||``, Frobenius norms over every token of every row.
 """
@@ -54,12 +53,6 @@ PARAMS = {
 }
 
 
-def in_process_env() -> dict[str, str]:
-    """The stages' environment with vLLM's engine core in the stage's process (the CPU build's in-process engine,
-    as evaluate runs its engines)."""
-    return project_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")
-
-
 def link_or_copy(src: str, dst: str) -> str:
     """Hard links the fixture's 540 MB verifier where the filesystem allows (nothing writes into it)."""
     try:
@@ -94,16 +87,14 @@ def repo(shared_pipeline: SharedPipeline, tmp_path_factory: pytest.TempPathFacto
 
 
 def extract_with(repo: Path, out: Path, **extract: Any) -> dict[str, Any]:
-    """Runs the extract stage script (its engine in the stage's process) with ``extract`` params over the repo's,
-    into ``out``; its metrics."""
+    """Runs the extract stage script with ``extract`` params over the repo's, into ``out``; its metrics."""
     params = yaml.safe_load((repo / "params.yaml").read_text())
     params["extract"].update(extract)
     params_file = out.with_suffix(".params.yaml")
     params_file.write_text(yaml.safe_dump(params, sort_keys=False))
     metrics = out.with_suffix(".json")
     run([str(VENV_BIN / "python"), "stages/extract.py", "--params", str(params_file), "--verifier",
-         "models/verifier", "--prepared", "data/prepared", "--out", str(out), "--metrics", str(metrics)], repo,
-        env=in_process_env())
+         "models/verifier", "--prepared", "data/prepared", "--out", str(out), "--metrics", str(metrics)], repo)
     return json.loads(metrics.read_text())
 
 
@@ -131,9 +122,8 @@ def relative_errors(got: list[dict[str, torch.Tensor]], want: list[dict[str, tor
 
 @pytest.fixture(scope="module")
 def vllm_run(repo: Path) -> dict[str, Any]:
-    """`dvc repro -s extract` with vLLM in float32 (its engine in the stage's process): the files' bytes and the
-    metrics."""
-    dvc(["repro", "-s", "extract"], repo, env=in_process_env())
+    """`dvc repro -s extract` with vLLM in float32: the files' bytes and the metrics."""
+    dvc(["repro", "-s", "extract"], repo)
     hs_dir = repo / "data/hidden_states"
     return {"files": {p.name: p.read_bytes() for p in hs_dir.iterdir()},
             "metrics": json.loads((repo / "metrics/extract.json").read_text())}
@@ -236,7 +226,7 @@ def test_kill_9_mid_extraction_resumes_to_the_same_files(repo: Path, vllm_run: d
     finished_before_kill = len(rows_stored(hs_dir))
     assert ROWS_PER_SHARD < finished_before_kill < ROWS, finished_before_kill
 
-    resumed = dvc(["repro", "-f", "-s", "extract"], repo, env=in_process_env())
+    resumed = dvc(["repro", "-f", "-s", "extract"], repo)
     assert "Running stage 'extract'" in resumed.stdout
     # Same bytes as the uninterrupted run, and nothing else in the folder (no temporaries, no staged files).
     assert {p.name: p.read_bytes() for p in hs_dir.iterdir()} == vllm_run["files"]
@@ -276,6 +266,5 @@ def test_sigterm_to_the_stage_stops_vllms_engine_processes(repo: Path, vllm_run:
             os.killpg(process.pid, signal.SIGKILL)
     assert "eaglenest extract: interrupted; rerun to continue" in log.read_text()
 
-    # resumes: the module's later tests see the whole extraction
-    dvc(["repro", "-f", "-s", "extract"], repo, env=in_process_env())
+    dvc(["repro", "-f", "-s", "extract"], repo)  # resumes: the module's later tests see the whole extraction
     assert {p.name: p.read_bytes() for p in hs_dir.iterdir()} == vllm_run["files"]
