@@ -1,7 +1,7 @@
 """What every test shares: an offline, isolated DVC, Ray on loopback, the vLLM marker, and the fixture layers
 (``tests/fixtures``): tiny models (``models``), then pipelines on them and on the real default verifier
 (``pipeline``), a Ray cluster of several nodes on this machine (``cluster``), then fakes of servers and engines
-(``fakes``)."""
+(``fakes``) and a real bench sweep against them (``bench``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ("tests.fixtures.models", "tests.fixtures.pipeline", "tests.fixtures.cluster")
+pytest_plugins = ("tests.fixtures.models", "tests.fixtures.pipeline", "tests.fixtures.cluster", "tests.fixtures.bench")
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"

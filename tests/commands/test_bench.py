@@ -42,6 +42,7 @@ from eaglenest.commands.serve import ServeCommand
 from eaglenest.core.errors import EaglenestError
 from eaglenest.core.lossless_rule import TIE_CANDIDATES
 from eaglenest.core.vllm_metrics import ACCEPTED, DRAFT_TOKENS, DRAFTS
+from tests.fixtures.bench import BenchSweep, write_bench_prompts
 from tests.fixtures.fakes import LETTERS, TOP_GAP, FakeServer, fake_letters, letter_ids
 from tests.fixtures.models import build_tiny_tokenizer
 from tests.fixtures.pipeline import REPO
@@ -56,12 +57,7 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def prompts(tmp_path: Path) -> Path:
-    path = tmp_path / "prompts.jsonl"
-    records = [{"prompt": "hello there how are you today"},
-               {"messages": [{"role": "user", "content": "what is the capital of France?"}]},
-               {"question_id": 81, "category": "writing", "turns": ["the weather is nice", "and tomorrow?"]}]
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
+    return write_bench_prompts(tmp_path / "prompts.jsonl")
 
 
 def free_port() -> int:
@@ -249,27 +245,24 @@ def test_the_same_server_twice_is_refused(capsys, prompts: Path, tokenizer_dir: 
 # --- whole sweeps, with vLLM's bench (each run starts a Python that imports vLLM: slow on 2 cores) -------------
 
 @pytest.mark.slow
-def test_a_sweep_writes_bench_json_and_the_plot(capsys, prompts: Path, tokenizer_dir: Path, tmp_path: Path):
-    out = tmp_path / "out"
-    with FakeServer(token_delay=0.002) as draft, FakeServer(spec=False, token_delay=0.004) as baseline:
-        status = cli.main(bench_args(draft.url, baseline.url, prompts, tokenizer_dir, out, "--concurrency", "1",
-                                     "2", "--num-prompts", "4", "--max-tokens", "5", "--warmup-prompts", "1"))
-        captured = capsys.readouterr()
-        assert status == 0, captured.err + captured.out
-        # the token ids sent are the chat-templated first turns, request i being prompt i mod 3, on both servers
-        from transformers import AutoTokenizer
+def test_a_sweep_writes_bench_json_and_the_plot(real_bench_sweep: BenchSweep):
+    sweep = real_bench_sweep  # a warm-up, then 4 requests at concurrency 1 and 2 (REAL_SWEEP_FLAGS)
+    assert sweep.status == 0, sweep.stderr + sweep.stdout
+    # the token ids sent are the chat-templated first turns, request i being prompt i mod 3, on both servers
+    from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        first = tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": "hello there how are you today"}],
-                                                        tokenize=False, add_generation_prompt=True),
-                          add_special_tokens=False)["input_ids"]
-        assert draft.requests[0]["prompt"] == first  # the warm-up's
-        measured = draft.requests[1:]
-        theirs = baseline.requests[1:]
-        assert len(measured) == 8 and [r["prompt"] for r in measured[:4]] == [r["prompt"] for r in theirs[:4]]
-        assert sorted(r["prompt"] for r in measured) == sorted(r["prompt"] for r in theirs)  # c2: in any order
-        assert measured[3]["prompt"] == first and all(r["max_tokens"] == 5 and r["temperature"] == 0
-                                                      for r in measured)
+    tokenizer = AutoTokenizer.from_pretrained(sweep.tokenizer)
+    first = tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": "hello there how are you today"}],
+                                                    tokenize=False, add_generation_prompt=True),
+                      add_special_tokens=False)["input_ids"]
+    assert sweep.draft_requests[0]["prompt"] == first  # the warm-up's
+    measured = sweep.draft_requests[1:]
+    theirs = sweep.baseline_requests[1:]
+    assert len(measured) == 8 and [r["prompt"] for r in measured[:4]] == [r["prompt"] for r in theirs[:4]]
+    assert sorted(r["prompt"] for r in measured) == sorted(r["prompt"] for r in theirs)  # c2: in any order
+    assert measured[3]["prompt"] == first and all(r["max_tokens"] == 5 and r["temperature"] == 0
+                                                  for r in measured)
+    out = sweep.out
     result = json.loads((out / "bench.json").read_text())
     assert result["complete"] and result["concurrency"] == [1, 2] and result["model"] == "tiny"
     assert result["prompts"]["count"] == 3 and result["prompts"]["requests"] == 4
@@ -284,9 +277,9 @@ def test_a_sweep_writes_bench_json_and_the_plot(capsys, prompts: Path, tokenizer
         assert row["outputs"] == {"compared": 4, "identical": 4, "near_ties": [], "differ": []}
         assert (out / row["draft"]["raw"]).is_file()
     assert result["stops_paying_at"] == stops_paying_at(result["results"])
-    assert result["tie_checks"] == 0 and baseline.checks == []  # identical outputs need no check
+    assert result["tie_checks"] == 0 and sweep.baseline_checks == []  # identical outputs need no check
     assert (out / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "speed-up" in captured.out and "wrote" in captured.out
+    assert "speed-up" in sweep.stdout and "wrote" in sweep.stdout
 
 
 @pytest.mark.slow
@@ -485,9 +478,10 @@ def read_events(path: Path) -> list[tuple[str, str]]:
     return [(e["role"], e["event"]) for e in events]
 
 
-@pytest.mark.slow
 def test_serve_starts_the_draft_server_sweeps_stops_it_then_the_baseline(
-        capsys, monkeypatch, prompts: Path, tokenizer_dir: Path, tmp_path: Path):
+        capsys, monkeypatch, fast_runs, prompts: Path, tokenizer_dir: Path, tmp_path: Path):
+    # The runs send the requests themselves (fast_runs): what is tested is the servers' lives around the sweep;
+    # vLLM's own bench runs the sweep of test_a_sweep_writes_bench_json_and_the_plot.
     out, events, port = tmp_path / "out", tmp_path / "events.jsonl", free_port()
     # the draft takes the baseline's runner-up at token 1: a near-tie, judged against the baseline process
     monkeypatch.setattr(sweep, "server_command", fake_serve_command(events, draft=["--flip-at", "1"]))

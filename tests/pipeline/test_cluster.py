@@ -58,8 +58,12 @@ def test_dvc_repro_on_a_ray_cluster_gives_the_local_executors_hidden_states(tmp_
     try:
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and process.poll() is None and not killed:
-            engines = [pid for pid in descendants(process.pid) if command_line(pid).startswith("ray::EngineHost")]
-            if engines and stored_files(unfinished_dir(hs_dir)):  # an engine computing, shards still to go
+            # the process tree is read (every process's /proc entry) only once a shard is finished: reading it every
+            # 10 ms from the start takes a core's share from the stage on a small machine
+            finished = stored_files(unfinished_dir(hs_dir))
+            engines = [pid for pid in descendants(process.pid)
+                       if command_line(pid).startswith("ray::EngineHost")] if finished else []
+            if engines:  # an engine computing, shards still to go
                 running = descendants(process.pid)  # dvc, the stage, Ray's servers and workers
                 listening = listening_beyond_loopback(running)
                 os.kill(engines[0], signal.SIGKILL)

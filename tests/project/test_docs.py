@@ -22,6 +22,7 @@ from eaglenest.commands.generated.training import TRAINING_SVG, drawn_md5, folde
 from eaglenest.commands.params_file import Params, parse_params
 from eaglenest.commands.reference import TARGETS
 from eaglenest.core.errors import InputFileError, ParamsError
+from tests.fixtures.bench import REAL_SWEEP_FLAGS, BenchSweep
 from tests.fixtures.pipeline import REPO
 
 README = REPO / "README.md"
@@ -334,26 +335,16 @@ def test_the_docs_concurrency_figures_follow_the_committed_bench_result(tmp_path
 
 
 @pytest.mark.slow
-def test_a_real_bench_result_recorded_renders_the_docs_figures(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+def test_a_real_bench_result_recorded_renders_the_docs_figures(tmp_path: Path, real_bench_sweep: BenchSweep):
     """``eaglenest bench`` (vLLM's own `vllm bench serve`) against two fake servers, recorded by the script, drawn."""
-    from eaglenest.commands import cli
-    from tests.fixtures.fakes import FakeServer
-    from tests.fixtures.models import build_tiny_tokenizer
-
-    build_tiny_tokenizer().save_pretrained(tmp_path / "tokenizer")
-    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"tell me about {word}"}) + "\n"
-                                                    for word in ("cats", "rain", "maps")))
-    out = tmp_path / "bench"
-    with FakeServer(token_delay=0.002) as draft, FakeServer(spec=False, token_delay=0.004) as baseline:
-        argv = ["bench", "--url", draft.url, "--baseline-url", baseline.url, "--prompts",
-                str(tmp_path / "prompts.jsonl"), "--tokenizer", str(tmp_path / "tokenizer"), "--out", str(out),
-                "--concurrency", "1", "4", "--num-prompts", "4", "--max-tokens", "5", "--warmup-prompts", "1"]
-        assert cli.main(argv) == 0, capsys.readouterr().err
+    out = real_bench_sweep.out
+    assert real_bench_sweep.status == 0, real_bench_sweep.stderr
     repo = _docs_copy(tmp_path / "repo")
     subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
     subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "t"],
                    cwd=repo, check=True)
-    record = record_bench(out / "bench.json", "eaglenest bench --concurrency 1 4", repo, repo / SERVE_RECORD)
+    record = record_bench(out / "bench.json", shlex.join(["eaglenest", "bench", *REAL_SWEEP_FLAGS]), repo,
+                          repo / SERVE_RECORD)
     measured = json.loads((out / "bench.json").read_text())["results"]
     assert [(level.concurrency, level.speedup) for level in record.levels] == [
         (row["concurrency"], row["speedup"]) for row in measured]

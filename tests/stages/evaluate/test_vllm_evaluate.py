@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -209,21 +212,46 @@ def test_vllm_float32_matches_the_hf_reference(shared_pipeline: SharedPipeline):
         assert isinstance(metrics[name], float) and metrics[name] > 0, name
 
 
+# The other algorithms' drafts: trained briefly, decoded on 2 held-out prompts of 16 tokens (the shared pipeline's
+# val set has 4 of 32).
+ALGORITHMS = ("peagle", "dflash")
+ALGORITHM_TRAIN = {"steps": 4, "eval_every": 4, "total_seq_len": 512}
+ALGORITHM_EVAL = {"num_prompts": 2, "max_new_tokens": 16}
+
+
+@pytest.fixture(scope="module")
+def algorithm_runs(shared_pipeline: SharedPipeline, tmp_path_factory: pytest.TempPathFactory
+                   ) -> dict[str, tuple[Path, subprocess.CompletedProcess[str], dict]]:
+    """algorithm -> its folder, evaluate's run and figures: the algorithm's draft trained by the stage, then
+    evaluate with both back ends, vLLM in float32. The two algorithms run at once: each is mostly one thread (Pythons
+    importing torch and vLLM, then a vLLM engine, of one thread on the CPU build)."""
+    root = tmp_path_factory.mktemp("algorithms")
+
+    def train_and_evaluate(algorithm: str) -> tuple[Path, subprocess.CompletedProcess[str], dict]:
+        # draft_arch stays 'auto': DFlash gets its Qwen3 layer from the algorithm alone. A few steps on packs of
+        # 512: what is checked is how vLLM decodes the checkpoint, not how good the draft is.
+        draft = run_train(shared_pipeline.repo, root / algorithm / "train", algorithm=algorithm, **ALGORITHM_TRAIN)
+        # No timed turns: what is checked is decoding, not speed (so no n-gram engine starts either).
+        result, metrics = run_evaluate(shared_pipeline.repo, root / algorithm / "eval", draft=draft,
+                                       backend=["hf", "vllm"], vllm={"dtype": "float32"}, timed_prompts=0,
+                                       **ALGORITHM_EVAL)
+        return root / algorithm / "eval", result, metrics
+
+    with ThreadPoolExecutor(len(ALGORITHMS)) as pool:
+        return dict(zip(ALGORITHMS, pool.map(train_and_evaluate, ALGORITHMS), strict=True))
+
+
 @pytest.mark.slow
 @requires_vllm
-@pytest.mark.parametrize("algorithm", ["peagle", "dflash"])
-def test_vllm_decodes_every_algorithm_losslessly(shared_pipeline: SharedPipeline, tmp_path: Path, algorithm: str):
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_vllm_decodes_every_algorithm_losslessly(algorithm_runs, algorithm: str):
     """A P-EAGLE and a DFlash draft, trained by the stage on the same hidden states as the EAGLE-3 one: vLLM
     serves each (its method from the checkpoint), float32 output equals plain on every prompt, and the hf back
     end, whose reference decoder is EAGLE-3's, is left out with one log line."""
-    # draft_arch stays 'auto': DFlash gets its Qwen3 layer from the algorithm alone.
-    draft = run_train(shared_pipeline.repo, tmp_path / "train", algorithm=algorithm, steps=20, eval_every=20)
-    # No timed turns: what is checked is decoding, not speed (so no n-gram engine starts either).
-    result, metrics = run_evaluate(shared_pipeline.repo, tmp_path / "eval", draft=draft, backend=["hf", "vllm"],
-                                   vllm={"dtype": "float32"}, timed_prompts=0)
+    folder, result, metrics = algorithm_runs[algorithm]
     assert result.returncode == 0, result.stderr
     assert f"the draft is {algorithm}: the hf back end's reference decoder decodes EAGLE-3 only" in result.stderr
-    details = json.loads((tmp_path / "eval" / "eval" / "details.json").read_text())
+    details = json.loads((folder / "eval" / "details.json").read_text())
     assert list(details["runs"]) == ["vllm"] and metrics["backend"] == "vllm"
     _assert_consistent(metrics)
     assert metrics["identical_fraction"] == metrics["lossless_fraction"] == 1.0
@@ -231,7 +259,7 @@ def test_vllm_decodes_every_algorithm_losslessly(shared_pipeline: SharedPipeline
     assert "speedup" not in metrics and "vllm: starting the engine of the verifier with n-gram" not in result.stderr
     assert "vllm: starting the engine of the verifier with the" in result.stderr
     print(algorithm, {k: metrics[k] for k in ("tau", "per_position_acceptance")})
-    acceptance = json.loads((tmp_path / "eval" / "eval" / "acceptance.json").read_text())
+    acceptance = json.loads((folder / "eval" / "acceptance.json").read_text())
     assert {row["drafter"] for row in acceptance} >= {algorithm}
 
 
@@ -243,14 +271,8 @@ BF16_PROMPTS = REPO / "tests" / "data" / "bf16_near_tie_prompts.jsonl"
 
 @pytest.mark.slow
 @requires_vllm
-def test_vllm_bf16_passes_on_near_ties(shared_pipeline: SharedPipeline, tmp_path: Path):
-    # The near-tie prompts stand in for the held-out ones (short chat openers: a file set would be refused as
-    # overlapping the training rows, which the val set is never checked against).
-    prepared = tmp_path / "prepared"
-    shutil.copytree(shared_pipeline.repo / "data" / "prepared", prepared)
-    shutil.copy(BF16_PROMPTS, prepared / VAL_PROMPTS_FILE)
-    result, metrics = run_evaluate(shared_pipeline.repo, tmp_path / "run", prepared=prepared, backend="vllm",
-                                   vllm={"dtype": "bfloat16"}, num_prompts=16, timed_prompts=0)
+def test_vllm_bf16_passes_on_near_ties(bf16_runs):
+    result, metrics = bf16_runs["near_ties"]
     print({k: metrics.get(k) for k in ("tau", "identical_fraction", "lossless_fraction")})
     assert result.returncode == 0, result.stderr
     assert metrics["dtype"] == "bfloat16" and metrics["lossless_rule"].startswith("near_tie")
@@ -292,16 +314,37 @@ runpy.run_path(stage, run_name="__main__")
 '''
 
 
+@pytest.fixture(scope="module")
+def bf16_runs(shared_pipeline: SharedPipeline, tmp_path_factory: pytest.TempPathFactory
+              ) -> dict[str, tuple[subprocess.CompletedProcess[str], dict]]:
+    """evaluate by vLLM in bf16, two runs at once (each mostly one thread: a Python importing torch and vLLM, then
+    engines of one thread): ``near_ties`` on :data:`BF16_PROMPTS`, ``accept_all`` with vLLM's acceptance rule
+    broken (:data:`ACCEPT_ALL`). Each: the run and its figures (:func:`run_evaluate`)."""
+    root = tmp_path_factory.mktemp("bf16")
+    # The near-tie prompts stand in for the held-out ones (short chat openers: a file set would be refused as
+    # overlapping the training rows, which the val set is never checked against).
+    prepared = root / "prepared"
+    shutil.copytree(shared_pipeline.repo / "data" / "prepared", prepared)
+    shutil.copy(BF16_PROMPTS, prepared / VAL_PROMPTS_FILE)
+    wrapper = root / "accept_all.py"
+    wrapper.write_text(ACCEPT_ALL)
+    runs = {
+        "near_ties": partial(run_evaluate, shared_pipeline.repo, root / "near_ties", prepared=prepared,
+                             backend="vllm", vllm={"dtype": "bfloat16"}, num_prompts=16, timed_prompts=0),
+        # In-process engine core: the patched module is the one the engine runs.
+        "accept_all": partial(run_evaluate, shared_pipeline.repo, root / "accept_all", wrapper=wrapper,
+                              env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, backend="vllm",
+                              vllm={"dtype": "bfloat16"}, num_prompts=2, max_new_tokens=16, timed_prompts=0),
+    }
+    with ThreadPoolExecutor(len(runs)) as pool:
+        started = {name: pool.submit(run) for name, run in runs.items()}
+        return {name: future.result() for name, future in started.items()}
+
+
 @pytest.mark.slow
 @requires_vllm
-def test_a_broken_acceptance_rule_fails_the_stage(shared_pipeline: SharedPipeline, tmp_path: Path):
-    wrapper = tmp_path / "accept_all.py"
-    wrapper.write_text(ACCEPT_ALL)
-    # In-process engine core: the patched module is the one the engine runs.
-    result, metrics = run_evaluate(
-        shared_pipeline.repo, tmp_path / "run", wrapper=wrapper, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-        backend="vllm", vllm={"dtype": "bfloat16"}, num_prompts=4, max_new_tokens=24, timed_prompts=0,
-    )
+def test_a_broken_acceptance_rule_fails_the_stage(bf16_runs):
+    result, metrics = bf16_runs["accept_all"]
     print(result.stderr[-2000:])
     assert result.returncode == 2
     last = result.stderr.strip().splitlines()[-1]

@@ -3,7 +3,9 @@
 Every test here shares one small DVC repo: the smollm2 fixture's verifier and 8 of its prepared rows (6 train,
 2 validation), with ``extract.backend: vllm`` in float32. A vLLM engine start costs 20-40 s on 2 cores, so the
 uninterrupted vLLM run is made once (:func:`vllm_run`) and serves as the reference for the comparison with hf,
-for convert and train, and for the resume after a kill -9.
+for convert and train, and for the resume after a kill -9. Every vLLM run keeps the extract back end's engine
+processes: with the engine core in the stage's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) the stage was seen
+to wait, using no CPU, beside its first staged file's lock. The hf reference is computed in this process.
 
 Relative error, per slot (layer id): ``||vllm - hf|| / ||hf||``, Frobenius norms over every token of every row.
 """
@@ -129,9 +131,15 @@ def vllm_run(repo: Path) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def hf_rows(repo: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The hf reference over the same rows, in float32 (transformers' fp32 on the CPU)."""
+    """The hf reference over the same rows, in float32 (transformers' fp32 on the CPU), by the stage's code in this
+    process (no Python to start)."""
+    from eaglenest.stages.extract import extract_hidden_states
+    from eaglenest.stages.extract.params import ExtractParams
+
     out = tmp_path_factory.mktemp("hf") / "hidden_states"
-    metrics = extract_with(repo, out, backend="hf", dtype="float32")
+    params = yaml.safe_load((repo / "params.yaml").read_text())["extract"]
+    metrics = extract_hidden_states(ExtractParams(**{**params, "backend": "hf", "dtype": "float32"}),
+                                    repo / "models/verifier", repo / "data/prepared", out, out.with_suffix(".json"))
     return {"rows": read_rows(out), "metrics": metrics}
 
 

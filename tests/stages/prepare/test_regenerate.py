@@ -268,16 +268,24 @@ def test_vllm_regeneration_equals_hf_token_for_token_in_float32(shared_pipeline:
     job.write_text(json.dumps({"params": params.model_dump(), "conversations": conversations}))
     script = tmp_path / "regenerate_vllm.py"
     script.write_text(VLLM_REGENERATION_SCRIPT)
-    result = subprocess.run([sys.executable, str(script), str(verifier_dir), str(job), str(tmp_path / "vllm.json")],
-                            cwd=tmp_path, env=project_env(), capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
+    # vLLM's process (mostly importing vLLM, on one core) runs while hf generates here.
+    process = subprocess.Popen([sys.executable, str(script), str(verifier_dir), str(job), str(tmp_path / "vllm.json")],
+                               cwd=tmp_path, env=project_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    try:
+        info, model_dir = load_verifier_info(verifier_dir)
+        tokenizer = load_tokenizer(verifier_dir)
+        eos = end_of_turn_ids(tokenizer, model_dir)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        hf = recorded_hf_replies(model, tokenizer, eos, conversations, params, tmp_path / "hf-cache", batch_size=8)
+        _, stderr = process.communicate(timeout=600)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 0, stderr[-4000:]
     vllm = {tuple(p): r for p, r in json.loads((tmp_path / "vllm.json").read_text())}
 
-    info, model_dir = load_verifier_info(verifier_dir)
-    tokenizer = load_tokenizer(verifier_dir)
-    eos = end_of_turn_ids(tokenizer, model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    hf = recorded_hf_replies(model, tokenizer, eos, conversations, params, tmp_path / "hf-cache", batch_size=8)
     assert len(hf) == len(conversations) and set(vllm) == set(hf)
     assert all(len(r) > 0 for r in hf.values())
     differing = [p for p in hf if hf[p] != vllm[p]]
