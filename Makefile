@@ -64,8 +64,10 @@ demo: setup
 test: setup
 	scripts/offline.sh $(PY) -m pytest -q --durations=25
 
+# Two workers (pytest-xdist), each test file whole on one of them so that module fixtures are built once; files in
+# the order collected, so that the long store tests (tests/commands/test_remote.py) start early.
 test-fast: setup
-	scripts/offline.sh $(PY) -m pytest -q -m "not slow"
+	scripts/offline.sh $(PY) -m pytest -q -m "not slow" -n 2 --dist loadfile --no-loadscope-reorder
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -22,6 +22,10 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 os.environ["RAY_AUTH_MODE"] = "token"
+# Under pytest-xdist (`make test-fast` runs two workers on two cores) each worker, and every stage it starts, uses
+# one torch thread: two workers of two threads each would fight over two cores. Read when torch is first imported.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 @pytest.fixture(autouse=True)
 def _isolated_dvc(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
