@@ -49,5 +49,5 @@ def test_a_gpu_host_is_recorded_by_its_gpus():
     kind = host.host_kind()
     names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     print(f"\nhost record on a GPU: {record}\nlabel: {kind.label}")
-    assert record["gpu"] == f"{len(names)} x {names[0]}" if len(set(names)) == 1 else ", ".join(names)
+    assert record["gpu"] == (f"{len(names)} x {names[0]}" if len(set(names)) == 1 else ", ".join(names))
     assert kind.compute == "bfloat16" and kind.label.startswith(kind.gpu) and kind.gpu in kind.key
