@@ -269,21 +269,24 @@ def test_vllm_regeneration_equals_hf_token_for_token_in_float32(shared_pipeline:
     script = tmp_path / "regenerate_vllm.py"
     script.write_text(VLLM_REGENERATION_SCRIPT)
     # vLLM's process (mostly importing vLLM, on one core) runs while hf generates here.
-    process = subprocess.Popen([sys.executable, str(script), str(verifier_dir), str(job), str(tmp_path / "vllm.json")],
-                               cwd=tmp_path, env=project_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True)
+    # Its log goes to a file: a pipe nobody reads until hf is done would fill and stop vLLM mid-start.
+    log = tmp_path / "vllm.log"
+    with log.open("w") as log_file:
+        process = subprocess.Popen([sys.executable, str(script), str(verifier_dir), str(job),
+                                    str(tmp_path / "vllm.json")], cwd=tmp_path, env=project_env(),
+                                   stdout=subprocess.DEVNULL, stderr=log_file, text=True)
     try:
         info, model_dir = load_verifier_info(verifier_dir)
         tokenizer = load_tokenizer(verifier_dir)
         eos = end_of_turn_ids(tokenizer, model_dir)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         hf = recorded_hf_replies(model, tokenizer, eos, conversations, params, tmp_path / "hf-cache", batch_size=8)
-        _, stderr = process.communicate(timeout=600)
+        process.wait(timeout=600)
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
-    assert process.returncode == 0, stderr[-4000:]
+    assert process.returncode == 0, log.read_text()[-4000:]
     vllm = {tuple(p): r for p, r in json.loads((tmp_path / "vllm.json").read_text())}
 
     assert len(hf) == len(conversations) and set(vllm) == set(hf)
