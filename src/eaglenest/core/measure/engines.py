@@ -104,9 +104,10 @@ class EngineBase:
         return kwargs
 
 
-def ngram_config(params: EvaluateParams, k: int) -> tuple[dict[str, Any], tuple[int, int]]:
-    """vLLM's n-gram ``speculative_config`` at K = ``k`` (evaluate's window), and the lookup window it runs with."""
-    low, high = params.ngram_prompt_lookup_min, params.ngram_prompt_lookup_max
+def ngram_config(params: EvaluateParams | None, k: int) -> tuple[dict[str, Any], tuple[int, int]]:
+    """vLLM's n-gram ``speculative_config`` at K = ``k`` in evaluate's window (``params``; None: vLLM's default), and
+    the lookup window it runs with."""
+    low, high = (None, None) if params is None else (params.ngram_prompt_lookup_min, params.ngram_prompt_lookup_max)
     if low is None and high is None:
         low, high = VLLM_NGRAM_WINDOW
     low, high = low or 1, high or max(low or 1, VLLM_NGRAM_WINDOW[1])

@@ -280,7 +280,8 @@ def add_timed(record: dict[str, Any], timed: dict[str, tuple[Any, float]], k: in
     """A timed turn's figures into its record: each engine's (``plain``, ``spec``, ``ngram``) tokens and seconds
     decoded alone, the n-gram baseline's counts, and the draft's counts decoded alone (how much batching moves
     acceptance: numerics of other shapes)."""
-    add_ngram(record, request_acceptance(timed["ngram"][0], k) or Acceptance(k))
+    if "ngram" in timed:
+        add_ngram(record, request_acceptance(timed["ngram"][0], k) or Acceptance(k))
     for drafter, (output, seconds) in timed.items():
         add_timing(record, drafter, len(output_tokens(output)), seconds)
     alone = request_acceptance(timed["spec"][0], k)

@@ -192,7 +192,7 @@ def _measure(params: KSweepStageParams, paths: KSweepPaths, ks: list[int], repea
 def time_beside_plain(turns: TimedTurns, plain: Any, engines: dict[str, Any], evaluate: EvaluateParams, label: str
                       ) -> dict[str, dict[str, Any]]:
     """Every headline set's timed turns on the plain engine and ``engines`` (name -> speculative engine), taking
-    turns prompt by prompt; per engine and set its figures beside the plain engine's (:func:`_entry`), with the
+    turns prompt by prompt; per engine and set its figures beside the plain engine's (:func:`timed_entry`), with the
     speed-up and its 95% interval."""
     result: dict[str, dict[str, Any]] = {name: {} for name in engines}
     for eval_set in turns.sets:
@@ -202,13 +202,13 @@ def time_beside_plain(turns: TimedTurns, plain: Any, engines: dict[str, Any], ev
                                                PARAM, f"k_sweep: {label}, {eval_set.name}, {', '.join(engines)}")
         plain_turns = single_stream.tokens_and_seconds(timed["plain"])
         for name in engines:
-            entry = _entry(timed[name], plain_turns)
+            entry = timed_entry(timed[name], plain_turns)
             add_speedup(entry, evaluate.bootstrap_samples, evaluate.seed)
             result[name][eval_set.name] = entry
     return result
 
 
-def _entry(timed: list[single_stream.Timed], plain_turns: list[list[float]]) -> dict[str, Any]:
+def timed_entry(timed: list[single_stream.Timed], plain_turns: list[list[float]]) -> dict[str, Any]:
     """One set's figures for one speculative engine: its turns beside the plain engine's, tokens/s of both, and tau
     over the verify steps that had a draft (every step, for a draft; n-gram drafts only on a match)."""
     turns = single_stream.tokens_and_seconds(timed)
