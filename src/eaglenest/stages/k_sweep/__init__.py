@@ -39,7 +39,7 @@ from eaglenest.core.measure import engines as kit_engines
 from eaglenest.core.measure import single_stream
 from eaglenest.core.measure.engines import EngineBase, request_tokens
 from eaglenest.core.measure.spec_counters import SpecCounts, request_counts
-from eaglenest.core.stage import Stage, path_arg
+from eaglenest.core.stage import DraftInput, Stage, path_arg
 from eaglenest.stages.k_sweep.choice import add_speedup, best_ks, serve_k
 from eaglenest.stages.k_sweep.params import KSweepStageParams
 
@@ -52,12 +52,9 @@ SPECULATIVE_PER_GROUP = 2
 
 
 @dataclass(frozen=True)
-class KSweepPaths:
+class KSweepPaths(DraftInput):
     """Where dvc.yaml puts the k_sweep stage's inputs and output."""
 
-    verifier: Path = path_arg("the verifier stage's output folder")
-    prepared: Path = path_arg("the prepare stage's dataset folder (its chat-template switches)")
-    draft: Path = path_arg("the train stage's draft checkpoint")
     out: Path = path_arg("the K record (metrics/k_sweep.json)")
 
 
