@@ -70,6 +70,9 @@ def test_an_engine_is_sized_to_its_longest_requests_in_flight(monkeypatch: pytes
     assert drafting["max_num_seqs"] == 1 and drafting["speculative_config"] == {"method": "ngram"}
     assert drafting["kv_cache_memory_bytes"] == int(1.25 * 128 * 324) + vllm_support.KV_CACHE_MARGIN_BYTES
     assert drafting["disable_log_stats"] is False and drafting["per_request_spec_decode_metrics"] == "summary"
+    # decoded in two calls: the cache holds the larger call's two longest
+    per_call = base.kwargs(requests + [50], in_flight=2, batches=[[124, 324], [224, 50]])
+    assert per_call["kv_cache_memory_bytes"] == int(1.25 * 128 * 448) + vllm_support.KV_CACHE_MARGIN_BYTES
 
 
 def test_k_is_the_one_given_else_the_drafts_own():

@@ -32,8 +32,8 @@ if TYPE_CHECKING:
 # The CPU build starts at most this many engines in one process (core/vllm_support.create_llm).
 IN_PROCESS_ENGINES = 3
 WARM_UP_TOKENS = 16
-# Requests a batched engine runs at once where its KV cache is sized (the CPU build): past a few dozen, a
-# verifier's batched forward on a few cores is no faster per token, and every request in flight holds its cache.
+# Requests a batched engine runs at once where its KV cache is sized (the CPU build): every request in flight holds
+# its cache, three engines are up at once, and past a few dozen a verifier's batched step on a few cores gains little.
 BATCH_IN_FLIGHT = 32
 
 _started_in_process = 0
@@ -82,8 +82,8 @@ class EngineBase:
     seed: int
     at_once: int
 
-    def kwargs(self, requests: list[int], in_flight: int = 1, speculative_config: dict[str, Any] | None = None
-               ) -> dict[str, Any]:
+    def kwargs(self, requests: list[int], in_flight: int = 1, speculative_config: dict[str, Any] | None = None,
+               batches: list[list[int]] | None = None) -> dict[str, Any]:
         """``vllm.LLM(**kwargs)`` of one engine: plain, or drafting with ``speculative_config``.
 
         Args:
@@ -91,11 +91,14 @@ class EngineBase:
             in_flight: Requests it runs at once (1: timed one prompt at a time).
             speculative_config: vLLM's ``speculative_config`` (the draft's,
                 :func:`eaglenest.artifacts.draft.vllm_speculative_config`, or :func:`ngram_config`'s); None: plain.
+            batches: Where the requests are decoded in several ``generate`` calls, the requests of each: the
+                cache holds the largest ``in_flight`` of one call's; None: of all of them.
         """
-        in_flight = max(1, min(in_flight, len(requests)))
+        in_flight = max(1, min(in_flight, max(len(batch) for batch in batches or [requests])))
+        held = max(kv_tokens(batch, in_flight) for batch in batches or [requests])
         kwargs = {**engine_kwargs(self.model_dir, self.verifier, self.engine, context_tokens=max(requests),
-                                  seed=self.seed, gpu_memory_share=1 / self.at_once,
-                                  kv_tokens=kv_tokens(requests, in_flight), in_flight=in_flight),
+                                  seed=self.seed, gpu_memory_share=1 / self.at_once, kv_tokens=held,
+                                  in_flight=in_flight),
                   "enable_prefix_caching": False}
         if speculative_config is not None:
             # the stats and per-request counts the figures are read from

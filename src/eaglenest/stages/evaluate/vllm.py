@@ -133,18 +133,20 @@ def decode_with_counts(llm: Any, prompts: list[list[int]], sampling: Any, k: int
     return outputs, counts
 
 
-def conversation_requests(job: EvaluationJob, tokenizer: Any, k: int) -> list[int]:
-    """The most tokens each conversation's last turn reaches (:func:`~eaglenest.core.measure.engines.request_tokens`):
-    every turn rendered, each earlier answer at its set's max_new_tokens. A batched call decodes one turn of each of a
-    set's conversations, so these bound what it holds."""
+def conversation_requests(job: EvaluationJob, tokenizer: Any, k: int) -> list[list[int]]:
+    """Per set, the most tokens each conversation's last turn reaches
+    (:func:`~eaglenest.core.measure.engines.request_tokens`): every turn rendered, each earlier answer at its set's
+    max_new_tokens. A batched call decodes one turn of each of a set's conversations, so these bound what it holds."""
     requests = []
     for eval_set in job.sets:
         answer = eval_set.params.max_new_tokens
+        in_set = []
         for conversation in eval_set.conversations:
             last = len(conversation.turns) - 1
             # answers of "" render the template around them; each real answer adds at most max_new_tokens
             prompt = eval_set.render(conversation, last, [""] * last, tokenizer)
-            requests.append(request_tokens(len(prompt) + last * (answer + 1), answer, k))
+            in_set.append(request_tokens(len(prompt) + last * (answer + 1), answer, k))
+        requests.append(in_set)
     return requests
 
 
@@ -166,8 +168,9 @@ def evaluate_draft_vllm(job: EvaluationJob) -> dict[str, Any]:
     # Interleaved timing holds all three engines at once, so each gets a third of the GPU memory; sequential, two
     # may hold it at once (a stopped engine frees it lazily), so each gets half.
     base = EngineBase(model_dir, info, params.vllm, params.seed, at_once=3 if interleaved else 2)
-    batched_requests = conversation_requests(job, tokenizer, k)
-    batched = base.kwargs(batched_requests, in_flight=BATCH_IN_FLIGHT)
+    per_set = conversation_requests(job, tokenizer, k)
+    every_request = [tokens for in_set in per_set for tokens in in_set]
+    batched = base.kwargs(every_request, BATCH_IN_FLIGHT, batches=per_set)
 
     def sampling(eval_set: Any, **extra: Any) -> Any:
         return sampling_params(eval_set.params.max_new_tokens, eval_set.params.temperature, params.seed, **extra)
@@ -212,7 +215,7 @@ def evaluate_draft_vllm(job: EvaluationJob) -> dict[str, Any]:
     every_timed = [prompt for prompts in timed_prompts.values() for prompt in prompts]
     done_batching("plain", plain_llm)
 
-    spec_llm = start(base.kwargs(batched_requests, BATCH_IN_FLIGHT, vllm_speculative_config(draft_dir, k)),
+    spec_llm = start(base.kwargs(every_request, BATCH_IN_FLIGHT, vllm_speculative_config(draft_dir, k), per_set),
                      f"the verifier with the {draft_algorithm(draft_dir, 'the draft')} draft {draft_dir}", "spec")
     spec: dict[str, Any] = {}
     for eval_set in job.sets:
