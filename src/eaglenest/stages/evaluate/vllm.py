@@ -39,6 +39,7 @@ from eaglenest.core.errors import EaglenestError
 from eaglenest.core.eval_params import EvaluateParams
 from eaglenest.core.measure.engines import (
     BATCH_IN_FLIGHT,
+    WARM_UP_TOKENS,
     EngineBase,
     close_engine,
     engine_dtype,
@@ -232,6 +233,7 @@ def evaluate_draft_vllm(job: EvaluationJob) -> dict[str, Any]:
         # timed one prompt at a time, and nothing else: its cache holds one request
         timed_requests = [request_tokens(len(prompt), eval_set.params.max_new_tokens, k)
                           for eval_set in job.sets for prompt in timed_prompts[eval_set.name]]
+        timed_requests.append(request_tokens(len(warm_up), WARM_UP_TOKENS, k))
         ngram_llm = start(base.kwargs(timed_requests, 1, ngram_speculative_config),
                           "the verifier with n-gram drafting", "ngram")
         done_batching("ngram", ngram_llm)
