@@ -12,8 +12,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from eaglenest.artifacts.evaluation import figure_text, interval_text, read_metrics
 from eaglenest.artifacts.k_record import K_RECORD_FILE, served_k
+from eaglenest.artifacts.metrics_file import figure_text, interval_text, read_metrics
 from eaglenest.commands.command import Command
 
 

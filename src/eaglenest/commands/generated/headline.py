@@ -13,8 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from eaglenest.artifacts.evaluation import figure_text as figure
-from eaglenest.artifacts.evaluation import read_metrics
+from eaglenest.artifacts.metrics_file import figure_text as figure
+from eaglenest.artifacts.metrics_file import read_metrics
 from eaglenest.commands.generated.concurrency import headline_clause, load_serve_record
 from eaglenest.commands.generated.svg import BLUE, ORANGE, label_bars, new_figure, page_style, svg_text
 from eaglenest.core.errors import InputFileError
