@@ -35,7 +35,7 @@ from tests.fixtures.models import build_tiny_verifier
 
 K = 2
 MAX_NEW = 24
-SAMPLES = 1000
+SAMPLES = EvaluateParams().bootstrap_samples  # bench resamples as many (evaluate.bootstrap_samples' default)
 PARAM = "agreement"
 
 
