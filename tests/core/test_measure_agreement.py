@@ -34,7 +34,7 @@ from tests.conftest import requires_vllm
 from tests.fixtures.models import build_tiny_verifier
 
 K = 2
-MAX_NEW = 24
+MAX_NEW = 64
 SAMPLES = EvaluateParams().bootstrap_samples  # bench resamples as many (evaluate.bootstrap_samples' default)
 PARAM = "agreement"
 
@@ -94,7 +94,7 @@ def test_evaluate_k_sweep_and_bench_report_one_speed_up_and_one_tau(tmp_path: Pa
     verifier_dir, draft_dir = tiny_verifier_and_draft(tmp_path)
     info, model_dir = load_verifier_info(verifier_dir)
     params = EvaluateParams(bootstrap_samples=SAMPLES, vllm=VllmEngineParams(dtype="float32"))
-    prompts = [[10 + (7 * i + j) % 200 for j in range(6 + 5 * i)] for i in range(8)]  # 6 to 41 tokens
+    prompts = [[10 + (7 * i + j) % 200 for j in range(6 + 4 * i)] for i in range(12)]  # 6 to 50 tokens
     warm_up = [5, 6, 7, 8]
     requests = [request_tokens(len(p), MAX_NEW, K) for p in [warm_up, *prompts]]
     base = EngineBase(model_dir, info, params.vllm, params.seed, at_once=2)
