@@ -25,8 +25,7 @@ from eaglenest.artifacts.draft import draft_tokens
 from eaglenest.artifacts.verifier import load_verifier_info
 from eaglenest.commands.params_file import load_params
 from eaglenest.core.atomic import atomic_write_json
-from eaglenest.core.single_stream import close_engine, speculative_engine_kwargs, start_engine
-from eaglenest.core.vllm_support import engine_kwargs
+from eaglenest.core.measure.engines import EngineBase, close_engine, requested_k, start_engine
 from eaglenest.stages.k_sweep import KSweepPaths, short_commit, time_beside_plain, timed_turns
 
 OUT = Path("bench/results/ngram_window.json")
@@ -39,19 +38,19 @@ def main() -> int:
     windows = [tuple(int(v) for v in w.split(":")) for w in args.windows]
     params = load_params("params.yaml")
     paths = KSweepPaths(Path("models/verifier"), Path("data/prepared"), Path("models/draft"), OUT)
-    k = params.evaluate.num_speculative_tokens or draft_tokens(paths.draft, "models/draft")
+    k = requested_k(params.evaluate.num_speculative_tokens, draft_tokens(paths.draft, "models/draft"),
+                    "evaluate.num_speculative_tokens")
     turns = timed_turns(params, paths, k)
     info, model_dir = load_verifier_info(paths.verifier)
     # no prefix cache: the plain engine is timed beside every window, each time with the prompts' prefill
-    common = {**engine_kwargs(model_dir, info, params.evaluate.vllm, context_tokens=turns.context_tokens,
-                              seed=params.evaluate.seed, gpu_memory_share=0.5, kv_tokens=turns.context_tokens),
-              "enable_prefix_caching": False}
+    base = EngineBase(model_dir, info, params.evaluate.vllm, params.evaluate.seed, at_once=2)
+    common = base.kwargs(turns.requests)
     plain, _ = start_engine(common, "bench/ngram_window.py", "the verifier", turns.warm_up, params.evaluate.seed,
                             turns.every_prompt)
     runs = {}
     for low, high in windows:
         config = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": low, "prompt_lookup_max": high}
-        ngram, _ = start_engine({**common, **speculative_engine_kwargs(config)}, "bench/ngram_window.py",
+        ngram, _ = start_engine(base.kwargs(turns.requests, speculative_config=config), "bench/ngram_window.py",
                                 f"n-gram {low}:{high}", turns.warm_up, params.evaluate.seed, turns.every_prompt)
         # taking turns prompt by prompt with the plain engine
         runs[f"{low}:{high}"] = time_beside_plain(turns, plain, {"ngram": ngram}, params.evaluate,

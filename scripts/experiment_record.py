@@ -27,8 +27,9 @@ from typing import Any
 
 import yaml
 
+from eaglenest.artifacts.metrics_file import figure_text as figure
 from eaglenest.commands.report import DETAILS, EVAL_METRICS, WORKSPACE, Revision
-from eaglenest.commands.summary import figure, host_line
+from eaglenest.commands.summary import host_line
 from eaglenest.core.errors import EaglenestError
 
 FILL_IN = "_(fill in: {})_"

@@ -18,14 +18,7 @@ import pytest
 from eaglenest.commands import cli
 from eaglenest.commands.bench import sweep
 from eaglenest.commands.bench.config import BenchConfig, ServeSetup
-from eaglenest.commands.bench.counters import (
-    GENERATION_TOKENS,
-    Acceptance,
-    Counters,
-    acceptance,
-    counter_problems,
-    parse_metrics,
-)
+from eaglenest.commands.bench.counters import acceptance, acceptance_json, counter_problems
 from eaglenest.commands.bench.endpoint import Endpoint, base_url
 from eaglenest.commands.bench.figures import stops_paying_at
 from eaglenest.commands.bench.outputs import (
@@ -41,7 +34,15 @@ from eaglenest.commands.bench.servers import server_command
 from eaglenest.commands.serve import ServeCommand
 from eaglenest.core.errors import EaglenestError
 from eaglenest.core.lossless_rule import TIE_CANDIDATES
-from eaglenest.core.vllm_metrics import ACCEPTED, DRAFT_TOKENS, DRAFTS
+from eaglenest.core.measure.spec_counters import (
+    ACCEPTED,
+    DRAFT_TOKENS,
+    DRAFTS,
+    GENERATION_TOKENS,
+    MetricsReading,
+    SpecCounts,
+    parse_metrics,
+)
 from tests.fixtures.bench import BenchSweep, write_bench_prompts
 from tests.fixtures.fakes import LETTERS, TOP_GAP, FakeServer, fake_letters, letter_ids
 from tests.fixtures.models import build_tiny_tokenizer
@@ -110,36 +111,37 @@ vllm:num_requests_running{engine="0",model_name="m"} 0.0
 
 def test_metrics_are_read_with_the_prometheus_parser_summed_over_engines():
     counters = parse_metrics(VLLM_METRICS, "test")
-    assert counters.has_spec_decode
+    assert counters.spec == SpecCounts(10, 30, 19, [9, 6, 4])
     assert counters.totals[DRAFTS] == 10.0  # both engines; the _created timestamp is not a count
     assert counters.totals[ACCEPTED] == 19.0 and counters.totals[GENERATION_TOKENS] == 40.0
     assert counters.accepted_per_pos == {0: 9.0, 1: 6.0, 2: 4.0}
     assert "vllm:num_requests_running" not in counters.totals  # a gauge
     plain = parse_metrics(VLLM_METRICS.split("# HELP vllm:generation")[0].replace("spec_decode", "other"), "t")
-    assert not plain.has_spec_decode
+    assert plain.spec is None
 
 
 def test_tau_is_one_plus_accepted_over_drafts_between_two_readings():
     before = parse_metrics(VLLM_METRICS, "before")
-    after = Counters(
+    after = MetricsReading(
         {**before.totals, DRAFTS: 10.0 + 4, DRAFT_TOKENS: 30.0 + 12, ACCEPTED: 19.0 + 6},
         {0: 9.0 + 3, 1: 6.0 + 2, 2: 4.0 + 1})
     spec = acceptance(before, after)
-    assert spec == Acceptance(drafts=4, draft_tokens=12, accepted_tokens=6, accepted_per_position=[3, 2, 1])
-    assert (spec.tau, spec.per_position_acceptance) == (2.5, [0.75, 0.5, 0.25])
+    assert spec == SpecCounts(drafts=4, draft_tokens=12, accepted=6, per_position=[3, 2, 1])
+    figures = acceptance_json(spec)
+    assert (figures["tau"], figures["per_position_acceptance"]) == (2.5, [0.75, 0.5, 0.25])
     raw = {"spec_decode_acceptance_length": 2.5, "total_output_tokens": 0, "completed": 0}
     assert counter_problems(before, after, spec, raw, spec_expected=True) == []
     # vLLM's own figure from the same counters disagreeing, or tokens the responses do not hold, are reported
     raw = {"spec_decode_acceptance_length": 2.4, "total_output_tokens": 5, "completed": 0}
     problems = counter_problems(before, after, spec, raw, spec_expected=True)
     assert len(problems) == 2 and "vLLM's bench read 2.4" in problems[1] and "grew by 0" in problems[0]
-    assert acceptance(Counters({}, {}), Counters({}, {})) is None
+    assert acceptance(MetricsReading({}, {}), MetricsReading({}, {})) is None
     # per-position counts that do not add up, or that rise with the position, are reported too
-    odd = Counters(after.totals, {0: 9.0 + 1, 1: 6.0 + 3, 2: 4.0 + 1})
+    odd = MetricsReading(after.totals, {0: 9.0 + 1, 1: 6.0 + 3, 2: 4.0 + 1})
     problems = counter_problems(before, odd, acceptance(before, odd),
                                       {"spec_decode_acceptance_length": 2.5, "total_output_tokens": 0,
                                        "completed": 0}, spec_expected=True)
-    assert problems == ["the accepted tokens per position sum to 5, not 6",
+    assert problems == [f"{ACCEPTED}_per_pos sums to 5, but {ACCEPTED} grew by 6",
                         "accepted tokens per position rise with the position: [1, 3, 1]"]
 
 

@@ -20,7 +20,7 @@ from tests.fixtures.pipeline import REPO
 PACKAGE = REPO / "src" / "eaglenest"
 VLLM_MODULES = {"eaglenest.core.vllm_support", "eaglenest.stages.extract.vllm",
                 "eaglenest.stages.extract.vllm_connector", "eaglenest.stages.evaluate.vllm",
-                "eaglenest.stages.prepare.regenerate.vllm", "eaglenest.core.single_stream"}
+                "eaglenest.stages.prepare.regenerate.vllm", "eaglenest.core.measure.engines"}
 
 
 def _load_stage_deps():

@@ -30,8 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from eaglenest.core.bootstrap import Interval, bootstrap, speedup_statistic, tau_statistic
+from eaglenest.core.bootstrap import Interval, bootstrap, tau_statistic
 from eaglenest.core.errors import InputFileError
+from eaglenest.core.measure.speedup import speedup_interval as paired_speedup
 
 RECORDS_FILE = "records.json"
 DETAILS_FILE = "details.json"
@@ -60,12 +61,13 @@ def timed(records: list[dict[str, Any]], drafter: str = "spec") -> list[dict[str
 
 def speedup_interval(records: list[dict[str, Any]], samples: int, seed: int, drafter: str = "spec"
                      ) -> Interval | None:
-    """Single-stream tokens/s of ``drafter`` over plain decoding on the timed records; None if none was timed."""
+    """Single-stream tokens/s of ``drafter`` over plain decoding on the timed records, the measurement kit's speed-up
+    with its interval over conversations; None if none was timed."""
     chosen = timed(records, drafter)
     if not chosen:
         return None
     fields = (f"{drafter}_tokens", f"{drafter}_s", "plain_tokens", "plain_s")
-    return bootstrap(cluster_sums(chosen, fields), speedup_statistic, samples, seed)
+    return paired_speedup(cluster_sums(chosen, fields), samples, seed)
 
 
 def summarize(records: list[dict[str, Any]], k: int, samples: int, seed: int) -> dict[str, Any]:

@@ -12,7 +12,8 @@ K is the drafts per verify step. A draft has its own K (``speculative_tokens`` i
 
 ``sha256`` (:func:`draft_fingerprint`) names the draft the K was measured on: a retrained draft has another, and
 is served at its own K until the stage runs for it. :func:`served_k` is the one rule that picks the K served
-(``eaglenest serve``, ``eaglenest bench --serve``, ``eaglenest summary``).
+(``eaglenest serve``, ``eaglenest bench --serve``, ``eaglenest summary``); a K told outright follows the
+measurement kit's rule (:func:`eaglenest.core.measure.engines.requested_k`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from eaglenest.core.atomic import atomic_write_json
-from eaglenest.core.errors import EaglenestError, InputFileError
+from eaglenest.core.errors import InputFileError
+from eaglenest.core.measure.engines import requested_k
 
 K_RECORD_FILE = Path("metrics/k_sweep.json")
 MEASURE_HINT = "`dvc repro k_sweep` measures it"
@@ -126,9 +128,7 @@ def served_k(draft_dir: Path, told: int | None = None, record_file: Path | None 
 
     own = draft_tokens(draft_dir, "--draft")
     if told is not None:
-        if told < 1:
-            raise EaglenestError(f"{told_name} {told}: must be at least 1 (the draft's own K is {own})")
-        return KChoice(told, told_name)
+        return KChoice(requested_k(told, own, told_name), told_name)
     if record_file is None:
         return KChoice(own, "the draft's own")
     record = read_k_record(record_file)

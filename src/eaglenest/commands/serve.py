@@ -36,7 +36,8 @@ from eaglenest.artifacts.k_record import K_RECORD_FILE, served_k
 from eaglenest.commands.command import Command
 from eaglenest.commands.supervised import run_in_foreground
 from eaglenest.core.errors import EaglenestError
-from eaglenest.core.vllm_support import DEFAULT_CPU_KVCACHE_GIB, VLLM_DTYPES, VLLM_NGRAM_WINDOW, serving_dtype
+from eaglenest.core.measure.engines import ngram_config
+from eaglenest.core.vllm_support import DEFAULT_CPU_KVCACHE_GIB, VLLM_DTYPES, serving_dtype
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 # vLLM flags the command sets from eaglenest's own: passed after ``--`` they would contradict them.
@@ -127,9 +128,7 @@ def build_command(verifier_dir: Path, draft_dir: Path, host: str, port: int, dty
     if baseline is None:
         argv += ["--speculative-config", json.dumps(vllm_speculative_config(draft_dir.resolve(), k))]
     elif baseline == "ngram":
-        low, high = VLLM_NGRAM_WINDOW
-        argv += ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": k,
-                                                     "prompt_lookup_min": low, "prompt_lookup_max": high})]
+        argv += ["--speculative-config", json.dumps(ngram_config(None, k)[0])]
     argv += ["--host", host, "--port", str(port), "--dtype", serving_dtype(model_dir, dtype)]
     if info.trust_remote_code:
         argv.append("--trust-remote-code")

@@ -7,7 +7,8 @@ A stage package (``eaglenest.stages.<name>``) defines ``STAGE = Stage(name, desc
   others, so an edit to another stage's schema or section neither re-runs nor stops it.
 * ``paths`` is a frozen dataclass of where dvc.yaml puts the stage's inputs and outputs. Each field made with
   :func:`path_arg` becomes a required ``--<field-name>`` option of the script (underscores as dashes); fields
-  without it are not on the command line (their defaults serve tests).
+  without it are not on the command line (their defaults serve tests). The inputs another stage wrote come from
+  the base it derives from (:class:`VerifierInput` ... :class:`DraftInput`), which describes each once.
 * ``run(params, paths) -> metrics`` gets those typed sections (``params.train``, ``params.cluster``) and returns
   the metrics it wrote (empty for a stage without metrics).
 
@@ -43,6 +44,44 @@ _KIND = "eaglenest_kind"
 def path_arg(help_text: str) -> Any:
     """A paths-dataclass field that dvc.yaml passes as a required ``--<name> PATH``."""
     return dataclasses.field(metadata={_HELP: help_text, _KIND: "path"})
+
+
+# The folders one stage writes and later stages read, each described once. A stage's paths dataclass derives from
+# the one that holds what it reads: the fields come first, in the pipeline's order, then the stage's own.
+@dataclass(frozen=True)
+class VerifierInput:
+    """Reads the verifier stage's output."""
+
+    verifier: Path = path_arg("the verifier stage's output folder")
+
+
+@dataclass(frozen=True)
+class PreparedInput(VerifierInput):
+    """Reads the verifier and the prepare stage's dataset."""
+
+    prepared: Path = path_arg("the prepare stage's dataset folder")
+
+
+@dataclass(frozen=True)
+class HiddenStatesInput(PreparedInput):
+    """Reads the verifier, the prepared dataset and the extract stage's hidden states."""
+
+    hidden_states: Path = path_arg("the extract stage's folder")
+
+
+@dataclass(frozen=True)
+class VocabInput(HiddenStatesInput):
+    """Reads all the data stages' outputs, up to the convert stage's vocabulary."""
+
+    vocab: Path = path_arg("the convert stage's vocabulary folder")
+
+
+@dataclass(frozen=True)
+class DraftInput(PreparedInput):
+    """Reads the verifier, the prepared dataset (its chat-template switches, its held-out prompts) and the train
+    stage's draft."""
+
+    draft: Path = path_arg("the train stage's draft checkpoint")
 
 
 @dataclass(frozen=True)

@@ -218,7 +218,8 @@ def kv_cache_bytes(model_dir: Path, dtype: str, tokens: int) -> int | None:
 
 
 def engine_kwargs(model_dir: Path, verifier: VerifierTraits, engine: VllmEngineParams, *, context_tokens: int,
-                  seed: int = 0, gpu_memory_share: float = 1.0, kv_tokens: int | None = None) -> dict[str, Any]:
+                  seed: int = 0, gpu_memory_share: float = 1.0, kv_tokens: int | None = None,
+                  in_flight: int | None = None) -> dict[str, Any]:
     """The ``vllm.LLM(**kwargs)`` arguments every back end shares; they add their own on top.
 
     Args:
@@ -235,10 +236,13 @@ def engine_kwargs(model_dir: Path, verifier: VerifierTraits, engine: VllmEngineP
         kv_tokens: The most tokens the engine holds at once (its largest batch of prompts with their outputs),
             where the back end knows it: the CPU build's KV cache is then sized to it (never below one
             ``max_model_len`` sequence) instead of ``VLLM_CPU_KVCACHE_SPACE``'s whole GiBs, unless that is set.
+        in_flight: With ``kv_tokens``, the requests those tokens are for: vLLM then runs no more at once
+            (``max_num_seqs``), so a cache sized to them never preempts one.
 
     On the CPU build the graph is run eagerly: compiling it costs minutes on 2 cores and gains little for
-    small verifiers. Its KV cache is sized to ``kv_tokens`` where given (evaluate's engines hold tens of prompts of
-    a small verifier: MiBs, not the GiBs that would cost memory and start-up time), else by
+    small verifiers. Its KV cache is sized to ``kv_tokens`` where given (the measurement kit's engines,
+    :mod:`eaglenest.core.measure.engines`: MiBs for a small verifier, not the GiBs that would cost memory and
+    start-up time), else by
     ``VLLM_CPU_KVCACHE_SPACE`` (GiB), set here when unset; on a
     machine of at most ``SMALL_MACHINE_CORES`` cores its threads are bound to all of them
     (``VLLM_CPU_OMP_THREADS_BIND``, ``VLLM_CPU_NUM_OF_RESERVED_CPU``), unless those are set.
@@ -262,6 +266,8 @@ def engine_kwargs(model_dir: Path, verifier: VerifierTraits, engine: VllmEngineP
             sized = kv_cache_bytes(model_dir, kwargs["dtype"], max(kv_tokens, kwargs["max_model_len"]))
         if sized is not None:
             kwargs["kv_cache_memory_bytes"] = sized
+            if in_flight is not None:
+                kwargs["max_num_seqs"] = in_flight
         else:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KVCACHE_GIB)
         cores = sorted(os.sched_getaffinity(0))

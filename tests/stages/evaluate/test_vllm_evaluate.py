@@ -16,19 +16,12 @@ import pytest
 
 from eaglenest.artifacts.prepared import VAL_PROMPTS_FILE
 from eaglenest.core.errors import EaglenestError
-from eaglenest.core.eval_params import EvaluateParams
+from eaglenest.core.measure.engines import EngineBase
+from eaglenest.core.measure.spec_counters import SpecCounts, engine_counts
 from eaglenest.core.params import VllmEngineParams
 from eaglenest.core.vllm_support import VllmBuild
 from eaglenest.stages.evaluate.lossless import TIE_CANDIDATES, first_divergence, lossless_counts
-from eaglenest.stages.evaluate.vllm import (
-    build_evaluate_llm_kwargs,
-    check_counters,
-    counter_delta,
-    counters_to_acceptance,
-    read_counters,
-    time_interleaved,
-    top_candidates,
-)
+from eaglenest.stages.evaluate.vllm import as_acceptance, check_counters, top_candidates
 from tests.conftest import requires_vllm
 from tests.fixtures.pipeline import REPO, SharedPipeline, run_evaluate, run_train
 
@@ -49,36 +42,19 @@ class Logprob:
 
 
 # --- the engines' arguments ------------------------------------------------------------------------------
-@pytest.mark.parametrize(("timing", "share"), [("interleaved", 0.3), ("sequential", 0.45)])
+@pytest.mark.parametrize(("at_once", "share"), [(3, 0.3), (2, 0.45)])
 def test_the_engines_share_the_gpu_memory_and_the_tensor_parallel_width(monkeypatch: pytest.MonkeyPatch,
-                                                                        tmp_path: Path, timing: str, share: float):
+                                                                        tmp_path: Path, at_once: int, share: float):
     from eaglenest.core import vllm_support
 
     (tmp_path / "config.json").write_text(json.dumps({"dtype": "bfloat16"}))
     monkeypatch.setattr(vllm_support, "installed_build", lambda: VllmBuild("gpu", "vllm", "0.33.0"))
     verifier = SimpleNamespace(trust_remote_code=False, max_position_embeddings=8192)
-    params = EvaluateParams(timing=timing, vllm=VllmEngineParams(gpu_memory_utilization=0.9, tensor_parallel_size=8))
-    kwargs = build_evaluate_llm_kwargs(params, verifier, tmp_path, context_tokens=200)
+    engine = VllmEngineParams(gpu_memory_utilization=0.9, tensor_parallel_size=8)
+    kwargs = EngineBase(tmp_path, verifier, engine, 0, at_once).kwargs([120, 200], in_flight=2)
     # interleaved: all three engines are up at once; sequential: a stopped one may still hold its memory
     assert kwargs["gpu_memory_utilization"] == pytest.approx(share)
     assert kwargs["tensor_parallel_size"] == 8 and kwargs["max_model_len"] == 200
-
-
-def test_interleaved_timing_rotates_the_engines_prompt_by_prompt(monkeypatch: pytest.MonkeyPatch):
-    from eaglenest.stages.evaluate import vllm as evaluate_vllm
-
-    calls: list[tuple[str, int]] = []
-
-    def fake_generate(llm, prompts, sampling):
-        calls.append((llm, prompts[0][0]))
-        return [f"{llm} answers {prompts[0][0]}"]
-
-    monkeypatch.setattr(evaluate_vllm, "_generate", fake_generate)
-    timed = time_interleaved({"plain": "plain", "spec": "spec", "ngram": "ngram"}, [[0], [1], [2], [3]], None)
-    assert calls == [("plain", 0), ("spec", 0), ("ngram", 0), ("spec", 1), ("ngram", 1), ("plain", 1),
-                     ("ngram", 2), ("plain", 2), ("spec", 2), ("plain", 3), ("spec", 3), ("ngram", 3)]
-    assert [output for output, _ in timed["spec"]] == [f"spec answers {i}" for i in range(4)]
-    assert all(seconds >= 0 for pairs in timed.values() for _, seconds in pairs)
 
 
 # --- the lossless rule ---------------------------------------------------------------------------------
@@ -147,17 +123,17 @@ def _snapshot(drafts, draft_tokens, accepted, per_position, engines=1):
                     Counter("vllm:spec_decode_num_accepted_tokens", accepted),
                     Vector("vllm:spec_decode_num_accepted_tokens_per_pos", per_position),
                     Counter("vllm:num_requests_running", 3)]
-    return read_counters(metrics)
+    return engine_counts(metrics)
 
 
 def test_counters_sum_over_engines_and_subtract_the_warm_up():
     before = _snapshot(10, 30, 12, [6, 4, 2], engines=2)
-    assert before == {"drafts": 20, "draft_tokens": 60, "accepted": 24, "per_position": [12, 8, 4]}
+    assert before == SpecCounts(20, 60, 24, [12, 8, 4])
     after = _snapshot(110, 330, 192, [86, 64, 42], engines=2)
-    delta = counter_delta(before, after, 3)
-    assert delta == {"drafts": 200, "draft_tokens": 600, "accepted": 360, "per_position": [160, 120, 80]}
+    delta = after - before
+    assert delta == SpecCounts(200, 600, 360, [160, 120, 80])
     check_counters(delta, 3)
-    metrics = counters_to_acceptance(before, after, 3).summary()
+    metrics = as_acceptance(delta, 3).summary()
     assert metrics["tau"] == pytest.approx(2.8) and metrics["verify_steps"] == 200
     assert metrics["per_position_acceptance"] == [0.8, 0.6, 0.4]
     assert metrics["draft_acceptance_rate"] == pytest.approx(0.6)
@@ -165,17 +141,17 @@ def test_counters_sum_over_engines_and_subtract_the_warm_up():
 
 def test_counters_before_any_spec_step_have_no_positions():
     # Before the spec engine's first step the per-position vector may be absent: it counts as zeros.
-    delta = counter_delta(read_counters([]), _snapshot(4, 12, 6, [3, 2, 1]), 3)
-    assert delta["per_position"] == [3, 2, 1]
+    delta = _snapshot(4, 12, 6, [3, 2, 1]) - engine_counts([])
+    assert delta.per_position == [3, 2, 1]
     check_counters(delta, 3)
 
 
 @pytest.mark.parametrize(("delta", "message"), [
-    ({"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_position": [0, 0, 0]}, "proposed no drafts"),
-    ({"drafts": 10, "draft_tokens": 30, "accepted": 12, "per_position": [6, 4, 1]}, "sums to 11"),
-    ({"drafts": 10, "draft_tokens": 30, "accepted": 12, "per_position": [6, 4, 1, 1]}, "4 positions for K = 3"),
-    ({"drafts": 10, "draft_tokens": 10, "accepted": 12, "per_position": [6, 4, 2]}, "12 accepted tokens out of 10"),
-    ({"drafts": 3, "draft_tokens": 30, "accepted": 12, "per_position": [6, 4, 2]}, r"exceeds K\+1 = 4"),
+    (SpecCounts(0, 0, 0, [0, 0, 0]), "proposed no drafts"),
+    (SpecCounts(10, 30, 12, [6, 4, 1]), "sums to 11"),
+    (SpecCounts(10, 30, 12, [6, 4, 1, 1]), "4 positions for K = 3"),
+    (SpecCounts(10, 10, 12, [6, 4, 2]), "12 tokens accepted of 10 drafted"),
+    (SpecCounts(3, 30, 12, [6, 4, 2]), r"exceeds K\+1 = 4"),
 ])
 def test_inconsistent_counters_are_one_line_errors(delta, message):
     with pytest.raises(EaglenestError, match=message) as raised:

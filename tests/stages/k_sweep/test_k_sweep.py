@@ -212,7 +212,7 @@ def test_an_interrupted_sweep_writes_nothing_and_stops_every_engine(tmp_path: Pa
             raise KeyboardInterrupt  # Ctrl-C, or SIGTERM (core/stage.py turns it into this)
         return timed(engines, *args)
 
-    monkeypatch.setattr("eaglenest.core.single_stream.time_interleaved", interrupted_in_the_second_group)
+    monkeypatch.setattr("eaglenest.core.measure.single_stream.time_interleaved", interrupted_in_the_second_group)
     out = tmp_path / "k_sweep.json"
     out.write_text("an earlier record")
     with pytest.raises(KeyboardInterrupt):

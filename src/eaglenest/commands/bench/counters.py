@@ -1,110 +1,32 @@
-"""A server's ``/metrics`` counters, and speculative decoding's acceptance between two readings."""
+"""Speculative decoding's acceptance between two ``/metrics`` readings of a server, and where a run's counters
+disagree with its responses. The counters themselves, their names and their parser are the measurement kit's
+(:mod:`eaglenest.core.measure.spec_counters`), which evaluate reads from its engines too."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
-from eaglenest.core.errors import EaglenestError
-from eaglenest.core.vllm_metrics import ACCEPTED, ACCEPTED_PER_POS, DRAFT_TOKENS, DRAFTS
-
-GENERATION_TOKENS = "vllm:generation_tokens"
+from eaglenest.core.measure.spec_counters import GENERATION_TOKENS, REQUEST_SUCCESS, MetricsReading, SpecCounts
 
 
-REQUEST_SUCCESS = "vllm:request_success"
-
-
-@dataclass(frozen=True)
-class Counters:
-    """The counters of one ``/metrics`` reading, each summed over its label sets (engines).
-
-    Attributes:
-        totals: Counter family name -> value.
-        accepted_per_pos: Draft position -> accepted tokens there.
-    """
-
-    totals: dict[str, float]
-    accepted_per_pos: dict[int, float]
-
-    @property
-    def has_spec_decode(self) -> bool:
-        return DRAFTS in self.totals and ACCEPTED in self.totals
-
-
-def parse_metrics(text: str, where: str) -> Counters:
-    """The counters of a Prometheus text exposition.
-
-    Only the ``_total`` samples are summed: prometheus_client also exposes ``_created`` timestamps.
-
-    Raises:
-        EaglenestError: text the parser refuses (naming ``where``).
-    """
-    from prometheus_client.parser import text_string_to_metric_families
-
-    totals: dict[str, float] = {}
-    per_pos: dict[int, float] = {}
-    try:
-        for family in text_string_to_metric_families(text):
-            if family.type != "counter":
-                continue
-            for sample in family.samples:
-                if not sample.name.endswith("_total"):
-                    continue
-                totals[family.name] = totals.get(family.name, 0.0) + sample.value
-                if family.name == ACCEPTED_PER_POS and "position" in sample.labels:
-                    position = int(sample.labels["position"])
-                    per_pos[position] = per_pos.get(position, 0.0) + sample.value
-    except ValueError as err:
-        raise EaglenestError(f"{where}: not Prometheus text ({err}); is it a vLLM server?") from None
-    return Counters(totals, per_pos)
-
-
-@dataclass(frozen=True)
-class Acceptance:
-    """Speculative decoding over the requests between two readings, as vLLM defines it.
-
-    Attributes:
-        drafts: Draft proposals (verify steps that drafted).
-        draft_tokens: Tokens drafted.
-        accepted_tokens: Draft tokens the verifier accepted.
-        accepted_per_position: Accepted tokens at each draft position (a chain's position i only after i-1).
-    """
-
-    drafts: int
-    draft_tokens: int
-    accepted_tokens: int
-    accepted_per_position: list[int]
-
-    @property
-    def tau(self) -> float | None:
-        """Tokens per verifier step, 1 + accepted / drafts; None without a draft."""
-        return round(1 + self.accepted_tokens / self.drafts, 4) if self.drafts > 0 else None
-
-    @property
-    def per_position_acceptance(self) -> list[float] | None:
-        """Accepted at position i / drafts; None without a draft."""
-        return [round(n / self.drafts, 4) for n in self.accepted_per_position] if self.drafts > 0 else None
-
-    def as_json(self) -> dict[str, Any]:
-        """The figures as bench.json records them."""
-        return {"tau": self.tau, "per_position_acceptance": self.per_position_acceptance, "drafts": self.drafts,
-                "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
-                "accepted_per_position": self.accepted_per_position}
-
-
-def acceptance(before: Counters, after: Counters) -> Acceptance | None:
+def acceptance(before: MetricsReading, after: MetricsReading) -> SpecCounts | None:
     """Speculative decoding over the requests between two readings; None without spec-decode counters."""
-    if not (before.has_spec_decode and after.has_spec_decode):
+    if before.spec is None or after.spec is None:
         return None
-    drafts = after.totals[DRAFTS] - before.totals[DRAFTS]
-    accepted = after.totals[ACCEPTED] - before.totals[ACCEPTED]
-    draft_tokens = after.totals.get(DRAFT_TOKENS, 0.0) - before.totals.get(DRAFT_TOKENS, 0.0)
-    positions = sorted(set(before.accepted_per_pos) | set(after.accepted_per_pos))
-    per_pos = [int(after.accepted_per_pos.get(p, 0.0) - before.accepted_per_pos.get(p, 0.0)) for p in positions]
-    return Acceptance(int(drafts), int(draft_tokens), int(accepted), per_pos)
+    return after.spec - before.spec
 
 
-def counter_problems(before: Counters, after: Counters, spec: Acceptance | None, raw: dict[str, Any],
+def acceptance_json(spec: SpecCounts) -> dict[str, Any]:
+    """The figures as bench.json records them: tau = 1 + accepted / drafts and the per-position acceptance
+    (accepted at position i / drafts), None without a draft, with the counts they come from."""
+    drafts = spec.drafts
+    return {"tau": round(spec.tau, 4) if spec.tau is not None else None,
+            "per_position_acceptance": [round(n / drafts, 4) for n in spec.per_position] if drafts > 0 else None,
+            "drafts": drafts, "draft_tokens": spec.draft_tokens, "accepted_tokens": spec.accepted,
+            "accepted_per_position": spec.per_position}
+
+
+def counter_problems(before: MetricsReading, after: MetricsReading, spec: SpecCounts | None, raw: dict[str, Any],
                      spec_expected: bool) -> list[str]:
     """Where a run's counters disagree with its responses or with vLLM's own reading of them; [] when none.
 
@@ -129,15 +51,8 @@ def counter_problems(before: Counters, after: Counters, spec: Acceptance | None,
         return problems
     if spec_expected and spec.drafts == 0 and raw.get("total_output_tokens", 0) > raw.get("completed", 0):
         problems.append("no drafts during the run: is speculative decoding on?")
-    if spec.accepted_tokens > spec.draft_tokens:
-        problems.append(f"{spec.accepted_tokens} tokens accepted of {spec.draft_tokens} drafted")
-    per_pos = spec.accepted_per_position
-    if per_pos and sum(per_pos) != spec.accepted_tokens:
-        problems.append(f"the accepted tokens per position sum to {sum(per_pos)}, not {spec.accepted_tokens}")
-    # a chain draft's token i is accepted only after token i-1 was
-    if any(later > earlier for earlier, later in zip(per_pos, per_pos[1:], strict=False)):
-        problems.append(f"accepted tokens per position rise with the position: {per_pos}")
+    problems += spec.problems()
     theirs = raw.get("spec_decode_acceptance_length")
     if spec.tau is not None and (theirs is None or abs(float(theirs) - spec.tau) > 1e-3):
-        problems.append(f"tau {spec.tau} from /metrics, vLLM's bench read {theirs}")
+        problems.append(f"tau {round(spec.tau, 4)} from /metrics, vLLM's bench read {theirs}")
     return problems

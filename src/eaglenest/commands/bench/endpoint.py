@@ -11,8 +11,8 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-from eaglenest.commands.bench.counters import Counters, parse_metrics
 from eaglenest.core.errors import EaglenestError
+from eaglenest.core.measure.spec_counters import MetricsReading, parse_metrics
 
 HTTP_TIMEOUT_S = 10.0
 
@@ -83,7 +83,7 @@ class Endpoint:
             raise EaglenestError(f"{self.flag} {self.url}: /v1/models is not an OpenAI model list "
                                  f"({type(err).__name__}); is it an OpenAI-compatible server?") from None
 
-    def counters(self) -> Counters:
+    def counters(self) -> MetricsReading:
         return parse_metrics(self.get("/metrics"), f"{self.flag} {self.url}/metrics")
 
 
@@ -136,7 +136,7 @@ def require_model(baseline: Endpoint, model: str, draft: Endpoint) -> None:
 
 def require_spec_decode(draft: Endpoint, model: str) -> None:
     """Refuses a draft endpoint whose ``/metrics`` has no speculative-decoding counters."""
-    if not draft.counters().has_spec_decode:
+    if draft.counters().spec is None:
         raise EaglenestError(f"{draft.flag} {draft.url}: its /metrics has no vllm:spec_decode_* counters, so it "
                              f"serves {model} without speculative decoding; start it with the draft (eaglenest "
                              "serve, or vllm serve --speculative-config ...)")

@@ -6,7 +6,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from eaglenest.commands.bench.counters import Acceptance
+from eaglenest.commands.bench.counters import acceptance_json
+from eaglenest.core.bootstrap import Interval
+from eaglenest.core.measure.spec_counters import SpecCounts
 
 
 def _stats_ms(values: list[float]) -> dict[str, float] | None:
@@ -20,7 +22,7 @@ def _stats_ms(values: list[float]) -> dict[str, float] | None:
             "p99": round(float(np.percentile(array, 99)), 2)}
 
 
-def endpoint_figures(raw: dict[str, Any], spec: Acceptance | None, problems: list[str],
+def endpoint_figures(raw: dict[str, Any], spec: SpecCounts | None, problems: list[str],
                      raw_name: str) -> dict[str, Any]:
     """One endpoint's figures at one concurrency, from vLLM's result and the counters."""
     ok = [i for i, error in enumerate(raw.get("errors", [])) if not error and raw["latencies"][i] > 0]
@@ -33,7 +35,7 @@ def endpoint_figures(raw: dict[str, Any], spec: Acceptance | None, problems: lis
         "ttft_ms": _stats_ms([raw["ttfts"][i] for i in ok]),
     }
     if spec is not None:
-        figures |= spec.as_json() | {"tau_vllm": _rounded(raw.get("spec_decode_acceptance_length"))}
+        figures |= acceptance_json(spec) | {"tau_vllm": _rounded(raw.get("spec_decode_acceptance_length"))}
     errors = [str(error).strip() for error in raw.get("errors", []) if error and str(error).strip()]
     if errors:  # the last line of the first (often a traceback): what went wrong, in a line
         figures["first_error"] = errors[0].splitlines()[-1][:300]
@@ -42,6 +44,32 @@ def endpoint_figures(raw: dict[str, Any], spec: Acceptance | None, problems: lis
 
 def _rounded(value: Any) -> float | None:
     return round(float(value), 4) if isinstance(value, int | float) and math.isfinite(value) else None
+
+
+def request_turns(raw: dict[str, Any]) -> list[list[float] | None]:
+    """``[output tokens, seconds]`` of each request of a ``vllm bench serve`` result (``--save-detailed``), None for
+    one that failed."""
+    lengths, latencies, errors = raw.get("output_lens") or [], raw.get("latencies") or [], raw.get("errors") or []
+    return [None if (i < len(errors) and errors[i]) or latency <= 0 else [float(tokens), float(latency)]
+            for i, (tokens, latency) in enumerate(zip(lengths, latencies, strict=False))]
+
+
+def single_stream_speedup(draft_raw: dict[str, Any], baseline_raw: dict[str, Any]) -> Interval | None:
+    """At concurrency 1, the draft's tokens/s over the baseline's with its 95% interval, as evaluate and the k_sweep
+    stage report theirs (:func:`eaglenest.core.measure.speedup.speedup_interval`, ``evaluate.bootstrap_samples``'
+    and ``evaluate.seed``'s defaults): one request at a time, each request's tokens over its latency is a
+    single-stream turn, and request i is prompt i mod P on both endpoints, so requests pair. None where no request
+    succeeded on both, or the results hold no per-request figures."""
+    from eaglenest.core.eval_params import EvaluateParams
+    from eaglenest.core.measure.speedup import paired_rows, speedup_interval
+
+    pairs = [(d, b) for d, b in zip(request_turns(draft_raw), request_turns(baseline_raw), strict=False)
+             if d is not None and b is not None]
+    if not pairs:
+        return None
+    defaults = EvaluateParams.model_fields
+    return speedup_interval(paired_rows([d for d, _ in pairs], [b for _, b in pairs]),
+                            int(defaults["bootstrap_samples"].default), int(defaults["seed"].default))
 
 
 def stops_paying_at(results: list[dict[str, Any]]) -> int | None:

@@ -54,8 +54,11 @@ text matches no candidate, a real difference.
 
 Results go to ``--out``: ``bench.json`` (rewritten after every concurrency, atomically), ``speedup.png`` and
 ``raw/`` (vLLM's result files and logs, and the started servers' logs). ``stops_paying_at`` is the lowest
-concurrency whose speed-up (draft tokens/s over baseline tokens/s) is below 1. Exit status: 0; 1 when a request
-failed or an output at temperature 0 differs beyond a near-tie; 2 on a refusal (one line): an unreachable server,
+concurrency whose speed-up (draft tokens/s over baseline tokens/s) is below 1. At concurrency 1 a row also holds
+``single_stream_speedup``: the same ratio over the requests' own seconds with its 95% interval over prompts, the
+measurement kit's (:mod:`eaglenest.core.measure.speedup`), as evaluate and the k_sweep stage report it.
+Exit status: 0; 1 when a request failed or an output at temperature 0 differs beyond a near-tie; 2 on a refusal
+(one line): an unreachable server,
 one that serves another model, a draft server without spec-decode counters, a prompts file in none of the
 formats, a started server that exits or stays silent before it answers (naming its log), or a server that stops
 answering mid-run (the concurrencies measured before stay in bench.json).
@@ -79,7 +82,7 @@ from eaglenest.commands.bench.endpoint import (
     require_model,
     require_spec_decode,
 )
-from eaglenest.commands.bench.figures import endpoint_figures, stops_paying_at
+from eaglenest.commands.bench.figures import endpoint_figures, single_stream_speedup, stops_paying_at
 from eaglenest.commands.bench.load import RunStopped, run_vllm_bench
 from eaglenest.commands.bench.outputs import Replay, ask_with_logprobs, compare_outputs, judge_difference
 from eaglenest.commands.bench.prompts import bench_prompts_file, check_length, load_bench_tokenizer, render_prompts
@@ -187,9 +190,11 @@ class Sweep:
         """One concurrency's line of bench.json from both endpoints' (figures, vLLM result); the baseline endpoint
         still answering, for the near-tie checks."""
         base_rate = baseline[0]["tokens_per_s"]
+        single = single_stream_speedup(draft[1], baseline[1]) if concurrency == 1 else None
         return {
             "concurrency": concurrency,
             "speedup": round(draft[0]["tokens_per_s"] / base_rate, 4) if base_rate > 0 else None,
+            "single_stream_speedup": single.as_dict() if single is not None else None,
             "draft": draft[0], "baseline": baseline[0],
             "outputs": self.check_outputs(concurrency, draft[1], baseline[1], baseline_endpoint)
             if self.config.temperature == 0 else None,
@@ -366,7 +371,8 @@ def _sweep_servers(sweep: Sweep, serve: ServeSetup, commands: dict[str, Any], le
         sweep.warm_up(draft)
         for concurrency in levels:
             draft_runs[concurrency] = sweep.measure(draft, concurrency)
-            rows.append({"concurrency": concurrency, "speedup": None, "draft": draft_runs[concurrency][0],
+            rows.append({"concurrency": concurrency, "speedup": None, "single_stream_speedup": None,
+                         "draft": draft_runs[concurrency][0],
                          "baseline": None, "outputs": None})
             sweep.write()  # the draft's figures are kept even if the baseline never runs
     with started_server("baseline", commands["baseline"], serve, out / "raw" / "server-baseline.log") as server:

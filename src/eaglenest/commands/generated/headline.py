@@ -13,9 +13,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from eaglenest.artifacts.metrics_file import figure_text as figure
+from eaglenest.artifacts.metrics_file import read_metrics
 from eaglenest.commands.generated.concurrency import headline_clause, load_serve_record
 from eaglenest.commands.generated.svg import BLUE, ORANGE, label_bars, new_figure, page_style, svg_text
-from eaglenest.commands.summary import figure, read_json
 from eaglenest.core.errors import InputFileError
 from eaglenest.core.host import HostKind
 
@@ -26,8 +27,8 @@ HEADLINE_SVG = "docs/img/headline.svg"
 
 def _headline_figures(repo: Path) -> tuple[str, dict[str, Any], dict[str, Any]]:
     """The headline back end, ``metrics/eval.json`` and ``metrics/eval/details.json`` of ``repo``."""
-    headline = read_json(repo / "metrics" / "eval.json")
-    details = read_json(repo / "metrics" / "eval" / "details.json")
+    headline = read_metrics(repo / "metrics" / "eval.json")
+    details = read_metrics(repo / "metrics" / "eval" / "details.json")
     backend = details.get("headline_backend")
     if backend not in ("hf", "vllm"):
         raise InputFileError(f"{repo / 'metrics/eval/details.json'}: no headline_backend; rerun evaluate")

@@ -41,7 +41,7 @@ from eaglenest.artifacts.vocab import write_vocab
 from eaglenest.core.atomic import atomic_directory, atomic_write_json
 from eaglenest.core.errors import EaglenestError, InputFileError
 from eaglenest.core.params import HiddenStateStorage
-from eaglenest.core.stage import Stage, path_arg
+from eaglenest.core.stage import HiddenStatesInput, Stage, path_arg
 from eaglenest.stages.convert.params import ConvertParams, ConvertStageParams
 
 log = logging.getLogger(__name__)
@@ -277,12 +277,9 @@ def convert(params: ConvertParams, extract: HiddenStateStorage, verifier_dir: Pa
 
 
 @dataclass(frozen=True)
-class ConvertPaths:
+class ConvertPaths(HiddenStatesInput):
     """Where dvc.yaml puts the convert stage's inputs and outputs."""
 
-    verifier: Path = path_arg("the verifier stage's output folder")
-    prepared: Path = path_arg("the prepare stage's dataset folder")
-    hidden_states: Path = path_arg("the extract stage's folder")
     out: Path = path_arg("vocabulary folder (data/vocab)")
     metrics: Path = path_arg("metrics JSON (metrics/data.json)")
 

@@ -51,7 +51,7 @@ from eaglenest.core.errors import EaglenestError
 from eaglenest.core.eval_params import EvaluateParams
 from eaglenest.core.host import host_record
 from eaglenest.core.registry import Registry
-from eaglenest.core.stage import Stage, path_arg
+from eaglenest.core.stage import DraftInput, Stage, path_arg
 from eaglenest.stages.evaluate.job import Backend, EvaluationJob
 from eaglenest.stages.evaluate.params import EvaluateStageParams
 
@@ -161,12 +161,9 @@ def _require_lossless(params: EvaluateParams, entry: dict[str, Any], backend: st
 
 
 @dataclass(frozen=True)
-class EvaluatePaths:
+class EvaluatePaths(DraftInput):
     """Where dvc.yaml puts the evaluate stage's inputs and outputs."""
 
-    verifier: Path = path_arg("the verifier stage's output folder")
-    prepared: Path = path_arg("the prepare stage's dataset folder (its held-out prompts)")
-    draft: Path = path_arg("the train stage's draft checkpoint")
     metrics: Path = path_arg("the headline metrics JSON (metrics/eval.json)")
     out: Path = path_arg("folder for the records, details and plot table (metrics/eval)")
 

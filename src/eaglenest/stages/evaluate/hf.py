@@ -20,6 +20,7 @@ from eaglenest.artifacts.draft import load_draft
 from eaglenest.artifacts.eval_sets import EvalSet
 from eaglenest.artifacts.verifier import load_tokenizer, load_verifier_info
 from eaglenest.core.chat import cut_after_end_of_turn, end_of_turn_ids
+from eaglenest.core.measure.engines import requested_k
 from eaglenest.core.progress import progress
 from eaglenest.stages.evaluate.job import EvaluationJob, add_ngram, add_timing, ask_turns, set_entry, turn_record
 from eaglenest.stages.evaluate.ngram import ngram_acceptance
@@ -37,8 +38,8 @@ def evaluate_draft_hf(job: EvaluationJob) -> dict[str, Any]:
     info, model_dir = load_verifier_info(verifier_dir)
     tokenizer = load_tokenizer(verifier_dir)
     draft = load_draft(draft_dir, model_dir, info.trust_remote_code)
-    k = params.num_speculative_tokens or int(
-        draft.config.speculators_config.proposal_methods[0].speculative_tokens)
+    k = requested_k(params.num_speculative_tokens, int(draft.config.speculators_config.proposal_methods[0]
+                                                       .speculative_tokens), "evaluate.num_speculative_tokens")
     verifier_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                           trust_remote_code=info.trust_remote_code).eval()
     decoder = ReferenceDecoder(VerifierRunner(verifier_model, info.aux_layers), verifier_model,

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 from eaglenest.artifacts.eval_sets import EvalConversation, EvalSet
 from eaglenest.core.eval_params import EvaluateParams
+from eaglenest.core.measure.single_stream import SECONDS_PLACES
 from eaglenest.stages.evaluate.acceptance import Acceptance
 from eaglenest.stages.evaluate.lossless import TopCandidates, first_divergence, is_lossless
 
@@ -108,7 +109,7 @@ def turn_record(item: Turn, acceptance: Acceptance, plain: list[int], spec: list
 
 def add_timing(record: dict[str, Any], drafter: str, tokens: int, seconds: float) -> None:
     """Records ``drafter``'s (plain, spec or ngram) single-stream decoding of the turn: tokens and seconds."""
-    record[f"{drafter}_tokens"], record[f"{drafter}_s"] = tokens, round(seconds, 6)
+    record[f"{drafter}_tokens"], record[f"{drafter}_s"] = tokens, round(seconds, SECONDS_PLACES)
 
 
 def add_ngram(record: dict[str, Any], acceptance: Acceptance) -> None:

@@ -35,7 +35,7 @@ from eaglenest.core.executor import EngineNeeds, check_cluster, open_executor
 from eaglenest.core.host import host_record
 from eaglenest.core.params import ClusterParams
 from eaglenest.core.registry import Registry
-from eaglenest.core.stage import Stage, path_arg
+from eaglenest.core.stage import PreparedInput, Stage, path_arg
 from eaglenest.stages.extract.job import Engine, EngineSettings, ExtractTask, run_extract_task
 from eaglenest.stages.extract.params import ExtractParams, ExtractStageParams
 from eaglenest.stages.extract.vllm import staging_dir_for
@@ -311,11 +311,9 @@ def _write_online_manifest(params: ExtractParams, verifier: VerifierInfo, input_
 
 
 @dataclass(frozen=True)
-class ExtractPaths:
+class ExtractPaths(PreparedInput):
     """Where dvc.yaml puts the extract stage's inputs and outputs."""
 
-    verifier: Path = path_arg("the verifier stage's output folder")
-    prepared: Path = path_arg("the prepare stage's dataset folder")
     out: Path = path_arg("hidden-state folder (data/hidden_states)")
     metrics: Path = path_arg("metrics JSON (metrics/extract.json)")
 

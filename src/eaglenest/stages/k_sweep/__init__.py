@@ -7,7 +7,7 @@ every timed turn, in every round, meets its engine as a new chat turn meets a se
 prompt's length once before timing, so no engine pays the process's first kernel set-up for it), with evaluate's
 sampling and engine settings, by the plain engine and by the draft at each K of ``k_sweep.ks`` (with
 ``k_sweep.ngram``, also by vLLM's n-gram drafting at each K). The plain engine and up to two speculative ones take
-turns prompt by prompt (:func:`~eaglenest.core.single_stream.time_interleaved`), so every speed-up divides
+turns prompt by prompt (:func:`~eaglenest.core.measure.single_stream.time_interleaved`), so every speed-up divides
 seconds measured moments apart; the plain engine stays up for every group of two. ``k_sweep.repeats`` rounds
 time the same engines again.
 
@@ -32,12 +32,14 @@ from eaglenest.artifacts.draft import draft_algorithm, draft_tokens, vllm_specul
 from eaglenest.artifacts.eval_sets import EvalSet, load_eval_sets
 from eaglenest.artifacts.k_record import ServedFigure, write_k_record
 from eaglenest.artifacts.verifier import load_tokenizer, load_verifier_info
-from eaglenest.core import single_stream
 from eaglenest.core.errors import EaglenestError
 from eaglenest.core.eval_params import EvaluateParams
 from eaglenest.core.host import host_record
-from eaglenest.core.stage import Stage, path_arg
-from eaglenest.core.vllm_support import engine_kwargs
+from eaglenest.core.measure import engines as kit_engines
+from eaglenest.core.measure import single_stream
+from eaglenest.core.measure.engines import EngineBase, request_tokens
+from eaglenest.core.measure.spec_counters import SpecCounts, request_counts
+from eaglenest.core.stage import DraftInput, Stage, path_arg
 from eaglenest.stages.k_sweep.choice import add_speedup, best_ks, serve_k
 from eaglenest.stages.k_sweep.params import KSweepStageParams
 
@@ -50,12 +52,9 @@ SPECULATIVE_PER_GROUP = 2
 
 
 @dataclass(frozen=True)
-class KSweepPaths:
+class KSweepPaths(DraftInput):
     """Where dvc.yaml puts the k_sweep stage's inputs and output."""
 
-    verifier: Path = path_arg("the verifier stage's output folder")
-    prepared: Path = path_arg("the prepare stage's dataset folder (its chat-template switches)")
-    draft: Path = path_arg("the train stage's draft checkpoint")
     out: Path = path_arg("the K record (metrics/k_sweep.json)")
 
 
@@ -67,13 +66,14 @@ class TimedTurns:
         sets: The headline sets.
         prompts: Set name -> the first turn of each of its first k_sweep.timed_prompts conversations (token ids).
         warm_up: A prompt no engine is timed on (the first set's next conversation, where it has one).
-        context_tokens: The longest prompt (timed or warm-up) with its answer and the largest K's drafts.
+        requests: The most tokens each engine's requests reach (timed and warm-up prompts with their answers and
+            the largest K's drafts).
     """
 
     sets: list[EvalSet]
     prompts: dict[str, list[list[int]]]
     warm_up: list[int]
-    context_tokens: int
+    requests: list[int]
 
     @property
     def every_prompt(self) -> list[list[int]]:
@@ -90,8 +90,9 @@ def timed_turns(params: KSweepStageParams, paths: KSweepPaths, max_k: int) -> Ti
     first = sets[0]
     spare = first.conversations[count] if len(first.conversations) > count else first.conversations[-1]
     warm_up = first.render(spare, 0, [], tokenizer)
-    longest = max([len(warm_up)] + [len(p) for ps in prompts.values() for p in ps])
-    return TimedTurns(sets, prompts, warm_up, longest + max(s.params.max_new_tokens for s in sets) + max_k + 1)
+    answer = max(s.params.max_new_tokens for s in sets)
+    requests = [request_tokens(len(p), answer, max_k) for p in [warm_up, *(p for ps in prompts.values() for p in ps)]]
+    return TimedTurns(sets, prompts, warm_up, requests)
 
 
 def sweep_ks(asked: list[int] | None, own_k: int) -> list[int]:
@@ -131,14 +132,12 @@ def _measure(params: KSweepStageParams, paths: KSweepPaths, ks: list[int], repea
     began = time.perf_counter()
     turns = timed_turns(params, paths, max(ks))
     info, model_dir = load_verifier_info(paths.verifier)
-    # one prompt at a time: the KV cache holds one sequence; up to three engines hold GPU memory at once. No prefix
-    # cache: every timed turn, in every round, includes its prefill, as a new chat turn meets a server.
-    common = {**engine_kwargs(model_dir, info, evaluate.vllm, context_tokens=turns.context_tokens, seed=evaluate.seed,
-                              gpu_memory_share=1 / (SPECULATIVE_PER_GROUP + 1), kv_tokens=turns.context_tokens),
-              "enable_prefix_caching": False}
+    # one prompt at a time (the KV cache holds one request); up to three engines hold GPU memory at once
+    base = EngineBase(model_dir, info, evaluate.vllm, evaluate.seed, at_once=SPECULATIVE_PER_GROUP + 1)
+    common = base.kwargs(turns.requests)
     drafters = ["draft", "ngram"] if own.ngram else ["draft"]
     speculative = {(drafter, k): (vllm_speculative_config(paths.draft, k) if drafter == "draft"
-                                  else single_stream.ngram_config(evaluate, k)[0]) for drafter in drafters for k in ks}
+                                  else kit_engines.ngram_config(evaluate, k)[0]) for drafter in drafters for k in ks}
     groups = [list(speculative)[i:i + SPECULATIVE_PER_GROUP]
               for i in range(0, len(speculative), SPECULATIVE_PER_GROUP)]
     seconds: dict[str, Any] = {"start": {}, "timed": {}}
@@ -147,15 +146,15 @@ def _measure(params: KSweepStageParams, paths: KSweepPaths, ks: list[int], repea
 
     plain = None
     try:
-        plain, seconds["start"]["plain"] = single_stream.start_engine(common, PARAM, "the verifier", turns.warm_up,
-                                                                      evaluate.seed, turns.every_prompt)
+        plain, seconds["start"]["plain"] = kit_engines.start_engine(common, PARAM, "the verifier", turns.warm_up,
+                                                                    evaluate.seed, turns.every_prompt)
         for group in groups:
             engines: dict[str, Any] = {}
             try:
                 for drafter, k in group:
                     name = f"{drafter} K={k}"
-                    engines[name], seconds["start"][name] = single_stream.start_engine(
-                        {**common, **single_stream.speculative_engine_kwargs(speculative[drafter, k])}, PARAM,
+                    engines[name], seconds["start"][name] = kit_engines.start_engine(
+                        base.kwargs(turns.requests, speculative_config=speculative[drafter, k]), PARAM,
                         f"the {algorithm} draft at K={k}" if drafter == "draft" else f"n-gram drafting at K={k}",
                         turns.warm_up, evaluate.seed, turns.every_prompt)
                 label = ", ".join(engines)
@@ -169,10 +168,10 @@ def _measure(params: KSweepStageParams, paths: KSweepPaths, ks: list[int], repea
                             f"{n} x{e['speedup']} ± {e['speedup_ci95']}" for n, e in measured[drafter][str(k)].items()))
             finally:
                 for llm in engines.values():
-                    single_stream.close_engine(llm)
+                    kit_engines.close_engine(llm)
     finally:
         if plain is not None:
-            single_stream.close_engine(plain)
+            kit_engines.close_engine(plain)
 
     names = [s.name for s in turns.sets]
     k_best, speedup, ci95 = serve_k(rounds, names, ks, evaluate.bootstrap_samples, evaluate.seed)
@@ -181,7 +180,7 @@ def _measure(params: KSweepStageParams, paths: KSweepPaths, ks: list[int], repea
              trained_k)
     details = {"commit": short_commit(), "host": host_record(common["dtype"]), "ks": ks, "repeats": repeats,
                "timed_prompts": own.timed_prompts, "drafters": drafters,
-               "ngram_window": list(single_stream.ngram_config(evaluate, 1)[1]) if own.ngram else None,
+               "ngram_window": list(kit_engines.ngram_config(evaluate, 1)[1]) if own.ngram else None,
                "best": best_ks(rounds, names, ks, drafters), "seconds": seconds, "rounds": rounds}
     return write_k_record(paths.out, paths.draft, algorithm, trained_k, ServedFigure(k_best, speedup, ci95, names),
                           details)
@@ -190,37 +189,32 @@ def _measure(params: KSweepStageParams, paths: KSweepPaths, ks: list[int], repea
 def time_beside_plain(turns: TimedTurns, plain: Any, engines: dict[str, Any], evaluate: EvaluateParams, label: str
                       ) -> dict[str, dict[str, Any]]:
     """Every headline set's timed turns on the plain engine and ``engines`` (name -> speculative engine), taking
-    turns prompt by prompt; per engine and set its figures beside the plain engine's (:func:`_entry`), with the
+    turns prompt by prompt; per engine and set its figures beside the plain engine's (:func:`timed_entry`), with the
     speed-up and its 95% interval."""
     result: dict[str, dict[str, Any]] = {name: {} for name in engines}
     for eval_set in turns.sets:
-        sampling = single_stream.sampling_params(eval_set.params.max_new_tokens, eval_set.params.temperature,
-                                                 evaluate.seed)
+        sampling = kit_engines.sampling_params(eval_set.params.max_new_tokens, eval_set.params.temperature,
+                                               evaluate.seed)
         timed = single_stream.time_interleaved({"plain": plain, **engines}, turns.prompts[eval_set.name], sampling,
                                                PARAM, f"k_sweep: {label}, {eval_set.name}, {', '.join(engines)}")
-        plain_turns = _turns(timed["plain"])
+        plain_turns = single_stream.tokens_and_seconds(timed["plain"])
         for name in engines:
-            entry = _entry(timed[name], plain_turns)
+            entry = timed_entry(timed[name], plain_turns)
             add_speedup(entry, evaluate.bootstrap_samples, evaluate.seed)
             result[name][eval_set.name] = entry
     return result
 
 
-def _turns(timed: list[tuple[Any, float]]) -> list[list[float]]:
-    """[tokens, seconds] per timed turn."""
-    return [[len(output.outputs[0].token_ids), round(seconds, 4)] for output, seconds in timed]
-
-
-def _entry(timed: list[tuple[Any, float]], plain_turns: list[list[float]]) -> dict[str, Any]:
+def timed_entry(timed: list[single_stream.Timed], plain_turns: list[list[float]]) -> dict[str, Any]:
     """One set's figures for one speculative engine: its turns beside the plain engine's, tokens/s of both, and tau
     over the verify steps that had a draft (every step, for a draft; n-gram drafts only on a match)."""
-    turns = _turns(timed)
+    turns = single_stream.tokens_and_seconds(timed)
     entry: dict[str, Any] = {"tokens_per_s": _rate(turns), "plain_tokens_per_s": _rate(plain_turns),
                              "turns": turns, "plain_turns": plain_turns}
-    counts = [single_stream.drafted_steps(output) for output, _ in timed]
+    counts = [request_counts(output) for output, _ in timed]
     if counts and all(c is not None for c in counts):
-        steps, accepted = sum(c[0] for c in counts), sum(c[1] for c in counts)  # type: ignore[index]
-        entry |= {"steps_with_draft": steps, "tau_when_drafted": round(1 + accepted / max(steps, 1), 3)}
+        summed = sum(counts, SpecCounts())  # type: ignore[arg-type]
+        entry |= {"steps_with_draft": summed.drafts, "tau_when_drafted": round(summed.tau or 1.0, 3)}
     return entry
 
 

@@ -10,21 +10,14 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-import numpy as np
-
-from eaglenest.core.bootstrap import bootstrap, speedup_statistic
-
-
-def paired_turns(entries: list[dict[str, Any]]) -> np.ndarray:
-    """``[turns, 4]``: spec tokens, spec seconds, plain tokens, plain seconds of every turn of ``entries``."""
-    return np.array([spec + plain for entry in entries
-                     for spec, plain in zip(entry["turns"], entry["plain_turns"], strict=True)], dtype=np.float64)
+from eaglenest.core.measure.speedup import paired_rows, speedup_interval
 
 
 def speedup(entries: list[dict[str, Any]], samples: int, seed: int) -> tuple[float, float]:
     """The speed-up over all turns of ``entries`` pooled (tokens/s over the plain engine's) and half its 95%
     interval's width."""
-    interval = bootstrap(paired_turns(entries), speedup_statistic, samples, seed)
+    rows = paired_rows([t for e in entries for t in e["turns"]], [t for e in entries for t in e["plain_turns"]])
+    interval = speedup_interval(rows, samples, seed)
     return round(interval.value, 3), round(interval.half_width, 3)
 
 

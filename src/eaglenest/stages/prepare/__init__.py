@@ -28,7 +28,7 @@ from eaglenest.core.atomic import atomic_write_json
 from eaglenest.core.chat import chat_template_kwargs, end_of_turn_ids, template_handles_reasoning, without_reasoning
 from eaglenest.core.errors import EaglenestError, InputFileError, ParamsError, TemplateError
 from eaglenest.core.host import host_record
-from eaglenest.core.stage import Stage, path_arg
+from eaglenest.core.stage import Stage, VerifierInput, path_arg
 from eaglenest.stages.prepare.params import SELF_INSTRUCT_SOURCE, PrepareParams, PrepareStageParams
 from eaglenest.stages.prepare.sources import LONG_ROW_SOURCES, PROMPT_ONLY_SOURCES, Conversation, read_source
 
@@ -449,10 +449,9 @@ def prepare_imported(params: PrepareParams, source: Path, out_dir: Path, metrics
 
 
 @dataclass(frozen=True)
-class PreparePaths:
+class PreparePaths(VerifierInput):
     """Where dvc.yaml puts the prepare stage's input and outputs."""
 
-    verifier: Path = path_arg("the verifier stage's output folder")
     out: Path = path_arg("output dataset folder (data/prepared)")
     metrics: Path = path_arg("metrics JSON (metrics/prepare.json)")
 

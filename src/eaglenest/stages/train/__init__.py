@@ -41,7 +41,7 @@ from eaglenest.core.device import pick_device
 from eaglenest.core.errors import EaglenestError
 from eaglenest.core.host import host_record
 from eaglenest.core.progress import progress
-from eaglenest.core.stage import Stage, path_arg
+from eaglenest.core.stage import Stage, VocabInput, path_arg
 from eaglenest.stages.train.checkpoint import (
     CHECKPOINT_FILE,
     CHECKPOINT_ROOT,
@@ -62,13 +62,9 @@ from eaglenest.stages.train.validation import validate_draft
 log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
-class TrainPaths:
+class TrainPaths(VocabInput):
     """Where dvc.yaml puts the train stage's inputs and outputs; resumable checkpoints live outside them."""
 
-    verifier: Path = path_arg("the verifier stage's output folder")
-    prepared: Path = path_arg("the prepare stage's dataset folder")
-    hidden_states: Path = path_arg("the extract stage's folder")
-    vocab: Path = path_arg("the convert stage's vocabulary folder")
     out: Path = path_arg("the draft checkpoint folder (models/draft)")
     metrics: Path = path_arg("the headline metrics JSON (metrics/train.json): tau_sim and the validation loss")
     details: Path = path_arg("every training figure and count (metrics/train_details.json)")
