@@ -160,125 +160,186 @@ def evaluate_draft_vllm(job: EvaluationJob) -> dict[str, Any]:
     :func:`~eaglenest.core.measure.single_stream.time_interleaved`; ``sequential`` times each engine's turns before
     the next one starts.
     """
-    params, draft_dir = job.params, job.draft_dir
-    info, model_dir = load_verifier_info(job.verifier_dir)
-    tokenizer = load_tokenizer(job.verifier_dir)
-    own_k = draft_tokens(draft_dir, "the draft")  # checked before a minute of engine start
-    k = requested_k(params.num_speculative_tokens, own_k, "evaluate.num_speculative_tokens")
-    interleaved = params.timing == "interleaved"
-    # Interleaved timing holds all three engines at once, so each gets a third of the GPU memory; sequential, two
-    # may hold it at once (a stopped engine frees it lazily), so each gets half.
-    base = EngineBase(model_dir, info, params.vllm, params.seed, at_once=3 if interleaved else 2)
-    per_set = conversation_requests(job, tokenizer, k)
-    every_request = [tokens for in_set in per_set for tokens in in_set]
-    batched = base.kwargs(every_request, BATCH_IN_FLIGHT, batches=per_set)
+    run = VllmEvaluation(job)
+    plain, dtype = run.decode_plain()
+    spec = run.decode_spec(plain)
+    window = run.start_ngram()
+    if run.interleaved:
+        run.time_held_engines()
+    run.log_timed()
+    sets = {eval_set.name: run.set_entry(eval_set, plain[eval_set.name], spec[eval_set.name], dtype, window)
+            for eval_set in job.sets}
+    return {"dtype": dtype, "num_speculative_tokens": run.k, "phases": run.phases, "sets": sets}
 
-    def sampling(eval_set: Any, **extra: Any) -> Any:
-        return sampling_params(eval_set.params.max_new_tokens, eval_set.params.temperature, params.seed, **extra)
 
-    warm_up = job.sets[0].render(job.sets[0].conversations[0], 0, [], tokenizer)
-    # Where the back end's time goes (seconds): each engine's start with its warm-up, the timed turns per set.
-    phases: dict[str, Any] = {"start": {}, "timed": {}}
-    held: dict[str, Any] = {}  # interleaved: drafter -> its engine, until every engine has decoded its batches
-    timed: dict[str, dict[str, list[tuple[Any, float]]]] = {}  # drafter -> set -> (output, seconds) per turn
+class VllmEvaluation:
+    """One evaluation's engines and what they decoded, step by step (:func:`evaluate_draft_vllm` runs the steps).
 
-    def start(kwargs: dict[str, Any], what: str, drafter: str) -> Any:
+    Attributes:
+        k: the draft length decoded with (the one given, else the draft's own).
+        interleaved: whether the three engines stay up and take turns on the timed turns.
+        phases: where the back end's time goes (seconds): each engine's start with its warm-up, the timed turns
+            per set.
+        timed_prompts: per set, the prompts decoded one at a time for the speed-ups.
+        timed: drafter (``plain``, ``spec``, ``ngram``) -> set -> (output, seconds) per timed turn.
+    """
+
+    def __init__(self, job: EvaluationJob) -> None:
+        self.job, self.params = job, job.params
+        info, model_dir = load_verifier_info(job.verifier_dir)
+        self.tokenizer = load_tokenizer(job.verifier_dir)
+        own_k = draft_tokens(job.draft_dir, "the draft")  # checked before a minute of engine start
+        self.k = requested_k(self.params.num_speculative_tokens, own_k, "evaluate.num_speculative_tokens")
+        self.interleaved = self.params.timing == "interleaved"
+        # Interleaved timing holds all three engines at once, so each gets a third of the GPU memory; sequential, two
+        # may hold it at once (a stopped engine frees it lazily), so each gets half.
+        self.base = EngineBase(model_dir, info, self.params.vllm, self.params.seed,
+                               at_once=3 if self.interleaved else 2)
+        self.per_set = conversation_requests(job, self.tokenizer, self.k)
+        self.every_request = [tokens for in_set in self.per_set for tokens in in_set]
+        self.warm_up = job.sets[0].render(job.sets[0].conversations[0], 0, [], self.tokenizer)
+        self.phases: dict[str, Any] = {"start": {}, "timed": {}}
+        self.held: dict[str, Any] = {}  # interleaved: drafter -> its engine, until every engine has decoded its batches
+        self.timed: dict[str, dict[str, list[tuple[Any, float]]]] = {}
+        self.timed_prompts: dict[str, list[list[int]]] = {}
+
+    @property
+    def every_timed(self) -> list[list[int]]:
+        """Every set's timed prompts, in order."""
+        return [prompt for prompts in self.timed_prompts.values() for prompt in prompts]
+
+    def sampling(self, eval_set: Any, **extra: Any) -> Any:
+        """The set's sampling parameters (max_new_tokens, temperature, the stage's seed), plus ``extra``."""
+        return sampling_params(eval_set.params.max_new_tokens, eval_set.params.temperature, self.params.seed, **extra)
+
+    def start(self, kwargs: dict[str, Any], what: str, drafter: str) -> Any:
+        """Starts one engine (warm-up included), its seconds into ``phases``."""
         log.info("vllm: starting the engine of %s", what)
-        llm, phases["start"][drafter] = start_engine(kwargs, PARAM, what, warm_up, params.seed)
+        llm, self.phases["start"][drafter] = start_engine(kwargs, PARAM, what, self.warm_up, self.params.seed)
         return llm
 
-    def done_batching(drafter: str, llm: Any) -> None:
+    def done_batching(self, drafter: str, llm: Any) -> None:
         """Interleaved: hold the engine for the timed turns; sequential: time its turns now and stop it."""
-        meet_shapes(llm, every_timed, params.seed, PARAM)
-        if interleaved:
-            held[drafter] = llm
+        meet_shapes(llm, self.every_timed, self.params.seed, PARAM)
+        if self.interleaved:
+            self.held[drafter] = llm
             return
-        timed[drafter] = {eval_set.name: decode_alone(llm, timed_prompts[eval_set.name], sampling(eval_set), PARAM)
-                          for eval_set in job.sets}
+        self.timed[drafter] = {
+            eval_set.name: decode_alone(llm, self.timed_prompts[eval_set.name], self.sampling(eval_set), PARAM)
+            for eval_set in self.job.sets}
         close_engine(llm)
 
-    plain_llm = start(batched, "the verifier", "plain")
-    dtype = engine_dtype(plain_llm, batched["dtype"])
-    plain: dict[str, Any] = {}
-    for eval_set in job.sets:
-        greedy = eval_set.params.temperature == 0
-        # The plain run also reports its top log-probs (for the near-tie rule): a log-softmax and top-k over
-        # the vocabulary per token, small next to a verifier forward.
-        reference = sampling(eval_set, logprobs=TIE_CANDIDATES if greedy else None)
-        started = time.perf_counter()
-        turns, outputs = ask_turns(eval_set, eval_set.conversations, tokenizer,
-                                   lambda prompts, s=reference, d=f"vllm plain, {eval_set.name}":
-                                   _generate(plain_llm, prompts, s, d), output_tokens)
-        plain[eval_set.name] = (turns, outputs, time.perf_counter() - started)
-        log.info("vllm plain, %s: %d turns together in %.0f s", eval_set.name, len(turns), plain[eval_set.name][2])
-    timed_prompts = {eval_set.name: [t.prompt for t in plain[eval_set.name][0][:_timed_count(eval_set, params)]]
-                     for eval_set in job.sets}
-    every_timed = [prompt for prompts in timed_prompts.values() for prompt in prompts]
-    done_batching("plain", plain_llm)
+    def decode_plain(self) -> tuple[dict[str, Any], str]:
+        """Every turn of every set by the plain engine, batched; the timed prompts chosen from them.
 
-    spec_llm = start(base.kwargs(every_request, BATCH_IN_FLIGHT, vllm_speculative_config(draft_dir, k), per_set),
-                     f"the verifier with the {draft_algorithm(draft_dir, 'the draft')} draft {draft_dir}", "spec")
-    spec: dict[str, Any] = {}
-    for eval_set in job.sets:
-        started = time.perf_counter()
-        outputs, counts = decode_with_counts(spec_llm, [t.prompt for t in plain[eval_set.name][0]],
-                                             sampling(eval_set), k, f"vllm draft, {eval_set.name}")
-        spec[eval_set.name] = (outputs, counts, time.perf_counter() - started)
-        log.info("vllm eagle3, %s: %d turns together in %.0f s", eval_set.name, len(outputs),
-                 spec[eval_set.name][2])
-    done_batching("spec", spec_llm)
-
-    ngram_speculative_config, window = ngram_config(params, k)
-    if every_timed:  # n-gram drafting is the speed-up's baseline: without timed turns, nothing to do
-        # timed one prompt at a time, and nothing else: its cache holds one request
-        timed_requests = [request_tokens(len(prompt), eval_set.params.max_new_tokens, k)
-                          for eval_set in job.sets for prompt in timed_prompts[eval_set.name]]
-        timed_requests.append(request_tokens(len(warm_up), WARM_UP_TOKENS, k))
-        ngram_llm = start(base.kwargs(timed_requests, 1, ngram_speculative_config),
-                          "the verifier with n-gram drafting", "ngram")
-        done_batching("ngram", ngram_llm)
-
-    if interleaved:
-        for drafter in held:
-            timed[drafter] = {}
-        for eval_set in job.sets:
+        Returns:
+            per set (turns, outputs, seconds), and the dtype the engine computes in.
+        """
+        batched = self.base.kwargs(self.every_request, BATCH_IN_FLIGHT, batches=self.per_set)
+        plain_llm = self.start(batched, "the verifier", "plain")
+        dtype = engine_dtype(plain_llm, batched["dtype"])
+        plain: dict[str, Any] = {}
+        for eval_set in self.job.sets:
+            greedy = eval_set.params.temperature == 0
+            # The plain run also reports its top log-probs (for the near-tie rule): a log-softmax and top-k over
+            # the vocabulary per token, small next to a verifier forward.
+            reference = self.sampling(eval_set, logprobs=TIE_CANDIDATES if greedy else None)
             started = time.perf_counter()
-            pairs_of = time_interleaved(held, timed_prompts[eval_set.name], sampling(eval_set), PARAM,
-                                        f"evaluate: timed turns, {eval_set.name}")
-            phases["timed"][eval_set.name] = round(time.perf_counter() - started, 3)
-            for drafter, pairs in pairs_of.items():
-                timed[drafter][eval_set.name] = pairs
-        for llm in held.values():
-            close_engine(llm)
-    for eval_set in job.sets:
-        if timed_prompts[eval_set.name]:
-            log.info("vllm %s, %s: %d turns alone, %s", params.timing, eval_set.name, len(timed_prompts[eval_set.name]),
-                     ", ".join(f"{drafter} {sum(s for _, s in timed[drafter][eval_set.name]):.0f} s"
-                               for drafter in ("plain", "spec", "ngram")))
+            turns, outputs = ask_turns(eval_set, eval_set.conversations, self.tokenizer,
+                                       lambda prompts, s=reference, d=f"vllm plain, {eval_set.name}":
+                                       _generate(plain_llm, prompts, s, d), output_tokens)
+            plain[eval_set.name] = (turns, outputs, time.perf_counter() - started)
+            log.info("vllm plain, %s: %d turns together in %.0f s", eval_set.name, len(turns), plain[eval_set.name][2])
+            self.timed_prompts[eval_set.name] = [t.prompt for t in turns[:_timed_count(eval_set, self.params)]]
+        self.done_batching("plain", plain_llm)
+        return plain, dtype
 
-    sets = {}
-    for eval_set in job.sets:
+    def decode_spec(self, plain: dict[str, Any]) -> dict[str, Any]:
+        """The plain engine's turns (``plain``, from :meth:`decode_plain`) by the EAGLE-3 engine, batched, with each
+        request's acceptance counts.
+
+        Returns:
+            per set (outputs, acceptance per turn, seconds).
+        """
+        draft_dir = self.job.draft_dir
+        spec_llm = self.start(
+            self.base.kwargs(self.every_request, BATCH_IN_FLIGHT, vllm_speculative_config(draft_dir, self.k),
+                             self.per_set),
+            f"the verifier with the {draft_algorithm(draft_dir, 'the draft')} draft {draft_dir}", "spec")
+        spec: dict[str, Any] = {}
+        for eval_set in self.job.sets:
+            started = time.perf_counter()
+            outputs, counts = decode_with_counts(spec_llm, [t.prompt for t in plain[eval_set.name][0]],
+                                                 self.sampling(eval_set), self.k, f"vllm draft, {eval_set.name}")
+            spec[eval_set.name] = (outputs, counts, time.perf_counter() - started)
+            log.info("vllm eagle3, %s: %d turns together in %.0f s", eval_set.name, len(outputs),
+                     spec[eval_set.name][2])
+        self.done_batching("spec", spec_llm)
+        return spec
+
+    def start_ngram(self) -> list[int]:
+        """Starts the n-gram engine where there are timed turns (it decodes only these: its cache holds one request).
+
+        Returns:
+            the n-gram window (min, max) it drafts with.
+        """
+        ngram_speculative_config, window = ngram_config(self.params, self.k)
+        if self.every_timed:  # n-gram drafting is the speed-up's baseline: without timed turns, nothing to do
+            timed_requests = [request_tokens(len(prompt), eval_set.params.max_new_tokens, self.k)
+                              for eval_set in self.job.sets for prompt in self.timed_prompts[eval_set.name]]
+            timed_requests.append(request_tokens(len(self.warm_up), WARM_UP_TOKENS, self.k))
+            ngram_llm = self.start(self.base.kwargs(timed_requests, 1, ngram_speculative_config),
+                                   "the verifier with n-gram drafting", "ngram")
+            self.done_batching("ngram", ngram_llm)
+        return list(window)
+
+    def time_held_engines(self) -> None:
+        """Interleaved: the held engines take turns on each set's timed prompts, then stop."""
+        for drafter in self.held:
+            self.timed[drafter] = {}
+        for eval_set in self.job.sets:
+            started = time.perf_counter()
+            pairs_of = time_interleaved(self.held, self.timed_prompts[eval_set.name], self.sampling(eval_set), PARAM,
+                                        f"timed turns, {eval_set.name}")
+            self.phases["timed"][eval_set.name] = round(time.perf_counter() - started, 3)
+            for drafter, pairs in pairs_of.items():
+                self.timed[drafter][eval_set.name] = pairs
+        for llm in self.held.values():
+            close_engine(llm)
+
+    def log_timed(self) -> None:
+        """One line per set: each engine's seconds over its timed turns."""
+        for eval_set in self.job.sets:
+            prompts = self.timed_prompts[eval_set.name]
+            if prompts:
+                log.info("vllm %s, %s: %d turns alone, %s", self.params.timing, eval_set.name, len(prompts),
+                         ", ".join(f"{drafter} {sum(s for _, s in self.timed[drafter][eval_set.name]):.0f} s"
+                                   for drafter in ("plain", "spec", "ngram")))
+
+    def set_entry(self, eval_set: Any, plain: tuple[list[Any], list[Any], float],
+                  spec: tuple[list[Any], list[Acceptance], float], dtype: str, window: list[int]) -> dict[str, Any]:
+        """One set's entry of the evaluation: a record per turn (lossless check, acceptance, the timed figures)."""
         greedy = eval_set.params.temperature == 0
         # float32 is held to exact equality; below it a flipped near-tie is allowed (the stage's docstring).
-        tie_margin = params.bf16_tie_margin if greedy and dtype != "float32" else None
-        turns, plain_outputs, plain_batched_s = plain[eval_set.name]
-        spec_outputs, spec_counts, spec_batched_s = spec[eval_set.name]
+        tie_margin = self.params.bf16_tie_margin if greedy and dtype != "float32" else None
+        turns, plain_outputs, plain_batched_s = plain
+        spec_outputs, spec_counts, spec_batched_s = spec
+        timed_count = len(self.timed_prompts[eval_set.name])
         records = []
         for i, (item, plain_output, spec_output) in enumerate(zip(turns, plain_outputs, spec_outputs, strict=True)):
             plain_top = ([top_candidates(position) for position in (plain_output.outputs[0].logprobs or [])]
                          if greedy else None)
             record = turn_record(item, spec_counts[i], output_tokens(plain_output), output_tokens(spec_output),
                                  plain_top=plain_top, tie_margin=tie_margin, check_lossless=greedy)
-            if i < len(timed_prompts[eval_set.name]):
-                add_timed(record, {drafter: timed[drafter][eval_set.name][i] for drafter in ("plain", "spec", "ngram")},
-                          k)
+            if i < timed_count:
+                add_timed(record, {drafter: self.timed[drafter][eval_set.name][i]
+                                   for drafter in ("plain", "spec", "ngram")}, self.k)
             records.append(record)
-        sets[eval_set.name] = set_entry(
-            eval_set, records, ngram_window=list(window),
+        return set_entry(
+            eval_set, records, ngram_window=window,
             lossless_rule="exact" if tie_margin is None else f"near_tie (bf16_tie_margin {tie_margin})",
             batched_seconds={"plain": round(plain_batched_s, 3), "spec": round(spec_batched_s, 3)},
-            timing=params.timing)
-    return {"dtype": dtype, "num_speculative_tokens": k, "phases": phases, "sets": sets}
+            timing=self.params.timing)
 
 
 def add_timed(record: dict[str, Any], timed: dict[str, tuple[Any, float]], k: int) -> None:
