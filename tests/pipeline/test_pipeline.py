@@ -138,15 +138,18 @@ def test_own_verifier_and_conversations(tmp_path: Path, tiny_verifier_dir: Path)
     model, repo = tiny_pipeline_repo(tmp_path, tiny_verifier_dir)
     chat = CHAT
 
-    dvc(["repro"], repo)
+    # The first conversations as far as prepare: the later stages first run on the next ones.
+    dvc(["repro", "prepare"], repo)
     assert sorted(p.name for p in (repo / "models/verifier").iterdir()) == ["verifier.json"]
     assert json.loads((repo / "metrics/prepare.json").read_text())["kept"] == 8
 
-    # New conversations re-run prepare only; the verifier record is still valid.
+    # New conversations re-run prepare (and what follows it); the verifier record is still valid.
     write_jsonl(repo / "data/conversations/chats.jsonl", [{"conversations": chat}] * 12)
     again = dvc(["repro"], repo)
     assert "Stage 'verifier' didn't change, skipping" in again.stdout
     assert "Running stage 'prepare'" in again.stdout
+    for stage in ("extract", "convert", "train", "evaluate", "k_sweep"):
+        assert f"Running stage '{stage}'" in again.stdout, stage
     assert json.loads((repo / "metrics/prepare.json").read_text())["kept"] == 12
     assert_all_skipped(dvc(["repro"], repo).stdout)
 
