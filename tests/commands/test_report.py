@@ -427,25 +427,41 @@ def _short_draft(repo: Path, dest: Path, steps: int) -> Path:
 @pytest.mark.slow
 def test_real_drafts_same_twice_is_no_change_and_a_short_one_is_worse(shared_pipeline: SharedPipeline,
                                                                       tmp_path: Path):
+    """Real drafts on the shared pipeline's held-out set, hf in float32, greedy: the pipeline's own hf records of
+    its draft, paired with a second evaluate run of the same draft (a process of its own), are no change; paired
+    with a run of a draft trained 4 steps on the same data, worse."""
+    import yaml
+
     from eaglenest.artifacts.evaluation import load_records
     from tests.fixtures.pipeline import run_evaluate
 
-    # hf, float32, greedy: the same draft decodes the same tokens, so its acceptance records are identical
-    one_set = {"backend": "hf", "source": "builtin:general", "num_prompts": 16, "max_new_tokens": 24}
-    runs = {}
     repo = shared_pipeline.repo
-    for name, draft in (("first", None), ("again", None), ("short", _short_draft(repo, tmp_path / "t", 4))):
-        result, _ = run_evaluate(repo, tmp_path / name, draft=draft, **one_set)
+    first_set = yaml.safe_load((repo / "params.yaml").read_text())["evaluate"]["sets"][0]  # val: every prompt
+    set_name = first_set["name"]
+    runs = {"first": load_records((repo / "metrics/eval/records.json").read_text(), "the shared pipeline")}
+    # evaluate's one set is the pipeline's first (run_evaluate), decoded by hf alone
+    for name, draft in (("again", None), ("short", _short_draft(repo, tmp_path / "t", 4))):
+        result, _ = run_evaluate(repo, tmp_path / name, draft=draft, backend="hf")
         assert result.returncode == 0, result.stderr[-3000:]
         runs[name] = load_records((tmp_path / name / "eval" / "records.json").read_text(), name)
-    set_name = next(iter(runs["first"]["runs"]["hf"]["sets"]))
+        assert list(runs[name]["runs"]["hf"]["sets"]) == [set_name]
 
+    # the same draft decodes the same tokens, so its acceptance records are identical, turn for turn
+    def acceptance(name: str) -> list[dict]:
+        return [{key: record[key] for key in ("id", "turn", "prompt_tokens", "steps", "accepted", "drafted",
+                                              "per_position", "identical")}
+                for record in runs[name]["runs"]["hf"]["sets"][set_name]["records"]]
+
+    assert acceptance("again") == acceptance("first")
     same = compare_set(runs["first"], runs["again"], set_name, "hf", {}, SAMPLES, SEED)
+    assert same.refused is None and same.pairs == first_set["num_prompts"], same.refused
     tau = same.figures[0]
     assert (tau.name, tau.verdict, tau.difference.value) == ("tau", "no change", 0.0)
     # speed-up is not asserted: wall time drifts between two processes, which is why it carries an interval
 
     short = compare_set(runs["first"], runs["short"], set_name, "hf", {"hf_tau": 0.0}, SAMPLES, SEED)
+    assert short.refused is None, short.refused
     tau = short.figures[0]
     print("trained", tau.base, "4 steps", tau.head, "difference", tau.difference)
-    assert short.pairs == 16 and tau.verdict == "worse" and tau.difference.high < 0 < tau.base - tau.head
+    assert short.pairs == first_set["num_prompts"] and tau.verdict == "worse"
+    assert tau.difference.high < 0 < tau.base - tau.head
