@@ -112,8 +112,8 @@ def sweep(params: KSweepStageParams, paths: KSweepPaths, ks: list[int] | None = 
     """
     own = params.k_sweep
     repeats = repeats or own.repeats
-    trained_k = draft_tokens(paths.draft, "k_sweep: the draft")  # one line before a minute of engine start
-    algorithm = draft_algorithm(paths.draft, "k_sweep: the draft")
+    trained_k = draft_tokens(paths.draft, "the draft")  # one line before a minute of engine start
+    algorithm = draft_algorithm(paths.draft, "the draft")
     ks = sweep_ks(ks or own.ks, trained_k)
     if min(ks) < 1 or repeats < 1:
         raise EaglenestError(f"k_sweep: every K and the rounds must be at least 1 (Ks {ks}, repeats {repeats})")
