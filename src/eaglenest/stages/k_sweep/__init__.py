@@ -116,7 +116,8 @@ def sweep(params: KSweepStageParams, paths: KSweepPaths, ks: list[int] | None = 
     algorithm = draft_algorithm(paths.draft, "the draft")
     ks = sweep_ks(ks or own.ks, trained_k)
     if min(ks) < 1 or repeats < 1:
-        raise EaglenestError(f"k_sweep: every K and the rounds must be at least 1 (Ks {ks}, repeats {repeats})")
+        raise EaglenestError(f"k_sweep.ks and k_sweep.repeats (or --ks, --repeats): every K and the rounds must be at "
+                             f"least 1 (Ks {ks}, repeats {repeats})")
     if "vllm" not in params.evaluate.backend:
         reason = ("evaluate.backend lists no vllm: the K served is vLLM's, and the sweep times vLLM's engines; list "
                   "vllm in evaluate.backend to measure it")
@@ -196,7 +197,7 @@ def time_beside_plain(turns: TimedTurns, plain: Any, engines: dict[str, Any], ev
         sampling = kit_engines.sampling_params(eval_set.params.max_new_tokens, eval_set.params.temperature,
                                                evaluate.seed)
         timed = single_stream.time_interleaved({"plain": plain, **engines}, turns.prompts[eval_set.name], sampling,
-                                               PARAM, f"k_sweep: {label}, {eval_set.name}, {', '.join(engines)}")
+                                               PARAM, f"{label}, {eval_set.name}, {', '.join(engines)}")
         plain_turns = single_stream.tokens_and_seconds(timed["plain"])
         for name in engines:
             entry = timed_entry(timed[name], plain_turns)
