@@ -60,14 +60,17 @@ demo: setup
 	dvc repro
 	@$(VENV)/bin/eaglenest summary
 
-# The tests run with outbound network blocked (scripts/offline.sh): nothing may need a model hub.
+# The tests run with outbound network blocked (scripts/offline.sh): nothing may need a model hub. Two workers
+# (pytest-xdist), one per core of the machine this project is sized for, each test file whole on one of them so that
+# module fixtures are built once; files in the order collected (tests/fixtures/workers.py puts the shared pipelines'
+# builders first), so that the long builds start at once. `make test TEST_WORKERS=0` runs in one process.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 test: setup
-	scripts/offline.sh $(PY) -m pytest -q --durations=25
-
-# Two workers (pytest-xdist), each test file whole on one of them so that module fixtures are built once; files in
-# the order collected, so that the long store tests (tests/commands/test_remote.py) start early.
+	scripts/offline.sh $(PY) -m pytest -q --durations=25 $(XDIST)
+# The fast tests alone, on the same workers: the store tests (tests/commands/test_remote.py) are their longest.
 test-fast: setup
-	scripts/offline.sh $(PY) -m pytest -q -m "not slow" -n 2 --dist loadfile --no-loadscope-reorder
+	scripts/offline.sh $(PY) -m pytest -q -m "not slow" $(XDIST)
 
 lint: setup
 	$(VENV)/bin/ruff check .

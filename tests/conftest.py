@@ -1,7 +1,7 @@
 """What every test shares: an offline, isolated DVC, Ray on loopback, the vLLM marker, and the fixture layers
-(``tests/fixtures``): tiny models (``models``), then pipelines on them and on the real default verifier
-(``pipeline``), a Ray cluster of several nodes on this machine (``cluster``), then fakes of servers and engines
-(``fakes``) and a real bench sweep against them (``bench``)."""
+(``tests/fixtures``): the suite on several workers (``workers``), tiny models (``models``), then pipelines on them
+and on the real default verifier (``pipeline``), a Ray cluster of several nodes on this machine (``cluster``),
+then fakes of servers and engines (``fakes``) and a real bench sweep against them (``bench``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ("tests.fixtures.models", "tests.fixtures.pipeline", "tests.fixtures.cluster", "tests.fixtures.bench")
+pytest_plugins = ("tests.fixtures.workers", "tests.fixtures.models", "tests.fixtures.pipeline",
+                  "tests.fixtures.cluster", "tests.fixtures.bench")
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
@@ -22,10 +23,7 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 os.environ["RAY_AUTH_MODE"] = "token"
-# Under pytest-xdist (`make test-fast` runs two workers on two cores) each worker, and every stage it starts, uses
-# one torch thread: two workers of two threads each would fight over two cores. Read when torch is first imported.
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 @pytest.fixture(autouse=True)
 def _isolated_dvc(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:

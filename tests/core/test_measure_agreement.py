@@ -140,6 +140,7 @@ def measure_three_ways(plain, spec, prompts, warm_up, requests, params) -> Simpl
 
 
 @pytest.mark.slow
+@pytest.mark.exclusive  # each path's self-timed speed-up must not meet another test's load
 @requires_vllm
 def test_evaluate_k_sweep_and_bench_report_one_speed_up_and_one_tau(tmp_path: Path):
     verifier_dir, draft_dir = tiny_verifier_and_draft(tmp_path)
