@@ -238,3 +238,12 @@ def test_each_stage_declares_as_params_deps_the_sections_it_reads():
             expected += [section] if field.annotation is whole else [f"{section}.{key}"
                                                                     for key in field.annotation.model_fields]
         assert sorted(declared[stage]) == sorted(expected), stage
+
+
+def test_the_workers_scheduling_hint_names_test_files_that_read_a_shared_pipeline():
+    """tests/fixtures/workers.py starts these files first among the readers; a renamed file would drop silently."""
+    from tests.fixtures.workers import LONGEST_READERS, SHARED_FIXTURES
+
+    for name in LONGEST_READERS:
+        assert (REPO / name).is_file(), name
+        assert any(fixture in (REPO / name).read_text() for fixture in SHARED_FIXTURES), name
