@@ -62,8 +62,9 @@ demo: setup
 
 # The tests run with outbound network blocked (scripts/offline.sh): nothing may need a model hub. Two workers
 # (pytest-xdist), one per core of the machine this project is sized for, each test file whole on one of them so that
-# module fixtures are built once; files in the order collected (tests/fixtures/workers.py puts the shared pipelines'
-# builders first), so that the long builds start at once. `make test TEST_WORKERS=0` runs in one process.
+# module fixtures are built once; files handed out in the order tests/fixtures/workers.py sorts them in (the shared
+# pipelines' builders first, their readers last), so that both cores stay busy. `make test TEST_WORKERS=0` runs in
+# one process.
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 test: setup

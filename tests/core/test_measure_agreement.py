@@ -152,7 +152,7 @@ def test_evaluate_k_sweep_and_bench_report_one_speed_up_and_one_tau(tmp_path: Pa
     base = EngineBase(model_dir, info, params.vllm, params.seed, at_once=2)
     plain, _ = start_engine(base.kwargs(requests), PARAM, "the verifier", warm_up, params.seed, prompts)
     spec = None
-    agreed = []
+    agreed = False
     try:
         # the draft's engine starts last: its counters are the ones in the process's registry
         spec, _ = start_engine(base.kwargs(requests, speculative_config=vllm_speculative_config(draft_dir, K)),
@@ -160,12 +160,12 @@ def test_evaluate_k_sweep_and_bench_report_one_speed_up_and_one_tau(tmp_path: Pa
         for _ in range(ROUNDS):
             three = measure_three_ways(plain, spec, prompts, warm_up, requests, params)
             # one speed-up: each path's figure within the others' intervals
-            agreed.append(overlap(three.evaluate, three.sweep) and overlap(three.evaluate, three.bench)
-                          and overlap(three.sweep, three.bench))
-            if agreed[-1]:
+            agreed = (overlap(three.evaluate, three.sweep) and overlap(three.evaluate, three.bench)
+                      and overlap(three.sweep, three.bench))
+            if agreed:
                 break
     finally:
         for llm in (spec, plain):
             if llm is not None:
                 close_engine(llm)
-    assert agreed[-1], f"the three paths' speed-up intervals did not all overlap in any of {ROUNDS} rounds"
+    assert agreed, f"the three paths' speed-up intervals did not all overlap in any of {ROUNDS} rounds"
