@@ -10,9 +10,10 @@ import yaml
 
 from eaglenest.commands.params_file import MOVED_KEYS, Params, load_params, parse_params
 from eaglenest.core.errors import ParamsError
-from eaglenest.core.eval_params import EvaluateParams
-from eaglenest.core.params import VllmEngineParams
+from eaglenest.core.eval_params import EvalSetsAndEngines, EvaluateParams
+from eaglenest.core.params import VllmEngineParams, parse_sections
 from eaglenest.stages.extract.params import ExtractParams
+from eaglenest.stages.k_sweep.params import KSweepStageParams
 from eaglenest.stages.prepare.params import PrepareParams
 from eaglenest.stages.verifier import check_aux_layers, default_aux_layers
 from tests.fixtures.pipeline import REPO
@@ -202,3 +203,16 @@ def test_a_nested_override_parses_like_dvc_exp_run_s(tmp_path: Path):
     text = "\n".join(problems({"extract": {"vllm": {"dtype": "float64", "gpu_memory_utilization": 1.5}}}))
     assert "extract.vllm.dtype = 'float64': Input should be 'auto', 'float32', 'bfloat16' or 'float16'" in text
     assert "extract.vllm.gpu_memory_utilization = 1.5: Input should be less than or equal to 1" in text
+
+
+def test_the_k_sweep_reads_evaluates_sets_and_engines_and_nothing_else_of_it():
+    """Its params deps in dvc.yaml are these keys (tests/project), so an experiment on evaluate's timed turns leaves
+    the sweep's record standing; the keys it shares are evaluate's own fields, declared once."""
+    shared = set(EvalSetsAndEngines.model_fields)
+    assert shared < set(EvaluateParams.model_fields) and issubclass(EvaluateParams, EvalSetsAndEngines)
+    assert {"timed_prompts", "timing", "reference_prompts", "num_speculative_tokens", "bf16_tie_margin"}.isdisjoint(
+        shared)
+    raw = {"evaluate": {"timed_prompts": 2, "seed": 3, "vllm": {"dtype": "float32"}}}
+    read = parse_sections(raw, KSweepStageParams, "params.yaml").evaluate
+    assert (read.seed, read.vllm.dtype) == (3, "float32") and not hasattr(read, "timed_prompts")
+    assert "evaluate.seed" in "\n".join(problems({"evaluate": {"seed": "three"}}))

@@ -55,10 +55,14 @@ def test_two_experiments_diff_and_report(tiny_repo: Path, tmp_path: Path):
 
 @pytest.mark.slow
 def test_evaluate_only_change_reruns_only_evaluate(tiny_repo: Path):
-    result = dvc(["exp", "run", "-S", "evaluate.bootstrap_samples=500"], tiny_repo)
+    """A key only evaluate reads re-runs evaluate alone; one the K sweep times with re-runs the sweep too."""
+    result = dvc(["exp", "run", "-S", "evaluate.timed_prompts=4"], tiny_repo)
     assert "Running stage 'evaluate'" in result.stdout
-    for stage in ("verifier", "prepare", "extract", "convert", "train"):
+    for stage in ("verifier", "prepare", "extract", "convert", "train", "k_sweep"):
         assert f"Running stage '{stage}'" not in result.stdout
+    shared = dvc(["exp", "run", "-S", "evaluate.bootstrap_samples=500"], tiny_repo)
+    assert "Running stage 'evaluate'" in shared.stdout and "Running stage 'k_sweep'" in shared.stdout
+    assert "Running stage 'train'" not in shared.stdout
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
 from eaglenest.core.params import BUILTIN_PREFIX, StrictModel, VllmEngineParams, width_needs_vllm
 
@@ -78,19 +78,14 @@ def _default_eval_sets() -> list[EvalSetParams]:
     ]
 
 
-class EvaluateParams(StrictModel):
-    """``evaluate:`` — real speculative decoding: acceptance, lossless check, speed-up, n-gram baseline."""
+class EvalSetsAndEngines(StrictModel):
+    """What every timing of the draft reads of ``evaluate:``: the back ends, the sets and their sampling, the engines,
+    the n-gram window, the seed and the bootstrap. The k_sweep stage reads only these keys (its params deps in
+    dvc.yaml), so an experiment on the rest of the section (``evaluate.timed_prompts``, ``evaluate.timing``, ...)
+    re-runs evaluate alone; :class:`EvaluateParams` is the whole section and refuses unknown keys.
+    """
 
-    moved_keys: ClassVar[dict[str, str]] = {
-        **{old: f"evaluate.vllm.{new}" for old, new in (("vllm_dtype", "dtype"),
-                                                        ("gpu_memory_utilization", "gpu_memory_utilization"),
-                                                        ("tensor_parallel_size", "tensor_parallel_size"))},
-        "prompts": "evaluate.sets (an entry with source: <your file>)",
-        "general_prompts": "evaluate.sets (an entry with source: builtin:general or your file)",
-        "num_prompts": "evaluate.sets (each set's num_prompts)",
-        "max_new_tokens": "evaluate.sets (each set's max_new_tokens)",
-        "temperature": "evaluate.sets (each set's temperature)",
-    }
+    model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
 
     backend: list[Literal["hf", "vllm"]] = Field(
         default_factory=lambda: ["hf", "vllm"],
@@ -102,28 +97,6 @@ class EvaluateParams(StrictModel):
     sets: list[EvalSetParams] = Field(
         default_factory=_default_eval_sets, min_length=1,
         description="The evaluation sets, each decoded by every back end; see docs/evaluation.md.",
-    )
-    timed_prompts: int = Field(
-        default=8, ge=0,
-        description="vllm: turns of each headline set decoded one at a time (single stream, as a chat user sees "
-        "it) by the plain, EAGLE-3 and n-gram engines, for the speed-ups; acceptance is read on every turn of "
-        "every set, decoded together. 0: no speed-ups, and no n-gram engine starts (a check of decoding alone).",
-    )
-    timing: Literal["interleaved", "sequential"] = Field(
-        default="interleaved",
-        description="vllm: how the timed turns are decoded. 'interleaved': the three engines are held at once and "
-        "take turns prompt by prompt (the order rotating), so the machine's drift between minutes cancels out of "
-        "every speed-up; each engine gets a third of vllm.gpu_memory_utilization, so the verifier must fit three "
-        "times. 'sequential': one engine after another (half each, the verifier fits twice), each timing all its "
-        "turns before the next starts; the figures then carry that drift.",
-    )
-    reference_prompts: int | None = Field(
-        default=1, ge=1,
-        description="hf, when vllm is also listed: conversations per set the reference decoder runs (lossless and "
-        "agreement checks; each timed); null, or hf alone: every prompt of every set.",
-    )
-    num_speculative_tokens: int | None = Field(
-        default=None, ge=1, description="K, drafts per verify step; null uses the draft's speculative_tokens."
     )
     ngram_prompt_lookup_min: int | None = Field(
         default=None, ge=1,
@@ -144,14 +117,6 @@ class EvaluateParams(StrictModel):
         "tensor_parallel_size GPUs each. dtype 'auto' serves an fp32 checkpoint in bfloat16 (lossless up to bf16 "
         "numerics: a flipped near-tie within evaluate.bf16_tie_margin counts as lossless, docs/evaluation.md); "
         "float32 matches hf exactly.",
-    )
-    bf16_tie_margin: float = Field(
-        default=0.5,
-        ge=0.0,
-        description="vllm back end below float32: a speculative output that leaves plain greedy decoding still "
-        "counts as lossless if, at the first differing token, the plain run's top two log-probabilities are "
-        "within this margin (a near-tie that bf16 rounding can flip). Not used in float32, where any "
-        "difference fails.",
     )
 
     @field_validator("backend", mode="before")
@@ -201,3 +166,51 @@ class EvaluateParams(StrictModel):
     def headline_backend(self) -> str:
         """The back end whose figures are the headline: vllm (what a server runs) where listed, else hf."""
         return "vllm" if "vllm" in self.backend else "hf"
+
+
+class EvaluateParams(EvalSetsAndEngines):
+    """``evaluate:`` — real speculative decoding: acceptance, lossless check, speed-up, n-gram baseline."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    moved_keys: ClassVar[dict[str, str]] = {
+        **{old: f"evaluate.vllm.{new}" for old, new in (("vllm_dtype", "dtype"),
+                                                        ("gpu_memory_utilization", "gpu_memory_utilization"),
+                                                        ("tensor_parallel_size", "tensor_parallel_size"))},
+        "prompts": "evaluate.sets (an entry with source: <your file>)",
+        "general_prompts": "evaluate.sets (an entry with source: builtin:general or your file)",
+        "num_prompts": "evaluate.sets (each set's num_prompts)",
+        "max_new_tokens": "evaluate.sets (each set's max_new_tokens)",
+        "temperature": "evaluate.sets (each set's temperature)",
+    }
+
+    timed_prompts: int = Field(
+        default=8, ge=0,
+        description="vllm: turns of each headline set decoded one at a time (single stream, as a chat user sees "
+        "it) by the plain, EAGLE-3 and n-gram engines, for the speed-ups; acceptance is read on every turn of "
+        "every set, decoded together. 0: no speed-ups, and no n-gram engine starts (a check of decoding alone).",
+    )
+    timing: Literal["interleaved", "sequential"] = Field(
+        default="interleaved",
+        description="vllm: how the timed turns are decoded. 'interleaved': the three engines are held at once and "
+        "take turns prompt by prompt (the order rotating), so the machine's drift between minutes cancels out of "
+        "every speed-up; each engine gets a third of vllm.gpu_memory_utilization, so the verifier must fit three "
+        "times. 'sequential': one engine after another (half each, the verifier fits twice), each timing all its "
+        "turns before the next starts; the figures then carry that drift.",
+    )
+    reference_prompts: int | None = Field(
+        default=1, ge=1,
+        description="hf, when vllm is also listed: conversations per set the reference decoder runs (lossless and "
+        "agreement checks; each timed); null, or hf alone: every prompt of every set.",
+    )
+    num_speculative_tokens: int | None = Field(
+        default=None, ge=1, description="K, drafts per verify step; null uses the draft's speculative_tokens."
+    )
+    bf16_tie_margin: float = Field(
+        default=0.5,
+        ge=0.0,
+        description="vllm back end below float32: a speculative output that leaves plain greedy decoding still "
+        "counts as lossless if, at the first differing token, the plain run's top two log-probabilities are "
+        "within this margin (a near-tie that bf16 rounding can flip). Not used in float32, where any "
+        "difference fails.",
+    )

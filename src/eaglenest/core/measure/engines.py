@@ -26,7 +26,7 @@ from eaglenest.core.errors import EaglenestError
 from eaglenest.core.vllm_support import VLLM_NGRAM_WINDOW, VerifierTraits, create_llm, engine_kwargs, generate
 
 if TYPE_CHECKING:
-    from eaglenest.core.eval_params import EvaluateParams
+    from eaglenest.core.eval_params import EvalSetsAndEngines
     from eaglenest.core.params import VllmEngineParams
 
 # The CPU build starts at most this many engines in one process (core/vllm_support.create_llm).
@@ -107,7 +107,7 @@ class EngineBase:
         return kwargs
 
 
-def ngram_config(params: EvaluateParams | None, k: int) -> tuple[dict[str, Any], tuple[int, int]]:
+def ngram_config(params: EvalSetsAndEngines | None, k: int) -> tuple[dict[str, Any], tuple[int, int]]:
     """vLLM's n-gram ``speculative_config`` at K = ``k`` in evaluate's window (``params``; None: vLLM's default), and
     the lookup window it runs with."""
     low, high = (None, None) if params is None else (params.ngram_prompt_lookup_min, params.ngram_prompt_lookup_max)

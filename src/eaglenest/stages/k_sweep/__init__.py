@@ -33,7 +33,7 @@ from eaglenest.artifacts.eval_sets import EvalSet, load_eval_sets
 from eaglenest.artifacts.k_record import ServedFigure, write_k_record
 from eaglenest.artifacts.verifier import load_tokenizer, load_verifier_info
 from eaglenest.core.errors import EaglenestError
-from eaglenest.core.eval_params import EvaluateParams
+from eaglenest.core.eval_params import EvalSetsAndEngines
 from eaglenest.core.host import host_record
 from eaglenest.core.measure import engines as kit_engines
 from eaglenest.core.measure import single_stream
@@ -187,7 +187,7 @@ def _measure(params: KSweepStageParams, paths: KSweepPaths, ks: list[int], repea
                           details)
 
 
-def time_beside_plain(turns: TimedTurns, plain: Any, engines: dict[str, Any], evaluate: EvaluateParams, label: str
+def time_beside_plain(turns: TimedTurns, plain: Any, engines: dict[str, Any], evaluate: EvalSetsAndEngines, label: str
                       ) -> dict[str, dict[str, Any]]:
     """Every headline set's timed turns on the plain engine and ``engines`` (name -> speculative engine), taking
     turns prompt by prompt; per engine and set its figures beside the plain engine's (:func:`timed_entry`), with the

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator
 
-from eaglenest.core.eval_params import EvaluateParams
+from eaglenest.core.eval_params import EvalSetsAndEngines
 from eaglenest.core.params import StageParams, StrictModel
 
 
@@ -46,8 +46,11 @@ class KSweepParams(StrictModel):
 
 
 class KSweepStageParams(StageParams):
-    """What the k_sweep stage reads of params.yaml: its own section and evaluate's (the headline sets, their
-    sampling, the engine settings)."""
+    """What the k_sweep stage reads of params.yaml: its own section and what it shares of evaluate's (the headline
+    sets, their sampling, the engines, the seed and the bootstrap), nothing else of it."""
 
     k_sweep: KSweepParams = Field(default_factory=KSweepParams, description="The k_sweep stage.")
-    evaluate: EvaluateParams = Field(default_factory=EvaluateParams, description="The evaluate stage.")
+    evaluate: EvalSetsAndEngines = Field(
+        default_factory=EvalSetsAndEngines,
+        description="The evaluate stage's sets and engines, which the sweep times (not its timed_prompts, timing, "
+        "reference or K).")
