@@ -117,6 +117,17 @@ def require_vllm(param: str) -> VllmBuild:
     return build
 
 
+def checkpoint_dtype(model_dir: Path) -> str | None:
+    """The dtype the checkpoint's config.json names (``dtype``, or transformers' older ``torch_dtype``); None where
+    it names none or cannot be read."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    dtype = config.get("dtype", config.get("torch_dtype"))
+    return dtype if isinstance(dtype, str) else None
+
+
 def serving_dtype(model_dir: Path, requested: str = "auto") -> str:
     """The dtype vLLM runs the verifier in.
 
@@ -128,11 +139,7 @@ def serving_dtype(model_dir: Path, requested: str = "auto") -> str:
     """
     if requested != "auto":
         return requested
-    try:
-        config = json.loads((model_dir / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return "auto"
-    if config.get("dtype", config.get("torch_dtype")) != "float32":
+    if checkpoint_dtype(model_dir) != "float32":
         return "auto"
     from eaglenest.core.device import cpu_has_native_bf16
 

@@ -195,3 +195,21 @@ def test_bad_flag_combinations_are_refused():
         parse_params({"extract": {"backend": "import"}})
     with pytest.raises(ParamsError, match=r"extract.import_path = 'x' is only read by extract.backend: import"):
         parse_params({"extract": {"import_path": "x"}})
+
+
+def test_the_host_record_names_the_dtype_the_verifier_computed_in(tmp_path: Path):
+    """vllm: the engine's dtype, "auto" resolved as vLLM is asked for it, whatever extract.dtype stores; import: none,
+    the states were computed elsewhere (hf's is checked above, on the real decoder)."""
+    from eaglenest.core.vllm_support import serving_dtype
+    from eaglenest.stages.extract import computed_in
+
+    checkpoint = tmp_path / "verifier"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps({"dtype": "float32"}))
+    vllm = {"backend": "vllm", "dtype": "bfloat16"}
+    assert computed_in(ExtractParams(**vllm, vllm={"dtype": "float32"}), checkpoint) == "float32"
+    # an fp32 checkpoint: bf16 where this host computes it natively, else float32 (what the engine is started with)
+    assert computed_in(ExtractParams(**vllm), checkpoint) == serving_dtype(checkpoint) in ("bfloat16", "float32")
+    (checkpoint / "config.json").write_text(json.dumps({"torch_dtype": "float16"}))
+    assert computed_in(ExtractParams(**vllm), checkpoint) == "float16"
+    assert computed_in(ExtractParams(backend="import", import_path=str(tmp_path)), checkpoint) is None

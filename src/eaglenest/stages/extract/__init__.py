@@ -210,12 +210,18 @@ def compute_hidden_states(plan: ExtractionPlan, cluster: ClusterParams) -> Compu
     return computed
 
 
-def computed_in(params: ExtractParams) -> str:
-    """The dtype the host record names for this extraction: the hf back end's decoder dtype on its device (bf16
-    on a GPU, float32 on a CPU, whatever ``extract.dtype`` stores); the vllm and import back ends record
-    ``extract.dtype``, the dtype stored."""
-    if params.backend != "hf":
-        return params.dtype
+def computed_in(params: ExtractParams, model_dir: Path) -> str | None:
+    """The dtype the host record names for this extraction: the one the verifier computed in here, whatever
+    ``extract.dtype`` stores. hf: its decoder's on its device (bf16 on a GPU, float32 on a CPU); vllm: the engine's
+    (``extract.vllm.dtype``, "auto" resolved as :func:`~eaglenest.core.vllm_support.serving_dtype` resolves it for
+    vLLM, else the checkpoint's own); import: None, the states were computed elsewhere and only copied here."""
+    if params.backend == "import":
+        return None
+    if params.backend == "vllm":
+        from eaglenest.core.vllm_support import checkpoint_dtype, serving_dtype
+
+        dtype = serving_dtype(model_dir, params.vllm.dtype)
+        return checkpoint_dtype(model_dir) if dtype == "auto" else dtype
     from eaglenest.core.decoder import decoder_dtype
     from eaglenest.core.device import pick_device
 
@@ -247,7 +253,7 @@ def finish_extraction(plan: ExtractionPlan, computed: Computed, metrics_path: Pa
         "executor": computed.executor,
         "engines": computed.engines,
         # kernels differ by CPU kind: the same commit extracts other bytes on another kind
-        "host": host_record(computed_in(params)),
+        "host": host_record(computed_in(params, plan.model_dir)),
     }
     atomic_write_json(metrics_path, metrics)
     return metrics
