@@ -100,17 +100,19 @@ def test_k_can_be_served_below_the_drafts_own(capsys, no_exec, pipeline_folders)
     assert "--num-speculative-tokens 0: must be at least 1 (the draft's own K is 3)" in capsys.readouterr().err
 
 
-def test_a_baseline_server_for_bench_serves_ngram_or_no_drafting(capsys, no_exec, pipeline_folders):
+def test_a_baseline_server_for_bench_serves_ngram_or_no_drafting(capsys, no_exec, pipeline_folders, tmp_path: Path):
     """``--baseline``: the server ``eaglenest bench --baseline-url`` compares the draft's against, on the same
-    verifier, name and flags: n-gram drafting at the draft's K (vLLM's default window), or no drafting at all."""
+    verifier, name and flags: n-gram drafting at the setting the ngram_sweep stage measured (without its record,
+    vLLM's default window at the draft's K), or no drafting at all."""
     verifier, draft = pipeline_folders
     assert cli.main(["serve", "--verifier", str(verifier), "--draft", str(draft), "--baseline", "ngram",
-                     "--print-command"]) == 0
+                     "--ngram-sweep", str(tmp_path / "absent.json"), "--print-command"]) == 0
     captured = capsys.readouterr()
     argv = shlex.split(captured.out.strip())
     assert json.loads(argv[argv.index("--speculative-config") + 1]) == {
         "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 5, "prompt_lookup_max": 5}
-    assert "n-gram drafting (baseline), served K: 3" in captured.err
+    assert (f"baseline: n-gram drafting at window 5:5, K = 3 (vLLM's default window: no {tmp_path / 'absent.json'}"
+            in captured.err)
     assert cli.main(["serve", "--verifier", str(verifier), "--draft", str(draft), "--baseline", "none",
                      "--print-command"]) == 0
     argv = shlex.split(capsys.readouterr().out.strip())

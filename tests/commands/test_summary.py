@@ -14,7 +14,8 @@ def test_summary_is_one_row_per_headline_set(tmp_path: Path, capsys: pytest.Capt
     (tmp_path / "metrics" / "eval").mkdir(parents=True)
     (tmp_path / "metrics" / "eval.json").write_text(json.dumps({
         "humaneval": {"vllm_tau": 1.8, "vllm_tau_ci95": 0.03, "vllm_speedup": 1.2, "vllm_speedup_ci95": 0.05,
-                      "vllm_ngram_speedup": 0.9, "vllm_ngram_speedup_ci95": 0.04},
+                      "vllm_ngram_speedup": 0.9, "vllm_ngram_speedup_ci95": 0.04, "vllm_vs_ngram": 1.333,
+                      "vllm_vs_ngram_ci95": 0.06},
         "general": {"vllm_tau": 1.5, "vllm_tau_ci95": 0.07},
         "lossless": 1.0}))
     (tmp_path / "metrics" / "train.json").write_text(json.dumps({"tau_sim": 2.04, "val_loss_all_tokens": 4.5}))
@@ -23,12 +24,16 @@ def test_summary_is_one_row_per_headline_set(tmp_path: Path, capsys: pytest.Capt
     (tmp_path / "metrics" / "eval" / "details.json").write_text(json.dumps({"headline_backend": "vllm", "host": host,
                                                                            "runs": {"vllm": {"sets": {"val": {
                                                                                "summary": {"tau": {"value": 1.9,
-                                                                                                   "ci95": 0.08}}}}}}}))
+                                                                                                   "ci95": 0.08}}},
+                                                                               "humaneval": {"summary": {"vs_ngram": {
+                                                                                   "verdict": "ahead"}}}}}}}))
     assert main(["summary", "--repo", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["set", "vllm", "tau", "(95%)", "speed-up", "(95%)", "n-gram", "speed-up", "(95%)"]
-    assert lines[1].split() == ["humaneval", "1.800", "±", "0.030", "x1.200", "±", "0.050", "x0.900", "±", "0.040"]
-    assert lines[2].split() == ["general", "1.500", "±", "0.070", "—", "—"]
+    assert lines[0].split() == ["set", "vllm", "tau", "(95%)", "speed-up", "(95%)", "n-gram", "speed-up", "(95%)",
+                                "draft", "/", "n-gram", "(95%)"]
+    assert lines[1].split() == ["humaneval", "1.800", "±", "0.030", "x1.200", "±", "0.050", "x0.900", "±", "0.040",
+                                "x1.333", "±", "0.060", "ahead"]
+    assert lines[2].split() == ["general", "1.500", "±", "0.070", "—", "—", "—"]
     assert lines[3] == "lossless: 1.0"
     assert "tau_sim 2.040" in lines[4] and "decoded tau of the same split (vllm): 1.900 ± 0.080" in lines[4]
     assert lines[5] == "measured on: AMD EPYC, AVX2 (no native bf16), computing in float32"

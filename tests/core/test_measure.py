@@ -66,10 +66,14 @@ def test_an_engine_is_sized_to_its_longest_requests_in_flight(monkeypatch: pytes
     assert batched["max_model_len"] == 324 and batched["max_num_seqs"] == 2
     assert batched["kv_cache_memory_bytes"] == int(1.25 * 128 * 548) + vllm_support.KV_CACHE_MARGIN_BYTES
     assert batched["enable_prefix_caching"] is False and "speculative_config" not in batched
-    drafting = base.kwargs(requests, speculative_config={"method": "ngram"})  # one at a time: one request's cache
-    assert drafting["max_num_seqs"] == 1 and drafting["speculative_config"] == {"method": "ngram"}
-    assert drafting["kv_cache_memory_bytes"] == int(1.25 * 128 * 324) + vllm_support.KV_CACHE_MARGIN_BYTES
-    assert drafting["disable_log_stats"] is False and drafting["per_request_spec_decode_metrics"] == "summary"
+    assert batched["disable_log_stats"] is False  # every engine logs stats, the plain one too
+    alone = base.kwargs(requests)  # one at a time: one request's cache
+    assert alone["max_num_seqs"] == 1
+    assert alone["kv_cache_memory_bytes"] == int(1.25 * 128 * 324) + vllm_support.KV_CACHE_MARGIN_BYTES
+    # a drafting engine adds its speculative_config and the per-request counts vLLM gives only with one, nothing else
+    drafting = engines.drafting(alone, {"method": "ngram"})
+    assert drafting == {**alone, "speculative_config": {"method": "ngram"}, "per_request_spec_decode_metrics": "summary"}
+    assert engines.drafting(alone, None) == alone
     # decoded in two calls: the cache holds the larger call's two longest
     per_call = base.kwargs(requests + [50], in_flight=2, batches=[[124, 324], [224, 50]])
     assert per_call["kv_cache_memory_bytes"] == int(1.25 * 128 * 448) + vllm_support.KV_CACHE_MARGIN_BYTES

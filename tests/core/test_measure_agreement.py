@@ -23,13 +23,19 @@ from eaglenest.artifacts.verifier import INFO_FILE, load_verifier_info
 from eaglenest.commands.bench.counters import acceptance
 from eaglenest.commands.bench.figures import single_stream_speedup
 from eaglenest.core.eval_params import EvaluateParams
-from eaglenest.core.measure.engines import EngineBase, close_engine, request_tokens, sampling_params, start_engine
+from eaglenest.core.measure.beside_plain import TimedTurns, add_speedup, time_beside_plain, timed_entry
+from eaglenest.core.measure.engines import (
+    EngineBase,
+    close_engine,
+    drafting,
+    request_tokens,
+    sampling_params,
+    start_engine,
+)
 from eaglenest.core.measure.single_stream import output_tokens, time_interleaved, tokens_and_seconds
 from eaglenest.core.measure.spec_counters import parse_metrics
 from eaglenest.core.params import VllmEngineParams
 from eaglenest.stages.evaluate.vllm import add_timed
-from eaglenest.stages.k_sweep import TimedTurns, time_beside_plain, timed_entry
-from eaglenest.stages.k_sweep.choice import add_speedup
 from tests.conftest import requires_vllm
 from tests.fixtures.models import build_tiny_verifier
 
@@ -79,7 +85,7 @@ def evaluate_records(timed: dict[str, list], k: int) -> list[dict]:
     records = []
     for i in range(len(timed["plain"])):
         record = {"id": str(i)}
-        add_timed(record, {drafter: turns[i] for drafter, turns in timed.items()}, k)
+        add_timed(record, {drafter: turns[i] for drafter, turns in timed.items()}, k, k)
         records.append(record)
     return records
 
@@ -119,7 +125,8 @@ def measure_three_ways(plain, spec, prompts, warm_up, requests, params) -> Simpl
     # the k_sweep stage's path, timing for itself
     eval_set = SimpleNamespace(name="prompts", params=SimpleNamespace(max_new_tokens=MAX_NEW, temperature=0.0))
     turns = TimedTurns([eval_set], {"prompts": prompts}, warm_up, requests)
-    swept = time_beside_plain(turns, plain, {"draft": spec}, params, "the k_sweep stage's path")["draft"]["prompts"]
+    swept = time_beside_plain(turns, plain, {"draft": spec}, params, PARAM,
+                              "the k_sweep stage's path")["draft"]["prompts"]
 
     # bench's path: a server's counters around its run, its requests' tokens and seconds
     before = registry_reading("before")
@@ -150,13 +157,14 @@ def test_evaluate_k_sweep_and_bench_report_one_speed_up_and_one_tau(tmp_path: Pa
     warm_up = [5, 6, 7, 8]
     requests = [request_tokens(len(p), MAX_NEW, K) for p in [warm_up, *prompts]]
     base = EngineBase(model_dir, info, params.vllm, params.seed, at_once=2)
-    plain, _ = start_engine(base.kwargs(requests), PARAM, "the verifier", warm_up, params.seed, prompts)
+    common = base.kwargs(requests)
+    plain, _ = start_engine(common, PARAM, "the verifier", warm_up, params.seed, prompts)
     spec = None
     agreed = False
     try:
         # the draft's engine starts last: its counters are the ones in the process's registry
-        spec, _ = start_engine(base.kwargs(requests, speculative_config=vllm_speculative_config(draft_dir, K)),
-                               PARAM, "the tiny draft", warm_up, params.seed, prompts)
+        spec, _ = start_engine(drafting(common, vllm_speculative_config(draft_dir, K)), PARAM, "the tiny draft",
+                               warm_up, params.seed, prompts)
         for _ in range(ROUNDS):
             three = measure_three_ways(plain, spec, prompts, warm_up, requests, params)
             # one speed-up: each path's figure within the others' intervals

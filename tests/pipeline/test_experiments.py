@@ -55,13 +55,18 @@ def test_two_experiments_diff_and_report(tiny_repo: Path, tmp_path: Path):
 
 @pytest.mark.slow
 def test_evaluate_only_change_reruns_only_evaluate(tiny_repo: Path):
-    """A key only evaluate reads re-runs evaluate alone; one the K sweep times with re-runs the sweep too."""
-    result = dvc(["exp", "run", "-S", "evaluate.timed_prompts=4"], tiny_repo)
+    """A key only evaluate reads re-runs evaluate alone; one the sweeps time with re-runs them too: the timed turns
+    the n-gram sweep (it tunes on the turns after them), the bootstrap both."""
+    result = dvc(["exp", "run", "-S", "evaluate.bf16_tie_margin=0.4"], tiny_repo)
     assert "Running stage 'evaluate'" in result.stdout
-    for stage in ("verifier", "prepare", "extract", "convert", "train", "k_sweep"):
+    for stage in ("verifier", "prepare", "extract", "convert", "train", "ngram_sweep", "k_sweep"):
         assert f"Running stage '{stage}'" not in result.stdout
+    timed = dvc(["exp", "run", "-S", "evaluate.timed_prompts=4"], tiny_repo)
+    assert "Running stage 'evaluate'" in timed.stdout and "Running stage 'ngram_sweep'" in timed.stdout
+    assert "Running stage 'k_sweep'" not in timed.stdout
     shared = dvc(["exp", "run", "-S", "evaluate.bootstrap_samples=500"], tiny_repo)
-    assert "Running stage 'evaluate'" in shared.stdout and "Running stage 'k_sweep'" in shared.stdout
+    for stage in ("evaluate", "ngram_sweep", "k_sweep"):
+        assert f"Running stage '{stage}'" in shared.stdout
     assert "Running stage 'train'" not in shared.stdout
 
 

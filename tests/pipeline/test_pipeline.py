@@ -82,7 +82,8 @@ def test_default_verifier_and_mix_through_dvc_repro(shared_pipeline: SharedPipel
     for name in headline:
         figures = evaluation[name]
         assert set(figures) == {"vllm_tau", "vllm_tau_ci95", "vllm_speedup", "vllm_speedup_ci95",
-                                "vllm_ngram_speedup", "vllm_ngram_speedup_ci95"}, figures
+                                "vllm_ngram_speedup", "vllm_ngram_speedup_ci95", "vllm_vs_ngram", "vllm_vs_ngram_ci95",
+                                "vllm_tau_timed"}, figures
         assert 1.0 <= figures["vllm_tau"] <= 4.0 and figures["vllm_tau_ci95"] >= 0 and figures["vllm_speedup"] > 0
     records = json.loads((repo / "metrics/eval/records.json").read_text())
     mt = records["runs"]["vllm"]["sets"]["mt"]["records"]
@@ -148,7 +149,7 @@ def test_own_verifier_and_conversations(tmp_path: Path, tiny_verifier_dir: Path)
     again = dvc(["repro"], repo)
     assert "Stage 'verifier' didn't change, skipping" in again.stdout
     assert "Running stage 'prepare'" in again.stdout
-    for stage in ("extract", "convert", "train", "evaluate", "k_sweep"):
+    for stage in ("extract", "convert", "train", "ngram_sweep", "evaluate", "k_sweep"):
         assert f"Running stage '{stage}'" in again.stdout, stage
     assert json.loads((repo / "metrics/prepare.json").read_text())["kept"] == 12
     assert_all_skipped(dvc(["repro"], repo).stdout)
@@ -275,6 +276,7 @@ def test_an_edit_re_runs_only_the_stages_that_run_the_edited_code(tiny_pipeline:
     assert draft_hash(repo) == draft_before
     assert "Stage 'evaluate' didn't change, skipping" in rerun.stdout
     assert "Stage 'k_sweep' didn't change, skipping" in rerun.stdout
+    assert "Stage 'ngram_sweep' didn't change, skipping" in rerun.stdout  # it reads no draft
     # the K record's format and rule: the stage that writes it (serve and summary read it: commands re-run nothing)
     record_code = (code / "artifacts" / "k_record.py").read_text()
     append_comment(code / "artifacts" / "k_record.py")

@@ -5,7 +5,10 @@ be recomputed, resampled and paired between revisions (``eaglenest report BASE H
 
     {"num_speculative_tokens": K,
      "runs": {backend: {"dtype": ..., "sets": {set: {"temperature", "max_new_tokens", "source",
-                                                    "ngram_window", "records": [record, ...]}}}}}
+                                                    "ngram", "records": [record, ...]}}}}}
+
+``ngram`` (vllm) is the n-gram baseline's setting: its lookup ``window``, its ``num_speculative_tokens`` and why
+(the ngram_sweep stage's measurement, or vLLM's default where there is none).
 
 A record (one prompt turn):
 
@@ -16,9 +19,9 @@ A record (one prompt turn):
   was timed, else null; ``ngram_tokens``/``ngram_s`` the same for the n-gram baseline (vllm);
 * ``alone_steps``, ``alone_accepted`` — vllm, timed turns: the draft's counts when the turn was decoded alone,
   beside ``steps``/``accepted`` from the batched pass (batching changes the numerics, and with them acceptance);
-* ``ngram_steps``, ``ngram_accepted``, ``ngram_drafted`` — the n-gram baseline's counts: vLLM's own on the
-  timed turns (it counts only steps where the lookup proposed, so its tau is conditional on a match) or, for
-  hf, replayed on the plain output; absent where not measured.
+* ``ngram_steps``, ``ngram_accepted``, ``ngram_drafted``, ``ngram_per_position`` — the n-gram baseline's counts
+  (at its own K): vLLM's own on the timed turns (it counts only steps where the lookup proposed, so its tau is
+  conditional on a match) or, for hf, replayed on the plain output; absent where not measured.
 """
 
 from __future__ import annotations
@@ -70,6 +73,29 @@ def speedup_interval(records: list[dict[str, Any]], samples: int, seed: int, dra
     return paired_speedup(cluster_sums(chosen, fields), samples, seed)
 
 
+def draft_vs_ngram(records: list[dict[str, Any]], samples: int, seed: int) -> Interval | None:
+    """The draft's single-stream tokens/s over the n-gram baseline's on the turns both decoded alone, paired
+    conversation by conversation (the measurement kit's speed-up statistic with n-gram in plain's place), with its
+    95% interval; None where the baseline was not timed.
+
+    A ratio of the two speed-ups would carry both engines' spread against plain decoding; pairing the draft with
+    n-gram directly cancels what the two share on each prompt (its length, what the machine was doing)."""
+    chosen = [r for r in timed(records, "spec") if r.get("ngram_s") is not None]
+    if not chosen:
+        return None
+    return paired_speedup(cluster_sums(chosen, ("spec_tokens", "spec_s", "ngram_tokens", "ngram_s")), samples, seed)
+
+
+def verdict(versus: Interval) -> str:
+    """``ahead``, ``behind`` or ``tie``: whether the 95% interval of the draft's speed over n-gram's lies wholly
+    above 1, wholly below it, or around it."""
+    if versus.low > 1:
+        return "ahead"
+    if versus.high < 1:
+        return "behind"
+    return "tie"
+
+
 def summarize(records: list[dict[str, Any]], k: int, samples: int, seed: int) -> dict[str, Any]:
     """One back end's figures on one set: tau and speed-up with intervals, acceptance per position, the
     n-gram baseline, lossless counts and tau per category."""
@@ -91,7 +117,7 @@ def summarize(records: list[dict[str, Any]], k: int, samples: int, seed: int) ->
         # vllm decodes the baseline on the timed turns only: its counts are theirs
         with_ngram = [r for r in records if r.get("ngram_steps") is not None]
         summary["ngram_tau"] = tau_interval(with_ngram, samples, seed, prefix="ngram_").as_dict()
-        summary["ngram_per_position_acceptance"] = _ngram_per_position(with_ngram, k)
+        summary["ngram_per_position_acceptance"] = _ngram_per_position(with_ngram)
     for drafter, name in (("spec", "speedup"), ("ngram", "ngram_speedup")):
         interval = speedup_interval(records, samples, seed, drafter)
         if interval is not None:
@@ -102,9 +128,12 @@ def summarize(records: list[dict[str, Any]], k: int, samples: int, seed: int) ->
             summary["tokens_per_s_plain"] = round(
                 sum(r["plain_tokens"] for r in chosen) / sum(r["plain_s"] for r in chosen), 2)
             summary["timed_turns"] = len(chosen)
+    versus = draft_vs_ngram(records, samples, seed)
+    if versus is not None:
+        summary["vs_ngram"] = versus.as_dict() | {"verdict": verdict(versus)}
     alone = [r for r in records if r.get("alone_steps") is not None]
     if alone:
-        # the same turns' tau decoded together and decoded alone
+        # the same turns' tau decoded together and decoded alone; alone is the tau the timed speed-ups decoded at
         summary["tau_batched_vs_alone"] = {
             "batched": tau_interval(alone, samples, seed).as_dict(),
             "alone": bootstrap(cluster_sums(alone, ("alone_accepted", "alone_steps")), tau_statistic, samples,
@@ -117,16 +146,20 @@ def summarize(records: list[dict[str, Any]], k: int, samples: int, seed: int) ->
     return summary
 
 
-def _ngram_per_position(records: list[dict[str, Any]], k: int) -> list[float]:
+def _ngram_per_position(records: list[dict[str, Any]]) -> list[float]:
+    """The baseline's acceptance per draft position, at its own K (the ngram_sweep stage's, not the draft's)."""
     steps = sum(r.get("ngram_steps") or 0 for r in records)
+    k = max(len(r.get("ngram_per_position") or []) for r in records)
     counts = [sum((r.get("ngram_per_position") or [0] * k)[i] for r in records) for i in range(k)]
     return [round(c / steps, 4) if steps else 0.0 for c in counts]
 
 
 def headline(details: dict[str, Any], headline_sets: list[str], backend: str) -> dict[str, Any]:
     """The few figures ``metrics/eval.json`` holds: per headline set, the serving back end's tau and speed-up
-    and the n-gram baseline's speed-up (each with its 95% half-width); ``lossless``, the smallest lossless
-    fraction of any greedy set and back end."""
+    and the n-gram baseline's speed-up (each with its 95% half-width), the verdict's figure (``_vs_ngram``: the
+    draft's speed over n-gram's, paired, with its half-width) and tau on the timed turns as they were decoded
+    (``_tau_timed``, beside tau on the whole set); ``lossless``, the smallest lossless fraction of any greedy set
+    and back end."""
     figures: dict[str, Any] = {}
     for name in headline_sets:
         summary = details["runs"][backend]["sets"][name]["summary"]
@@ -137,6 +170,11 @@ def headline(details: dict[str, Any], headline_sets: list[str], backend: str) ->
         if "ngram_speedup" in summary:
             entry[f"{backend}_ngram_speedup"] = summary["ngram_speedup"]["value"]
             entry[f"{backend}_ngram_speedup_ci95"] = summary["ngram_speedup"]["ci95"]
+        if "vs_ngram" in summary:
+            entry[f"{backend}_vs_ngram"] = summary["vs_ngram"]["value"]
+            entry[f"{backend}_vs_ngram_ci95"] = summary["vs_ngram"]["ci95"]
+        if "tau_batched_vs_alone" in summary:
+            entry[f"{backend}_tau_timed"] = summary["tau_batched_vs_alone"]["alone"]["value"]
         figures[name] = entry
     greedy = [s["summary"]["lossless_fraction"] for run in details["runs"].values() for s in run["sets"].values()
               if s["temperature"] == 0]

@@ -32,3 +32,12 @@ def interval_text(value: float | None, half_width: float | None, prefix: str = "
 def figure_text(figures: dict[str, Any], key: str, prefix: str = "") -> str:
     """``figures[key]`` with its ``_ci95`` half-width where the metrics hold one (:func:`interval_text`)."""
     return interval_text(figures.get(key), figures.get(f"{key}_ci95"), prefix)
+
+
+def versus_text(figures: dict[str, Any], backend: str, summary: dict[str, Any]) -> str:
+    """The verdict of one set, as the tables print it: the draft's speed over the n-gram baseline's with its 95%
+    half-width (``metrics/eval.json``) and the word the interval gives (``ahead``, ``tie``, ``behind``: the set's
+    summary in ``metrics/eval/details.json``, whose interval is the asymmetric one)."""
+    said = (summary.get("vs_ngram") or {}).get("verdict")
+    text = figure_text(figures, f"{backend}_vs_ngram", "x")
+    return f"{text} {said}" if said and text != "—" else text

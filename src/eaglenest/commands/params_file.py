@@ -31,6 +31,7 @@ from eaglenest.stages.convert.params import ConvertStageParams
 from eaglenest.stages.evaluate.params import EvaluateStageParams
 from eaglenest.stages.extract.params import ExtractStageParams
 from eaglenest.stages.k_sweep.params import KSweepStageParams
+from eaglenest.stages.ngram_sweep.params import NgramSweepStageParams
 from eaglenest.stages.prepare.params import PrepareStageParams
 from eaglenest.stages.train.params import TrainStageParams
 from eaglenest.stages.verifier.params import VerifierStageParams
@@ -53,8 +54,8 @@ class Section:
 STAGE_PARAMS: Registry[type[StageParams]] = Registry("stage's params")
 for _name, _model in (("verifier", VerifierStageParams), ("prepare", PrepareStageParams),
                       ("extract", ExtractStageParams), ("convert", ConvertStageParams),
-                      ("train", TrainStageParams), ("evaluate", EvaluateStageParams),
-                      ("k_sweep", KSweepStageParams)):
+                      ("train", TrainStageParams), ("ngram_sweep", NgramSweepStageParams),
+                      ("evaluate", EvaluateStageParams), ("k_sweep", KSweepStageParams)):
     STAGE_PARAMS.register(_name, _model)
 
 # The file's top-level keys, in the order the reference and `eaglenest init` write them.

@@ -33,10 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eaglenest.artifacts.k_record import K_RECORD_FILE, served_k
+from eaglenest.artifacts.ngram_record import NGRAM_RECORD_FILE, measured_ngram
 from eaglenest.commands.command import Command
 from eaglenest.commands.supervised import run_in_foreground
 from eaglenest.core.errors import EaglenestError
-from eaglenest.core.measure.engines import ngram_config
 from eaglenest.core.vllm_support import DEFAULT_CPU_KVCACHE_GIB, VLLM_DTYPES, serving_dtype
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -86,7 +86,8 @@ def check_port_free(host: str, port: int) -> None:
 def build_command(verifier_dir: Path, draft_dir: Path, host: str, port: int, dtype: str = "auto",
                   cpu_build: bool = True, num_speculative_tokens: int | None = None,
                   k_sweep_file: Path | None = K_RECORD_FILE, served_model_name: str | None = None,
-                  vllm_args: list[str] | None = None, baseline: str | None = None) -> ServeCommand:
+                  vllm_args: list[str] | None = None, baseline: str | None = None,
+                  ngram_file: Path | None = NGRAM_RECORD_FILE) -> ServeCommand:
     """The vLLM server command for the verifier stage's folder and the draft (or a baseline without it).
 
     Args:
@@ -103,7 +104,9 @@ def build_command(verifier_dir: Path, draft_dir: Path, host: str, port: int, dty
         served_model_name: The name clients ask for; None: the verifier's (``verifier.name``, the hub id).
         vllm_args: Further vLLM server flags, appended as given; none of ``OWN_FLAGS``.
         baseline: None serves the draft; ``"none"`` the verifier alone, ``"ngram"`` with vLLM's n-gram drafting
-            at the same K (vLLM's default window): what ``eaglenest bench --baseline-url`` compares against.
+            at the window and K the ngram_sweep stage measured fastest for this verifier (``ngram_file``), else
+            vLLM's default window at the draft's K: what ``eaglenest bench --baseline-url`` compares against.
+        ngram_file: The n-gram record; None: not consulted.
     """
     # Here, not at the top: the draft's module imports torch, which building the parser must not.
     from eaglenest.artifacts.draft import vllm_speculative_config
@@ -128,7 +131,8 @@ def build_command(verifier_dir: Path, draft_dir: Path, host: str, port: int, dty
     if baseline is None:
         argv += ["--speculative-config", json.dumps(vllm_speculative_config(draft_dir.resolve(), k))]
     elif baseline == "ngram":
-        argv += ["--speculative-config", json.dumps(ngram_config(None, k)[0])]
+        ngram = measured_ngram(info.fingerprint, k, ngram_file)
+        argv += ["--speculative-config", json.dumps(ngram.setting.speculative_config())]
     argv += ["--host", host, "--port", str(port), "--dtype", serving_dtype(model_dir, dtype)]
     if info.trust_remote_code:
         argv.append("--trust-remote-code")
@@ -139,14 +143,16 @@ def build_command(verifier_dir: Path, draft_dir: Path, host: str, port: int, dty
         argv.append("--enforce-eager")
         env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KVCACHE_GIB)
     argv += vllm_args or []
-    what = {None: "the draft", "ngram": "n-gram drafting (baseline)", "none": "no drafting (baseline)"}[baseline]
-    return ServeCommand(argv, env, what if baseline == "none" else f"{what}, {choice.line()}", served_name)
+    reason = {None: f"the draft, {choice.line()}", "none": "baseline: no drafting",
+              "ngram": f"baseline: {ngram.line()}" if baseline == "ngram" else ""}[baseline]
+    return ServeCommand(argv, env, reason, served_name)
 
 
 def serve(verifier_dir: Path, draft_dir: Path, host: str = "127.0.0.1", port: int = 8000, dtype: str = "auto",
           print_only: bool = False, num_speculative_tokens: int | None = None,
           k_sweep_file: Path | None = K_RECORD_FILE, served_model_name: str | None = None,
-          vllm_args: list[str] | None = None, baseline: str | None = None) -> int:
+          vllm_args: list[str] | None = None, baseline: str | None = None,
+          ngram_file: Path | None = NGRAM_RECORD_FILE) -> int:
     """Checks, then runs (or with ``print_only`` prints) vLLM's OpenAI server for verifier and draft.
 
     Returns:
@@ -165,7 +171,8 @@ def serve(verifier_dir: Path, draft_dir: Path, host: str = "127.0.0.1", port: in
     command = build_command(verifier_dir, draft_dir, host, port, dtype,
                             cpu_build=build is not None and build.kind == "cpu",
                             num_speculative_tokens=num_speculative_tokens, k_sweep_file=k_sweep_file,
-                            served_model_name=served_model_name, vllm_args=vllm_args, baseline=baseline)
+                            served_model_name=served_model_name, vllm_args=vllm_args, baseline=baseline,
+                            ngram_file=ngram_file)
     print(f"eaglenest serve: {command.k_reason}", file=sys.stderr, flush=True)
     if print_only:
         print(command.shell())
@@ -187,11 +194,15 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         "draft, else the draft's own, train.ttt_steps)")
     parser.add_argument("--k-sweep", default=str(K_RECORD_FILE), metavar="FILE",
                         help=f"the K record the default K is read from (default: {K_RECORD_FILE})")
+    parser.add_argument("--ngram-sweep", default=str(NGRAM_RECORD_FILE), metavar="FILE",
+                        help="with --baseline ngram: the n-gram record its window and K are read from (default: "
+                        f"{NGRAM_RECORD_FILE})")
     parser.add_argument("--served-model-name", default=None, metavar="NAME",
                         help="the model name clients ask for (default: the verifier's, verifier.name or its hub id)")
     parser.add_argument("--baseline", choices=["ngram", "none"], default=None,
                         help="serve a baseline instead of the draft, for eaglenest bench --baseline-url: vLLM's "
-                        "n-gram drafting at the same K, or the verifier alone (default: the draft)")
+                        "n-gram drafting at the setting the ngram_sweep stage measured fastest, or the verifier alone "
+                        "(default: the draft)")
     parser.add_argument("--print-command", action="store_true",
                         help="print the exact server command instead of running it")
 
@@ -199,7 +210,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 def _run(args: argparse.Namespace) -> int:
     return serve(Path(args.verifier), Path(args.draft), args.host, args.port, args.dtype, args.print_command,
                  args.num_speculative_tokens, Path(args.k_sweep), args.served_model_name, args.vllm_args,
-                 args.baseline)
+                 args.baseline, Path(args.ngram_sweep))
 
 
 COMMAND = Command(

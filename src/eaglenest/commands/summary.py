@@ -13,28 +13,31 @@ from pathlib import Path
 from typing import Any
 
 from eaglenest.artifacts.k_record import K_RECORD_FILE, served_k
-from eaglenest.artifacts.metrics_file import figure_text, interval_text, read_metrics
+from eaglenest.artifacts.metrics_file import figure_text, interval_text, read_metrics, versus_text
 from eaglenest.commands.command import Command
 
 
 def summary_lines(repo: Path) -> list[str]:
-    """The table: per headline set, tau, the single-stream speed-up and the n-gram baseline's, with their 95%
-    intervals; then lossless, and tau_sim beside the decoded tau of the validation split."""
+    """The table: per headline set, tau, the single-stream speed-up and the n-gram baseline's, and the draft's speed
+    over n-gram's (paired) with the verdict, with their 95% intervals; then lossless, and tau_sim beside the decoded
+    tau of the validation split."""
     headline = read_metrics(repo / "metrics" / "eval.json")
     train = read_metrics(repo / "metrics" / "train.json")
     details_path = repo / "metrics" / "eval" / "details.json"
     details = read_metrics(details_path) if details_path.exists() else {}
     backend = details.get("headline_backend", "vllm")
-    rows = [("set", f"{backend} tau (95%)", "speed-up (95%)", "n-gram speed-up (95%)")]
+    sets = details.get("runs", {}).get(backend, {}).get("sets", {})
+    rows = [("set", f"{backend} tau (95%)", "speed-up (95%)", "n-gram speed-up (95%)", "draft / n-gram (95%)")]
     for name, figures in headline.items():
         if not isinstance(figures, dict):
             continue
         rows.append((name, figure_text(figures, f"{backend}_tau"), figure_text(figures, f"{backend}_speedup", "x"),
-                     figure_text(figures, f"{backend}_ngram_speedup", "x")))
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+                     figure_text(figures, f"{backend}_ngram_speedup", "x"),
+                     versus_text(figures, backend, sets.get(name, {}).get("summary", {}))))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
     lines.append(f"lossless: {headline.get('lossless', '—')}")
-    val = details.get("runs", {}).get(backend, {}).get("sets", {}).get("val")
+    val = sets.get("val")
     decoded = ""
     if val:
         tau = val["summary"]["tau"]

@@ -80,9 +80,9 @@ def _default_eval_sets() -> list[EvalSetParams]:
 
 class EvalSetsAndEngines(StrictModel):
     """What every timing of the draft reads of ``evaluate:``: the back ends, the sets and their sampling, the engines,
-    the n-gram window, the seed and the bootstrap. The k_sweep stage reads only these keys (its params deps in
-    dvc.yaml), so an experiment on the rest of the section (``evaluate.timed_prompts``, ``evaluate.timing``, ...)
-    re-runs evaluate alone; :class:`EvaluateParams` is the whole section and refuses unknown keys.
+    the seed and the bootstrap. The k_sweep stage reads only these keys (its params deps in dvc.yaml), so an
+    experiment on the rest of the section (``evaluate.timed_prompts``, ``evaluate.timing``, ...) re-runs evaluate
+    alone; :class:`EvaluateParams` is the whole section and refuses unknown keys.
     """
 
     model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
@@ -97,14 +97,6 @@ class EvalSetsAndEngines(StrictModel):
     sets: list[EvalSetParams] = Field(
         default_factory=_default_eval_sets, min_length=1,
         description="The evaluation sets, each decoded by every back end; see docs/evaluation.md.",
-    )
-    ngram_prompt_lookup_min: int | None = Field(
-        default=None, ge=1,
-        description="vllm: the n-gram baseline's shortest match (vLLM's prompt_lookup_min); null = vLLM's default "
-        "(5, with prompt_lookup_max 5).",
-    )
-    ngram_prompt_lookup_max: int | None = Field(
-        default=None, ge=1, description="vllm: the n-gram baseline's longest match; null = vLLM's default (5)."
     )
     bootstrap_samples: int = Field(
         default=2000, ge=100, description="Bootstrap resamples (over prompts) behind every 95% interval."
@@ -151,10 +143,6 @@ class EvalSetsAndEngines(StrictModel):
         backend = values.get("backend")
         problems = width_needs_vllm({**values, "backend": [backend] if isinstance(backend, str) else backend},
                                     "evaluate", "vllm", "backend")
-        low, high = values.get("ngram_prompt_lookup_min"), values.get("ngram_prompt_lookup_max")
-        if isinstance(low, int) and isinstance(high, int) and low > high:
-            problems.append(f"evaluate.ngram_prompt_lookup_min = {low} > evaluate.ngram_prompt_lookup_max = {high}: "
-                            "the shortest match cannot exceed the longest")
         return problems
 
     @property
@@ -168,7 +156,20 @@ class EvalSetsAndEngines(StrictModel):
         return "vllm" if "vllm" in self.backend else "hf"
 
 
-class EvaluateParams(EvalSetsAndEngines):
+class EvalTimedSets(EvalSetsAndEngines):
+    """What the ngram_sweep stage reads of ``evaluate:``: the sets and engines, and the turns evaluate times
+    (``timed_prompts``), so that it tunes n-gram drafting on the turns after them."""
+
+    timed_prompts: int = Field(
+        default=8, ge=0,
+        description="vllm: turns of each headline set decoded one at a time (single stream, as a chat user sees "
+        "it) by the plain, EAGLE-3 and n-gram engines, for the speed-ups; acceptance is read on every turn of "
+        "every set, decoded together. 0: no speed-ups, and no n-gram engine starts (a check of decoding alone). "
+        "The ngram_sweep stage tunes the n-gram baseline on the turns after these.",
+    )
+
+
+class EvaluateParams(EvalTimedSets):
     """``evaluate:`` — real speculative decoding: acceptance, lossless check, speed-up, n-gram baseline."""
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
@@ -183,13 +184,11 @@ class EvaluateParams(EvalSetsAndEngines):
         "max_new_tokens": "evaluate.sets (each set's max_new_tokens)",
         "temperature": "evaluate.sets (each set's temperature)",
     }
+    removed_keys: ClassVar[dict[str, str]] = {
+        key: "the n-gram baseline's window and K are measured by the ngram_sweep stage (params ngram_sweep.*: "
+        "list one K and one window there to fix them)" for key in ("ngram_prompt_lookup_min", "ngram_prompt_lookup_max")
+    }
 
-    timed_prompts: int = Field(
-        default=8, ge=0,
-        description="vllm: turns of each headline set decoded one at a time (single stream, as a chat user sees "
-        "it) by the plain, EAGLE-3 and n-gram engines, for the speed-ups; acceptance is read on every turn of "
-        "every set, decoded together. 0: no speed-ups, and no n-gram engine starts (a check of decoding alone).",
-    )
     timing: Literal["interleaved", "sequential"] = Field(
         default="interleaved",
         description="vllm: how the timed turns are decoded. 'interleaved': the three engines are held at once and "

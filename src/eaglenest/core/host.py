@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
 from dataclasses import asdict, dataclass
 from functools import cache
 from importlib import metadata
@@ -118,3 +119,10 @@ def host_record(compute_dtype: str | None = None) -> dict[str, object]:
     if compute_dtype is not None:
         record["compute_dtype"] = compute_dtype
     return record
+
+
+def short_commit() -> str:
+    """The checkout's commit a measurement was taken at ("unknown" outside git): a timing's record names it beside the
+    host kind."""
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
+    return done.stdout.strip() or "unknown"

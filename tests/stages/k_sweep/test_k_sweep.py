@@ -16,7 +16,8 @@ from eaglenest.commands import cli
 from eaglenest.commands.params_file import parse_params
 from eaglenest.core.errors import ParamsError
 from eaglenest.stages.k_sweep import KSweepPaths, sweep, sweep_ks
-from eaglenest.stages.k_sweep.choice import add_speedup, best_ks, serve_k
+from eaglenest.core.measure.beside_plain import add_speedup
+from eaglenest.stages.k_sweep.choice import best_ks, serve_k
 from tests.conftest import requires_vllm
 from tests.fixtures.fakes import FakeEngines
 from tests.fixtures.pipeline import SharedPipeline
@@ -30,11 +31,11 @@ def test_params_problems_are_one_line_each():
     assert any("k_sweep.ks" in line and "every K must be at least 1" in line for line in lines)
     assert any(line.startswith("  - k_sweep.timed_prompts = 0:") for line in lines)
     assert any(line.startswith("  - k_sweep.repeats = 0:") for line in lines)
-    assert any("k_sweep.colour: unknown key (allowed: ks, timed_prompts, repeats, ngram)" in line for line in lines)
+    assert any("k_sweep.colour: unknown key (allowed: ks, timed_prompts, repeats)" in line for line in lines)
     with pytest.raises(ParamsError, match="lists a K twice"):
         parse_params({"k_sweep": {"ks": [2, 2]}})
     defaults = parse_params({}).k_sweep
-    assert (defaults.ks, defaults.repeats, defaults.ngram) == (None, 1, False)
+    assert (defaults.ks, defaults.repeats) == (None, 1)
     assert defaults.timed_prompts < parse_params({}).evaluate.timed_prompts  # the sweep chooses, evaluate measures
 
 
@@ -131,16 +132,10 @@ def _summary(repo: Path, capsys) -> str:
     return capsys.readouterr().out.splitlines()[-1]
 
 
-def test_n_gram_joins_the_sweep_when_asked(tmp_path: Path, monkeypatch, pipeline_folders):
-    verifier, draft = pipeline_folders
-    rates = {"the verifier": 10.0, "the eagle3 draft at K=1": 12.0, "n-gram drafting at K=1": 9.0}
-    fake = FakeEngines(rates)
-    fake.install(monkeypatch, ["general"])
-    record = sweep(_params(ks=[1], ngram=True), KSweepPaths(verifier, tmp_path, draft, tmp_path / "k.json"))
-    assert fake.timed_together == [["plain", "draft K=1", "ngram K=1"]]
-    assert record["best"]["general"]["ngram"]["k"] == 1 and record["rounds"][0]["ngram"]["1"]["general"][
-        "speedup"] == 0.9
-    assert record["serve_k"] == 1 and record["ngram_window"] == [5, 5]
+def test_n_gram_is_no_longer_the_sweeps_and_its_old_switch_says_where_it_went():
+    with pytest.raises(ParamsError, match=r"k_sweep.ngram: n-gram drafting is timed at each window and K by the "
+                                          r"ngram_sweep stage"):
+        parse_params({"k_sweep": {"ngram": True}})
 
 
 def test_without_vllm_in_evaluate_no_k_is_measured_and_serve_says_why(tmp_path: Path, capsys, pipeline_folders):

@@ -1,8 +1,10 @@
 """The README's figures, rendered from the committed metrics: the headline, the table of what the demo measures,
 ``docs/img/headline.svg``, and docs/defaults.md's sentence on the committed draft's tau.
 
-The headline states, from ``metrics/eval.json`` and ``metrics/eval/details.json``, τ and the single-stream speed-up
-of the first headline set with their intervals, the n-gram baseline's, lossless as evaluate checked it with the
+The headline states, from ``metrics/eval.json`` and ``metrics/eval/details.json``, the verdict per headline set (the
+draft's single-stream speed over the n-gram baseline's at its measured setting, paired prompt by prompt, with its
+95% interval: ahead, tie or behind); τ of the first headline set over the whole set and over its timed turns, its
+single-stream speed-up and the n-gram baseline's with their intervals, lossless as evaluate checked it with the
 fraction identical to plain decoding per set, the dtype and the host kind; and, from the committed bench result
 (:mod:`eaglenest.commands.generated.concurrency`), the served draft's speed-up single-stream and at each higher
 concurrency.
@@ -14,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from eaglenest.artifacts.metrics_file import figure_text as figure
-from eaglenest.artifacts.metrics_file import read_metrics
+from eaglenest.artifacts.metrics_file import read_metrics, versus_text
 from eaglenest.commands.generated.concurrency import headline_clause, load_serve_record
 from eaglenest.commands.generated.svg import BLUE, ORANGE, label_bars, new_figure, page_style, svg_text
 from eaglenest.core.errors import InputFileError
@@ -68,17 +70,48 @@ def _lossless(headline: dict[str, Any], runs: dict[str, Any], sets: list[str]) -
     return f"{checked} (identical to plain decoding token for token: {identical})"
 
 
+def _ngram_setting(runs: dict[str, Any]) -> str:
+    """The n-gram baseline's setting as evaluate ran it (the same on every set), in words."""
+    for entry in runs.values():
+        setting = entry.get("ngram")
+        if isinstance(setting, dict) and isinstance(setting.get("window"), list):
+            low, high = setting["window"]
+            return f"window {low}:{high}, K = {setting.get('num_speculative_tokens')}"
+    return "its setting not recorded"
+
+
+def _verdicts(headline: dict[str, Any], runs: dict[str, Any], backend: str, sets: list[str]) -> str:
+    """Per set, ahead / tie / behind with the paired figure: ``ahead on `humaneval` (x1.052 ± 0.041)``."""
+    said = []
+    for name in sets:
+        summary = runs.get(name, {}).get("summary", {})
+        versus = summary.get("vs_ngram") or {}
+        if "verdict" not in versus:
+            continue
+        word = {"ahead": "ahead on", "behind": "behind on", "tie": "a tie on"}[versus["verdict"]]
+        said.append(f"{word} `{name}` ({figure(headline[name], f'{backend}_vs_ngram', 'x')})")
+    return ", ".join(said) if said else "not measured (no timed turns)"
+
+
 def headline_lines(repo: Path) -> list[str]:
-    """The README's headline: the first set's figures, lossless per set, host kind, the served draft under load."""
+    """The README's headline: the verdict per set, the first set's figures, lossless per set, host kind, the served
+    draft under load."""
     backend, headline, details = _headline_figures(repo)
     sets = _sets(headline, repo)
     run = details.get("runs", {}).get(backend, {})
+    runs = run.get("sets", {})
     first, figures = next(iter(sets.items()))
-    lossless = _lossless(headline, run.get("sets", {}), list(sets))
-    return [f"**`{first}`: τ {figure(figures, f'{backend}_tau')} tokens per verifier step at K = "
-            f"{details.get('num_speculative_tokens')}, and {figure(figures, f'{backend}_speedup', 'x')} single-stream "
-            f"speed-up over plain decoding** ({backend}, 95% intervals over prompts; n-gram drafting "
-            f"{figure(figures, f'{backend}_ngram_speedup', 'x')}); {lossless}"
+    timed = runs.get(first, {}).get("summary", {})
+    timed_tau = figures.get(f"{backend}_tau_timed")
+    on_timed = (f" ({timed_tau:.3f} on its {timed.get('timed_turns')} timed turns)"
+                if isinstance(timed_tau, int | float) else "")
+    lossless = _lossless(headline, runs, list(sets))
+    return [f"**Against vLLM's free n-gram drafting at its fastest measured setting ({_ngram_setting(runs)}): "
+            f"{_verdicts(headline, runs, backend, list(sets))}** (the draft's single-stream tokens/s over n-gram's, "
+            f"paired prompt by prompt, 95% intervals). `{first}`: τ {figure(figures, f'{backend}_tau')} tokens per "
+            f"verifier step at K = {details.get('num_speculative_tokens')} over the set{on_timed}, and "
+            f"{figure(figures, f'{backend}_speedup', 'x')} single-stream speed-up over plain decoding ({backend}; "
+            f"n-gram drafting {figure(figures, f'{backend}_ngram_speedup', 'x')}); {lossless}"
             f"; {run.get('dtype', '—')}, on {host_label(details)}. {headline_clause(load_serve_record(repo))}"]
 
 
@@ -86,17 +119,20 @@ def demo_table(repo: Path) -> list[str]:
     """The README's table of what the demo measures, one row per headline set."""
     backend, headline, details = _headline_figures(repo)
     runs = details.get("runs", {}).get(backend, {}).get("sets", {})
-    table = [f"| set | prompts | timed turns | {backend} τ (95%) | speed-up (95%) | n-gram speed-up (95%) | "
-             "lossless | identical to plain |",
-             "|---|---|---|---|---|---|---|---|"]
+    table = [f"| set | prompts | timed turns | {backend} τ (95%) | τ, timed turns | speed-up (95%) | "
+             "n-gram speed-up (95%) | draft / n-gram (95%) | lossless | identical to plain |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, values in _sets(headline, repo).items():
         summary = runs.get(name, {}).get("summary", {})
+        timed_tau = values.get(f"{backend}_tau_timed")
         # lossless: every turn equal to plain decoding under the set's rule (exact, or a flipped near-tie below
         # float32); identical: the turns equal token for token
         table.append(f"| `{name}` | {summary.get('num_prompts', '—')} | {summary.get('timed_turns', '—')} | "
-                     f"{figure(values, f'{backend}_tau')} | {figure(values, f'{backend}_speedup', 'x')} | "
-                     f"{figure(values, f'{backend}_ngram_speedup', 'x')} | {_fraction(summary, 'lossless_fraction')} "
-                     f"| {_fraction(summary, 'identical_fraction')} |")
+                     f"{figure(values, f'{backend}_tau')} | "
+                     f"{f'{timed_tau:.3f}' if isinstance(timed_tau, int | float) else '—'} | "
+                     f"{figure(values, f'{backend}_speedup', 'x')} | "
+                     f"{figure(values, f'{backend}_ngram_speedup', 'x')} | {versus_text(values, backend, summary)} | "
+                     f"{_fraction(summary, 'lossless_fraction')} | {_fraction(summary, 'identical_fraction')} |")
     return table
 
 

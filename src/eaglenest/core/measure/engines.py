@@ -2,11 +2,14 @@
 checkpoint with) and vLLM's n-gram drafting, built from one engine params section, started, warmed and stopped; and
 the K they run at.
 
-Every engine is sized to the prompts it is given (:meth:`EngineBase.kwargs`): ``max_model_len`` is its longest
-request (prompt, ``max_new_tokens``, K+1 draft slots) and, on the CPU build, its KV cache holds the longest
-requests it runs at once (``in_flight``, which also caps vLLM's ``max_num_seqs``), not ``VLLM_CPU_KVCACHE_SPACE``'s
-whole GiBs: evaluate holds three engines at once, and an engine timed one prompt at a time needs one request's
-cache. No engine keeps a prefix cache, so a timed prompt's prefill is timed, as a new chat turn meets a server.
+The engines of one measurement start from one set of kwargs (:meth:`EngineBase.kwargs`) and differ only in what
+drafting adds (:func:`drafting`: ``speculative_config`` and the per-request counts vLLM gives only with it): the
+same ``max_num_seqs``, KV cache and stats logging, so no engine is timed under conditions another is spared. Those
+kwargs are sized to the prompts the engines are given: ``max_model_len`` is the longest request (prompt,
+``max_new_tokens``, K+1 draft slots at the largest K) and, on the CPU build, the KV cache holds the longest
+requests an engine runs at once (``in_flight``, which also caps vLLM's ``max_num_seqs``), not
+``VLLM_CPU_KVCACHE_SPACE``'s whole GiBs: evaluate holds three engines at once. No engine keeps a prefix cache, so a
+timed prompt's prefill is timed, as a new chat turn meets a server.
 
 Engines share this process where the CPU build allows it (``in_process_on_cpu``: about 8 s to start instead of
 about 25 s), which is at most three per process (a fourth fails registering its kernel overrides again); the
@@ -26,7 +29,6 @@ from eaglenest.core.errors import EaglenestError
 from eaglenest.core.vllm_support import VLLM_NGRAM_WINDOW, VerifierTraits, create_llm, engine_kwargs, generate
 
 if TYPE_CHECKING:
-    from eaglenest.core.eval_params import EvalSetsAndEngines
     from eaglenest.core.params import VllmEngineParams
 
 # The CPU build starts at most this many engines in one process (core/vllm_support.create_llm).
@@ -82,40 +84,72 @@ class EngineBase:
     seed: int
     at_once: int
 
-    def kwargs(self, requests: list[int], in_flight: int = 1, speculative_config: dict[str, Any] | None = None,
-               batches: list[list[int]] | None = None) -> dict[str, Any]:
-        """``vllm.LLM(**kwargs)`` of one engine: plain, or drafting with ``speculative_config``.
+    def kwargs(self, requests: list[int], in_flight: int = 1, batches: list[list[int]] | None = None
+               ) -> dict[str, Any]:
+        """The ``vllm.LLM(**kwargs)`` every engine of one measurement starts from: plain decoding, with vLLM's stats
+        logged. A drafting engine adds only its ``speculative_config`` (:func:`drafting`), so plain, draft and n-gram
+        engines run with the same ``max_num_seqs``, KV cache and stats logging: what one engine is timed with, the
+        others are too.
 
         Args:
-            requests: The most tokens each request it will run reaches (:func:`request_tokens`).
-            in_flight: Requests it runs at once (1: timed one prompt at a time).
-            speculative_config: vLLM's ``speculative_config`` (the draft's,
-                :func:`eaglenest.artifacts.draft.vllm_speculative_config`, or :func:`ngram_config`'s); None: plain.
+            requests: The most tokens each request any of the engines will run reaches (:func:`request_tokens`,
+                at the largest K among them).
+            in_flight: Requests an engine runs at once (1: timed one prompt at a time).
             batches: Where the requests are decoded in several ``generate`` calls, the requests of each: the
                 cache holds the largest ``in_flight`` of one call's; None: of all of them.
         """
         in_flight = max(1, min(in_flight, max(len(batch) for batch in batches or [requests])))
         held = max(kv_tokens(batch, in_flight) for batch in batches or [requests])
-        kwargs = {**engine_kwargs(self.model_dir, self.verifier, self.engine, context_tokens=max(requests),
-                                  seed=self.seed, gpu_memory_share=1 / self.at_once, kv_tokens=held,
-                                  in_flight=in_flight),
-                  "enable_prefix_caching": False}
-        if speculative_config is not None:
-            # the stats and per-request counts the figures are read from
-            kwargs |= {"disable_log_stats": False, "per_request_spec_decode_metrics": "summary",
-                       "speculative_config": speculative_config}
-        return kwargs
+        # Stats logged on every engine, plain too: vLLM's logging costs each engine the same, so it cancels in a
+        # speed-up, and the drafting engines' counters are read from it.
+        return {**engine_kwargs(self.model_dir, self.verifier, self.engine, context_tokens=max(requests),
+                                seed=self.seed, gpu_memory_share=1 / self.at_once, kv_tokens=held,
+                                in_flight=in_flight),
+                "enable_prefix_caching": False, "disable_log_stats": False}
 
 
-def ngram_config(params: EvalSetsAndEngines | None, k: int) -> tuple[dict[str, Any], tuple[int, int]]:
-    """vLLM's n-gram ``speculative_config`` at K = ``k`` in evaluate's window (``params``; None: vLLM's default), and
-    the lookup window it runs with."""
-    low, high = (None, None) if params is None else (params.ngram_prompt_lookup_min, params.ngram_prompt_lookup_max)
-    if low is None and high is None:
-        low, high = VLLM_NGRAM_WINDOW
-    low, high = low or 1, high or max(low or 1, VLLM_NGRAM_WINDOW[1])
-    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": low, "prompt_lookup_max": high}, (
-        low, high)
+# What a drafting engine's kwargs add to the measurement's common ones (:meth:`EngineBase.kwargs`): its
+# ``speculative_config``, and the per-request counts the figures are read from, which vLLM refuses without one.
+DRAFTING_KEYS = ("speculative_config", "per_request_spec_decode_metrics")
+
+
+def drafting(common: dict[str, Any], speculative_config: dict[str, Any] | None) -> dict[str, Any]:
+    """One engine's kwargs: the measurement's ``common`` ones, plus ``speculative_config`` (the draft's,
+    :func:`eaglenest.artifacts.draft.vllm_speculative_config`, or :func:`ngram_config`'s) and its per-request
+    counts; None: plain decoding, ``common`` as it is."""
+    if speculative_config is None:
+        return dict(common)
+    return {**common, "speculative_config": speculative_config, "per_request_spec_decode_metrics": "summary"}
+
+
+@dataclass(frozen=True)
+class NgramSetting:
+    """vLLM's n-gram drafting (prompt lookup) as one engine runs it: the lookup window and K.
+
+    Attributes:
+        prompt_lookup_min: The shortest suffix of the sequence so far that is looked up.
+        prompt_lookup_max: The longest; vLLM drafts after the longest match within the window.
+        k: Tokens drafted per verify step.
+    """
+
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+    k: int
+
+    @classmethod
+    def vllm_default(cls, k: int) -> NgramSetting:
+        """vLLM's default window (what a user gets by naming the method) at K = ``k``."""
+        return cls(*VLLM_NGRAM_WINDOW, k)
+
+    def speculative_config(self) -> dict[str, Any]:
+        """vLLM's ``speculative_config`` for it."""
+        return {"method": "ngram", "num_speculative_tokens": self.k, "prompt_lookup_min": self.prompt_lookup_min,
+                "prompt_lookup_max": self.prompt_lookup_max}
+
+    @property
+    def label(self) -> str:
+        """``window min:max, K = k``, as records and logs name it."""
+        return f"window {self.prompt_lookup_min}:{self.prompt_lookup_max}, K = {self.k}"
 
 
 def start_engine(kwargs: dict[str, Any], param: str, what: str, warm_up: list[int], seed: int,

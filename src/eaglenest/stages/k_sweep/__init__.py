@@ -5,11 +5,11 @@ and of drafting. Per headline set of ``evaluate.sets``, the first turn of each o
 ``k_sweep.timed_prompts`` conversations is decoded alone (prefill included: the engines keep no prefix cache, so
 every timed turn, in every round, meets its engine as a new chat turn meets a server; each engine has met every
 prompt's length once before timing, so no engine pays the process's first kernel set-up for it), with evaluate's
-sampling and engine settings, by the plain engine and by the draft at each K of ``k_sweep.ks`` (with
-``k_sweep.ngram``, also by vLLM's n-gram drafting at each K). The plain engine and up to two speculative ones take
-turns prompt by prompt (:func:`~eaglenest.core.measure.single_stream.time_interleaved`), so every speed-up divides
+sampling and engine settings, by the plain engine and by the draft at each K of ``k_sweep.ks``, all started from one
+set of kwargs that differ only in ``speculative_config``. The plain engine and up to two speculative ones take
+turns prompt by prompt (:func:`~eaglenest.core.measure.beside_plain.time_beside_plain`), so every speed-up divides
 seconds measured moments apart; the plain engine stays up for every group of two. ``k_sweep.repeats`` rounds
-time the same engines again.
+time the same engines again. (n-gram drafting's window and K are the ngram_sweep stage's.)
 
 Output ``metrics/k_sweep.json`` (:mod:`eaglenest.artifacts.k_record`, kept in git): the draft's fingerprint,
 ``serve_k`` (the K with the best speed-up over all headline sets' timed turns, pooled), its speed-up with the
@@ -22,25 +22,22 @@ interval, and tau over the steps that had a draft; per set the best K; and where
 from __future__ import annotations
 
 import logging
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from eaglenest.artifacts.draft import draft_algorithm, draft_tokens, vllm_speculative_config
-from eaglenest.artifacts.eval_sets import EvalSet, load_eval_sets
+from eaglenest.artifacts.eval_sets import load_eval_sets
 from eaglenest.artifacts.k_record import ServedFigure, write_k_record
 from eaglenest.artifacts.verifier import load_tokenizer, load_verifier_info
 from eaglenest.core.errors import EaglenestError
-from eaglenest.core.eval_params import EvalSetsAndEngines
-from eaglenest.core.host import host_record
+from eaglenest.core.host import host_record, short_commit
 from eaglenest.core.measure import engines as kit_engines
-from eaglenest.core.measure import single_stream
-from eaglenest.core.measure.engines import EngineBase, request_tokens
-from eaglenest.core.measure.spec_counters import SpecCounts, request_counts
+from eaglenest.core.measure.beside_plain import TimedTurns, time_beside_plain
+from eaglenest.core.measure.engines import EngineBase, drafting, request_tokens
 from eaglenest.core.stage import DraftInput, Stage, path_arg
-from eaglenest.stages.k_sweep.choice import add_speedup, best_ks, serve_k
+from eaglenest.stages.k_sweep.choice import best_ks, serve_k
 from eaglenest.stages.k_sweep.params import KSweepStageParams
 
 log = logging.getLogger(__name__)
@@ -56,29 +53,6 @@ class KSweepPaths(DraftInput):
     """Where dvc.yaml puts the k_sweep stage's inputs and output."""
 
     out: Path = path_arg("the K record (metrics/k_sweep.json)")
-
-
-@dataclass(frozen=True)
-class TimedTurns:
-    """The headline sets and the prompts timed on them.
-
-    Attributes:
-        sets: The headline sets.
-        prompts: Set name -> the first turn of each of its first k_sweep.timed_prompts conversations (token ids).
-        warm_up: A prompt no engine is timed on (the first set's next conversation, where it has one).
-        requests: The most tokens each engine's requests reach (timed and warm-up prompts with their answers and
-            the largest K's drafts).
-    """
-
-    sets: list[EvalSet]
-    prompts: dict[str, list[list[int]]]
-    warm_up: list[int]
-    requests: list[int]
-
-    @property
-    def every_prompt(self) -> list[list[int]]:
-        """The timed prompts of every set, in order."""
-        return [prompt for prompts in self.prompts.values() for prompt in prompts]
 
 
 def timed_turns(params: KSweepStageParams, paths: KSweepPaths, max_k: int) -> TimedTurns:
@@ -136,14 +110,9 @@ def _measure(params: KSweepStageParams, paths: KSweepPaths, ks: list[int], repea
     # one prompt at a time (the KV cache holds one request); up to three engines hold GPU memory at once
     base = EngineBase(model_dir, info, evaluate.vllm, evaluate.seed, at_once=SPECULATIVE_PER_GROUP + 1)
     common = base.kwargs(turns.requests)
-    drafters = ["draft", "ngram"] if own.ngram else ["draft"]
-    speculative = {(drafter, k): (vllm_speculative_config(paths.draft, k) if drafter == "draft"
-                                  else kit_engines.ngram_config(evaluate, k)[0]) for drafter in drafters for k in ks}
-    groups = [list(speculative)[i:i + SPECULATIVE_PER_GROUP]
-              for i in range(0, len(speculative), SPECULATIVE_PER_GROUP)]
+    groups = [ks[i:i + SPECULATIVE_PER_GROUP] for i in range(0, len(ks), SPECULATIVE_PER_GROUP)]
     seconds: dict[str, Any] = {"start": {}, "timed": {}}
-    rounds: list[dict[str, Any]] = [{drafter: {str(k): {} for k in ks} for drafter in drafters}
-                                    for _ in range(repeats)]
+    rounds: list[dict[str, Any]] = [{"draft": {str(k): {} for k in ks}} for _ in range(repeats)]
 
     plain = None
     try:
@@ -152,21 +121,20 @@ def _measure(params: KSweepStageParams, paths: KSweepPaths, ks: list[int], repea
         for group in groups:
             engines: dict[str, Any] = {}
             try:
-                for drafter, k in group:
-                    name = f"{drafter} K={k}"
+                for k in group:
+                    name = f"draft K={k}"
                     engines[name], seconds["start"][name] = kit_engines.start_engine(
-                        base.kwargs(turns.requests, speculative_config=speculative[drafter, k]), PARAM,
-                        f"the {algorithm} draft at K={k}" if drafter == "draft" else f"n-gram drafting at K={k}",
-                        turns.warm_up, evaluate.seed, turns.every_prompt)
+                        drafting(common, vllm_speculative_config(paths.draft, k)), PARAM,
+                        f"the {algorithm} draft at K={k}", turns.warm_up, evaluate.seed, turns.every_prompt)
                 label = ", ".join(engines)
                 for round_number, measured in enumerate(rounds):
                     started = time.perf_counter()
-                    timed = time_beside_plain(turns, plain, engines, evaluate, f"round {round_number}")
+                    timed = time_beside_plain(turns, plain, engines, evaluate, PARAM, f"round {round_number}")
                     seconds["timed"][f"round {round_number}: {label}"] = round(time.perf_counter() - started, 3)
-                    for drafter, k in group:
-                        measured[drafter][str(k)] = timed[f"{drafter} K={k}"]
-                        log.info("round %d, %s K=%d: %s", round_number, drafter, k, ", ".join(
-                            f"{n} x{e['speedup']} ± {e['speedup_ci95']}" for n, e in measured[drafter][str(k)].items()))
+                    for k in group:
+                        measured["draft"][str(k)] = timed[f"draft K={k}"]
+                        log.info("round %d, draft K=%d: %s", round_number, k, ", ".join(
+                            f"{n} x{e['speedup']} ± {e['speedup_ci95']}" for n, e in measured["draft"][str(k)].items()))
             finally:
                 for llm in engines.values():
                     kit_engines.close_engine(llm)
@@ -180,53 +148,10 @@ def _measure(params: KSweepStageParams, paths: KSweepPaths, ks: list[int], repea
     log.info("serve K=%d: x%.2f ± %.2f over %s (the draft's own K is %d)", k_best, speedup, ci95, ", ".join(names),
              trained_k)
     details = {"commit": short_commit(), "host": host_record(common["dtype"]), "ks": ks, "repeats": repeats,
-               "timed_prompts": own.timed_prompts, "drafters": drafters,
-               "ngram_window": list(kit_engines.ngram_config(evaluate, 1)[1]) if own.ngram else None,
-               "best": best_ks(rounds, names, ks, drafters), "seconds": seconds, "rounds": rounds}
+               "timed_prompts": own.timed_prompts, "drafters": ["draft"],
+               "best": best_ks(rounds, names, ks, ["draft"]), "seconds": seconds, "rounds": rounds}
     return write_k_record(paths.out, paths.draft, algorithm, trained_k, ServedFigure(k_best, speedup, ci95, names),
                           details)
-
-
-def time_beside_plain(turns: TimedTurns, plain: Any, engines: dict[str, Any], evaluate: EvalSetsAndEngines, label: str
-                      ) -> dict[str, dict[str, Any]]:
-    """Every headline set's timed turns on the plain engine and ``engines`` (name -> speculative engine), taking
-    turns prompt by prompt; per engine and set its figures beside the plain engine's (:func:`timed_entry`), with the
-    speed-up and its 95% interval."""
-    result: dict[str, dict[str, Any]] = {name: {} for name in engines}
-    for eval_set in turns.sets:
-        sampling = kit_engines.sampling_params(eval_set.params.max_new_tokens, eval_set.params.temperature,
-                                               evaluate.seed)
-        timed = single_stream.time_interleaved({"plain": plain, **engines}, turns.prompts[eval_set.name], sampling,
-                                               PARAM, f"{label}, {eval_set.name}, {', '.join(engines)}")
-        plain_turns = single_stream.tokens_and_seconds(timed["plain"])
-        for name in engines:
-            entry = timed_entry(timed[name], plain_turns)
-            add_speedup(entry, evaluate.bootstrap_samples, evaluate.seed)
-            result[name][eval_set.name] = entry
-    return result
-
-
-def timed_entry(timed: list[single_stream.Timed], plain_turns: list[list[float]]) -> dict[str, Any]:
-    """One set's figures for one speculative engine: its turns beside the plain engine's, tokens/s of both, and tau
-    over the verify steps that had a draft (every step, for a draft; n-gram drafts only on a match)."""
-    turns = single_stream.tokens_and_seconds(timed)
-    entry: dict[str, Any] = {"tokens_per_s": _rate(turns), "plain_tokens_per_s": _rate(plain_turns),
-                             "turns": turns, "plain_turns": plain_turns}
-    counts = [request_counts(output) for output, _ in timed]
-    if counts and all(c is not None for c in counts):
-        summed = sum(counts, SpecCounts())  # type: ignore[arg-type]
-        entry |= {"steps_with_draft": summed.drafts, "tau_when_drafted": round(summed.tau or 1.0, 3)}
-    return entry
-
-
-def _rate(turns: list[list[float]]) -> float:
-    return round(sum(t for t, _ in turns) / max(sum(s for _, s in turns), 1e-9), 2)
-
-
-def short_commit() -> str:
-    """The checkout's commit the figures were measured at ("unknown" outside git)."""
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
-    return done.stdout.strip() or "unknown"
 
 
 def run(params: KSweepStageParams, paths: KSweepPaths) -> dict[str, Any]:

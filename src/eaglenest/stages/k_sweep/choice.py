@@ -1,29 +1,13 @@
-"""The k_sweep stage's figures: each speed-up over the plain engine timed beside it, with its 95% interval, and the
-K chosen from them. Pure arithmetic over the timed turns, so it is tested without an engine.
-
-A timed entry is ``{"turns": [[tokens, seconds], ...], "plain_turns": [[tokens, seconds], ...], ...}``: turn i
-of both is the same prompt, decoded moments apart, so turns are resampled in pairs.
-"""
+"""The k_sweep stage's choice: the K chosen from the speed-ups timed beside the plain engine (timed entries of
+:mod:`eaglenest.core.measure.beside_plain`). Pure arithmetic over the timed turns, so it is tested without an
+engine."""
 
 from __future__ import annotations
 
 import statistics
 from typing import Any
 
-from eaglenest.core.measure.speedup import paired_rows, speedup_interval
-
-
-def speedup(entries: list[dict[str, Any]], samples: int, seed: int) -> tuple[float, float]:
-    """The speed-up over all turns of ``entries`` pooled (tokens/s over the plain engine's) and half its 95%
-    interval's width."""
-    rows = paired_rows([t for e in entries for t in e["turns"]], [t for e in entries for t in e["plain_turns"]])
-    interval = speedup_interval(rows, samples, seed)
-    return round(interval.value, 3), round(interval.half_width, 3)
-
-
-def add_speedup(entry: dict[str, Any], samples: int, seed: int) -> None:
-    """One set's speed-up at one K, with its 95% interval over its turns, into ``entry``."""
-    entry["speedup"], entry["speedup_ci95"] = speedup([entry], samples, seed)
+from eaglenest.core.measure.beside_plain import pooled_speedup
 
 
 def best_ks(rounds: list[dict[str, Any]], set_names: list[str], ks: list[int], drafters: list[str]
@@ -48,7 +32,7 @@ def serve_k(rounds: list[dict[str, Any]], set_names: list[str], ks: list[int], s
             ) -> tuple[int, float, float]:
     """The K to serve the draft at: the best speed-up over every headline set's timed turns of every round,
     pooled (ties: the smaller K); with that speed-up and half its 95% interval's width."""
-    pooled = {k: speedup([r["draft"][str(k)][name] for r in rounds for name in set_names], samples, seed)
+    pooled = {k: pooled_speedup([r["draft"][str(k)][name] for r in rounds for name in set_names], samples, seed)
               for k in ks}
     k_best = max(ks, key=lambda k: (pooled[k][0], -k))
     return k_best, *pooled[k_best]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from pydantic import Field, field_validator
 
 from eaglenest.core.eval_params import EvalSetsAndEngines
@@ -13,10 +15,13 @@ class KSweepParams(StrictModel):
     ``eaglenest serve`` uses for this draft). Reads the headline sets, their sampling and the engine settings from
     ``evaluate:``."""
 
+    removed_keys: ClassVar[dict[str, str]] = {
+        "ngram": "n-gram drafting is timed at each window and K by the ngram_sweep stage (params ngram_sweep.*)"}
+
     ks: list[int] | None = Field(
         default=None, min_length=1,
         description="The Ks timed, each at least 1; null: 1 to the draft's own K (train.ttt_steps). Every two Ks "
-        "(with ngram: every two engines) beyond the first two start their engines in processes of their own, "
+        "beyond the first two start their engines in processes of their own, "
         "about 25 s each on the CPU build.",
     )
     timed_prompts: int = Field(
@@ -29,12 +34,6 @@ class KSweepParams(StrictModel):
         default=1, ge=1,
         description="Rounds of timing on the same engines; the spread between rounds shows the timing noise.",
     )
-    ngram: bool = Field(
-        default=False,
-        description="Also time vLLM's n-gram drafting at each K (evaluate's window). Off: serving decides the "
-        "draft's K; the n-gram baseline is evaluate's.",
-    )
-
     @field_validator("ks")
     @classmethod
     def _ks_at_least_one(cls, value: list[int] | None) -> list[int] | None:

@@ -1,0 +1,188 @@
+"""The ngram_sweep stage: vLLM's n-gram drafting (prompt lookup) at the lookup window and K that serve it fastest,
+measured, so that the draft is judged against the strongest free baseline a user would serve.
+
+n-gram drafting has no weights: its setting depends on the verifier, the prompts and the machine, not on the draft,
+so the stage runs once per verifier and evaluation sets, and an experiment on the draft never re-runs it. On the
+headline sets of ``evaluate.sets`` it takes the first turns of the ``ngram_sweep.timed_prompts`` conversations after
+the first ``evaluate.timed_prompts`` (turns the headline speed-ups never use: a setting chosen on the turns it is
+then measured on would be flattered by the choice), and:
+
+1. the plain engine decodes them together; every lookup window from ``ngram_sweep.lookup_min`` to ``lookup_max`` at
+   every K of ``ngram_sweep.ks`` is replayed on its outputs with vLLM's own proposer
+   (:mod:`~eaglenest.stages.ngram_sweep.replay`: exact at temperature 0, and no engine), and at each K the window
+   that needs the fewest verify steps is kept: which window accepts the most is a question of tokens, which
+   the replay answers exactly;
+2. at each K that window's engine is timed beside the plain engine, turn by turn, the engines taking turns prompt
+   by prompt (:func:`~eaglenest.core.measure.beside_plain.time_beside_plain`): which K serves fastest is a
+   question of time (a longer proposal costs the verify step more), which only timing answers. Every engine starts
+   from one set of kwargs that differ only in ``speculative_config`` (:mod:`eaglenest.core.measure.engines`).
+
+The setting with the best speed-up over the plain engine, every set's turns pooled (ties: the smaller K), is the
+one evaluate runs and ``eaglenest serve --baseline ngram`` serves. Output ``metrics/ngram_sweep.json``
+(:mod:`eaglenest.artifacts.ngram_record`, kept in git): the verifier's fingerprint, the setting and its speed-up
+with its 95% interval; every replayed setting's counts per set; every timed engine's turns and speed-up per set;
+where the stage's seconds went; the host kind. Where ``evaluate.backend`` lists no vllm, nothing is measured and the
+record says so (evaluate then decodes no n-gram engine of vLLM's either).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eaglenest.artifacts.eval_sets import load_eval_sets
+from eaglenest.artifacts.ngram_record import NgramFigure, write_ngram_record
+from eaglenest.artifacts.verifier import load_tokenizer, load_verifier_info
+from eaglenest.core.errors import EaglenestError
+from eaglenest.core.host import host_record, short_commit
+from eaglenest.core.measure import engines as kit_engines
+from eaglenest.core.measure.beside_plain import TimedTurns, pooled_speedup, time_beside_plain
+from eaglenest.core.measure.engines import EngineBase, NgramSetting, drafting, request_tokens
+from eaglenest.core.measure.single_stream import output_tokens
+from eaglenest.core.stage import PreparedInput, Stage, path_arg
+from eaglenest.core.vllm_support import generate
+from eaglenest.stages.ngram_sweep.params import NgramSweepStageParams
+from eaglenest.stages.ngram_sweep.replay import Replayed, best_window_per_k, replay, vllm_proposer, windows
+
+log = logging.getLogger(__name__)
+
+PARAM = "ngram_sweep"  # the params section named in vLLM's errors
+
+
+@dataclass(frozen=True)
+class NgramSweepPaths(PreparedInput):
+    """Where dvc.yaml puts the ngram_sweep stage's inputs and output."""
+
+    out: Path = path_arg("the n-gram record (metrics/ngram_sweep.json)")
+
+
+def tuning_turns(params: NgramSweepStageParams, paths: NgramSweepPaths, max_k: int) -> tuple[TimedTurns, list[str]]:
+    """The turns the sweep times: per headline set, the first turns of the ``ngram_sweep.timed_prompts``
+    conversations after the first ``evaluate.timed_prompts``; and the headline sets that have none.
+
+    Raises:
+        EaglenestError: no headline set has a conversation after evaluate's timed ones (one line).
+    """
+    tokenizer = load_tokenizer(paths.verifier)
+    sets = [s for s in load_eval_sets(params.evaluate.sets, paths.prepared, tokenizer) if s.params.headline]
+    start, count = params.evaluate.timed_prompts, params.ngram_sweep.timed_prompts
+    tuned = [s for s in sets if len(s.conversations) > start]
+    skipped = [s.name for s in sets if len(s.conversations) <= start]
+    if not tuned:
+        raise EaglenestError(
+            f"evaluate.sets: no headline set has a conversation after the first evaluate.timed_prompts = {start}, so "
+            "the n-gram baseline has no turns to be tuned on that the headline speed-ups do not use; raise a headline "
+            "set's num_prompts or lower evaluate.timed_prompts")
+    prompts = {s.name: [s.render(c, 0, [], tokenizer) for c in s.conversations[start:start + count]] for s in tuned}
+    # a turn the headline times, never one this stage times: the warm-up's figures are not kept
+    warm_up = sets[0].render(sets[0].conversations[0], 0, [], tokenizer)
+    requests = [request_tokens(len(warm_up), kit_engines.WARM_UP_TOKENS, max_k)]
+    requests += [request_tokens(len(p), s.params.max_new_tokens, max_k) for s in tuned for p in prompts[s.name]]
+    return TimedTurns(tuned, prompts, warm_up, requests), skipped
+
+
+def sweep(params: NgramSweepStageParams, paths: NgramSweepPaths) -> dict[str, Any]:
+    """Replays every window at every K, times the best window at each K beside the plain engine, and writes the
+    record to ``paths.out``; returns it."""
+    info, model_dir = load_verifier_info(paths.verifier)
+    verifier = {"name": info.name, "fingerprint": info.fingerprint}
+    if "vllm" not in params.evaluate.backend:
+        reason = ("evaluate.backend lists no vllm: n-gram drafting is vLLM's, and the sweep times vLLM's engines; "
+                  "list vllm in evaluate.backend to measure it")
+        log.info("nothing measured: %s", reason)
+        return write_ngram_record(paths.out, verifier, None, None, {}, not_measured=reason)
+    return _measure(params, paths, model_dir, info, verifier)
+
+
+def _measure(params: NgramSweepStageParams, paths: NgramSweepPaths, model_dir: Path, info: Any,
+             verifier: dict[str, str]) -> dict[str, Any]:
+    """The replay and the timing; the record."""
+    own, evaluate = params.ngram_sweep, params.evaluate
+    began = time.perf_counter()
+    ks = sorted(own.ks)
+    turns, skipped = tuning_turns(params, paths, max(ks))
+    if skipped:
+        log.info("%s: no conversation after evaluate's %d timed ones; tuned on %s", ", ".join(skipped),
+                 evaluate.timed_prompts, ", ".join(s.name for s in turns.sets))
+    # every engine holds every prompt at once (the plain engine decodes them together for the replay), and every
+    # engine is up at once
+    base = EngineBase(model_dir, info, evaluate.vllm, evaluate.seed, at_once=1 + len(ks))
+    common = base.kwargs(turns.requests, in_flight=len(turns.every_prompt))
+    seconds: dict[str, Any] = {"start": {}}
+    engines: dict[str, Any] = {}
+    plain = None
+    try:
+        plain, seconds["start"]["plain"] = kit_engines.start_engine(common, PARAM, "the verifier", turns.warm_up,
+                                                                    evaluate.seed, turns.every_prompt)
+        started = time.perf_counter()
+        replayed = replay_settings(plain, turns, evaluate.seed, own.lookup_min, own.lookup_max, ks)
+        seconds["replay"] = round(time.perf_counter() - started, 3)
+        candidates = best_window_per_k({s: sum(per_set.values(), Replayed()) for s, per_set in replayed.items()}, ks)
+        for setting in candidates.values():
+            engines[setting.label], seconds["start"][setting.label] = kit_engines.start_engine(
+                drafting(common, setting.speculative_config()), PARAM, f"n-gram drafting at {setting.label}",
+                turns.warm_up, evaluate.seed, turns.every_prompt)
+        started = time.perf_counter()
+        timed = time_beside_plain(turns, plain, engines, evaluate, PARAM, "timed turns")
+        seconds["timed"] = round(time.perf_counter() - started, 3)
+    finally:
+        for llm in [*engines.values(), *([plain] if plain is not None else [])]:
+            kit_engines.close_engine(llm)
+
+    names = [s.name for s in turns.sets]
+    pooled = {setting: pooled_speedup(list(timed[setting.label].values()), evaluate.bootstrap_samples, evaluate.seed)
+              for setting in candidates.values()}
+    chosen = max(pooled, key=lambda s: (pooled[s][0], -s.k))
+    for setting, (speedup, ci95) in pooled.items():
+        log.info("%s: x%.3f ± %.3f over plain decoding%s", setting.label, speedup, ci95,
+                 " (chosen)" if setting == chosen else "")
+    seconds["total"] = round(time.perf_counter() - began, 3)
+    details = {"commit": short_commit(), "host": host_record(common["dtype"]), "ks": ks,
+               "windows": [list(w) for w in windows(own.lookup_min, own.lookup_max)],
+               "turns": {name: {"conversations": [evaluate.timed_prompts,
+                                                  evaluate.timed_prompts + len(turns.prompts[name])]}
+                         for name in names},
+               "skipped_sets": skipped,
+               "replayed": [{"window": [s.prompt_lookup_min, s.prompt_lookup_max], "k": s.k,
+                             "sets": {name: vars(counts) for name, counts in per_set.items()}}
+                            for s, per_set in replayed.items()],
+               "timed": {setting.label: {"k": setting.k, "window": [setting.prompt_lookup_min,
+                                                                      setting.prompt_lookup_max],
+                                         "speedup": pooled[setting][0], "speedup_ci95": pooled[setting][1],
+                                         "sets": timed[setting.label]}
+                         for setting in candidates.values()},
+               "seconds": seconds}
+    return write_ngram_record(paths.out, verifier, chosen, NgramFigure(*pooled[chosen], names), details)
+
+
+def replay_settings(plain: Any, turns: TimedTurns, seed: int, lookup_min: int, lookup_max: int, ks: list[int]
+                    ) -> dict[NgramSetting, dict[str, Replayed]]:
+    """The plain engine's outputs on every set's turns (decoded together, with the set's sampling), and every window
+    at every K replayed on them: per setting, its counts per set."""
+    propose = vllm_proposer()
+    outputs = {}
+    for eval_set in turns.sets:
+        sampling = kit_engines.sampling_params(eval_set.params.max_new_tokens, eval_set.params.temperature, seed)
+        prompts = turns.prompts[eval_set.name]
+        decoded = generate(plain, [{"prompt_token_ids": p} for p in prompts], sampling, PARAM)
+        outputs[eval_set.name] = list(zip(prompts, (output_tokens(o) for o in decoded), strict=True))
+    replayed = {}
+    for low, high in windows(lookup_min, lookup_max):
+        for k in ks:
+            setting = NgramSetting(low, high, k)
+            replayed[setting] = {name: sum((replay(propose, prompt, output, setting) for prompt, output in pairs),
+                                           Replayed()) for name, pairs in outputs.items()}
+    return replayed
+
+
+def run(params: NgramSweepStageParams, paths: NgramSweepPaths) -> dict[str, Any]:
+    """The ngram_sweep stage."""
+    return sweep(params, paths)
+
+
+STAGE = Stage("ngram_sweep", "vLLM's n-gram drafting at the lookup window and K measured fastest (replayed, then "
+              "timed beside plain decoding on turns the headline does not time): the baseline evaluate runs.",
+              NgramSweepStageParams, NgramSweepPaths, run)
