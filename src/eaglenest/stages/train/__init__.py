@@ -37,6 +37,7 @@ from eaglenest.artifacts.prepared import load_split, load_table
 from eaglenest.artifacts.verifier import VerifierInfo, load_verifier_info
 from eaglenest.artifacts.vocab import load_vocab
 from eaglenest.core.atomic import atomic_write_json
+from eaglenest.core.checkout import checkout_path
 from eaglenest.core.device import pick_device
 from eaglenest.core.errors import EaglenestError
 from eaglenest.core.host import host_record
@@ -307,9 +308,12 @@ def check_inputs(params: TrainParams, paths: TrainPaths) -> None:
 
 
 def placed(params: TrainStageParams, paths: TrainPaths) -> TrainPaths:
-    """``paths`` with the checkpoints where ``cluster.torchrun.checkpoint_dir`` puts them."""
+    """``paths`` with the checkpoints where ``cluster.torchrun.checkpoint_dir`` puts them, in the checkout's
+    ``.eaglenest/`` by default: also from a queued experiment's copy (:func:`~eaglenest.core.checkout.checkout_path`),
+    so that a killed one resumes when queued again and experiments of other params or inputs never meet (the
+    run's fingerprint keys its folder)."""
     folder = params.cluster.torchrun.checkpoint_dir
-    return dataclasses.replace(paths, checkpoints=Path(folder)) if folder else paths
+    return dataclasses.replace(paths, checkpoints=checkout_path(Path(folder) if folder else paths.checkpoints))
 
 
 def run(params: TrainStageParams, paths: TrainPaths) -> dict[str, Any]:
