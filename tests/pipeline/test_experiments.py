@@ -1,9 +1,12 @@
-"""Experiments, metrics diff, the offline report and a DVC remote, on a tiny configuration, with real DVC."""
+"""Experiments, queued experiments, metrics diff, the offline report and a DVC remote, on a tiny configuration, with
+real DVC."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -93,3 +96,71 @@ def test_remote_push_clone_pull_repro_is_a_no_op(tiny_repo: Path, tmp_path: Path
     status = dvc(["repro"], clone).stdout
     assert "Running stage" not in status, status
     shutil.rmtree(clone)
+
+
+TASK_STATUSES = ("Queued", "Running", "Success", "Failed")
+
+
+def queue_status(repo: Path) -> dict[str, str]:
+    """`dvc queue status`'s table (it has no --json): experiment name -> its task's status."""
+    rows = [row.split() for row in dvc(["queue", "status"], repo).stdout.splitlines()]
+    return {cells[1]: cells[-1] for cells in rows if len(cells) >= 3 and cells[-1] in TASK_STATUSES}
+
+
+def output_digests(repo: Path) -> dict[str, str]:
+    """The workspace's params, lock and every output file, by path, as sha256 of their bytes."""
+    files = [repo / "params.yaml", repo / "dvc.lock"]
+    for folder in ("models/draft", "metrics", "dvclive", "data/prepared", "data/hidden_states", "data/vocab"):
+        files += sorted(path for path in (repo / folder).rglob("*") if path.is_file())
+    return {str(path.relative_to(repo)): hashlib.sha256(path.read_bytes()).hexdigest() for path in files}
+
+
+@pytest.mark.slow
+def test_queued_experiments_run_by_dvc_queue_start(tiny_pipeline: SharedPipeline, tmp_path: Path):
+    """`dvc exp run --queue` twice, then `dvc queue start` (one worker): DVC runs each experiment in a temporary copy
+    of the checkout (.dvc/tmp/exps/); both train afresh with their own params, keep their training checkpoints in
+    the checkout's .eaglenest/ (where a killed one would resume when queued again), succeed with metrics of their
+    own, and leave the workspace's outputs as they were."""
+    repo = tiny_pipeline.copy(tmp_path / "repo")
+    (repo / ".gitignore").write_text(".eaglenest/\n")  # as the project's own .gitignore: state, never committed
+    shutil.rmtree(repo / ".eaglenest", ignore_errors=True)
+    run(["git", "add", "-A"], repo)
+    run(["git", "commit", "-qm", "baseline run"], repo)
+    before = output_digests(repo)
+
+    dvc(["exp", "run", "--queue", "-n", "adamw", "-S", "train.optimizer=adamw", *SHORT_TRAINING], repo)
+    # ++ adds train.muon, which params.yaml leaves out (docs/training.md)
+    dvc(["exp", "run", "--queue", "-n", "muon", "-S", "train.optimizer=muon", "-S", "++train.muon.lr=0.01",
+         *SHORT_TRAINING], repo)
+    assert queue_status(repo) == {"adamw": "Queued", "muon": "Queued"}
+    started = time.monotonic()
+    try:
+        dvc(["queue", "start"], repo)
+        while set(queue_status(repo).values()) & {"Queued", "Running"}:
+            assert time.monotonic() - started < 900, dvc(["queue", "logs", "adamw"], repo, check=False).stdout
+            time.sleep(5)
+    finally:
+        dvc(["queue", "stop"], repo, check=False)  # the worker: no process of the test outlives it
+    status = queue_status(repo)
+    logs = {name: dvc(["queue", "logs", name], repo).stdout for name in ("adamw", "muon")}
+    assert status == {"adamw": "Success", "muon": "Success"}, logs
+
+    for log in logs.values():
+        assert "Running stage 'train'" in log and "Running stage 'evaluate'" in log
+        for stage in ("verifier", "prepare", "extract", "convert"):
+            assert f"Running stage '{stage}'" not in log
+        assert "resuming run" not in log  # each trained from step 0: the other's checkpoints have another key
+    diff = json.loads(dvc(["exp", "diff", "adamw", "muon", "--json"], repo).stdout)
+    loss = diff["metrics"]["metrics/train.json"]["val_loss_all_tokens"]
+    assert loss["old"] != loss["new"]
+    params = diff["params"]["params.yaml"]
+    assert (params["train.optimizer"]["old"], params["train.optimizer"]["new"]) == ("adamw", "muon")
+    assert params["train.muon.lr"]["new"] == 0.01
+    shown = dvc(["exp", "show", "--json"], repo).stdout
+    assert "adamw" in shown and "muon" in shown
+
+    # The checkpoints went to the checkout, not the deleted copies; both runs finished, so none is left.
+    checkpoints = repo / ".eaglenest" / "train-checkpoints"
+    assert checkpoints.is_dir() and not any(checkpoints.rglob("checkpoint.pt"))
+    assert output_digests(repo) == before
+    assert run(["git", "status", "--porcelain"], repo).stdout == ""

@@ -92,8 +92,10 @@ def _makefile_targets() -> set[str]:
 
 
 def _set_override(raw: dict, assignment: str) -> None:
-    """Applies ``dvc exp run -S key=value`` to a params mapping, parsing the value as DVC does (YAML 1.2)."""
+    """Applies ``dvc exp run -S key=value`` to a params mapping, parsing the value as DVC does (YAML 1.2); a key
+    params.yaml leaves out is added with Hydra's ``+key=value`` or ``++key=value``, as DVC adds it."""
     key, _, text = assignment.partition("=")
+    key = key.removeprefix("++").removeprefix("+")
     value = yaml.safe_load(text)
     if isinstance(value, str):
         with contextlib.suppress(ValueError):

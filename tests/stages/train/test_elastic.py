@@ -163,6 +163,24 @@ def test_one_process_trains_the_global_batch_of_two(data: Path, uninterrupted, t
     assert_same_training(tmp_path / "one", uninterrupted("eagle3"))
 
 
+@pytest.mark.slow
+def test_muon_on_two_processes_restarted_after_a_kill_trains_what_one_process_does(data: Path, tmp_path: Path):
+    """train.optimizer: muon under DDP: Muon orthogonalizes the gradients DDP averaged, the same on every process;
+    a worker killed after the step-3 checkpoint is restarted and both resume Muon's momentum and AdamW's moments:
+    the draft and curves of one process accumulating the same global batch."""
+    train = {**TRAIN, "optimizer": "muon"}
+    wrapper = tmp_path / "kill_after_checkpoint.py"
+    wrapper.write_text(KILL_AFTER_CHECKPOINT.format(rank=1))
+    result = run_train_stage(tmp_path / "two", data, train, script=wrapper)
+    assert result.returncode == 0, result.stdout + result.stderr
+    details = json.loads((tmp_path / "two/train_details.json").read_text())
+    assert (details["processes"], details["launcher_restarts"], details["resumed_from_step"]) == (2, 1, 3)
+    one = train_draft(TrainParams(**train), stage_paths(tmp_path / "one", data))
+    assert (one["processes"], one["optimizer"]) == (1, "muon")
+    assert_same_training(tmp_path / "two", tmp_path / "one")
+    assert "train/muon_lr" in read_curves(tmp_path / "two/dvclive")
+
+
 def checkout(root: Path, data: Path, params: dict) -> Path:
     """A checkout's layout at ``root`` over the tiny data, with ``params`` as its params.yaml: dvc.yaml and the
     stage scripts of this repository, the stage's inputs where dvc.yaml names them."""

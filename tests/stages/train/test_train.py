@@ -86,9 +86,11 @@ def test_draft_learns_and_saves_a_speculators_checkpoint(converted: dict[str, Pa
     assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
 
 
+@pytest.mark.parametrize("optimizer", [{}, {"optimizer": "muon", "muon": {"lr": 0.01}}], ids=["adamw", "muon"])
 def test_resume_after_a_kill_matches_an_uninterrupted_run(converted: dict[str, Path], tmp_path: Path,
-                                                          monkeypatch: pytest.MonkeyPatch):
-    params = TrainParams(steps=12, eval_every=6, checkpoint_every=4, **FAST)
+                                                          monkeypatch: pytest.MonkeyPatch, optimizer: dict):
+    """Every optimizer's state and schedule come back from the checkpoint: Muon's momentum and AdamW's moments."""
+    params = TrainParams(steps=12, eval_every=6, checkpoint_every=4, **FAST, **optimizer)
     reference = train_draft(params, inputs_in(converted, tmp_path / "a"))
     resumed = killed_and_resumed_training(params, inputs_in(converted, tmp_path / "b"), monkeypatch, step=8)
 
@@ -216,9 +218,9 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line_and_keeps_the_last(tmp_
 
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.AdamW(model.parameters())
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    optimizers, schedulers = [optimizer], [torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)]
     path = tmp_path / "run" / "checkpoint.pt"
-    checkpoint_module.save_checkpoint(path, model, optimizer, scheduler, 100, [(100, "train/loss", 2.5)])
+    checkpoint_module.save_checkpoint(path, model, optimizers, schedulers, 100, [(100, "train/loss", 2.5)])
 
     def disk_full(obj, f):
         Path(f).write_bytes(b"partial")
@@ -227,10 +229,10 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line_and_keeps_the_last(tmp_
     monkeypatch.setattr(checkpoint_module.torch, "save", disk_full)
     with pytest.raises(EaglenestError, match=r"could not write the training checkpoint .*checkpoint.pt at step 200 "
                                              r"\(\[enforce fail.*MiB free there\); free disk space"):
-        checkpoint_module.save_checkpoint(path, model, optimizer, scheduler, 200, [])
+        checkpoint_module.save_checkpoint(path, model, optimizers, schedulers, 200, [])
     assert sorted(p.name for p in path.parent.iterdir()) == ["checkpoint.pt"]
     monkeypatch.undo()
-    assert checkpoint_module.resume(path, model, optimizer, scheduler) == (100, [(100, "train/loss", 2.5)])
+    assert checkpoint_module.resume(path, model, optimizers, schedulers) == (100, [(100, "train/loss", 2.5)])
 
 
 def test_packing_is_deterministic_and_bounded():
@@ -334,3 +336,116 @@ def test_algorithm_params_are_refused_for_the_wrong_algorithm():
     assert parse_params({"train": {"algorithm": "eagle3", "draft_arch": "qwen3"}}).train.draft_layer == "qwen3"
     with pytest.raises(ParamsError, match="train.algorithm"):  # not a name at all: reported, not a TypeError
         parse_params({"train": {"algorithm": [], "peagle": {"max_anchors": 64}}})
+
+
+# The optimizer (train.optimizer): speculators' build_optimizers, AdamW alone or Muon over the matrices.
+FROZEN = {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight"}
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_each_optimizer_moves_its_weights_and_never_the_frozen_ones(converted: dict[str, Path], tmp_path: Path,
+                                                                    optimizer: str):
+    """adamw: AdamW over every trainable weight. muon: Muon over the draft layer's 2-D matrices (fc, attention and
+    MLP projections), AdamW over the rest (the norms). speculators hands AdamW the frozen weights too (every named
+    parameter); without gradients they never move and hold no optimizer state."""
+    from eaglenest.stages.train import finish_training, fit, setup_training
+
+    params = TrainParams(steps=6, eval_every=6, optimizer=optimizer, **FAST)
+    session = setup_training(params, inputs_in(converted, tmp_path))
+    named = dict(session.model.named_parameters())
+    before = {name: weight.detach().clone() for name, weight in named.items()}
+    finish_training(session, fit(session))
+
+    optimizers = session.optimization.optimizers
+    assert [type(o).__name__ for o in optimizers] == (["Muon", "AdamW"] if optimizer == "muon" else ["AdamW"])
+    names = {id(weight): name for name, weight in named.items()}
+    stepped_by = {names[id(weight)]: type(o).__name__ for o in optimizers for weight in o.state}
+    trainable = {name for name, weight in named.items() if weight.requires_grad}
+    assert set(named) - trainable == FROZEN and not FROZEN & set(stepped_by)
+    matrices = {name for name in trainable if named[name].ndim == 2}
+    assert matrices == {"fc.weight", *(f"layers.0.self_attn.{p}_proj.weight" for p in "qkvo"),
+                        *(f"layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down"))}
+    if optimizer == "muon":
+        assert {name for name, kind in stepped_by.items() if kind == "Muon"} == matrices
+        assert {name for name, kind in stepped_by.items() if kind == "AdamW"} == trainable - matrices
+        assert all("momentum_buffer" in optimizers[0].state[named[name]] for name in matrices)
+    else:
+        assert set(stepped_by) == trainable
+    for name, weight in named.items():
+        assert torch.equal(weight, before[name]) == (name in FROZEN), name
+
+    # train/lr is AdamW's either way; Muon's own follows the same warm-up and cosine from train.muon.lr (0.02)
+    curves = tmp_path / "dvclive/plots/metrics/train"
+    adamw_lr = read_tsv(curves / "lr.tsv")
+    assert adamw_lr[0] == (1, pytest.approx(3e-3)) and len(adamw_lr) == 6
+    if optimizer == "muon":
+        muon_lr = read_tsv(curves / "muon_lr.tsv")
+        assert [step for step, _ in muon_lr] == [step for step, _ in adamw_lr]
+        assert [lr / 0.02 for _, lr in muon_lr] == pytest.approx([lr / 3e-3 for _, lr in adamw_lr])
+    else:
+        assert not (curves / "muon_lr.tsv").exists()
+    loss = read_tsv(tmp_path / "dvclive/plots/metrics/val/loss.tsv")
+    assert loss[-1][1] < loss[0][1], loss  # it learns
+    assert json.loads((tmp_path / "train_details.json").read_text())["optimizer"] == optimizer
+
+
+def test_a_checkpoint_of_the_other_optimizer_is_refused_in_one_line(converted: dict[str, Path], tmp_path: Path):
+    """The run's fingerprint covers the optimizer, so a muon run never finds an adamw run's checkpoint; one put in its
+    place by hand, or holding another draft's states, stops the stage with one line instead of a torch traceback."""
+    from eaglenest.artifacts.verifier import load_verifier_info
+    from eaglenest.stages.train import checkpoint as checkpoint_module
+    from eaglenest.stages.train.loop import build_optimization
+
+    verifier, _ = load_verifier_info(converted["verifier"])
+    inputs = (verifier, converted["prepared"], converted["vocab"], converted["hs"])
+    fingerprints = {checkpoint_module.run_fingerprint(TrainParams(**settings), *inputs)
+                    for settings in ({}, {"optimizer": "muon"}, {"optimizer": "muon", "muon": {"lr": 0.01}})}
+    assert len(fingerprints) == 3
+
+    model = torch.nn.Linear(4, 4)  # a matrix for Muon, a bias for AdamW
+    path = tmp_path / "run" / "checkpoint.pt"
+    adamw, muon = (build_optimization(model, TrainParams(optimizer=name)) for name in ("adamw", "muon"))
+    checkpoint_module.save_checkpoint(path, model, adamw.optimizers, adamw.schedulers, 4, [])
+    with pytest.raises(EaglenestError) as info:
+        checkpoint_module.resume(path, model, muon.optimizers, muon.schedulers)
+    assert str(info.value) == (f"{path}: a checkpoint of a run with the optimizers AdamW, and this run trains with "
+                               f"Muon+AdamW (train.optimizer); delete {path.parent} to start afresh")
+    checkpoint_module.save_checkpoint(path, model, muon.optimizers, muon.schedulers, 4, [])
+    assert checkpoint_module.resume(path, model, muon.optimizers, muon.schedulers) == (4, [])
+    other = torch.nn.Linear(4, 8)  # another draft: its weights do not fit
+    other_muon = build_optimization(other, TrainParams(optimizer="muon"))
+    with pytest.raises(EaglenestError) as info:
+        checkpoint_module.resume(path, other, other_muon.optimizers, other_muon.schedulers)
+    assert "\n" not in str(info.value)
+    assert str(info.value).startswith(f"{path}: does not fit this run's draft and optimizers (")
+    assert str(info.value).endswith(f"); delete {path.parent} to start afresh")
+
+
+def test_muon_params_are_refused_without_muon_and_default_to_speculators():
+    from speculators.train.trainer import TrainerConfig
+
+    from eaglenest.stages.train.params import MuonParams
+
+    with pytest.raises(ParamsError) as info:
+        parse_params({"train": {"muon": {"lr": 0.05}}})
+    assert str(info.value).splitlines()[1:] == [
+        "  - train.muon: only with train.optimizer: muon (it is adamw); remove train.muon or set train.optimizer: muon"]
+    with pytest.raises(ParamsError) as info:
+        parse_params({"train": {"optimizer": "muon", "muon": {"lr": 0, "momentum": 1.0, "ns_steps": 100,
+                                                               "adjust_lr_fn": "rms"}}})
+    text = str(info.value)
+    for line in ("train.muon.lr = 0: Input should be greater than 0",
+                 "train.muon.momentum = 1.0: Input should be less than 1",
+                 "train.muon.ns_steps = 100: Input should be less than 100",
+                 "train.muon.adjust_lr_fn = 'rms': Input should be 'match_rms_adamw' or 'original'"):
+        assert line in text
+    with pytest.raises(ParamsError, match=r"train.muon.beta: unknown key \(allowed: lr, momentum, weight_decay, "):
+        parse_params({"train": {"optimizer": "muon", "muon": {"beta": 0.9}}})
+    with pytest.raises(ParamsError, match="train.optimizer = 'sgd': Input should be 'adamw' or 'muon'"):
+        parse_params({"train": {"optimizer": "sgd"}})
+    # `-S train.optimizer=muon` alone: speculators' own Muon defaults
+    train = parse_params({"train": {"optimizer": "muon"}}).train
+    assert train.muon is None and train.muon_settings == MuonParams()
+    defaults = TrainerConfig._field_defaults
+    assert {name: defaults[f"muon_{name}"] for name in MuonParams.model_fields} == MuonParams().model_dump()
+    assert parse_params({"train": {"optimizer": "adamw", "muon": None}}).train.muon is None

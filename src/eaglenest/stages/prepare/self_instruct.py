@@ -28,6 +28,7 @@ from typing import Any
 
 from eaglenest.artifacts.verifier import VerifierInfo
 from eaglenest.core.atomic import atomic_write_json
+from eaglenest.core.checkout import checkout_path
 from eaglenest.core.errors import EaglenestError
 from eaglenest.stages.prepare.params import PrepareParams
 from eaglenest.stages.prepare.regenerate import VerifierGenerator
@@ -119,6 +120,7 @@ def write_prompts(count: int, generate: ReplyGenerator, tokenizer: Any, eot_ids:
     """
     if not hints:
         raise EaglenestError("prepare.prompt_hints is empty; give at least one hint ('' = none), or null")
+    cache_dir = checkout_path(cache_dir)  # the checkout's cache, also from a queued experiment's copy
     started = time.perf_counter()
     stats = PromptStats()
     prefixes = {hint: user_prefix(tokenizer, hint) for hint in dict.fromkeys(hints)}

@@ -37,6 +37,7 @@ from eaglenest.artifacts.prepared import load_split, load_table
 from eaglenest.artifacts.verifier import VerifierInfo, load_verifier_info
 from eaglenest.artifacts.vocab import load_vocab
 from eaglenest.core.atomic import atomic_write_json
+from eaglenest.core.checkout import checkout_path
 from eaglenest.core.device import pick_device
 from eaglenest.core.errors import EaglenestError
 from eaglenest.core.host import host_record
@@ -85,7 +86,7 @@ class TrainSession:
         data: The training data.
         model: The draft (unwrapped).
         network: What the forward runs: the draft, or its DDP wrapper with several processes.
-        optimization: Optimizer and learning-rate schedule.
+        optimization: The optimizers (``train.optimizer``) and their learning-rate schedules.
         checkpoint_path: Where this run's resumable checkpoint lives.
         start_step: The step this run continues from (0: a fresh start).
         val_batches: The validation rows, packed.
@@ -148,7 +149,7 @@ def setup_training(params: TrainParams, paths: TrainPaths) -> TrainSession:
     fingerprint = run_fingerprint(params, verifier, paths.prepared, paths.vocab, paths.hidden_states)
     checkpoint_path = paths.checkpoints / fingerprint / CHECKPOINT_FILE
     check_shared(checkpoint_path.parent, dist)
-    start_step, logged = resume(checkpoint_path, model, optimization.optimizer, optimization.scheduler)
+    start_step, logged = resume(checkpoint_path, model, optimization.optimizers, optimization.schedulers)
     if dist.restarts and dist.is_main:
         log.info("restart %d by torchrun's launcher, after a training process was lost", dist.restarts)
     if start_step and dist.is_main:
@@ -209,7 +210,8 @@ def fit(session: TrainSession) -> FitResult:
                 f"training loss became {result.train_loss} at step {done}; lower train.lr ({params.lr})")
         if curves is not None:
             curves.log(done, "train/loss", result.train_loss)
-            curves.log(done, "train/lr", session.optimization.scheduler.get_last_lr()[0])
+            for name, rate in session.optimization.learning_rates().items():  # train/lr, and Muon's
+                curves.log(done, name, rate)
             curves.log(done, "train/tokens_per_s", tokens / (time.perf_counter() - step_started))
         meter.update(1)
         meter.set_postfix(loss=f"{result.train_loss:.3f}", tok_s=f"{result.trained_tokens / result.step_seconds:.0f}",
@@ -218,8 +220,8 @@ def fit(session: TrainSession) -> FitResult:
             result.validation = _validate(session, done)
         if done % params.checkpoint_every == 0 and done < params.steps:
             if curves is not None:
-                save_checkpoint(session.checkpoint_path, session.model, session.optimization.optimizer,
-                                session.optimization.scheduler, done, curves.logged)
+                save_checkpoint(session.checkpoint_path, session.model, session.optimization.optimizers,
+                                session.optimization.schedulers, done, curves.logged)
             dist.barrier()
     meter.close()
     result.seconds = time.perf_counter() - started
@@ -251,6 +253,7 @@ def finish_training(session: TrainSession, result: FitResult) -> dict[str, Any]:
             "device": session.runtime.device.type,
             "precision": session.runtime.precision,
             "algorithm": params.algorithm,
+            "optimizer": params.optimizer,
             "loss_tokens": params.loss_tokens,
             "processes": dist.world_size,
             "launcher_restarts": dist.restarts,
@@ -305,9 +308,12 @@ def check_inputs(params: TrainParams, paths: TrainPaths) -> None:
 
 
 def placed(params: TrainStageParams, paths: TrainPaths) -> TrainPaths:
-    """``paths`` with the checkpoints where ``cluster.torchrun.checkpoint_dir`` puts them."""
+    """``paths`` with the checkpoints where ``cluster.torchrun.checkpoint_dir`` puts them, in the checkout's
+    ``.eaglenest/`` by default: also from a queued experiment's copy (:func:`~eaglenest.core.checkout.checkout_path`),
+    so that a killed one resumes when queued again and experiments of other params or inputs never meet (the
+    run's fingerprint keys its folder)."""
     folder = params.cluster.torchrun.checkpoint_dir
-    return dataclasses.replace(paths, checkpoints=Path(folder)) if folder else paths
+    return dataclasses.replace(paths, checkpoints=checkout_path(Path(folder) if folder else paths.checkpoints))
 
 
 def run(params: TrainStageParams, paths: TrainPaths) -> dict[str, Any]:

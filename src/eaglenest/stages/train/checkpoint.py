@@ -1,12 +1,12 @@
 """Resumable training: what identifies a run, and its checkpoints outside DVC's outputs.
 
-Every ``train.checkpoint_every`` steps rank 0 saves the model, optimizer, scheduler, step and every curve value
-logged so far under ``.eaglenest/train-checkpoints/<fingerprint>/`` (``cluster.torchrun.checkpoint_dir``
+Every ``train.checkpoint_every`` steps rank 0 saves the model, every optimizer and its schedule, the step and every
+curve value logged so far under ``.eaglenest/train-checkpoints/<fingerprint>/`` (``cluster.torchrun.checkpoint_dir``
 moves it; DVC deletes a stage's outputs before re-running it, so they cannot live there). A resumed run, after a
 rerun or a restart by torchrun's launcher, loads it on every process and writes the curves again (dvclive/train is
 an ordinary output). The fingerprint covers the train params and the content of every input, so a changed
-learning rate never resumes a stale run; it leaves out how many processes share the global batch, which changes
-nothing trained.
+learning rate or optimizer never resumes a stale run; it leaves out how many processes share the global batch, which
+changes nothing trained.
 
 No generator state is saved: :func:`seed_torch` seeds each sequence of a step from the run's seed, the step and
 the sequence's place in the global batch, so a resumed run draws what the uninterrupted one drew.
@@ -73,30 +73,63 @@ def seed_torch(seed: int, *labels: object) -> None:
     torch.manual_seed(int.from_bytes(digest[:8], "little"))
 
 
-def resume(checkpoint_path: Path, model: Any, optimizer: Any, scheduler: Any) -> tuple[int, Logged]:
-    """Loads a checkpoint if this run has one.
+def optimizer_kinds(optimizers: list[Any]) -> list[str]:
+    """The optimizers' class names in order (``["AdamW"]``, ``["Muon", "AdamW"]``): what a checkpoint's optimizer
+    states belong to."""
+    return [type(optimizer).__name__ for optimizer in optimizers]
+
+
+def resume(checkpoint_path: Path, model: Any, optimizers: list[Any], schedulers: list[Any]) -> tuple[int, Logged]:
+    """Loads a checkpoint if this run has one: the model, every optimizer and every schedule.
+
+    The run's fingerprint covers ``train.optimizer`` and ``train.muon``, so a run finds only its own checkpoints;
+    one whose optimizers are not this run's (a checkpoint copied in by hand) is refused in one line rather than
+    half loaded.
 
     Returns:
         The step to continue from (0: a fresh start) and the curve values logged up to it.
+
+    Raises:
+        EaglenestError: the checkpoint holds other optimizers, or states that do not fit them.
     """
     if not checkpoint_path.is_file():
         return 0, []
     state = torch.load(checkpoint_path, map_location="cpu", weights_only=True)
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
+    # A checkpoint from before the optimizer was a choice holds one AdamW and one schedule.
+    saved_optimizers = state["optimizers"] if "optimizers" in state else [state["optimizer"]]
+    saved_schedulers = state["schedulers"] if "schedulers" in state else [state["scheduler"]]
+    saved_kinds = state.get("optimizer_kinds", ["AdamW"])
+    kinds = optimizer_kinds(optimizers)
+    if saved_kinds != kinds or len(saved_optimizers) != len(optimizers) or len(saved_schedulers) != len(schedulers):
+        raise EaglenestError(
+            f"{checkpoint_path}: a checkpoint of a run with the optimizers {'+'.join(saved_kinds)}, and this run "
+            f"trains with {'+'.join(kinds)} (train.optimizer); delete {checkpoint_path.parent} to start afresh")
+    try:
+        model.load_state_dict(state["model"])
+        for optimizer, saved in zip(optimizers, saved_optimizers, strict=True):
+            optimizer.load_state_dict(saved)
+        for scheduler, saved in zip(schedulers, saved_schedulers, strict=True):
+            scheduler.load_state_dict(saved)
+    except (RuntimeError, ValueError, KeyError) as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise EaglenestError(f"{checkpoint_path}: does not fit this run's draft and optimizers ({reason}); delete "
+                             f"{checkpoint_path.parent} to start afresh") from None
     # A checkpoint from before curves were kept resumes with the curves from its step on.
     curves = state.get("curves", [])
     return int(state["step"]), [(int(step), str(name), float(value)) for step, name, value in curves]
 
 
-def save_checkpoint(path: Path, model: Any, optimizer: Any, scheduler: Any, step: int, curves: Logged) -> None:
-    """Writes everything a resumed run needs (atomically: a kill mid-write leaves the previous checkpoint)."""
+def save_checkpoint(path: Path, model: Any, optimizers: list[Any], schedulers: list[Any], step: int,
+                    curves: Logged) -> None:
+    """Writes everything a resumed run needs: the model, every optimizer and its schedule, the step and the curves
+    (atomically: a kill mid-write leaves the previous checkpoint)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_sibling(path)
     try:
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(), "step": step, "curves": [list(entry) for entry in curves]},
+        torch.save({"model": model.state_dict(), "optimizers": [optimizer.state_dict() for optimizer in optimizers],
+                    "optimizer_kinds": optimizer_kinds(optimizers),
+                    "schedulers": [scheduler.state_dict() for scheduler in schedulers], "step": step,
+                    "curves": [list(entry) for entry in curves]},
                    tmp)
     except (OSError, RuntimeError) as err:
         # A full disk surfaces from torch's zip writer as "unexpected pos ...": name the file and the free space.

@@ -1,6 +1,7 @@
-"""One optimizer step, and what it needs: AdamW over the draft's trainable weights, with linear warm-up and a
-cosine decay to ``train.min_lr_ratio``. The train stage's fit phase accumulates a step's share of the global batch
-with :func:`backward` and steps with :func:`optimizer_step`; ``bench/`` steps one batch at a time with
+"""One optimizer step, and what it needs: the optimizers over the draft's trainable weights (``train.optimizer``:
+AdamW, or Muon and AdamW, built by speculators' ``build_optimizers``), each with linear warm-up and a cosine decay to
+``train.min_lr_ratio``. The train stage's fit phase accumulates a step's share of the global batch with
+:func:`backward` and steps with :func:`optimizer_step`; ``bench/`` steps one batch at a time with
 :func:`train_step`, the same arithmetic, so a benchmark measures the stage's own."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -20,17 +21,53 @@ from eaglenest.stages.train.params import TrainParams
 
 @dataclass(frozen=True)
 class Optimization:
-    """The optimizer, its schedule and the weights it moves.
+    """The optimizers, their schedules and the weights they move.
 
     Attributes:
-        trainable: The draft's parameters that train (embeddings, LM head and verifier norm are frozen).
-        optimizer: AdamW over ``trainable``.
-        scheduler: Per-step learning-rate factor (:func:`lr_factor`).
+        trainable: The draft's parameters that train (embeddings, LM head and verifier norm are frozen, except
+            P-EAGLE's embeddings).
+        optimizers: ``[AdamW]`` for ``train.optimizer: adamw``; ``[Muon, AdamW]`` for ``muon`` (Muon over the 2-D
+            weight matrices, AdamW over the rest), in speculators' order.
+        schedulers: One per optimizer, in the same order, each with the factor of :func:`lr_factor` on its own
+            peak learning rate.
     """
 
     trainable: list[torch.nn.Parameter]
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LambdaLR
+    optimizers: list[torch.optim.Optimizer]
+    schedulers: list[torch.optim.lr_scheduler.LambdaLR]
+
+    def learning_rates(self) -> dict[str, float]:
+        """The learning rate each optimizer steps with next, under the curve name it is logged as: ``train/lr``
+        (AdamW's, whatever ``train.optimizer``) and, with Muon, ``train/muon_lr`` (before torch's per-matrix
+        ``adjust_lr_fn`` scaling)."""
+        rates = {}
+        for optimizer, scheduler in zip(self.optimizers, self.schedulers, strict=True):
+            name = "train/muon_lr" if isinstance(optimizer, torch.optim.Muon) else "train/lr"
+            rates[name] = scheduler.get_last_lr()[0]
+        return rates
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """What speculators' ``build_optimizers`` reads of its ``TrainerConfig``: the optimizer and its knobs, from
+    ``train.optimizer``, ``train.lr``, ``train.weight_decay`` and ``train.muon``."""
+
+    optimizer: Literal["adamw", "muon"]
+    lr: float
+    weight_decay: float
+    muon_lr: float
+    muon_momentum: float
+    muon_weight_decay: float
+    muon_ns_steps: int
+    muon_adjust_lr_fn: Literal["match_rms_adamw", "original"]
+
+    @classmethod
+    def of(cls, params: TrainParams) -> OptimizerConfig:
+        """The train params' optimizer settings (speculators' Muon defaults where ``train.muon`` is null)."""
+        muon = params.muon_settings
+        return cls(optimizer=params.optimizer, lr=params.lr, weight_decay=params.weight_decay, muon_lr=muon.lr,
+                   muon_momentum=muon.momentum, muon_weight_decay=muon.weight_decay, muon_ns_steps=muon.ns_steps,
+                   muon_adjust_lr_fn=muon.adjust_lr_fn)
 
 
 def lr_factor(params: TrainParams) -> Callable[[int], float]:
@@ -47,10 +84,21 @@ def lr_factor(params: TrainParams) -> Callable[[int], float]:
 
 
 def build_optimization(model: Any, params: TrainParams) -> Optimization:
-    """AdamW and its schedule over ``model``'s trainable parameters."""
+    """``train.optimizer``'s optimizers over ``model``'s trainable parameters, by speculators' ``build_optimizers``,
+    and a schedule for each.
+
+    ``model`` is the draft itself, not its DDP wrapper: the optimizers step the same tensors either way, and the
+    names speculators matches (``embed_tokens``, ``lm_head``) stay the draft's own. For ``adamw`` speculators hands
+    AdamW every parameter, frozen ones included; AdamW skips a parameter without a gradient (no update, no state,
+    no weight decay), so only the trainable weights move, as ``trainable`` (what the gradient is clipped over)
+    lists them. Muon's split skips frozen parameters itself.
+    """
+    from speculators.train.optimizers import build_optimizers
+
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=params.lr, weight_decay=params.weight_decay)
-    return Optimization(trainable, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(params)))
+    optimizers = build_optimizers(model, OptimizerConfig.of(params))
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(params)) for optimizer in optimizers]
+    return Optimization(trainable, optimizers, schedulers)
 
 
 def train_step(network: Any, batch: dict[str, Any], runtime: Runtime, optimization: Optimization,
@@ -98,9 +146,13 @@ def backward(network: Any, batch: dict[str, Any], runtime: Runtime, params: Trai
 
 
 def optimizer_step(optimization: Optimization, params: TrainParams) -> None:
-    """Gradient clipping (``train.grad_clip``), one optimizer and schedule step, gradients cleared."""
+    """Gradient clipping over every trainable weight (``train.grad_clip``), one step of each optimizer and its
+    schedule, gradients cleared."""
     if params.grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(optimization.trainable, params.grad_clip)
-    optimization.optimizer.step()
-    optimization.scheduler.step()
-    optimization.optimizer.zero_grad(set_to_none=True)
+    for optimizer in optimization.optimizers:
+        optimizer.step()
+    for scheduler in optimization.schedulers:
+        scheduler.step()
+    for optimizer in optimization.optimizers:
+        optimizer.zero_grad(set_to_none=True)

@@ -53,6 +53,30 @@ class DFlashParams(StrictModel):
     )
 
 
+class MuonParams(StrictModel):
+    """``train.muon:`` — Muon's knobs (``torch.optim.Muon`` over the draft's 2-D weight matrices, as speculators'
+    ``build_optimizers`` splits them); only with ``train.optimizer: muon``. The defaults are speculators'."""
+
+    lr: float = Field(
+        default=0.02, gt=0.0, le=1.0,
+        description="Peak Muon learning rate (speculators' muon_lr), warmed up and decayed as train.lr is, then "
+        "scaled per matrix by adjust_lr_fn.",
+    )
+    momentum: float = Field(default=0.95, ge=0.0, lt=1.0, description="Muon's (Nesterov) momentum.")
+    weight_decay: float = Field(
+        default=0.1, ge=0.0, description="Muon's decoupled weight decay on the matrices (train.weight_decay stays "
+        "AdamW's, on the rest).")
+    ns_steps: int = Field(
+        default=5, ge=1, lt=100,
+        description="Newton-Schulz iterations that orthogonalize each matrix's update (torch allows fewer than 100).")
+    adjust_lr_fn: Literal["match_rms_adamw", "original"] = Field(
+        default="match_rms_adamw",
+        description="How torch scales the learning rate of an A x B matrix: match_rms_adamw (x 0.2 * sqrt(max(A, "
+        "B)): the orthogonalized update gets the RMS of a typical AdamW update, Moonshot's rule) or original (x "
+        "sqrt(max(1, A / B)), Keller Jordan's).",
+    )
+
+
 class TrainParams(StrictModel):
     """``train:`` — the draft (speculators' model class for ``algorithm``), trained on the extracted hidden
     states."""
@@ -90,6 +114,15 @@ class TrainParams(StrictModel):
         default=512, ge=16, description="Tokens per packed training batch (rows are packed, never split)."
     )
     steps: int = Field(default=800, ge=1, description="Optimizer steps.")
+    optimizer: Literal["adamw", "muon"] = Field(
+        default="adamw",
+        description="adamw: AdamW over every trainable weight. muon: torch's Muon over the draft layers' 2-D weight "
+        "matrices (fc, attention and MLP projections) and AdamW (train.lr, train.weight_decay) over the rest "
+        "(norms, and P-EAGLE's embeddings and mask vector): speculators' build_optimizers split, its knobs in "
+        "train.muon (docs/training.md).",
+    )
+    muon: MuonParams | None = Field(
+        default=None, description="Muon's knobs (only with optimizer: muon); null: speculators' defaults.")
     lr: float = Field(default=1e-3, gt=0.0, le=1.0, description="Peak AdamW learning rate.")
     weight_decay: float = Field(default=0.0, ge=0.0, description="AdamW weight decay.")
     warmup_steps: int = Field(default=10, ge=0, description="Linear warm-up steps before the cosine decay.")
@@ -151,9 +184,18 @@ class TrainParams(StrictModel):
             return self.draft_arch
         return "qwen3" if self.algorithm == "dflash" else "llama"
 
+    @property
+    def muon_settings(self) -> MuonParams:
+        """Muon's knobs: ``train.muon``, or speculators' defaults where it is null."""
+        return self.muon or MuonParams()
+
     @staticmethod
     def consistency_problems(values: dict[str, Any]) -> list[str]:
         problems = []
+        optimizer = values.get("optimizer", "adamw")
+        if values.get("muon") is not None and isinstance(optimizer, str) and optimizer != "muon":
+            problems.append(f"train.muon: only with train.optimizer: muon (it is {optimizer}); remove train.muon "
+                            "or set train.optimizer: muon")
         algorithm = values.get("algorithm", "eagle3")
         if not isinstance(algorithm, str):
             return problems  # the field's own error names the value; nothing here can be checked against it

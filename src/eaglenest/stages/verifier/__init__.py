@@ -26,6 +26,7 @@ from typing import Any
 
 from eaglenest.artifacts.verifier import VerifierInfo, hf_cache_path, verifier_path_override, write_verifier_record
 from eaglenest.core.atomic import atomic_directory, atomic_write_json
+from eaglenest.core.checkout import checkout_path
 from eaglenest.core.errors import EaglenestError, ParamsError
 from eaglenest.core.params import BUILTIN_PREFIX
 from eaglenest.core.progress import progress
@@ -95,7 +96,7 @@ def content_hash(file: Path, cache_file: Path | None = None, remember: bool = Tr
         remember: False reads the file every time and remembers nothing.
         meter: A progress meter in bytes, advanced by the file's size (as it is read, or at once when remembered).
     """
-    cache_file = (cache_file or WEIGHT_HASH_CACHE) if remember else None
+    cache_file = checkout_path(cache_file or WEIGHT_HASH_CACHE) if remember else None
     stat = file.stat()
     path, stamp = str(file.resolve()), {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
     cache: dict[str, Any] = {}

@@ -34,6 +34,7 @@ from typing import Any
 from eaglenest.artifacts.verifier import VerifierInfo
 from eaglenest.core.atomic import atomic_write_json
 from eaglenest.core.chat import chat_template_kwargs, strip_reasoning
+from eaglenest.core.checkout import checkout_path
 from eaglenest.core.executor import EngineNeeds, check_cluster, open_executor
 from eaglenest.core.params import ClusterParams
 from eaglenest.core.progress import progress
@@ -190,6 +191,7 @@ def regenerate(conversations: list[list[dict[str, str]]], generate_replies: Repl
         cache_dir: Where regenerated conversations are cached.
         pool: Run the batches on a Ray cluster instead of this process.
     """
+    cache_dir = checkout_path(cache_dir)  # the checkout's cache, also from a queued experiment's copy
     temperature, max_new_tokens = params.regenerate_temperature, params.regenerate_max_new_tokens
     if params.reasoning is not None:  # replies with and without thinking must never share a cache entry
         generator = f"{generator}-reasoning-{params.reasoning}"
