@@ -35,9 +35,8 @@ def test_interleaved_timing_rotates_the_engines_prompt_by_prompt(monkeypatch: py
     assert all(seconds >= 0 for pairs in timed.values() for _, seconds in pairs)
 
 
-def test_the_engines_after_the_third_in_a_process_get_processes_of_their_own(monkeypatch: pytest.MonkeyPatch):
+def test_every_engine_runs_in_this_process_and_meets_the_timed_lengths(monkeypatch: pytest.MonkeyPatch):
     in_process: list[bool] = []
-    monkeypatch.setattr(engines, "_started_in_process", 0)
     monkeypatch.setattr(engines, "create_llm", lambda kwargs, param, what, in_process_on_cpu: in_process.append(
         in_process_on_cpu) or what)
     given: list[tuple[list[int], int]] = []
@@ -47,7 +46,7 @@ def test_the_engines_after_the_third_in_a_process_get_processes_of_their_own(mon
     for number in range(5):
         llm, seconds = engines.start_engine({}, "k_sweep", f"engine {number}", [1], 0, [[2], [3, 4]])
         assert llm == f"engine {number}" and seconds >= 0
-    assert in_process == [True, True, True, False, False]
+    assert in_process == [True] * 5
     # each engine: the warm-up decoded, then every timed prompt alone for one token (its length's kernels)
     assert given[:3] == [([1], engines.WARM_UP_TOKENS), ([2], 1), ([3, 4], 1)] and len(given) == 15
 

@@ -217,3 +217,18 @@ def test_an_in_process_engine_is_the_cpu_builds_and_only_that_engines(monkeypatc
         vllm_support.create_llm({"model": str(tmp_path), "fail": True}, "evaluate.backend",
                                 in_process_on_cpu=in_process)
     assert os.environ[vllm_support.IN_PROCESS_ENV] == "1"  # a setting of the user's is put back, also after a failure
+
+
+def test_an_engine_starts_with_llvmlites_ffi_out_of_sight(monkeypatch: pytest.MonkeyPatch):
+    """vLLM's kernel-override scan reads every module's namespace; llvmlite's ffi module (numba's, which vLLM's n-gram
+    proposer imports) breaks it, so it is out of sys.modules while an engine starts, and back after."""
+    ffi = SimpleNamespace(lib=object())
+    monkeypatch.setitem(sys.modules, vllm_support.LLVMLITE_FFI, ffi)
+    seen = []
+    with vllm_support._without_llvmlite_ffi():
+        seen.append(vllm_support.LLVMLITE_FFI in sys.modules)
+    assert seen == [False] and sys.modules[vllm_support.LLVMLITE_FFI] is ffi
+    monkeypatch.delitem(sys.modules, vllm_support.LLVMLITE_FFI)
+    with vllm_support._without_llvmlite_ffi():
+        pass
+    assert vllm_support.LLVMLITE_FFI not in sys.modules  # nothing is added where it was not imported

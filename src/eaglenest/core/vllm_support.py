@@ -17,11 +17,14 @@ only after their engine has started, and ``extract/vllm_connector.py`` is loaded
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import json
 import logging
 import os
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -289,6 +292,29 @@ def engine_kwargs(model_dir: Path, verifier: VerifierTraits, engine: VllmEngineP
     return kwargs
 
 
+LLVMLITE_FFI = "llvmlite.binding.ffi"
+
+
+@contextlib.contextmanager
+def _without_llvmlite_ffi() -> Iterator[None]:
+    """llvmlite's FFI module out of ``sys.modules`` while an engine starts, back after.
+
+    vLLM's CPU build registers its kernel overrides when an engine starts by scanning every module's namespace for
+    the original kernels, reading ``vars(value).get("kernel")`` of each value. llvmlite's ``ffi.lib`` answers every
+    attribute with a function wrapper, ``__dict__`` included, so the scan stops with ``AttributeError:
+    '_lib_fn_wrapper' object has no attribute 'get'`` once llvmlite is imported: numba imports it, and vLLM's n-gram
+    proposer imports numba. Without this, no engine starts in a process after an n-gram engine has (nor in a
+    process forked from one); the module's own attributes are unchanged, only the scan does not see them.
+    ``bench/vllm_ngram_then_engine.py`` reproduces it (docs/vllm.md).
+    """
+    ffi = sys.modules.pop(LLVMLITE_FFI, None)
+    try:
+        yield
+    finally:
+        if ffi is not None:
+            sys.modules[LLVMLITE_FFI] = ffi
+
+
 def create_llm(kwargs: dict[str, Any], param: str, what: str = "the verifier", *, in_process_on_cpu: bool = False
                ) -> Any:
     """``vllm.LLM(**kwargs)``, with a failure to start turned into one line naming ``param``.
@@ -304,8 +330,10 @@ def create_llm(kwargs: dict[str, Any], param: str, what: str = "the verifier", *
             (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, for this engine only). It starts in about 8 s instead of about
             24 s (no engine-core and worker processes to spawn, each importing torch and vLLM again), and it holds
             a whole ``generate`` call's requests before its first step. The GPU build keeps its engine process.
-            The CPU build starts at most three engines in one process (a fourth fails registering its kernel
-            overrides again); evaluate starts three (held at once when its timing is interleaved), the others one.
+
+    Every engine starts with llvmlite's FFI module out of ``sys.modules`` (:func:`_without_llvmlite_ffi`): vLLM's CPU
+    build cannot start an engine in a process that holds it otherwise, which any process does once an n-gram engine
+    has run in it.
     """
     build = require_vllm(param)
     check_loadable(Path(kwargs["model"]), what, kwargs.get("trust_remote_code", False))
@@ -316,7 +344,8 @@ def create_llm(kwargs: dict[str, Any], param: str, what: str = "the verifier", *
     if in_process_on_cpu and build.kind == "cpu":
         os.environ[IN_PROCESS_ENV] = "0"
     try:
-        return LLM(**kwargs)
+        with _without_llvmlite_ffi():
+            return LLM(**kwargs)
     except (RuntimeError, ValueError, TypeError, OSError, AssertionError, NotImplementedError) as err:
         raise EaglenestError(
             f"{param}: vllm could not start with {what} {kwargs['model']}: {first_line(err)} "

@@ -11,10 +11,9 @@ requests an engine runs at once (``in_flight``, which also caps vLLM's ``max_num
 ``VLLM_CPU_KVCACHE_SPACE``'s whole GiBs: evaluate holds three engines at once. No engine keeps a prefix cache, so a
 timed prompt's prefill is timed, as a new chat turn meets a server.
 
-Engines share this process where the CPU build allows it (``in_process_on_cpu``: about 8 s to start instead of
-about 25 s), which is at most three per process (a fourth fails registering its kernel overrides again); the
-engines after the third run their engine core in processes of their own. Every function takes ``param``, the
-params key that asked for vLLM, named in every error.
+On the CPU build every engine runs its engine core in this process (``in_process_on_cpu``: about 8 s to start
+instead of about 25 s in processes of its own), however many a measurement starts. Every function takes ``param``,
+the params key that asked for vLLM, named in every error.
 """
 
 from __future__ import annotations
@@ -31,14 +30,10 @@ from eaglenest.core.vllm_support import VLLM_NGRAM_WINDOW, VerifierTraits, creat
 if TYPE_CHECKING:
     from eaglenest.core.params import VllmEngineParams
 
-# The CPU build starts at most this many engines in one process (core/vllm_support.create_llm).
-IN_PROCESS_ENGINES = 3
 WARM_UP_TOKENS = 16
 # Requests a batched engine runs at once where its KV cache is sized (the CPU build): every request in flight holds
 # its cache, three engines are up at once, and past a few dozen a verifier's batched step on a few cores gains little.
 BATCH_IN_FLIGHT = 32
-
-_started_in_process = 0
 
 
 def requested_k(given: int | None, own: int, given_name: str) -> int:
@@ -154,16 +149,11 @@ class NgramSetting:
 
 def start_engine(kwargs: dict[str, Any], param: str, what: str, warm_up: list[int], seed: int,
                  shapes: list[list[int]] | None = None) -> tuple[Any, float]:
-    """One engine, warmed up on ``warm_up`` (a prompt not timed: first forwards allocate and pick kernels), then
-    given each of ``shapes`` (:func:`meet_shapes`); and its seconds to start.
-
-    In this process while fewer than :data:`IN_PROCESS_ENGINES` have started in it, else in its own processes.
-    """
-    global _started_in_process
+    """One engine, its core in this process on the CPU build, warmed up on ``warm_up`` (a prompt not timed: first
+    forwards allocate and pick kernels), then given each of ``shapes`` (:func:`meet_shapes`); and its seconds to
+    start."""
     started = time.perf_counter()
-    in_process = _started_in_process < IN_PROCESS_ENGINES
-    llm = create_llm(kwargs, param, what=what, in_process_on_cpu=in_process)
-    _started_in_process += in_process
+    llm = create_llm(kwargs, param, what=what, in_process_on_cpu=True)
     generate(llm, [{"prompt_token_ids": warm_up}], sampling_params(WARM_UP_TOKENS, 0.0, seed), param)
     meet_shapes(llm, shapes or [], seed, param)
     return llm, round(time.perf_counter() - started, 3)

@@ -43,8 +43,8 @@ from eaglenest.stages.k_sweep.params import KSweepStageParams
 log = logging.getLogger(__name__)
 
 PARAM = "k_sweep"  # the params section named in vLLM's errors
-# Engines timed beside the plain one at once: the CPU build holds three per process, a GPU a third of
-# evaluate.vllm.gpu_memory_utilization each.
+# Engines timed beside the plain one at once: on a GPU each of the three holds a third of
+# evaluate.vllm.gpu_memory_utilization.
 SPECULATIVE_PER_GROUP = 2
 
 

@@ -20,9 +20,8 @@ class KSweepParams(StrictModel):
 
     ks: list[int] | None = Field(
         default=None, min_length=1,
-        description="The Ks timed, each at least 1; null: 1 to the draft's own K (train.ttt_steps). Every two Ks "
-        "beyond the first two start their engines in processes of their own, "
-        "about 25 s each on the CPU build.",
+        description="The Ks timed, each at least 1; null: 1 to the draft's own K (train.ttt_steps). Each K is an "
+        "engine, timed two at a time beside the plain one.",
     )
     timed_prompts: int = Field(
         default=4, ge=1,

@@ -15,9 +15,9 @@ class NgramSweepParams(StrictModel):
 
     ks: list[int] = Field(
         default_factory=lambda: [2, 3, 4], min_length=1,
-        description="The Ks timed, each with the lookup window that accepts the most at that K. Each K is one "
-        "engine; beyond the first two they start in processes of their own (about 25 s each on the CPU build). "
-        "One K with lookup_min = lookup_max fixes the setting: it is still timed, and recorded.",
+        description="The Ks timed, each with the lookup window that accepts the most at that K: one engine each, "
+        "all taking turns with the plain one. One K with lookup_min = lookup_max fixes the setting: it is still "
+        "timed, and recorded.",
     )
     lookup_min: int = Field(
         default=1, ge=1,
