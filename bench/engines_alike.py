@@ -81,7 +81,8 @@ def main() -> None:
 
     def ratio(new: str, old_name: str) -> dict:
         entries = [{"turns": timed[s.name][new], "plain_turns": timed[s.name][old_name]} for s in sets]
-        per_set = {s.name: pooled_speedup([e], params.bootstrap_samples, params.seed) for s, e in zip(sets, entries)}
+        per_set = {s.name: pooled_speedup([e], params.bootstrap_samples, params.seed)
+                   for s, e in zip(sets, entries, strict=True)}
         return {"pooled": pooled_speedup(entries, params.bootstrap_samples, params.seed), "sets": per_set}
 
     figures = {"plain alike over before": ratio("plain, alike", "plain, before"),

@@ -115,27 +115,27 @@ def main() -> None:
               "host": host_record(kwargs["plain"]["dtype"]), "k": k, "ngram": ngram.label, "env": args.env,
               "turns": len(turns), "engines": {}}
     folder = Path(tempfile.mkdtemp(prefix="verify-round-"))
+    def decode_all(llm: object, engine_k: int) -> tuple[float, int, int]:
+        """Every turn alone: seconds, tokens and verify rounds (forwards after the prefill's: a drafting engine's
+        counts say how many; plain decoding takes one per token after the first)."""
+        seconds = tokens = rounds = 0
+        for eval_set, prompt in turns:
+            sampling = sampling_params(eval_set.params.max_new_tokens, 0.0, params.seed)
+            ((output, spent),) = decode_alone(llm, [prompt], sampling, "bench")
+            emitted = len(output.outputs[0].token_ids)
+            counts = request_counts(output, engine_k) if engine_k else None
+            rounds += counts.drafts if counts is not None and counts.drafts else emitted - 1
+            seconds, tokens = seconds + spent, tokens + emitted
+        return seconds, tokens, rounds
+
     for drafter, engine_k in (("plain", 0), ("spec", k), ("ngram", ngram.k)):
         llm, _ = start_engine(kwargs[drafter], "bench", drafter, warm_up, params.seed, [p for _, p in turns])
         try:
-            def decode_all(llm=llm) -> tuple[float, int, int]:
-                seconds = tokens = rounds = 0
-                for eval_set, prompt in turns:
-                    sampling = sampling_params(eval_set.params.max_new_tokens, 0.0, params.seed)
-                    ((output, spent),) = decode_alone(llm, [prompt], sampling, "bench")
-                    emitted = len(output.outputs[0].token_ids)
-                    counts = request_counts(output, engine_k) if engine_k else None
-                    # a verify round is a forward after the prefill's: a draft's counts say how many; plain: one
-                    # per token after the first
-                    rounds += counts.drafts if counts is not None and counts.drafts else emitted - 1
-                    seconds, tokens = seconds + spent, tokens + emitted
-                return seconds, tokens, rounds
-
-            seconds, tokens, rounds = decode_all()
+            seconds, tokens, rounds = decode_all(llm, engine_k)
             stacks = folder / f"{drafter}.txt"
             spy = sampled(os.getpid(), args.rate, stacks)
             time.sleep(1.0)  # py-spy attaches
-            sampled_seconds, _, _ = decode_all()
+            sampled_seconds, _, _ = decode_all(llm, engine_k)
             spy.send_signal(2)
             spy.wait(timeout=60)
         finally:

@@ -71,7 +71,8 @@ def test_an_engine_is_sized_to_its_longest_requests_in_flight(monkeypatch: pytes
     assert alone["kv_cache_memory_bytes"] == int(1.25 * 128 * 324) + vllm_support.KV_CACHE_MARGIN_BYTES
     # a drafting engine adds its speculative_config and the per-request counts vLLM gives only with one, nothing else
     drafting = engines.drafting(alone, {"method": "ngram"})
-    assert drafting == {**alone, "speculative_config": {"method": "ngram"}, "per_request_spec_decode_metrics": "summary"}
+    assert drafting == {**alone, "speculative_config": {"method": "ngram"},
+                        "per_request_spec_decode_metrics": "summary"}
     assert engines.drafting(alone, None) == alone
     # decoded in two calls: the cache holds the larger call's two longest
     per_call = base.kwargs(requests + [50], in_flight=2, batches=[[124, 324], [224, 50]])

@@ -15,8 +15,8 @@ from eaglenest.artifacts.k_record import draft_fingerprint, read_k_record, serve
 from eaglenest.commands import cli
 from eaglenest.commands.params_file import parse_params
 from eaglenest.core.errors import ParamsError
-from eaglenest.stages.k_sweep import KSweepPaths, sweep, sweep_ks
 from eaglenest.core.measure.beside_plain import add_speedup
+from eaglenest.stages.k_sweep import KSweepPaths, sweep, sweep_ks
 from eaglenest.stages.k_sweep.choice import best_ks, serve_k
 from tests.conftest import requires_vllm
 from tests.fixtures.fakes import FakeEngines

@@ -64,8 +64,9 @@ def test_the_replay_uses_vllms_own_proposer():
 
 def test_every_window_is_replayed_and_the_fewest_steps_win_per_k():
     assert windows(1, 3) == [(1, 1), (1, 2), (1, 3), (2, 2), (2, 3), (3, 3)]
-    counts = {NgramSetting(1, 3, 2): Replayed(40), NgramSetting(2, 3, 2): Replayed(40), NgramSetting(3, 3, 2): Replayed(41),
-              NgramSetting(1, 3, 4): Replayed(33), NgramSetting(2, 4, 4): Replayed(35)}
+    counts = {NgramSetting(1, 3, 2): Replayed(40), NgramSetting(2, 3, 2): Replayed(40),
+              NgramSetting(3, 3, 2): Replayed(41), NgramSetting(1, 3, 4): Replayed(33),
+              NgramSetting(2, 4, 4): Replayed(35)}
     # a tie goes to the narrower window
     assert best_window_per_k(counts, [2, 4]) == {2: NgramSetting(2, 3, 2), 4: NgramSetting(1, 3, 4)}
 
@@ -133,7 +134,8 @@ class FakeNgramEngines:
         return what, 1.0
 
     def generate(self, llm, requests, sampling, param):
-        by_prompt = {tuple(p): o for name, ps in self.prompts_of.items() for p, o in zip(ps, self.outputs[name])}
+        by_prompt = {tuple(p): o for name, ps in self.prompts_of.items()
+                     for p, o in zip(ps, self.outputs[name], strict=True)}
         return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=by_prompt[tuple(r["prompt_token_ids"])])])
                 for r in requests]
 
