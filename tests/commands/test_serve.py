@@ -117,6 +117,95 @@ def test_a_baseline_server_for_bench_serves_ngram_or_no_drafting(capsys, no_exec
     assert "--speculative-config" not in argv and argv[argv.index("--served-model-name") + 1] == "tiny/llama"
 
 
+def schedule_record(path: Path, draft: Path, k: int = 3) -> Path:
+    from eaglenest.artifacts.serve_schedule import MeasuredPoint, write_schedule_record
+
+    points = [MeasuredPoint(1, k, 1.2, 1.1, 1.3, 3, True), MeasuredPoint(4, k, 1.1, 1.02, 1.2, 3, True),
+              MeasuredPoint(16, k, 0.8, 0.7, 0.9, 3, False)]
+    write_schedule_record(path, draft, k, [(1, 4, k), (5, 128, 0)], 128, "the rule", points, {}, "abc1234", {})
+    return path
+
+
+def print_command(capsys, *flags: str) -> tuple[int, dict | None, str]:
+    """``eaglenest serve --print-command``: its status, the speculative config it passes, and its stderr."""
+    status = cli.main(["serve", "--print-command", *flags])
+    captured = capsys.readouterr()
+    if status != 0:
+        return status, None, captured.err
+    argv = shlex.split(captured.out.strip())
+    return status, json.loads(argv[argv.index("--speculative-config") + 1]), captured.err
+
+
+@requires_vllm
+def test_a_schedule_measured_for_this_draft_is_served_up_to_max_num_seqs(capsys, monkeypatch, no_exec, tmp_path,
+                                                                         pipeline_folders):
+    """The record at its default place is read; its last range ends at the server's max_num_seqs: vLLM's default
+    for the build (128 per rank on CPU), or --max-num-seqs after --. stderr says which schedule and whence."""
+    from eaglenest.core.vllm_schedule import default_max_num_seqs
+
+    verifier, draft = pipeline_folders
+    monkeypatch.chdir(tmp_path)  # the default record, metrics/serve_schedule.json, is this folder's
+    folders = ("--verifier", str(verifier), "--draft", str(draft))
+    status, spec, err = print_command(capsys, *folders)
+    assert status == 0 and "num_speculative_tokens_per_batch_size" not in spec
+    assert "K per batch size: none, the same K at every batch size (no metrics/serve_schedule.json; " \
+           "`eaglenest bench --serve` measures one)" in err
+    schedule_record(tmp_path / "metrics" / "serve_schedule.json", draft)
+    status, spec, err = print_command(capsys, *folders)
+    default = default_max_num_seqs(1)
+    assert status == 0 and spec["num_speculative_tokens"] == 3
+    assert spec["num_speculative_tokens_per_batch_size"] == [[1, 4, 3], [5, default, 0]]
+    assert f"eaglenest serve: K per batch size: K 3 at 1-4, 0 at 5-{default} (measured for this draft by " \
+           "eaglenest bench at abc1234, metrics/serve_schedule.json: x1.20 (95% 1.10-1.30) at 1" in err
+    status, spec, _ = print_command(capsys, *folders, "--", "--max-num-seqs", "3")
+    assert spec["num_speculative_tokens_per_batch_size"] == [[1, 3, 3]]
+    status, spec, _ = print_command(capsys, *folders, "--", "--max-num-seqs=16", "-tp", "2")
+    assert spec["num_speculative_tokens_per_batch_size"] == [[1, 4, 3], [5, 16, 0]]
+    status, spec, err = print_command(capsys, *folders, "--", "--tensor-parallel-size", "2")
+    assert spec["num_speculative_tokens_per_batch_size"][-1] == [5, default_max_num_seqs(2), 0]
+    status, _, err = print_command(capsys, *folders, "--", "--max-num-seqs", "many")
+    assert status == 2 and "--max-num-seqs many after --: expected a whole number" in err
+    # turned off; told the K it was measured at (kept) or another (dropped, with the reason)
+    status, spec, err = print_command(capsys, *folders, "--no-schedule")
+    assert "num_speculative_tokens_per_batch_size" not in spec and "(--no-schedule)" in err
+    status, spec, _ = print_command(capsys, *folders, "--num-speculative-tokens", "3")
+    assert spec["num_speculative_tokens_per_batch_size"][0] == [1, 4, 3]
+    status, spec, err = print_command(capsys, *folders, "--num-speculative-tokens", "2")
+    assert spec == {"method": "eagle3", "model": str(draft.resolve()), "num_speculative_tokens": 2}
+    assert "was measured at K=3, and K=2 is served" in err
+    # a baseline never takes one
+    status, spec, err = print_command(capsys, *folders, "--baseline", "ngram")
+    assert spec["method"] == "ngram" and "num_speculative_tokens_per_batch_size" not in spec
+    assert "K per batch size" not in err
+
+
+def test_a_schedule_of_another_draft_is_passed_over_by_default_and_refused_when_named(
+        capsys, monkeypatch, no_exec, tmp_path, pipeline_folders):
+    verifier, draft = pipeline_folders
+    monkeypatch.chdir(tmp_path)
+    record = schedule_record(tmp_path / "metrics" / "serve_schedule.json", draft)
+    (draft / "model.safetensors").write_bytes(b"retrained")
+    folders = ("--verifier", str(verifier), "--draft", str(draft))
+    status, spec, err = print_command(capsys, *folders)
+    assert status == 0 and "num_speculative_tokens_per_batch_size" not in spec
+    assert "metrics/serve_schedule.json was measured on another draft; `eaglenest bench --serve` measures one " \
+           "for this one" in err
+    status, _, err = print_command(capsys, *folders, "--schedule", str(record))
+    assert status == 2 and err.strip().count("\n") == 0
+    assert f"--schedule {record} was measured on another draft" in err
+    status, _, err = print_command(capsys, *folders, "--schedule", str(tmp_path / "typo.json"))
+    assert status == 2 and "typo.json: no such file" in err
+    record.write_text("{}")
+    status, _, err = print_command(capsys, *folders)
+    assert status == 2 and err.strip().count("\n") == 0 and f"{Path('metrics/serve_schedule.json')}: not a serve " \
+        "schedule record (KeyError: 'draft')" in err and "--no-schedule" in err
+    status, _, _ = print_command(capsys, *folders, "--no-schedule")
+    assert status == 0  # the way past a broken record
+    with pytest.raises(SystemExit):
+        cli.main(["serve", *folders, "--no-schedule", "--schedule", str(record), "--print-command"])
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("config", [None, {"speculators_model_type": "mlp_speculator"}, {"model_type": "llama"}])
 def test_a_draft_that_is_not_eagle3_is_refused(capsys, no_exec, pipeline_folders, config):
     verifier, draft = pipeline_folders
