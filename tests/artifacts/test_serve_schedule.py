@@ -50,7 +50,7 @@ def test_the_schedule_is_served_only_for_this_draft_at_the_k_it_was_measured_at(
     choice = served_schedule(draft, 3, path)
     assert choice.schedule == [(1, 1, 3), (2, 64, 0)]
     assert choice.line() == (f"K per batch size: K 3 at 1, 0 at 2-64 (measured for this draft by eaglenest bench at "
-                             f"abc1234, {path}: x1.20 (95% 1.10-1.30) at 1, x0.90 (95% 0.85-0.95) at 4)")
+                             f"abc1234 on test host, {path}: x1.20 (95% 1.10-1.30) at 1, x0.90 (95% 0.85-0.95) at 4)")
     # another K: the schedule says nothing about it
     other_k = served_schedule(draft, 2, path)
     assert other_k.schedule is None and "measured at K=3, and K=2 is served" in other_k.why

@@ -801,7 +801,7 @@ def test_serve_writes_the_schedule_record_for_the_draft_it_measured(
     assert written.k == 3 and written.schedule == [(1, 2, 3), (3, 8, 0)] and written.max_num_seqs == 8
     assert [(p.concurrency, p.pays) for p in written.measured] == [(1, True), (2, True)]
     document = json.loads(record.read_text())
-    assert document["host"]["compute_dtype"] == "float32" and document["rounds"] == 2
+    assert document["host"]["compute_dtype"] == "float32" and document["rounds"] == 2 and document["host"]["label"]
     assert document["draft"]["path"] == str(draft_dir) and document["bench"] == str(out / "bench.json")
     assert served_schedule(draft_dir, 3, record).schedule == [(1, 2, 3), (3, 8, 0)]
     assert f"(written to {record})" in captured.out

@@ -122,7 +122,8 @@ def schedule_record(path: Path, draft: Path, k: int = 3) -> Path:
 
     points = [MeasuredPoint(1, k, 1.2, 1.1, 1.3, 3, True), MeasuredPoint(4, k, 1.1, 1.02, 1.2, 3, True),
               MeasuredPoint(16, k, 0.8, 0.7, 0.9, 3, False)]
-    write_schedule_record(path, draft, k, [(1, 4, k), (5, 128, 0)], 128, "the rule", points, {}, "abc1234", {})
+    write_schedule_record(path, draft, k, [(1, 4, k), (5, 128, 0)], 128, "the rule", points, {}, "abc1234",
+                          {"label": "a test CPU"})
     return path
 
 
@@ -156,7 +157,7 @@ def test_a_schedule_measured_for_this_draft_is_served_up_to_max_num_seqs(capsys,
     assert status == 0 and spec["num_speculative_tokens"] == 3
     assert spec["num_speculative_tokens_per_batch_size"] == [[1, 4, 3], [5, default, 0]]
     assert f"eaglenest serve: K per batch size: K 3 at 1-4, 0 at 5-{default} (measured for this draft by " \
-           "eaglenest bench at abc1234, metrics/serve_schedule.json: x1.20 (95% 1.10-1.30) at 1" in err
+           "eaglenest bench at abc1234 on a test CPU, metrics/serve_schedule.json: x1.20 (95% 1.10-1.30) at 1" in err
     status, spec, _ = print_command(capsys, *folders, "--", "--max-num-seqs", "3")
     assert spec["num_speculative_tokens_per_batch_size"] == [[1, 3, 3]]
     status, spec, _ = print_command(capsys, *folders, "--", "--max-num-seqs=16", "-tp", "2")
@@ -290,6 +291,7 @@ def test_bench_against_the_served_draft_and_plain_server_agrees_with_evaluate(
          "--prompts", str(repo / "data" / "prepared" / VAL_PROMPTS_FILE), "--concurrency", "1", "4",
          # no warm-up run: counts and outputs are what is checked, and a cold first request changes neither
          "--num-prompts", str(num_prompts), "--max-tokens", str(max_tokens), "--warmup-prompts", "0",
+         "--rounds", "1",  # tau and outputs are what is checked; rounds add intervals, not those
          "--server-timeout", "600", "--timeout", "600", "--out", str(out)],
         cwd=tmp_path, env=project_env(VLLM_CPU_KVCACHE_SPACE="1"), capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

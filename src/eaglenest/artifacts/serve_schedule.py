@@ -20,7 +20,7 @@ between two ranges takes the K before it, batch sizes past the last range take t
                    "pays": true}, ...],      # per concurrency, the speed-up over plain with its 95% interval
      "baseline": "none", "rounds": 3, "prompts": "...", "requests": 64, "max_tokens": 64, "temperature": 0.0,
      "bench": "bench/results/serve/bench.json",
-     "commit": "58d8123", "host": {...}}     # eaglenest.core.host.host_record, with the dtype served
+     "commit": "58d8123", "host": {...}}     # eaglenest.core.host.host_record, with the dtype served and a label
 
 Only a record of this very draft (its sha256) measured at the K served is used (:func:`served_schedule`); the
 schedule is derived in ``eaglenest.commands.bench.schedule``, and this module alone reads and writes the file.
@@ -77,6 +77,7 @@ class ScheduleRecord:
     max_num_seqs: int
     measured: list[MeasuredPoint]
     commit: str
+    host: str
 
 
 def schedule_problem(schedule: Any) -> str | None:
@@ -157,7 +158,8 @@ def write_schedule_record(path: Path, draft_dir: Path, k: int, schedule: Schedul
         measured: Per concurrency, the speed-up with its interval.
         details: How it was measured: baseline, rounds, prompts, requests, max_tokens, temperature, bench.
         commit: The checkout's commit.
-        host: :func:`eaglenest.core.host.host_record`.
+        host: :func:`eaglenest.core.host.host_record`, with ``label`` (the host kind for people): kernels differ by
+            host kind, and so does where speculation pays.
     """
     problem = schedule_problem([list(entry) for entry in schedule])
     if problem is not None:  # a derivation bug, not the user's: say what it made
@@ -186,6 +188,8 @@ def read_schedule_record(path: Path) -> ScheduleRecord | None:
         k, schedule, max_num_seqs = document["k"], document["schedule"], document["max_num_seqs"]
         measured = [MeasuredPoint(**point) for point in document["measured"]]
         commit = str(document.get("commit", "unknown"))
+        host = document.get("host") or {}
+        host_label = str(host.get("label") or host.get("key") or "a host it does not record")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as err:
         raise InputFileError(f"{path}: not a serve schedule record ({type(err).__name__}: {err}); "
                              f"{MEASURE_HINT} again, or pass --no-schedule") from None
@@ -202,7 +206,7 @@ def read_schedule_record(path: Path) -> ScheduleRecord | None:
     above = [entry for entry in schedule if entry[2] > k]
     if above:
         raise InputFileError(f"{path}: schedule range {above[0]} asks for more than k {k}, the K measured")
-    return ScheduleRecord(sha256, k, [tuple(entry) for entry in schedule], max_num_seqs, measured, commit)
+    return ScheduleRecord(sha256, k, [tuple(entry) for entry in schedule], max_num_seqs, measured, commit, host_label)
 
 
 @dataclass(frozen=True)
@@ -254,5 +258,5 @@ def served_schedule(draft_dir: Path, k: int, record_file: Path | None = SCHEDULE
             raise InputFileError(f"{flag} {why_not}, or drop {flag}")
         return ScheduleChoice(None, why_not)
     figures = ", ".join(point_text(p) for p in record.measured)
-    return ScheduleChoice(record.schedule, f"measured for this draft by eaglenest bench at {record.commit}, "
-                                           f"{record_file}: {figures or 'no figures'}")
+    return ScheduleChoice(record.schedule, f"measured for this draft by eaglenest bench at {record.commit} on "
+                                           f"{record.host}, {record_file}: {figures or 'no figures'}")

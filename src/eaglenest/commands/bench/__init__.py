@@ -79,7 +79,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         "taken in turn (default: 4 x the highest concurrency)")
     parser.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, metavar="R",
                         help="paired runs of both servers at every concurrency, the order alternating; 2 or more give "
-                        "the speed-up a 95%% interval at every concurrency, which the schedule needs (default: "
+                        "the speed-up an interval at every concurrency, which the schedule needs (default: "
                         f"{DEFAULT_ROUNDS})")
     parser.add_argument("--max-tokens", type=int, default=64, metavar="M",
                         help="tokens generated per request (default: 64)")

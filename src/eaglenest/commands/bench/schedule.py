@@ -155,14 +155,14 @@ def schedule_result(config: Any, result: dict[str, Any], draft_command: Any, sta
         return entry | {"why": "a request failed or an output differs from the baseline's beyond a near-tie: no "
                                "record written from this run"}
     from eaglenest.artifacts.serve_schedule import write_schedule_record
-    from eaglenest.core.host import host_record
+    from eaglenest.core.host import host_kind, host_record
     from eaglenest.stages.k_sweep import short_commit
 
     details = {"baseline": config.serve.baseline, "rounds": config.rounds, "prompts": str(config.prompts),
                "requests": result["prompts"]["requests"], "max_tokens": config.max_tokens,
                "temperature": config.temperature, "bench": str(config.out / "bench.json")}
     write_schedule_record(config.serve.schedule, config.serve.draft, k, schedule, max_num_seqs, RULE, points,
-                          details, short_commit(), host_record(draft_command.dtype))
+                          details, short_commit(), {**host_record(draft_command.dtype), "label": host_kind().label})
     return entry | {"written": str(config.serve.schedule),
                     "why": f"the draft served at K={k} at every batch size, {config.rounds} rounds"}
 
