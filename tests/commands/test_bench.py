@@ -45,7 +45,7 @@ from eaglenest.core.measure.spec_counters import (
     SpecCounts,
     parse_metrics,
 )
-from tests.fixtures.bench import BenchSweep, write_bench_prompts
+from tests.fixtures.bench import BenchSweep, schedule_record, write_bench_prompts
 from tests.fixtures.fakes import LETTERS, TOP_GAP, FakeServer, fake_letters, letter_ids
 from tests.fixtures.models import build_tiny_tokenizer
 from tests.fixtures.pipeline import REPO
@@ -830,3 +830,25 @@ def test_a_served_schedule_is_checked_step_by_step_not_measured_anew(
     assert len(problems) == 2 and problems[0].startswith("round 1: 6 drafts at concurrency 1, where the served "
                                                          "schedule gives K 0 at every batch size up to 1")
     assert "check: concurrency 1, draft: round 1: 6 drafts" in capsys.readouterr().out
+
+
+def test_serve_builds_the_draft_server_with_the_schedule_record_or_measures_past_it(pipeline_folders, tmp_path):
+    """A record of this draft at the K served is served; --measure-schedule passes over it; a broken record stops
+    bench before any server starts, in one line naming it and both ways past it."""
+    verifier, draft = pipeline_folders
+    record = schedule_record(tmp_path / "serve_schedule.json", draft)
+    setup = ServeSetup(verifier=verifier, draft=draft, schedule=record, vllm_args=("--max-num-seqs", "32"))
+    command = server_command(setup, None, None, cpu_build=True)
+    assert command.k == 3 and command.schedule == [(1, 4, 3), (5, 32, 0)]
+    assert '"num_speculative_tokens_per_batch_size": [[1, 4, 3], [5, 32, 0]]' in command.shell()
+    assert server_command(setup, None, "none", cpu_build=True).schedule is None
+    measuring = server_command(ServeSetup(verifier=verifier, draft=draft, schedule=record, measure_schedule=True),
+                               None, None, cpu_build=True)
+    assert measuring.schedule is None and "num_speculative_tokens_per_batch_size" not in measuring.shell()
+    assert measuring.schedule_reason.endswith(f"(--measure-schedule: measured anew, written to {record})")
+    record.write_text('{"draft": {"sha256": 1}}')
+    with pytest.raises(EaglenestError) as err:
+        server_command(setup, None, None, cpu_build=True)
+    assert str(err.value).startswith(f"{record}: not a serve schedule record (KeyError: 'k'); `eaglenest bench "
+                                     "--serve --measure-schedule` measures it again, and `eaglenest serve "
+                                     "--no-schedule` serves without it")

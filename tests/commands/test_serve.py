@@ -17,6 +17,7 @@ import pytest
 from eaglenest.artifacts.prepared import VAL_PROMPTS_FILE
 from eaglenest.commands import cli
 from tests.conftest import requires_vllm
+from tests.fixtures.bench import schedule_record
 from tests.fixtures.pipeline import SharedPipeline, project_env
 
 
@@ -115,16 +116,6 @@ def test_a_baseline_server_for_bench_serves_ngram_or_no_drafting(capsys, no_exec
                      "--print-command"]) == 0
     argv = shlex.split(capsys.readouterr().out.strip())
     assert "--speculative-config" not in argv and argv[argv.index("--served-model-name") + 1] == "tiny/llama"
-
-
-def schedule_record(path: Path, draft: Path, k: int = 3) -> Path:
-    from eaglenest.artifacts.serve_schedule import MeasuredPoint, write_schedule_record
-
-    points = [MeasuredPoint(1, k, 1.2, 1.1, 1.3, 3, True), MeasuredPoint(4, k, 1.1, 1.02, 1.2, 3, True),
-              MeasuredPoint(16, k, 0.8, 0.7, 0.9, 3, False)]
-    write_schedule_record(path, draft, k, [(1, 4, k), (5, 128, 0)], 128, "the rule", points, {}, "abc1234",
-                          {"label": "a test CPU"})
-    return path
 
 
 def print_command(capsys, *flags: str) -> tuple[int, dict | None, str]:

@@ -39,6 +39,8 @@ from eaglenest.core.errors import InputFileError
 
 SCHEDULE_FILE = Path("metrics/serve_schedule.json")
 MEASURE_HINT = "`eaglenest bench --serve` measures one"
+REMEASURE_HINT = ("`eaglenest bench --serve --measure-schedule` measures it again, and `eaglenest serve --no-schedule` "
+                  "serves without it")
 
 # (first batch size, last batch size, K), inclusive, as vLLM's parser returns them
 Schedule = list[tuple[int, int, int]]
@@ -192,20 +194,22 @@ def read_schedule_record(path: Path) -> ScheduleRecord | None:
         host_label = str(host.get("label") or host.get("key") or "a host it does not record")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as err:
         raise InputFileError(f"{path}: not a serve schedule record ({type(err).__name__}: {err}); "
-                             f"{MEASURE_HINT} again, or pass --no-schedule") from None
+                             f"{REMEASURE_HINT}") from None
     if not isinstance(sha256, str):
-        raise InputFileError(f"{path}: draft.sha256 is {sha256!r}, not a fingerprint; {MEASURE_HINT} again")
+        raise InputFileError(f"{path}: draft.sha256 is {sha256!r}, not a fingerprint; {REMEASURE_HINT}")
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise InputFileError(f"{path}: k is {k!r}; expected the K measured, 1 or more; {MEASURE_HINT} again")
+        raise InputFileError(f"{path}: k is {k!r}; expected the K measured, 1 or more; {REMEASURE_HINT}")
     if not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool) or max_num_seqs < 1:
-        raise InputFileError(f"{path}: max_num_seqs is {max_num_seqs!r}; expected a batch size, 1 or more")
+        raise InputFileError(f"{path}: max_num_seqs is {max_num_seqs!r}; expected a batch size, 1 or more; "
+                             f"{REMEASURE_HINT}")
     problem = schedule_problem(schedule)
     if problem is not None:
         raise InputFileError(f"{path}: schedule {json.dumps(schedule)}: {problem} (vLLM's "
-                             f"num_speculative_tokens_per_batch_size); {MEASURE_HINT} again, or pass --no-schedule")
+                             f"num_speculative_tokens_per_batch_size); {REMEASURE_HINT}")
     above = [entry for entry in schedule if entry[2] > k]
     if above:
-        raise InputFileError(f"{path}: schedule range {above[0]} asks for more than k {k}, the K measured")
+        raise InputFileError(f"{path}: schedule range {above[0]} asks for more than k {k}, the K measured; "
+                             f"{REMEASURE_HINT}")
     return ScheduleRecord(sha256, k, [tuple(entry) for entry in schedule], max_num_seqs, measured, commit, host_label)
 
 
