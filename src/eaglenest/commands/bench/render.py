@@ -21,6 +21,10 @@ def plot_speedup(results: list[dict[str, Any]], stops: int | None, path: Path) -
     ax = fig.subplots()
     if points:
         ax.plot(*zip(*points, strict=True), marker="o", label="draft / baseline tokens/s")
+    intervals = [(r["concurrency"], r["speedup_interval"]) for r in results if r.get("speedup_interval")]
+    if intervals:
+        ax.vlines([c for c, _ in intervals], [i["low"] for _, i in intervals], [i["high"] for _, i in intervals],
+                  color="tab:blue", alpha=0.5, linewidth=2, label="95% interval over rounds")
     ax.axhline(1.0, color="grey", linestyle="--", linewidth=1, label="break-even")
     if stops is not None:
         ax.axvline(stops, color="tab:red", linestyle=":", linewidth=1, label=f"stops paying at {stops}")
