@@ -304,3 +304,40 @@ def test_bench_against_the_served_draft_and_plain_server_agrees_with_evaluate(
     # Same prompt tokens and lengths, float32: the counts agree; 2% leaves room for a reply one side ends on a
     # stop token the other does not, without hiding a broken draft.
     assert single["tau"] == pytest.approx(reference["tau"], rel=0.02)
+
+
+@pytest.mark.slow
+@requires_vllm
+def test_the_served_schedule_is_followed_step_by_step(shared_pipeline: SharedPipeline, tmp_path: Path):
+    """vLLM's CPU build honours K per batch size step by step: the draft server given K 0 at batch size 1 and the
+    draft's K from 2 on (a record made by hand) counts no draft at concurrency 1 and drafts at 4, and in float32
+    every output equals the plain server's. `eaglenest bench --serve` runs it, one round, small."""
+    from eaglenest.artifacts.draft import draft_tokens
+    from eaglenest.artifacts.serve_schedule import write_schedule_record
+
+    repo = shared_pipeline.repo
+    draft = repo / "models" / "draft"
+    k = draft_tokens(draft, "the draft")
+    record = tmp_path / "serve_schedule.json"
+    write_schedule_record(record, draft, k, [(1, 1, 0), (2, 8, k)], 8, "by hand: no speculation at batch size 1", [],
+                          {}, "test", {})
+    out = tmp_path / "bench"
+    result = subprocess.run(
+        [sys.executable, "-m", "eaglenest", "bench", "--serve", "--port", str(free_port()), "--dtype", "float32",
+         "--verifier", str(repo / "models" / "verifier"), "--draft", str(draft), "--schedule", str(record),
+         "--num-speculative-tokens", str(k), "--prompts", str(repo / "data" / "prepared" / VAL_PROMPTS_FILE),
+         "--concurrency", "1", "4", "--num-prompts", "8", "--max-tokens", "16", "--warmup-prompts", "0",
+         "--rounds", "1", "--server-timeout", "600", "--out", str(out), "--", "--max-num-seqs", "8"],
+        cwd=tmp_path, env=project_env(VLLM_CPU_KVCACHE_SPACE="1"), capture_output=True, text=True, timeout=1800)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    bench_result = json.loads((out / "bench.json").read_text())
+    assert bench_result["schedule"]["served"] == [[1, 1, 0], [2, 8, k]]
+    assert f'"num_speculative_tokens_per_batch_size": [[1, 1, 0], [2, 8, {k}]]' in \
+        bench_result["servers"]["draft"]["command"]
+    alone, four = bench_result["results"]
+    # at batch size 1 the scheduler schedules no draft token, so the counters stay put (bench checks it too)
+    assert alone["draft"]["drafts"] == 0 and alone["draft"]["counter_problems"] == []
+    assert four["draft"]["drafts"] > 0
+    for row in (alone, four):
+        assert row["outputs"]["identical"] == 8 and row["draft"]["failed"] == 0, row["outputs"]
+    print("per-step schedule check:", {r["concurrency"]: (r["draft"]["drafts"], r["speedup"]) for r in (alone, four)})
