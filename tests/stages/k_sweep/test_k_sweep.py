@@ -128,7 +128,7 @@ def _summary(repo: Path, capsys) -> str:
     (repo / "metrics" / "eval.json").write_text(json.dumps({"lossless": 1.0}))
     (repo / "metrics" / "train.json").write_text(json.dumps({}))
     assert cli.main(["summary", "--repo", str(repo)]) == 0
-    return capsys.readouterr().out.splitlines()[-1]
+    return next(line for line in capsys.readouterr().out.splitlines() if line.startswith("served K: "))
 
 
 def test_n_gram_joins_the_sweep_when_asked(tmp_path: Path, monkeypatch, pipeline_folders):
