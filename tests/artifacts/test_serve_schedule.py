@@ -70,6 +70,11 @@ def test_the_schedule_is_served_only_for_this_draft_at_the_k_it_was_measured_at(
     with pytest.raises(InputFileError, match=r"^--schedule .*x.json: no such file"):
         served_schedule(draft, 3, tmp_path / "x.json", explicit=True)
     assert served_schedule(draft, 3, None).why == "--no-schedule"
+    # a draft that paid nowhere: served as measured, with the plain server named
+    write_record(path, draft, schedule=[(1, 64, 0)])
+    assert served_schedule(draft, 3, path).line().endswith(
+        "; it never speculates, and at K 0 the draft still runs a forward per step to keep its cache: `eaglenest "
+        "serve --baseline none` serves plain decoding without it")
 
 
 @pytest.mark.parametrize("edit, wanted", [

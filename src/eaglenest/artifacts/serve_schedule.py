@@ -223,7 +223,10 @@ class ScheduleChoice:
     def line(self) -> str:
         if self.schedule is None:
             return f"K per batch size: none, the same K at every batch size ({self.why})"
-        return f"K per batch size: {schedule_text(self.schedule)} ({self.why})"
+        never = ("; it never speculates, and at K 0 the draft still runs a forward per step to keep its cache: "
+                 "`eaglenest serve --baseline none` serves plain decoding without it"
+                 if all(k == 0 for _, _, k in self.schedule) else "")
+        return f"K per batch size: {schedule_text(self.schedule)} ({self.why}){never}"
 
 
 def served_schedule(draft_dir: Path, k: int, record_file: Path | None = SCHEDULE_FILE, explicit: bool = False,
