@@ -581,6 +581,8 @@ def test_a_started_server_killed_mid_run_ends_the_bench_in_one_line_keeping_what
     (["--url", "http://127.0.0.1:9", "--baseline-url", "http://127.0.0.1:10", "--", "--max-model-len", "512"],
      "flags after --: only with --serve"),
     (["--serve", "--tie-margin", "-1"], "--tie-margin -1: must be 0"),
+    (["--url", "http://127.0.0.1:9", "--baseline-url", "http://127.0.0.1:10", "--schedule", "s.json",
+      "--measure-schedule"], "--schedule, --measure-schedule: only with --serve"),
 ])
 def test_serve_flags_are_refused_in_one_line_where_they_mean_nothing(capsys, prompts: Path, tokenizer_dir: Path,
                                                                      tmp_path: Path, flags: list[str], wanted: str):
