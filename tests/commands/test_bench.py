@@ -15,12 +15,13 @@ from pathlib import Path
 
 import pytest
 
+from eaglenest.artifacts.serve_schedule import MeasuredPoint
 from eaglenest.commands import cli
 from eaglenest.commands.bench import sweep
 from eaglenest.commands.bench.config import BenchConfig, ServeSetup
 from eaglenest.commands.bench.counters import acceptance, acceptance_json, counter_problems
 from eaglenest.commands.bench.endpoint import Endpoint, base_url
-from eaglenest.commands.bench.figures import stops_paying_at
+from eaglenest.commands.bench.figures import T_975, rounds_interval, stops_paying_at
 from eaglenest.commands.bench.outputs import (
     Replay,
     Verdict,
@@ -30,6 +31,7 @@ from eaglenest.commands.bench.outputs import (
     parse_replay,
 )
 from eaglenest.commands.bench.prompts import bench_prompts_file
+from eaglenest.commands.bench.schedule import derive_schedule, measured_points, pays, server_blocks
 from eaglenest.commands.bench.servers import server_command
 from eaglenest.commands.serve import ServeCommand
 from eaglenest.core.errors import EaglenestError
@@ -43,7 +45,7 @@ from eaglenest.core.measure.spec_counters import (
     SpecCounts,
     parse_metrics,
 )
-from tests.fixtures.bench import BenchSweep, write_bench_prompts
+from tests.fixtures.bench import BenchSweep, schedule_record, write_bench_prompts
 from tests.fixtures.fakes import LETTERS, TOP_GAP, FakeServer, fake_letters, letter_ids
 from tests.fixtures.models import build_tiny_tokenizer
 from tests.fixtures.pipeline import REPO
@@ -291,7 +293,8 @@ def test_a_server_killed_mid_run_ends_the_bench_in_one_line_keeping_what_was_mea
     # three requests per run: concurrency 1 completes on both, the draft dies at its first request at 2
     with FakeServer(die_after=3) as draft, FakeServer(spec=False) as baseline:
         status = cli.main(bench_args(draft.url, baseline.url, prompts, tokenizer_dir, out, "--concurrency", "1",
-                                     "2", "--num-prompts", "3", "--max-tokens", "3", "--warmup-prompts", "0"))
+                                     "2", "--num-prompts", "3", "--max-tokens", "3", "--warmup-prompts", "0",
+                                     "--rounds", "1"))
     err = capsys.readouterr().err.strip()
     assert status == 2 and err.count("\n") == 0, err
     assert f"--url {draft.url}" in err and "concurrency 2" in err and "stopped answering" in err
@@ -309,7 +312,7 @@ def fake_vllm_bench(endpoint: Endpoint, model: str, dataset: Path, num_requests:
     minutes); a request the server does not answer is a failed one, as vLLM's bench counts it."""
     records = [json.loads(line) for line in dataset.read_text().splitlines()][:num_requests]
     before = endpoint.counters()
-    texts, errors, latencies, tokens = [], [], [], 0
+    texts, errors, latencies, lengths, tokens = [], [], [], [], 0
     start = time.perf_counter()
     for record in records:
         sent = time.perf_counter()
@@ -325,9 +328,11 @@ def fake_vllm_bench(endpoint: Endpoint, model: str, dataset: Path, num_requests:
             texts.append("")
             errors.append(str(err))
             latencies.append(0.0)
+            lengths.append(0)
             continue
         texts.append("".join(c["text"] for e in events for c in e["choices"]))
-        tokens += next(e["usage"]["completion_tokens"] for e in events if e.get("usage"))
+        lengths.append(next(e["usage"]["completion_tokens"] for e in events if e.get("usage")))
+        tokens += lengths[-1]
         errors.append("")
         latencies.append(time.perf_counter() - sent)
     duration = time.perf_counter() - start
@@ -336,6 +341,7 @@ def fake_vllm_bench(endpoint: Endpoint, model: str, dataset: Path, num_requests:
     raw = {"completed": len(records) - failed, "failed": failed, "total_output_tokens": tokens, "duration": duration,
            "output_throughput": tokens / duration, "request_throughput": (len(records) - failed) / duration,
            "latencies": latencies, "ttfts": [latency / 2 for latency in latencies], "errors": errors,
+           "output_lens": lengths,
            "generated_texts": texts, "spec_decode_acceptance_length": spec.tau if spec else None}
     (raw_dir / f"{name}.json").write_text(json.dumps(raw))
     return raw
@@ -359,7 +365,8 @@ def test_outputs_that_differ_are_judged_by_the_near_tie_rule_on_the_baselines_to
     with FakeServer(flip_at=None if flip_to is None else 2, flip_to=flip_to or 0) as draft, \
             FakeServer(spec=False) as baseline:
         got = cli.main(bench_args(draft.url, baseline.url, prompts, tokenizer_dir, out, "--concurrency", "1", "2",
-                                  "--num-prompts", "6", "--max-tokens", "4", "--warmup-prompts", "1", *extra))
+                                  "--num-prompts", "6", "--max-tokens", "4", "--warmup-prompts", "1", "--rounds",
+                                  "1", *extra))
         captured = capsys.readouterr()
         assert got == status, captured.err + captured.out
         checks = baseline.checks
@@ -488,7 +495,7 @@ def test_serve_starts_the_draft_server_sweeps_stops_it_then_the_baseline(
     # the draft takes the baseline's runner-up at token 1: a near-tie, judged against the baseline process
     monkeypatch.setattr(sweep, "server_command", fake_serve_command(events, draft=["--flip-at", "1"]))
     status = cli.main(serve_args(port, prompts, tokenizer_dir, out, "--concurrency", "1", "2", "--num-prompts",
-                                 "3", "--max-tokens", "4", "--warmup-prompts", "0"))
+                                 "3", "--max-tokens", "4", "--warmup-prompts", "0", "--rounds", "1"))
     captured = capsys.readouterr()
     assert status == 0, captured.err + captured.out
     # one server at a time, each for the whole sweep: the draft stopped before the baseline started
@@ -554,7 +561,8 @@ def test_a_started_server_killed_mid_run_ends_the_bench_in_one_line_keeping_what
     # three requests per run: the draft's run at concurrency 1 completes, the process dies at its first at 2
     monkeypatch.setattr(sweep, "server_command", fake_serve_command(events, draft=["--die-after", "3"]))
     err = one_line_refusal(capsys, serve_args(free_port(), prompts, tokenizer_dir, out, "--concurrency", "1", "2",
-                                              "--num-prompts", "3", "--max-tokens", "3", "--warmup-prompts", "0"))
+                                              "--num-prompts", "3", "--max-tokens", "3", "--warmup-prompts", "0",
+                                              "--rounds", "1"))
     assert "the draft server http://127.0.0.1:" in err and "concurrency 2" in err and "stopped answering" in err
     assert "it exited with 1" in err and "keeps the draft's figures at concurrency [1]" in err
     assert f"server log: {out / 'raw' / 'server-draft.log'}" in err
@@ -573,6 +581,8 @@ def test_a_started_server_killed_mid_run_ends_the_bench_in_one_line_keeping_what
     (["--url", "http://127.0.0.1:9", "--baseline-url", "http://127.0.0.1:10", "--", "--max-model-len", "512"],
      "flags after --: only with --serve"),
     (["--serve", "--tie-margin", "-1"], "--tie-margin -1: must be 0"),
+    (["--url", "http://127.0.0.1:9", "--baseline-url", "http://127.0.0.1:10", "--schedule", "s.json",
+      "--measure-schedule"], "--schedule, --measure-schedule: only with --serve"),
 ])
 def test_serve_flags_are_refused_in_one_line_where_they_mean_nothing(capsys, prompts: Path, tokenizer_dir: Path,
                                                                      tmp_path: Path, flags: list[str], wanted: str):
@@ -594,3 +604,253 @@ def test_serve_builds_eaglenest_serves_commands(pipeline_folders):
     with pytest.raises(EaglenestError, match=r"^--port after --: eaglenest bench --serve sets it; use --port"):
         server_command(ServeSetup(verifier=verifier, draft=draft, vllm_args=("--port=1",)), None, None,
                              True)
+
+
+# --- rounds, intervals and the K per batch size read from them -------------------------------------------------
+
+def point(concurrency: int, low: float | None, speedup: float = 1.2, k: int = 3) -> MeasuredPoint:
+    return MeasuredPoint(concurrency, k, speedup, low, None if low is None else speedup + (speedup - low), 3,
+                         pays(low))
+
+
+@pytest.mark.parametrize("points, max_num_seqs, wanted", [
+    # pays at every concurrency measured: K up to the largest, 0 past it (unmeasured)
+    ([point(1, 1.1), point(4, 1.05), point(16, 1.01)], 128, [(1, 16, 3), (17, 128, 0)]),
+    # stops paying at 4: 2 and 3 are unmeasured, and 4 does not vouch for them
+    ([point(1, 1.1), point(4, 0.7), point(16, 0.5)], 128, [(1, 1, 3), (2, 128, 0)]),
+    # a tie (the interval holds 1) does not pay, nor does a figure without an interval
+    ([point(1, 0.98, 1.05), point(4, 0.7)], 64, [(1, 64, 0)]),
+    ([point(1, None, 1.5)], 64, [(1, 64, 0)]),
+    # paying again after a concurrency that does not is noise: served plain
+    ([point(1, 1.1), point(4, 0.9), point(16, 1.02)], 128, [(1, 1, 3), (2, 128, 0)]),
+    # the first concurrency measured vouches for the batch sizes below it
+    ([point(4, 1.1), point(16, 0.8)], 128, [(1, 4, 3), (5, 128, 0)]),
+    # a server smaller than the concurrencies measured
+    ([point(1, 1.1), point(4, 1.1)], 2, [(1, 2, 3)]),
+    ([point(1, 1.1)], 1, [(1, 1, 3)]),
+    # several Ks: the paying one with the best speed-up (ties: the smaller K), ranges of one K merged
+    ([point(1, 1.1, 1.3, k=3), point(1, 1.2, 1.4, k=2), point(2, 1.05, 1.2, k=2), point(4, 0.9, 1.1, k=2),
+      point(4, 1.01, 1.1, k=1), point(8, 0.9, 0.95, k=1)], 32, [(1, 2, 2), (3, 4, 1), (5, 32, 0)]),
+    ([point(1, 1.1, 1.3, k=3), point(1, 1.1, 1.3, k=2)], 8, [(1, 1, 2), (2, 8, 0)]),
+])
+def test_the_schedule_speculates_up_to_the_last_concurrency_that_pays_and_is_0_past_it(points, max_num_seqs, wanted):
+    from eaglenest.artifacts.serve_schedule import schedule_problem
+
+    schedule = derive_schedule(points, max_num_seqs)
+    assert schedule == wanted
+    assert schedule_problem([list(e) for e in schedule]) is None and schedule[-1][1] == max_num_seqs
+
+
+def test_the_rows_become_measured_points_that_pay_only_above_one():
+    rows = [{"concurrency": 1, "speedup": 1.3, "speedup_interval": {"low": 1.1, "high": 1.5},
+             "rounds": [{"speedup": 1.2}, {"speedup": 1.4}, {"speedup": 1.3}]},
+            {"concurrency": 4, "speedup": 1.02, "speedup_interval": {"low": 1.0, "high": 1.04},
+             "rounds": [{"speedup": 1.0}, {"speedup": 1.04}, {"speedup": None}]},
+            {"concurrency": 8, "speedup": 1.5, "speedup_interval": None, "rounds": [{"speedup": 1.5}]},
+            {"concurrency": 16, "speedup": None, "speedup_interval": None, "rounds": []}]
+    assert measured_points(rows, 2) == [MeasuredPoint(1, 2, 1.3, 1.1, 1.5, 3, True),
+                                        MeasuredPoint(4, 2, 1.02, 1.0, 1.04, 2, False),
+                                        MeasuredPoint(8, 2, 1.5, None, None, 1, False)]
+
+
+def test_the_interval_over_rounds_is_students_t_on_the_log_speedups():
+    import numpy as np
+
+    pairs = [(20.0, 10.0), (21.0, 10.0), (19.0, 10.5)]
+    interval = rounds_interval(pairs)
+    logs = np.log([2.0, 2.1, 19 / 10.5])
+    half = 4.303 * logs.std(ddof=1) / np.sqrt(3)
+    assert interval.value == pytest.approx(np.exp(logs.mean()))
+    assert (interval.low, interval.high) == pytest.approx((np.exp(logs.mean() - half), np.exp(logs.mean() + half)))
+    assert interval.units == 3 and interval.low < interval.value < interval.high
+    assert rounds_interval(pairs[:1]) is None and rounds_interval([]) is None
+    assert rounds_interval([(10.0, 10.0), (10.0, 10.0)]).as_dict()["ci95"] == 0.0
+    assert T_975[1] == 4.303 and len(T_975) == 30
+
+
+def test_serve_runs_whole_rounds_one_server_at_a_time_the_pair_order_alternating():
+    assert server_blocks(1) == [("draft", [0]), ("baseline", [0])]
+    assert server_blocks(2) == [("baseline", [0]), ("draft", [0, 1]), ("baseline", [1])]
+    assert server_blocks(3) == [("draft", [0]), ("baseline", [0, 1]), ("draft", [1, 2]), ("baseline", [2])]
+    for rounds in range(1, 7):
+        blocks = server_blocks(rounds)
+        assert blocks[-1][0] == "baseline" and len(blocks) == rounds + 1  # ends on the baseline; R + 1 starts
+        runs = [(role, n) for role, numbers in blocks for n in numbers]
+        assert sorted(runs) == sorted((role, n) for role in ("draft", "baseline") for n in range(rounds))
+
+
+def paced(monkeypatch: pytest.MonkeyPatch, rates: dict[tuple[str, int], list[float]]) -> list[tuple[str, int]]:
+    """Runs that send the requests (fake_vllm_bench) but take the tokens/s given per (role, concurrency), round after
+    round, so a sweep's speed-ups are known; returns the measured runs in the order made."""
+    made: list[tuple[str, int]] = []
+
+    def run(endpoint: Endpoint, model: str, dataset: Path, num_requests: int, concurrency: int, config: BenchConfig,
+            raw_dir: Path, name: str) -> dict:
+        raw = fake_vllm_bench(endpoint, model, dataset, num_requests, concurrency, config, raw_dir, name)
+        if name.startswith("warmup"):
+            return raw
+        rate = rates[(endpoint.role, concurrency)][sum(m == (endpoint.role, concurrency) for m in made)]
+        made.append((endpoint.role, concurrency))
+        raw |= {"duration": raw["total_output_tokens"] / rate, "output_throughput": rate,
+                "request_throughput": raw["completed"] * rate / raw["total_output_tokens"]}
+        (raw_dir / f"{name}.json").write_text(json.dumps(raw))
+        return raw
+
+    monkeypatch.setattr(sweep, "run_vllm_bench", run)
+    return made
+
+
+RATES = {("draft", 1): [20.0, 21.0, 19.0], ("baseline", 1): [10.0, 10.0, 10.0],  # x2: pays
+         ("draft", 2): [10.0, 9.0, 11.0], ("baseline", 2): [10.0, 10.0, 10.0]}  # a tie: does not
+
+
+def test_rounds_give_every_concurrency_an_interval_and_the_schedule_read_from_them(
+        capsys, monkeypatch, prompts: Path, tokenizer_dir: Path, tmp_path: Path):
+    """--url: three rounds, the order alternating at each concurrency; per concurrency the speed-up over the rounds
+    with its interval, each side's figures pooled, every round's outputs checked; the schedule is read from the
+    figures into bench.json (no record: bench does not know the draft's files)."""
+    from eaglenest.core.vllm_schedule import default_max_num_seqs
+
+    made = paced(monkeypatch, RATES)
+    out = tmp_path / "out"
+    with FakeServer() as draft, FakeServer(spec=False) as baseline:
+        status = cli.main(bench_args(draft.url, baseline.url, prompts, tokenizer_dir, out, "--concurrency", "1", "2",
+                                     "--num-prompts", "3", "--max-tokens", "4", "--warmup-prompts", "1"))
+    captured = capsys.readouterr()
+    assert status == 0, captured.err + captured.out
+    d, b = "draft", "baseline"
+    assert made == [(d, 1), (b, 1), (d, 2), (b, 2), (b, 1), (d, 1), (b, 2), (d, 2), (d, 1), (b, 1), (d, 2), (b, 2)]
+    result = json.loads((out / "bench.json").read_text())
+    assert result["rounds"] == 3 and result["complete"]
+    first, second = result["results"]
+    assert first["speedup_interval"]["units"] == 3 and first["speedup_interval"]["over"] == "rounds"
+    assert first["speedup"] == pytest.approx((2.0 * 2.1 * 1.9) ** (1 / 3), abs=1e-4)
+    assert first["speedup_interval"]["low"] > 1 and second["speedup_interval"]["low"] < 1
+    assert [r["speedup"] for r in first["rounds"]] == [2.0, 2.1, 1.9]
+    assert [r["round"] for r in second["rounds"]] == [1, 2, 3]
+    # pooled: all tokens over all seconds of the three runs (of equal tokens: the harmonic mean of their rates)
+    assert first["draft"]["tokens_per_s"] == pytest.approx(3 / (1 / 20 + 1 / 21 + 1 / 19), abs=1e-3)
+    assert first["draft"]["completed"] == 9 and first["draft"]["tau"] == 2.0 and first["draft"]["raw"] == \
+        "raw/draft-c1-r*.json"
+    assert (out / "raw" / "draft-c1-r3.json").is_file() and first["outputs"]["compared"] == 9
+    assert first["single_stream_speedup"]["units"] == 9
+    schedule = result["schedule"]
+    assert schedule["k"] == 3 and schedule["served"] is None and schedule["written"] is None
+    assert schedule["derived"] == [[1, 1, 3], [2, default_max_num_seqs(1), 0]]
+    assert [p["pays"] for p in schedule["measured"]] == [True, False] and "--url" in schedule["why"]
+    assert f"K per batch size read from this run: K 3 at 1, 0 at 2-{default_max_num_seqs(1)}" in captured.out
+    assert "geometric means of 3 paired rounds" in captured.out
+
+
+def test_one_round_reads_no_schedule(capsys, monkeypatch, prompts: Path, tokenizer_dir: Path, tmp_path: Path):
+    paced(monkeypatch, RATES)
+    out = tmp_path / "out"
+    with FakeServer() as draft, FakeServer(spec=False) as baseline:
+        assert cli.main(bench_args(draft.url, baseline.url, prompts, tokenizer_dir, out, "--concurrency", "1",
+                                   "--num-prompts", "3", "--max-tokens", "4", "--rounds", "1")) == 0
+    result = json.loads((out / "bench.json").read_text())
+    row = result["results"][0]
+    assert row["speedup"] == 2.0 and row["speedup_interval"] is None and row["draft"]["raw"] == "raw/draft-c1.json"
+    assert result["schedule"]["derived"] is None and "--rounds 3 measures one" in result["schedule"]["why"]
+    assert "K per batch size: not read from this run: one round gives no interval" in capsys.readouterr().out
+    assert one_line_refusal(capsys, bench_args("http://127.0.0.1:9", "http://127.0.0.1:10", prompts, tokenizer_dir,
+                                               out, "--rounds", "0")).endswith("--rounds 0: must be at least 1 (2 or "
+                                                                               "more give the speed-up an interval "
+                                                                               "at every concurrency)")
+
+
+def scheduled_fake_command(events: Path, draft: Path, schedule: list | None = None):
+    """fake_serve_command's servers, the draft's command carrying its K (3), dtype and the schedule it serves."""
+    fake = fake_serve_command(events)
+
+    def command(serve: ServeSetup, model: str | None, baseline: str | None, cpu_build: bool) -> ServeCommand:
+        made = fake(serve, model, baseline, cpu_build)
+        if baseline is not None:
+            return made
+        return ServeCommand(made.argv, made.env, made.k_reason, made.served_name, k=3,
+                            schedule=None if schedule is None else [tuple(e) for e in schedule],
+                            schedule_reason="" if schedule is None else "the fake's schedule", dtype="float32")
+
+    return command
+
+
+def test_serve_writes_the_schedule_record_for_the_draft_it_measured(
+        capsys, monkeypatch, prompts: Path, tokenizer_dir: Path, tmp_path: Path, pipeline_folders):
+    """--serve, two rounds: baseline | draft, draft | baseline, each server started for whole rounds; the schedule
+    read from the figures is written for the draft (its fingerprint, K, host, commit), and serve then reads it."""
+    from eaglenest.artifacts.serve_schedule import read_schedule_record, served_schedule
+
+    _, draft_dir = pipeline_folders
+    out, events, record = tmp_path / "out", tmp_path / "events.jsonl", tmp_path / "serve_schedule.json"
+    monkeypatch.setattr(sweep, "server_command", scheduled_fake_command(events, draft_dir))
+    made = paced(monkeypatch, {("draft", 1): [20.0, 21.0], ("baseline", 1): [10.0, 10.0],
+                               ("draft", 2): [15.0, 15.5], ("baseline", 2): [10.0, 10.0]})
+    status = cli.main(serve_args(free_port(), prompts, tokenizer_dir, out, "--concurrency", "1", "2", "--num-prompts",
+                                 "3", "--max-tokens", "4", "--warmup-prompts", "0", "--rounds", "2", "--draft",
+                                 str(draft_dir), "--schedule", str(record), "--", "--max-num-seqs", "8"))
+    captured = capsys.readouterr()
+    assert status == 0, captured.err + captured.out
+    assert read_events(events) == [("baseline", "start"), ("baseline", "stop"), ("draft", "start"), ("draft", "stop"),
+                                   ("baseline", "start"), ("baseline", "stop")]
+    assert made == [("baseline", 1), ("baseline", 2), ("draft", 1), ("draft", 2), ("draft", 1), ("draft", 2),
+                    ("baseline", 1), ("baseline", 2)]
+    result = json.loads((out / "bench.json").read_text())
+    assert result["servers"]["baseline"]["starts"] == 2 and (out / "raw" / "server-baseline-2.log").is_file()
+    assert all(r["speedup_interval"]["units"] == 2 for r in result["results"])
+    # both concurrencies pay; 3 to 8 were not measured: 0 there
+    assert result["schedule"]["written"] == str(record) and result["schedule"]["derived"] == [[1, 2, 3], [3, 8, 0]]
+    written = read_schedule_record(record)
+    assert written.k == 3 and written.schedule == [(1, 2, 3), (3, 8, 0)] and written.max_num_seqs == 8
+    assert [(p.concurrency, p.pays) for p in written.measured] == [(1, True), (2, True)]
+    document = json.loads(record.read_text())
+    assert document["host"]["compute_dtype"] == "float32" and document["rounds"] == 2 and document["host"]["label"]
+    assert document["draft"]["path"] == str(draft_dir) and document["bench"] == str(out / "bench.json")
+    assert served_schedule(draft_dir, 3, record).schedule == [(1, 2, 3), (3, 8, 0)]
+    assert f"(written to {record})" in captured.out
+
+
+def test_a_served_schedule_is_checked_step_by_step_not_measured_anew(
+        capsys, monkeypatch, prompts: Path, tokenizer_dir: Path, tmp_path: Path, pipeline_folders):
+    """The draft server served a schedule: no record is written, and where it gives K 0 at every batch size up to
+    the concurrency, any draft counted is a step vLLM did not take as told (the fake drafts regardless)."""
+    _, draft_dir = pipeline_folders
+    out, events, record = tmp_path / "out", tmp_path / "events.jsonl", tmp_path / "serve_schedule.json"
+    monkeypatch.setattr(sweep, "server_command", scheduled_fake_command(events, draft_dir, [[1, 1, 3], [2, 8, 0]]))
+    paced(monkeypatch, {("draft", c): [10.0, 10.0] for c in (1, 2)} | {("baseline", c): [10.0, 10.0] for c in (1, 2)})
+    assert cli.main(serve_args(free_port(), prompts, tokenizer_dir, out, "--concurrency", "1", "2", "--num-prompts",
+                               "3", "--max-tokens", "4", "--warmup-prompts", "0", "--rounds", "2", "--schedule",
+                               str(record))) == 0
+    result = json.loads((out / "bench.json").read_text())
+    assert result["schedule"]["served"] == [[1, 1, 3], [2, 8, 0]] and result["schedule"]["written"] is None
+    assert result["servers"]["draft"]["schedule"] == [[1, 1, 3], [2, 8, 0]] and not record.exists()
+    assert result["results"][0]["draft"]["counter_problems"] == []  # batch 1 drafts: expected
+    monkeypatch.setattr(sweep, "server_command", scheduled_fake_command(events, draft_dir, [[1, 8, 0]]))
+    paced(monkeypatch, {("draft", 1): [10.0, 10.0], ("baseline", 1): [10.0, 10.0]})
+    assert cli.main(serve_args(free_port(), prompts, tokenizer_dir, out, "--concurrency", "1", "--num-prompts", "3",
+                               "--max-tokens", "4", "--warmup-prompts", "0", "--rounds", "2")) == 0
+    problems = json.loads((out / "bench.json").read_text())["results"][0]["draft"]["counter_problems"]
+    assert len(problems) == 2 and problems[0].startswith("round 1: 6 drafts at concurrency 1, where the served "
+                                                         "schedule gives K 0 at every batch size up to 1")
+    assert "check: concurrency 1, draft: round 1: 6 drafts" in capsys.readouterr().out
+
+
+def test_serve_builds_the_draft_server_with_the_schedule_record_or_measures_past_it(pipeline_folders, tmp_path):
+    """A record of this draft at the K served is served; --measure-schedule passes over it; a broken record stops
+    bench before any server starts, in one line naming it and both ways past it."""
+    verifier, draft = pipeline_folders
+    record = schedule_record(tmp_path / "serve_schedule.json", draft)
+    setup = ServeSetup(verifier=verifier, draft=draft, schedule=record, vllm_args=("--max-num-seqs", "32"))
+    command = server_command(setup, None, None, cpu_build=True)
+    assert command.k == 3 and command.schedule == [(1, 4, 3), (5, 32, 0)]
+    assert '"num_speculative_tokens_per_batch_size": [[1, 4, 3], [5, 32, 0]]' in command.shell()
+    assert server_command(setup, None, "none", cpu_build=True).schedule is None
+    measuring = server_command(ServeSetup(verifier=verifier, draft=draft, schedule=record, measure_schedule=True),
+                               None, None, cpu_build=True)
+    assert measuring.schedule is None and "num_speculative_tokens_per_batch_size" not in measuring.shell()
+    assert measuring.schedule_reason.endswith(f"(--measure-schedule: measured anew, written to {record})")
+    record.write_text('{"draft": {"sha256": 1}}')
+    with pytest.raises(EaglenestError) as err:
+        server_command(setup, None, None, cpu_build=True)
+    assert str(err.value).startswith(f"{record}: not a serve schedule record (KeyError: 'k'); `eaglenest bench "
+                                     "--serve --measure-schedule` measures it again, and `eaglenest serve "
+                                     "--no-schedule` serves without it")

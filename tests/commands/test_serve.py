@@ -17,6 +17,7 @@ import pytest
 from eaglenest.artifacts.prepared import VAL_PROMPTS_FILE
 from eaglenest.commands import cli
 from tests.conftest import requires_vllm
+from tests.fixtures.bench import schedule_record
 from tests.fixtures.pipeline import SharedPipeline, project_env
 
 
@@ -119,6 +120,86 @@ def test_a_baseline_server_for_bench_serves_ngram_or_no_drafting(capsys, no_exec
     assert "--speculative-config" not in argv and argv[argv.index("--served-model-name") + 1] == "tiny/llama"
 
 
+def print_command(capsys, *flags: str) -> tuple[int, dict | None, str]:
+    """``eaglenest serve --print-command``: its status, the speculative config it passes, and its stderr."""
+    status = cli.main(["serve", "--print-command", *flags])
+    captured = capsys.readouterr()
+    if status != 0:
+        return status, None, captured.err
+    argv = shlex.split(captured.out.strip())
+    return status, json.loads(argv[argv.index("--speculative-config") + 1]), captured.err
+
+
+@requires_vllm
+def test_a_schedule_measured_for_this_draft_is_served_up_to_max_num_seqs(capsys, monkeypatch, no_exec, tmp_path,
+                                                                         pipeline_folders):
+    """The record at its default place is read; its last range ends at the server's max_num_seqs: vLLM's default
+    for the build (128 per rank on CPU), or --max-num-seqs after --. stderr says which schedule and whence."""
+    from eaglenest.core.vllm_schedule import default_max_num_seqs
+
+    verifier, draft = pipeline_folders
+    monkeypatch.chdir(tmp_path)  # the default record, metrics/serve_schedule.json, is this folder's
+    folders = ("--verifier", str(verifier), "--draft", str(draft))
+    status, spec, err = print_command(capsys, *folders)
+    assert status == 0 and "num_speculative_tokens_per_batch_size" not in spec
+    assert "K per batch size: none, the same K at every batch size (no metrics/serve_schedule.json; " \
+           "`eaglenest bench --serve` measures one)" in err
+    schedule_record(tmp_path / "metrics" / "serve_schedule.json", draft)
+    status, spec, err = print_command(capsys, *folders)
+    default = default_max_num_seqs(1)
+    assert status == 0 and spec["num_speculative_tokens"] == 3
+    assert spec["num_speculative_tokens_per_batch_size"] == [[1, 4, 3], [5, default, 0]]
+    assert f"eaglenest serve: K per batch size: K 3 at 1-4, 0 at 5-{default} (measured for this draft by " \
+           "eaglenest bench at abc1234 on a test CPU, metrics/serve_schedule.json: x1.20 (95% 1.10-1.30) at 1" in err
+    status, spec, _ = print_command(capsys, *folders, "--", "--max-num-seqs", "3")
+    assert spec["num_speculative_tokens_per_batch_size"] == [[1, 3, 3]]
+    status, spec, _ = print_command(capsys, *folders, "--", "--max-num-seqs=16", "-tp", "2")
+    assert spec["num_speculative_tokens_per_batch_size"] == [[1, 4, 3], [5, 16, 0]]
+    status, spec, err = print_command(capsys, *folders, "--", "--tensor-parallel-size", "2")
+    assert spec["num_speculative_tokens_per_batch_size"][-1] == [5, default_max_num_seqs(2), 0]
+    status, _, err = print_command(capsys, *folders, "--", "--max-num-seqs", "many")
+    assert status == 2 and "--max-num-seqs many after --: expected a whole number" in err
+    # turned off; told the K it was measured at (kept) or another (dropped, with the reason)
+    status, spec, err = print_command(capsys, *folders, "--no-schedule")
+    assert "num_speculative_tokens_per_batch_size" not in spec and "(--no-schedule)" in err
+    status, spec, _ = print_command(capsys, *folders, "--num-speculative-tokens", "3")
+    assert spec["num_speculative_tokens_per_batch_size"][0] == [1, 4, 3]
+    status, spec, err = print_command(capsys, *folders, "--num-speculative-tokens", "2")
+    assert spec == {"method": "eagle3", "model": str(draft.resolve()), "num_speculative_tokens": 2}
+    assert "was measured at K=3, and K=2 is served" in err
+    # a baseline never takes one
+    status, spec, err = print_command(capsys, *folders, "--baseline", "ngram")
+    assert spec["method"] == "ngram" and "num_speculative_tokens_per_batch_size" not in spec
+    assert "K per batch size" not in err
+
+
+def test_a_schedule_of_another_draft_is_passed_over_by_default_and_refused_when_named(
+        capsys, monkeypatch, no_exec, tmp_path, pipeline_folders):
+    verifier, draft = pipeline_folders
+    monkeypatch.chdir(tmp_path)
+    record = schedule_record(tmp_path / "metrics" / "serve_schedule.json", draft)
+    (draft / "model.safetensors").write_bytes(b"retrained")
+    folders = ("--verifier", str(verifier), "--draft", str(draft))
+    status, spec, err = print_command(capsys, *folders)
+    assert status == 0 and "num_speculative_tokens_per_batch_size" not in spec
+    assert "metrics/serve_schedule.json was measured on another draft; `eaglenest bench --serve` measures one " \
+           "for this one" in err
+    status, _, err = print_command(capsys, *folders, "--schedule", str(record))
+    assert status == 2 and err.strip().count("\n") == 0
+    assert f"--schedule {record} was measured on another draft" in err
+    status, _, err = print_command(capsys, *folders, "--schedule", str(tmp_path / "typo.json"))
+    assert status == 2 and "typo.json: no such file" in err
+    record.write_text("{}")
+    status, _, err = print_command(capsys, *folders)
+    assert status == 2 and err.strip().count("\n") == 0 and f"{Path('metrics/serve_schedule.json')}: not a serve " \
+        "schedule record (KeyError: 'draft')" in err and "--no-schedule" in err
+    status, _, _ = print_command(capsys, *folders, "--no-schedule")
+    assert status == 0  # the way past a broken record
+    with pytest.raises(SystemExit):
+        cli.main(["serve", *folders, "--no-schedule", "--schedule", str(record), "--print-command"])
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("config", [None, {"speculators_model_type": "mlp_speculator"}, {"model_type": "llama"}])
 def test_a_draft_that_is_not_eagle3_is_refused(capsys, no_exec, pipeline_folders, config):
     verifier, draft = pipeline_folders
@@ -203,6 +284,7 @@ def test_bench_against_the_served_draft_and_plain_server_agrees_with_evaluate(
          "--prompts", str(repo / "data" / "prepared" / VAL_PROMPTS_FILE), "--concurrency", "1", "4",
          # no warm-up run: counts and outputs are what is checked, and a cold first request changes neither
          "--num-prompts", str(num_prompts), "--max-tokens", str(max_tokens), "--warmup-prompts", "0",
+         "--rounds", "1",  # tau and outputs are what is checked; rounds add intervals, not those
          "--server-timeout", "600", "--timeout", "600", "--out", str(out)],
         cwd=tmp_path, env=project_env(VLLM_CPU_KVCACHE_SPACE="1"), capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -224,3 +306,40 @@ def test_bench_against_the_served_draft_and_plain_server_agrees_with_evaluate(
     # Same prompt tokens and lengths, float32: the counts agree; 2% leaves room for a reply one side ends on a
     # stop token the other does not, without hiding a broken draft.
     assert single["tau"] == pytest.approx(reference["tau"], rel=0.02)
+
+
+@pytest.mark.slow
+@requires_vllm
+def test_the_served_schedule_is_followed_step_by_step(shared_pipeline: SharedPipeline, tmp_path: Path):
+    """vLLM's CPU build honours K per batch size step by step: the draft server given K 0 at batch size 1 and the
+    draft's K from 2 on (a record made by hand) counts no draft at concurrency 1 and drafts at 4, and in float32
+    every output equals the plain server's. `eaglenest bench --serve` runs it, one round, small."""
+    from eaglenest.artifacts.draft import draft_tokens
+    from eaglenest.artifacts.serve_schedule import write_schedule_record
+
+    repo = shared_pipeline.repo
+    draft = repo / "models" / "draft"
+    k = draft_tokens(draft, "the draft")
+    record = tmp_path / "serve_schedule.json"
+    write_schedule_record(record, draft, k, [(1, 1, 0), (2, 8, k)], 8, "by hand: no speculation at batch size 1", [],
+                          {}, "test", {})
+    out = tmp_path / "bench"
+    result = subprocess.run(
+        [sys.executable, "-m", "eaglenest", "bench", "--serve", "--port", str(free_port()), "--dtype", "float32",
+         "--verifier", str(repo / "models" / "verifier"), "--draft", str(draft), "--schedule", str(record),
+         "--num-speculative-tokens", str(k), "--prompts", str(repo / "data" / "prepared" / VAL_PROMPTS_FILE),
+         "--concurrency", "1", "4", "--num-prompts", "8", "--max-tokens", "16", "--warmup-prompts", "0",
+         "--rounds", "1", "--server-timeout", "600", "--out", str(out), "--", "--max-num-seqs", "8"],
+        cwd=tmp_path, env=project_env(VLLM_CPU_KVCACHE_SPACE="1"), capture_output=True, text=True, timeout=1800)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    bench_result = json.loads((out / "bench.json").read_text())
+    assert bench_result["schedule"]["served"] == [[1, 1, 0], [2, 8, k]]
+    assert f'"num_speculative_tokens_per_batch_size": [[1, 1, 0], [2, 8, {k}]]' in \
+        bench_result["servers"]["draft"]["command"]
+    alone, four = bench_result["results"]
+    # at batch size 1 the scheduler schedules no draft token, so the counters stay put (bench checks it too)
+    assert alone["draft"]["drafts"] == 0 and alone["draft"]["counter_problems"] == []
+    assert four["draft"]["drafts"] > 0
+    for row in (alone, four):
+        assert row["outputs"]["identical"] == 8 and row["draft"]["failed"] == 0, row["outputs"]
+    print("per-step schedule check:", {r["concurrency"]: (r["draft"]["drafts"], r["speedup"]) for r in (alone, four)})

@@ -43,3 +43,24 @@ def test_summary_before_the_pipeline_ran_is_one_line(tmp_path: Path, capsys: pyt
     assert main(["summary", "--repo", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "metrics/eval.json: not found; run the pipeline first" in err
+
+
+def test_summary_ends_with_the_k_served_and_the_k_per_batch_size(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                 pipeline_folders):
+    from tests.fixtures.bench import schedule_record
+
+    (tmp_path / "metrics").mkdir(exist_ok=True)
+    (tmp_path / "metrics" / "eval.json").write_text(json.dumps({"lossless": 1.0}))
+    (tmp_path / "metrics" / "train.json").write_text(json.dumps({}))
+    assert main(["summary", "--repo", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2].startswith("served K: 3 (the draft's own: no ")
+    assert lines[-1].startswith("K per batch size: none, the same K at every batch size (no ")
+    record = schedule_record(tmp_path / "metrics" / "serve_schedule.json", tmp_path / "models" / "draft")
+    assert main(["summary", "--repo", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("K per batch size: K 3 at 1-4, 0 at 5-128 (measured "
+                                                               "for this draft by eaglenest bench at abc1234")
+    record.write_text("{")
+    assert main(["summary", "--repo", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith(f"K per batch size: {record}: not a serve schedule "
+                                                               "record (JSONDecodeError")

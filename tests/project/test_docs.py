@@ -336,6 +336,27 @@ def test_the_docs_concurrency_figures_follow_the_committed_bench_result(tmp_path
     assert "Not measured at this commit" in (repo / "docs/serving.md").read_text()
 
 
+def test_a_bench_of_several_rounds_shows_each_speedups_interval(tmp_path: Path):
+    repo = _docs_copy(tmp_path)
+    document = bench_result({1: 1.06, 4: 0.705})
+    document["rounds"] = 3
+    document["results"][0]["speedup_interval"] = {"value": 1.06, "low": 1.021, "high": 1.1, "ci95": 0.04, "units": 3}
+    document["results"][1]["speedup_interval"] = None
+    (repo / SERVE_RECORD).parent.mkdir(parents=True)
+    (repo / SERVE_RECORD).write_text(json.dumps(document))
+    write(repo, CONCURRENCY_TARGETS)
+    serving = (repo / "docs/serving.md").read_text()
+    assert "| 1 | 21.2 | 20.0 | x1.060 (1.021–1.100) | 1.5626 |" in serving
+    assert "| 4 | 56.4 | 80.0 | x0.705 |" in serving
+    assert "3 paired rounds: each speed-up is their geometric mean, with its 95% interval" in serving
+    assert "8 requests per concurrency, 3 rounds, on AMD EPYC" in (repo / "README.md").read_text()
+    document["results"][0]["speedup_interval"] = {"low": "x"}
+    (repo / SERVE_RECORD).write_text(json.dumps(document))
+    with pytest.raises(InputFileError, match=r"no results\[0\]\.speedup_interval\.low \(expected an integer or a "
+                                             r"number\)"):
+        load_serve_record(repo)
+
+
 @pytest.mark.slow
 def test_a_real_bench_result_recorded_renders_the_docs_figures(tmp_path: Path, real_bench_sweep: BenchSweep):
     """``eaglenest bench`` (vLLM's own `vllm bench serve`) against two fake servers, recorded by the script, drawn."""

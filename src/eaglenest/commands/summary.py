@@ -3,7 +3,8 @@
 It reads the declared metrics (``metrics/eval.json``, ``metrics/train.json``) and, for the training estimate
 beside the decoded figure of the same split and the host kind that measured the figures,
 ``metrics/eval/details.json``; and the K ``eaglenest serve`` uses for the draft, with why
-(:func:`eaglenest.artifacts.k_record.served_k` over the k_sweep stage's ``metrics/k_sweep.json``).
+(:func:`eaglenest.artifacts.k_record.served_k` over the k_sweep stage's ``metrics/k_sweep.json``), and its K per batch
+size (:func:`eaglenest.artifacts.serve_schedule.served_schedule` over ``metrics/serve_schedule.json``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from typing import Any
 
 from eaglenest.artifacts.k_record import K_RECORD_FILE, served_k
 from eaglenest.artifacts.metrics_file import figure_text, interval_text, read_metrics, versus_text
+from eaglenest.artifacts.serve_schedule import SCHEDULE_FILE, served_schedule
 from eaglenest.commands.command import Command
+from eaglenest.core.errors import InputFileError
 
 
 def summary_lines(repo: Path) -> list[str]:
@@ -47,7 +50,12 @@ def summary_lines(repo: Path) -> list[str]:
     lines.append(f"measured on: {host_line(details.get('host'))}")
     draft = repo / "models" / "draft"
     if (draft / "config.json").is_file():
-        lines.append(served_k(draft, record_file=repo / K_RECORD_FILE).line())
+        choice = served_k(draft, record_file=repo / K_RECORD_FILE)
+        lines.append(choice.line())
+        try:
+            lines.append(served_schedule(draft, choice.k, repo / SCHEDULE_FILE).line())
+        except InputFileError as err:  # the table still stands; serve refuses the file in the same words
+            lines.append(f"K per batch size: {err}")
     return lines
 
 

@@ -129,7 +129,7 @@ def _summary(repo: Path, capsys) -> str:
     (repo / "metrics" / "eval.json").write_text(json.dumps({"lossless": 1.0}))
     (repo / "metrics" / "train.json").write_text(json.dumps({}))
     assert cli.main(["summary", "--repo", str(repo)]) == 0
-    return capsys.readouterr().out.splitlines()[-1]
+    return next(line for line in capsys.readouterr().out.splitlines() if line.startswith("served K: "))
 
 
 def test_n_gram_is_no_longer_the_sweeps_and_its_old_switch_says_where_it_went():

@@ -16,10 +16,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from eaglenest.artifacts.serve_schedule import SCHEDULE_FILE
 from eaglenest.commands.bench.config import (
     DEFAULT_CONCURRENCY,
     DEFAULT_OUT,
     DEFAULT_PORT,
+    DEFAULT_ROUNDS,
     DEFAULT_SERVER_TIMEOUT_S,
     BenchConfig,
     ServeSetup,
@@ -34,8 +36,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--baseline-url", default=None, help="the server of the same model without the draft "
                         "(or with n-gram drafting)")
     parser.add_argument("--serve", action="store_true", help="instead of --url and --baseline-url: start the "
-                        "draft server (eaglenest serve), run the whole sweep, stop it, then the same with the "
-                        "baseline server, one at a time on 127.0.0.1:--port (logs in --out/raw)")
+                        "draft server (eaglenest serve) and the baseline server here, one at a time on "
+                        "127.0.0.1:--port, each for whole rounds, the order alternating (logs in --out/raw)")
     parser.add_argument("--baseline", choices=["none", "ngram"], default=None,
                         help="with --serve: the baseline server, the verifier alone (none) or with vLLM's n-gram "
                         "drafting (ngram) (default: none)")
@@ -50,6 +52,13 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                         help="with --serve: drafts per verify step, as eaglenest serve's (default: the fastest "
                         "K the k_sweep stage measured, else the draft's own)")
+    parser.add_argument("--schedule", default=None, metavar="FILE",
+                        help="with --serve: the K-per-batch-size record; the draft server is served with it where it "
+                        "is of this draft at the K served (the run then checks it), else at one K at every batch "
+                        f"size, and the schedule read from the run is written there (default: {SCHEDULE_FILE})")
+    parser.add_argument("--measure-schedule", action="store_true", default=None,
+                        help="with --serve: serve the draft at one K at every batch size even where --schedule holds "
+                        "a schedule for it, and write the one read from this run over it")
     parser.add_argument("--server-timeout", type=float, default=None, metavar="S",
                         help="with --serve: seconds a started server may take to answer /v1/models (default: "
                         f"{DEFAULT_SERVER_TIMEOUT_S:g})")
@@ -68,6 +77,10 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"{' '.join(map(str, DEFAULT_CONCURRENCY))})")
     parser.add_argument("--num-prompts", type=int, default=None, metavar="N", help="requests per run, the prompts "
                         "taken in turn (default: 4 x the highest concurrency)")
+    parser.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, metavar="R",
+                        help="paired runs of both servers at every concurrency, the order alternating; 2 or more give "
+                        "the speed-up an interval at every concurrency, which the schedule needs (default: "
+                        f"{DEFAULT_ROUNDS})")
     parser.add_argument("--max-tokens", type=int, default=64, metavar="M",
                         help="tokens generated per request (default: 64)")
     parser.add_argument("--temperature", type=float, default=0.0, metavar="T",
@@ -87,7 +100,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 # bench's flags that only say how --serve starts the servers; None: not given.
 BENCH_SERVE_FLAGS = {"baseline": "--baseline", "port": "--port", "verifier": "--verifier", "draft": "--draft",
                      "dtype": "--dtype", "num_speculative_tokens": "--num-speculative-tokens",
-                     "server_timeout": "--server-timeout"}
+                     "server_timeout": "--server-timeout", "schedule": "--schedule",
+                     "measure_schedule": "--measure-schedule"}
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -96,7 +110,7 @@ def _run(args: argparse.Namespace) -> int:
     serve = None
     if args.serve:
         given = {key: getattr(args, key) for key in BENCH_SERVE_FLAGS if getattr(args, key) is not None}
-        for key in ("verifier", "draft"):
+        for key in ("verifier", "draft", "schedule"):
             if key in given:
                 given[key] = Path(given[key])
         if "server_timeout" in given:
@@ -114,7 +128,7 @@ def _run(args: argparse.Namespace) -> int:
         tokenizer=None if args.tokenizer is None else Path(args.tokenizer), concurrency=tuple(args.concurrency),
         num_prompts=args.num_prompts, max_tokens=args.max_tokens, temperature=args.temperature,
         warmup_prompts=args.warmup_prompts, timeout_s=args.timeout, out=Path(args.out), tie_margin=args.tie_margin,
-        serve=serve))
+        serve=serve, rounds=args.rounds))
 
 
 COMMAND = Command(
@@ -122,8 +136,9 @@ COMMAND = Command(
     "at each concurrency, with vLLM's `vllm bench serve`",
     description="Benchmark the served draft against a baseline server (the same model without the draft, or "
     "with n-gram drafting) at each concurrency: tokens/s, latency and TTFT from vLLM's `vllm bench serve`, tau "
-    "and per-position acceptance from the server's /metrics, the speed-up, the concurrency at which "
-    "speculation stops paying and, at temperature 0, whether the outputs equal the baseline's (or leave it at "
-    "a near-tie). Either both servers are running (--url, --baseline-url), or --serve starts them here, one "
-    "after the other (flags after -- go to both). Writes bench.json and speedup.png.",
+    "and per-position acceptance from the server's /metrics, the speed-up with its 95% interval over --rounds "
+    "paired runs, the concurrency at which speculation stops paying, the K per batch size that follows (with "
+    "--serve written to --schedule, which eaglenest serve reads) and, at temperature 0, whether the outputs equal "
+    "the baseline's (or leave it at a near-tie). Either both servers are running (--url, --baseline-url), or "
+    "--serve starts them here, one at a time (flags after -- go to both). Writes bench.json and speedup.png.",
     add_arguments=_add_arguments, run=_run, passes_flags=True)

@@ -5,9 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from eaglenest.artifacts.serve_schedule import SCHEDULE_FILE
 from eaglenest.core.errors import EaglenestError
 
 DEFAULT_CONCURRENCY = [1, 4, 16]
+
+
+# Paired runs of both servers at every concurrency: the fewest whose spread gives an interval worth reading
+# (Student's t at 2 degrees of freedom is 4.3; at 1 it is 12.7), at three times one round's runs.
+DEFAULT_ROUNDS = 3
 
 
 DEFAULT_OUT = Path("bench/results/serve")
@@ -22,7 +28,14 @@ DEFAULT_SERVER_TIMEOUT_S = 900.0
 
 @dataclass(frozen=True)
 class ServeSetup:
-    """How ``--serve`` starts the servers (``eaglenest serve``'s flags, and vLLM's after ``--``)."""
+    """How ``--serve`` starts the servers (``eaglenest serve``'s flags, and vLLM's after ``--``).
+
+    Attributes:
+        schedule: The K-per-batch-size record: the draft server is served with it where it is of this draft at the
+            K served (the figures then check it); else the draft is served at one K at every batch size and the
+            schedule read from the figures is written there.
+        measure_schedule: Serve the draft at one K at every batch size whatever the record holds, and rewrite it.
+    """
 
     baseline: str = "none"
     port: int = DEFAULT_PORT
@@ -32,6 +45,8 @@ class ServeSetup:
     num_speculative_tokens: int | None = None
     timeout_s: float = DEFAULT_SERVER_TIMEOUT_S
     vllm_args: tuple[str, ...] = ()
+    schedule: Path = SCHEDULE_FILE
+    measure_schedule: bool = False
 
 
 @dataclass(frozen=True)
@@ -44,6 +59,7 @@ class BenchConfig:
         tokenizer: ``--tokenizer``; None: ``serve.verifier``, else ``models/verifier``.
         tie_margin: ``--tie-margin``; None: ``evaluate.bf16_tie_margin``'s default.
         serve: ``--serve``: the servers to start here, one after the other; None: the two URLs.
+        rounds: ``--rounds``: paired runs of both servers at every concurrency, for the speed-up's interval.
     """
 
     url: str | None
@@ -60,6 +76,7 @@ class BenchConfig:
     out: Path = DEFAULT_OUT
     tie_margin: float | None = None
     serve: ServeSetup | None = None
+    rounds: int = DEFAULT_ROUNDS
 
     @property
     def tokenizer_dir(self) -> Path:
@@ -86,6 +103,9 @@ def check_config(config: BenchConfig) -> None:
         raise EaglenestError(f"--num-prompts {config.num_prompts}: below --concurrency {max(config.concurrency)}, "
                              "so that many requests are never in flight; raise --num-prompts (several times the "
                              "highest concurrency is best)")
+    if config.rounds < 1:
+        raise EaglenestError(f"--rounds {config.rounds}: must be at least 1 (2 or more give the speed-up an "
+                             "interval at every concurrency)")
     if config.warmup_prompts < 0:
         raise EaglenestError(f"--warmup-prompts {config.warmup_prompts}: must be 0 (no warm-up) or more")
     if config.temperature < 0:

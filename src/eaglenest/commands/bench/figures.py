@@ -1,4 +1,5 @@
-"""An endpoint's figures at one concurrency (tokens/s, latency, TTFT, acceptance), and where speculation stops paying.
+"""An endpoint's figures at one concurrency (tokens/s, latency, TTFT, acceptance), pooled over rounds, the speed-up
+with its interval over rounds, and where speculation stops paying.
 """
 
 from __future__ import annotations
@@ -9,6 +10,11 @@ from typing import Any
 from eaglenest.commands.bench.counters import acceptance_json
 from eaglenest.core.bootstrap import Interval
 from eaglenest.core.measure.spec_counters import SpecCounts
+
+# Student's t, 97.5th percentile, by degrees of freedom (1 to 30; past 30 the value at 30, a little wide): numpy
+# has no quantile function, and the interval over rounds needs one at a handful of rounds.
+T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
 
 
 def _stats_ms(values: list[float]) -> dict[str, float] | None:
@@ -70,6 +76,39 @@ def single_stream_speedup(draft_raw: dict[str, Any], baseline_raw: dict[str, Any
     defaults = EvaluateParams.model_fields
     return speedup_interval(paired_rows([d for d, _ in pairs], [b for _, b in pairs]),
                             int(defaults["bootstrap_samples"].default), int(defaults["seed"].default))
+
+
+def pooled_raw(raws: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several ``vllm bench serve`` results of one endpoint at one concurrency as one: counts, tokens and seconds
+    summed (so tokens/s is all tokens over all seconds), the per-request lists joined. vLLM's own tau is left out:
+    it read each run's counters, and the pooled tau comes from the summed counters."""
+    if len(raws) == 1:
+        return raws[0]
+    pooled: dict[str, Any] = {key: sum(raw[key] for raw in raws) for key in ("completed", "failed",
+                                                                           "total_output_tokens", "duration")}
+    for key in ("latencies", "ttfts", "errors", "output_lens", "generated_texts"):
+        pooled[key] = [value for raw in raws for value in raw.get(key) or []]
+    pooled["output_throughput"] = pooled["total_output_tokens"] / max(pooled["duration"], 1e-9)
+    pooled["request_throughput"] = pooled["completed"] / max(pooled["duration"], 1e-9)
+    return pooled
+
+
+def rounds_interval(pairs: list[tuple[float, float]]) -> Interval | None:
+    """The speed-up over rounds and its 95% interval: each round pairs the draft's tokens/s with the baseline's,
+    measured one after the other at one concurrency; the figure is the geometric mean of the rounds' ratios, the
+    interval Student's t over their logarithms (rounds - 1 degrees of freedom). None with fewer than two rounds.
+
+    The round, not the request, is the unit: at concurrency C the requests of a run share every step, and a slow
+    spell of the machine slows a whole run; a percentile bootstrap over so few units would claim more than they hold.
+    """
+    import numpy as np
+
+    if len(pairs) < 2 or any(d <= 0 or b <= 0 for d, b in pairs):
+        return None
+    logs = np.log([d / b for d, b in pairs])
+    mean, spread = float(logs.mean()), float(logs.std(ddof=1))
+    half = T_975[min(len(pairs) - 1, len(T_975)) - 1] * spread / math.sqrt(len(pairs))
+    return Interval(math.exp(mean), math.exp(mean - half), math.exp(mean + half), len(pairs))
 
 
 def stops_paying_at(results: list[dict[str, Any]]) -> int | None:

@@ -5,6 +5,7 @@ bench.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import subprocess
@@ -25,7 +26,9 @@ SERVER_POLL_S = 0.5
 
 
 def server_command(serve: ServeSetup, model: str | None, baseline: str | None, cpu_build: bool) -> Any:
-    """``eaglenest serve``'s command for the draft server (``baseline`` None) or a baseline one, on ``--port``.
+    """``eaglenest serve``'s command for the draft server (``baseline`` None) or a baseline one, on ``--port``; the
+    draft's with the schedule of ``--schedule`` where it is of this draft at the K served (not with
+    ``--measure-schedule``).
 
     Returns:
         A :class:`eaglenest.commands.serve.ServeCommand`.
@@ -38,9 +41,15 @@ def server_command(serve: ServeSetup, model: str | None, baseline: str | None, c
             instead = ("--model" if flag == "--served-model-name" else
                        "nothing: the servers listen on 127.0.0.1" if flag == "--host" else OWN_FLAGS[flag])
             raise EaglenestError(f"{flag} after --: eaglenest bench --serve sets it; use {instead} (before --)")
-    return build_command(serve.verifier, serve.draft, SERVER_HOST, serve.port, serve.dtype, cpu_build=cpu_build,
-                         num_speculative_tokens=serve.num_speculative_tokens, served_model_name=model,
-                         vllm_args=list(serve.vllm_args), baseline=baseline)
+    # the record is passed over, not refused, where it is of another draft or K: this bench then measures anew
+    command = build_command(serve.verifier, serve.draft, SERVER_HOST, serve.port, serve.dtype, cpu_build=cpu_build,
+                            num_speculative_tokens=serve.num_speculative_tokens, served_model_name=model,
+                            vllm_args=list(serve.vllm_args), baseline=baseline,
+                            schedule_file=None if serve.measure_schedule else serve.schedule)
+    if baseline is None and serve.measure_schedule:
+        command = dataclasses.replace(command, schedule_reason="K per batch size: none, the same K at every batch "
+                                      f"size (--measure-schedule: measured anew, written to {serve.schedule})")
+    return command
 
 
 class StartedServer:

@@ -11,14 +11,36 @@
 elsewhere); ``--baseline-url`` serves the same model without the draft (the verifier alone, or vLLM's n-gram
 drafting). At each concurrency, each endpoint in turn gets the same requests.
 
-``--serve`` starts the two servers here instead, one after the other, so that on a machine of few cores neither
-takes the other's: the draft server (``eaglenest serve``'s command, :func:`eaglenest.commands.serve.build_command`)
-on 127.0.0.1:``--port``, waited for until ``/v1/models`` answers (``--server-timeout``), warmed up and measured at
-every concurrency, then stopped; then the baseline server (``--baseline``: ``none``, the verifier alone, or
-``ngram``) the same way on the same port. Each runs as a subprocess in its own process group (SIGTERM to the group,
-SIGKILL after ``STOP_GRACE_S``: :mod:`eaglenest.commands.supervised`), its output in ``raw/server-<role>.log``, and
-is stopped whatever ends the bench: the last run, a refusal, Ctrl-C or SIGTERM; a bench killed with SIGKILL takes
-its server's whole process tree with it. Flags after ``--`` go to both servers.
+``--serve`` starts the two servers here instead, one at a time, so that on a machine of few cores neither takes the
+other's: the draft server (``eaglenest serve``'s command, :func:`eaglenest.commands.serve.build_command`, with the
+K-per-batch-size schedule of ``--schedule`` where it is of this draft) and the baseline server (``--baseline``:
+``none``, the verifier alone, or ``ngram``), each on 127.0.0.1:``--port``, waited for until ``/v1/models`` answers
+(``--server-timeout``), warmed up, run through whole rounds at every concurrency, then stopped. Each runs as a
+subprocess in its own process group (SIGTERM to the group, SIGKILL after ``STOP_GRACE_S``:
+:mod:`eaglenest.commands.supervised`), its output in ``raw/server-<role>.log`` (``-2``, ``-3`` for later starts),
+and is stopped whatever ends the bench: the last run, a refusal, Ctrl-C or SIGTERM; a bench killed with SIGKILL
+takes its server's whole process tree with it. Flags after ``--`` go to both servers.
+
+**Rounds and intervals.** Requests at concurrency C share every step, and a slow spell of the machine slows a whole
+run, so a run, not a request, is the unit of the speed-up's interval there. ``--rounds R`` (default 3) pairs R runs of
+the draft with R of the baseline at every concurrency: with two URLs, the two runs of a pair follow each other and
+which goes first alternates by round; with ``--serve``, servers take turns in whole rounds,
+:func:`~eaglenest.commands.bench.schedule.server_blocks` (3 rounds: draft | baseline, baseline | draft, draft |
+baseline: 4 server starts), so a drift of the machine over the bench falls on both sides and cancels over the
+pairs rather than landing in the ratio as it would with one server's whole sweep before the other's. A
+concurrency's speed-up is the geometric mean of its rounds' ratios, its 95% interval Student's t over their
+logarithms (:func:`~eaglenest.commands.bench.figures.rounds_interval`; R - 1 degrees of freedom, so 3 rounds give
+t = 4.3: honest about how little 3 runs say, and 5 rounds halve it). Each side's figures (tokens/s, latency, tau) are
+pooled over its runs. What it costs on 2 CPU cores with the default 64 requests of 64 tokens and concurrency 1 4 16:
+a round is about 200 s per server (concurrency 1 alone about 130 s), a server start a minute, so the default 3 rounds
+take about 25 minutes against 9 for one; ``--rounds 1`` gives today's single table without intervals.
+
+**K per batch size** (:mod:`eaglenest.commands.bench.schedule`): from the intervals, where speculation pays and where
+it stops, as vLLM's ``num_speculative_tokens_per_batch_size``. With ``--serve`` and the draft served at one K at every
+batch size (no record of this draft at that K in ``--schedule``, or ``--measure-schedule``), it is written to
+``--schedule`` (:mod:`eaglenest.artifacts.serve_schedule`), which ``eaglenest serve`` then reads; where the draft
+server served a schedule, the run checks it instead (the speed-ups it gives, and no draft counted at a concurrency the
+schedule gives K 0 up to: vLLM following it step by step).
 
 The load and its timing are vLLM's own benchmark, ``vllm bench serve``, run once per concurrency and endpoint
 (``--max-concurrency C``, every request sent at once, closed loop). It runs as
@@ -52,11 +74,13 @@ with. Within ``--tie-margin`` (default: ``evaluate.bf16_tie_margin``'s default) 
 difference is a near-tie (counted, with the position, both tokens and the gap); otherwise, or where the draft's
 text matches no candidate, a real difference.
 
-Results go to ``--out``: ``bench.json`` (rewritten after every concurrency, atomically), ``speedup.png`` and
+Results go to ``--out``: ``bench.json`` (rewritten after every run, atomically), ``speedup.png`` and
 ``raw/`` (vLLM's result files and logs, and the started servers' logs). ``stops_paying_at`` is the lowest
-concurrency whose speed-up (draft tokens/s over baseline tokens/s) is below 1. At concurrency 1 a row also holds
-``single_stream_speedup``: the same ratio over the requests' own seconds with its 95% interval over prompts, the
-measurement kit's (:mod:`eaglenest.core.measure.speedup`), as evaluate and the k_sweep stage report it.
+concurrency whose speed-up (draft tokens/s over baseline tokens/s) is below 1; ``schedule``, the K per batch size.
+At concurrency 1 a row also holds ``single_stream_speedup``: the same ratio over the requests' own seconds (of every
+round, paired within it) with its 95% interval over requests, the measurement kit's
+(:mod:`eaglenest.core.measure.speedup`), as evaluate and the k_sweep stage report it; it leaves out the drift between
+the two runs, which the interval over rounds takes in.
 Exit status: 0; 1 when a request failed or an output at temperature 0 differs beyond a near-tie; 2 on a refusal
 (one line): an unreachable server,
 one that serves another model, a draft server without spec-decode counters, a prompts file in none of the
@@ -68,9 +92,11 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eaglenest.artifacts.serve_schedule import Schedule, k_at
 from eaglenest.commands.bench.config import BenchConfig, ServeSetup, check_config, default_tie_margin
 from eaglenest.commands.bench.counters import acceptance, counter_problems
 from eaglenest.commands.bench.endpoint import (
@@ -82,17 +108,40 @@ from eaglenest.commands.bench.endpoint import (
     require_model,
     require_spec_decode,
 )
-from eaglenest.commands.bench.figures import endpoint_figures, single_stream_speedup, stops_paying_at
+from eaglenest.commands.bench.figures import (
+    endpoint_figures,
+    pooled_raw,
+    rounds_interval,
+    single_stream_speedup,
+    stops_paying_at,
+)
 from eaglenest.commands.bench.load import RunStopped, run_vllm_bench
-from eaglenest.commands.bench.outputs import Replay, ask_with_logprobs, compare_outputs, judge_difference
+from eaglenest.commands.bench.outputs import (
+    Comparison,
+    Replay,
+    ask_with_logprobs,
+    compare_outputs,
+    judge_difference,
+)
 from eaglenest.commands.bench.prompts import bench_prompts_file, check_length, load_bench_tokenizer, render_prompts
 from eaglenest.commands.bench.render import summary_lines, write_result
+from eaglenest.commands.bench.schedule import schedule_result, server_blocks
 from eaglenest.commands.bench.servers import SERVER_HOST, StartedServer, server_command, sigterm_as_exit, started_server
 from eaglenest.core.atomic import atomic_write_bytes, remove_stale_temps
 from eaglenest.core.errors import EaglenestError, InputFileError
+from eaglenest.core.measure.spec_counters import SpecCounts
 
 # A server that stopped answering mid-run may be dying: how long to wait for its exit status, for the message.
 SERVER_EXIT_WAIT_S = 2.0
+
+
+@dataclass(frozen=True)
+class Run:
+    """One endpoint's run at one concurrency in one round: its figures, vLLM's result, and the counters' difference."""
+
+    figures: dict[str, Any]
+    raw: dict[str, Any]
+    spec: SpecCounts | None
 
 
 class Sweep:
@@ -105,40 +154,55 @@ class Sweep:
         prompts: Token ids of each prompt; request i is prompt i mod P.
         prompt_ids: Each prompt's id in the prompts file.
         tokenizer: The served model's, for the near-tie check.
+        schedule: The K per batch size the draft server serves (None: one K at every batch size), and that K:
+            at a concurrency where it gives K 0 at every batch size, the counters must not grow.
     """
 
     def __init__(self, config: BenchConfig, result: dict[str, Any], dataset: Path, prompts: list[list[int]],
-                 prompt_ids: list[str], tokenizer: Any) -> None:
+                 prompt_ids: list[str], tokenizer: Any, schedule: tuple[Schedule, int] | None = None) -> None:
         self.config, self.result, self.dataset = config, result, dataset
         self.prompts, self.prompt_ids, self.tokenizer = prompts, prompt_ids, tokenizer
+        self.schedule = schedule
         self.raw_dir = config.out / "raw"
         self.failed = 0
         self.real_differences = 0
         self.replays: dict[int, Replay | str] = {}  # by prompt: one check per prompt, whatever the concurrency
         self.servers: dict[str, StartedServer] = {}  # by role, with --serve
+        self.runs: dict[tuple[str, int, int], Run] = {}  # by (role, round, concurrency)
+        self.outputs: dict[tuple[int, int], dict[str, Any]] = {}  # by (round, concurrency): the temperature-0 check
 
     @property
     def model(self) -> str:
         return str(self.result["model"])
 
+    @property
+    def rounds(self) -> int:
+        return self.config.rounds
+
     def write(self) -> None:
+        levels = self.result["concurrency"]
+        self.result["results"] = [self.row(c) for c in levels
+                                  if any(key[2] == c for key in self.runs)]
         self.result["stops_paying_at"] = stops_paying_at(self.result["results"])
         write_result(self.result, self.config.out)
 
     def stop(self, endpoint: Endpoint, concurrency: int | str, why: str) -> EaglenestError:
         """The one-line error of a run that could not finish, bench.json written with what was measured."""
+        self.write()
         rows = self.result["results"]
-        measured = [r["concurrency"] for r in rows if r["baseline"] is not None]
-        drafted = [r["concurrency"] for r in rows if r["baseline"] is None]  # --serve: the baseline's not yet run
-        kept = f"bench.json keeps concurrency {measured}" if measured else "nothing was measured"
-        if drafted:
-            kept = (f"{kept} and the draft's figures at {drafted}" if measured else
-                    f"bench.json keeps the draft's figures at concurrency {drafted}")
+        measured = [r["concurrency"] for r in rows if r["speedup"] is not None]
+        alone = {role: [r["concurrency"] for r in rows if r["speedup"] is None and r[role] is not None]
+                 for role in ("draft", "baseline")}  # --serve: the other server has not run there yet
+        kept = [f"concurrency {measured}"] if measured else []
+        kept += [f"the {role}'s figures at concurrency {levels}" for role, levels in alone.items() if levels]
+        kept_text = ("bench.json keeps " + " and ".join(kept)) if kept else "nothing was measured"
+        if measured and self.rounds > 1:
+            kept_text += " (the rounds measured)"
         where = str(self.config.out / "bench.json")
         if endpoint.role in self.servers:
             where += f"; server log: {self.servers[endpoint.role].log}"
         message = (f"{endpoint.flag} {endpoint.url}: the run at concurrency {concurrency} did not finish: {why}; "
-                   f"{kept} ({where})")
+                   f"{kept_text} ({where})")
         self.result["stopped"] = message
         self.write()
         return EaglenestError(message)
@@ -165,11 +229,16 @@ class Sweep:
             why = endpoint_figures(warm, None, [], "").get("first_error", "no response")
             raise self.stop(endpoint, "1 (warm-up)", f"every request failed: {why}")
 
-    def measure(self, endpoint: Endpoint, concurrency: int) -> tuple[dict[str, Any], dict[str, Any]]:
-        """One endpoint's run at one concurrency: its figures, and vLLM's result."""
-        name = f"{endpoint.role}-c{concurrency}"
+    def _raw_name(self, role: str, concurrency: int, number: int) -> str:
+        return f"{role}-c{concurrency}" + (f"-r{number + 1}" if self.rounds > 1 else "")
+
+    def measure(self, endpoint: Endpoint, concurrency: int, number: int = 0) -> None:
+        """One endpoint's run at one concurrency in round ``number`` (from 0), kept in :attr:`runs`."""
+        name = self._raw_name(endpoint.role, concurrency, number)
         requests = self.result["prompts"]["requests"]
-        print(f"eaglenest bench: {endpoint.role} at concurrency {concurrency} ({requests} requests)", flush=True)
+        which = f", round {number + 1} of {self.rounds}" if self.rounds > 1 else ""
+        print(f"eaglenest bench: {endpoint.role} at concurrency {concurrency} ({requests} requests{which})",
+              flush=True)
         try:
             before = endpoint.counters()
             raw = run_vllm_bench(endpoint, self.model, self.dataset, requests, concurrency, self.config, self.raw_dir,
@@ -181,32 +250,94 @@ class Sweep:
             raise self.stop(endpoint, concurrency, str(err).removeprefix(f"{endpoint.flag} {endpoint.url}: ")) \
                 from None
         spec = acceptance(before, after)
-        problems = counter_problems(before, after, spec, raw, spec_expected=endpoint.role == "draft")
+        expected, forbidden = self._drafts_expected(endpoint.role, concurrency)
+        problems = counter_problems(before, after, spec, raw, spec_expected=expected)
+        if forbidden and spec is not None and spec.drafts > 0:
+            problems.append(f"{spec.drafts} drafts at concurrency {concurrency}, where the served schedule gives K 0 "
+                            f"at every batch size up to {concurrency}: vLLM did not follow it step by step")
         self.failed += int(raw["failed"])
-        return endpoint_figures(raw, spec, problems, f"raw/{name}.json"), raw
+        self.runs[(endpoint.role, number, concurrency)] = Run(endpoint_figures(raw, spec, problems, f"raw/{name}.json"),
+                                                              raw, spec)
 
-    def row(self, concurrency: int, draft: tuple[dict[str, Any], dict[str, Any]],
-            baseline: tuple[dict[str, Any], dict[str, Any]], baseline_endpoint: Endpoint) -> dict[str, Any]:
-        """One concurrency's line of bench.json from both endpoints' (figures, vLLM result); the baseline endpoint
-        still answering, for the near-tie checks."""
-        base_rate = baseline[0]["tokens_per_s"]
-        single = single_stream_speedup(draft[1], baseline[1]) if concurrency == 1 else None
+    def _drafts_expected(self, role: str, concurrency: int) -> tuple[bool, bool]:
+        """(every step should draft, no step may draft) for a run of ``role`` at ``concurrency``: at C requests in
+        flight a step's batch is C at most (fewer as a run drains), so the schedule's K at batch sizes 1..C decide."""
+        if role != "draft":
+            return False, False
+        if self.schedule is None:
+            return True, False
+        schedule, k = self.schedule
+        ks = [k_at(schedule, batch, k) for batch in range(1, concurrency + 1)]
+        return min(ks) > 0, max(ks) == 0
+
+    def settle(self, baseline: Endpoint | None) -> None:
+        """The temperature-0 check of every round measured on both servers and not yet checked; with the baseline
+        not answering (``None``: its server is stopped), those needing its near-tie replay wait for its next start.
+        Then bench.json is written."""
+        if self.config.temperature == 0:
+            for role, number, concurrency in list(self.runs):
+                key = (number, concurrency)
+                draft, plain = self.runs.get(("draft", *key)), self.runs.get(("baseline", *key))
+                if role != "draft" or key in self.outputs or draft is None or plain is None:
+                    continue
+                compared = compare_outputs(draft.raw, plain.raw, self.prompt_ids)
+                if compared.differ and baseline is None:
+                    continue  # its replays wait for the baseline's next start
+                self.outputs[key] = self.check_outputs(concurrency, compared, draft.raw, baseline)
+        self.write()
+
+    def row(self, concurrency: int) -> dict[str, Any]:
+        """One concurrency's line of bench.json from every round measured so far: each side's figures pooled over
+        its runs, the speed-up over the rounds with both sides measured and its interval, the rounds themselves."""
+        rounds, pairs = [], []
+        for number in range(self.rounds):
+            draft, plain = (self.runs.get((role, number, concurrency)) for role in ("draft", "baseline"))
+            if draft is None and plain is None:
+                continue
+            ratio = None
+            if draft is not None and plain is not None and plain.figures["tokens_per_s"] > 0:
+                ratio = draft.figures["tokens_per_s"] / plain.figures["tokens_per_s"]
+                pairs.append((number, draft, plain))
+            rounds.append({"round": number + 1, "speedup": None if ratio is None else round(ratio, 4),
+                           "draft": None if draft is None else draft.figures,
+                           "baseline": None if plain is None else plain.figures,
+                           "outputs": self.outputs.get((number, concurrency))})
+        interval = rounds_interval([(d.figures["tokens_per_s"], b.figures["tokens_per_s"]) for _, d, b in pairs])
+        speedup = interval.value if interval is not None else (rounds[0]["speedup"] if len(pairs) == 1 else None)
+        single = None
+        if concurrency == 1 and pairs:
+            single = single_stream_speedup(pooled_raw([d.raw for _, d, _ in pairs]),
+                                           pooled_raw([b.raw for _, _, b in pairs]))
         return {
             "concurrency": concurrency,
-            "speedup": round(draft[0]["tokens_per_s"] / base_rate, 4) if base_rate > 0 else None,
+            "speedup": None if speedup is None else round(speedup, 4),
+            "speedup_interval": None if interval is None else interval.as_dict() | {"over": "rounds"},
             "single_stream_speedup": single.as_dict() if single is not None else None,
-            "draft": draft[0], "baseline": baseline[0],
-            "outputs": self.check_outputs(concurrency, draft[1], baseline[1], baseline_endpoint)
-            if self.config.temperature == 0 else None,
+            "draft": self._pooled("draft", concurrency), "baseline": self._pooled("baseline", concurrency),
+            "outputs": _pooled_outputs(rounds),
+            "rounds": rounds,
         }
 
-    def check_outputs(self, concurrency: int, draft: dict[str, Any], baseline: dict[str, Any],
-                      baseline_endpoint: Endpoint) -> dict[str, Any]:
+    def _pooled(self, role: str, concurrency: int) -> dict[str, Any] | None:
+        """``role``'s figures at ``concurrency`` over all its rounds (one round: that run's own)."""
+        runs = [(n, run) for (r, n, c), run in sorted(self.runs.items()) if r == role and c == concurrency]
+        if not runs:
+            return None
+        if len(runs) == 1 and self.rounds == 1:
+            return runs[0][1].figures
+        specs = [run.spec for _, run in runs]
+        spec = None if any(s is None for s in specs) else sum(specs, SpecCounts())  # type: ignore[arg-type]
+        problems = [f"round {n + 1}: {p}" for n, run in runs for p in run.figures["counter_problems"]]
+        return endpoint_figures(pooled_raw([run.raw for _, run in runs]), spec, problems,
+                                f"raw/{role}-c{concurrency}-r*.json")
+
+    def check_outputs(self, concurrency: int, compared: Comparison, draft: dict[str, Any],
+                      baseline_endpoint: Endpoint | None) -> dict[str, Any]:
         """The temperature-0 check: identical texts, else the near-tie rule against the baseline's replay."""
-        compared = compare_outputs(draft, baseline, self.prompt_ids)
         near_ties, differ = [], []
         for entry in compared.differ:
             request = entry["request"]
+            assert baseline_endpoint is not None  # settle() waits for it where an output differs
             replay = self.replay(baseline_endpoint, request % len(self.prompts), concurrency)
             verdict = judge_difference(draft["generated_texts"][request], replay, self.tokenizer,
                                        self.result["tie_margin"])
@@ -231,11 +362,29 @@ class Sweep:
         return self.replays[prompt]
 
 
-def run_bench(config: BenchConfig) -> tuple[dict[str, Any], int]:
-    """The sweep: checks, then each endpoint warmed up and measured at each concurrency, the outputs compared.
+def _pooled_outputs(rounds: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The rounds' temperature-0 checks summed (each entry of a later round names its round); None before any."""
+    checked = [r for r in rounds if r["outputs"] is not None]
+    if not checked:
+        return None
+    if len(rounds) == 1:
+        return checked[0]["outputs"]
+    pooled: dict[str, Any] = {"compared": 0, "identical": 0, "near_ties": [], "differ": []}
+    for entry in checked:
+        outputs = entry["outputs"]
+        pooled["compared"] += outputs["compared"]
+        pooled["identical"] += outputs["identical"]
+        for key in ("near_ties", "differ"):
+            pooled[key] += [item | {"round": entry["round"]} for item in outputs[key]]
+    return pooled
 
-    With two URLs, both endpoints take turns at each concurrency; with ``--serve``, the draft server does the whole
-    sweep, is stopped, then the baseline server does it.
+
+def run_bench(config: BenchConfig) -> tuple[dict[str, Any], int]:
+    """The sweep: checks, then each endpoint warmed up and measured at each concurrency in each round, the outputs
+    compared, and the K per batch size read from the figures.
+
+    With two URLs, both endpoints take turns at each concurrency (which goes first alternating by round); with
+    ``--serve``, one server at a time runs whole rounds (:func:`~eaglenest.commands.bench.schedule.server_blocks`).
 
     Returns:
         The result written to ``--out``/bench.json, and the exit status (1 when a request failed, or an output at
@@ -271,8 +420,11 @@ def run_bench(config: BenchConfig) -> tuple[dict[str, Any], int]:
         check_length(served, prompts, config)
     result = _new_result(config, f"vllm bench serve ({build.distribution} {build.version})", urls, served, prompts,
                          commands)
+    draft_command = commands.get("draft")
+    scheduled = None if draft_command is None or draft_command.schedule is None else (draft_command.schedule,
+                                                                                      draft_command.k)
     sweep = Sweep(config, result, _write_requests(config, prompts, result["prompts"]["requests"]), prompts,
-                  [c.id for c in conversations], tokenizer)
+                  [c.id for c in conversations], tokenizer, scheduled)
     if config.serve is None:
         _sweep_urls(sweep, draft, baseline, result["concurrency"])
     else:
@@ -280,7 +432,10 @@ def run_bench(config: BenchConfig) -> tuple[dict[str, Any], int]:
             _sweep_servers(sweep, config.serve, commands, result["concurrency"])
     result["complete"] = True
     sweep.write()
-    return result, 1 if sweep.failed or sweep.real_differences else 0
+    status = 1 if sweep.failed or sweep.real_differences else 0
+    result["schedule"] = schedule_result(config, result, draft_command, status)
+    sweep.write()
+    return result, status
 
 
 def _require_vllm() -> Any:
@@ -319,13 +474,16 @@ def _new_result(config: BenchConfig, tool: str, urls: tuple[str, str], served: d
         "prompts": {"file": str(config.prompts), "count": len(prompts),
                     "requests": config.num_prompts or 4 * levels[-1], "tokens": [len(p) for p in prompts]},
         "max_tokens": config.max_tokens, "temperature": config.temperature, "concurrency": levels,
+        "rounds": config.rounds,
         "tie_margin": default_tie_margin() if config.tie_margin is None else config.tie_margin, "tie_checks": 0,
-        "results": [], "stops_paying_at": None, "complete": False,
+        "results": [], "stops_paying_at": None, "schedule": None, "complete": False,
     }
     if config.serve is not None:
         result["servers"] = {
             role: {"kind": "draft" if role == "draft" else config.serve.baseline, "command": command.shell(),
-                   "why": command.k_reason, "log": f"raw/server-{role}.log"}
+                   "why": command.k_reason, "log": f"raw/server-{role}.log", "starts": 0}
+            | ({"schedule": None if command.schedule is None else [list(e) for e in command.schedule],
+                "schedule_why": command.schedule_reason} if role == "draft" else {})
             for role, command in commands.items()}
     return result
 
@@ -344,46 +502,50 @@ def _write_requests(config: BenchConfig, prompts: list[list[int]], num_requests:
 
 
 def _sweep_urls(sweep: Sweep, draft: Endpoint, baseline: Endpoint, levels: list[int]) -> None:
-    """Both servers up: each warmed up, then at each concurrency the draft's run and the baseline's in turn."""
+    """Both servers up: each warmed up, then in each round at each concurrency the draft's run and the baseline's,
+    one right after the other, the draft first in odd rounds and second in even ones (a drift cancels)."""
     for endpoint in (draft, baseline):
         sweep.warm_up(endpoint)
-    for concurrency in levels:
-        measured = sweep.measure(draft, concurrency)
-        sweep.result["results"].append(sweep.row(concurrency, measured, sweep.measure(baseline, concurrency),
-                                                 baseline))
-        sweep.write()  # each concurrency is kept as soon as it is measured
+    for number in range(sweep.rounds):
+        for concurrency in levels:
+            for endpoint in ((draft, baseline) if number % 2 == 0 else (baseline, draft)):
+                sweep.measure(endpoint, concurrency, number)
+            sweep.settle(baseline)  # each concurrency is kept as soon as it is measured
 
 
 def _sweep_servers(sweep: Sweep, serve: ServeSetup, commands: dict[str, Any], levels: list[int]) -> None:
-    """``--serve``: the draft server started, checked, swept and stopped, then the baseline server the same way."""
+    """``--serve``: one server at a time, each started, checked, warmed up, run through its rounds at every
+    concurrency and stopped (:func:`~eaglenest.commands.bench.schedule.server_blocks`: draft | baseline with one
+    round; draft | baseline, baseline | draft, draft | baseline with three)."""
     out = sweep.config.out
-    rows = sweep.result["results"]
-    draft_runs: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
-    with started_server("draft", commands["draft"], serve, out / "raw" / "server-draft.log") as server:
-        sweep.servers["draft"] = server
-        draft = Endpoint("draft", "the draft server", server.url)
-        # the server answers to the name its command gave (--model, else the verifier's) and to the verifier's
-        # path: the name is asked for, not guessed
-        served = draft_model(draft, sweep.config.model, commands["draft"].served_name)
-        sweep.result["model"] = str(served["id"])
-        require_spec_decode(draft, sweep.model)
-        check_length(served, sweep.prompts, sweep.config)
-        sweep.warm_up(draft)
-        for concurrency in levels:
-            draft_runs[concurrency] = sweep.measure(draft, concurrency)
-            rows.append({"concurrency": concurrency, "speedup": None, "single_stream_speedup": None,
-                         "draft": draft_runs[concurrency][0],
-                         "baseline": None, "outputs": None})
-            sweep.write()  # the draft's figures are kept even if the baseline never runs
-    with started_server("baseline", commands["baseline"], serve, out / "raw" / "server-baseline.log") as server:
-        sweep.servers["baseline"] = server
-        baseline = Endpoint("baseline", "the baseline server", server.url)
-        require_model(baseline, sweep.model, draft)
-        sweep.warm_up(baseline)
-        for index, concurrency in enumerate(levels):
-            rows[index] = sweep.row(concurrency, draft_runs[concurrency], sweep.measure(baseline, concurrency),
-                                    baseline)
-            sweep.write()
+    first: Endpoint | None = None
+    starts = {"draft": 0, "baseline": 0}
+    for role, numbers in server_blocks(sweep.rounds):
+        starts[role] += 1
+        log = out / "raw" / (f"server-{role}.log" if starts[role] == 1 else f"server-{role}-{starts[role]}.log")
+        if "servers" in sweep.result:
+            sweep.result["servers"][role]["starts"] = starts[role]
+        with started_server(role, commands[role], serve, log) as server:
+            sweep.servers[role] = server
+            endpoint = Endpoint(role, f"the {role} server", server.url)
+            if first is None:
+                # the server answers to the name its command gave (--model, else the verifier's) and to the
+                # verifier's path: the name is asked for, not guessed
+                served = draft_model(endpoint, sweep.config.model, commands[role].served_name)
+                sweep.result["model"] = str(served["id"])
+                check_length(served, sweep.prompts, sweep.config)
+                first = endpoint
+            elif starts[role] == 1:
+                require_model(endpoint, sweep.model, first)
+            if role == "draft" and starts[role] == 1:
+                require_spec_decode(endpoint, sweep.model)
+            sweep.warm_up(endpoint)
+            baseline = endpoint if role == "baseline" else None
+            sweep.settle(baseline)  # the near-tie checks that waited for the baseline
+            for number in numbers:
+                for concurrency in levels:
+                    sweep.measure(endpoint, concurrency, number)
+                    sweep.settle(baseline)  # each run is kept as soon as it is measured
 
 
 def bench(config: BenchConfig) -> int:

@@ -38,6 +38,7 @@ class Level:
         tau: Tokens per verify step from the draft server's counters; None where it counted none.
         p50_ms: Median request latency (draft, baseline).
         outputs: Outputs identical to the baseline's, near-ties, other differences; None where not compared.
+        interval: The speed-up's 95% interval over rounds (low, high); None for a bench of one round.
     """
 
     concurrency: int
@@ -47,6 +48,7 @@ class Level:
     tau: float | None
     p50_ms: tuple[float, float]
     outputs: tuple[int, int, int] | None
+    interval: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,7 @@ class ServeRecord:
         temperature: Sampling temperature.
         levels: One entry per concurrency measured, in the order run.
         stops_paying_at: The lowest concurrency whose speed-up is below 1; None where none is.
+        rounds: Paired runs per concurrency (a bench before rounds records none: one).
     """
 
     command: str
@@ -76,6 +79,14 @@ class ServeRecord:
     temperature: float
     levels: tuple[Level, ...]
     stops_paying_at: int | None
+    rounds: int = 1
+
+    @property
+    def runs_text(self) -> str:
+        """How many runs each figure comes from, and so whether it has an interval."""
+        if self.rounds == 1:
+            return "one run, so no interval"
+        return f"{self.rounds} paired rounds: each speed-up is their geometric mean, with its 95% interval"
 
     def at(self, concurrency: int) -> Level | None:
         """The level measured at ``concurrency``, or None."""
@@ -114,6 +125,11 @@ def _level(read: _Reader, row: Any, where: str) -> Level:
         differ = len(read.get(outputs, "differ", list, f"{where}.outputs"))
         counts = (read.get(outputs, "identical", int, f"{where}.outputs"), near, differ)
     tau = draft.get("tau")
+    interval = row.get("speedup_interval") if isinstance(row, dict) else None
+    bounds = None
+    if isinstance(interval, dict):
+        bounds = (read.get(interval, "low", number, f"{where}.speedup_interval"),
+                  read.get(interval, "high", number, f"{where}.speedup_interval"))
     return Level(concurrency=read.get(row, "concurrency", int, where), speedup=read.get(row, "speedup", number, where),
                  draft_tokens_per_s=read.get(draft, "tokens_per_s", number, f"{where}.draft"),
                  baseline_tokens_per_s=read.get(baseline, "tokens_per_s", number, f"{where}.baseline"),
@@ -122,7 +138,7 @@ def _level(read: _Reader, row: Any, where: str) -> Level:
                                   f"{where}.draft.latency_ms"),
                          read.get(read.get(baseline, "latency_ms", dict, f"{where}.baseline"), "p50", number,
                                   f"{where}.baseline.latency_ms")),
-                 outputs=counts)
+                 outputs=counts, interval=bounds)
 
 
 def parse_serve_record(document: Any, path: str) -> ServeRecord:
@@ -147,7 +163,8 @@ def parse_serve_record(document: Any, path: str) -> ServeRecord:
         max_tokens=read.get(document, "max_tokens", int), temperature=float(read.get(document, "temperature",
                                                                                     (int, float))),
         levels=tuple(_level(read, row, f"results[{i}]") for i, row in enumerate(rows)),
-        stops_paying_at=stops if isinstance(stops, int) else None)
+        stops_paying_at=stops if isinstance(stops, int) else None,
+        rounds=document["rounds"] if isinstance(document.get("rounds"), int) else 1)
 
 
 def load_serve_record(repo: Path) -> ServeRecord | None:
@@ -202,15 +219,17 @@ def headline_clause(record: ServeRecord | None) -> str:
     parts = ([f"{_speedup(single)} single-stream"] if single else []) + [
         f"{_speedup(level)} at {level.concurrency} requests in flight" for level in rest]
     return (f"Served by `eaglenest serve` and measured by `eaglenest bench` against {record.baseline}: "
-            f"{', '.join(parts)} ({record.requests} requests per concurrency, one run, on {record.host}; "
+            f"{', '.join(parts)} ({record.requests} requests per concurrency, "
+            f"{'one run' if record.rounds == 1 else f'{record.rounds} rounds'}, on {record.host}; "
             f"{SERVE_RECORD}).")
 
 
 def _row(level: Level) -> str:
     tau = "—" if level.tau is None else f"{level.tau:.4f}"
     outputs = "—" if level.outputs is None else " / ".join(str(n) for n in level.outputs)
+    interval = "" if level.interval is None else f" ({level.interval[0]:.3f}–{level.interval[1]:.3f})"
     return (f"| {level.concurrency} | {level.draft_tokens_per_s:.1f} | {level.baseline_tokens_per_s:.1f} | "
-            f"x{level.speedup:.3f} | {tau} | {level.p50_ms[0]:,.0f} / {level.p50_ms[1]:,.0f} | {outputs} |")
+            f"x{level.speedup:.3f}{interval} | {tau} | {level.p50_ms[0]:,.0f} / {level.p50_ms[1]:,.0f} | {outputs} |")
 
 
 def serving_lines(record: ServeRecord | None) -> list[str]:
@@ -223,7 +242,7 @@ def serving_lines(record: ServeRecord | None) -> list[str]:
              else "speculation pays at every concurrency measured")
     return [f"Measured on `{record.model}` at {record.commit}, on {record.host}: `{record.command}` "
             f"({record.requests} requests per concurrency, {record.max_tokens} tokens each, temperature "
-            f"{record.temperature:g}; one run, so no interval). The baseline is {record.baseline}; {stops}.", "",
+            f"{record.temperature:g}; {record.runs_text}). The baseline is {record.baseline}; {stops}.", "",
             "| concurrency | draft tokens/s | baseline tokens/s | speed-up | tau | p50 latency draft / baseline (ms) "
             "| outputs identical / near-tie / other |", "|---|---|---|---|---|---|---|",
             *(_row(level) for level in record.levels), "",
@@ -249,17 +268,22 @@ def concurrency_svg(record: ServeRecord | None) -> str | None:
         left.legend(loc="upper left", frameon=False)
         speedups = [level.speedup for level in record.levels]
         right.plot(positions, speedups, marker="o", color=BLUE)
+        for x, level in zip(positions, record.levels, strict=True):
+            if level.interval is not None:  # the 95% interval over rounds
+                right.vlines(x, *level.interval, color=BLUE, linewidth=1.5, alpha=0.6)
         for x, value in zip(positions, speedups, strict=True):
             right.annotate(f"{value:.2f}", (x, value), textcoords="offset points", xytext=(0, 5), ha="center",
                            fontsize=7)
         right.axhline(1.0, color="black", linewidth=0.8)
-        right.set_ylim(min(0.8, min(speedups) - 0.1), max(1.2, max(speedups) + 0.15))
+        bounds = [b for level in record.levels for b in (level.interval or (level.speedup, level.speedup))]
+        right.set_ylim(min(0.8, min(bounds) - 0.1), max(1.2, max(bounds) + 0.15))
         right.set_title(f"speed-up over {record.baseline}")
         for axes in (left, right):
             axes.set_xticks(positions, levels)
             axes.set_xlabel("requests in flight")
         label_bars(left)
-        fig.suptitle(f"{SERVE_RECORD} ({record.model}, {record.requests} requests per concurrency, one run)",
+        runs = "one run" if record.rounds == 1 else f"{record.rounds} rounds"
+        fig.suptitle(f"{SERVE_RECORD} ({record.model}, {record.requests} requests per concurrency, {runs})",
                      fontsize=9)
         fig.tight_layout()
         return svg_text(fig)
