@@ -10,10 +10,11 @@ engine_kwargs`: one set of kwargs, the draft at its own K and n-gram at the ngra
 with its engine core in this process, so py-spy (``--nonblocking``, ``--rate`` samples a second) sees the engine's
 step in this process's main thread. Each engine decodes the first ``--prompts`` turns of each set alone, twice:
 once timed without the sampler attached (the seconds and verify rounds a round's cost is computed from), once
-sampled. Each sample is put in the first category whose pattern a frame of its stack matches, from the innermost
-frame out (:data:`CATEGORIES`): the draft's own work (its model's forward, its input preparation, its sampling),
-the verifier's forward and logits, the sampler and rejection sampler, the scheduler, the model runner's input and
-output bookkeeping, the engine's output processing. A category's share of an engine's samples times the engine's
+sampled. Each sample is put in the first category (:data:`CATEGORIES`, in priority order) that a frame of its
+stack matches: the draft's own work (its model's forward, its input preparation and sampling), the rejection
+sampler and sampler, the verifier's KV cache writes, attention, attention metadata, logits and other layers, the
+model runner's input and output bookkeeping, the scheduler, the engine's output processing. The prefill is part of
+the verifier's figures (each turn's first forward). A category's share of an engine's samples times the engine's
 seconds, over its verify rounds, is that category's milliseconds per round. Writes one JSON record and prints a table.
 """
 
@@ -30,16 +31,19 @@ import tempfile
 import time
 from pathlib import Path
 
-# (category, pattern on "function (file)" frames), tested from the innermost frame outwards: the first match names
-# the sample. The draft's work comes first: its model's forward runs the same layer code as the verifier's.
+# (category, pattern on a "function (file:line)" frame), in priority order: a sample is the first category one of its
+# frames matches, wherever in the stack. The draft's work comes first: its model runs the same layer code as the
+# verifier's.
 CATEGORIES = [
-    ("draft: model forward", r"llama_eagle3\.py|eagle3|qwen3_dflash|dflash\.py"),
-    ("draft: proposer (inputs, metadata, sampling)", r"spec_decode/(llm_base_proposer|eagle|ngram_proposer)\.py"),
+    ("draft: model forward", r"llama_eagle3\.py|qwen3_dflash\.py|models/dflash\.py"),
+    ("draft: proposer (inputs, metadata, sampling)", r"spec_decode/|_eagle_\w+_kernel_impl"),
     ("rejection sampler", r"rejection_sampler\.py"),
     ("sampler", r"v1/sample/"),
-    ("attention metadata", r"attention/backends/"),
+    ("verifier: KV cache write", r"do_kv_cache_update|reshape_and_cache"),
+    ("verifier: attention", r"AttentionBackendImpl\.forward"),
+    ("attention metadata", r"MetadataBuilder\.build|get_scheduler_metadata"),
     ("verifier: logits", r"compute_logits|logits_processor\.py"),
-    ("verifier: forward", r"models/llama\.py|layers/|attention/layer\.py|custom_op\.py"),
+    ("verifier: layers (linear, norm, activation)", r"models/llama\.py"),
     ("model runner: inputs and outputs", r"worker/(gpu|cpu)_model_runner\.py|worker/gpu_input_batch\.py|"
                                           r"worker/cpu_worker|worker/gpu_worker"),
     ("scheduler", r"core/sched/|core/kv_cache"),
@@ -49,10 +53,10 @@ CATEGORIES = [
 
 def category(stack: str) -> str:
     """The category of one collapsed stack (``frame;frame;...``, outermost first)."""
-    for frame in reversed(stack.split(";")):
-        for name, pattern in CATEGORIES:
-            if re.search(pattern, frame):
-                return name
+    frames = stack.split(";")
+    for name, pattern in CATEGORIES:
+        if any(re.search(pattern, frame) for frame in frames):
+            return name
     return "other"
 
 

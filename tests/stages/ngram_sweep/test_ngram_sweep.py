@@ -82,7 +82,7 @@ def test_params_problems_are_one_line_each_and_the_old_window_keys_say_where_the
                                           r"measured by the ngram_sweep stage"):
         parse_params({"evaluate": {"ngram_prompt_lookup_max": 3}})
     defaults = parse_params({}).ngram_sweep
-    assert (defaults.ks, defaults.lookup_min, defaults.lookup_max, defaults.timed_prompts) == ([2, 3, 4], 1, 5, 4)
+    assert (defaults.ks, defaults.lookup_min, defaults.lookup_max, defaults.timed_prompts) == ([3, 4, 5], 1, 5, 4)
 
 
 def test_the_turns_tuned_on_are_those_after_evaluates_timed_ones(tiny_verifier_dir: Path, tmp_path: Path):

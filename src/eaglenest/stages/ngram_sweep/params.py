@@ -14,7 +14,7 @@ class NgramSweepParams(StrictModel):
     Reads the headline sets, their sampling, the engine settings and the turns evaluate times from ``evaluate:``."""
 
     ks: list[int] = Field(
-        default_factory=lambda: [2, 3, 4], min_length=1,
+        default_factory=lambda: [3, 4, 5], min_length=1,
         description="The Ks timed, each with the lookup window that accepts the most at that K: one engine each, "
         "all taking turns with the plain one. One K with lookup_min = lookup_max fixes the setting: it is still "
         "timed, and recorded.",
