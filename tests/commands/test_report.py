@@ -168,7 +168,7 @@ def test_same_records_at_two_commits_are_no_change(tmp_path: Path, good: dict):
                              ("general", "50 turns of 40 conversations paired; 24 of them timed in both.")):
         assert paired in text.split(f"### {set_name}\n", 1)[1]
         rows = _rows(text, set_name)
-        assert set(rows) == {"tau", "speed-up"}
+        assert set(rows) == {"tau", "speed-up", "draft / n-gram"}
         for figure, cells in rows.items():
             assert cells[0] == cells[1], figure  # base and head figure on the paired turns
             assert cells[2] == "+0.000 [+0.000, +0.000]" and cells[3] == NO_SPREAD and cells[4] == "no change"
@@ -204,7 +204,8 @@ def test_a_revision_from_another_host_kind_is_labelled_and_not_judged(tmp_path: 
 
     base_records, head_records = good["metrics/eval/records.json"], worse["metrics/eval/records.json"]
     comparison = compare_set(base_records, head_records, "general", "vllm", {}, SAMPLES, SEED)
-    tau, speedup = comparison.figures
+    tau, speedup, versus = comparison.figures
+    assert versus.name == "draft / n-gram" and versus.metric == "vllm_vs_ngram"
     # every turn is paired, so the paired figures are the stage's own
     summary = good["metrics/eval/details.json"]["runs"]["vllm"]["sets"]["general"]["summary"]
     assert round(tau.base, 4) == summary["tau"]["value"] and round(speedup.base, 4) == summary["speedup"]["value"]
@@ -216,10 +217,11 @@ def test_a_revision_from_another_host_kind_is_labelled_and_not_judged(tmp_path: 
     assert tau.difference.half_width < summary["tau"]["ci95"] + head_summary["tau"]["ci95"]
     # the other way round it is better
     reverse = compare_set(head_records, base_records, "general", "vllm", ZERO_SPREAD, SAMPLES, SEED)
-    assert [f.verdict for f in reverse.figures] == ["better", "better"]
+    # the draft over n-gram has no recorded seed spread to judge a change against
+    assert [f.verdict for f in reverse.figures] == ["better", "better", NO_VERDICT]
     # without a recorded spread, or across host kinds, no verdict
     assert [f.verdict for f in compare_set(head_records, base_records, "general", "vllm", {}, SAMPLES,
-                                           SEED).figures] == [NO_VERDICT, NO_VERDICT]
+                                           SEED).figures] == [NO_VERDICT] * 3
     assert {f.verdict for f in compare_set(head_records, base_records, "general", "vllm", ZERO_SPREAD, SAMPLES,
                                            SEED, other_host=True).figures} == {OTHER_HOST}
 

@@ -38,6 +38,8 @@ NO_VERDICT = "no verdict"
 OTHER_HOST = "no verdict (another host kind)"
 TAU_FIELDS = ("accepted", "steps")
 SPEEDUP_FIELDS = ("spec_tokens", "spec_s", "plain_tokens", "plain_s")
+# The verdict's figure: the draft's tokens/s over the n-gram baseline's on the same timed turns.
+VERSUS_FIELDS = ("spec_tokens", "spec_s", "ngram_tokens", "ngram_s")
 # The seed spreads are max - min of headline figures rounded to 4 decimals, so each is within 1e-4 of the
 # unrounded spread; the paired change is recomputed from unrounded records.
 SPREAD_ROUNDING = 1e-4
@@ -200,7 +202,8 @@ def _settings_differ(base: tuple[dict[str, Any], dict[str, Any], dict[str, Any]]
 def compare_set(base_records: dict[str, Any], head_records: dict[str, Any], set_name: str, backend: str,
                 spreads: dict[str, float], samples: int, seed: int, labels: tuple[str, str] = ("base", "head"),
                 other_host: bool = False) -> SetComparison:
-    """Pairs one set's records of two revisions (load_records documents) and compares tau and speed-up.
+    """Pairs one set's records of two revisions (load_records documents) and compares tau, speed-up and the draft's
+    speed over the n-gram baseline's.
 
     Args:
         base_records: The base revision's records.json.
@@ -237,6 +240,11 @@ def compare_set(base_records: dict[str, Any], head_records: dict[str, Any], set_
         figures.append(PairedFigure("speed-up", f"{backend}_speedup",
                                     *paired_interval(timed, SPEEDUP_FIELDS, speedup_statistic, samples, seed),
                                     spreads.get(f"{backend}_speedup"), other_host))
+    versus = [(b, h) for b, h in timed if b.get("ngram_s") is not None and h.get("ngram_s") is not None]
+    if versus:
+        figures.append(PairedFigure("draft / n-gram", f"{backend}_vs_ngram",
+                                    *paired_interval(versus, VERSUS_FIELDS, speedup_statistic, samples, seed),
+                                    spreads.get(f"{backend}_vs_ngram"), other_host))
     return SetComparison(set_name, backend, pairs=len(pairs), conversations=len({str(b["id"]) for b, _ in pairs}),
                          timed_pairs=len(timed), figures=tuple(figures))
 
