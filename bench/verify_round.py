@@ -117,6 +117,7 @@ def main() -> None:
 
     record = {"command": " ".join(["bench/verify_round.py", *sys.argv[1:]]), "commit": short_commit(),
               "host": host_record(kwargs["plain"]["dtype"]), "k": k, "ngram": ngram.label, "env": args.env,
+              "ld_preload": os.environ.get("LD_PRELOAD"),
               "turns": len(turns), "engines": {}}
     folder = Path(tempfile.mkdtemp(prefix="verify-round-"))
     def decode_all(llm: object, engine_k: int) -> tuple[float, int, int]:
