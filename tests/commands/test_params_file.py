@@ -20,8 +20,8 @@ def problems(raw, model) -> list[str]:
 
 
 def test_the_file_is_every_stages_own_section_then_cluster_in_pipeline_order():
-    assert list(Params.model_fields) == ["verifier", "prepare", "extract", "convert", "train", "evaluate", "k_sweep",
-                                         "cluster"]
+    assert list(Params.model_fields) == ["verifier", "prepare", "extract", "convert", "train", "ngram_sweep",
+                                         "evaluate", "k_sweep", "cluster"]
     assert [name for name, _ in STAGE_PARAMS.items()] == list(Params.model_fields)[:-1]
     for name, model in STAGE_PARAMS.items():
         assert model.model_fields[name].annotation is SECTIONS.get(name).model
