@@ -100,13 +100,13 @@ def figures_table(base: Revision, head: Revision) -> list[str]:
     k = details.get("num_speculative_tokens")
     lines = [f"**Figures** ({backend}{f', K = {k}' if k else ''}; 95% intervals over prompts; "
              f"{short(base)} → {short(head)}):", "",
-             "| set | tau | speed-up | n-gram speed-up |", "|---|---|---|---|"]
+             "| set | tau | speed-up | draft / n-gram |", "|---|---|---|---|"]
     for name, now in metrics.items():
         if not isinstance(now, dict):
             continue
         then = before.get(name) if isinstance(before.get(name), dict) else None
         cells = []
-        for key, prefix in ((f"{backend}_tau", ""), (f"{backend}_speedup", "x"), (f"{backend}_ngram_speedup", "x")):
+        for key, prefix in ((f"{backend}_tau", ""), (f"{backend}_speedup", "x"), (f"{backend}_vs_ngram", "x")):
             value = figure(now, key, prefix)
             cells.append(f"{figure(then, key, prefix)} → {value}" if then is not None else value)
         lines.append(f"| `{name}` | " + " | ".join(cells) + " |")

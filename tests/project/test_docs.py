@@ -260,19 +260,28 @@ def test_the_headline_figure_shows_the_metrics_at_page_width_and_names_a_missing
     width_pt = float(re.search(r'<svg [^>]*width="([0-9.]+)pt"', svg).group(1))
     assert width_pt * 96 / 72 <= 1600  # px at the browser's 96 per inch
     metrics = json.loads((REPO / "metrics" / "eval.json").read_text())
+    details = json.loads((REPO / "metrics" / "eval" / "details.json").read_text())
     labels = set(re.findall(r">([0-9]+\.[0-9]{2})<", svg))  # the value on each bar, kept as text
     for name, figures in metrics.items():
         if isinstance(figures, dict):
             assert name in svg
-            for key in ("vllm_tau", "vllm_speedup", "vllm_ngram_speedup"):
+            for key in ("vllm_tau", "vllm_speedup"):
                 assert f"{figures[key]:.2f}" in labels, (name, key)
+            ngram = details["runs"]["vllm"]["sets"][name]["summary"]["ngram_speedup"]["value"]
+            assert f"{ngram:.2f}" in labels, (name, "ngram_speedup")
     (tmp_path / "metrics" / "eval").mkdir(parents=True)
     first = next(name for name, value in metrics.items() if isinstance(value, dict))
-    del metrics[first]["vllm_ngram_speedup_ci95"]
+    del metrics[first]["vllm_speedup_ci95"]
     (tmp_path / "metrics" / "eval.json").write_text(json.dumps(metrics))
     shutil.copy(REPO / "metrics" / "eval" / "details.json", tmp_path / "metrics" / "eval" / "details.json")
-    with pytest.raises(InputFileError, match=r"metrics/eval.json: no vllm_ngram_speedup with "
-                                             r"vllm_ngram_speedup_ci95; the figure docs/img/headline.svg needs both"):
+    with pytest.raises(InputFileError, match=r"metrics/eval.json: no vllm_speedup with "
+                                             r"vllm_speedup_ci95; the figure docs/img/headline.svg needs both"):
+        headline_svg(tmp_path)
+    del details["runs"]["vllm"]["sets"][first]["summary"]["ngram_speedup"]["ci95"]
+    (tmp_path / "metrics" / "eval.json").write_text((REPO / "metrics" / "eval.json").read_text())
+    (tmp_path / "metrics" / "eval" / "details.json").write_text(json.dumps(details))
+    with pytest.raises(InputFileError, match=rf"metrics/eval/details.json \({first}\): no ngram_speedup with "
+                                             r"ngram_speedup_ci95"):
         headline_svg(tmp_path)
 
 

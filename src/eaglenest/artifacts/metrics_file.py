@@ -34,6 +34,13 @@ def figure_text(figures: dict[str, Any], key: str, prefix: str = "") -> str:
     return interval_text(figures.get(key), figures.get(f"{key}_ci95"), prefix)
 
 
+def summary_figure_text(summary: dict[str, Any], key: str, prefix: str = "") -> str:
+    """A set's figure from its summary in ``metrics/eval/details.json`` (``{"value": ..., "ci95": ...}``) as the
+    tables print it; "—" where the summary has none."""
+    entry = summary.get(key) or {}
+    return interval_text(entry.get("value"), entry.get("ci95"), prefix)
+
+
 def versus_text(figures: dict[str, Any], backend: str, summary: dict[str, Any]) -> str:
     """The verdict of one set, as the tables print it: the draft's speed over the n-gram baseline's with its 95%
     half-width (``metrics/eval.json``) and the word the interval gives (``ahead``, ``tie``, ``behind``: the set's

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from eaglenest.artifacts.k_record import K_RECORD_FILE, served_k
-from eaglenest.artifacts.metrics_file import figure_text, interval_text, read_metrics, versus_text
+from eaglenest.artifacts.metrics_file import figure_text, interval_text, read_metrics, summary_figure_text, versus_text
 from eaglenest.artifacts.serve_schedule import SCHEDULE_FILE, served_schedule
 from eaglenest.commands.command import Command
 from eaglenest.core.errors import InputFileError
@@ -34,9 +34,9 @@ def summary_lines(repo: Path) -> list[str]:
     for name, figures in headline.items():
         if not isinstance(figures, dict):
             continue
+        summary = sets.get(name, {}).get("summary", {})
         rows.append((name, figure_text(figures, f"{backend}_tau"), figure_text(figures, f"{backend}_speedup", "x"),
-                     figure_text(figures, f"{backend}_ngram_speedup", "x"),
-                     versus_text(figures, backend, sets.get(name, {}).get("summary", {}))))
+                     summary_figure_text(summary, "ngram_speedup", "x"), versus_text(figures, backend, summary)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
     lines.append(f"lossless: {headline.get('lossless', '—')}")

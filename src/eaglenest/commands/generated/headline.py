@@ -5,7 +5,8 @@ The headline states, from ``metrics/eval.json`` and ``metrics/eval/details.json`
 draft's single-stream speed over the n-gram baseline's at its measured setting, paired prompt by prompt, with its
 95% interval: ahead, tie or behind); τ of the first headline set over the whole set and over its timed turns, its
 single-stream speed-up and the n-gram baseline's with their intervals, lossless as evaluate checked it with the
-fraction identical to plain decoding per set, the dtype and the host kind; and, from the committed bench result
+fraction identical to plain decoding per set, the dtype and the host kind (the n-gram speed-up's interval and tau on
+the timed turns from the set's summary in details.json); and, from the committed bench result
 (:mod:`eaglenest.commands.generated.concurrency`), the served draft's speed-up single-stream and at each higher
 concurrency.
 """
@@ -15,8 +16,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from eaglenest.artifacts.evaluation import timed_tau
 from eaglenest.artifacts.metrics_file import figure_text as figure
-from eaglenest.artifacts.metrics_file import read_metrics, versus_text
+from eaglenest.artifacts.metrics_file import read_metrics, summary_figure_text, versus_text
 from eaglenest.commands.generated.concurrency import headline_clause, load_serve_record
 from eaglenest.commands.generated.svg import BLUE, ORANGE, label_bars, new_figure, page_style, svg_text
 from eaglenest.core.errors import InputFileError
@@ -102,16 +104,16 @@ def headline_lines(repo: Path) -> list[str]:
     runs = run.get("sets", {})
     first, figures = next(iter(sets.items()))
     timed = runs.get(first, {}).get("summary", {})
-    timed_tau = figures.get(f"{backend}_tau_timed")
-    on_timed = (f" ({timed_tau:.3f} on its {timed.get('timed_turns')} timed turns)"
-                if isinstance(timed_tau, int | float) else "")
+    on_timed_tau = timed_tau(timed)
+    on_timed = (f" ({on_timed_tau:.3f} on its {timed.get('timed_turns')} timed turns)"
+                if on_timed_tau is not None else "")
     lossless = _lossless(headline, runs, list(sets))
     return [f"**Against vLLM's free n-gram drafting at its fastest measured setting ({_ngram_setting(runs)}): "
             f"{_verdicts(headline, runs, backend, list(sets))}** (the draft's single-stream tokens/s over n-gram's, "
             f"paired prompt by prompt, 95% intervals). `{first}`: τ {figure(figures, f'{backend}_tau')} tokens per "
             f"verifier step at K = {details.get('num_speculative_tokens')} over the set{on_timed}, and "
             f"{figure(figures, f'{backend}_speedup', 'x')} single-stream speed-up over plain decoding ({backend}; "
-            f"n-gram drafting {figure(figures, f'{backend}_ngram_speedup', 'x')}); {lossless}"
+            f"n-gram drafting {summary_figure_text(timed, 'ngram_speedup', 'x')}); {lossless}"
             f"; {run.get('dtype', '—')}, on {host_label(details)}. {headline_clause(load_serve_record(repo))}"]
 
 
@@ -124,14 +126,15 @@ def demo_table(repo: Path) -> list[str]:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, values in _sets(headline, repo).items():
         summary = runs.get(name, {}).get("summary", {})
-        timed_tau = values.get(f"{backend}_tau_timed")
+        alone = timed_tau(summary)
         # lossless: every turn equal to plain decoding under the set's rule (exact, or a flipped near-tie below
         # float32); identical: the turns equal token for token
         table.append(f"| `{name}` | {summary.get('num_prompts', '—')} | {summary.get('timed_turns', '—')} | "
                      f"{figure(values, f'{backend}_tau')} | "
-                     f"{f'{timed_tau:.3f}' if isinstance(timed_tau, int | float) else '—'} | "
+                     f"{f'{alone:.3f}' if alone is not None else '—'} | "
                      f"{figure(values, f'{backend}_speedup', 'x')} | "
-                     f"{figure(values, f'{backend}_ngram_speedup', 'x')} | {versus_text(values, backend, summary)} | "
+                     f"{summary_figure_text(summary, 'ngram_speedup', 'x')} | "
+                     f"{versus_text(values, backend, summary)} | "
                      f"{_fraction(summary, 'lossless_fraction')} | {_fraction(summary, 'identical_fraction')} |")
     return table
 
@@ -164,6 +167,12 @@ def _with_interval(figures: dict[str, Any], key: str, where: str) -> tuple[float
     return float(value), float(half)
 
 
+def _summary_interval(runs: dict[str, Any], name: str, key: str, where: str) -> tuple[float, float]:
+    """A set's figure and its 95% half-width from its summary in details.json (:func:`_with_interval`'s rule)."""
+    entry = runs.get(name, {}).get("summary", {}).get(key) or {}
+    return _with_interval({key: entry.get("value"), f"{key}_ci95": entry.get("ci95")}, key, f"{where} ({name})")
+
+
 def headline_svg(repo: Path) -> str:
     """The README's figure as SVG text: per headline set, τ (left) and the single-stream speed-up of the draft and of
     n-gram drafting (right), each with its 95% interval."""
@@ -172,7 +181,8 @@ def headline_svg(repo: Path) -> str:
     sets = list(_sets(headline, repo))
     tau = [_with_interval(headline[name], f"{backend}_tau", where) for name in sets]
     draft = [_with_interval(headline[name], f"{backend}_speedup", where) for name in sets]
-    ngram = [_with_interval(headline[name], f"{backend}_ngram_speedup", where) for name in sets]
+    runs = details.get("runs", {}).get(backend, {}).get("sets", {})
+    ngram = [_summary_interval(runs, name, "ngram_speedup", str(repo / "metrics/eval/details.json")) for name in sets]
     with page_style():
         fig = new_figure(8, 2.8)  # 576 x 202 pt: readable at a page's width
         left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [2, 3]})

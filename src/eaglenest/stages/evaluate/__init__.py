@@ -5,11 +5,12 @@ Outputs:
 
 * ``metrics/eval.json`` — the headline, what ``dvc metrics diff`` shows: per headline set, the serving back
   end's (vllm where listed, else hf) ``<backend>_tau`` and ``<backend>_speedup``, each with its 95% interval's
-  half-width (``_ci95``), ``<backend>_ngram_speedup`` with its own, the verdict's figure ``<backend>_vs_ngram``
-  (the draft's single-stream speed over the n-gram baseline's, paired conversation by conversation, with its
-  half-width: ahead where the interval lies above 1, behind where below, else a tie) and ``<backend>_tau_timed``
-  (tau on the timed turns as they were decoded alone, beside tau on the whole set); ``lossless``, the smallest
-  lossless fraction of any greedy set and back end.
+  half-width (``_ci95``), ``<backend>_tau_timed`` (tau on the timed turns as they were decoded alone, beside tau
+  on the whole set) and the verdict's figure ``<backend>_vs_ngram`` (the draft's single-stream speed over the
+  n-gram baseline's, paired conversation by conversation, with its half-width: ahead where the interval lies
+  above 1, behind where below, else a tie); ``lossless``, the smallest lossless fraction of any greedy set and back
+  end. At most 25 numbers with train's, so that ``dvc metrics diff`` stays a glance: the n-gram baseline's own
+  speed-up over plain decoding lives in details.json.
 * ``metrics/eval/records.json`` — one record per decoded turn, per back end and set
   (:mod:`eaglenest.artifacts.evaluation`): what the report pairs between revisions.
 * ``metrics/eval/details.json`` — every figure, per back end and set: tau and speed-up with their intervals,
