@@ -325,8 +325,16 @@ def test_the_docs_concurrency_figures_follow_the_committed_bench_result(tmp_path
                 "| 16 | 171.8 | 320.0 | x0.537 | 1.5626 | 14,080 / 15,040 | 7 / 1 / 0 |"):
         assert row in serving
     assert "speculation stops paying at concurrency 4" in serving and "at 0123456789, on AMD EPYC" in serving
-    assert "x1.06 single-stream, x0.70 at 4 requests in flight, x0.54 at 16 requests in flight" in \
+    readme = (repo / "README.md").read_text()
+    assert "x1.06 single-stream, x0.70 at 4 requests in flight, x0.54 at 16 requests in flight" in readme
+    assert "Served by `eaglenest serve` and measured" in readme  # one K throughout: no schedule named
+    scheduled = bench_result({1: 1.06, 4: 0.705, 16: 0.537}) | {"schedule": {"served": [[1, 1, 2], [2, 128, 0]]}}
+    (repo / SERVE_RECORD).write_text(json.dumps(scheduled))
+    write(repo, CONCURRENCY_TARGETS)
+    assert "Served by `eaglenest serve` with its K per batch size (K 2 at 1, 0 at 2-128) and measured" in \
         (repo / "README.md").read_text()
+    (repo / SERVE_RECORD).write_text(json.dumps(bench_result({1: 1.06, 4: 0.705, 16: 0.537})))
+    write(repo, CONCURRENCY_TARGETS)
     svg = (repo / "docs/img/concurrency.svg").read_text()
     assert float(re.search(r'<svg [^>]*width="([0-9.]+)pt"', svg).group(1)) * 96 / 72 <= 1600
     assert {"1.06", "0.70", "0.54", "21.20", "320.00"} <= set(re.findall(r">([0-9]+\.[0-9]{2})<", svg))

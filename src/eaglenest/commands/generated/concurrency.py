@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eaglenest.artifacts.serve_schedule import schedule_text
 from eaglenest.commands.generated.svg import BLUE, ORANGE, label_bars, new_figure, page_style, svg_text
 from eaglenest.core.errors import InputFileError
 
@@ -67,6 +68,7 @@ class ServeRecord:
         levels: One entry per concurrency measured, in the order run.
         stops_paying_at: The lowest concurrency whose speed-up is below 1; None where none is.
         rounds: Paired runs per concurrency (a bench before rounds records none: one).
+        schedule: The K per batch size the draft server served, in words; None where it served one K throughout.
     """
 
     command: str
@@ -80,6 +82,7 @@ class ServeRecord:
     levels: tuple[Level, ...]
     stops_paying_at: int | None
     rounds: int = 1
+    schedule: str | None = None
 
     @property
     def runs_text(self) -> str:
@@ -164,7 +167,14 @@ def parse_serve_record(document: Any, path: str) -> ServeRecord:
                                                                                     (int, float))),
         levels=tuple(_level(read, row, f"results[{i}]") for i, row in enumerate(rows)),
         stops_paying_at=stops if isinstance(stops, int) else None,
-        rounds=document["rounds"] if isinstance(document.get("rounds"), int) else 1)
+        rounds=document["rounds"] if isinstance(document.get("rounds"), int) else 1,
+        schedule=_served_schedule(document))
+
+
+def _served_schedule(document: dict[str, Any]) -> str | None:
+    """The K per batch size the bench's draft server served (its ``schedule.served``), in words, or None."""
+    served = (document.get("schedule") or {}).get("served")
+    return schedule_text([tuple(entry) for entry in served]) if isinstance(served, list) and served else None
 
 
 def load_serve_record(repo: Path) -> ServeRecord | None:
@@ -218,7 +228,8 @@ def headline_clause(record: ServeRecord | None) -> str:
     rest = [level for level in record.levels if level.concurrency != 1]
     parts = ([f"{_speedup(single)} single-stream"] if single else []) + [
         f"{_speedup(level)} at {level.concurrency} requests in flight" for level in rest]
-    return (f"Served by `eaglenest serve` and measured by `eaglenest bench` against {record.baseline}: "
+    served = f" with its K per batch size ({record.schedule})" if record.schedule else ""
+    return (f"Served by `eaglenest serve`{served} and measured by `eaglenest bench` against {record.baseline}: "
             f"{', '.join(parts)} ({record.requests} requests per concurrency, "
             f"{'one run' if record.rounds == 1 else f'{record.rounds} rounds'}, on {record.host}; "
             f"{SERVE_RECORD}).")
