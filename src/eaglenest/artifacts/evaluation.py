@@ -154,12 +154,6 @@ def _ngram_per_position(records: list[dict[str, Any]]) -> list[float]:
     return [round(c / steps, 4) if steps else 0.0 for c in counts]
 
 
-def timed_tau(summary: dict[str, Any]) -> float | None:
-    """Tau on a set's timed turns as they were decoded alone (its summary's ``tau_batched_vs_alone``), or None."""
-    value = ((summary.get("tau_batched_vs_alone") or {}).get("alone") or {}).get("value")
-    return float(value) if isinstance(value, int | float) else None
-
-
 def headline(details: dict[str, Any], headline_sets: list[str], backend: str) -> dict[str, Any]:
     """The few figures ``metrics/eval.json`` holds (``dvc metrics show`` stays within 25 numbers): per headline
     set, the serving back end's tau and speed-up (each with its 95% half-width), tau on the timed turns as they were
@@ -177,9 +171,8 @@ def headline(details: dict[str, Any], headline_sets: list[str], backend: str) ->
         if "vs_ngram" in summary:
             entry[f"{backend}_vs_ngram"] = summary["vs_ngram"]["value"]
             entry[f"{backend}_vs_ngram_ci95"] = summary["vs_ngram"]["ci95"]
-        alone = timed_tau(summary)
-        if alone is not None:
-            entry[f"{backend}_tau_timed"] = alone
+        if "tau_batched_vs_alone" in summary:
+            entry[f"{backend}_tau_timed"] = summary["tau_batched_vs_alone"]["alone"]["value"]
         figures[name] = entry
     greedy = [s["summary"]["lossless_fraction"] for run in details["runs"].values() for s in run["sets"].values()
               if s["temperature"] == 0]

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from eaglenest.artifacts.k_record import K_RECORD_FILE, served_k
-from eaglenest.artifacts.metrics_file import figure_text, interval_text, read_metrics, summary_figure_text, versus_text
+from eaglenest.artifacts.metrics_file import figure_text, read_metrics, summary_figure_text, versus_text
 from eaglenest.artifacts.serve_schedule import SCHEDULE_FILE, served_schedule
 from eaglenest.commands.command import Command
 from eaglenest.core.errors import InputFileError
@@ -43,8 +43,7 @@ def summary_lines(repo: Path) -> list[str]:
     val = sets.get("val")
     decoded = ""
     if val:
-        tau = val["summary"]["tau"]
-        decoded = f"; decoded tau of the same split ({backend}): {interval_text(tau['value'], tau['ci95'])}"
+        decoded = f"; decoded tau of the same split ({backend}): {summary_figure_text(val['summary'], 'tau')}"
     if "tau_sim" in train:
         lines.append(f"train: tau_sim {train['tau_sim']:.3f} (validation split, teacher-forced){decoded}")
     lines.append(f"measured on: {host_line(details.get('host'))}")

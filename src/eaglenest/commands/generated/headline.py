@@ -5,8 +5,8 @@ The headline states, from ``metrics/eval.json`` and ``metrics/eval/details.json`
 draft's single-stream speed over the n-gram baseline's at its measured setting, paired prompt by prompt, with its
 95% interval: ahead, tie or behind); τ of the first headline set over the whole set and over its timed turns, its
 single-stream speed-up and the n-gram baseline's with their intervals, lossless as evaluate checked it with the
-fraction identical to plain decoding per set, the dtype and the host kind (the n-gram speed-up's interval and tau on
-the timed turns from the set's summary in details.json); and, from the committed bench result
+fraction identical to plain decoding per set, the dtype and the host kind (the n-gram speed-up from the set's summary
+in details.json); and, from the committed bench result
 (:mod:`eaglenest.commands.generated.concurrency`), the served draft's speed-up single-stream and at each higher
 concurrency.
 """
@@ -16,7 +16,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from eaglenest.artifacts.evaluation import timed_tau
 from eaglenest.artifacts.metrics_file import figure_text as figure
 from eaglenest.artifacts.metrics_file import read_metrics, summary_figure_text, versus_text
 from eaglenest.commands.generated.concurrency import headline_clause, load_serve_record
@@ -104,9 +103,9 @@ def headline_lines(repo: Path) -> list[str]:
     runs = run.get("sets", {})
     first, figures = next(iter(sets.items()))
     timed = runs.get(first, {}).get("summary", {})
-    on_timed_tau = timed_tau(timed)
-    on_timed = (f" ({on_timed_tau:.3f} on its {timed.get('timed_turns')} timed turns)"
-                if on_timed_tau is not None else "")
+    timed_tau = figures.get(f"{backend}_tau_timed")
+    on_timed = (f" ({timed_tau:.3f} on its {timed.get('timed_turns')} timed turns)"
+                if isinstance(timed_tau, int | float) else "")
     lossless = _lossless(headline, runs, list(sets))
     return [f"**Against vLLM's free n-gram drafting at its fastest measured setting ({_ngram_setting(runs)}): "
             f"{_verdicts(headline, runs, backend, list(sets))}** (the draft's single-stream tokens/s over n-gram's, "
@@ -126,12 +125,12 @@ def demo_table(repo: Path) -> list[str]:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, values in _sets(headline, repo).items():
         summary = runs.get(name, {}).get("summary", {})
-        alone = timed_tau(summary)
+        timed_tau = values.get(f"{backend}_tau_timed")
         # lossless: every turn equal to plain decoding under the set's rule (exact, or a flipped near-tie below
         # float32); identical: the turns equal token for token
         table.append(f"| `{name}` | {summary.get('num_prompts', '—')} | {summary.get('timed_turns', '—')} | "
                      f"{figure(values, f'{backend}_tau')} | "
-                     f"{f'{alone:.3f}' if alone is not None else '—'} | "
+                     f"{f'{timed_tau:.3f}' if isinstance(timed_tau, int | float) else '—'} | "
                      f"{figure(values, f'{backend}_speedup', 'x')} | "
                      f"{summary_figure_text(summary, 'ngram_speedup', 'x')} | "
                      f"{versus_text(values, backend, summary)} | "
