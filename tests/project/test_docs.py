@@ -554,3 +554,24 @@ N = 27  # the examples are built, so this file cites no issue itself
 ])
 def test_the_issue_number_pattern(line: str, cited: bool):
     assert bool(ISSUE_NUMBER.search(line)) is cited
+
+
+TEST_NODE = re.compile(r"`(tests/[\w/]+\.py)::(\w+)`")
+
+
+def missing_tests(page: str) -> list[str]:
+    """The test node ids ``page`` names (``tests/x.py::test_y`` in backticks) that no test file defines."""
+    missing = []
+    for path, name in TEST_NODE.findall(page):
+        source = REPO / path
+        if not source.is_file() or not re.search(rf"^(async )?def {name}\(", source.read_text(), re.MULTILINE):
+            missing.append(f"{path}::{name}")
+    return missing
+
+
+def test_every_fault_the_reliability_table_lists_names_a_test_that_exists():
+    page = (DOCS / "reliability.md").read_text()
+    rows = [line for line in page.splitlines() if line.startswith("| ") and not line.startswith("| fault")]
+    assert rows and all(TEST_NODE.search(row) for row in rows), "a fault row without its test"
+    assert missing_tests(page) == []
+    assert missing_tests("`tests/project/test_docs.py::test_gone`") == ["tests/project/test_docs.py::test_gone"]
