@@ -25,6 +25,9 @@ from eaglenest.core.errors import EaglenestError
 
 TMP_MARKER = ".tmp-"
 ASIDE_MARKER = ".old-"
+# In a folder that a command writes whole (import, export): which command wrote it, so that a rerun replaces it
+# without asking and a folder of the user's is never replaced unless they pass --force.
+WRITTEN_BY_FILE = ".eaglenest-output"
 
 # O_EXCL refuses a name that exists (a symlink included); O_NOFOLLOW is the belt to its braces.
 _EXCLUSIVE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -236,3 +239,53 @@ def atomic_directory(final: Path, fsync: bool = True) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def mark_written_by(folder: Path, command: str) -> None:
+    """Records in ``folder`` (being written by :func:`atomic_directory`) that ``command`` wrote it."""
+    (folder / WRITTEN_BY_FILE).write_text(command + "\n")
+
+
+def _written_by(folder: Path) -> str | None:
+    try:
+        return (folder / WRITTEN_BY_FILE).read_text().strip()
+    except OSError:
+        return None
+
+
+def _overlap(out: Path, source: Path) -> str | None:
+    """How the folder ``out`` overlaps ``source`` (symlinks resolved), in words; None where they are apart."""
+    out, source = out.resolve(), source.resolve()
+    if out == source:
+        return "is the same folder as"
+    if source.is_relative_to(out):
+        return "contains"
+    if out.is_relative_to(source):
+        return "lies inside"
+    return None
+
+
+def check_replaceable(out: Path, inputs: dict[str, Path], command: str, force: bool) -> None:
+    """Refuses, before anything is touched, an output folder whose replacement would delete data: one that is, holds
+    or lies in one of the command's inputs, or (without ``force``) one that ``command`` did not write.
+
+    Args:
+        out: The ``--out`` folder, which :func:`atomic_directory` would replace whole.
+        inputs: Each input's flag (``--prepared``) and path.
+        command: The command writing ``out`` (``eaglenest export``), as :func:`mark_written_by` records it.
+        force: The user asked to replace ``out`` whatever it holds.
+
+    Raises:
+        EaglenestError: one line naming both paths, or ``out`` and ``--force``.
+    """
+    for flag, source in inputs.items():
+        overlap = _overlap(out, source)
+        if overlap is not None:
+            raise EaglenestError(f"--out {out} {overlap} {flag} {source}: writing it would delete {command}'s "
+                                 "input; pick another --out")
+    if force or not (out.exists() or out.is_symlink()):
+        return
+    if out.is_dir() and not out.is_symlink() and (not any(out.iterdir()) or _written_by(out) == command):
+        return
+    raise EaglenestError(f"--out {out} exists and was not written by {command} (no {WRITTEN_BY_FILE} naming it): "
+                         "pick another --out, or pass --force to replace it")
