@@ -141,5 +141,6 @@ def test_stale_temps_cleanup_puts_an_aside_folder_back(tmp_path: Path) -> None:
     aside = tmp_path / f".out{ASIDE_MARKER}host-1-ab"
     aside.mkdir()
     (aside / "f").write_bytes(b"old")
-    assert remove_stale_temps(tmp_path) == 1
+    temp_sibling(tmp_path / "x.old-1").write_bytes(b"")  # a temporary whose final name holds the aside marker
+    assert remove_stale_temps(tmp_path) == 2
     assert [p.name for p in tmp_path.iterdir()] == ["out"] and (tmp_path / "out" / "f").read_bytes() == b"old"

@@ -29,14 +29,17 @@ ASIDE_MARKER = ".old-"
 # without asking and a folder of the user's is never replaced unless they pass --force.
 WRITTEN_BY_FILE = ".eaglenest-output"
 
+# What a hidden sibling's name holds after its marker (host-pid-random): no '.', so that no marker can follow it.
+_SUFFIX_CHARS = "A-Za-z0-9-"
+_SUFFIX = re.compile(f"[{_SUFFIX_CHARS}]+")
 # O_EXCL refuses a name that exists (a symlink included); O_NOFOLLOW is the belt to its braces.
 _EXCLUSIVE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def _hidden_sibling(final: Path, marker: str) -> Path:
-    # The host keeps only letters, digits and '-', so that no marker can appear after the marker in the name and
-    # final_name_of() finds the final name with one rsplit, whatever the final name holds.
-    host = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "host"
+    # The host keeps only the suffix's characters, so that final_name_of() finds the final name after the last
+    # marker, whatever the final name holds.
+    host = re.sub(f"[^{_SUFFIX_CHARS}]", "-", socket.gethostname()) or "host"
     return final.with_name(f".{final.name}{marker}{host}-{os.getpid()}-{secrets.token_hex(6)}")
 
 
@@ -47,9 +50,12 @@ def temp_sibling(final: Path) -> Path:
 
 def final_name_of(name: str, marker: str = TMP_MARKER) -> str | None:
     """The final name a hidden sibling (temporary or aside) named ``name`` stands for; None if it is none."""
-    if not name.startswith(".") or marker not in name[1:]:
+    final, found, suffix = name[1:].rpartition(marker)
+    # What follows the marker is host-pid-random (or a pid, from before): a '.' there means the marker was part of
+    # the final name, as in the temporary of a file named ``x.old-1``, which is no aside of ``x``.
+    if not name.startswith(".") or not found or not final or not _SUFFIX.fullmatch(suffix):
         return None
-    return name[1:].rsplit(marker, 1)[0]
+    return final
 
 
 def open_exclusive(path: Path, mode: int = 0o666) -> int:
