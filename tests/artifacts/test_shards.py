@@ -239,8 +239,8 @@ def test_export_writes_speculators_layout_equal_to_row_files(tmp_path: Path, pre
     rows_dir, shards_dir, out = tmp_path / "rows", tmp_path / "shards", tmp_path / "export"
     extract(prepared, rows_dir)
     extract(prepared, shards_dir, rows_per_shard=4)
-    status = cli_main(["export", "--format", "speculators", "--prepared", str(prepared[1]), "--hidden-states",
-                       str(shards_dir), "--out", str(out)])
+    export = ["export", "--format", "speculators", "--prepared", str(prepared[1]), "--hidden-states", str(shards_dir)]
+    status = cli_main([*export, "--out", str(out)])
     assert status == 0 and f"exported {ROWS} rows" in capsys.readouterr().out
     assert folder(out / "hidden_states") == folder(rows_dir)  # the bytes extract writes with rows_per_shard: 1
     assert (out / "dataset_info.json").is_file()
@@ -255,6 +255,13 @@ def test_export_writes_speculators_layout_equal_to_row_files(tmp_path: Path, pre
     assert "shard of 4 rows (4..7)" in described and "row 4: hidden_states bfloat16" in described
     assert "slot 3:" in described and "DISAGREES" not in described
     assert "3 shards" in "\n".join(inspect_path(shards_dir))
+
+    # A rerun replaces its own export; an --out that holds the inputs is refused, and they are kept.
+    assert cli_main([*export, "--out", str(out)]) == 0
+    inputs = folder(prepared[1]), folder(shards_dir)
+    assert cli_main([*export, "--out", str(tmp_path)]) == 2
+    assert f"--out {tmp_path} contains --prepared" in capsys.readouterr().err
+    assert (folder(prepared[1]), folder(shards_dir)) == inputs
 
 
 def test_rows_finishing_out_of_order_go_straight_to_their_place(tmp_path: Path, prepared,

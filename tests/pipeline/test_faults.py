@@ -24,9 +24,9 @@ from eaglenest.artifacts.hidden_states.format import stored_files
 from eaglenest.artifacts.hidden_states.resume import unfinished_dir
 from eaglenest.artifacts.vocab import load_vocab
 from eaglenest.commands.params_file import Params, parse_params
-from eaglenest.core.atomic import TMP_MARKER, atomic_write_bytes
+from eaglenest.core.atomic import ASIDE_MARKER, TMP_MARKER, atomic_write_bytes
 from eaglenest.core.errors import EaglenestError, InputFileError, ParamsError
-from tests.fixtures.pipeline import VENV_BIN, SharedPipeline, dvc, project_env, read_curves
+from tests.fixtures.pipeline import VENV_BIN, SharedPipeline, dvc, project_env, read_curves, run
 
 # ---------------------------------------------------------------------------------------------- network
 
@@ -323,7 +323,9 @@ def kill_five_times(repo: Path, stage: str, ready_factory, reset, rng: random.Ra
 
 
 def no_temporaries(*folders: Path) -> bool:
-    return not [p for folder in folders if folder.exists() for p in folder.rglob("*") if TMP_MARKER in p.name]
+    """No temporary, nor a folder set aside by a swap, is left in ``folders``."""
+    return not [p for folder in folders if folder.exists() for p in folder.rglob("*")
+                if TMP_MARKER in p.name or ASIDE_MARKER in p.name]
 
 
 @pytest.mark.slow
@@ -378,3 +380,47 @@ def test_kill_9_during_extract_and_train_five_times_each(tiny_pipeline: SharedPi
     assert read_curves(repo / "dvclive/train") == reference_curves
     assert no_temporaries(hs_dir, draft, repo / "data", repo / "models")
     assert not any(checkpoints.rglob("checkpoint.pt"))  # removed once the draft was written
+
+
+# ------------------------------------------------------------------------------------------ two runs at once
+# The stage starts, then waits for the test to say "go" (at most a minute): the second run meets the first mid-stage.
+WAITING_STAGE = ("import pathlib, time\n"
+                 "pathlib.Path('started').write_text('')\n"
+                 "deadline = time.monotonic() + 60\n"
+                 "while not pathlib.Path('go').exists() and time.monotonic() < deadline:\n"
+                 "    time.sleep(0.05)\n"
+                 "pathlib.Path('out.txt').write_text('done')\n")
+
+
+def test_a_second_dvc_repro_in_one_workspace_is_refused_while_the_first_runs(tmp_path: Path):
+    """DVC 3 releases its repository lock (.dvc/tmp/lock) while a stage's command runs and holds the stage's outputs
+    in .dvc/tmp/rwlock instead: a second ``dvc repro`` gets the repository lock, meets the outputs' lock, and stops
+    naming the first run's pid. (Met while the first holds the repository lock, it retries for 3 s and stops with
+    "Unable to acquire lock"; refused either way.)"""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    run(["git", "init", "-q"], repo)
+    dvc(["init", "-q"], repo)
+    dvc(["config", "core.analytics", "false"], repo)
+    (repo / "stage.py").write_text(WAITING_STAGE)
+    (repo / "dvc.yaml").write_text("stages:\n  wait:\n    cmd: python stage.py\n    deps: [stage.py]\n"
+                                   "    outs: [out.txt]\n")
+    first = subprocess.Popen([str(VENV_BIN / "dvc"), "repro"], cwd=repo, env=project_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (repo / "started").exists() and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (repo / "started").exists(), "the first run's stage never started"
+        second = dvc(["repro"], repo, check=False)
+        (repo / "go").write_text("")
+        first_output, _ = first.communicate(timeout=60)
+    finally:
+        first.kill()
+        first.wait()
+    assert second.returncode != 0 and "Running stage" not in second.stdout
+    assert f"failed to reproduce 'wait': '{repo / 'out.txt'}' is busy, it is being blocked by:\n  (PID {first.pid})" \
+        in second.stderr
+    assert first.returncode == 0, first_output
+    assert (repo / "out.txt").read_text() == "done"
+    assert "up to date" in dvc(["status"], repo).stdout

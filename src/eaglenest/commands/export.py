@@ -13,18 +13,28 @@ import shutil
 from pathlib import Path
 
 from eaglenest.commands.command import Command
-from eaglenest.core.atomic import atomic_directory
+from eaglenest.core.atomic import atomic_directory, check_replaceable, mark_written_by
 from eaglenest.core.errors import InputFileError
 from eaglenest.core.safetensors_header import read_header
 
+COMMAND_NAME = "eaglenest export"
 
-def export_speculators(prepared: Path, hidden_states: Path, out: Path) -> int:
+
+def export_speculators(prepared: Path, hidden_states: Path, out: Path, force: bool = False) -> int:
     """Writes ``out`` (see the module docstring); returns the rows written.
 
+    Args:
+        prepared: The prepare stage's dataset folder.
+        hidden_states: The extract stage's folder.
+        out: The folder to write, replaced whole.
+        force: Replace ``out`` even where it is not an earlier export.
+
     Raises:
+        EaglenestError: ``out`` overlaps an input, or holds what export did not write and ``force`` is off.
         InputFileError: a folder that is not the pipeline's, a row missing from every file, or a row whose tokens
             differ from the prepared row (one line naming the file and row).
     """
+    check_replaceable(out, {"--prepared": prepared, "--hidden-states": hidden_states}, COMMAND_NAME, force)
     # Here, not at the top: the hidden-state modules import torch, which building the parser must not.
     from safetensors import SafetensorError
 
@@ -62,6 +72,7 @@ def export_speculators(prepared: Path, hidden_states: Path, out: Path) -> int:
                 raise InputFileError(f"{stored.location(row)}: its token ids differ from the prepared row; run "
                                      "`dvc repro extract`")
             write_hidden_states(hs_path(target, row), data, tokens, metadata)
+        mark_written_by(tmp, COMMAND_NAME)
     return len(input_ids)
 
 
@@ -73,11 +84,14 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: data/prepared)")
     parser.add_argument("--hidden-states", default="data/hidden_states", help="the extract stage's folder "
                         "(default: data/hidden_states)")
-    parser.add_argument("--out", required=True, help="the folder to write (replaced whole, atomically)")
+    parser.add_argument("--out", required=True, help="the folder to write (replaced whole, atomically); it may "
+                        "not hold or lie in --prepared or --hidden-states")
+    parser.add_argument("--force", action="store_true", help="replace --out even where it is not an earlier "
+                        "export (a folder of yours is deleted)")
 
 
 def _run(args: argparse.Namespace) -> int:
-    rows = export_speculators(Path(args.prepared), Path(args.hidden_states), Path(args.out))
+    rows = export_speculators(Path(args.prepared), Path(args.hidden_states), Path(args.out), args.force)
     print(f"exported {rows} rows to {args.out} (hs_{{i}}.safetensors in {args.out}/hidden_states); train on it with "
           f"`speculators train --data-path {args.out}`")
     return 0

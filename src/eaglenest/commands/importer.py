@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from eaglenest.commands.command import Command
-from eaglenest.core.atomic import atomic_directory
+from eaglenest.core.atomic import atomic_directory, check_replaceable, mark_written_by
 from eaglenest.core.errors import InputFileError
 from eaglenest.core.registry import Registry
 
@@ -124,8 +124,24 @@ IMPORT_FORMATS.register("speculators-pt", read_speculators_pt)
 IMPORT_FORMATS.register("speculators", read_speculators)
 
 
-def import_dump(fmt: str, source: Path, out: Path, val_fraction: float = 0.05) -> dict[str, int]:
-    """Converts ``source`` (in format ``fmt``) into ``out``; returns counts. ``out`` appears only when complete."""
+COMMAND_NAME = "eaglenest import"
+
+
+def import_dump(fmt: str, source: Path, out: Path, val_fraction: float = 0.05, force: bool = False) -> dict[str, int]:
+    """Converts ``source`` (in format ``fmt``) into ``out``; returns counts. ``out`` appears only when complete.
+
+    Args:
+        fmt: An import format's name (``IMPORT_FORMATS``).
+        source: The dump.
+        out: The folder to write, replaced whole.
+        val_fraction: The fraction of rows, last ones, held out for validation.
+        force: Replace ``out`` even where it is not an earlier import.
+
+    Raises:
+        EaglenestError: ``out`` overlaps ``source``, or holds what import did not write and ``force`` is off.
+        InputFileError: an unknown format, or a dump that cannot be read (one line naming the file).
+    """
+    check_replaceable(out, {"the source": source}, COMMAND_NAME, force)
     import torch
     from tqdm import tqdm
 
@@ -158,6 +174,7 @@ def import_dump(fmt: str, source: Path, out: Path, val_fraction: float = 0.05) -
             raise InputFileError(f"{source}: {len(all_ids)} samples; need at least 2")
         train_rows = max(1, len(all_ids) - max(1, round(len(all_ids) * val_fraction)))
         write_prepared_into(tmp, all_ids, all_masks, train_rows, [])
+        mark_written_by(tmp, COMMAND_NAME)
     return {"samples": len(all_ids), "layers": int(slots or 0), "hidden_size": int(hidden or 0)}
 
 
@@ -165,12 +182,15 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", required=True, choices=IMPORT_FORMATS.names(),
                         help="speculators-pt (one .pt per sample) or speculators (0.9 / vLLM hs_{i}.safetensors)")
     parser.add_argument("source", help="the dump (a folder)")
-    parser.add_argument("--out", required=True, help="output folder: a dataset with hidden_states/ inside")
+    parser.add_argument("--out", required=True, help="output folder: a dataset with hidden_states/ inside "
+                        "(replaced whole, atomically); it may not hold or lie in the source")
+    parser.add_argument("--force", action="store_true", help="replace --out even where it is not an earlier "
+                        "import (a folder of yours is deleted)")
     parser.add_argument("--val-fraction", type=float, default=0.05, help="last rows held out for validation")
 
 
 def _run(args: argparse.Namespace) -> int:
-    counts = import_dump(args.format, Path(args.source), Path(args.out), args.val_fraction)
+    counts = import_dump(args.format, Path(args.source), Path(args.out), args.val_fraction, args.force)
     print(f"imported {counts['samples']} samples ({counts['layers']} layers x {counts['hidden_size']}) into "
           f"{args.out}\nuse it with params: prepare.source: [import:{args.out}], extract.backend: import, "
           f"extract.import_path: {args.out}/hidden_states")
