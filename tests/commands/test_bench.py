@@ -26,6 +26,7 @@ from eaglenest.commands.bench.config import BenchConfig, ServeSetup
 from eaglenest.commands.bench.counters import acceptance, acceptance_json, counter_problems
 from eaglenest.commands.bench.endpoint import ERROR_BODY_BYTES, MAX_RESPONSE_BYTES, Endpoint, base_url
 from eaglenest.commands.bench.figures import T_975, rounds_interval, stops_paying_at
+from eaglenest.commands.bench.load import run_vllm_bench
 from eaglenest.commands.bench.outputs import (
     Replay,
     Verdict,
@@ -950,3 +951,16 @@ def test_a_servers_strings_reach_the_terminal_and_bench_json_without_escapes(hos
     assert len(message) < 400
     models = Endpoint("draft", "--url", hostile_url + "/small").models()
     assert list(models) == ["tiny x"] and models["tiny x"]["id"] == "tiny x"
+
+
+@pytest.mark.slow  # imports vLLM's bench (about 7 s)
+def test_vllm_bench_serve_sends_bench_s_key_not_openais(monkeypatch, tmp_path: Path):
+    monkeypatch.setenv("EAGLENEST_API_KEY", "k3y")
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-for-openai")  # vllm bench serve would send this one
+    dataset = tmp_path / "requests.jsonl"
+    dataset.write_text("".join(json.dumps({"prompt": [5 + i, 6, 7]}) + "\n" for i in range(2)))
+    config = BenchConfig("u", "b", tmp_path / "p.jsonl", max_tokens=3)
+    with FakeServer(api_key="k3y") as server:
+        raw = run_vllm_bench(Endpoint("draft", "--url", server.url), "tiny", dataset, 2, 1, config, tmp_path, "run")
+    # the fake answers a completion only with the key (vLLM's bench asks /v1/models first without any header)
+    assert raw["completed"] == 2 and "Bearer sk-for-openai" not in server.authorizations
