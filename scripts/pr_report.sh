@@ -4,7 +4,7 @@
 #
 # With a team remote in the environment (EAGLENEST_REMOTE_URL, e.g. s3://bucket/eaglenest; EAGLENEST_REMOTE_ENDPOINT
 # for an S3 endpoint other than AWS; the credentials as AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, which dvc-s3
-# reads from the environment) it pulls the head's outputs first, so the report and the diffs read what was pushed,
+# reads from the environment: the workflow gives it a key that can only read) it pulls the head's outputs first, so the report and the diffs read what was pushed,
 # and says so. Without it (a fork's pull request gets no secrets) it reports from the files git tracks.
 # Usage: scripts/pr_report.sh BASE [OUT]
 set -euo pipefail

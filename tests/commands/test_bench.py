@@ -5,12 +5,16 @@ arithmetic, the refusals (one line, exit 2), the near-tie rule on differing outp
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -20,8 +24,9 @@ from eaglenest.commands import cli
 from eaglenest.commands.bench import sweep
 from eaglenest.commands.bench.config import BenchConfig, ServeSetup
 from eaglenest.commands.bench.counters import acceptance, acceptance_json, counter_problems
-from eaglenest.commands.bench.endpoint import Endpoint, base_url
+from eaglenest.commands.bench.endpoint import ERROR_BODY_BYTES, MAX_RESPONSE_BYTES, Endpoint, base_url
 from eaglenest.commands.bench.figures import T_975, rounds_interval, stops_paying_at
+from eaglenest.commands.bench.load import run_vllm_bench
 from eaglenest.commands.bench.outputs import (
     Replay,
     Verdict,
@@ -854,3 +859,108 @@ def test_serve_builds_the_draft_server_with_the_schedule_record_or_measures_past
     assert str(err.value).startswith(f"{record}: not a serve schedule record (KeyError: 'k'); `eaglenest bench "
                                      "--serve --measure-schedule` measures it again, and `eaglenest serve "
                                      "--no-schedule` serves without it")
+
+
+# --- API key and hostile servers ---------------------------------------------------------------------------------
+
+
+def test_bench_sends_the_api_key_of_its_environment_and_never_openais(capsys, monkeypatch, prompts: Path,
+                                                                      tokenizer_dir: Path, tmp_path: Path):
+    for name in ("EAGLENEST_API_KEY", "VLLM_API_KEY", "OPENAI_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    # a draft server without spec-decode counters: the refusal that follows /v1/models and /metrics both answering
+    with FakeServer(api_key="k3y", spec=False) as draft, FakeServer(api_key="k3y", spec=False) as baseline:
+        argv = bench_args(draft.url, baseline.url, prompts, tokenizer_dir, tmp_path / "out")
+        monkeypatch.setenv("OPENAI_API_KEY", "sk-for-openai")  # a key for another service stays home
+        err = one_line_refusal(capsys, argv)
+        assert f"--url {draft.url}: GET /v1/models answered 401" in err and "EAGLENEST_API_KEY" in err
+        assert draft.authorizations == [None]
+        for name in ("VLLM_API_KEY", "EAGLENEST_API_KEY"):
+            monkeypatch.setenv(name, "k3y")
+            err = one_line_refusal(capsys, argv)
+            assert "no vllm:spec_decode_* counters" in err
+        assert set(draft.authorizations[1:]) == set(baseline.authorizations) - {None} == {"Bearer k3y"}
+
+
+def test_bench_records_the_servers_commands_without_the_api_key(monkeypatch, pipeline_folders, tmp_path: Path):
+    verifier, draft = pipeline_folders
+    setup = ServeSetup(verifier=verifier, draft=draft, vllm_args=("--hf-token", "hf_s3cret"))
+    commands = {"draft": server_command(setup, None, None, cpu_build=True)}
+    config = BenchConfig(None, None, tmp_path / "p.jsonl", serve=setup)
+    recorded = json.dumps(sweep._new_result(config, "vllm bench serve", ("u", "u"), None, [[1]], commands))
+    assert "s3cret" not in recorded and "HF_TOKEN=***" in recorded
+    with pytest.raises(EaglenestError, match="--api-key after --: .* export VLLM_API_KEY=... instead"):
+        server_command(ServeSetup(verifier=verifier, draft=draft, vllm_args=("--api-key", "k")), None, None, True)
+
+
+class HostileHandler(BaseHTTPRequestHandler):
+    """A server that answers /v1/models with more than bench reads, /v1/completions with escape sequences in its
+    status line and body, and /small with a model id full of them."""
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:  # noqa: N802
+        if self.path == "/small/v1/models":
+            data = json.dumps({"data": [{"id": "tiny\x1b[2J\x1b]0;owned\x07\rx"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            return
+        self.send_response(200)
+        self.end_headers()
+        with contextlib.suppress(OSError):  # bench hangs up once it has read its cap
+            for _ in range(MAX_RESPONSE_BYTES // 2**20 + 2):
+                self.wfile.write(b"x" * 2**20)
+
+    def do_POST(self) -> None:  # noqa: N802
+        self.rfile.read(int(self.headers["Content-Length"]))
+        data = "bad\x1b[31m request\r\n\x1b]8;;http://x\x07link\u009b1m ".encode() + b"y" * 2 * ERROR_BODY_BYTES
+        self.send_response(400, "Bad\x1b[2J Request")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+@pytest.fixture
+def hostile_url() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), HostileHandler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_an_answer_larger_than_the_cap_is_refused_in_one_line(capsys, hostile_url: str, prompts: Path,
+                                                              tokenizer_dir: Path, tmp_path: Path):
+    with FakeServer(spec=False) as baseline:
+        err = one_line_refusal(capsys, bench_args(hostile_url, baseline.url, prompts, tokenizer_dir, tmp_path / "o"))
+    assert f"--url {hostile_url}: GET /v1/models answered more than 8 MiB" in err
+
+
+def test_a_servers_strings_reach_the_terminal_and_bench_json_without_escapes(hostile_url: str):
+    with pytest.raises(EaglenestError) as refused:
+        Endpoint("draft", "--url", hostile_url).post("/v1/completions", {"prompt": [1]}, timeout_s=5)
+    message = str(refused.value)
+    assert "\x1b" not in message and "\r" not in message and "\n" not in message and "\x07" not in message
+    assert "\x9b" not in message and "answered 400 Bad Request: bad request link 1m yyy" in message
+    assert len(message) < 400
+    models = Endpoint("draft", "--url", hostile_url + "/small").models()
+    assert list(models) == ["tiny x"] and models["tiny x"]["id"] == "tiny x"
+
+
+@pytest.mark.slow  # imports vLLM's bench (about 7 s)
+def test_vllm_bench_serve_sends_bench_s_key_not_openais(monkeypatch, tmp_path: Path):
+    monkeypatch.setenv("EAGLENEST_API_KEY", "k3y")
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-for-openai")  # vllm bench serve would send this one
+    dataset = tmp_path / "requests.jsonl"
+    dataset.write_text("".join(json.dumps({"prompt": [5 + i, 6, 7]}) + "\n" for i in range(2)))
+    config = BenchConfig("u", "b", tmp_path / "p.jsonl", max_tokens=3)
+    with FakeServer(api_key="k3y") as server:
+        raw = run_vllm_bench(Endpoint("draft", "--url", server.url), "tiny", dataset, 2, 1, config, tmp_path, "run")
+    # the fake answers a completion only with the key (vLLM's bench asks /v1/models first without any header)
+    assert raw["completed"] == 2 and "Bearer sk-for-openai" not in server.authorizations

@@ -4,6 +4,7 @@ check accepts and the verifier stage runs; a folder that is not a model is refus
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -52,16 +53,40 @@ def test_init_writes_params_for_a_tiny_verifier_that_the_verifier_stage_runs(tmp
     assert info.aux_layers == [1, 3, 5] and info.model_type == arch
 
 
-def test_init_turns_remote_code_on_only_for_a_model_that_needs_it(tmp_path: Path, capsys):
+def test_init_leaves_remote_code_off_and_names_the_files_to_read(tmp_path: Path, capsys):
     plain = build_tiny_verifier(tmp_path / "plain", num_layers=8)
     remote = build_tiny_verifier(tmp_path / "remote", num_layers=8, auto_map=True)
-    for folder, expected in ((plain, False), (remote, True)):
+    for folder, ships_code in ((plain, False), (remote, True)):
         out = tmp_path / f"{folder.name}.yaml"
-        assert _init(capsys, str(folder), "--out", str(out))[0] == 0
+        code, _, err = _init(capsys, str(folder), "--out", str(out))
+        assert code == 0
         params = load_params(out)
-        assert params.verifier.trust_remote_code is expected
+        assert params.verifier.trust_remote_code is False  # a person turns it on, never init
         assert params.verifier.aux_layers == [2, 4, 5]  # EAGLE-3's [2, N//2, N-3]
-        assert ("trust_remote_code" in _commented(out.read_text())) is expected
+        comment = _commented(out.read_text()).get("trust_remote_code", "")
+        assert ('"modeling_custom.py"' in comment and "set verifier.trust_remote_code: true" in comment) is ships_code
+        assert ("warning:" in err and '"modeling_custom.py"' in err and len(err.strip().splitlines()) == 1) \
+            is ships_code
+
+
+def test_init_escapes_the_model_s_strings_in_its_comments(tmp_path: Path, tiny_verifier_dir: Path, capsys):
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_verifier_dir, folder)
+    clean, hostile = tmp_path / "clean.yaml", tmp_path / "hostile.yaml"
+    assert _init(capsys, str(folder), "--out", str(clean))[0] == 0
+    config = json.loads((folder / "config.json").read_text())
+    config["model_type"] = "llama\ntrain:\n  lr: 1\x1b[2J\u2028x"
+    config["auto_map"] = {"AutoModelForCausalLM": "evil\nverifier:\n  trust_remote_code: true #.Model"}
+    (folder / "config.json").write_text(json.dumps(config))
+    code, _, err = _init(capsys, str(folder), "--out", str(hostile))
+    assert code == 0
+    parsed = yaml.safe_load(hostile.read_text())
+    assert parsed == yaml.safe_load(clean.read_text())  # nothing the model wrote became YAML
+    assert parsed["verifier"]["trust_remote_code"] is False
+    comments = _commented(hostile.read_text())
+    assert comments["model"].startswith('"llama\\ntrain:\\n  lr: 1\\u001b[2J\\u2028x", 8 layers')
+    assert '"evil\\nverifier:\\n  trust_remote_code: true #.py"' in comments["trust_remote_code"]
+    assert len(err.strip().splitlines()) == 1 and "\x1b" not in err  # the warning is one line, too
 
 
 def test_init_on_the_builtin_verifier(tmp_path: Path, capsys):

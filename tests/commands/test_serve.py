@@ -343,3 +343,52 @@ def test_the_served_schedule_is_followed_step_by_step(shared_pipeline: SharedPip
     for row in (alone, four):
         assert row["outputs"]["identical"] == 8 and row["draft"]["failed"] == 0, row["outputs"]
     print("per-step schedule check:", {r["concurrency"]: (r["draft"]["drafts"], r["speedup"]) for r in (alone, four)})
+
+
+def test_an_api_key_after_the_separator_reaches_vllm_in_its_environment_never_in_a_command_line(
+        capsys, monkeypatch, no_exec, pipeline_folders):
+    """``--api-key`` (and ``--hf-token``) after ``--``: the secret goes to vLLM as ``VLLM_API_KEY`` (``HF_TOKEN``),
+    out of its argv, and the command printed, logged or recorded shows ``***``."""
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    verifier, draft = pipeline_folders
+    base = ["serve", "--verifier", str(verifier), "--draft", str(draft), "--port", str(free_port())]
+    assert cli.main([*base, "--", "--api-key", "s3cret-key", "--hf-token=hf_s3cret", "--max-model-len", "512"]) == 0
+    err = capsys.readouterr().err
+    (argv, env), = no_exec
+    assert env["VLLM_API_KEY"] == "s3cret-key" and env["HF_TOKEN"] == "hf_s3cret"
+    assert not any("s3cret" in arg for arg in argv) and argv[-2:] == ["--max-model-len", "512"]
+    assert "s3cret" not in err and "VLLM_API_KEY=***" in err and "HF_TOKEN=***" in err
+    assert cli.main([*base, "--print-command", "--", "--api-key=s3cret-key"]) == 0
+    captured = capsys.readouterr()
+    assert "s3cret" not in captured.out + captured.err and "VLLM_API_KEY=***" in captured.out
+    assert cli.main([*base, "--print-command", "--", "--api-key", "one", "two"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--api-key after --: 2 keys" in err and "VLLM_API_KEY" in err
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "192.0.2.7", "::", "myhost"])
+def test_serving_beyond_loopback_without_an_api_key_is_refused_unless_asked_for(capsys, monkeypatch, no_exec,
+                                                                               pipeline_folders, host: str):
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    verifier, draft = pipeline_folders
+    base = ["serve", "--verifier", str(verifier), "--draft", str(draft), "--host", host, "--print-command"]
+    assert cli.main(base) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"--host {host}: vLLM would answer at" in err and "without an API key" in err
+    assert "export VLLM_API_KEY=" in err and "--no-api-key" in err
+    assert cli.main([*base, "--no-api-key"]) == 0
+    assert "WARNING: --host" in capsys.readouterr().err
+    assert cli.main([*base, "--", "--api-key", "k"]) == 0
+    assert "WARNING" not in capsys.readouterr().err
+    monkeypatch.setenv("VLLM_API_KEY", "k")
+    assert cli.main(base) == 0
+    assert "WARNING" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1"])
+def test_serving_on_loopback_needs_no_api_key(capsys, monkeypatch, no_exec, pipeline_folders, host: str):
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    verifier, draft = pipeline_folders
+    assert cli.main(["serve", "--verifier", str(verifier), "--draft", str(draft), "--host", host,
+                     "--print-command"]) == 0
+    assert "WARNING" not in capsys.readouterr().err

@@ -33,6 +33,8 @@ DOCS = REPO / "docs"
 UNCHECKED = {
     "python -m vllm.entrypoints.openai.api_server": "starts vLLM's server; `eaglenest serve --print-command` "
     "prints it and tests/commands/test_serve.py checks the line",
+    "kubectl create secret generic eaglenest-ray-token": "needs a Kubernetes cluster; "
+    "tests/project/test_cluster_launchers.py checks that every pod of the manifests reads this Secret",
 }
 # Pages whose shell blocks are checked like the README's (the generated ones hold none).
 SHELL_PAGES = ["README.md", *(f"docs/{p.name}" for p in sorted(DOCS.glob("*.md")))]

@@ -46,6 +46,7 @@ class VerifierFacts:
     weight_bytes: int
     remote_code: bool  # config.json has auto_map
     reasoning_template: bool  # the chat template handles <think> blocks
+    remote_code_files: tuple[str, ...] = ()  # the Python files auto_map names, as config.json spells them
 
 
 @dataclass(frozen=True)
@@ -105,9 +106,25 @@ def read_folder(folder: Path, given: str) -> VerifierFacts:
         model=given, model_type=str(text.get("model_type") or config.get("model_type") or "unknown"),
         num_layers=text["num_hidden_layers"], num_attention_heads=text.get("num_attention_heads"),
         vocab_size=text["vocab_size"], weight_bytes=sum(p.stat().st_size for p in weights),
-        remote_code="auto_map" in config,
+        remote_code="auto_map" in config, remote_code_files=auto_map_files(config.get("auto_map")),
         reasoning_template=any(marker in t for t in templates for marker in REASONING_MARKERS),
     )
+
+
+def auto_map_files(auto_map: Any) -> tuple[str, ...]:
+    """The Python files config.json's ``auto_map`` loads: ``"module.Class"`` is ``module.py`` (a ``"repo--"``
+    prefix names another repository's file); a value may be a list (a tokenizer's slow and fast class)."""
+    if not isinstance(auto_map, dict):
+        return ()
+    references = [item for value in auto_map.values() for item in (value if isinstance(value, list) else [value])]
+    return tuple(sorted({f"{ref.rpartition('.')[0]}.py" for ref in references if isinstance(ref, str) and "." in ref}))
+
+
+def comment_safe(text: str) -> str:
+    """A string from the model's files as it may stand in a YAML comment: quoted and escaped (JSON's rules, every
+    non-ASCII character as ``\\uXXXX``), so a line break or escape in it cannot end the comment or reach a
+    terminal."""
+    return json.dumps(text, ensure_ascii=True).replace("\x7f", "\\u007f")
 
 
 def read_builtin(name: str) -> VerifierFacts:
@@ -170,11 +187,12 @@ def choose(facts: VerifierFacts, gpus: Gpus) -> tuple[dict[str, Any], dict[str, 
     def pick(key: str, value: Any, reason: str) -> None:
         values[key], why[key] = value, reason
 
-    pick("verifier.model", facts.model, f"{facts.model_type}, {facts.num_layers} layers, "
+    pick("verifier.model", facts.model, f"{comment_safe(facts.model_type)}, {facts.num_layers} layers, "
          f"vocabulary {facts.vocab_size:,}, {facts.weight_bytes / 2**30:.1f} GiB of weights")
     if facts.remote_code:
-        pick("verifier.trust_remote_code", True, "config.json has auto_map: the model runs its own Python code; "
-             "read it before you run the pipeline")
+        # Off even so: the pipeline would run a downloaded model's code on its first repro without anyone choosing
+        # to; the comment (and init's warning) names the files a person reads before turning it on.
+        pick("verifier.trust_remote_code", False, remote_code_reason(facts))
     aux = init_aux_layers(facts.num_layers)
     pick("verifier.aux_layers", aux, "EAGLE-3's [2, N//2, N-3]" if aux == [2, facts.num_layers // 2,
          facts.num_layers - 3] else f"[2, N//2, N-3] collides for N = {facts.num_layers}: spread instead")
@@ -210,6 +228,13 @@ def choose(facts: VerifierFacts, gpus: Gpus) -> tuple[dict[str, Any], dict[str, 
     return values, why
 
 
+def remote_code_reason(facts: VerifierFacts) -> str:
+    """Why ``trust_remote_code`` stays off for a model that ships its own code, and what to read to turn it on."""
+    files = ", ".join(comment_safe(name) for name in facts.remote_code_files) or "the .py files in its folder"
+    return (f"the model ships its own Python code (config.json auto_map: {files}); read those files, then set "
+            "verifier.trust_remote_code: true to let the pipeline run them")
+
+
 def _flow(value: Any) -> str:
     """One YAML value on one line (flow style)."""
     return yaml.safe_dump(value, default_flow_style=True, width=2**16, sort_keys=False).strip().removesuffix(
@@ -240,8 +265,10 @@ def render(params: dict[str, Any], why: dict[str, str], header: list[str]) -> st
     return "\n".join(lines) + "\n"
 
 
-def init_params(verifier: str, out: Path, *, force: bool = False, gpus: Gpus | None = None) -> list[str]:
-    """Writes ``out`` for ``verifier`` (a model folder or builtin:NAME); returns the lines to print."""
+def init_params(verifier: str, out: Path, *, force: bool = False,
+                gpus: Gpus | None = None) -> tuple[list[str], list[str]]:
+    """Writes ``out`` for ``verifier`` (a model folder or builtin:NAME); returns the lines to print and the warnings
+    (for stderr)."""
     if out.exists() and not force:
         raise EaglenestError(f"{out} exists; pass --force to replace it, or --out another file")
     facts = (read_builtin(verifier.removeprefix(BUILTIN_PREFIX)) if verifier.startswith(BUILTIN_PREFIX)
@@ -263,5 +290,6 @@ def init_params(verifier: str, out: Path, *, force: bool = False, gpus: Gpus | N
               "Override one value for an experiment: dvc exp run -S train.lr=3e-4"]
     atomic_write_bytes(out, render(params, why, header).encode("utf-8"))
     gpu_line = f"{gpus.count} GPU(s) of {gpus.memory_gib:.0f} GiB" if gpus.count else "no GPU"
+    warnings = [f"warning: {out}: verifier.trust_remote_code: false: {remote_code_reason(facts)}"] * facts.remote_code
     return [f"wrote {out} for {verifier} ({gpu_line}):", *(f"  {key}: {_flow(values[key])}  ({why[key]})"
-                                                          for key in values)]
+                                                          for key in values)], warnings

@@ -5,6 +5,7 @@ schema (pydantic) at its top, so it is imported only when the command runs.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from eaglenest.commands.command import Command
@@ -29,7 +30,10 @@ def _run(args: argparse.Namespace) -> int:
         raise EaglenestError("--gpus and --gpu-memory-gib go together (the engines' widths need both); give both, "
                              "or neither to use the GPUs torch sees")
     gpus = None if args.gpus is None else Gpus(args.gpus, args.gpu_memory_gib)
-    print("\n".join(init_params(args.verifier, Path(args.out), force=args.force, gpus=gpus)))
+    lines, warnings = init_params(args.verifier, Path(args.out), force=args.force, gpus=gpus)
+    print("\n".join(lines))
+    for warning in warnings:
+        print(warning, file=sys.stderr)
     return 0
 
 

@@ -9,7 +9,10 @@ The command it runs::
 
 Everything after ``--`` on eaglenest's command line goes to vLLM as it is (``eaglenest serve --
 --tensor-parallel-size 8 --max-model-len 8192``), except the flags eaglenest sets itself (``OWN_FLAGS``),
-which are refused with the eaglenest flag to use instead.
+which are refused with the eaglenest flag to use instead. A secret among them (``--api-key KEY``, ``--hf-token
+TOKEN``) reaches vLLM in its environment variable (``VLLM_API_KEY``, ``HF_TOKEN``), never in its command line, and
+the command printed shows ``***`` for it. Listening beyond loopback (``--host 0.0.0.0``) without an API key is
+refused unless ``--no-api-key``.
 
 K per batch size: where ``eaglenest bench --serve`` measured a schedule for this very draft at the K served
 (``metrics/serve_schedule.json``, :mod:`eaglenest.artifacts.serve_schedule`), the speculative config also carries
@@ -32,6 +35,8 @@ The server runs as a child of ``eaglenest serve`` in a process group of its own
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import itertools
 import json
 import os
 import shlex
@@ -62,6 +67,13 @@ BASELINES = (None, "ngram", "none")
 OWN_FLAGS = {"--model": "--verifier", "--speculative-config": "--draft, --num-speculative-tokens and --schedule",
              "--host": "--host", "--port": "--port", "--dtype": "--dtype",
              "--served-model-name": "--served-model-name"}
+# vLLM flags whose value is a secret, and the environment variable that carries the same secret: moved there, the
+# secret is in neither vLLM's argv (``ps`` shows it to every user), its log of its arguments, nor the command
+# eaglenest prints and bench records.
+SECRET_FLAGS = {"--api-key": "VLLM_API_KEY", "--hf-token": "HF_TOKEN"}
+SECRET_ENV = frozenset(SECRET_FLAGS.values())
+API_KEY_ENV = SECRET_FLAGS["--api-key"]
+REDACTED = "***"
 
 
 @dataclass(frozen=True)
@@ -86,8 +98,9 @@ class ServeCommand:
     dtype: str | None = None
 
     def shell(self) -> str:
-        """The command as one shell line, environment first, ready to paste."""
-        prefix = [f"{key}={shlex.quote(value)}" for key, value in sorted(self.env.items())]
+        """The command as one shell line, environment first, ready to paste but for a secret's value (``***``)."""
+        prefix = [f"{key}={REDACTED if key in SECRET_ENV else shlex.quote(value)}"
+                  for key, value in sorted(self.env.items())]
         return " ".join(prefix + [shlex.quote(a) for a in self.argv])
 
 
@@ -118,6 +131,56 @@ def _flag_value(args: list[str], *names: str) -> str | None:
         if flag in names:
             value = inline if equals else (args[i + 1] if i + 1 < len(args) else None)
     return value
+
+
+def secrets_to_env(vllm_args: list[str]) -> tuple[list[str], dict[str, str]]:
+    """vLLM flags with each of ``SECRET_FLAGS`` taken out, and the environment variables that carry their values.
+
+    Raises:
+        EaglenestError: ``--api-key`` with several keys (the environment variable holds one).
+    """
+    kept: list[str] = []
+    env: dict[str, str] = {}
+    i = 0
+    while i < len(vllm_args):
+        flag, equals, inline = vllm_args[i].partition("=")
+        following = list(itertools.takewhile(lambda arg: not arg.startswith("-"), vllm_args[i + 1:]))
+        values = [inline] if equals else following[:1] if flag == "--hf-token" else following  # --hf-token: one
+        if flag not in SECRET_FLAGS or not values:  # a bare --hf-token means vLLM's cached login: no secret in it
+            kept.append(vllm_args[i])
+            i += 1
+            continue
+        if len(values) > 1:
+            raise EaglenestError(f"{flag} after --: {len(values)} keys; give the one key in {SECRET_FLAGS[flag]} "
+                                 f"(export {SECRET_FLAGS[flag]}=...), which keeps it out of the command line")
+        env[SECRET_FLAGS[flag]] = values[0]
+        i += 1 if equals else 2
+    return kept, env
+
+
+def check_exposure(host: str, port: int, env: dict[str, str], no_api_key: bool) -> None:
+    """Refuses to serve beyond this machine without an API key, unless ``--no-api-key`` says so (then warns).
+
+    Raises:
+        EaglenestError: ``host`` is not a loopback address and no key is set (one line saying how to give one).
+    """
+    if _is_loopback(host) or env.get(API_KEY_ENV) or os.environ.get(API_KEY_ENV):
+        return
+    exposed = (f"--host {host}: vLLM would answer at {host}:{port} without an API key, so anyone who reaches it "
+               "can run the model")
+    if not no_api_key:
+        raise EaglenestError(f"{exposed}; export {API_KEY_ENV}=<key> (or pass --api-key after --), or pass "
+                             "--no-api-key to serve it open")
+    print(f"eaglenest serve: WARNING: {exposed} (--no-api-key)", file=sys.stderr, flush=True)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: it may resolve to any interface
+        return False
 
 
 def server_max_num_seqs(vllm_args: list[str]) -> int | None:
@@ -179,7 +242,8 @@ def build_command(verifier_dir: Path, draft_dir: Path, host: str, port: int, dty
             :func:`eaglenest.artifacts.k_record.served_k`.
         k_sweep_file: The K record; None: not consulted.
         served_model_name: The name clients ask for; None: the verifier's (``verifier.name``, the hub id).
-        vllm_args: Further vLLM server flags, appended as given; none of ``OWN_FLAGS``.
+        vllm_args: Further vLLM server flags, appended as given; none of ``OWN_FLAGS``. The value of each of
+            ``SECRET_FLAGS`` goes to the server in its environment variable instead (:func:`secrets_to_env`).
         baseline: None serves the draft; ``"none"`` the verifier alone, ``"ngram"`` with vLLM's n-gram drafting
             at the window and K the ngram_sweep stage measured fastest for this verifier (``ngram_file``), else
             vLLM's default window at the draft's K: what ``eaglenest bench --baseline-url`` compares against.
@@ -207,6 +271,7 @@ def build_command(verifier_dir: Path, draft_dir: Path, host: str, port: int, dty
     if baseline not in BASELINES:
         raise EaglenestError(f"--baseline {baseline}: expected one of {', '.join(b for b in BASELINES if b)}")
     served_name = served_model_name or info.name
+    vllm_args, secret_env = secrets_to_env(vllm_args or [])
     argv = [sys.executable, "-m", SERVER_MODULE, "--model", str(model_dir.resolve()),
             "--served-model-name", served_name, str(model_dir.resolve())]
     scheduled = ScheduleChoice(None, "")
@@ -223,7 +288,7 @@ def build_command(verifier_dir: Path, draft_dir: Path, host: str, port: int, dty
     argv += ["--host", host, "--port", str(port), "--dtype", computed_in]
     if info.trust_remote_code:
         argv.append("--trust-remote-code")
-    env: dict[str, str] = {"VLLM_NO_USAGE_STATS": "1"}  # nothing leaves the machine
+    env: dict[str, str] = {"VLLM_NO_USAGE_STATS": "1", **secret_env}  # nothing leaves the machine
     if cpu_build:
         # As in vllm_support.engine_kwargs: graph compilation costs minutes on a few cores and gains little
         # for small verifiers; the CPU KV cache needs a size.
@@ -242,8 +307,11 @@ def serve(verifier_dir: Path, draft_dir: Path, host: str = "127.0.0.1", port: in
           k_sweep_file: Path | None = K_RECORD_FILE, served_model_name: str | None = None,
           vllm_args: list[str] | None = None, baseline: str | None = None,
           ngram_file: Path | None = NGRAM_RECORD_FILE, schedule_file: Path | None = SCHEDULE_FILE,
-          schedule_explicit: bool = False) -> int:
+          schedule_explicit: bool = False, no_api_key: bool = False) -> int:
     """Checks, then runs (or with ``print_only`` prints) vLLM's OpenAI server for verifier and draft.
+
+    A ``host`` other than loopback needs an API key (``VLLM_API_KEY``, or ``--api-key`` in ``vllm_args``) unless
+    ``no_api_key``.
 
     Returns:
         0 after printing; else the server's exit status (128 + N when a signal N ended it), once no process of
@@ -264,6 +332,7 @@ def serve(verifier_dir: Path, draft_dir: Path, host: str = "127.0.0.1", port: in
                             served_model_name=served_model_name, vllm_args=vllm_args, baseline=baseline,
                             ngram_file=ngram_file, schedule_file=schedule_file,
                             schedule_explicit=schedule_explicit)
+    check_exposure(host, port, command.env, no_api_key)
     print(f"eaglenest serve: {command.k_reason}", file=sys.stderr, flush=True)
     if command.schedule_reason:
         print(f"eaglenest serve: {command.schedule_reason}", file=sys.stderr, flush=True)
@@ -280,6 +349,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", default="models/draft", help="the train stage's draft checkpoint")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    parser.add_argument("--no-api-key", action="store_true",
+                        help=f"serve a --host beyond loopback without an API key (default: refused unless "
+                        f"{API_KEY_ENV} or --api-key after -- gives one)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="compute dtype; auto serves an fp32 checkpoint in bfloat16 (default: auto)")
     parser.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
@@ -311,7 +383,8 @@ def _run(args: argparse.Namespace) -> int:
     schedule_file = None if args.no_schedule else Path(args.schedule or SCHEDULE_FILE)
     return serve(Path(args.verifier), Path(args.draft), args.host, args.port, args.dtype, args.print_command,
                  args.num_speculative_tokens, Path(args.k_sweep), args.served_model_name, args.vllm_args,
-                 args.baseline, Path(args.ngram_sweep), schedule_file, schedule_explicit=args.schedule is not None)
+                 args.baseline, Path(args.ngram_sweep), schedule_file, schedule_explicit=args.schedule is not None,
+                 no_api_key=args.no_api_key)
 
 
 COMMAND = Command(

@@ -56,6 +56,10 @@ SINGLE_MACHINE_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 QUIET_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_IGNORE_UNHANDLED_ERRORS": "1"}
 # A cluster of our own authenticates its clients with a token (Ray's default for ray.init; set, it is also silent).
 OWN_CLUSTER_ENV = {"RAY_AUTH_MODE": "token"}
+# Where Ray reads a cluster's token from (besides ~/.ray/auth_token). Ray sends it only in token mode, which it
+# switches on by itself for address "auto" alone: for a cluster named by host:port, token mode is asked for where
+# the user has a token (scripts/cluster/ starts every cluster with one).
+TOKEN_SOURCES = ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 CONNECT_TIMEOUT_S = 5.0
 # An actor that died is asked again whether its engine is up after this many seconds, doubling up to the cap: a
 # restarted actor loads its model again, which takes from seconds to many minutes.
@@ -458,6 +462,8 @@ def connect(cluster: ClusterParams) -> Iterator[None]:
         _probe(address)
         if _is_loopback(address.rpartition(":")[0]):
             env |= SINGLE_MACHINE_ENV
+        if any(os.environ.get(name) for name in TOKEN_SOURCES) or (Path.home() / ".ray" / "auth_token").is_file():
+            env |= OWN_CLUSTER_ENV  # a RAY_AUTH_MODE the user set keeps theirs
     with _environment(env):  # before Ray's first import: it reads the single-machine switch then
         try:
             import ray

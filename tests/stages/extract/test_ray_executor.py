@@ -30,7 +30,7 @@ from eaglenest.stages.extract.params import ExtractParams
 from eaglenest.stages.verifier import build_verifier
 from eaglenest.stages.verifier.params import VerifierParams
 from tests.conftest import requires_vllm
-from tests.fixtures.cluster import engine_processes, wait_until_gone
+from tests.fixtures.cluster import TokenHead, engine_processes, ray_free_env, wait_until_gone
 from tests.fixtures.models import build_tiny_verifier
 from tests.fixtures.pipeline import REPO, project_env, stored_row
 
@@ -339,3 +339,15 @@ def test_doctor_reports_the_cluster_or_why_it_cannot_reach_it(ray_cluster: Any, 
     params.write_text(yaml.safe_dump({"cluster": {"executor": "ray", "address": "127.0.0.1:9"}}))
     assert cli_main(["doctor", "--params", str(params)]) == 1
     assert capsys.readouterr().err.startswith("error: cluster.address = '127.0.0.1:9': no Ray cluster answers there")
+
+
+def test_a_cluster_named_by_address_gets_the_token_the_user_has(token_head: TokenHead):
+    """Ray sends its token to a host:port only in token mode, which it does not switch on by itself there: connect
+    asks for it where the user has a token (here RAY_AUTH_TOKEN_PATH, as scripts/cluster/ray_token.sh exports it)."""
+    code = ("from eaglenest.core.executor import connect; from eaglenest.core.params import ClusterParams\n"
+            f"with connect(ClusterParams(executor='ray', address={token_head.address!r})):\n"
+            "    import ray; print('nodes:', len(ray.nodes()))")  # Ray imported by connect, as the stages do
+    env = ray_free_env(token_head.home) | {"RAY_AUTH_TOKEN_PATH": token_head.token_env["RAY_AUTH_TOKEN_PATH"],
+                                           "PYTHONPATH": str(REPO / "src")}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "nodes: 1", done.stderr[-2000:]

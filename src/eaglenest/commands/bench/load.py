@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from eaglenest.commands.bench.config import BenchConfig
-from eaglenest.commands.bench.endpoint import Endpoint
+from eaglenest.commands.bench.endpoint import Endpoint, api_key, printable
 
 # `vllm bench serve` exactly as vLLM's CLI runs it (BenchmarkServingSubcommand.cmd is main(args)), without the
 # CLI's top-level parser, which fails on the CPU build (see :mod:`eaglenest.commands.bench.sweep`).
@@ -42,9 +43,15 @@ def run_vllm_bench(endpoint: Endpoint, model: str, dataset: Path, num_requests: 
             "--temperature", str(config.temperature), "--extra-body", json.dumps({"max_tokens": config.max_tokens}),
             "--percentile-metrics", "e2el", "--metric-percentiles", "50,99", "--disable-tqdm", "--seed", "0",
             "--save-result", "--save-detailed", "--result-dir", str(raw_dir), "--result-filename", result_file.name]
+    # `vllm bench serve` sends OPENAI_API_KEY as its bearer token: bench's key, and never a key for another service
+    env = {name: value for name, value in os.environ.items() if name != "OPENAI_API_KEY"}
+    key = api_key()
+    if key:
+        env["OPENAI_API_KEY"] = key
     try:
         with log_file.open("w") as log:
-            done = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, timeout=config.timeout_s, check=False)
+            done = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, timeout=config.timeout_s, check=False,
+                                  env=env)
     except subprocess.TimeoutExpired:
         raise RunStopped(f"ran past --timeout {config.timeout_s:g} s (log: {log_file})") from None
     if done.returncode != 0:
@@ -63,6 +70,6 @@ def failure_line(log: str) -> str:
     The exception's line is looked for because the interpreter's exit may print more after it (nanobind's leak
     report, from the triton that vLLM imports).
     """
-    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    lines = [text for line in log.splitlines() if (text := printable(line))]
     errors = [line for line in lines if re.match(r"^[\w.]*(Error|Exception|Interrupt)\b", line)]
     return (errors or lines or ["no output"])[-1][:300]

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from eaglenest.commands.bench.config import ServeSetup
-from eaglenest.commands.bench.endpoint import answers
+from eaglenest.commands.bench.endpoint import API_KEY_ENVS, answers
 from eaglenest.commands.bench.load import failure_line
 from eaglenest.commands.supervised import SupervisedGroup
 from eaglenest.core.errors import EaglenestError
@@ -33,10 +33,14 @@ def server_command(serve: ServeSetup, model: str | None, baseline: str | None, c
     Returns:
         A :class:`eaglenest.commands.serve.ServeCommand`.
     """
-    from eaglenest.commands.serve import OWN_FLAGS, build_command
+    from eaglenest.commands.serve import API_KEY_ENV, OWN_FLAGS, build_command
 
     for arg in serve.vllm_args:
         flag = arg.split("=", 1)[0]
+        if flag == "--api-key":  # bench must send the key it gives: one variable holds it for both ends
+            raise EaglenestError(f"--api-key after --: eaglenest bench --serve starts its servers with the key of "
+                                 f"{API_KEY_ENV} and sends the key of {' or '.join(API_KEY_ENVS)}; export "
+                                 f"{API_KEY_ENV}=... instead")
         if flag in OWN_FLAGS:
             instead = ("--model" if flag == "--served-model-name" else
                        "nothing: the servers listen on 127.0.0.1" if flag == "--host" else OWN_FLAGS[flag])
