@@ -5,6 +5,7 @@ training reads, export."""
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -366,3 +367,18 @@ def test_convert_refuses_a_shard_whose_data_is_lost_or_unchecked_naming_it(tmp_p
     assert f"{shard_path(out, 1)} row 4: {reason}" in str(err.value)
     metrics = run_convert(prepared, out, tmp_path, on_bad="skip")
     assert metrics["excluded_rows"] == [4, 5, 6, 7]
+
+
+def test_every_shard_is_fsynced_before_its_rename(tmp_path: Path, prepared, monkeypatch: pytest.MonkeyPatch):
+    """A shard renamed into place before its data reached the disk comes back from a power loss as zeros."""
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        synced.append(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    extract(prepared, tmp_path / "hs", rows_per_shard=4)
+    for shard in range(3):
+        assert any(name.startswith(f".shard_{shard}.safetensors.tmp-") for name in synced), synced
