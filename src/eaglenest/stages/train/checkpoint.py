@@ -29,6 +29,7 @@ import pickle
 import shutil
 import socket
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -192,7 +193,7 @@ def save_checkpoint(path: Path, model: Any, optimizers: list[Any], schedulers: l
 
 
 @contextlib.contextmanager
-def checkpoint_writer(run_dir: Path, dist: Distributed) -> Any:
+def checkpoint_writer(run_dir: Path, dist: Distributed) -> Iterator[None]:
     """Holds the lock of the run's checkpoint folder on rank 0 (the one process that writes there) for the block;
     every process is refused in one line when another training of the same run holds it.
 
