@@ -5,7 +5,6 @@ training reads, export."""
 from __future__ import annotations
 
 import json
-import os
 import random
 from pathlib import Path
 
@@ -37,6 +36,7 @@ from eaglenest.stages.convert.params import ConvertParams
 from eaglenest.stages.extract import extract_hidden_states
 from eaglenest.stages.extract.params import ExtractParams
 from eaglenest.stages.train.params import TrainParams
+from tests.fixtures.fsync import record_fsyncs
 from tests.fixtures.pipeline import pipeline_until_prepare
 
 ROWS = 10
@@ -371,14 +371,7 @@ def test_convert_refuses_a_shard_whose_data_is_lost_or_unchecked_naming_it(tmp_p
 
 def test_every_shard_is_fsynced_before_its_rename(tmp_path: Path, prepared, monkeypatch: pytest.MonkeyPatch):
     """A shard renamed into place before its data reached the disk comes back from a power loss as zeros."""
-    synced: list[str] = []
-    real_fsync = os.fsync
-
-    def recording_fsync(fd: int) -> None:
-        synced.append(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
-        real_fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", recording_fsync)
+    synced = record_fsyncs(monkeypatch)
     extract(prepared, tmp_path / "hs", rows_per_shard=4)
     for shard in range(3):
         assert any(name.startswith(f".shard_{shard}.safetensors.tmp-") for name in synced), synced

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import socket
 from pathlib import Path
@@ -26,6 +25,7 @@ from eaglenest.stages.train import TrainPaths, train_draft
 from eaglenest.stages.train.data import pack_batches
 from eaglenest.stages.train.params import TrainParams
 from eaglenest.stages.train.validation import tau_from_conditional
+from tests.fixtures.fsync import record_fsyncs
 from tests.fixtures.lock import held_by_another_process
 from tests.fixtures.pipeline import REPO, killed_and_resumed_training, pipeline_until_prepare, read_curves
 
@@ -533,14 +533,7 @@ def test_checkpoints_are_fsynced_before_their_rename(tmp_path: Path, monkeypatch
     """A checkpoint renamed into place before its data reached the disk would come back from a power loss torn."""
     from eaglenest.stages.train import checkpoint as checkpoint_module
 
-    synced: list[str] = []
-    real_fsync = os.fsync
-
-    def recording_fsync(fd: int) -> None:
-        synced.append(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
-        real_fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", recording_fsync)
+    synced = record_fsyncs(monkeypatch)
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.AdamW(model.parameters())
     checkpoint_module.save_checkpoint(tmp_path / "checkpoint.pt", model, [optimizer],
