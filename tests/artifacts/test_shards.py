@@ -14,20 +14,29 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from eaglenest.artifacts.hidden_states.format import (
+    CHECKSUM_FIELD,
+    HIDDEN_KEY,
+    METADATA_KEY,
     ROW_INDEX_KEY,
+    TOKENS_KEY,
+    file_checksum,
     hs_path,
     read_shard_row,
+    row_digest,
     shard_path,
     shard_row_index,
     stored_files,
+    with_checksum,
 )
 from eaglenest.artifacts.hidden_states.resume import unfinished_dir
 from eaglenest.core.errors import InputFileError
+from eaglenest.core.safetensors_header import tensor_extents
 from eaglenest.stages.convert import convert
 from eaglenest.stages.convert.params import ConvertParams
 from eaglenest.stages.extract import extract_hidden_states
 from eaglenest.stages.extract.params import ExtractParams
 from eaglenest.stages.train.params import TrainParams
+from tests.fixtures.fsync import record_fsyncs
 from tests.fixtures.pipeline import pipeline_until_prepare
 
 ROWS = 10
@@ -132,11 +141,36 @@ def run_convert(prepared: tuple[Path, Path], hs: Path, root: Path, rows_per_shar
 
 
 def rewrite_shard(path: Path, change) -> None:
+    """The shard with ``change`` made to its tensors, checksum and all: as if its writer had put it there."""
     with safe_open(str(path), framework="pt") as handle:
         metadata = handle.metadata()
     tensors = load_file(path)
     change(tensors)
-    save_file(tensors, path, metadata=metadata)
+    rows = [{key: value[first: first + length] for key, value in tensors.items() if key not in (TOKENS_KEY,
+                                                                                                   ROW_INDEX_KEY)}
+            for _, first, length in tensors[ROW_INDEX_KEY].tolist()]
+    checksum = file_checksum([row_digest(row) for row in rows],
+                             [tensors[TOKENS_KEY].numpy().tobytes(), tensors[ROW_INDEX_KEY].numpy().tobytes()])
+    save_file(tensors, path, metadata=with_checksum(metadata, checksum))
+
+
+def zero_hidden_states(path: Path) -> None:
+    """What a power loss can leave of a file renamed into place before its data reached the disk: its header, its
+    length and its token ids (written first) as they were, its hidden states zeros."""
+    start, extents = tensor_extents(path)
+    _, _, begin, end = extents[HIDDEN_KEY]
+    with open(path, "r+b") as fh:
+        fh.seek(start + begin)
+        fh.write(bytes(end - begin))
+
+
+def without_checksum(path: Path) -> None:
+    """The shard as an eaglenest without checksums wrote it: the same tensors, no checksum in its metadata."""
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = handle.metadata()
+    info = json.loads(metadata[METADATA_KEY])
+    del info[CHECKSUM_FIELD]
+    save_file(load_file(path), path, metadata={METADATA_KEY: json.dumps(info, sort_keys=True)})
 
 
 def test_convert_names_a_bad_row_by_its_shard_and_skip_excludes_only_that_row(tmp_path: Path, prepared):
@@ -302,3 +336,49 @@ def test_an_unreadable_shard_is_removed_whatever_the_shard_size(tmp_path: Path, 
         shard_path(out, 7).write_bytes(b"not a shard")  # no rows of its own to name: removed, never read by train
         metrics = extract(prepared, out, rows_per_shard=size)
         assert metrics["rows_computed"] == ROWS and not shard_path(out, 7).exists()
+
+
+@pytest.mark.parametrize("damage", ["zeroed", "no checksum"])
+def test_a_shard_whose_data_is_lost_or_unchecked_is_recomputed_on_resume(tmp_path: Path, prepared, damage: str,
+                                                                          caplog: pytest.LogCaptureFixture):
+    """A shard renamed into place just before a power loss keeps its header, its size and its token ids, and holds
+    zeros: resume recomputes it, as it does a shard an older eaglenest wrote without a checksum; the rest is kept."""
+    fresh = tmp_path / "fresh"
+    extract(prepared, fresh, rows_per_shard=4)
+    out = tmp_path / "hs"
+    unfinished = unfinished_dir(out)
+    unfinished.mkdir(parents=True)
+    for shard in range(3):
+        (unfinished / shard_path(Path(), shard).name).write_bytes(shard_path(fresh, shard).read_bytes())
+    (zero_hidden_states if damage == "zeroed" else without_checksum)(unfinished / "shard_1.safetensors")
+    with caplog.at_level("INFO"):
+        metrics = extract(prepared, out, rows_per_shard=4)
+    assert metrics["rows_computed"] == 4 and metrics["rows_reused"] == ROWS - 4
+    assert folder(out) == folder(fresh)  # bit-identical to an uninterrupted run
+    reason = "its data does not match its checksum" if damage == "zeroed" else "its header holds no checksum"
+    assert [record.getMessage() for record in caplog.records if "recomputing" in record.getMessage()] == [
+        f"recomputing shard_1.safetensors: {reason}" + (
+            " (written over, or lost to a crash before it reached the disk)" if damage == "zeroed"
+            else " (written by an older eaglenest)")]
+
+
+@pytest.mark.parametrize("damage", ["zeroed", "no checksum"])
+def test_convert_refuses_a_shard_whose_data_is_lost_or_unchecked_naming_it(tmp_path: Path, prepared, damage: str):
+    out = tmp_path / "hs"
+    extract(prepared, out, rows_per_shard=4)
+    (zero_hidden_states if damage == "zeroed" else without_checksum)(shard_path(out, 1))
+    with pytest.raises(InputFileError) as err:
+        run_convert(prepared, out, tmp_path)
+    reason = "its data does not match its checksum" if damage == "zeroed" else "its header holds no checksum"
+    assert f"4 of {ROWS} rows' hidden states are bad" in str(err.value)
+    assert f"{shard_path(out, 1)} row 4: {reason}" in str(err.value)
+    metrics = run_convert(prepared, out, tmp_path, on_bad="skip")
+    assert metrics["excluded_rows"] == [4, 5, 6, 7]
+
+
+def test_every_shard_is_fsynced_before_its_rename(tmp_path: Path, prepared, monkeypatch: pytest.MonkeyPatch):
+    """A shard renamed into place before its data reached the disk comes back from a power loss as zeros."""
+    synced = record_fsyncs(monkeypatch)
+    extract(prepared, tmp_path / "hs", rows_per_shard=4)
+    for shard in range(3):
+        assert any(name.startswith(f".shard_{shard}.safetensors.tmp-") for name in synced), synced

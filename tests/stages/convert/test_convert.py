@@ -15,6 +15,7 @@ from eaglenest.commands.cli import main as cli_main
 from eaglenest.commands.importer import import_dump
 from eaglenest.commands.inspect import inspect_path
 from eaglenest.core.errors import EaglenestError, InputFileError
+from eaglenest.core.safetensors_header import tensor_extents
 from eaglenest.stages.convert import convert
 from eaglenest.stages.convert.params import ConvertParams
 from eaglenest.stages.extract import extract_hidden_states
@@ -63,6 +64,12 @@ def corrupt(path: Path, how: str) -> None:
         path.unlink()
     elif how == "wrong dtype":
         save_file({"hidden_states": data["hidden_states"].float(), "token_ids": data["token_ids"]}, path)
+    elif how == "zeroed":  # renamed into place before its data reached the disk: a power loss leaves zeros
+        start, extents = tensor_extents(path)
+        _, _, begin, end = extents["hidden_states"]
+        with open(path, "r+b") as fh:
+            fh.seek(start + begin)
+            fh.write(bytes(end - begin))
 
 
 @pytest.mark.parametrize(
@@ -76,6 +83,7 @@ def corrupt(path: Path, how: str) -> None:
         ("truncated", r"hs_3.safetensors: \d+ bytes on disk, header promises \d+ \(truncated\?\)"),
         ("missing file", r"hs_3.safetensors: missing"),
         ("wrong dtype", r"hs_3.safetensors: hidden_states dtype F32, expected BF16 \(bfloat16\)"),
+        ("zeroed", r"hs_3.safetensors: its data does not match its checksum \(written over, or lost to a crash"),
     ],
 )
 def test_each_bad_file_gets_its_own_message(extracted: dict[str, Path], how: str, message: str):

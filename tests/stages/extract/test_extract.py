@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -11,12 +12,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eaglenest.artifacts.hidden_states.format import check_header, hs_path
+from eaglenest.artifacts.hidden_states.resume import unfinished_dir
 from eaglenest.artifacts.prepared import load_split
 from eaglenest.commands.params_file import parse_params
 from eaglenest.core.errors import EaglenestError, ParamsError
+from eaglenest.core.lock import lock_file_for
 from eaglenest.stages.extract import extract_hidden_states
 from eaglenest.stages.extract.hf import length_sorted_batches
 from eaglenest.stages.extract.params import ExtractParams
+from tests.fixtures.lock import held_by_another_process
 from tests.fixtures.models import build_tiny_tokenizer, build_tiny_verifier
 from tests.fixtures.pipeline import pipeline_until_prepare, stored_row
 
@@ -124,6 +128,26 @@ def test_resume_recomputes_only_bad_or_missing_files(tmp_path: Path, tiny_verifi
 
     again = extract_hidden_states(params, verifier_dir, prepared, out, tmp_path / "m.json")
     assert again["rows_computed"] == 0 and again["tokens_per_s"] is None
+
+
+def test_a_second_extraction_into_the_folder_is_refused_and_leaves_the_first_alone(tmp_path: Path,
+                                                                                   tiny_verifier_dir: Path):
+    """Two extract stages of one workspace (``python stages/extract.py`` beside a ``dvc repro``): the second meets
+    the first's lock on the unfinished folder before it looks at, moves or deletes any file there."""
+    verifier_dir, prepared = pipeline_until_prepare(tmp_path, tiny_verifier_dir)
+    out = tmp_path / "hs"
+    unfinished = unfinished_dir(out)
+    unfinished.mkdir(parents=True)
+    first = {"hs_0.safetensors": b"a file the first extraction finished", f".hs_1.safetensors.tmp-{os.getpid() + 1}":
+             b"a file the first extraction is writing"}
+    for name, data in first.items():
+        (unfinished / name).write_bytes(data)
+    with held_by_another_process(lock_file_for(unfinished)) as pid, pytest.raises(EaglenestError) as info:
+        extract_hidden_states(ExtractParams(rows_per_shard=1), verifier_dir, prepared, out, tmp_path / "m.json")
+    assert str(info.value) == (f"{unfinished} is being written by pid {pid} on {socket.gethostname()} (lock "
+                               f"{lock_file_for(unfinished)}): wait for it to finish or stop it, then run again")
+    assert {p.name: p.read_bytes() for p in unfinished.iterdir()} == first
+    assert not out.exists() and not (tmp_path / "m.json").exists()
 
 
 def test_changed_dtype_recomputes_everything(tmp_path: Path, tiny_verifier_dir: Path, caplog: pytest.LogCaptureFixture):

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import shutil
+import socket
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,7 @@ from safetensors.torch import load_file
 import eaglenest.stages.train as train_module
 from eaglenest.commands.params_file import parse_params
 from eaglenest.core.errors import EaglenestError, ParamsError
+from eaglenest.core.lock import LOCK_NAME
 from eaglenest.stages.convert import convert
 from eaglenest.stages.convert.params import ConvertParams
 from eaglenest.stages.extract import extract_hidden_states
@@ -21,6 +25,8 @@ from eaglenest.stages.train import TrainPaths, train_draft
 from eaglenest.stages.train.data import pack_batches
 from eaglenest.stages.train.params import TrainParams
 from eaglenest.stages.train.validation import tau_from_conditional
+from tests.fixtures.fsync import record_fsyncs
+from tests.fixtures.lock import held_by_another_process
 from tests.fixtures.pipeline import REPO, killed_and_resumed_training, pipeline_until_prepare, read_curves
 
 FAST = {"total_seq_len": 256, "lr": 3e-3, "warmup_steps": 2, "ttt_steps": 3}  # 3 TTT steps: two unscored positions
@@ -83,7 +89,8 @@ def test_draft_learns_and_saves_a_speculators_checkpoint(converted: dict[str, Pa
     loaded = SpeculatorModel.from_pretrained(str(tmp_path / "draft"))
     assert type(loaded).__name__ == "Eagle3DraftModel"
     assert torch.equal(loaded.state_dict()["fc.weight"], weights["fc.weight"])
-    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
+    # finished: no checkpoint left, only the lock file of the run's folder (it means nothing while nobody holds it)
+    assert not any(path.is_dir() or not path.name.endswith(LOCK_NAME) for path in (tmp_path / "checkpoints").iterdir())
 
 
 @pytest.mark.parametrize("optimizer", [{}, {"optimizer": "muon", "muon": {"lr": 0.01}}], ids=["adamw", "muon"])
@@ -223,7 +230,7 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line_and_keeps_the_last(tmp_
     checkpoint_module.save_checkpoint(path, model, optimizers, schedulers, 100, [(100, "train/loss", 2.5)])
 
     def disk_full(obj, f):
-        Path(f).write_bytes(b"partial")
+        f.write(b"partial")
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 88640 vs 88528")
 
     monkeypatch.setattr(checkpoint_module.torch, "save", disk_full)
@@ -351,10 +358,11 @@ def test_each_optimizer_moves_its_weights_and_never_the_frozen_ones(converted: d
     from eaglenest.stages.train import finish_training, fit, setup_training
 
     params = TrainParams(steps=6, eval_every=6, optimizer=optimizer, **FAST)
-    session = setup_training(params, inputs_in(converted, tmp_path))
-    named = dict(session.model.named_parameters())
-    before = {name: weight.detach().clone() for name, weight in named.items()}
-    finish_training(session, fit(session))
+    with contextlib.ExitStack() as held:
+        session = setup_training(params, inputs_in(converted, tmp_path), held)
+        named = dict(session.model.named_parameters())
+        before = {name: weight.detach().clone() for name, weight in named.items()}
+        finish_training(session, fit(session))
 
     optimizers = session.optimization.optimizers
     assert [type(o).__name__ for o in optimizers] == (["Muon", "AdamW"] if optimizer == "muon" else ["AdamW"])
@@ -449,3 +457,109 @@ def test_muon_params_are_refused_without_muon_and_default_to_speculators():
     defaults = TrainerConfig._field_defaults
     assert {name: defaults[f"muon_{name}"] for name in MuonParams.model_fields} == MuonParams().model_dump()
     assert parse_params({"train": {"optimizer": "adamw", "muon": None}}).train.muon is None
+
+
+def test_a_torn_checkpoint_resumes_from_the_previous_one(converted: dict[str, Path], tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                          caplog: pytest.LogCaptureFixture):
+    """Killed after its second checkpoint, which a power loss or a full disk tore: the rerun names it in one line and
+    resumes from the first; the draft and the curves are the uninterrupted run's."""
+    params = TrainParams(steps=6, eval_every=3, checkpoint_every=2, **FAST)
+    reference = train_draft(params, inputs_in(converted, tmp_path / "a"))
+    paths = inputs_in(converted, tmp_path / "b")
+    original = train_module.save_checkpoint
+
+    def save_then_die(path, model, optimizers, schedulers, done, curves):
+        original(path, model, optimizers, schedulers, done, curves)
+        if done == 4:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_module, "save_checkpoint", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        train_draft(params, paths)
+    monkeypatch.setattr(train_module, "save_checkpoint", original)
+    newest = next(paths.checkpoints.glob("*/checkpoint.pt"))
+    with open(newest, "r+b") as fh:
+        fh.truncate(newest.stat().st_size // 2)
+    shutil.rmtree(paths.live_dir)
+    reason = _first_line_of_torch_load(newest)
+    with caplog.at_level("WARNING"):
+        resumed = train_draft(params, paths)
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        f"{newest}: unreadable checkpoint ({reason}), torn by a crash or a full disk?"]
+    assert resumed["resumed_from_step"] == 2 and resumed["steps_this_run"] == 4
+    a, b = load_file(tmp_path / "a/draft/model.safetensors"), load_file(tmp_path / "b/draft/model.safetensors")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6)
+    assert resumed["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-5)
+    assert read_curves(tmp_path / "b/dvclive") == read_curves(tmp_path / "a/dvclive")
+    assert not newest.parent.exists()  # finished: the run's checkpoints are gone
+
+
+def _first_line_of_torch_load(path: Path) -> str:
+    try:
+        torch.load(path, weights_only=True)
+    except RuntimeError as err:
+        return str(err).strip().splitlines()[0]
+    raise AssertionError(f"{path} loads")
+
+
+def test_with_no_readable_checkpoint_training_starts_from_step_0(tmp_path: Path, caplog: pytest.LogCaptureFixture):
+    """The newest checkpoint zeroed (renamed in before its data reached the disk): the previous one resumes; that
+    one torn too: one line, and a fresh start."""
+    from eaglenest.stages.train import checkpoint as checkpoint_module
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    optimizers, schedulers = [optimizer], [torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)]
+    path = tmp_path / "run" / "checkpoint.pt"
+    for step in (100, 200):
+        checkpoint_module.save_checkpoint(path, model, optimizers, schedulers, step, [(step, "train/loss", 2.5)])
+    assert sorted(p.name for p in path.parent.iterdir()) == ["checkpoint.prev.pt", "checkpoint.pt"]
+    path.write_bytes(bytes(path.stat().st_size))
+    assert checkpoint_module.resume(path, model, optimizers, schedulers) == (100, [(100, "train/loss", 2.5)])
+    previous = path.with_name("checkpoint.prev.pt")
+    previous.write_bytes(previous.read_bytes()[:100])
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert checkpoint_module.resume(path, model, optimizers, schedulers) == (0, [])
+    lines = [record.getMessage() for record in caplog.records]
+    assert len(lines) == 3 and lines[0].startswith(f"{path}: unreadable checkpoint (")
+    assert lines[1].startswith(f"{previous}: unreadable checkpoint (")
+    assert lines[2] == f"{path.parent}: no readable checkpoint; training starts again from step 0"
+
+
+def test_checkpoints_are_fsynced_before_their_rename(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A checkpoint renamed into place before its data reached the disk would come back from a power loss torn."""
+    from eaglenest.stages.train import checkpoint as checkpoint_module
+
+    synced = record_fsyncs(monkeypatch)
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    checkpoint_module.save_checkpoint(tmp_path / "checkpoint.pt", model, [optimizer],
+                                      [torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)], 1, [])
+    assert any(name.startswith(".checkpoint.pt.tmp-") for name in synced), synced
+
+
+def test_a_second_training_of_the_same_run_is_refused_and_leaves_the_first_alone(converted: dict[str, Path],
+                                                                                 tmp_path: Path):
+    """Two trainings of one run (checkouts sharing cluster.torchrun.checkpoint_dir): the second meets rank 0's lock
+    on the run's checkpoint folder before it reads or writes anything there."""
+    from eaglenest.artifacts.verifier import load_verifier_info
+    from eaglenest.core.lock import lock_file_for
+    from eaglenest.stages.train import checkpoint as checkpoint_module
+
+    params = TrainParams(steps=4, checkpoint_every=2, **FAST)
+    paths = inputs_in(converted, tmp_path)
+    verifier, _ = load_verifier_info(converted["verifier"])
+    run_dir = paths.checkpoints / checkpoint_module.run_fingerprint(params, verifier, converted["prepared"],
+                                                                    converted["vocab"], converted["hs"])
+    run_dir.mkdir(parents=True)
+    (run_dir / "checkpoint.pt").write_bytes(b"the first training's checkpoint, being written")
+    with held_by_another_process(lock_file_for(run_dir)) as pid, pytest.raises(EaglenestError) as info:
+        train_draft(params, paths)
+    assert str(info.value) == (f"{run_dir} is being written by pid {pid} on {socket.gethostname()} (lock "
+                               f"{lock_file_for(run_dir)}): wait for it to finish or stop it, then run again")
+    assert [p.name for p in run_dir.iterdir()] == ["checkpoint.pt"]
+    assert (run_dir / "checkpoint.pt").read_bytes() == b"the first training's checkpoint, being written"
+    assert not paths.out.exists() and not paths.metrics.exists()

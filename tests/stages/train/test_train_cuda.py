@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 
@@ -46,13 +47,15 @@ def paths_in(data: dict[str, Path], out: Path) -> TrainPaths:
 
 
 def test_auto_trains_on_the_gpu_with_flex_attention_in_bf16(converted: dict[str, Path], tmp_path: Path):
-    session = setup_training(TrainParams(**AUTO), paths_in(converted, tmp_path))
-    runtime = session.runtime
-    assert (runtime.device.type, runtime.attention, runtime.precision) == ("cuda", "simple_flex_attention", "bfloat16")
-    assert runtime.hs_dtype == torch.bfloat16
-    assert session.model._attn_impl == "simple_flex_attention"  # what speculators' draft really runs
-    assert next(session.model.parameters()).device.type == "cuda"
-    metrics = finish_training(session, fit(session))
+    with contextlib.ExitStack() as held:
+        session = setup_training(TrainParams(**AUTO), paths_in(converted, tmp_path), held)
+        runtime = session.runtime
+        assert (runtime.device.type, runtime.attention, runtime.precision) == ("cuda", "simple_flex_attention",
+                                                                               "bfloat16")
+        assert runtime.hs_dtype == torch.bfloat16
+        assert session.model._attn_impl == "simple_flex_attention"  # what speculators' draft really runs
+        assert next(session.model.parameters()).device.type == "cuda"
+        metrics = finish_training(session, fit(session))
 
     assert metrics["device"] == "cuda" and metrics["precision"] == "bfloat16" and metrics["steps_this_run"] == 12
     host = metrics["host"]

@@ -9,11 +9,17 @@ names, its metadata and its checks.
 * ``token_ids`` ``[seq]`` int64 — equal to the prepared ``input_ids``.
 
 eaglenest adds one metadata entry to the safetensors header, ``eaglenest``: a JSON object with
-``config`` (a hash of the verifier fingerprint, layer ids and dtype), ``layer_ids``, ``dtype`` and
-``backend``; other readers ignore it. (One key, because safetensors writes several in no fixed order,
+``config`` (a hash of the verifier fingerprint, layer ids and dtype), ``layer_ids``, ``dtype``, ``backend``
+and ``checksum``; other readers ignore it. (One key, because safetensors writes several in no fixed order,
 and the files must be bit-identical between runs.) A file is trusted only if its header parses, its tensors
 have the expected keys, dtypes and shapes, its length on disk matches what the header promises (so a truncated
 file is caught without reading it), and its metadata matches the current configuration.
+
+``checksum`` is the sha256 (hex) of the data section, taken row by row as the rows are written, in any order:
+the sha256 of the row digests in row order (each the sha256 of the row's ``hidden_states`` bytes, then its
+``hidden_states_scales`` bytes), then of the ``token_ids`` bytes and the ``row_index`` bytes. A file renamed into
+place before its data reached the disk (a power loss) keeps its header and length but not its rows; only the
+checksum tells it apart, so extract's resume and convert verify it before trusting a file.
 
 ``shard_{s}.safetensors`` (``extract.rows_per_shard`` R > 1) holds rows ``s*R .. s*R + R - 1`` (fewer in the
 last shard) in the same format, concatenated along the sequence: ``hidden_states`` ``[tokens, n_aux + 1, hidden]``,
@@ -47,6 +53,8 @@ SCALES_KEY = "hidden_states_scales"
 FP8 = "float8_e4m3fn"
 METADATA_KEY = "eaglenest"
 ROW_INDEX_KEY = "row_index"
+CHECKSUM_FIELD = "checksum"
+NO_CHECKSUM = "its header holds no checksum (written by an older eaglenest)"
 SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float32": "F32", "float16": "F16", FP8: "F8_E4M3"}
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16,
                 FP8: torch.float8_e4m3fn}
@@ -109,6 +117,66 @@ def shard_metadata(metadata: dict[str, str], rows_per_shard: int, shard: int) ->
     """A row file's metadata (:func:`file_metadata`) with the shard's size and number added."""
     info = json.loads(metadata.get(METADATA_KEY, "{}")) | {"rows_per_shard": rows_per_shard, "shard": shard}
     return {METADATA_KEY: json.dumps(info, sort_keys=True)}
+
+
+def with_checksum(metadata: dict[str, str], checksum: str) -> dict[str, str]:
+    """eaglenest's metadata (:func:`file_metadata`) with its ``checksum``; another tool's (no eaglenest entry)
+    as it is."""
+    if METADATA_KEY not in metadata:
+        return metadata
+    info = json.loads(metadata[METADATA_KEY]) | {CHECKSUM_FIELD: checksum}
+    return {METADATA_KEY: json.dumps(info, sort_keys=True)}
+
+
+def row_digest(stored: dict[str, torch.Tensor]) -> bytes:
+    """The digest of one row's stored tensors (:func:`encode_hidden_states`, or a row read from a file): its
+    hidden states' bytes, then its fp8 scales' bytes."""
+    digest = hashlib.sha256()
+    for key in (HIDDEN_KEY, SCALES_KEY):
+        if key in stored:
+            digest.update(stored[key].detach().to("cpu").contiguous().view(torch.uint8).numpy())
+    return digest.digest()
+
+
+def file_checksum(row_digests: list[bytes], fixed_parts: list[bytes]) -> str:
+    """A file's checksum: its rows' digests in row order, then its token ids' and row index's bytes."""
+    digest = hashlib.sha256(b"".join(row_digests))
+    for part in fixed_parts:
+        digest.update(part)
+    return digest.hexdigest()
+
+
+def checksum_problem(metadata: dict[str, str], row_digests: list[bytes], token_ids: torch.Tensor,
+                     index: torch.Tensor | None) -> str | None:
+    """What is wrong with a file's data against the checksum its header records, or None.
+
+    Args:
+        metadata: The header's metadata.
+        row_digests: :func:`row_digest` of each of its rows as read, in row order.
+        token_ids: Its ``token_ids`` as read.
+        index: Its ``row_index`` as read (shards), or None (row files).
+    """
+    recorded_checksum = recorded(metadata, CHECKSUM_FIELD)
+    if not isinstance(recorded_checksum, str):
+        return NO_CHECKSUM
+    fixed = [token_ids.numpy().tobytes()] + ([] if index is None else [index.numpy().tobytes()])
+    if file_checksum(row_digests, fixed) != recorded_checksum:
+        return "its data does not match its checksum (written over, or lost to a crash before it reached the disk)"
+    return None
+
+
+def verify_checksum(path: Path) -> str | None:
+    """What is wrong with a finished file's data against its checksum, or None; reads it a row at a time."""
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            token_ids = handle.get_tensor(TOKENS_KEY)
+            index = handle.get_tensor(ROW_INDEX_KEY) if ROW_INDEX_KEY in handle.keys() else None  # noqa: SIM118
+            extents = [(0, token_ids.numel())] if index is None else [(first, length)
+                                                                      for _, first, length in index.tolist()]
+            digests = [row_digest(read_shard_row(handle, first, length)) for first, length in extents]
+            return checksum_problem(handle.metadata() or {}, digests, token_ids, index)
+    except (OSError, ValueError, RuntimeError, SafetensorError, KeyError) as err:
+        return f"unreadable: {err}"
 
 
 def recorded(metadata: dict[str, str], key: str) -> object:

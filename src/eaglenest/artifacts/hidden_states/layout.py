@@ -5,14 +5,17 @@ The rows of a data set fall into shards of ``extract.rows_per_shard`` consecutiv
 safetensors header and the byte offset of each row's tensors are known before the row is computed
 (:func:`file_layout`). :class:`FileWriter` writes the header, the token ids and the row index first, then each
 row's tensors at their offsets as the row arrives, in any order (vLLM's requests finish in any order): memory
-stays at one row, and no file is written twice (once as rows, again packed). Its sink is a preallocated
-temporary file renamed into place once every row is in (:class:`FileSink`), or a buffer of the file's size
+stays at one row, and no file is written twice (once as rows, again packed). Each row's digest is taken as it is
+written, and the file's checksum (:func:`~eaglenest.artifacts.hidden_states.format.file_checksum`) goes into the
+header's place kept for it once the last row is in, so nothing is read back. Its sink is a preallocated temporary
+file, fsync'd and renamed into place once every row is in (:class:`FileSink`), or a buffer of the file's size
 (:class:`MemorySink`) that a Ray worker returns to the driver: both receive the same writes at the same offsets,
 so both give the same bytes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -24,6 +27,7 @@ import numpy as np
 import torch
 
 from eaglenest.artifacts.hidden_states.format import (
+    CHECKSUM_FIELD,
     FP8,
     HIDDEN_KEY,
     METADATA_KEY,
@@ -32,16 +36,22 @@ from eaglenest.artifacts.hidden_states.format import (
     SCALES_KEY,
     TOKENS_KEY,
     TORCH_DTYPES,
+    file_checksum,
     hs_path,
+    row_digest,
     shard_metadata,
     shard_path,
+    with_checksum,
 )
-from eaglenest.core.atomic import temp_sibling
+from eaglenest.core.atomic import atomic_open
 from eaglenest.core.errors import EaglenestError
 
 # A task of row files (rows_per_shard 1) holds this many consecutive rows, so that rows are still batched.
 ROW_FILES_PER_TASK = 64
 ITEM_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "I64": 8}
+# Holds the checksum's place in a header written before any row is computed: as long as a sha256 in hex, and
+# never one, so a header that somehow kept it fails its check.
+CHECKSUM_PLACEHOLDER = "?" * 64
 
 
 @dataclass(frozen=True)
@@ -114,6 +124,7 @@ class FileLayout:
         header: The 8-byte length and the JSON header, padded to 8 bytes.
         places: Each tensor's place, by name.
         first_tokens: Each row's first token within the file.
+        checksum_at: Where the checksum goes in the header; None for another tool's file (no eaglenest metadata).
     """
 
     spec: ShardSpec
@@ -122,6 +133,7 @@ class FileLayout:
     header: bytes
     places: dict[str, TensorPlace]
     first_tokens: tuple[int, ...]
+    checksum_at: int | None
 
     @property
     def size(self) -> int:
@@ -129,12 +141,17 @@ class FileLayout:
 
     def written_at(self, path: Path) -> bool:
         """Whether ``path`` already holds this file: it appears only complete (a rename), so its size and header
-        say so (a task run again after its worker died once it had written the file)."""
+        say so (a task run again after its worker died once it had written the file); its data is checked against
+        its checksum by whoever accepts it."""
         try:
             with open(path, "rb") as fh:
-                return os.fstat(fh.fileno()).st_size == self.size and fh.read(len(self.header)) == self.header
+                size, header = os.fstat(fh.fileno()).st_size, fh.read(len(self.header))
         except OSError:
             return False
+        if self.checksum_at is not None:  # the one part of the header that depends on the rows
+            end = self.checksum_at + len(CHECKSUM_PLACEHOLDER)
+            header = header[:self.checksum_at] + self.header[self.checksum_at:end] + header[end:]
+        return size == self.size and header == self.header
 
     def fixed_parts(self) -> list[tuple[int, bytes]]:
         """(offset, bytes) of what is known before any row is computed: the header, the token ids, the row index."""
@@ -194,6 +211,7 @@ def file_layout(spec: ShardSpec, input_ids: list[list[int]], num_slots: int, hid
     if spec.rows_per_shard > 1:
         tensors[ROW_INDEX_KEY] = ("I64", (len(lengths), 3))
         metadata = shard_metadata(metadata, spec.rows_per_shard, spec.number)
+    metadata = with_checksum(metadata, CHECKSUM_PLACEHOLDER)
     # Data in name order; the JSON lists the metadata first (none for another tool's file), then the tensors.
     header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     offset, relative = 0, {}
@@ -209,8 +227,10 @@ def file_layout(spec: ShardSpec, input_ids: list[list[int]], num_slots: int, hid
     places = {name: TensorPlace(tensors[name][0], tensors[name][1], start + begin, start + end)
               for name, (begin, end) in relative.items()}
     first_tokens = tuple(sum(lengths[:i]) for i in range(len(lengths)))
+    found = encoded.find(CHECKSUM_PLACEHOLDER.encode())
     return FileLayout(spec, tuple(tuple(ids) for ids in input_ids), stored_dtype,
-                      struct.pack("<Q", len(encoded)) + encoded, places, first_tokens)
+                      struct.pack("<Q", len(encoded)) + encoded, places, first_tokens,
+                      None if found < 0 else 8 + found)
 
 
 class MemorySink:
@@ -231,17 +251,15 @@ class MemorySink:
 
 
 class FileSink:
-    """A temporary file of the final size next to ``final``, written at offsets, renamed into place when complete.
-
-    No fsync: a rename is atomic against a killed process, and a file torn by a power loss fails the length or
-    content checks on the next run, which then writes it again.
-    """
+    """A temporary file of the final size next to ``final``, written at offsets, then fsync'd and renamed into place
+    when complete (:func:`~eaglenest.core.atomic.atomic_open`: a file renamed before its data reached the disk
+    would come back from a power loss as a file of the right size and header holding zeros)."""
 
     def __init__(self, layout: FileLayout, final: Path) -> None:
-        self.final, self.temp = final, temp_sibling(final)
+        self.final = final
+        self._open = contextlib.ExitStack()
+        self.fd = self._open.enter_context(atomic_open(final)).fileno()  # written with pwrite, never buffered
         try:
-            final.parent.mkdir(parents=True, exist_ok=True)
-            self.fd: int | None = os.open(self.temp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
             os.ftruncate(self.fd, layout.size)  # sparse until written: the disk is taken row by row
         except OSError as err:
             self.abort()
@@ -258,20 +276,12 @@ class FileSink:
             raise _write_failed(self.final, err) from None
 
     def finish(self) -> Path:
-        try:
-            os.close(self.fd)
-            self.fd = None
-            os.replace(self.temp, self.final)
-        except OSError as err:
-            self.abort()
-            raise _write_failed(self.final, err) from None
+        self._open.close()  # fsync, rename (atomic_open: on a failure, nothing is left under either name)
         return self.final
 
     def abort(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-        self.temp.unlink(missing_ok=True)
+        # atomic_open deletes its temporary when its block ends in an exception; the exception itself is ours
+        self._open.__exit__(EaglenestError, EaglenestError(f"{self.final}: aborted"), None)
 
 
 def _write_failed(final: Path, err: OSError) -> EaglenestError:
@@ -279,13 +289,16 @@ def _write_failed(final: Path, err: OSError) -> EaglenestError:
 
 
 class FileWriter:
-    """Writes one file of the layout through ``sink``: the fixed parts now, each row as it arrives, then
-    :meth:`finish` once every row is in."""
+    """Writes one file of the layout through ``sink``: the fixed parts now, each row as it arrives (its digest
+    taken), then :meth:`finish` once every row is in (the checksum written into the header)."""
 
     def __init__(self, layout: FileLayout, sink: MemorySink | FileSink) -> None:
         self.layout, self.sink = layout, sink
         self.missing = set(layout.spec.rows)
-        for offset, data in layout.fixed_parts():
+        self.digests: dict[int, bytes] = {}
+        parts = layout.fixed_parts()
+        self.fixed_data = [data for _, data in parts[1:]]  # token ids, row index: the checksum's last parts
+        for offset, data in parts:
             sink.write(offset, data)
 
     def write_row(self, row: int, stored: dict[str, torch.Tensor]) -> None:
@@ -294,6 +307,7 @@ class FileWriter:
             raise EaglenestError(f"{self.layout.spec.label}: row {row} written twice, or not one of its rows")
         for offset, data in self.layout.row_parts(row, stored):
             self.sink.write(offset, data)
+        self.digests[row] = row_digest(stored)
         self.missing.discard(row)
 
     def finish(self) -> Any:
@@ -301,6 +315,9 @@ class FileWriter:
         if self.missing:
             self.sink.abort()
             raise EaglenestError(f"{self.layout.spec.label}: rows {sorted(self.missing)} were never written")
+        if self.layout.checksum_at is not None:
+            checksum = file_checksum([self.digests[row] for row in self.layout.spec.rows], self.fixed_data)
+            self.sink.write(self.layout.checksum_at, checksum.encode())
         return self.sink.finish()
 
     def abort(self) -> None:
@@ -332,4 +349,5 @@ def metadata_of_row_files(metadata: dict[str, str]) -> dict[str, str]:
     info = json.loads(metadata.get(METADATA_KEY, "{}"))
     info.pop("rows_per_shard", None)
     info.pop("shard", None)
+    info.pop(CHECKSUM_FIELD, None)  # the shard's: each row file gets its own
     return {METADATA_KEY: json.dumps(info, sort_keys=True)}

@@ -8,7 +8,8 @@ the folder is removed. A run killed at any moment (even between the two) loses n
 finds them there, checks each one, and computes only the rest.
 
 A file counts as finished only if it is exactly the file of the layout: its header, shapes and dtype, its length
-on disk, the extraction's fingerprint (verifier, layers, dtype) and every row's token ids. Files of the same
+on disk, the extraction's fingerprint (verifier, layers, dtype), every row's token ids and its data against its
+checksum (a file renamed into place just before a power loss can hold zeros under a good header). Files of the same
 fingerprint that no longer fit the layout (another ``extract.rows_per_shard``, rows added) keep their rows: a
 file whose rows are all held by such files is assembled from them without computing a row (:meth:`copy_from_earlier`).
 Anything else is deleted.
@@ -36,6 +37,7 @@ from eaglenest.artifacts.hidden_states.format import (
     recorded_in,
     row_index,
     stored_files,
+    verify_checksum,
 )
 from eaglenest.artifacts.hidden_states.layout import FileLayout, FileSink, FileWriter, ShardSpec
 from eaglenest.core.atomic import atomic_write_bytes, remove_stale_temps
@@ -75,8 +77,8 @@ class Expected:
 
 
 def file_problem(path: Path, spec: ShardSpec, expected: Expected) -> str | None:
-    """Why ``path`` is not ``spec``'s finished file (header and row index, then every row's token ids), or None;
-    "missing" when there is no file."""
+    """Why ``path`` is not ``spec``'s finished file (header and row index, every row's token ids, then its data
+    against its checksum), or None; "missing" when there is no file."""
     ids = expected.input_ids
     if spec.rows_per_shard == 1:
         problem = check_header(path, seq_len=len(ids[spec.number]), num_slots=expected.num_slots,
@@ -92,7 +94,7 @@ def file_problem(path: Path, spec: ShardSpec, expected: Expected) -> str | None:
         return tokens
     if tokens.tolist() != [token for row in spec.rows for token in ids[row]]:
         return "token_ids differ from the prepared rows"
-    return None
+    return verify_checksum(path)
 
 
 @dataclass(frozen=True)
@@ -166,6 +168,10 @@ class Extraction:
         """Every row of the earlier files whose length and token ids still match its prepared row."""
         ids, sources = self.expected.input_ids, {}
         for path in stored_files(earlier):
+            problem = verify_checksum(path)
+            if problem is not None:  # its rows would be copied as they are, checksum and all
+                log.info("not reusing the rows of %s: %s", path.name, problem)
+                continue
             row = row_index(path)
             if row is not None:
                 entries = [(row, 0, len(ids[row]) if row < len(ids) else -1)]
@@ -209,7 +215,7 @@ class Extraction:
         """A finished file's bytes, computed elsewhere (a Ray worker): written once, atomically."""
         if spec.name in self.finished:
             raise EaglenestError(f"{spec.label}: finished twice")  # the dispatcher hands out each task once
-        atomic_write_bytes(self.path(spec), data, fsync=False)
+        atomic_write_bytes(self.path(spec), data)  # fsync'd: see FileSink
         self.finished.add(spec.name)
 
     def accept_file(self, spec: ShardSpec) -> None:

@@ -2,11 +2,14 @@
 
 Validation reads every ``hs_{i}.safetensors`` in full: header (keys, dtypes, shape ``[seq, n_aux + 1,
 hidden]`` against the verifier stage's record, length on disk), ``token_ids`` equal to the prepared
-``input_ids``, and every value finite. Shards are checked the same way row by row, after their header and row
-index; a bad row is named as its shard and row. The layout (row files, or shards of which size) is read from the
-files themselves (:func:`eaglenest.artifacts.hidden_states.store.open_stored`), not from ``extract.rows_per_shard``.
-With ``convert.on_bad: fail`` any bad row stops the stage with the first offenders listed; with ``skip`` those
-rows (not their whole shard) are excluded from training and listed in ``data/vocab/rows.json`` and
+``input_ids``, every value finite, and the file's data against the checksum its header records (taken as extract
+wrote it: a file that lost its data to a power loss after its rename holds finite zeros under a good header).
+Shards are checked the same way row by row, after their header and row index; a bad row is named as its shard and
+row, and a shard whose data fails its checksum has every row named (which of its rows lost their bytes is
+unknown). The layout (row files, or shards of which size) is read from the files themselves
+(:func:`eaglenest.artifacts.hidden_states.store.open_stored`), not from ``extract.rows_per_shard``. With
+``convert.on_bad: fail`` any bad row stops the stage with the first offenders listed; with ``skip`` those rows (not
+their whole shard, unless its checksum fails) are excluded from training and listed in ``data/vocab/rows.json`` and
 ``metrics/data.json``.
 
 The draft vocabulary is speculators' own construction (``build_vocab_mappings_from_distribution``): the
@@ -26,11 +29,15 @@ import numpy as np
 import torch
 
 from eaglenest.artifacts.hidden_states.format import (
+    ROW_INDEX_KEY,
+    TOKENS_KEY,
     check_row_tensors,
     check_shard_header,
+    checksum_problem,
     read_hidden_state_file,
     read_shard_row,
-    shard_row_index,
+    row_digest,
+    verify_checksum,
 )
 from eaglenest.artifacts.hidden_states.layout import ShardSpec
 from eaglenest.artifacts.hidden_states.online import MANIFEST_FILE, read_online_manifest
@@ -50,14 +57,16 @@ SHOW_BAD = 5
 
 
 def check_hidden_state_file(path: Path, input_ids: list[int], verifier: VerifierInfo, dtype: str) -> str | None:
-    """Everything wrong with one row's file (header, tokens, finiteness), or None."""
-    return read_hidden_state_file(path, input_ids, verifier, dtype)[0]
+    """Everything wrong with one row's file (header, tokens, finiteness, then its checksum), or None."""
+    problem = read_hidden_state_file(path, input_ids, verifier, dtype)[0]
+    return verify_checksum(path) if problem is None else problem  # a second read of a row's file: page-cached
 
 
 def check_shard(stored: StoredHiddenStates, spec: ShardSpec, input_ids: list[list[int]], verifier: VerifierInfo,
                 dtype: str) -> dict[int, str]:
     """``{row: problem}`` for the rows of one shard: every row when the header or row index is bad, else each
-    row read alone (its token ids and finiteness), so memory is a row's."""
+    row read alone (its token ids and finiteness; its digest taken for the shard's checksum), so memory is a row's;
+    every row without a problem of its own when the shard fails its checksum."""
     from safetensors import SafetensorError, safe_open
 
     path = spec.path(stored.folder)
@@ -66,16 +75,22 @@ def check_shard(stored: StoredHiddenStates, spec: ShardSpec, input_ids: list[lis
                                  config=None, rows_per_shard=stored.rows_per_shard)
     if problem is not None:
         return {row: problem for row in spec.rows}
-    problems = {}
+    problems, digests = {}, []
     try:
-        index = shard_row_index(path)
         with safe_open(str(path), framework="pt") as handle:
+            index_tensor = handle.get_tensor(ROW_INDEX_KEY)  # [rows, 3]: row, first token, length
+            index = {int(row): (int(first), int(length)) for row, first, length in index_tensor.tolist()}
             for row in spec.rows:
-                row_problem, _ = check_row_tensors(read_shard_row(handle, *index[row]), input_ids[row])
+                stored_row = read_shard_row(handle, *index[row])
+                digests.append(row_digest(stored_row))
+                row_problem, _ = check_row_tensors(stored_row, input_ids[row])
                 if row_problem is not None:
                     problems[row] = row_problem
+            mismatch = checksum_problem(handle.metadata() or {}, digests, handle.get_tensor(TOKENS_KEY), index_tensor)
     except (OSError, ValueError, RuntimeError, SafetensorError) as err:
         return {row: f"unreadable: {err}" for row in spec.rows}
+    if mismatch is not None:
+        return {row: problems.get(row, mismatch) for row in spec.rows}
     return problems
 
 

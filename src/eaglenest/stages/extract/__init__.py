@@ -9,8 +9,15 @@ each finished file) and :func:`finish_extraction` (the files moved into ``data/h
 extraction from its run-cache instead of running the stage when params and inputs match one. A run's finished
 files wait in ``data/hidden_states.unfinished/`` (:mod:`eaglenest.artifacts.hidden_states.resume`), so a run that
 was killed, or stopped by a failing task, loses none: the next one checks each (header, dtype, shapes, length,
-the verifier / layers / dtype fingerprint, every row's token ids) and computes only the rest. The executor
-changes where the work runs, never what it writes: both run the same task function on the same shards.
+the verifier / layers / dtype fingerprint, every row's token ids, the data against its checksum) and computes only
+the rest. The executor changes where the work runs, never what it writes: both run the same task function on the
+same shards.
+
+One extraction writes a folder at a time: the stage's own process (the driver, with a Ray cluster: never its
+workers, which write parts of one run's unfinished folder side by side) holds the lock of
+``data/hidden_states.unfinished`` (:mod:`eaglenest.core.lock`) from before it looks at a file until the output is
+complete, so a second extract of the same workspace (``python stages/extract.py`` beside a ``dvc repro``) is refused
+in one line before it touches the first's files.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from eaglenest.core.atomic import atomic_write_json, remove_stale_temps
 from eaglenest.core.errors import EaglenestError
 from eaglenest.core.executor import EngineNeeds, check_cluster, open_executor
 from eaglenest.core.host import host_record
+from eaglenest.core.lock import exclusive, lock_file_for
 from eaglenest.core.params import ClusterParams
 from eaglenest.core.registry import Registry
 from eaglenest.core.stage import PreparedInput, Stage, path_arg
@@ -274,11 +282,13 @@ def extract_hidden_states(params: ExtractParams, verifier_dir: Path, prepared_di
     cluster = cluster or ClusterParams()
     if params.backend != "import" and params.store == "files":
         check_cluster(cluster)  # before any work: a cluster that is not there is one line
-    plan = plan_extraction(params, verifier_dir, prepared_dir, out_dir)
-    if params.store == "online":
-        return _write_online_manifest(params, plan.verifier, plan.input_ids, out_dir, metrics_path)
-    computed = compute_hidden_states(plan, cluster)
-    return finish_extraction(plan, computed, metrics_path)
+    unfinished = unfinished_dir(out_dir)
+    with exclusive(lock_file_for(unfinished), str(unfinished)):
+        plan = plan_extraction(params, verifier_dir, prepared_dir, out_dir)
+        if params.store == "online":
+            return _write_online_manifest(params, plan.verifier, plan.input_ids, out_dir, metrics_path)
+        computed = compute_hidden_states(plan, cluster)
+        return finish_extraction(plan, computed, metrics_path)
 
 
 def _write_online_manifest(params: ExtractParams, verifier: VerifierInfo, input_ids: list[list[int]], out_dir: Path,

@@ -18,6 +18,7 @@ resumes on the others.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -47,6 +48,7 @@ from eaglenest.stages.train.checkpoint import (
     CHECKPOINT_FILE,
     CHECKPOINT_ROOT,
     check_shared,
+    checkpoint_writer,
     resume,
     run_fingerprint,
     save_checkpoint,
@@ -130,8 +132,9 @@ class FitResult:
     trained_tokens: float
 
 
-def setup_training(params: TrainParams, paths: TrainPaths) -> TrainSession:
-    """Phase 1: data, draft, optimizer and the resumed state, on every process."""
+def setup_training(params: TrainParams, paths: TrainPaths, held: contextlib.ExitStack) -> TrainSession:
+    """Phase 1: data, draft, optimizer and the resumed state, on every process; the lock of the run's checkpoint
+    folder taken into ``held`` (rank 0's, for as long as the caller keeps it)."""
     verifier, model_dir = load_verifier_info(paths.verifier)
     vocab, d2t, t2d = load_vocab(paths.vocab)
     dist, device = init_distributed(pick_device(params.device, "train.device"))
@@ -148,6 +151,7 @@ def setup_training(params: TrainParams, paths: TrainPaths) -> TrainSession:
 
     fingerprint = run_fingerprint(params, verifier, paths.prepared, paths.vocab, paths.hidden_states)
     checkpoint_path = paths.checkpoints / fingerprint / CHECKPOINT_FILE
+    held.enter_context(checkpoint_writer(checkpoint_path.parent, dist))
     check_shared(checkpoint_path.parent, dist)
     start_step, logged = resume(checkpoint_path, model, optimization.optimizers, optimization.schedulers)
     if dist.restarts and dist.is_main:
@@ -284,8 +288,9 @@ def headline_metrics(details: dict[str, Any]) -> dict[str, Any]:
 
 def train_draft(params: TrainParams, paths: TrainPaths) -> dict[str, Any]:
     """The train stage's work: set up, fit, finish; returns the metrics it writes (empty on other processes)."""
-    session = setup_training(params, paths)
-    return finish_training(session, fit(session))
+    with contextlib.ExitStack() as held:  # the checkpoint folder's lock, until the finished run has removed it
+        session = setup_training(params, paths, held)
+        return finish_training(session, fit(session))
 
 
 def _log_validation(curves: Curves, step: int, result: dict[str, Any]) -> None:
