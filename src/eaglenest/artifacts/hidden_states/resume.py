@@ -40,7 +40,7 @@ from eaglenest.artifacts.hidden_states.format import (
     verify_checksum,
 )
 from eaglenest.artifacts.hidden_states.layout import FileLayout, FileSink, FileWriter, ShardSpec
-from eaglenest.core.atomic import atomic_write_bytes, remove_stale_temps
+from eaglenest.core.atomic import atomic_write_bytes, fsync_directory, remove_stale_temps
 from eaglenest.core.errors import EaglenestError
 
 log = logging.getLogger(__name__)
@@ -239,6 +239,8 @@ class Extraction:
                 os.link(self.path(spec), target)
             except OSError:  # a filesystem without hard links
                 shutil.copyfile(self.path(spec), target)
+        # the output's names must be on the disk before the only other copy of the files' names goes
+        fsync_directory(self.out_dir)
         shutil.rmtree(self.dir)
 
     def stored_size(self) -> int:
