@@ -26,13 +26,19 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from eaglenest.commands.command import Command
-from eaglenest.core.atomic import atomic_write_json
+from eaglenest.core.atomic import atomic_write_bytes, atomic_write_json
 from eaglenest.core.errors import EaglenestError
+from eaglenest.core.lock import exclusive, lock_file_for
 
 DEFAULT_STORE_DIR = Path(".eaglenest") / "store"
 DEFAULT_REMOTE = "team"
 DEFAULT_BUCKET = "dvc"
 STATE_FILE = "store.json"
+# weed reads ./security.toml first (then ~/.seaweedfs, /etc/seaweedfs): it runs in the store's folder.
+SECURITY_FILE = "security.toml"
+# Its signing keys: master and volume (writes, reads), filer (writes, reads); each a port that refuses a request
+# without a token signed by it.
+JWT_SECTIONS = ("jwt.signing", "jwt.signing.read", "jwt.filer_signing", "jwt.filer_signing.read")
 # weed mini's listeners: each gets a free loopback port (their defaults are fixed, and gRPC ports default to the
 # HTTP port + 10000, which overflows above 55535).
 PORT_FLAGS = ("s3.port", "s3.port.grpc", "s3.port.iceberg", "s3.port.lance", "master.port", "master.port.grpc",
@@ -107,10 +113,20 @@ def _recorded(directory: Path) -> Store | None:
         return None
 
 
+def _is_weed_of(pid: int, directory: Path) -> bool:
+    """Whether ``pid`` is the ``weed mini`` of ``directory`` (not a process that took a dead store's number)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return f"-dir={directory.resolve() / 'data'}".encode() in argv
+
+
 def store_status(directory: Path) -> Store | None:
     """The store running from ``directory``, or None where none is."""
     store = _recorded(directory)
-    return store if store is not None and _alive(store.pid) and _answers(store.ports["s3.port"]) else None
+    return store if store is not None and _is_weed_of(store.pid, directory) and _answers(store.ports["s3.port"]) \
+        else None
 
 
 def _port_free(port: int) -> bool:
@@ -123,18 +139,37 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def start_store(directory: Path, bucket: str = DEFAULT_BUCKET, timeout_s: float = START_TIMEOUT_S) -> Store:
-    """Starts a store in ``directory`` (or returns the one already running there).
+def _private_folder(folder: Path) -> None:
+    """Makes ``folder`` (and missing parents) with only its owner let in: it holds the store's secrets and objects."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if folder.stat().st_mode & 0o077:  # a store made before its folder was private
+        folder.chmod(0o700)
 
-    Raises:
-        EaglenestError: weed is missing, exits, or does not answer within ``timeout_s`` (naming its log).
-    """
-    running = store_status(directory)
-    if running is not None:
-        return running
-    directory.mkdir(parents=True, exist_ok=True)
-    # A restarted store keeps its credentials and, where they are still free, its ports: every clone configured
-    # for it pushes again without being configured anew.
+
+def _security_toml(ports: dict[str, int]) -> bytes:
+    """weed's security.toml for one start: fresh signing keys, so that the master, volume and filer ports refuse
+    anyone but the store's own S3 gateway; browsers of other origins are refused too."""
+    keys = {section: secrets.token_hex(32) for section in JWT_SECTIONS}
+    lines = [f'[cors.allowed_origins]\nvalues = "http://127.0.0.1:{ports["s3.port"]}"\n',
+             # without read keys the filer would list and serve every object's metadata to anyone
+             "[access]\nui = false\n", "[filer.expose_directory_metadata]\nenabled = false\n"]
+    lines += [f'[{section}]\nkey = "{key}"\nexpires_after_seconds = 10\n' for section, key in keys.items()]
+    return "\n".join(lines).encode()
+
+
+def _weed_command(directory: Path, ports: dict[str, int], bucket: str) -> list[str]:
+    """``weed mini`` on 127.0.0.1 only, telemetry off, CORS for its own origin only, no admin UI or WebDAV."""
+    return [str(weed_binary()), "mini", f"-dir={directory.resolve() / 'data'}", "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1", f"-bucket={bucket}", "-admin.ui=false", "-webdav=false",
+            "-master.telemetry=false", f"-filer.allowedOrigins=http://127.0.0.1:{ports['filer.port']}",
+            f"-s3.allowedOrigins=http://127.0.0.1:{ports['s3.port']}",
+            *(f"-{flag}={port}" for flag, port in ports.items())]
+
+
+def _next_store(directory: Path, bucket: str) -> Store:
+    """The store to start in ``directory`` (pid 0 until it runs): a restarted store keeps its credentials and,
+    where they are still free, its ports, so every clone configured for it pushes again without being configured
+    anew."""
     previous = _recorded(directory)
     reusable = previous is not None and set(previous.ports) == set(PORT_FLAGS)
     if reusable and all(map(_port_free, previous.ports.values())):
@@ -142,30 +177,63 @@ def start_store(directory: Path, bucket: str = DEFAULT_BUCKET, timeout_s: float 
     else:
         ports = {flag: _free_port() for flag in PORT_FLAGS}
     if previous is not None:
-        access_key, secret_key = previous.access_key, previous.secret_key
-    else:
-        access_key, secret_key = "eaglenest-" + secrets.token_hex(6), secrets.token_hex(20)
-    command = [str(weed_binary()), "mini", f"-dir={directory.resolve() / 'data'}", "-ip=127.0.0.1",
-               "-ip.bind=127.0.0.1", f"-bucket={bucket}", "-admin.ui=false", "-webdav=false",
-               *(f"-{flag}={port}" for flag, port in ports.items())]
-    (directory / "data").mkdir(exist_ok=True)
-    log_file = directory / "weed.log"
-    # weed mini takes its S3 identity from these variables; the user's own AWS credentials stay out of it
-    env = {**os.environ, "AWS_ACCESS_KEY_ID": access_key, "AWS_SECRET_ACCESS_KEY": secret_key}
-    with open(log_file, "ab") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env=env, start_new_session=True)  # outlives this command; stopped by pid
-    store = Store(process.pid, ports, access_key, secret_key, bucket)
-    deadline = time.monotonic() + timeout_s
-    while not _answers(ports["s3.port"]):
-        if process.poll() is not None or time.monotonic() > deadline:
+        return Store(0, ports, previous.access_key, previous.secret_key, bucket)
+    return Store(0, ports, "eaglenest-" + secrets.token_hex(6), secrets.token_hex(20), bucket)
+
+
+def start_store(directory: Path, bucket: str = DEFAULT_BUCKET, timeout_s: float = START_TIMEOUT_S) -> Store:
+    """Starts a store in ``directory`` (or returns the one already running there).
+
+    One command at a time starts or stops a folder's store (a second is refused with the lock's line). The state
+    file records the weed process before it answers, so that a start killed while waiting leaves a store that the
+    next ``start`` adopts and ``stop`` stops.
+
+    Raises:
+        EaglenestError: another command starts or stops this store, weed is missing, exits, or does not answer
+            within ``timeout_s`` (naming its log).
+    """
+    directory = directory.resolve()
+    _private_folder(directory)
+    with exclusive(lock_file_for(directory), f"the store in {directory}"):
+        running = store_status(directory)
+        if running is not None:
+            return running
+        orphan = _recorded(directory)
+        if orphan is not None and _is_weed_of(orphan.pid, directory):  # started by a killed start, not answering
+            _terminate(orphan.pid)
+        planned = _next_store(directory, bucket)
+        _private_folder(directory / "data")
+        atomic_write_bytes(directory / SECURITY_FILE, _security_toml(planned.ports), mode=0o600)
+        log_file = directory / "weed.log"
+        # weed mini takes its S3 identity from these variables; the user's own AWS credentials stay out of it
+        env = {**os.environ, "AWS_ACCESS_KEY_ID": planned.access_key, "AWS_SECRET_ACCESS_KEY": planned.secret_key}
+        with open(log_file, "ab", opener=lambda path, flags: os.open(path, flags, 0o600)) as log:
+            # cwd: weed reads ./security.toml first; its own session: it outlives this command, stopped by pid
+            process = subprocess.Popen(_weed_command(directory, planned.ports, bucket), cwd=directory, stdout=log,
+                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                       start_new_session=True)
+        store = Store(process.pid, planned.ports, planned.access_key, planned.secret_key, bucket)
+        try:
+            atomic_write_json(directory / STATE_FILE, asdict(store), mode=0o600)  # it holds the secret
+            _wait_for(store, process, log_file, timeout_s)
+        except BaseException:  # Ctrl-C or a failed start: no store left running
             _terminate(process.pid)
+            raise
+        return store
+
+
+def _wait_for(store: Store, process: subprocess.Popen[bytes], log_file: Path, timeout_s: float) -> None:
+    """Waits until the store's S3 port answers.
+
+    Raises:
+        EaglenestError: weed exited, or did not answer within ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not _answers(store.ports["s3.port"]):
+        if process.poll() is not None or time.monotonic() > deadline:
             raise EaglenestError(f"the store did not start (weed exited or did not answer in {timeout_s:.0f} s); "
                                  f"its log: {log_file}")
         time.sleep(0.2)
-    atomic_write_json(directory / STATE_FILE, asdict(store))
-    os.chmod(directory / STATE_FILE, 0o600)  # it holds the secret
-    return store
 
 
 def _terminate(pid: int) -> None:
@@ -188,29 +256,70 @@ def _terminate(pid: int) -> None:
 
 
 def stop_store(directory: Path) -> bool:
-    """Stops the store running from ``directory``; False where none was running. Its objects stay."""
-    store = store_status(directory)
-    if store is None:
-        return False
-    _terminate(store.pid)  # the state file stays: a restart reuses its credentials and ports
-    return True
+    """Stops the store of ``directory``, answering or still starting; False where none was running. Its objects
+    stay, and its state file: a restart reuses its credentials and ports.
+
+    Raises:
+        EaglenestError: another command starts or stops this store.
+    """
+    directory = directory.resolve()
+    with exclusive(lock_file_for(directory), f"the store in {directory}"):
+        store = _recorded(directory)
+        if store is None or not _is_weed_of(store.pid, directory):
+            return False
+        _terminate(store.pid)
+        return True
 
 
-def configure_remote(repo: Path, store: Store, name: str = DEFAULT_REMOTE, prefix: str = "eaglenest") -> str:
-    """Makes ``name`` the default DVC remote of ``repo``, on the store, in ``.dvc/config.local``; returns its URL."""
+def _private_file(path: Path) -> None:
+    """Makes ``path`` exist with only its owner let in, before a secret is written to it."""
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600))
+    if path.stat().st_mode & 0o077:  # a config.local made before: closed to others before the secret goes in
+        path.chmod(0o600)
+
+
+def configure_remote(repo: Path, store: Store, name: str = DEFAULT_REMOTE, prefix: str = "eaglenest",
+                     force: bool = False) -> str:
+    """Makes ``name`` a DVC remote of ``repo`` on the store, in ``.dvc/config.local`` (0600), written by DVC's own
+    config API in this process (a ``dvc remote modify`` line would show the secret to every user in ``ps``).
+
+    A remote ``name`` that points elsewhere stays (unless ``force``); the same store's gets the store's current
+    credentials. It becomes the default remote only where the repository has none.
+
+    Returns:
+        What was done, for the printed line: ``DVC remote 'team' = s3://... in .dvc/config.local (...)``.
+
+    Raises:
+        EaglenestError: a remote ``name`` exists for another URL or endpoint and ``force`` is off, or DVC's config
+            is malformed.
+    """
+    from dvc.config import Config, ConfigError
+
     url = f"s3://{store.bucket}/{prefix}"
-    dvc = [sys.executable, "-m", "dvc", "remote"]
-    for args in (["add", "--local", "--default", "--force", name, url],
-                 ["modify", "--local", name, "endpointurl", store.endpoint],
-                 ["modify", "--local", name, "access_key_id", store.access_key],
-                 ["modify", "--local", name, "secret_access_key", store.secret_key],
-                 # DVC trusts an S3 remote's objects by default; verify makes a pull hash what it downloads and
-                 # refuse an object whose bytes changed in the store
-                 ["modify", "--local", name, "verify", "true"]):
-        result = subprocess.run([*dvc, *args], cwd=repo, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise EaglenestError(f"dvc remote {args[0]} {name} failed in {repo}: {result.stderr.strip()}")
-    return url
+    try:
+        config = Config(dvc_dir=str(repo / ".dvc"))
+        existing = config["remote"].get(name)
+        if existing is not None and not force and (existing.get("url"), existing.get("endpointurl")) != (
+                url, store.endpoint):
+            raise EaglenestError(
+                f"DVC remote {name!r} of {repo.resolve()} is {existing.get('url')}"
+                + (f" at {existing['endpointurl']}" if existing.get("endpointurl") else "")
+                + ": --force replaces it with this store, --name picks another name")
+        default = config["core"].get("remote")
+        _private_file(Path(config.files["local"]))
+        with config.edit("local") as local:
+            # DVC trusts an S3 remote's objects by default; verify makes a pull hash what it downloads and refuse
+            # an object whose bytes changed in the store
+            section = {} if force else local["remote"].get(name, {})  # the user's other fields stay
+            section.update(url=url, endpointurl=store.endpoint, access_key_id=store.access_key,
+                           secret_access_key=store.secret_key, verify=True)
+            local["remote"][name] = section
+            if default is None:
+                local.setdefault("core", {})["remote"] = name
+    except ConfigError as err:
+        raise EaglenestError(f"{repo / '.dvc'}: {err}") from None
+    made = "the default remote" if default in (None, name) else f"not the default: that stays {default!r}"
+    return f"DVC remote {name!r} = {url} in .dvc/config.local ({made})"
 
 
 # Under the remote's root, beside DVC's files/: prepare's caches of regenerated replies and self-instruct prompts.
@@ -513,7 +622,8 @@ def exp_pull(repo: Path, name: str, git_remote: str, remote_name: str) -> list[s
     return said.strip().splitlines()
 
 
-def remote(action: str, repo: Path, directory: Path, name: str, args: list[str], dvc_flags: list[str]) -> int:
+def remote(action: str, repo: Path, directory: Path, name: str, args: list[str], dvc_flags: list[str],
+           force: bool = False) -> int:
     """``eaglenest remote ACTION [ARGS] [-- DVC_FLAGS]``: prints what happened, returns the exit status.
 
     Args:
@@ -523,6 +633,7 @@ def remote(action: str, repo: Path, directory: Path, name: str, args: list[str],
         name: The DVC remote.
         args: push / pull: DVC targets; exp-push / exp-pull: the experiment, then the Git remote (default origin).
         dvc_flags: push / pull: DVC's own flags (``--jobs``, ``--all-commits``, ...).
+        force: start: replace a DVC remote ``name`` that points elsewhere.
 
     Raises:
         EaglenestError: arguments the action does not take, or its failure (one line).
@@ -544,9 +655,9 @@ def remote(action: str, repo: Path, directory: Path, name: str, args: list[str],
     directory = directory if directory.is_absolute() else repo / directory
     if action == "start":
         store = start_store(directory)
-        url = configure_remote(repo, store, name)
-        print(f"store up at {store.endpoint} (objects in {directory / 'data'}, pid {store.pid}); DVC remote "
-              f"{name!r} = {url} in .dvc/config.local: `eaglenest remote push`, `eaglenest remote pull`")
+        configured = configure_remote(repo, store, name, force=force)
+        print(f"store up at {store.endpoint} (objects in {directory / 'data'}, pid {store.pid}); {configured}: "
+              f"`eaglenest remote push`, `eaglenest remote pull`")
         return 0
     if action == "stop":
         print(f"store in {directory} stopped" if stop_store(directory) else f"no store running in {directory}")
@@ -568,6 +679,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: .eaglenest/store; a second clone on this machine names the first one's)")
     parser.add_argument("--name", default="team", help="the DVC remote's name (default: team)")
     parser.add_argument("--repo", default=".", help="the repository (default: the current folder)")
+    parser.add_argument("--force", action="store_true", help="start: replace a DVC remote --name that points "
+                        "elsewhere (default: refused)")
 
 
 COMMAND = Command(
@@ -578,8 +691,11 @@ COMMAND = Command(
     "-- (eaglenest remote push -- --jobs 4). exp-push NAME [GIT_REMOTE]: dvc exp push --run-cache, refused "
     "where the Git remote (default origin) holds another experiment NAME; exp-pull NAME [GIT_REMOTE]: dvc exp "
     "pull --run-cache. A failure is one line naming the remote and what to do. start: runs SeaweedFS (weed "
-    "mini) on free 127.0.0.1 ports (credentials made once, kept across restarts) and makes it the repository's "
-    "default DVC remote in .dvc/config.local (nothing enters git); stop: stops it, keeping its objects; status: "
+    "mini) on free 127.0.0.1 ports, every port asking for credentials (made once, kept across restarts), and "
+    "makes it the DVC remote --name in .dvc/config.local (0600; nothing enters git), the default where the "
+    "repository has none; a remote of that name elsewhere is refused (--force replaces it); one start or stop "
+    "per store at a time; stop: stops it, keeping its objects; status: "
     "exit 0 where it runs. A remote elsewhere (AWS S3, GCS, MinIO): docs/team-remote.md.",
     add_arguments=_add_arguments, passes_flags=True,
-    run=lambda args: remote(args.action, Path(args.repo), Path(args.dir), args.name, args.args, args.vllm_args))
+    run=lambda args: remote(args.action, Path(args.repo), Path(args.dir), args.name, args.args, args.vllm_args,
+                            args.force))

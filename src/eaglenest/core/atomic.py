@@ -52,21 +52,26 @@ def _fail(final: Path, err: OSError) -> EaglenestError:
     return EaglenestError(f"could not write {final}: {err.strerror or err} (nothing was left under that name)")
 
 
-def atomic_write_bytes(final: Path, data: bytes, fsync: bool = True) -> None:
-    """Writes ``data`` to ``final`` through a temporary file and a rename (fsync'd first by default)."""
-    with atomic_open(final, fsync=fsync) as fh:
+def atomic_write_bytes(final: Path, data: bytes, fsync: bool = True, mode: int = 0o666) -> None:
+    """Writes ``data`` to ``final`` through a temporary file and a rename (fsync'd first by default); ``mode`` as
+    :func:`atomic_open`'s."""
+    with atomic_open(final, fsync=fsync, mode=mode) as fh:
         fh.write(data)
 
 
 @contextlib.contextmanager
-def atomic_open(final: Path, fsync: bool = True) -> Iterator[BinaryIO]:
+def atomic_open(final: Path, fsync: bool = True, mode: int = 0o666) -> Iterator[BinaryIO]:
     """A binary file to stream into that replaces ``final`` (rename) only if the block succeeds; on any exception
-    the temporary is deleted and ``final`` is left as it was."""
+    the temporary is deleted and ``final`` is left as it was.
+
+    ``mode`` is the temporary's mode from its creation (less the umask), so that a secret (0600) is never readable
+    by others, not even before the rename.
+    """
     final = Path(final)
     tmp = temp_sibling(final)
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
-        fh = open(tmp, "wb")  # noqa: SIM115 (closed below, before the rename)
+        fh = open(tmp, "wb", opener=lambda path, flags: os.open(path, flags, mode))  # noqa: SIM115 (closed below)
     except OSError as err:
         raise _fail(final, err) from err
     try:
@@ -84,9 +89,9 @@ def atomic_open(final: Path, fsync: bool = True) -> Iterator[BinaryIO]:
         raise
 
 
-def atomic_write_json(final: Path, obj: Any) -> None:
-    """Writes ``obj`` as indented JSON (with a trailing newline) atomically."""
-    atomic_write_bytes(Path(final), (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
+def atomic_write_json(final: Path, obj: Any, mode: int = 0o666) -> None:
+    """Writes ``obj`` as indented JSON (with a trailing newline) atomically; ``mode`` as :func:`atomic_open`'s."""
+    atomic_write_bytes(Path(final), (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode(), mode=mode)
 
 
 @contextlib.contextmanager
