@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import secrets
@@ -23,6 +24,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 from eaglenest.commands.command import Command
@@ -122,6 +124,13 @@ def _is_weed_of(pid: int, directory: Path) -> bool:
     return f"-dir={directory.resolve() / 'data'}".encode() in argv
 
 
+def _weeds_of(directory: Path) -> list[int]:
+    """Every ``weed mini`` running on ``directory``, recorded or not (a start killed between starting weed and
+    recording it leaves one that only its command line names)."""
+    pids = [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
+    return [pid for pid in pids if pid != os.getpid() and _is_weed_of(pid, directory)]
+
+
 def store_status(directory: Path) -> Store | None:
     """The store running from ``directory``, or None where none is."""
     store = _recorded(directory)
@@ -198,9 +207,8 @@ def start_store(directory: Path, bucket: str = DEFAULT_BUCKET, timeout_s: float 
         running = store_status(directory)
         if running is not None:
             return running
-        orphan = _recorded(directory)
-        if orphan is not None and _is_weed_of(orphan.pid, directory):  # started by a killed start, not answering
-            _terminate(orphan.pid)
+        for orphan in _weeds_of(directory):  # left by a killed start, not answering yet (or no longer)
+            _terminate(orphan)
         planned = _next_store(directory, bucket)
         _private_folder(directory / "data")
         atomic_write_bytes(directory / SECURITY_FILE, _security_toml(planned.ports), mode=0o600)
@@ -264,11 +272,10 @@ def stop_store(directory: Path) -> bool:
     """
     directory = directory.resolve()
     with exclusive(lock_file_for(directory), f"the store in {directory}"):
-        store = _recorded(directory)
-        if store is None or not _is_weed_of(store.pid, directory):
-            return False
-        _terminate(store.pid)
-        return True
+        weeds = _weeds_of(directory)  # the recorded one, and any a killed start left unrecorded
+        for pid in weeds:
+            _terminate(pid)
+        return bool(weeds)
 
 
 def _private_file(path: Path) -> None:
@@ -324,6 +331,8 @@ def configure_remote(repo: Path, store: Store, name: str = DEFAULT_REMOTE, prefi
 
 # Under the remote's root, beside DVC's files/: prepare's caches of regenerated replies and self-instruct prompts.
 CACHES_PREFIX = "eaglenest-caches"
+# Beside each of their entries: the sha256 of its bytes (a sidecar object: any DVC remote holds one, S3 or not).
+CHECKSUM_SUFFIX = ".sha256"
 # DVC runs as a child of this interpreter: the project's own DVC, with its S3 plugin.
 DVC = (sys.executable, "-m", "dvc")
 # A push or pull whose endpoint stops answering this long is stopped. DVC does not stop by itself: with the store
@@ -470,16 +479,67 @@ def cache_folders() -> tuple[Path, ...]:
     return REPLIES, PROMPTS
 
 
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def _push_entries(target: Any, local: Path, remote_dir: str, there: set[str]) -> int:
+    """Puts the entries of ``local`` that ``there`` lacks, each with its sha256 beside it (the sidecar after the
+    entry: a pull refuses an entry without one); also the sidecar of an entry pushed before sidecars were.
+    Returns how many entries were copied."""
+    copied = 0
+    for entry in sorted(p.name for p in local.glob("*.json")) if local.is_dir() else []:
+        if entry not in there:
+            target.fs.put_file(str(local / entry), target.fs.join(remote_dir, entry))
+            copied += 1
+        if entry + CHECKSUM_SUFFIX not in there:
+            target.fs.pipe_file(target.fs.join(remote_dir, entry + CHECKSUM_SUFFIX), _sha256(local / entry).encode())
+    return copied
+
+
+def _pull_entries(target: Any, local: Path, remote_dir: str, there: set[str], remote: DvcRemote) -> int:
+    """Gets the entries of ``remote_dir`` that ``local`` lacks, each checked against the sha256 pushed beside it
+    before it gets its name (prepare trusts any file under an entry's name). Returns how many were copied.
+
+    Raises:
+        EaglenestError: an entry without its sha256, or whose bytes differ from it (naming the entry; nothing of it
+            is kept).
+    """
+    local.mkdir(parents=True, exist_ok=True)
+    entries = {name for name in there if not name.endswith(CHECKSUM_SUFFIX)}
+    missing = sorted(entries - {p.name for p in local.glob("*.json")})
+    for entry in missing:
+        where = target.fs.join(remote_dir, entry)
+        if entry + CHECKSUM_SUFFIX not in there:
+            raise EaglenestError(f"prepare's cache entry {where} on {remote} has no sha256 beside it (pushed by an "
+                                 f"older eaglenest, or altered): nothing of it was kept; a clone that has the "
+                                 f"entry pushes its sha256 with `eaglenest remote push`")
+        expected = target.fs.cat_file(where + CHECKSUM_SUFFIX).decode().strip()
+        partial = local / f".{entry}.partial"  # a partial or refused download never carries an entry's name
+        try:
+            target.fs.get_file(where, str(partial))
+            if _sha256(partial) != expected:
+                raise EaglenestError(f"prepare's cache entry {where} on {remote} does not match the sha256 it was "
+                                     f"pushed with (its bytes changed in the store): nothing of it was kept; "
+                                     f"delete it there and push it again from a clone that made it")
+            os.replace(partial, local / entry)
+        finally:
+            partial.unlink(missing_ok=True)
+    return len(missing)
+
+
 def sync_caches(repo: Path, direction: str, remote: DvcRemote) -> int:
     """Copies prepare's cache entries the other side lacks, to (``push``) or from (``pull``) the DVC remote.
 
     The caches are no DVC output: an output would be deleted before each run (or be ``persist``, which keeps DVC's
     run-cache from the stage), and prepare reuses them after any param change. Their entries are files named by
-    the hash of everything that made them and never rewritten, so a copy of the missing ones is a safe merge of
-    two machines' caches. Returns how many files were copied.
+    the hash of everything that made them (not of their bytes) and never rewritten, so a copy of the missing ones
+    is a safe merge of two machines' caches; each travels with the sha256 of its bytes, which a pull checks.
+    Returns how many entries were copied.
 
     Raises:
-        EaglenestError: the remote unreachable or refusing (one line naming it).
+        EaglenestError: the remote unreachable or refusing, or an entry refused (one line naming it).
     """
     from botocore.exceptions import BotoCoreError  # an S3 endpoint unreachable (dvc-s3 is a dependency)
     from dvc.exceptions import DvcException
@@ -490,27 +550,56 @@ def sync_caches(repo: Path, direction: str, remote: DvcRemote) -> int:
         with Repo(str(repo)) as dvc_repo:
             target = dvc_repo.cloud.get_remote(remote.name, "eaglenest remote")
             for folder in cache_folders():
-                local = repo / folder
                 remote_dir = target.fs.join(target.path, CACHES_PREFIX, folder.name)
                 there = {target.fs.name(p) for p in target.fs.find(remote_dir)}
-                here = {p.name for p in local.glob("*.json")} if local.is_dir() else set()
                 if direction == "push":
-                    for entry in sorted(here - there):
-                        target.fs.put_file(str(local / entry), target.fs.join(remote_dir, entry))
-                        copied += 1
+                    copied += _push_entries(target, repo / folder, remote_dir, there)
                 else:
-                    local.mkdir(parents=True, exist_ok=True)
-                    for entry in sorted(there - here):
-                        # a partial download never carries an entry's name (prepare would trust it)
-                        partial = local / f".{entry}.partial"
-                        target.fs.get_file(target.fs.join(remote_dir, entry), str(partial))
-                        os.replace(partial, local / entry)
-                        copied += 1
+                    copied += _pull_entries(target, repo / folder, remote_dir, there, remote)
     except (DvcException, OSError, BotoCoreError) as err:
         # s3fs turns botocore's error into an OSError of the server's message; its cause names the S3 error code
         said = f"ERROR: {err} ({err.__cause__})" if err.__cause__ else f"ERROR: {err}"
         raise EaglenestError(f"prepare's caches: {remote.failure(said, direction)}") from None
     return copied
+
+
+def verify_run_cache(repo: Path) -> int:
+    """Checks every entry of DVC's run-cache in ``repo`` against its name, and deletes those that do not match.
+
+    DVC names an entry ``runs/KEY[:2]/KEY/VALUE``: VALUE the sha256 of the entry (the stage's command, deps and
+    outputs' hashes), KEY that of the same without the outputs' hashes. DVC 3.67 checks neither when it pulls an
+    entry or restores a stage from it, and ``dvc pull --run-cache`` overwrites a local entry with the remote's:
+    an entry altered in the store would make ``dvc repro`` check out outputs that no run of those deps made.
+
+    Returns:
+        How many entries were checked.
+
+    Raises:
+        EaglenestError: an entry does not match its name (naming it; it was deleted, with every other such one).
+    """
+    from dvc.repo import Repo
+    from dvc.stage.cache import _get_cache_hash
+    from dvc.utils.serialize import load_yaml
+
+    with Repo(str(repo)) as dvc_repo:
+        runs = Path(dvc_repo.stage_cache.cache_dir)
+    entries = [p for p in runs.glob("*/*/*") if p.is_file()] if runs.is_dir() else []
+    altered = []
+    for path in entries:
+        try:
+            entry = load_yaml(str(path))
+            matches = (_get_cache_hash(dict(entry)) == path.name
+                       and _get_cache_hash(dict(entry), key=True) == path.parent.name)
+        except Exception:  # noqa: BLE001 (any file DVC cannot read as an entry is as altered as a wrong one)
+            matches = False
+        if not matches:
+            path.unlink()
+            altered.append(path)
+    if altered:
+        raise EaglenestError(f"DVC's run-cache entry {altered[0]} does not match its name (altered in the remote): "
+                             f"deleted, with {len(altered) - 1} other such; no stage is restored from it, so "
+                             f"`dvc repro` runs that stage")
+    return len(entries)
 
 
 def transfer(repo: Path, direction: str, name: str, targets: list[str], dvc_flags: list[str]) -> list[str]:
@@ -525,6 +614,8 @@ def transfer(repo: Path, direction: str, name: str, targets: list[str], dvc_flag
                              "prepare's caches go to one remote")
     remote = dvc_remote(repo, name)
     said = run_dvc(repo, [direction, "--run-cache", "-r", remote.name, *dvc_flags, *targets], remote, direction)
+    if direction == "pull":
+        verify_run_cache(repo)
     copied = sync_caches(repo, direction, remote)
     folders = ", ".join(str(f) for f in cache_folders())
     return [*said.strip().splitlines(), f"{direction}: {copied} cache entries copied ({folders})"]
@@ -533,6 +624,19 @@ def transfer(repo: Path, direction: str, name: str, targets: list[str], dvc_flag
 def _taken(name: str, git_remote: str) -> str:
     return (f"experiment {name} on {git_remote} is a teammate's with other outputs: rename yours (`dvc exp rename "
             f"{name} NEW`) and push again; theirs stays as it was")
+
+
+def _refuse_options(name: str, git_remote: str) -> None:
+    """Refuses an experiment or Git remote whose name git or DVC would read as an option (``--upload-pack=CMD``
+    makes ``git ls-remote`` run CMD).
+
+    Raises:
+        EaglenestError: either starts with ``-``.
+    """
+    for what, value in (("experiment name", name), ("Git remote", git_remote)):
+        if value.startswith("-"):
+            raise EaglenestError(f"the {what} {value!r} starts with '-', which git would read as an option: give "
+                                 f"a remote's name or URL (`git remote -v` lists them) and an experiment's name")
 
 
 def _remote_experiments(repo: Path, git_remote: str, name: str) -> dict[str, str]:
@@ -544,8 +648,8 @@ def _remote_experiments(repo: Path, git_remote: str, name: str) -> dict[str, str
     from dvc.repo.experiments.exceptions import InvalidExpRefError
     from dvc.repo.experiments.refs import EXPS_NAMESPACE, ExpRefInfo
 
-    listed = subprocess.run(["git", "ls-remote", git_remote, f"{EXPS_NAMESPACE}/*"], cwd=repo, capture_output=True,
-                            text=True, stdin=subprocess.DEVNULL)
+    listed = subprocess.run(["git", "ls-remote", "--", git_remote, f"{EXPS_NAMESPACE}/*"], cwd=repo,
+                            capture_output=True, text=True, stdin=subprocess.DEVNULL)
     if listed.returncode != 0:
         said = [line for line in listed.stderr.splitlines() if line.strip()]
         # git's first line says what failed ("fatal: 'x' does not appear to be a git repository"); advice follows
@@ -595,8 +699,9 @@ def exp_push(repo: Path, name: str, git_remote: str, remote_name: str) -> list[s
     for a teammate who pushed in between.
 
     Raises:
-        EaglenestError: the name is taken, or the push failed (one line).
+        EaglenestError: a name starts with ``-``, the name is taken, or the push failed (one line).
     """
+    _refuse_options(name, git_remote)
     commit = _local_experiment(repo, name)
     if any(theirs != commit for theirs in _remote_experiments(repo, git_remote, name).values()):
         raise EaglenestError(_taken(name, git_remote))
@@ -612,13 +717,16 @@ def exp_pull(repo: Path, name: str, git_remote: str, remote_name: str) -> list[s
     refused where this clone holds another experiment of that name; returns DVC's lines.
 
     Raises:
-        EaglenestError: the name is taken here, or the pull failed (one line).
+        EaglenestError: a name starts with ``-``, the name is taken here, the pull failed, or a pulled run-cache
+            entry was altered (one line).
     """
+    _refuse_options(name, git_remote)
     remote = dvc_remote(repo, remote_name)
     said = run_dvc(repo, ["exp", "pull", "--run-cache", "-r", remote.name, git_remote, name], remote, "pull")
     if DIVERGED_MARKER in said:
         raise EaglenestError(f"experiment {name} here is another than the one on {git_remote}: rename yours (`dvc "
                              f"exp rename {name} NEW`) and pull again; yours stays as it was")
+    verify_run_cache(repo)
     return said.strip().splitlines()
 
 
