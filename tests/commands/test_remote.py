@@ -204,6 +204,17 @@ def test_exp_push_refuses_a_name_taken_on_another_baseline(tmp_path: Path, store
     assert only_line(eaglenest_remote("exp-push", repo, "wide", "nowhere")) == (
         "Git remote 'nowhere' did not list its experiments: fatal: 'nowhere' does not appear to be a git repository")
 
+    # a Git remote that git would read as an option (--upload-pack runs a command): refused before git runs
+    from eaglenest.commands.remote import exp_pull, exp_push
+
+    marker = tmp_path / "ran"
+    for sync in (exp_push, exp_pull):
+        with pytest.raises(EaglenestError) as refused:
+            sync(repo, "wide", f"--upload-pack=touch {marker}", "team")
+        assert str(refused.value).startswith(f"the Git remote '--upload-pack=touch {marker}' starts with '-', which "
+                                             "git would read as an option"), refused.value
+    assert not marker.exists()
+
 
 def mode(path: Path) -> int:
     return path.stat().st_mode & 0o777
@@ -365,3 +376,50 @@ def test_a_start_killed_while_weed_starts_leaves_nothing_running(tmp_path: Path)
     finally:
         for pid in weeds_on(directory):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_pull_keeps_no_altered_cache_entry(store_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+    import s3fs
+
+    from eaglenest.commands.remote import CACHES_PREFIX, cache_folders, transfer
+
+    store = store_status(store_dir)
+    assert store is not None
+    mine, theirs = dvc_repo(tmp_path / "mine"), dvc_repo(tmp_path / "theirs")
+    for repo in (mine, theirs):
+        use_store(repo, store_dir)
+    # a stage run once leaves a run-cache entry; prepare's cache one entry
+    (mine / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"copy": {
+        "cmd": "cp in.txt out.txt", "deps": ["in.txt"], "outs": ["out.txt"]}}}))
+    (mine / "in.txt").write_text("rows\n")
+    run([str(VENV_BIN / "dvc"), "repro", "-q"], mine)
+    replies = cache_folders()[0]
+    (mine / replies).mkdir(parents=True)
+    (mine / replies / "aaa.json").write_text('["a reply"]')
+    transfer(mine, "push", "team", [], [])
+    fs = s3fs.S3FileSystem(key=store.access_key, secret=store.secret_key,
+                           client_kwargs={"endpoint_url": store.endpoint})
+
+    # a run-cache entry whose outputs were swapped in the store
+    [entry] = (mine / ".dvc" / "cache" / "runs").glob("*/*/*")
+    in_store = f"{store.bucket}/eaglenest/runs/{entry.parent.parent.name}/{entry.parent.name}/{entry.name}"
+    fs.pipe(in_store, entry.read_bytes().replace(yaml.safe_load(entry.read_text())["outs"][0]["md5"].encode(),
+                                                 b"0" * 32))
+    pulled = theirs / ".dvc" / "cache" / "runs" / entry.relative_to(mine / ".dvc" / "cache" / "runs")
+    with pytest.raises(EaglenestError) as refused:
+        transfer(theirs, "pull", "team", [], [])
+    assert str(refused.value).startswith(f"DVC's run-cache entry {pulled} does not match its name"), refused.value
+    assert not pulled.exists()
+    fs.pipe(in_store, entry.read_bytes())
+
+    # prepare's entry with other bytes, then without its sha256: refused by name, nothing kept under it
+    entry_in_store = f"{store.bucket}/eaglenest/{CACHES_PREFIX}/{replies.name}/aaa.json"
+    fs.pipe(entry_in_store, b'["a poisoned reply"]')
+    for fault in ("does not match the sha256 it was pushed with", "has no sha256 beside it"):
+        with pytest.raises(EaglenestError) as refused:
+            transfer(theirs, "pull", "team", [], [])
+        assert str(refused.value).startswith(f"prepare's cache entry {entry_in_store} on remote 'team' "), refused.value
+        assert fault in str(refused.value)
+        assert not list((theirs / replies).iterdir())
+        fs.rm(entry_in_store + ".sha256")
+        fs.pipe(entry_in_store, b'["a reply"]')
