@@ -388,8 +388,9 @@ class DvcRemote:
         """The line for a failed ``verb`` from what DVC (or s3fs) said: this remote, and what to do."""
         if any(marker in said for marker in REFUSED_MARKERS):
             return (f"{self} refused the credentials in .dvc/config.local (or the AWS_* environment): fix its "
-                    f"access_key_id and secret_access_key (`dvc remote modify --local {self.name} ...`; "
-                    f"`eaglenest remote start` rewrites them for this machine's store), then run the {verb} again")
+                    f"access_key_id and secret_access_key there (edit the file: a secret on a command line shows in "
+                    f"`ps`; `eaglenest remote start` rewrites them for this machine's store), then run the {verb} "
+                    f"again")
         if any(marker in said for marker in UNREACHABLE_MARKERS):
             return self.down(verb)
         return f"{self}: {_error_line(said)}"
