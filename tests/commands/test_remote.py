@@ -360,18 +360,24 @@ def test_a_second_start_of_one_store_is_refused_while_the_first_runs(tmp_path: P
     assert not weeds_on(directory)
 
 
-def test_a_start_killed_while_weed_starts_leaves_nothing_running(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sent", [signal.SIGKILL, signal.SIGINT])
+def test_a_start_killed_while_weed_starts_leaves_nothing_running(tmp_path: Path, sent: signal.Signals) -> None:
     repo, directory = dvc_repo(tmp_path / "repo"), tmp_path / "store"
     starting = subprocess.Popen(eaglenest_remote_command("start", "--dir", directory), cwd=repo, env=project_env(),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
         while not weeds_on(directory) and starting.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
-        starting.kill()  # as kill -9, or a closed terminal: nothing of the command runs after it
-        starting.wait()
         assert weeds_on(directory), "weed never started"
-        assert stop_store(directory)
+        # SIGKILL as kill -9 or a closed terminal (nothing of the command runs after it), SIGINT as Ctrl-C
+        starting.send_signal(sent)
+        said = starting.communicate(timeout=60)[1]
+        if sent == signal.SIGINT:  # the start stops what it started, and says so in one line
+            assert said.splitlines() == [f"eaglenest remote: error: the start of the store in {directory} was "
+                                         "interrupted: it was stopped, nothing runs; start it again"], said
+            assert not weeds_on(directory)
+        assert stop_store(directory) == (sent == signal.SIGKILL)  # the killed start's weed: recorded, stopped
         assert not weeds_on(directory)
     finally:
         for pid in weeds_on(directory):

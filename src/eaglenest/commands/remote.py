@@ -193,13 +193,14 @@ def _next_store(directory: Path, bucket: str) -> Store:
 def start_store(directory: Path, bucket: str = DEFAULT_BUCKET, timeout_s: float = START_TIMEOUT_S) -> Store:
     """Starts a store in ``directory`` (or returns the one already running there).
 
-    One command at a time starts or stops a folder's store (a second is refused with the lock's line). The state
-    file records the weed process before it answers, so that a start killed while waiting leaves a store that the
-    next ``start`` adopts and ``stop`` stops.
+    One command at a time starts or stops a folder's store (a second is refused with the lock's line). Ctrl-C
+    while weed starts stops it; the state file records it before it answers, and weed's command line names the
+    folder, so that a start killed outright leaves a weed that the next ``start`` takes over (or restarts) and
+    ``stop`` stops.
 
     Raises:
-        EaglenestError: another command starts or stops this store, weed is missing, exits, or does not answer
-            within ``timeout_s`` (naming its log).
+        EaglenestError: another command starts or stops this store, the start was interrupted, weed is missing,
+            exits, or does not answer within ``timeout_s`` (naming its log).
     """
     directory = directory.resolve()
     _private_folder(directory)
@@ -207,25 +208,28 @@ def start_store(directory: Path, bucket: str = DEFAULT_BUCKET, timeout_s: float 
         running = store_status(directory)
         if running is not None:
             return running
-        for orphan in _weeds_of(directory):  # left by a killed start, not answering yet (or no longer)
-            _terminate(orphan)
+        _stop_weeds_of(directory)  # one a killed start left, not answering yet (or no longer)
         planned = _next_store(directory, bucket)
         _private_folder(directory / "data")
         atomic_write_bytes(directory / SECURITY_FILE, _security_toml(planned.ports), mode=0o600)
         log_file = directory / "weed.log"
         # weed mini takes its S3 identity from these variables; the user's own AWS credentials stay out of it
         env = {**os.environ, "AWS_ACCESS_KEY_ID": planned.access_key, "AWS_SECRET_ACCESS_KEY": planned.secret_key}
-        with open(log_file, "ab", opener=lambda path, flags: os.open(path, flags, 0o600)) as log:
-            # cwd: weed reads ./security.toml first; its own session: it outlives this command, stopped by pid
-            process = subprocess.Popen(_weed_command(directory, planned.ports, bucket), cwd=directory, stdout=log,
-                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                       start_new_session=True)
-        store = Store(process.pid, planned.ports, planned.access_key, planned.secret_key, bucket)
         try:
+            with open(log_file, "ab", opener=lambda path, flags: os.open(path, flags, 0o600)) as log:
+                # cwd: weed reads ./security.toml first; its own session: it outlives this command, stopped by pid
+                process = subprocess.Popen(_weed_command(directory, planned.ports, bucket), cwd=directory,
+                                           stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                           start_new_session=True)
+            store = Store(process.pid, planned.ports, planned.access_key, planned.secret_key, bucket)
             atomic_write_json(directory / STATE_FILE, asdict(store), mode=0o600)  # it holds the secret
             _wait_for(store, process, log_file, timeout_s)
-        except BaseException:  # Ctrl-C or a failed start: no store left running
-            _terminate(process.pid)
+        except KeyboardInterrupt:
+            _stop_weeds_of(directory)
+            raise EaglenestError(f"the start of the store in {directory} was interrupted: it was stopped, nothing "
+                                 "runs; start it again") from None
+        except BaseException:  # a failed start: no store left running
+            _stop_weeds_of(directory)
             raise
         return store
 
@@ -263,6 +267,15 @@ def _terminate(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
+def _stop_weeds_of(directory: Path) -> bool:
+    """Stops every weed of ``directory``: the recorded one, and any that a killed start left unrecorded. Returns
+    whether there was one."""
+    weeds = _weeds_of(directory)
+    for pid in weeds:
+        _terminate(pid)
+    return bool(weeds)
+
+
 def stop_store(directory: Path) -> bool:
     """Stops the store of ``directory``, answering or still starting; False where none was running. Its objects
     stay, and its state file: a restart reuses its credentials and ports.
@@ -272,10 +285,7 @@ def stop_store(directory: Path) -> bool:
     """
     directory = directory.resolve()
     with exclusive(lock_file_for(directory), f"the store in {directory}"):
-        weeds = _weeds_of(directory)  # the recorded one, and any a killed start left unrecorded
-        for pid in weeds:
-            _terminate(pid)
-        return bool(weeds)
+        return _stop_weeds_of(directory)
 
 
 def _private_file(path: Path) -> None:
