@@ -242,6 +242,28 @@ def http_status(url: str, method: str = "GET", data: bytes | None = None, **head
         return err.code, err.headers
 
 
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # and an empty SETTINGS
+
+
+def grpc_answers(port: int, tls: bool) -> bool:
+    """Whether the port answers an HTTP/2 client (gRPC's transport) that presents no certificate: with a frame."""
+    import socket
+    import ssl
+
+    try:
+        connection = socket.create_connection(("127.0.0.1", port), timeout=5)
+        if tls:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+            context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+            context.set_alpn_protocols(["h2"])
+            connection = context.wrap_socket(connection)
+        with connection:
+            connection.sendall(H2_PREFACE)
+            return len(connection.recv(64)) >= 9  # a frame header at least
+    except (OSError, ssl.SSLError):
+        return False
+
+
 def test_every_port_of_the_store_asks_for_credentials(store_dir: Path) -> None:  # noqa: F811
     import json
 
@@ -256,6 +278,10 @@ def test_every_port_of_the_store_asks_for_credentials(store_dir: Path) -> None: 
     written = http_status(f"http://{assigned['url']}/{assigned['fid']}", "PUT", b"planted")
     assert written[0] in (401, 403), written
     assert http_status(f"http://{assigned['url']}/{assigned['fid']}")[0] in (401, 403, 404)
+    # the gRPC ports: no plaintext HTTP/2, and no TLS without the store's client certificate
+    for flag in ("master.port.grpc", "volume.port.grpc", "filer.port.grpc", "s3.port.grpc"):
+        assert not grpc_answers(store.ports[flag], tls=False), flag
+        assert not grpc_answers(store.ports[flag], tls=True), flag
 
 
 def test_no_other_origin_may_call_the_store(store_dir: Path) -> None:  # noqa: F811

@@ -41,6 +41,9 @@ SECURITY_FILE = "security.toml"
 # Its signing keys: master and volume (writes, reads), filer (writes, reads); each a port that refuses a request
 # without a token signed by it.
 JWT_SECTIONS = ("jwt.signing", "jwt.signing.read", "jwt.filer_signing", "jwt.filer_signing.read")
+# Its gRPC ports take mutual TLS: each component (and weed as a client of the others) presents one certificate.
+GRPC_FILES = ("grpc-ca.crt", "grpc.crt", "grpc.key")
+GRPC_COMPONENTS = ("master", "volume", "filer", "s3", "admin", "worker", "msg_broker", "msg_agent", "mq", "client")
 # weed mini's listeners: each gets a free loopback port (their defaults are fixed, and gRPC ports default to the
 # HTTP port + 10000, which overflows above 55535).
 PORT_FLAGS = ("s3.port", "s3.port.grpc", "s3.port.iceberg", "s3.port.lance", "master.port", "master.port.grpc",
@@ -155,14 +158,62 @@ def _private_folder(folder: Path) -> None:
         folder.chmod(0o700)
 
 
-def _security_toml(ports: dict[str, int]) -> bytes:
-    """weed's security.toml for one start: fresh signing keys, so that the master, volume and filer ports refuse
-    anyone but the store's own S3 gateway; browsers of other origins are refused too."""
-    keys = {section: secrets.token_hex(32) for section in JWT_SECTIONS}
+def _grpc_certificates(directory: Path) -> tuple[Path, Path, Path]:
+    """Writes a fresh certificate authority's certificate and one certificate with its key (0600), signed by it,
+    that every weed component presents and asks for on its gRPC port (mutual TLS: gRPC knows no JWT). The
+    authority's key is dropped once it signed: no other certificate can be made for this store.
+
+    Returns:
+        The authority's certificate, the certificate and its key.
+    """
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+
+    def signed(subject: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Name, signer: ec.EllipticCurvePrivateKey,
+               extensions: list[x509.ExtensionType]) -> x509.Certificate:
+        builder = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME,
+                                                                                        subject)]))
+                   .issuer_name(issuer).public_key(key.public_key()).serial_number(x509.random_serial_number())
+                   .not_valid_before(now - datetime.timedelta(minutes=5))
+                   .not_valid_after(now + datetime.timedelta(days=3650)))
+        for extension in extensions:
+            builder = builder.add_extension(extension, critical=isinstance(extension, x509.BasicConstraints))
+        return builder.sign(signer, hashes.SHA256())
+
+    authority_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    authority = signed("eaglenest store authority", authority_key, x509.Name([x509.NameAttribute(
+        NameOID.COMMON_NAME, "eaglenest store authority")]), authority_key,
+        [x509.BasicConstraints(ca=True, path_length=0)])
+    certificate = signed("eaglenest store", key, authority.subject, authority_key, [
+        x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+        x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH])])
+    paths = tuple(directory / name for name in GRPC_FILES)
+    atomic_write_bytes(paths[0], authority.public_bytes(serialization.Encoding.PEM))
+    atomic_write_bytes(paths[1], certificate.public_bytes(serialization.Encoding.PEM))
+    atomic_write_bytes(paths[2], key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                   serialization.NoEncryption()), mode=0o600)
+    return paths  # type: ignore[return-value]
+
+
+def _security_toml(directory: Path, ports: dict[str, int]) -> bytes:
+    """weed's security.toml for one start: fresh signing keys, so that the master, volume and filer HTTP ports
+    refuse anyone but the store's own S3 gateway, and fresh certificates that its gRPC ports ask for; browsers of
+    other origins are refused too."""
+    authority, certificate, key = (json.dumps(str(path)) for path in _grpc_certificates(directory))
     lines = [f'[cors.allowed_origins]\nvalues = "http://127.0.0.1:{ports["s3.port"]}"\n',
              # without read keys the filer would list and serve every object's metadata to anyone
              "[access]\nui = false\n", "[filer.expose_directory_metadata]\nenabled = false\n"]
-    lines += [f'[{section}]\nkey = "{key}"\nexpires_after_seconds = 10\n' for section, key in keys.items()]
+    lines += [f'[{section}]\nkey = "{secrets.token_hex(32)}"\nexpires_after_seconds = 10\n'
+              for section in JWT_SECTIONS]
+    lines += [f"[grpc]\nca = {authority}\n"]
+    lines += [f"[grpc.{component}]\ncert = {certificate}\nkey = {key}\n" for component in GRPC_COMPONENTS]
     return "\n".join(lines).encode()
 
 
@@ -211,7 +262,7 @@ def start_store(directory: Path, bucket: str = DEFAULT_BUCKET, timeout_s: float 
         _stop_weeds_of(directory)  # one a killed start left, not answering yet (or no longer)
         planned = _next_store(directory, bucket)
         _private_folder(directory / "data")
-        atomic_write_bytes(directory / SECURITY_FILE, _security_toml(planned.ports), mode=0o600)
+        atomic_write_bytes(directory / SECURITY_FILE, _security_toml(directory, planned.ports), mode=0o600)
         log_file = directory / "weed.log"
         # weed mini takes its S3 identity from these variables; the user's own AWS credentials stay out of it
         env = {**os.environ, "AWS_ACCESS_KEY_ID": planned.access_key, "AWS_SECRET_ACCESS_KEY": planned.secret_key}
