@@ -376,6 +376,17 @@ def test_start_keeps_a_remote_of_that_name_elsewhere(store_dir: Path, tmp_path: 
     assert team["secret_access_key"] == store.secret_key and team["region"] == "us-east-1"
 
 
+def test_start_refuses_a_folder_open_to_others(tmp_path: Path) -> None:
+    repo, directory = dvc_repo(tmp_path / "repo"), tmp_path / "shared"
+    directory.mkdir()
+    directory.chmod(0o755)
+    with pytest.raises(EaglenestError) as refused:
+        remote("start", repo, directory, "team", [], [])
+    assert str(refused.value) == (f"--dir {directory}: the folder is open to other users (mode 755) and holds no "
+                                  f"store: name a new folder, or close it (`chmod 700 {directory}`)")
+    assert mode(directory) == 0o755 and not weeds_on(directory)
+
+
 def test_a_second_start_of_one_store_is_refused_while_the_first_runs(tmp_path: Path) -> None:
     from eaglenest.core.lock import exclusive, lock_file_for
 

@@ -151,11 +151,21 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def _private_folder(folder: Path) -> None:
-    """Makes ``folder`` (and missing parents) with only its owner let in: it holds the store's secrets and objects."""
+def _private_folder(folder: Path, store: Path) -> None:
+    """Makes ``folder`` (and missing parents) with only its owner let in: it holds the store's secrets and objects.
+
+    Raises:
+        EaglenestError: ``folder`` exists, open to others, and holds no store (a store made before its folder was
+            private is closed; any other folder is the user's to change).
+    """
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if folder.stat().st_mode & 0o077:  # a store made before its folder was private
-        folder.chmod(0o700)
+    if not folder.stat().st_mode & 0o077:
+        return
+    if not (store / STATE_FILE).is_file():
+        raise EaglenestError(f"--dir {store}: the folder is open to other users (mode "
+                             f"{folder.stat().st_mode & 0o777:o}) and holds no store: name a new folder, or close it "
+                             f"(`chmod 700 {folder}`)")
+    folder.chmod(0o700)
 
 
 def _grpc_certificates(directory: Path) -> tuple[Path, Path, Path]:
@@ -254,14 +264,14 @@ def start_store(directory: Path, bucket: str = DEFAULT_BUCKET, timeout_s: float 
             exits, or does not answer within ``timeout_s`` (naming its log).
     """
     directory = directory.resolve()
-    _private_folder(directory)
+    _private_folder(directory, directory)
     with exclusive(lock_file_for(directory), f"the store in {directory}"):
         running = store_status(directory)
         if running is not None:
             return running
         _stop_weeds_of(directory)  # one a killed start left, not answering yet (or no longer)
         planned = _next_store(directory, bucket)
-        _private_folder(directory / "data")
+        _private_folder(directory / "data", directory)
         atomic_write_bytes(directory / SECURITY_FILE, _security_toml(directory, planned.ports), mode=0o600)
         log_file = directory / "weed.log"
         # weed mini takes its S3 identity from these variables; the user's own AWS credentials stay out of it
