@@ -1,17 +1,24 @@
 """``eaglenest remote`` against a real SeaweedFS store: start, status, stop, push and pull through it, and its
 faults, each one line naming the remote and what to do: wrong credentials, the store down mid-push, an object
-corrupted in the store."""
+corrupted in the store, an altered cache entry; and what the store lets others do on a shared host: nothing without
+its credentials."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
-from eaglenest.commands.remote import DOWN_AFTER_S, STATE_FILE, store_status
+from eaglenest.commands.remote import DOWN_AFTER_S, STATE_FILE, remote, stop_store, store_status
+from eaglenest.core.errors import EaglenestError
 from tests.fixtures.pipeline import VENV_BIN, project_env, run
 from tests.fixtures.store import dvc_remote, eaglenest_remote, eaglenest_remote_command, store_dir, use_store  # noqa: F401 (fixture)
 
@@ -35,6 +42,8 @@ def test_start_status_stop_and_push_pull(tmp_path: Path) -> None:
     repo, store = dvc_repo(tmp_path / "repo"), tmp_path / "store"
     started = eaglenest_remote("start", repo, "--dir", store)
     assert started.returncode == 0 and "DVC remote 'team'" in started.stdout, started.stderr
+    assert "(the default remote)" in started.stdout
+    assert (store.stat().st_mode & 0o777) == 0o700  # objects, log and secrets: its owner's only
     state = store_status(store)
     assert state is not None
     assert listening_ports(state.pid) and all(a.startswith("127.0.0.1:") for a in listening_ports(state.pid))
@@ -194,3 +203,266 @@ def test_exp_push_refuses_a_name_taken_on_another_baseline(tmp_path: Path, store
     assert only_line(eaglenest_remote("exp-push", repo, "narrow")).startswith("no experiment narrow in ")
     assert only_line(eaglenest_remote("exp-push", repo, "wide", "nowhere")) == (
         "Git remote 'nowhere' did not list its experiments: fatal: 'nowhere' does not appear to be a git repository")
+
+    # a Git remote that git would read as an option (--upload-pack runs a command): refused before git runs
+    from eaglenest.commands.remote import exp_pull, exp_push
+
+    marker = tmp_path / "ran"
+    for sync in (exp_push, exp_pull):
+        with pytest.raises(EaglenestError) as refused:
+            sync(repo, "wide", f"--upload-pack=touch {marker}", "team")
+        assert str(refused.value).startswith(f"the Git remote '--upload-pack=touch {marker}' starts with '-', which "
+                                             "git would read as an option"), refused.value
+    assert not marker.exists()
+
+
+def mode(path: Path) -> int:
+    return path.stat().st_mode & 0o777
+
+
+def weeds_on(directory: Path) -> list[int]:
+    """The weed processes whose command line names ``directory``'s objects."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0") if entry.name.isdigit() else []
+        except OSError:
+            continue
+        if f"-dir={directory.resolve() / 'data'}".encode() in argv:
+            found.append(int(entry.name))
+    return found
+
+
+def http_status(url: str, method: str = "GET", data: bytes | None = None, **headers: str) -> tuple[int, Any]:
+    """The status and headers of one request without credentials."""
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data, headers, method=method), timeout=5) as answer:
+            return answer.status, answer.headers
+    except urllib.error.HTTPError as err:
+        return err.code, err.headers
+
+
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # and an empty SETTINGS
+
+
+def grpc_answers(port: int, tls: bool) -> bool:
+    """Whether the port answers an HTTP/2 client (gRPC's transport) that presents no certificate: with a frame."""
+    import socket
+    import ssl
+
+    try:
+        connection = socket.create_connection(("127.0.0.1", port), timeout=5)
+        if tls:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+            context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+            context.set_alpn_protocols(["h2"])
+            connection = context.wrap_socket(connection)
+        with connection:
+            connection.sendall(H2_PREFACE)
+            return len(connection.recv(64)) >= 9  # a frame header at least
+    except (OSError, ssl.SSLError):
+        return False
+
+
+def test_every_port_of_the_store_asks_for_credentials(store_dir: Path) -> None:  # noqa: F811
+    import json
+
+    store = store_status(store_dir)
+    assert store is not None
+    filer = f"http://127.0.0.1:{store.ports['filer.port']}"
+    assert http_status(f"{filer}/buckets/dvc/planted.txt", "PUT", b"planted")[0] in (401, 403)
+    assert http_status(f"{filer}/buckets/dvc/")[0] in (401, 403)
+    # the master hands out a file id, but the volume server takes no write without the master's signed token
+    with urllib.request.urlopen(f"http://127.0.0.1:{store.ports['master.port']}/dir/assign", timeout=5) as answer:
+        assigned = json.load(answer)
+    written = http_status(f"http://{assigned['url']}/{assigned['fid']}", "PUT", b"planted")
+    assert written[0] in (401, 403), written
+    assert http_status(f"http://{assigned['url']}/{assigned['fid']}")[0] in (401, 403, 404)
+    # the gRPC ports: no plaintext HTTP/2, and no TLS without the store's client certificate
+    for flag in ("master.port.grpc", "volume.port.grpc", "filer.port.grpc", "s3.port.grpc"):
+        assert not grpc_answers(store.ports[flag], tls=False), flag
+        assert not grpc_answers(store.ports[flag], tls=True), flag
+
+
+def test_no_other_origin_may_call_the_store(store_dir: Path) -> None:  # noqa: F811
+    store = store_status(store_dir)
+    assert store is not None
+    evil = "http://evil.example"
+    for port in (store.ports["s3.port"], store.ports["filer.port"]):
+        for method, extra in (("OPTIONS", {"Access-Control-Request-Method": "GET"}), ("GET", {})):
+            _, headers = http_status(f"http://127.0.0.1:{port}/dvc/", method, Origin=evil, **extra)
+            assert headers.get("Access-Control-Allow-Origin") not in ("*", evil), (port, method, dict(headers))
+
+
+def test_the_store_s_files_are_its_owner_s_and_weed_reports_to_nobody(store_dir: Path) -> None:  # noqa: F811
+    store = store_status(store_dir)
+    assert store is not None
+    assert mode(store_dir / "data") == 0o700
+    from eaglenest.commands.remote import SECURITY_FILE
+    assert [mode(store_dir / name) for name in ("weed.log", STATE_FILE, SECURITY_FILE)] == [0o600] * 3
+    argv = Path(f"/proc/{store.pid}/cmdline").read_bytes().decode().split("\0")
+    assert "-master.telemetry=false" in argv
+    assert store.secret_key not in " ".join(argv)
+
+
+class RecordingPopen(subprocess.Popen):  # type: ignore[type-arg]
+    """The real Popen, which also keeps every command line it starts."""
+
+    lines: list[str] = []
+
+    def __init__(self, args: Any, *rest: Any, **kwargs: Any) -> None:
+        RecordingPopen.lines.append(" ".join(map(str, args)) if isinstance(args, list | tuple) else str(args))
+        super().__init__(args, *rest, **kwargs)
+
+
+def test_start_shows_the_secret_to_nobody(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    repo, directory = dvc_repo(tmp_path / "repo"), tmp_path / "stores" / "store"
+    created: list[tuple[str, int]] = []
+    real_open = os.open
+
+    def recording_open(path: Any, flags: int, mode: int = 0o777, **kwargs: Any) -> int:
+        if flags & os.O_CREAT:
+            created.append((os.fspath(path), mode))
+        return real_open(path, flags, mode, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", RecordingPopen)
+    monkeypatch.setattr(os, "open", recording_open)
+    RecordingPopen.lines.clear()
+    try:
+        assert remote("start", repo, directory, "team", [], []) == 0
+        monkeypatch.undo()
+        store = store_status(directory)
+        assert store is not None and RecordingPopen.lines  # weed itself is one of them
+        assert not [line for line in RecordingPopen.lines if store.secret_key in line]
+        # the state file and the signing keys are 0600 from their creation, not after a rename
+        secret_files = [m for p, m in created if Path(p).name.startswith((f".{STATE_FILE}", ".security.toml"))]
+        assert len(secret_files) == 2 and set(secret_files) == {0o600}, created
+        config_local = repo / ".dvc" / "config.local"
+        assert store.secret_key in config_local.read_text() and mode(config_local) == 0o600
+        assert mode(directory) == 0o700
+        assert "(the default remote)" in capsys.readouterr().out
+    finally:
+        stop_store(directory)
+
+
+def test_start_keeps_a_remote_of_that_name_elsewhere(store_dir: Path, tmp_path: Path,  # noqa: F811
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from dvc.config import Config
+
+    store = store_status(store_dir)
+    assert store is not None
+    repo = dvc_repo(tmp_path / "repo")
+    with Config(dvc_dir=str(repo / ".dvc")).edit("repo") as config:
+        config["remote"]["team"] = {"url": "s3://their-bucket/data"}
+        config["remote"]["mine"] = {"url": "s3://my-bucket/data"}
+        config["core"] = {"remote": "mine"}
+    with pytest.raises(EaglenestError) as refused:
+        remote("start", repo, store_dir, "team", [], [])
+    assert str(refused.value) == (f"DVC remote 'team' of {repo} is s3://their-bucket/data: --force replaces it "
+                                  "with this store, --name picks another name")
+    assert not (repo / ".dvc" / "config.local").exists()
+
+    assert remote("start", repo, store_dir, "team", [], [], force=True) == 0
+    assert "not the default: that stays 'mine'" in capsys.readouterr().out
+    config = Config(dvc_dir=str(repo / ".dvc"))
+    assert config["remote"]["team"]["endpointurl"] == store.endpoint and config["core"]["remote"] == "mine"
+
+    # the same store again: only the credentials change; the user's own fields of that remote stay
+    with config.edit("local") as local:
+        local["remote"]["team"].update(secret_access_key="stale", region="us-east-1")
+    assert remote("start", repo, store_dir, "team", [], []) == 0
+    team = Config(dvc_dir=str(repo / ".dvc"))["remote"]["team"]
+    assert team["secret_access_key"] == store.secret_key and team["region"] == "us-east-1"
+
+
+def test_start_refuses_a_folder_open_to_others(tmp_path: Path) -> None:
+    repo, directory = dvc_repo(tmp_path / "repo"), tmp_path / "shared"
+    directory.mkdir()
+    directory.chmod(0o755)
+    with pytest.raises(EaglenestError) as refused:
+        remote("start", repo, directory, "team", [], [])
+    assert str(refused.value) == (f"--dir {directory}: the folder is open to other users (mode 755) and holds no "
+                                  f"store: name a new folder, or close it (`chmod 700 {directory}`)")
+    assert mode(directory) == 0o755 and not weeds_on(directory)
+
+
+def test_a_second_start_of_one_store_is_refused_while_the_first_runs(tmp_path: Path) -> None:
+    from eaglenest.core.lock import exclusive, lock_file_for
+
+    repo, directory = dvc_repo(tmp_path / "repo"), tmp_path / "store"
+    with exclusive(lock_file_for(directory), "the first start"), pytest.raises(EaglenestError) as refused:
+        remote("start", repo, directory, "team", [], [])
+    assert str(refused.value).startswith(f"the store in {directory} is being written by pid {os.getpid()} ")
+    assert not weeds_on(directory)
+
+
+@pytest.mark.parametrize("sent", [signal.SIGKILL, signal.SIGINT])
+def test_a_start_killed_while_weed_starts_leaves_nothing_running(tmp_path: Path, sent: signal.Signals) -> None:
+    repo, directory = dvc_repo(tmp_path / "repo"), tmp_path / "store"
+    starting = subprocess.Popen(eaglenest_remote_command("start", "--dir", directory), cwd=repo, env=project_env(),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not weeds_on(directory) and starting.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert weeds_on(directory), "weed never started"
+        # SIGKILL as kill -9 or a closed terminal (nothing of the command runs after it), SIGINT as Ctrl-C
+        starting.send_signal(sent)
+        said = starting.communicate(timeout=60)[1]
+        if sent == signal.SIGINT:  # the start stops what it started, and says so in one line
+            assert said.splitlines() == [f"eaglenest remote: error: the start of the store in {directory} was "
+                                         "interrupted: it was stopped, nothing runs; start it again"], said
+            assert not weeds_on(directory)
+        assert stop_store(directory) == (sent == signal.SIGKILL)  # the killed start's weed: recorded, stopped
+        assert not weeds_on(directory)
+    finally:
+        for pid in weeds_on(directory):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_pull_keeps_no_altered_cache_entry(store_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+    import s3fs
+
+    from eaglenest.commands.remote import CACHES_PREFIX, cache_folders, transfer
+
+    store = store_status(store_dir)
+    assert store is not None
+    mine, theirs = dvc_repo(tmp_path / "mine"), dvc_repo(tmp_path / "theirs")
+    for repo in (mine, theirs):
+        use_store(repo, store_dir)
+    # a stage run once leaves a run-cache entry; prepare's cache one entry
+    (mine / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"copy": {
+        "cmd": "cp in.txt out.txt", "deps": ["in.txt"], "outs": ["out.txt"]}}}))
+    (mine / "in.txt").write_text("rows\n")
+    run([str(VENV_BIN / "dvc"), "repro", "-q"], mine)
+    replies = cache_folders()[0]
+    (mine / replies).mkdir(parents=True)
+    (mine / replies / "aaa.json").write_text('["a reply"]')
+    transfer(mine, "push", "team", [], [])
+    fs = s3fs.S3FileSystem(key=store.access_key, secret=store.secret_key,
+                           client_kwargs={"endpoint_url": store.endpoint})
+
+    # a run-cache entry whose outputs were swapped in the store
+    [entry] = (mine / ".dvc" / "cache" / "runs").glob("*/*/*")
+    in_store = f"{store.bucket}/eaglenest/runs/{entry.parent.parent.name}/{entry.parent.name}/{entry.name}"
+    fs.pipe(in_store, entry.read_bytes().replace(yaml.safe_load(entry.read_text())["outs"][0]["md5"].encode(),
+                                                 b"0" * 32))
+    pulled = theirs / ".dvc" / "cache" / "runs" / entry.relative_to(mine / ".dvc" / "cache" / "runs")
+    with pytest.raises(EaglenestError) as refused:
+        transfer(theirs, "pull", "team", [], [])
+    assert str(refused.value).startswith(f"DVC's run-cache entry {pulled} does not match its name"), refused.value
+    assert not pulled.exists()
+    fs.pipe(in_store, entry.read_bytes())
+
+    # prepare's entry with other bytes, then without its sha256: refused by name, nothing kept under it
+    entry_in_store = f"{store.bucket}/eaglenest/{CACHES_PREFIX}/{replies.name}/aaa.json"
+    fs.pipe(entry_in_store, b'["a poisoned reply"]')
+    for fault in ("does not match the sha256 it was pushed with", "has no sha256 beside it"):
+        with pytest.raises(EaglenestError) as refused:
+            transfer(theirs, "pull", "team", [], [])
+        assert str(refused.value).startswith(f"prepare's cache entry {entry_in_store} on remote 'team' "), refused.value
+        assert fault in str(refused.value)
+        assert not list((theirs / replies).iterdir())
+        fs.rm(entry_in_store + ".sha256")
+        fs.pipe(entry_in_store, b'["a reply"]')

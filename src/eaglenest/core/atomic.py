@@ -128,9 +128,10 @@ def _fail(final: Path, err: OSError) -> EaglenestError:
     return EaglenestError(f"could not write {final}: {err.strerror or err} (nothing was left under that name)")
 
 
-def atomic_write_bytes(final: Path, data: bytes, fsync: bool = True) -> None:
-    """Writes ``data`` to ``final`` through a temporary file and a rename (fsync'd first by default)."""
-    with atomic_open(final, fsync=fsync) as fh:
+def atomic_write_bytes(final: Path, data: bytes, fsync: bool = True, mode: int = 0o666) -> None:
+    """Writes ``data`` to ``final`` through a temporary file and a rename (fsync'd first by default); ``mode`` as
+    :func:`atomic_open`'s."""
+    with atomic_open(final, fsync=fsync, mode=mode) as fh:
         fh.write(data)
 
 
@@ -142,7 +143,8 @@ def atomic_open(final: Path, fsync: bool = True, mode: int = 0o666) -> Iterator[
     Args:
         final: The file to write.
         fsync: Whether the file and then its folder (the rename) are made durable before returning.
-        mode: The permission bits the file is created with (before the umask).
+        mode: The permission bits the temporary is created with (less the umask), so that a secret (0600) is never
+            readable by others, not even before the rename.
     """
     final = Path(final)
     tmp = temp_sibling(final)
@@ -176,9 +178,9 @@ def atomic_open(final: Path, fsync: bool = True, mode: int = 0o666) -> Iterator[
         raise
 
 
-def atomic_write_json(final: Path, obj: Any) -> None:
-    """Writes ``obj`` as indented JSON (with a trailing newline) atomically."""
-    atomic_write_bytes(Path(final), (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
+def atomic_write_json(final: Path, obj: Any, mode: int = 0o666) -> None:
+    """Writes ``obj`` as indented JSON (with a trailing newline) atomically; ``mode`` as :func:`atomic_open`'s."""
+    atomic_write_bytes(Path(final), (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode(), mode=mode)
 
 
 def _fsync_tree(root: Path) -> None:
