@@ -40,7 +40,8 @@ import torch
 
 from eaglenest.artifacts.hidden_states.format import encode_hidden_states, file_metadata
 from eaglenest.artifacts.hidden_states.layout import FileSink, FileWriter, file_layout, shard_plan
-from eaglenest.commands.remote import Store, configure_remote, start_store, stop_store
+from eaglenest.commands.remote.dvc_config import configure_remote
+from eaglenest.commands.remote.store import Store, start_store, stop_store
 from eaglenest.core.host import host_record
 
 VENV_BIN = Path(sys.executable).parent

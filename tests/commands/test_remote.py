@@ -17,7 +17,9 @@ from typing import Any
 import pytest
 import yaml
 
-from eaglenest.commands.remote import DOWN_AFTER_S, STATE_FILE, remote, stop_store, store_status
+from eaglenest.commands.remote import remote
+from eaglenest.commands.remote.store import STATE_FILE, stop_store, store_status
+from eaglenest.commands.remote.transfer import DOWN_AFTER_S
 from eaglenest.core.errors import EaglenestError
 from tests.fixtures.pipeline import VENV_BIN, project_env, run
 from tests.fixtures.store import dvc_remote, eaglenest_remote, eaglenest_remote_command, store_dir, use_store  # noqa: F401 (fixture)
@@ -149,7 +151,7 @@ def test_status_without_a_store(tmp_path: Path) -> None:
 
 
 def test_prepare_s_caches_travel_as_a_merge(tmp_path: Path) -> None:
-    from eaglenest.commands.remote import cache_folders
+    from eaglenest.commands.remote.transfer import cache_folders
 
     mine, theirs, store = dvc_repo(tmp_path / "mine"), dvc_repo(tmp_path / "theirs"), tmp_path / "store"
     replies, prompts = cache_folders()
@@ -205,7 +207,7 @@ def test_exp_push_refuses_a_name_taken_on_another_baseline(tmp_path: Path, store
         "Git remote 'nowhere' did not list its experiments: fatal: 'nowhere' does not appear to be a git repository")
 
     # a Git remote that git would read as an option (--upload-pack runs a command): refused before git runs
-    from eaglenest.commands.remote import exp_pull, exp_push
+    from eaglenest.commands.remote.experiments import exp_pull, exp_push
 
     marker = tmp_path / "ran"
     for sync in (exp_push, exp_pull):
@@ -298,7 +300,7 @@ def test_the_store_s_files_are_its_owner_s_and_weed_reports_to_nobody(store_dir:
     store = store_status(store_dir)
     assert store is not None
     assert mode(store_dir / "data") == 0o700
-    from eaglenest.commands.remote import SECURITY_FILE
+    from eaglenest.commands.remote.store import SECURITY_FILE
     assert [mode(store_dir / name) for name in ("weed.log", STATE_FILE, SECURITY_FILE)] == [0o600] * 3
     argv = Path(f"/proc/{store.pid}/cmdline").read_bytes().decode().split("\0")
     assert "-master.telemetry=false" in argv
@@ -424,7 +426,7 @@ def test_a_start_killed_while_weed_starts_leaves_nothing_running(tmp_path: Path,
 def test_a_pull_keeps_no_altered_cache_entry(store_dir: Path, tmp_path: Path) -> None:  # noqa: F811
     import s3fs
 
-    from eaglenest.commands.remote import CACHES_PREFIX, cache_folders, transfer
+    from eaglenest.commands.remote.transfer import CACHES_PREFIX, cache_folders, transfer
 
     store = store_status(store_dir)
     assert store is not None

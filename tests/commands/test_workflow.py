@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eaglenest.commands.remote import configure_remote, start_store, stop_store
+from eaglenest.commands.remote.dvc_config import configure_remote
+from eaglenest.commands.remote.store import start_store, stop_store
 from tests.commands.test_report import DVC_YAML, GIT_ENV, commit, eval_documents, git, init_repo, loss_curves
 from tests.fixtures.pipeline import REPO
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eaglenest.commands.remote import DIVERGED_MARKER
+from eaglenest.commands.remote.experiments import DIVERGED_MARKER
 from tests.fixtures.pipeline import SharedPipeline, dvc, run
 from tests.fixtures.store import dvc_remote, eaglenest_remote, store_dir, use_store  # noqa: F401 (fixture)
 
