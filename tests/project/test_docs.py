@@ -529,6 +529,29 @@ def test_the_training_figure_was_drawn_from_the_curves_dvc_lock_records(tmp_path
         render_training_svg(old, tmp_path)
 
 
+def test_the_committed_curves_come_from_the_dvc_cache_where_the_workspace_holds_another_run(tmp_path: Path):
+    from dvc.repo import Repo
+
+    repo = tmp_path / "repo"
+    curves = repo / "dvclive/train"
+    (curves / "plots/metrics/val").mkdir(parents=True)
+    (curves / "plots/metrics/val/acc_0.tsv").write_text("step\tacc_0\n0\t0.1\n100\t0.3\n")
+    Repo.init(str(repo), no_scm=True).add(str(curves))  # the committed curves, in DVC's cache
+    md5 = yaml.safe_load((repo / "dvclive/train.dvc").read_text())["outs"][0]["md5"]
+    (repo / "dvc.lock").write_text(yaml.safe_dump({"schema": "2.0", "stages": {"train": {
+        "outs": [{"path": "dvclive/train", "md5": md5}]}}}))
+    subprocess.run([*GIT, "init", "-q"], cwd=repo, check=True)
+    subprocess.run([*GIT, "add", "dvc.lock"], cwd=repo, check=True)
+    subprocess.run([*GIT, "commit", "-q", "-m", "t"], cwd=repo, check=True)
+    (curves / "plots/metrics/val/acc_0.tsv").unlink()  # this host's run, as dvc repro leaves it
+    (curves / "plots/metrics/val/acc_0.tsv").write_text("step\tacc_0\n0\t0.2\n")
+    view = committed_view(repo, (), tmp_path / "view")
+    assert (view / "dvclive/train/plots/metrics/val/acc_0.tsv").read_text() == "step\tacc_0\n0\t0.1\n100\t0.3\n"
+    assert folder_md5(view / "dvclive/train") == md5
+    shutil.rmtree(repo / ".dvc/cache")  # neither here nor cached: left out, and the figure's md5 stands for them
+    assert not (committed_view(repo, (), tmp_path / "bare") / "dvclive").exists()
+
+
 def test_the_folder_md5_is_the_one_dvc_records(tmp_path: Path):
     folder = tmp_path / "curves"
     (folder / "plots" / "val").mkdir(parents=True)
