@@ -16,7 +16,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eaglenest.commands.generated import DOCS_TARGETS, README_TARGET, Generated, render_readme, stale, write
+from eaglenest.commands.generated import (
+    DOCS_TARGETS,
+    README_TARGET,
+    Generated,
+    check,
+    regenerate,
+    render_readme,
+    stale,
+    write,
+)
+from eaglenest.commands.generated.committed import committed_view
 from eaglenest.commands.generated.concurrency import SERVE_RECORD, load_serve_record, record_bench
 from eaglenest.commands.generated.training import TRAINING_SVG, drawn_md5, folder_md5, locked_md5, render_training_svg
 from eaglenest.commands.params_file import Params, parse_params
@@ -232,8 +242,59 @@ def test_params_blocks_pass_the_strict_check():
 
 @pytest.mark.parametrize("target", TARGETS, ids=[t.path for t in TARGETS])
 def test_generated_reference_is_fresh(target: Generated):
-    problems = stale(REPO, (target,))
+    """Against the run committed with the docs: after `make demo` the workspace holds this host's run instead."""
+    problems, _notes = check(REPO, (target,))
     assert not problems, "\n".join(problems)
+
+
+GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+RUN_TARGETS = (README_TARGET, *(t for t in DOCS_TARGETS if t.path in ("docs/defaults.md", TRAINING_SVG)))
+
+
+def _committed_docs_repo(tmp_path: Path) -> Path:
+    """A git repository holding the README's and docs' figures with the run they were drawn from, committed."""
+    repo = committed_view(REPO, RUN_TARGETS, tmp_path / "repo")
+    shutil.rmtree(repo / "dvclive", ignore_errors=True)  # DVC's output, not git's: the figure's md5 stands for it
+    subprocess.run([*GIT, "init", "-q"], cwd=repo, check=True)
+    subprocess.run([*GIT, "add", "-A"], cwd=repo, check=True)
+    subprocess.run([*GIT, "commit", "-q", "-m", "t"], cwd=repo, check=True)
+    return repo
+
+
+def test_docs_of_the_committed_run_are_fresh_where_the_workspace_holds_another(tmp_path: Path, capsys):
+    repo = _committed_docs_repo(tmp_path)
+    metrics = json.loads((repo / "metrics/eval.json").read_text())
+    first = next(name for name, value in metrics.items() if isinstance(value, dict))
+    metrics[first]["vllm_tau"] = 9.8765  # this host's run, as `make demo` leaves it
+    (repo / "metrics/eval.json").write_text(json.dumps(metrics))
+    lock = (repo / "dvc.lock").read_text()
+    (repo / "dvc.lock").write_text(lock.replace(locked_md5(repo), "0" * 32 + ".dir"))
+    assert regenerate(repo, RUN_TARGETS, True) == 0
+    said = capsys.readouterr().out
+    assert said.startswith("the workspace holds another run than the one committed (dvc.lock, metrics/eval.json "
+                           "differ from HEAD): checked the docs against the committed run")
+    assert "is not what" not in said
+    # a doc that really is stale: neither the committed run nor the workspace's draws it
+    page = (repo / "docs/defaults.md").read_text()
+    (repo / "docs/defaults.md").write_text(page.replace("The committed draft reaches vllm τ", "The draft reaches τ"))
+    problems, notes = check(repo, RUN_TARGETS)
+    assert [p.split(" ")[0] for p in problems] == ["docs/defaults.md"] and len(notes) == 1
+    assert regenerate(repo, RUN_TARGETS, True) == 1
+
+
+def test_docs_drawn_from_the_workspaces_new_run_are_fresh_before_it_is_committed(tmp_path: Path, capsys):
+    repo = _committed_docs_repo(tmp_path)
+    metrics = json.loads((repo / "metrics/eval.json").read_text())
+    first = next(name for name, value in metrics.items() if isinstance(value, dict))
+    metrics[first]["vllm_tau"] = 9.8765
+    (repo / "metrics/eval.json").write_text(json.dumps(metrics))
+    readme = (README_TARGET,)
+    assert regenerate(repo, readme, False) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "wrote README.md", "drawn from the workspace's run, not the committed one (metrics/eval.json differ from "
+        "HEAD): commit them with the docs"]
+    assert "9.877" in (repo / "README.md").read_text()
+    assert check(repo, readme)[0] == []
 
 
 def test_a_stale_reference_names_the_command_that_regenerates_it(tmp_path: Path):
@@ -444,19 +505,21 @@ def test_a_bench_record_missing_a_key_is_one_line_naming_file_and_key(tmp_path: 
 
 
 def test_the_training_figure_was_drawn_from_the_curves_dvc_lock_records(tmp_path: Path):
-    """Holds in a clone without DVC's cache: the figure carries the md5 of the curves it was drawn from."""
-    assert drawn_md5((REPO / TRAINING_SVG).read_text()) == locked_md5(REPO)
+    """Holds in a clone without DVC's cache: the figure carries the md5 of the curves it was drawn from, the one the
+    committed dvc.lock records (after `make demo` the workspace's records this host's run)."""
+    committed = committed_view(REPO, (), tmp_path / "committed")
+    assert drawn_md5((REPO / TRAINING_SVG).read_text()) == locked_md5(committed)
     assert f"]({TRAINING_SVG.removeprefix('docs/')})" in (DOCS / "training.md").read_text()
     (tmp_path / "docs/img").mkdir(parents=True)
     shutil.copy(REPO / TRAINING_SVG, tmp_path / TRAINING_SVG)
     old = (tmp_path / TRAINING_SVG).read_text()
-    lock = (REPO / "dvc.lock").read_text()
+    lock = (committed / "dvc.lock").read_text()
     (tmp_path / "dvc.lock").write_text(lock)
     assert render_training_svg(old, tmp_path) == old  # no curves here, and the figure is of the locked ones
     retrained = "0" * 32 + ".dir"
-    (tmp_path / "dvc.lock").write_text(lock.replace(locked_md5(REPO), retrained))
+    (tmp_path / "dvc.lock").write_text(lock.replace(locked_md5(committed), retrained))
     with pytest.raises(InputFileError, match=rf"{TRAINING_SVG} was drawn from dvclive/train md5 "
-                                             rf"{locked_md5(REPO)}, but dvc.lock records {retrained}, and "
+                                             rf"{locked_md5(committed)}, but dvc.lock records {retrained}, and "
                                              r"dvclive/train is not in the workspace: `dvc pull dvclive/train`"):
         render_training_svg(old, tmp_path)
     (tmp_path / "dvclive/train").mkdir(parents=True)
@@ -464,6 +527,29 @@ def test_the_training_figure_was_drawn_from_the_curves_dvc_lock_records(tmp_path
     with pytest.raises(InputFileError, match=rf"dvclive/train: md5 [0-9a-f]{{32}}\.dir, but dvc.lock records "
                                              rf"{retrained}; `dvc checkout dvclive/train`"):
         render_training_svg(old, tmp_path)
+
+
+def test_the_committed_curves_come_from_the_dvc_cache_where_the_workspace_holds_another_run(tmp_path: Path):
+    from dvc.repo import Repo
+
+    repo = tmp_path / "repo"
+    curves = repo / "dvclive/train"
+    (curves / "plots/metrics/val").mkdir(parents=True)
+    (curves / "plots/metrics/val/acc_0.tsv").write_text("step\tacc_0\n0\t0.1\n100\t0.3\n")
+    Repo.init(str(repo), no_scm=True).add(str(curves))  # the committed curves, in DVC's cache
+    md5 = yaml.safe_load((repo / "dvclive/train.dvc").read_text())["outs"][0]["md5"]
+    (repo / "dvc.lock").write_text(yaml.safe_dump({"schema": "2.0", "stages": {"train": {
+        "outs": [{"path": "dvclive/train", "md5": md5}]}}}))
+    subprocess.run([*GIT, "init", "-q"], cwd=repo, check=True)
+    subprocess.run([*GIT, "add", "dvc.lock"], cwd=repo, check=True)
+    subprocess.run([*GIT, "commit", "-q", "-m", "t"], cwd=repo, check=True)
+    (curves / "plots/metrics/val/acc_0.tsv").unlink()  # this host's run, as dvc repro leaves it
+    (curves / "plots/metrics/val/acc_0.tsv").write_text("step\tacc_0\n0\t0.2\n")
+    view = committed_view(repo, (), tmp_path / "view")
+    assert (view / "dvclive/train/plots/metrics/val/acc_0.tsv").read_text() == "step\tacc_0\n0\t0.1\n100\t0.3\n"
+    assert folder_md5(view / "dvclive/train") == md5
+    shutil.rmtree(repo / ".dvc/cache")  # neither here nor cached: left out, and the figure's md5 stands for them
+    assert not (committed_view(repo, (), tmp_path / "bare") / "dvclive").exists()
 
 
 def test_the_folder_md5_is_the_one_dvc_records(tmp_path: Path):

@@ -10,7 +10,9 @@
   rendered from it; ``eaglenest report --docs`` rewrites them.
 
 ``python scripts/gen_reference.py`` writes them all; ``--check`` writes nothing and exits 1, naming each file
-that differs from what would be written and the command that regenerates it. Every write is atomic.
+that differs from what would be written and the command that regenerates it. Where the workspace holds another run
+than the one committed (after ``make demo`` on another host kind), ``--check`` says so and checks the figures
+against the committed run (:mod:`eaglenest.commands.generated.committed`). Every write is atomic.
 """
 
 from __future__ import annotations

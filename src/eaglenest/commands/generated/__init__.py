@@ -10,7 +10,8 @@
   (:mod:`~eaglenest.commands.generated.training`).
 
 ``eaglenest report --readme`` writes the README's; ``eaglenest report --docs`` (``make figures``) and
-``python scripts/gen_reference.py`` write them all; ``--check`` compares without writing.
+``python scripts/gen_reference.py`` write them all from the workspace; ``--check`` compares without writing, against
+the committed run where the workspace holds another (:mod:`~eaglenest.commands.generated.committed`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from eaglenest.commands.generated.blocks import Generated, regenerate, render_blocks, stale, write
+from eaglenest.commands.generated.blocks import Generated, render_blocks, stale, write
+from eaglenest.commands.generated.committed import check, regenerate
 from eaglenest.commands.generated.concurrency import (
     CONCURRENCY_SVG,
     SERVE_RECORD,
@@ -39,8 +41,8 @@ from eaglenest.commands.generated.training import TRAINING_SVG, render_training_
 DOCS_COMMAND = "eaglenest report --docs"
 
 __all__ = [
-    "CONCURRENCY_SVG", "DOCS_TARGETS", "HEADLINE_SVG", "README_TARGETS", "TRAINING_SVG", "Generated", "regenerate",
-    "render_readme", "stale", "write",
+    "CONCURRENCY_SVG", "DOCS_TARGETS", "HEADLINE_SVG", "README_TARGETS", "TRAINING_SVG", "Generated", "check",
+    "regenerate", "render_readme", "stale", "write",
 ]
 
 

@@ -103,14 +103,3 @@ def write(repo: Path, targets: tuple[Generated, ...]) -> list[str]:
             atomic_write_bytes(path, new.encode("utf-8"), fsync=False)
             done.append(f"wrote {target.path}")
     return done
-
-
-def regenerate(repo: Path, targets: tuple[Generated, ...], check: bool) -> int:
-    """Writes ``targets`` (or with ``check`` only compares them); prints what it did; returns the exit status."""
-    if check:
-        problems = stale(repo, targets)
-        print("\n".join(problems) if problems else f"up to date: {', '.join(t.path for t in targets)}")
-        return 1 if problems else 0
-    done = write(repo, targets)
-    print("\n".join(done) if done else "nothing to write: all up to date")
-    return 0
