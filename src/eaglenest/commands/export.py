@@ -59,7 +59,7 @@ def export_speculators(prepared: Path, hidden_states: Path, out: Path, force: bo
             if not path.is_file():
                 raise InputFileError(f"{hidden_states}: prepared row {row} has no hidden states ({path.name} is "
                                      "missing); run `dvc repro extract`")
-            if stored.rows_per_shard == 1:  # already one file per row: copied
+            if stored.row_files:  # already one file per row: copied
                 shutil.copyfile(path, hs_path(target, row))
                 continue
             try:

@@ -69,17 +69,22 @@ class ShardSpec:
     rows_per_shard: int
 
     @property
+    def row_files(self) -> bool:
+        """Whether the layout holds one ``hs_{i}.safetensors`` per row rather than shards of several rows."""
+        return self.rows_per_shard == 1
+
+    @property
     def name(self) -> str:
         """The file's name: ``shard_{s}.safetensors`` or ``hs_{i}.safetensors``."""
         return self.path(Path()).name
 
     def path(self, directory: Path) -> Path:
-        return hs_path(directory, self.number) if self.rows_per_shard == 1 else shard_path(directory, self.number)
+        return hs_path(directory, self.number) if self.row_files else shard_path(directory, self.number)
 
     @property
     def label(self) -> str:
         """For messages: "shard 3 (rows 12..15)" or "row 7"."""
-        if self.rows_per_shard == 1:
+        if self.row_files:
             return f"row {self.number}"
         return f"shard {self.number} (rows {self.rows.start}..{self.rows.stop - 1})"
 
@@ -98,7 +103,7 @@ def task_groups(specs: list[ShardSpec]) -> list[list[ShardSpec]]:
     """
     groups: dict[int, list[ShardSpec]] = {}
     for spec in specs:
-        key = spec.number // ROW_FILES_PER_TASK if spec.rows_per_shard == 1 else spec.number
+        key = spec.number // ROW_FILES_PER_TASK if spec.row_files else spec.number
         groups.setdefault(key, []).append(spec)
     return [groups[key] for key in sorted(groups)]
 
@@ -208,7 +213,7 @@ def file_layout(spec: ShardSpec, input_ids: list[list[int]], num_slots: int, hid
     }
     if stored_dtype == FP8:
         tensors[SCALES_KEY] = ("F32", (tokens, 1, 1))
-    if spec.rows_per_shard > 1:
+    if not spec.row_files:
         tensors[ROW_INDEX_KEY] = ("I64", (len(lengths), 3))
         metadata = shard_metadata(metadata, spec.rows_per_shard, spec.number)
     metadata = with_checksum(metadata, CHECKSUM_PLACEHOLDER)

@@ -80,7 +80,7 @@ def file_problem(path: Path, spec: ShardSpec, expected: Expected) -> str | None:
     """Why ``path`` is not ``spec``'s finished file (header and row index, every row's token ids, then its data
     against its checksum), or None; "missing" when there is no file."""
     ids = expected.input_ids
-    if spec.rows_per_shard == 1:
+    if spec.row_files:
         problem = check_header(path, seq_len=len(ids[spec.number]), num_slots=expected.num_slots,
                                hidden_size=expected.hidden_size, dtype=expected.dtype, config=expected.config)
     else:

@@ -100,13 +100,13 @@ def validate_hidden_states(input_ids: list[list[int]], stored: StoredHiddenState
     from eaglenest.core.progress import progress
 
     def check(spec: ShardSpec) -> dict[int, str]:
-        if stored.rows_per_shard > 1:
+        if not stored.row_files:
             return check_shard(stored, spec, input_ids, verifier, dtype)
         problem = check_hidden_state_file(spec.path(stored.folder), input_ids[spec.number], verifier, dtype)
         return {} if problem is None else {spec.number: problem}
 
     problems: dict[int, str] = {}
-    unit = "file" if stored.rows_per_shard == 1 else "shard"
+    unit = "file" if stored.row_files else "shard"
     with ThreadPoolExecutor(max_workers=workers) as pool:  # safetensors and torch release the GIL
         for found in progress(len(stored.plan), "validating", unit, iterable=pool.map(check, stored.plan)):
             problems.update(found)
@@ -136,7 +136,7 @@ def coverage(frequencies: dict[int, int], in_draft: torch.Tensor) -> float | Non
 
 
 def _bad_files_message(problems: dict[int, str], stored: StoredHiddenStates, total: int) -> str:
-    what = "hidden-state files" if stored.rows_per_shard == 1 else "rows' hidden states"
+    what = "hidden-state files" if stored.row_files else "rows' hidden states"
     lines = [f"{len(problems)} of {total} {what} are bad (first {min(SHOW_BAD, len(problems))}):"]
     lines += [f"  {stored.location(row)}: {problems[row]}" for row in sorted(problems)[:SHOW_BAD]]
     lines.append("  fix: delete them and run `dvc repro` (extract recomputes them), or set convert.on_bad: skip")
