@@ -40,6 +40,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
+from eaglenest.core.errors import InputFileError
 from eaglenest.core.safetensors_header import Header, read_header
 
 if TYPE_CHECKING:
@@ -58,6 +59,20 @@ NO_CHECKSUM = "its header holds no checksum (written by an older eaglenest)"
 SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float32": "F32", "float16": "F16", FP8: "F8_E4M3"}
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16,
                 FP8: torch.float8_e4m3fn}
+
+
+class HiddenStateFileError(InputFileError):
+    """A hidden-state file that cannot be read as the one expected.
+
+    Attributes:
+        path: The file.
+        problem: What is wrong with it, without its name (callers that list problems by row name the file their
+            own way).
+    """
+
+    def __init__(self, path: Path, problem: str) -> None:
+        super().__init__(f"{path}: {problem}")
+        self.path, self.problem = Path(path), problem
 
 
 def hs_path(directory: Path, row: int) -> Path:
@@ -221,9 +236,10 @@ def check_header(path: Path, *, seq_len: int, num_slots: int, hidden_size: int, 
             of them (files made by other tools, converted on the way in).
         config: Expected ``config`` in the ``eaglenest`` metadata; None skips that check (foreign files).
     """
-    header = _read_checked_header(path)
-    if isinstance(header, str):
-        return header
+    try:
+        header = _read_checked_header(path)
+    except HiddenStateFileError as err:
+        return err.problem
     problem = _tensor_problem(header, seq_len, num_slots, hidden_size, dtype, (HIDDEN_KEY, TOKENS_KEY))
     if problem is not None:
         return problem
@@ -232,16 +248,21 @@ def check_header(path: Path, *, seq_len: int, num_slots: int, hidden_size: int, 
     return None
 
 
-def _read_checked_header(path: Path) -> Header | str:
-    """A file's header, or what is wrong with it: missing, not safetensors, truncated."""
+def _read_checked_header(path: Path) -> Header:
+    """A file's header.
+
+    Raises:
+        HiddenStateFileError: the file is missing, not safetensors, or truncated.
+    """
     try:
         header = read_header(path)
     except FileNotFoundError:
-        return "missing"
+        raise HiddenStateFileError(path, "missing") from None
     except (OSError, ValueError) as err:
-        return f"not a safetensors file: {err}"
+        raise HiddenStateFileError(path, f"not a safetensors file: {err}") from None
     if header.actual_size != header.expected_size:
-        return f"{header.actual_size} bytes on disk, header promises {header.expected_size} (truncated?)"
+        raise HiddenStateFileError(
+            path, f"{header.actual_size} bytes on disk, header promises {header.expected_size} (truncated?)")
     return header
 
 
@@ -272,21 +293,25 @@ def _tensor_problem(header: Header, tokens: int, num_slots: int, hidden_size: in
 
 
 def read_hidden_state_file(path: Path, input_ids: list[int], verifier: VerifierInfo, dtype: str | None
-                           ) -> tuple[str | None, dict[str, torch.Tensor] | None]:
-    """(problem, None) for a bad file — header, tokens, finiteness — or (None, its tensors), in one read; an fp8
-    file's hidden states come back dequantized (float32)."""
+                           ) -> dict[str, torch.Tensor]:
+    """A row file's tensors, checked (header, tokens, finiteness) in one read; an fp8 file's hidden states come back
+    dequantized (float32).
+
+    Raises:
+        HiddenStateFileError: the file is bad: its header, its token ids or a non-finite value.
+    """
     problem = check_header(path, seq_len=len(input_ids), num_slots=len(verifier.layer_ids),
                            hidden_size=verifier.hidden_size, dtype=dtype)
     if problem is not None:
-        return problem, None
+        raise HiddenStateFileError(path, problem)
     try:
         data = load_file(path)
     except (OSError, SafetensorError) as err:
-        return f"unreadable: {err}", None
+        raise HiddenStateFileError(path, f"unreadable: {err}") from None
     problem, hidden = check_row_tensors(data, input_ids)
     if problem is not None:
-        return problem, None
-    return None, {TOKENS_KEY: data[TOKENS_KEY], HIDDEN_KEY: hidden}  # fp8 already dequantized
+        raise HiddenStateFileError(path, problem)
+    return {TOKENS_KEY: data[TOKENS_KEY], HIDDEN_KEY: hidden}  # fp8 already dequantized
 
 
 def check_shard_header(path: Path, *, rows: range, lengths: list[int], num_slots: int, hidden_size: int,
@@ -303,9 +328,10 @@ def check_shard_header(path: Path, *, rows: range, lengths: list[int], num_slots
         config: Expected ``config`` in the metadata; None skips that check.
         rows_per_shard: The shard size the file must have been written with.
     """
-    header = _read_checked_header(path)
-    if isinstance(header, str):
-        return header
+    try:
+        header = _read_checked_header(path)
+    except HiddenStateFileError as err:
+        return err.problem
     written_size = recorded(header.metadata, "rows_per_shard")
     if written_size != rows_per_shard:
         return f"written with extract.rows_per_shard = {written_size}, expected {rows_per_shard}"
@@ -317,9 +343,10 @@ def check_shard_header(path: Path, *, rows: range, lengths: list[int], num_slots
         return f"{ROW_INDEX_KEY} is {header.tensors[ROW_INDEX_KEY]}, expected I64 [{len(rows)}, 3]"
     if config is not None and recorded(header.metadata, "config") != config:
         return "computed with another verifier, layer set or dtype"
-    index = read_shard_tensor(path, ROW_INDEX_KEY)
-    if isinstance(index, str):
-        return index
+    try:
+        index = read_shard_tensor(path, ROW_INDEX_KEY)
+    except HiddenStateFileError as err:
+        return err.problem
     start = 0
     for (row, first, length), expected in zip(index.tolist(), rows, strict=True):
         if row != expected or first != start or length != lengths[expected]:
@@ -329,13 +356,17 @@ def check_shard_header(path: Path, *, rows: range, lengths: list[int], num_slots
     return None
 
 
-def read_shard_tensor(path: Path, key: str) -> torch.Tensor | str:
-    """One tensor of a shard (its row index or token ids: small), or "unreadable: ..." when it cannot be read."""
+def read_shard_tensor(path: Path, key: str) -> torch.Tensor:
+    """One tensor of a file (its row index or token ids: small).
+
+    Raises:
+        HiddenStateFileError: the file cannot be read, or holds no ``key`` ("unreadable: ...").
+    """
     try:
         with safe_open(str(path), framework="pt") as fh:
             return fh.get_tensor(key)
     except (OSError, ValueError, RuntimeError, SafetensorError, KeyError) as err:
-        return f"unreadable: {err}"
+        raise HiddenStateFileError(path, f"unreadable: {err}") from None
 
 
 def shard_row_index(path: Path) -> dict[int, tuple[int, int]]:

@@ -20,6 +20,7 @@ import json
 import os
 import struct
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,9 @@ from eaglenest.artifacts.hidden_states.format import (
     SCALES_KEY,
     TOKENS_KEY,
     TORCH_DTYPES,
+    extraction_fingerprint,
     file_checksum,
+    file_metadata,
     hs_path,
     row_digest,
     shard_metadata,
@@ -236,6 +239,55 @@ def file_layout(spec: ShardSpec, input_ids: list[list[int]], num_slots: int, hid
     return FileLayout(spec, tuple(tuple(ids) for ids in input_ids), stored_dtype,
                       struct.pack("<Q", len(encoded)) + encoded, places, first_tokens,
                       None if found < 0 else 8 + found)
+
+
+@dataclass(frozen=True)
+class HiddenStatePlan:
+    """Every file of one extraction and what each must hold: the extract stage builds it, writes its files from it,
+    and its resume checks finished files against it.
+
+    Attributes:
+        input_ids: Token ids of every prepared row.
+        rows_per_shard: ``extract.rows_per_shard``.
+        layer_ids: The verifier's hidden-state slots: its aux layers, then its last.
+        hidden_size: The verifier's hidden size.
+        verifier_fingerprint: The verifier's fingerprint.
+        dtype: ``extract.dtype``.
+        backend: ``extract.backend``, recorded in every file.
+    """
+
+    input_ids: list[list[int]]
+    rows_per_shard: int
+    layer_ids: list[int]
+    hidden_size: int
+    verifier_fingerprint: str
+    dtype: str
+    backend: str
+
+    @property
+    def num_slots(self) -> int:
+        """n_aux + 1."""
+        return len(self.layer_ids)
+
+    @cached_property
+    def config(self) -> str:
+        """The extraction fingerprint every file records (:func:`extraction_fingerprint`)."""
+        return extraction_fingerprint(self.verifier_fingerprint, self.layer_ids, self.dtype)
+
+    @cached_property
+    def files(self) -> list[ShardSpec]:
+        """Every file of the layout, in order."""
+        return shard_plan(len(self.input_ids), self.rows_per_shard)
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        """The metadata every file records."""
+        return file_metadata(self.config, self.layer_ids, self.dtype, self.backend)
+
+    def layout(self, spec: ShardSpec) -> FileLayout:
+        """Every byte of ``spec``'s file but its rows' hidden states."""
+        return file_layout(spec, [self.input_ids[row] for row in spec.rows], self.num_slots, self.hidden_size,
+                           self.dtype, self.metadata)
 
 
 class MemorySink:

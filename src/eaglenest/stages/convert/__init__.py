@@ -31,6 +31,7 @@ import torch
 from eaglenest.artifacts.hidden_states.format import (
     ROW_INDEX_KEY,
     TOKENS_KEY,
+    HiddenStateFileError,
     check_row_tensors,
     check_shard_header,
     checksum_problem,
@@ -58,8 +59,11 @@ SHOW_BAD = 5
 
 def check_hidden_state_file(path: Path, input_ids: list[int], verifier: VerifierInfo, dtype: str) -> str | None:
     """Everything wrong with one row's file (header, tokens, finiteness, then its checksum), or None."""
-    problem = read_hidden_state_file(path, input_ids, verifier, dtype)[0]
-    return verify_checksum(path) if problem is None else problem  # a second read of a row's file: page-cached
+    try:
+        read_hidden_state_file(path, input_ids, verifier, dtype)
+    except HiddenStateFileError as err:
+        return err.problem
+    return verify_checksum(path)  # a second read of a row's file: page-cached
 
 
 def check_shard(stored: StoredHiddenStates, spec: ShardSpec, input_ids: list[list[int]], verifier: VerifierInfo,
