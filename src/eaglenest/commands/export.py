@@ -40,7 +40,7 @@ def export_speculators(prepared: Path, hidden_states: Path, out: Path, force: bo
 
     from eaglenest.artifacts.hidden_states.format import TOKENS_KEY, hs_path
     from eaglenest.artifacts.hidden_states.layout import metadata_of_row_files, write_hidden_states
-    from eaglenest.artifacts.hidden_states.store import open_stored
+    from eaglenest.artifacts.hidden_states.reader import open_stored
     from eaglenest.artifacts.prepared import load_input_ids
     from eaglenest.core.progress import progress
 

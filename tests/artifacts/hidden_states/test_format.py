@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from eaglenest.artifacts.hidden_states.format import (
+    ROW_INDEX_KEY,
     TOKENS_KEY,
     HiddenStateFileError,
     encode_hidden_states,
@@ -58,5 +59,5 @@ def test_reading_a_file_of_other_tokens_raises_naming_the_position(row_file: Pat
 
 def test_a_missing_tensor_raises_naming_the_file(row_file: Path):
     with pytest.raises(HiddenStateFileError, match="unreadable") as raised:
-        read_shard_tensor(row_file, "row_index")  # a row file has no row index
+        read_shard_tensor(row_file, ROW_INDEX_KEY)  # a row file has no row index
     assert raised.value.path == row_file

@@ -6,6 +6,6 @@ layout.
   at their offsets (to a file, or to a buffer a Ray worker returns).
 * :mod:`.resume` — an extraction while it runs: finished files kept in ``data/hidden_states.unfinished/``,
   checked and reused by the next run, moved into the output when all are there.
-* :mod:`.store` — reading a finished folder: its layout from the files' headers, where each row lives, a row.
+* :mod:`.reader` — reading a finished folder: its layout from the files' headers, where each row lives, a row.
 * :mod:`.online` — ``extract.store: online``'s manifest.
 """

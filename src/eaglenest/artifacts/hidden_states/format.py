@@ -87,8 +87,8 @@ def _file_number(path: Path, prefix: str) -> int | None:
     return int(digits) if name.startswith(prefix) and name.endswith(suffix) and digits.isdigit() else None
 
 
-def row_index(path: Path) -> int | None:
-    """The row of an ``hs_{i}.safetensors`` file name, or None for any other name."""
+def row_file_number(path: Path) -> int | None:
+    """The number in an ``hs_{i}.safetensors`` file name (the row the file holds), or None for any other name."""
     return _file_number(path, "hs_")
 
 
@@ -105,7 +105,7 @@ def shard_number(path: Path) -> int | None:
 def stored_files(directory: Path) -> list[Path]:
     """Every row file and shard file in ``directory`` (what DVC tracks of the hidden states), sorted by name."""
     return sorted(path for path in Path(directory).glob("*.safetensors")
-                  if row_index(path) is not None or shard_number(path) is not None)
+                  if row_file_number(path) is not None or shard_number(path) is not None)
 
 
 def recorded_in(path: Path, key: str) -> object:

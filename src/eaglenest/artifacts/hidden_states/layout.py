@@ -42,6 +42,7 @@ from eaglenest.artifacts.hidden_states.format import (
     file_metadata,
     hs_path,
     row_digest,
+    row_file_number,
     shard_metadata,
     shard_path,
     with_checksum,
@@ -392,7 +393,7 @@ def write_hidden_states(path: Path, hidden_states: dict[str, torch.Tensor], toke
         metadata: eaglenest's metadata entry (:func:`file_metadata`), or none for a file of another tool.
     """
     hidden = hidden_states[HIDDEN_KEY]
-    row = int(path.name.removeprefix("hs_").removesuffix(".safetensors")) if path.name.startswith("hs_") else 0
+    row = row_file_number(Path(path)) or 0
     spec = ShardSpec(row, range(row, row + 1), 1)
     layout = file_layout(spec, [token_ids.tolist()], hidden.shape[1], hidden.shape[2], _dtype_name(hidden), metadata)
     writer = FileWriter(layout, FileSink(layout, Path(path)))

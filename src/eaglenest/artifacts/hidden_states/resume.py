@@ -36,7 +36,7 @@ from eaglenest.artifacts.hidden_states.format import (
     read_shard_row,
     read_shard_tensor,
     recorded_in,
-    row_index,
+    row_file_number,
     stored_files,
     verify_checksum,
 )
@@ -154,7 +154,7 @@ class Extraction:
             if problem is not None:  # its rows would be copied as they are, checksum and all
                 log.info("not reusing the rows of %s: %s", path.name, problem)
                 continue
-            row = row_index(path)
+            row = row_file_number(path)
             try:
                 if row is not None:
                     entries = [(row, 0, len(ids[row]) if row < len(ids) else -1)]
@@ -166,7 +166,7 @@ class Extraction:
                 continue
             for row, first, length in entries:
                 if 0 <= row < len(ids) and length == len(ids[row]) and tokens[first: first + length] == ids[row]:
-                    sources[row] = RowSource(path, first, length, shard=row_index(path) is None)
+                    sources[row] = RowSource(path, first, length, shard=row_file_number(path) is None)
         return sources
 
     def can_copy(self, spec: ShardSpec) -> bool:

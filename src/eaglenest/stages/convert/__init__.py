@@ -7,7 +7,7 @@ wrote it: a file that lost its data to a power loss after its rename holds finit
 Shards are checked the same way row by row, after their header and row index; a bad row is named as its shard and
 row, and a shard whose data fails its checksum has every row named (which of its rows lost their bytes is
 unknown). The layout (row files, or shards of which size) is read from the files themselves
-(:func:`eaglenest.artifacts.hidden_states.store.open_stored`), not from ``extract.rows_per_shard``. With
+(:func:`eaglenest.artifacts.hidden_states.reader.open_stored`), not from ``extract.rows_per_shard``. With
 ``convert.on_bad: fail`` any bad row stops the stage with the first offenders listed; with ``skip`` those rows (not
 their whole shard, unless its checksum fails) are excluded from training and listed in ``data/vocab/rows.json`` and
 ``metrics/data.json``.
@@ -42,7 +42,7 @@ from eaglenest.artifacts.hidden_states.format import (
 )
 from eaglenest.artifacts.hidden_states.layout import ShardSpec
 from eaglenest.artifacts.hidden_states.online import MANIFEST_FILE, read_online_manifest
-from eaglenest.artifacts.hidden_states.store import StoredHiddenStates, open_stored
+from eaglenest.artifacts.hidden_states.reader import StoredHiddenStates, open_stored
 from eaglenest.artifacts.prepared import load_split, load_table
 from eaglenest.artifacts.verifier import VerifierInfo, load_verifier_info
 from eaglenest.artifacts.vocab import write_vocab

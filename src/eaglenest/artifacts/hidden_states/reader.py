@@ -19,7 +19,7 @@ from eaglenest.artifacts.hidden_states.format import (
     ROW_INDEX_KEY,
     read_shard_row,
     recorded_in,
-    row_index,
+    row_file_number,
     shard_number,
     stored_files,
 )
@@ -116,7 +116,7 @@ def open_stored(folder: Path, num_rows: int) -> StoredHiddenStates:
     """
     files = stored_files(folder)
     shards = [path for path in files if shard_number(path) is not None]
-    row_files = [path for path in files if row_index(path) is not None]
+    row_files = [path for path in files if row_file_number(path) is not None]
     if not shards:
         return StoredHiddenStates(folder, num_rows, 1)
     if row_files:
