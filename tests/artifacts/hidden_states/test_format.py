@@ -11,6 +11,7 @@ from eaglenest.artifacts.hidden_states.format import (
     ROW_INDEX_KEY,
     TOKENS_KEY,
     HiddenStateFileError,
+    checked_hidden_states,
     encode_hidden_states,
     file_metadata,
     hs_path,
@@ -61,3 +62,13 @@ def test_a_missing_tensor_raises_naming_the_file(row_file: Path):
     with pytest.raises(HiddenStateFileError, match="unreadable") as raised:
         read_shard_tensor(row_file, ROW_INDEX_KEY)  # a row file has no row index
     assert raised.value.path == row_file
+
+
+def test_a_row_holding_a_non_finite_value_raises_naming_its_file_token_and_slot(tmp_path: Path):
+    hidden = torch.zeros(len(TOKENS), 2, 4)
+    hidden[1, 1, 0] = float("nan")
+    path = tmp_path / "shard_0.safetensors"
+    with pytest.raises(HiddenStateFileError, match="1 non-finite values \\(first at token 1, slot 1\\)") as raised:
+        checked_hidden_states(path, {TOKENS_KEY: torch.tensor(TOKENS), **encode_hidden_states(hidden, "float32")},
+                              TOKENS)
+    assert raised.value.path == path

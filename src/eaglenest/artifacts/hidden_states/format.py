@@ -308,10 +308,8 @@ def read_hidden_state_file(path: Path, input_ids: list[int], verifier: VerifierI
         data = load_file(path)
     except (OSError, SafetensorError) as err:
         raise HiddenStateFileError(path, f"unreadable: {err}") from None
-    problem, hidden = check_row_tensors(data, input_ids)
-    if problem is not None:
-        raise HiddenStateFileError(path, problem)
-    return {TOKENS_KEY: data[TOKENS_KEY], HIDDEN_KEY: hidden}  # fp8 already dequantized
+    hidden = checked_hidden_states(path, data, input_ids)  # fp8 already dequantized
+    return {TOKENS_KEY: data[TOKENS_KEY], HIDDEN_KEY: hidden}
 
 
 def check_shard_header(path: Path, *, rows: range, lengths: list[int], num_slots: int, hidden_size: int,
@@ -382,15 +380,19 @@ def read_shard_row(handle: Any, first: int, length: int) -> dict[str, torch.Tens
     return {key: handle.get_slice(key)[rows] for key in handle.keys() if key != ROW_INDEX_KEY}  # noqa: SIM118
 
 
-def check_row_tensors(data: dict[str, torch.Tensor], input_ids: list[int]) -> tuple[str | None, torch.Tensor | None]:
-    """(problem, None) when a row's stored tensors disagree with its prepared tokens or hold a non-finite value,
-    else (None, its decoded hidden states)."""
+def checked_hidden_states(path: Path, data: dict[str, torch.Tensor], input_ids: list[int]) -> torch.Tensor:
+    """A row's decoded hidden states, from its stored tensors read from ``path``.
+
+    Raises:
+        HiddenStateFileError: its token ids differ from the prepared row's, or it holds a non-finite value.
+    """
     if data[TOKENS_KEY].tolist() != input_ids:
         first = next(i for i, (a, b) in enumerate(zip(data[TOKENS_KEY].tolist(), input_ids, strict=True)) if a != b)
-        return f"token_ids differ from the prepared input_ids (first at position {first})", None
+        raise HiddenStateFileError(path, f"token_ids differ from the prepared input_ids (first at position {first})")
     hidden = decode_hidden_states(data)
     finite = torch.isfinite(hidden)
     if not bool(finite.all()):
         bad = (~finite).nonzero()[0].tolist()
-        return f"{int((~finite).sum())} non-finite values (first at token {bad[0]}, slot {bad[1]})", None
-    return None, hidden
+        raise HiddenStateFileError(
+            path, f"{int((~finite).sum())} non-finite values (first at token {bad[0]}, slot {bad[1]})")
+    return hidden

@@ -32,8 +32,8 @@ from eaglenest.artifacts.hidden_states.format import (
     ROW_INDEX_KEY,
     TOKENS_KEY,
     HiddenStateFileError,
-    check_row_tensors,
     check_shard_header,
+    checked_hidden_states,
     checksum_problem,
     read_hidden_state_file,
     read_shard_row,
@@ -87,9 +87,10 @@ def check_shard(stored: StoredHiddenStates, spec: ShardSpec, input_ids: list[lis
             for row in spec.rows:
                 stored_row = read_shard_row(handle, *index[row])
                 digests.append(row_digest(stored_row))
-                row_problem, _ = check_row_tensors(stored_row, input_ids[row])
-                if row_problem is not None:
-                    problems[row] = row_problem
+                try:
+                    checked_hidden_states(path, stored_row, input_ids[row])
+                except HiddenStateFileError as err:
+                    problems[row] = err.problem
             mismatch = checksum_problem(handle.metadata() or {}, digests, handle.get_tensor(TOKENS_KEY), index_tensor)
     except (OSError, ValueError, RuntimeError, SafetensorError) as err:
         return {row: f"unreadable: {err}" for row in spec.rows}
