@@ -40,7 +40,7 @@ def export_speculators(prepared: Path, hidden_states: Path, out: Path, force: bo
 
     from eaglenest.artifacts.hidden_states.format import TOKENS_KEY, hs_path
     from eaglenest.artifacts.hidden_states.layout import metadata_of_row_files, write_hidden_states
-    from eaglenest.artifacts.hidden_states.store import open_stored
+    from eaglenest.artifacts.hidden_states.reader import open_stored
     from eaglenest.artifacts.prepared import load_input_ids
     from eaglenest.core.progress import progress
 
@@ -59,7 +59,7 @@ def export_speculators(prepared: Path, hidden_states: Path, out: Path, force: bo
             if not path.is_file():
                 raise InputFileError(f"{hidden_states}: prepared row {row} has no hidden states ({path.name} is "
                                      "missing); run `dvc repro extract`")
-            if stored.rows_per_shard == 1:  # already one file per row: copied
+            if stored.row_files:  # already one file per row: copied
                 shutil.copyfile(path, hs_path(target, row))
                 continue
             try:

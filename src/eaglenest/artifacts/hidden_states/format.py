@@ -40,6 +40,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
+from eaglenest.core.errors import InputFileError
 from eaglenest.core.safetensors_header import Header, read_header
 
 if TYPE_CHECKING:
@@ -60,6 +61,20 @@ TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16":
                 FP8: torch.float8_e4m3fn}
 
 
+class HiddenStateFileError(InputFileError):
+    """A hidden-state file that cannot be read as the one expected.
+
+    Attributes:
+        path: The file.
+        problem: What is wrong with it, without its name (callers that list problems by row name the file their
+            own way).
+    """
+
+    def __init__(self, path: Path, problem: str) -> None:
+        super().__init__(f"{path}: {problem}")
+        self.path, self.problem = Path(path), problem
+
+
 def hs_path(directory: Path, row: int) -> Path:
     """Where prepared row ``row``'s hidden states live (speculators' and vLLM's naming)."""
     return Path(directory) / f"hs_{row}.safetensors"
@@ -72,8 +87,8 @@ def _file_number(path: Path, prefix: str) -> int | None:
     return int(digits) if name.startswith(prefix) and name.endswith(suffix) and digits.isdigit() else None
 
 
-def row_index(path: Path) -> int | None:
-    """The row of an ``hs_{i}.safetensors`` file name, or None for any other name."""
+def row_file_number(path: Path) -> int | None:
+    """The number in an ``hs_{i}.safetensors`` file name (the row the file holds), or None for any other name."""
     return _file_number(path, "hs_")
 
 
@@ -90,7 +105,7 @@ def shard_number(path: Path) -> int | None:
 def stored_files(directory: Path) -> list[Path]:
     """Every row file and shard file in ``directory`` (what DVC tracks of the hidden states), sorted by name."""
     return sorted(path for path in Path(directory).glob("*.safetensors")
-                  if row_index(path) is not None or shard_number(path) is not None)
+                  if row_file_number(path) is not None or shard_number(path) is not None)
 
 
 def recorded_in(path: Path, key: str) -> object:
@@ -221,9 +236,10 @@ def check_header(path: Path, *, seq_len: int, num_slots: int, hidden_size: int, 
             of them (files made by other tools, converted on the way in).
         config: Expected ``config`` in the ``eaglenest`` metadata; None skips that check (foreign files).
     """
-    header = _read_checked_header(path)
-    if isinstance(header, str):
-        return header
+    try:
+        header = _read_checked_header(path)
+    except HiddenStateFileError as err:
+        return err.problem
     problem = _tensor_problem(header, seq_len, num_slots, hidden_size, dtype, (HIDDEN_KEY, TOKENS_KEY))
     if problem is not None:
         return problem
@@ -232,16 +248,21 @@ def check_header(path: Path, *, seq_len: int, num_slots: int, hidden_size: int, 
     return None
 
 
-def _read_checked_header(path: Path) -> Header | str:
-    """A file's header, or what is wrong with it: missing, not safetensors, truncated."""
+def _read_checked_header(path: Path) -> Header:
+    """A file's header.
+
+    Raises:
+        HiddenStateFileError: the file is missing, not safetensors, or truncated.
+    """
     try:
         header = read_header(path)
     except FileNotFoundError:
-        return "missing"
+        raise HiddenStateFileError(path, "missing") from None
     except (OSError, ValueError) as err:
-        return f"not a safetensors file: {err}"
+        raise HiddenStateFileError(path, f"not a safetensors file: {err}") from None
     if header.actual_size != header.expected_size:
-        return f"{header.actual_size} bytes on disk, header promises {header.expected_size} (truncated?)"
+        raise HiddenStateFileError(
+            path, f"{header.actual_size} bytes on disk, header promises {header.expected_size} (truncated?)")
     return header
 
 
@@ -272,21 +293,23 @@ def _tensor_problem(header: Header, tokens: int, num_slots: int, hidden_size: in
 
 
 def read_hidden_state_file(path: Path, input_ids: list[int], verifier: VerifierInfo, dtype: str | None
-                           ) -> tuple[str | None, dict[str, torch.Tensor] | None]:
-    """(problem, None) for a bad file — header, tokens, finiteness — or (None, its tensors), in one read; an fp8
-    file's hidden states come back dequantized (float32)."""
+                           ) -> dict[str, torch.Tensor]:
+    """A row file's tensors, checked (header, tokens, finiteness) in one read; an fp8 file's hidden states come back
+    dequantized (float32).
+
+    Raises:
+        HiddenStateFileError: the file is bad: its header, its token ids or a non-finite value.
+    """
     problem = check_header(path, seq_len=len(input_ids), num_slots=len(verifier.layer_ids),
                            hidden_size=verifier.hidden_size, dtype=dtype)
     if problem is not None:
-        return problem, None
+        raise HiddenStateFileError(path, problem)
     try:
         data = load_file(path)
     except (OSError, SafetensorError) as err:
-        return f"unreadable: {err}", None
-    problem, hidden = check_row_tensors(data, input_ids)
-    if problem is not None:
-        return problem, None
-    return None, {TOKENS_KEY: data[TOKENS_KEY], HIDDEN_KEY: hidden}  # fp8 already dequantized
+        raise HiddenStateFileError(path, f"unreadable: {err}") from None
+    hidden = checked_hidden_states(path, data, input_ids)  # fp8 already dequantized
+    return {TOKENS_KEY: data[TOKENS_KEY], HIDDEN_KEY: hidden}
 
 
 def check_shard_header(path: Path, *, rows: range, lengths: list[int], num_slots: int, hidden_size: int,
@@ -303,9 +326,10 @@ def check_shard_header(path: Path, *, rows: range, lengths: list[int], num_slots
         config: Expected ``config`` in the metadata; None skips that check.
         rows_per_shard: The shard size the file must have been written with.
     """
-    header = _read_checked_header(path)
-    if isinstance(header, str):
-        return header
+    try:
+        header = _read_checked_header(path)
+    except HiddenStateFileError as err:
+        return err.problem
     written_size = recorded(header.metadata, "rows_per_shard")
     if written_size != rows_per_shard:
         return f"written with extract.rows_per_shard = {written_size}, expected {rows_per_shard}"
@@ -317,9 +341,10 @@ def check_shard_header(path: Path, *, rows: range, lengths: list[int], num_slots
         return f"{ROW_INDEX_KEY} is {header.tensors[ROW_INDEX_KEY]}, expected I64 [{len(rows)}, 3]"
     if config is not None and recorded(header.metadata, "config") != config:
         return "computed with another verifier, layer set or dtype"
-    index = read_shard_tensor(path, ROW_INDEX_KEY)
-    if isinstance(index, str):
-        return index
+    try:
+        index = read_shard_tensor(path, ROW_INDEX_KEY)
+    except HiddenStateFileError as err:
+        return err.problem
     start = 0
     for (row, first, length), expected in zip(index.tolist(), rows, strict=True):
         if row != expected or first != start or length != lengths[expected]:
@@ -329,13 +354,17 @@ def check_shard_header(path: Path, *, rows: range, lengths: list[int], num_slots
     return None
 
 
-def read_shard_tensor(path: Path, key: str) -> torch.Tensor | str:
-    """One tensor of a shard (its row index or token ids: small), or "unreadable: ..." when it cannot be read."""
+def read_shard_tensor(path: Path, key: str) -> torch.Tensor:
+    """One tensor of a file (its row index or token ids: small).
+
+    Raises:
+        HiddenStateFileError: the file cannot be read, or holds no ``key`` ("unreadable: ...").
+    """
     try:
         with safe_open(str(path), framework="pt") as fh:
             return fh.get_tensor(key)
     except (OSError, ValueError, RuntimeError, SafetensorError, KeyError) as err:
-        return f"unreadable: {err}"
+        raise HiddenStateFileError(path, f"unreadable: {err}") from None
 
 
 def shard_row_index(path: Path) -> dict[int, tuple[int, int]]:
@@ -351,15 +380,19 @@ def read_shard_row(handle: Any, first: int, length: int) -> dict[str, torch.Tens
     return {key: handle.get_slice(key)[rows] for key in handle.keys() if key != ROW_INDEX_KEY}  # noqa: SIM118
 
 
-def check_row_tensors(data: dict[str, torch.Tensor], input_ids: list[int]) -> tuple[str | None, torch.Tensor | None]:
-    """(problem, None) when a row's stored tensors disagree with its prepared tokens or hold a non-finite value,
-    else (None, its decoded hidden states)."""
+def checked_hidden_states(path: Path, data: dict[str, torch.Tensor], input_ids: list[int]) -> torch.Tensor:
+    """A row's decoded hidden states, from its stored tensors read from ``path``.
+
+    Raises:
+        HiddenStateFileError: its token ids differ from the prepared row's, or it holds a non-finite value.
+    """
     if data[TOKENS_KEY].tolist() != input_ids:
         first = next(i for i, (a, b) in enumerate(zip(data[TOKENS_KEY].tolist(), input_ids, strict=True)) if a != b)
-        return f"token_ids differ from the prepared input_ids (first at position {first})", None
+        raise HiddenStateFileError(path, f"token_ids differ from the prepared input_ids (first at position {first})")
     hidden = decode_hidden_states(data)
     finite = torch.isfinite(hidden)
     if not bool(finite.all()):
         bad = (~finite).nonzero()[0].tolist()
-        return f"{int((~finite).sum())} non-finite values (first at token {bad[0]}, slot {bad[1]})", None
-    return None, hidden
+        raise HiddenStateFileError(
+            path, f"{int((~finite).sum())} non-finite values (first at token {bad[0]}, slot {bad[1]})")
+    return hidden

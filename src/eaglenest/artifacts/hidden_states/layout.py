@@ -20,6 +20,7 @@ import json
 import os
 import struct
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +37,12 @@ from eaglenest.artifacts.hidden_states.format import (
     SCALES_KEY,
     TOKENS_KEY,
     TORCH_DTYPES,
+    extraction_fingerprint,
     file_checksum,
+    file_metadata,
     hs_path,
     row_digest,
+    row_file_number,
     shard_metadata,
     shard_path,
     with_checksum,
@@ -69,17 +73,22 @@ class ShardSpec:
     rows_per_shard: int
 
     @property
+    def row_files(self) -> bool:
+        """Whether the layout holds one ``hs_{i}.safetensors`` per row rather than shards of several rows."""
+        return self.rows_per_shard == 1
+
+    @property
     def name(self) -> str:
         """The file's name: ``shard_{s}.safetensors`` or ``hs_{i}.safetensors``."""
         return self.path(Path()).name
 
     def path(self, directory: Path) -> Path:
-        return hs_path(directory, self.number) if self.rows_per_shard == 1 else shard_path(directory, self.number)
+        return hs_path(directory, self.number) if self.row_files else shard_path(directory, self.number)
 
     @property
     def label(self) -> str:
         """For messages: "shard 3 (rows 12..15)" or "row 7"."""
-        if self.rows_per_shard == 1:
+        if self.row_files:
             return f"row {self.number}"
         return f"shard {self.number} (rows {self.rows.start}..{self.rows.stop - 1})"
 
@@ -98,7 +107,7 @@ def task_groups(specs: list[ShardSpec]) -> list[list[ShardSpec]]:
     """
     groups: dict[int, list[ShardSpec]] = {}
     for spec in specs:
-        key = spec.number // ROW_FILES_PER_TASK if spec.rows_per_shard == 1 else spec.number
+        key = spec.number // ROW_FILES_PER_TASK if spec.row_files else spec.number
         groups.setdefault(key, []).append(spec)
     return [groups[key] for key in sorted(groups)]
 
@@ -208,7 +217,7 @@ def file_layout(spec: ShardSpec, input_ids: list[list[int]], num_slots: int, hid
     }
     if stored_dtype == FP8:
         tensors[SCALES_KEY] = ("F32", (tokens, 1, 1))
-    if spec.rows_per_shard > 1:
+    if not spec.row_files:
         tensors[ROW_INDEX_KEY] = ("I64", (len(lengths), 3))
         metadata = shard_metadata(metadata, spec.rows_per_shard, spec.number)
     metadata = with_checksum(metadata, CHECKSUM_PLACEHOLDER)
@@ -231,6 +240,55 @@ def file_layout(spec: ShardSpec, input_ids: list[list[int]], num_slots: int, hid
     return FileLayout(spec, tuple(tuple(ids) for ids in input_ids), stored_dtype,
                       struct.pack("<Q", len(encoded)) + encoded, places, first_tokens,
                       None if found < 0 else 8 + found)
+
+
+@dataclass(frozen=True)
+class HiddenStatePlan:
+    """Every file of one extraction and what each must hold: the extract stage builds it, writes its files from it,
+    and its resume checks finished files against it.
+
+    Attributes:
+        input_ids: Token ids of every prepared row.
+        rows_per_shard: ``extract.rows_per_shard``.
+        layer_ids: The verifier's hidden-state slots: its aux layers, then its last.
+        hidden_size: The verifier's hidden size.
+        verifier_fingerprint: The verifier's fingerprint.
+        dtype: ``extract.dtype``.
+        backend: ``extract.backend``, recorded in every file.
+    """
+
+    input_ids: list[list[int]]
+    rows_per_shard: int
+    layer_ids: list[int]
+    hidden_size: int
+    verifier_fingerprint: str
+    dtype: str
+    backend: str
+
+    @property
+    def num_slots(self) -> int:
+        """n_aux + 1."""
+        return len(self.layer_ids)
+
+    @cached_property
+    def config(self) -> str:
+        """The extraction fingerprint every file records (:func:`extraction_fingerprint`)."""
+        return extraction_fingerprint(self.verifier_fingerprint, self.layer_ids, self.dtype)
+
+    @cached_property
+    def files(self) -> list[ShardSpec]:
+        """Every file of the layout, in order."""
+        return shard_plan(len(self.input_ids), self.rows_per_shard)
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        """The metadata every file records."""
+        return file_metadata(self.config, self.layer_ids, self.dtype, self.backend)
+
+    def layout(self, spec: ShardSpec) -> FileLayout:
+        """Every byte of ``spec``'s file but its rows' hidden states."""
+        return file_layout(spec, [self.input_ids[row] for row in spec.rows], self.num_slots, self.hidden_size,
+                           self.dtype, self.metadata)
 
 
 class MemorySink:
@@ -335,7 +393,7 @@ def write_hidden_states(path: Path, hidden_states: dict[str, torch.Tensor], toke
         metadata: eaglenest's metadata entry (:func:`file_metadata`), or none for a file of another tool.
     """
     hidden = hidden_states[HIDDEN_KEY]
-    row = int(path.name.removeprefix("hs_").removesuffix(".safetensors")) if path.name.startswith("hs_") else 0
+    row = row_file_number(Path(path)) or 0
     spec = ShardSpec(row, range(row, row + 1), 1)
     layout = file_layout(spec, [token_ids.tolist()], hidden.shape[1], hidden.shape[2], _dtype_name(hidden), metadata)
     writer = FileWriter(layout, FileSink(layout, Path(path)))

@@ -30,16 +30,17 @@ from safetensors import SafetensorError, safe_open
 from eaglenest.artifacts.hidden_states.format import (
     ROW_INDEX_KEY,
     TOKENS_KEY,
+    HiddenStateFileError,
     check_header,
     check_shard_header,
     read_shard_row,
     read_shard_tensor,
     recorded_in,
-    row_index,
+    row_file_number,
     stored_files,
     verify_checksum,
 )
-from eaglenest.artifacts.hidden_states.layout import FileLayout, FileSink, FileWriter, ShardSpec
+from eaglenest.artifacts.hidden_states.layout import FileLayout, FileSink, FileWriter, HiddenStatePlan, ShardSpec
 from eaglenest.core.atomic import atomic_write_bytes, fsync_directory, remove_stale_temps
 from eaglenest.core.errors import EaglenestError
 
@@ -57,41 +58,23 @@ def unfinished_dir(out_dir: Path) -> Path:
     return out_dir.with_name(out_dir.name + UNFINISHED_SUFFIX)
 
 
-@dataclass(frozen=True)
-class Expected:
-    """What every file of this extraction must hold.
-
-    Attributes:
-        input_ids: Token ids of every prepared row.
-        num_slots: n_aux + 1.
-        hidden_size: The verifier's hidden size.
-        dtype: ``extract.dtype``.
-        config: The extraction fingerprint.
-    """
-
-    input_ids: list[list[int]]
-    num_slots: int
-    hidden_size: int
-    dtype: str
-    config: str
-
-
-def file_problem(path: Path, spec: ShardSpec, expected: Expected) -> str | None:
+def file_problem(path: Path, spec: ShardSpec, plan: HiddenStatePlan) -> str | None:
     """Why ``path`` is not ``spec``'s finished file (header and row index, every row's token ids, then its data
     against its checksum), or None; "missing" when there is no file."""
-    ids = expected.input_ids
-    if spec.rows_per_shard == 1:
-        problem = check_header(path, seq_len=len(ids[spec.number]), num_slots=expected.num_slots,
-                               hidden_size=expected.hidden_size, dtype=expected.dtype, config=expected.config)
+    ids = plan.input_ids
+    if spec.row_files:
+        problem = check_header(path, seq_len=len(ids[spec.number]), num_slots=plan.num_slots,
+                               hidden_size=plan.hidden_size, dtype=plan.dtype, config=plan.config)
     else:
         problem = check_shard_header(path, rows=spec.rows, lengths=[len(row) for row in ids],
-                                     num_slots=expected.num_slots, hidden_size=expected.hidden_size,
-                                     dtype=expected.dtype, config=expected.config, rows_per_shard=spec.rows_per_shard)
+                                     num_slots=plan.num_slots, hidden_size=plan.hidden_size,
+                                     dtype=plan.dtype, config=plan.config, rows_per_shard=spec.rows_per_shard)
     if problem is not None:
         return problem
-    tokens = read_shard_tensor(path, TOKENS_KEY)
-    if isinstance(tokens, str):
-        return tokens
+    try:
+        tokens = read_shard_tensor(path, TOKENS_KEY)
+    except HiddenStateFileError as err:
+        return err.problem
     if tokens.tolist() != [token for row in spec.rows for token in ids[row]]:
         return "token_ids differ from the prepared rows"
     return verify_checksum(path)
@@ -112,12 +95,11 @@ class Extraction:
 
     Args:
         out_dir: ``data/hidden_states`` (the DVC output).
-        plan: Every file of the layout.
-        expected: What every file must hold.
+        plan: Every file of the layout and what each must hold.
     """
 
-    def __init__(self, out_dir: Path, plan: list[ShardSpec], expected: Expected) -> None:
-        self.out_dir, self.plan, self.expected = Path(out_dir), plan, expected
+    def __init__(self, out_dir: Path, plan: HiddenStatePlan) -> None:
+        self.out_dir, self.plan = Path(out_dir), plan
         self.dir = unfinished_dir(self.out_dir)
         self.finished: set[str] = set()
         self.sources: dict[int, RowSource] = {}
@@ -130,12 +112,12 @@ class Extraction:
         earlier.mkdir(parents=True, exist_ok=True)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.removed = sum(remove_stale_temps(folder) for folder in (self.dir, earlier, self.out_dir))
-        planned = {spec.name: spec for spec in self.plan}
+        planned = {spec.name: spec for spec in self.plan.files}
         reasons: Counter[str] = Counter()
         for path in stored_files(self.dir) + stored_files(earlier) + stored_files(self.out_dir):
             spec = planned.get(path.name)
             if spec is not None and spec.name not in self.finished:
-                problem = file_problem(path, spec, self.expected)
+                problem = file_problem(path, spec, self.plan)
                 if problem is None:
                     if path != self.path(spec):
                         os.replace(path, self.path(spec))
@@ -145,7 +127,7 @@ class Extraction:
                 if reasons[problem] <= SHOW_RECOMPUTED:
                     log.info("recomputing %s: %s", path.name, problem)
             same = (spec is None or spec.name not in self.finished) and (
-                recorded_in(path, "config") == self.expected.config)
+                recorded_in(path, "config") == self.plan.config)
             if same and path.parent == earlier:
                 continue
             if same and not (earlier / path.name).exists():
@@ -162,29 +144,29 @@ class Extraction:
             else:
                 entry.unlink()
         self.sources = self._earlier_rows(earlier)
-        return [spec for spec in self.plan if spec.name not in self.finished]
+        return [spec for spec in self.plan.files if spec.name not in self.finished]
 
     def _earlier_rows(self, earlier: Path) -> dict[int, RowSource]:
         """Every row of the earlier files whose length and token ids still match its prepared row."""
-        ids, sources = self.expected.input_ids, {}
+        ids, sources = self.plan.input_ids, {}
         for path in stored_files(earlier):
             problem = verify_checksum(path)
             if problem is not None:  # its rows would be copied as they are, checksum and all
                 log.info("not reusing the rows of %s: %s", path.name, problem)
                 continue
-            row = row_index(path)
-            if row is not None:
-                entries = [(row, 0, len(ids[row]) if row < len(ids) else -1)]
-            else:
-                index = read_shard_tensor(path, ROW_INDEX_KEY)
-                entries = [] if isinstance(index, str) or index.dim() != 2 else [tuple(e) for e in index.tolist()]
-            tokens = read_shard_tensor(path, TOKENS_KEY)
-            if isinstance(tokens, str):
+            row = row_file_number(path)
+            try:
+                if row is not None:
+                    entries = [(row, 0, len(ids[row]) if row < len(ids) else -1)]
+                else:
+                    index = read_shard_tensor(path, ROW_INDEX_KEY)
+                    entries = [] if index.dim() != 2 else [tuple(e) for e in index.tolist()]
+                tokens = read_shard_tensor(path, TOKENS_KEY).tolist()
+            except HiddenStateFileError:  # read a moment ago for its checksum: gone or changed since, nothing to reuse
                 continue
-            tokens = tokens.tolist()
             for row, first, length in entries:
                 if 0 <= row < len(ids) and length == len(ids[row]) and tokens[first: first + length] == ids[row]:
-                    sources[row] = RowSource(path, first, length, shard=row_index(path) is None)
+                    sources[row] = RowSource(path, first, length, shard=row_file_number(path) is None)
         return sources
 
     def can_copy(self, spec: ShardSpec) -> bool:
@@ -220,7 +202,7 @@ class Extraction:
 
     def accept_file(self, spec: ShardSpec) -> None:
         """A finished file a worker wrote into this folder itself (``cluster.output: shared``), checked."""
-        problem = file_problem(self.path(spec), spec, self.expected)
+        problem = file_problem(self.path(spec), spec, self.plan)
         if problem is not None:
             raise EaglenestError(f"{self.path(spec)}: the worker's file is not the one expected: {problem}; is "
                                  f"{self.dir} on a filesystem every node mounts at the same path?")
@@ -229,10 +211,10 @@ class Extraction:
     def finish(self) -> None:
         """Every file is finished: links them into the output, then removes the unfinished folder (a kill between
         the two leaves both, and the next run keeps them)."""
-        missing = [spec.label for spec in self.plan if spec.name not in self.finished]
+        missing = [spec.label for spec in self.plan.files if spec.name not in self.finished]
         if missing:
             raise EaglenestError(f"{len(missing)} files were not written (first: {missing[0]})")
-        for spec in self.plan:
+        for spec in self.plan.files:
             target = self.out_dir / spec.name
             target.unlink(missing_ok=True)
             try:
@@ -245,4 +227,4 @@ class Extraction:
 
     def stored_size(self) -> int:
         """Bytes of the finished files (before :meth:`finish`)."""
-        return sum(self.path(spec).stat().st_size for spec in self.plan)
+        return sum(self.path(spec).stat().st_size for spec in self.plan.files)

@@ -7,7 +7,7 @@ wrote it: a file that lost its data to a power loss after its rename holds finit
 Shards are checked the same way row by row, after their header and row index; a bad row is named as its shard and
 row, and a shard whose data fails its checksum has every row named (which of its rows lost their bytes is
 unknown). The layout (row files, or shards of which size) is read from the files themselves
-(:func:`eaglenest.artifacts.hidden_states.store.open_stored`), not from ``extract.rows_per_shard``. With
+(:func:`eaglenest.artifacts.hidden_states.reader.open_stored`), not from ``extract.rows_per_shard``. With
 ``convert.on_bad: fail`` any bad row stops the stage with the first offenders listed; with ``skip`` those rows (not
 their whole shard, unless its checksum fails) are excluded from training and listed in ``data/vocab/rows.json`` and
 ``metrics/data.json``.
@@ -31,8 +31,9 @@ import torch
 from eaglenest.artifacts.hidden_states.format import (
     ROW_INDEX_KEY,
     TOKENS_KEY,
-    check_row_tensors,
+    HiddenStateFileError,
     check_shard_header,
+    checked_hidden_states,
     checksum_problem,
     read_hidden_state_file,
     read_shard_row,
@@ -41,7 +42,7 @@ from eaglenest.artifacts.hidden_states.format import (
 )
 from eaglenest.artifacts.hidden_states.layout import ShardSpec
 from eaglenest.artifacts.hidden_states.online import MANIFEST_FILE, read_online_manifest
-from eaglenest.artifacts.hidden_states.store import StoredHiddenStates, open_stored
+from eaglenest.artifacts.hidden_states.reader import StoredHiddenStates, open_stored
 from eaglenest.artifacts.prepared import load_split, load_table
 from eaglenest.artifacts.verifier import VerifierInfo, load_verifier_info
 from eaglenest.artifacts.vocab import write_vocab
@@ -58,8 +59,11 @@ SHOW_BAD = 5
 
 def check_hidden_state_file(path: Path, input_ids: list[int], verifier: VerifierInfo, dtype: str) -> str | None:
     """Everything wrong with one row's file (header, tokens, finiteness, then its checksum), or None."""
-    problem = read_hidden_state_file(path, input_ids, verifier, dtype)[0]
-    return verify_checksum(path) if problem is None else problem  # a second read of a row's file: page-cached
+    try:
+        read_hidden_state_file(path, input_ids, verifier, dtype)
+    except HiddenStateFileError as err:
+        return err.problem
+    return verify_checksum(path)  # a second read of a row's file: page-cached
 
 
 def check_shard(stored: StoredHiddenStates, spec: ShardSpec, input_ids: list[list[int]], verifier: VerifierInfo,
@@ -83,9 +87,10 @@ def check_shard(stored: StoredHiddenStates, spec: ShardSpec, input_ids: list[lis
             for row in spec.rows:
                 stored_row = read_shard_row(handle, *index[row])
                 digests.append(row_digest(stored_row))
-                row_problem, _ = check_row_tensors(stored_row, input_ids[row])
-                if row_problem is not None:
-                    problems[row] = row_problem
+                try:
+                    checked_hidden_states(path, stored_row, input_ids[row])
+                except HiddenStateFileError as err:
+                    problems[row] = err.problem
             mismatch = checksum_problem(handle.metadata() or {}, digests, handle.get_tensor(TOKENS_KEY), index_tensor)
     except (OSError, ValueError, RuntimeError, SafetensorError) as err:
         return {row: f"unreadable: {err}" for row in spec.rows}
@@ -100,13 +105,13 @@ def validate_hidden_states(input_ids: list[list[int]], stored: StoredHiddenState
     from eaglenest.core.progress import progress
 
     def check(spec: ShardSpec) -> dict[int, str]:
-        if stored.rows_per_shard > 1:
+        if not stored.row_files:
             return check_shard(stored, spec, input_ids, verifier, dtype)
         problem = check_hidden_state_file(spec.path(stored.folder), input_ids[spec.number], verifier, dtype)
         return {} if problem is None else {spec.number: problem}
 
     problems: dict[int, str] = {}
-    unit = "file" if stored.rows_per_shard == 1 else "shard"
+    unit = "file" if stored.row_files else "shard"
     with ThreadPoolExecutor(max_workers=workers) as pool:  # safetensors and torch release the GIL
         for found in progress(len(stored.plan), "validating", unit, iterable=pool.map(check, stored.plan)):
             problems.update(found)
@@ -136,7 +141,7 @@ def coverage(frequencies: dict[int, int], in_draft: torch.Tensor) -> float | Non
 
 
 def _bad_files_message(problems: dict[int, str], stored: StoredHiddenStates, total: int) -> str:
-    what = "hidden-state files" if stored.rows_per_shard == 1 else "rows' hidden states"
+    what = "hidden-state files" if stored.row_files else "rows' hidden states"
     lines = [f"{len(problems)} of {total} {what} are bad (first {min(SHOW_BAD, len(problems))}):"]
     lines += [f"  {stored.location(row)}: {problems[row]}" for row in sorted(problems)[:SHOW_BAD]]
     lines.append("  fix: delete them and run `dvc repro` (extract recomputes them), or set convert.on_bad: skip")

@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eaglenest.artifacts.hidden_states.format import extraction_fingerprint, file_metadata, stored_files
-from eaglenest.artifacts.hidden_states.layout import FileLayout, ShardSpec, file_layout, shard_plan, task_groups
+from eaglenest.artifacts.hidden_states.format import stored_files
+from eaglenest.artifacts.hidden_states.layout import FileLayout, HiddenStatePlan, ShardSpec, task_groups
 from eaglenest.artifacts.hidden_states.online import MANIFEST_FILE, online_manifest
-from eaglenest.artifacts.hidden_states.resume import Expected, Extraction, unfinished_dir
+from eaglenest.artifacts.hidden_states.resume import Extraction, unfinished_dir
 from eaglenest.artifacts.prepared import load_input_ids
 from eaglenest.artifacts.verifier import VerifierInfo, load_verifier_info
 from eaglenest.core.atomic import atomic_write_json, remove_stale_temps
@@ -108,8 +108,7 @@ class ExtractionPlan:
         params: The extract params.
         verifier: The verifier stage's record.
         model_dir: The verifier's weights on this machine.
-        input_ids: Token ids of every prepared row.
-        config: The extraction fingerprint every file records.
+        hidden_states: Every file of the layout and what each must hold (resume checks finished files against it).
         extraction: The finished files so far (``store: files``).
         todo: The files still to write.
     """
@@ -117,19 +116,18 @@ class ExtractionPlan:
     params: ExtractParams
     verifier: VerifierInfo
     model_dir: Path
-    input_ids: list[list[int]]
-    config: str
+    hidden_states: HiddenStatePlan
     extraction: Extraction | None = None
     todo: tuple[ShardSpec, ...] = ()
 
     @property
-    def metadata(self) -> dict[str, str]:
-        """The metadata every file of this run records."""
-        return file_metadata(self.config, self.verifier.layer_ids, self.params.dtype, self.params.backend)
+    def input_ids(self) -> list[list[int]]:
+        """Token ids of every prepared row."""
+        return self.hidden_states.input_ids
 
     def layout(self, spec: ShardSpec) -> FileLayout:
-        return file_layout(spec, [self.input_ids[row] for row in spec.rows], len(self.verifier.layer_ids),
-                           self.verifier.hidden_size, self.params.dtype, self.metadata)
+        """Every byte of ``spec``'s file but its rows' hidden states."""
+        return self.hidden_states.layout(spec)
 
 
 def plan_extraction(params: ExtractParams, verifier_dir: Path, prepared_dir: Path, out_dir: Path) -> ExtractionPlan:
@@ -137,15 +135,15 @@ def plan_extraction(params: ExtractParams, verifier_dir: Path, prepared_dir: Pat
     verifier, model_dir = load_verifier_info(verifier_dir)
     input_ids = load_input_ids(prepared_dir)
     _check_rows(input_ids, verifier)
-    config = extraction_fingerprint(verifier.fingerprint, verifier.layer_ids, params.dtype)
+    hidden_states = HiddenStatePlan(input_ids, params.rows_per_shard, verifier.layer_ids, verifier.hidden_size,
+                                    verifier.fingerprint, params.dtype, params.backend)
     if params.store == "online":
-        return ExtractionPlan(params, verifier, model_dir, input_ids, config)
-    expected = Expected(input_ids, len(verifier.layer_ids), verifier.hidden_size, params.dtype, config)
-    extraction = Extraction(out_dir, shard_plan(len(input_ids), params.rows_per_shard), expected)
+        return ExtractionPlan(params, verifier, model_dir, hidden_states)
+    extraction = Extraction(out_dir, hidden_states)
     todo = extraction.collect()
     log.info("%d rows in %d files: %d files already finished, %d to write; %d stale files removed", len(input_ids),
-             len(extraction.plan), len(extraction.plan) - len(todo), len(todo), extraction.removed)
-    return ExtractionPlan(params, verifier, model_dir, input_ids, config, extraction, tuple(todo))
+             len(hidden_states.files), len(hidden_states.files) - len(todo), len(todo), extraction.removed)
+    return ExtractionPlan(params, verifier, model_dir, hidden_states, extraction, tuple(todo))
 
 
 def engine_needs(params: ExtractParams) -> EngineNeeds:
@@ -247,7 +245,7 @@ def finish_extraction(plan: ExtractionPlan, computed: Computed, metrics_path: Pa
         "store": params.store,
         "rows": len(input_ids),
         "rows_per_shard": params.rows_per_shard,
-        "files": len(extraction.plan),
+        "files": len(plan.hidden_states.files),
         "rows_computed": computed.rows,
         "rows_reused": len(input_ids) - computed.rows,
         "tokens": tokens,

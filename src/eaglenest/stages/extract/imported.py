@@ -30,7 +30,5 @@ class ImportEngine:
         """Copies each row's file, checking tokens, shape and values; any float dtype becomes ``extract.dtype``."""
         for row in rows:
             path = hs_path(self.source, row)
-            problem, data = read_hidden_state_file(path, input_ids[row], self.settings.verifier, None)
-            if problem is not None:
-                raise EaglenestError(f"{path}: {problem}")
+            data = read_hidden_state_file(path, input_ids[row], self.settings.verifier, None)  # a bad file: its line
             write(row, data[HIDDEN_KEY])

@@ -142,7 +142,7 @@ def stored_transfer(hidden_states: Path, num_rows: int, hs_dtype: torch.dtype) -
     as FP8Transfer does. The convert stage has validated every file against the prepared rows."""
     from hs_connectors import FP8Transfer
 
-    from eaglenest.artifacts.hidden_states.store import open_stored
+    from eaglenest.artifacts.hidden_states.reader import open_stored
 
     stored = open_stored(hidden_states, num_rows)
 

@@ -19,7 +19,7 @@ from eaglenest.artifacts.hidden_states.format import (
     ROW_INDEX_KEY,
     read_shard_row,
     recorded_in,
-    row_index,
+    row_file_number,
     shard_number,
     stored_files,
 )
@@ -48,6 +48,11 @@ class StoredHiddenStates:
         self._indices: dict[int, dict[int, tuple[int, int]]] = {}
 
     @property
+    def row_files(self) -> bool:
+        """Whether the folder holds one ``hs_{i}.safetensors`` per row rather than shards of several rows."""
+        return self.rows_per_shard == 1
+
+    @property
     def plan(self) -> list[ShardSpec]:
         """Every file the layout holds, in order."""
         return shard_plan(self.num_rows, self.rows_per_shard)
@@ -64,7 +69,7 @@ class StoredHiddenStates:
     def location(self, row: int) -> str:
         """Where a row's hidden states are stored, for messages: its file, or its shard and row."""
         path = self.path_of(row)
-        return str(path) if self.rows_per_shard == 1 else f"{path} row {row}"
+        return str(path) if self.row_files else f"{path} row {row}"
 
     def size_of(self, rows: list[int]) -> int:
         """Bytes on disk of the files holding ``rows``."""
@@ -78,7 +83,7 @@ class StoredHiddenStates:
         Raises:
             InputFileError: the shard's row index does not hold ``row`` where it belongs (changed since convert).
         """
-        if self.rows_per_shard == 1:
+        if self.row_files:
             return load_file(self.path_of(row))
         shard = row // self.rows_per_shard
         handle = self._handle(shard)
@@ -111,7 +116,7 @@ def open_stored(folder: Path, num_rows: int) -> StoredHiddenStates:
     """
     files = stored_files(folder)
     shards = [path for path in files if shard_number(path) is not None]
-    row_files = [path for path in files if row_index(path) is not None]
+    row_files = [path for path in files if row_file_number(path) is not None]
     if not shards:
         return StoredHiddenStates(folder, num_rows, 1)
     if row_files:
