@@ -36,8 +36,8 @@ from eaglenest.core.decoder import capture_residual_stream, hidden_states_of_row
 from eaglenest.core.eval_params import EvalSetParams
 from eaglenest.stages.extract.hf import length_sorted_batches
 from eaglenest.stages.train.data import PackedBatches, TrainingData, every_token_mask, pack_batches
-from eaglenest.stages.train.loop import build_optimization, train_step
 from eaglenest.stages.train.model import build_draft, draft_runtime
+from eaglenest.stages.train.optimization import build_optimization, train_step
 from eaglenest.stages.train.validation import validate_draft
 
 RESULTS = Path("bench/results/levers")
