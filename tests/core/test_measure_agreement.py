@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from eaglenest.artifacts.draft import save_draft, vllm_speculative_config
+from eaglenest.artifacts.eval_params import EvaluateParams
 from eaglenest.artifacts.evaluation import speedup_interval as evaluate_speedup
 from eaglenest.artifacts.verifier import INFO_FILE, load_verifier_info
 from eaglenest.commands.bench.counters import acceptance
 from eaglenest.commands.bench.figures import single_stream_speedup
-from eaglenest.core.eval_params import EvaluateParams
 from eaglenest.core.measure.beside_plain import TimedTurns, add_speedup, time_beside_plain, timed_entry
 from eaglenest.core.measure.engines import (
     EngineBase,

@@ -37,10 +37,10 @@ import time
 from typing import Any
 
 from eaglenest.artifacts.draft import draft_algorithm, draft_tokens, vllm_speculative_config
+from eaglenest.artifacts.eval_params import EvaluateParams
 from eaglenest.artifacts.ngram_record import measured_ngram
 from eaglenest.artifacts.verifier import load_tokenizer, load_verifier_info
 from eaglenest.core.errors import EaglenestError
-from eaglenest.core.eval_params import EvaluateParams
 from eaglenest.core.measure.engines import (
     BATCH_IN_FLIGHT,
     EngineBase,
