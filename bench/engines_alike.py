@@ -35,10 +35,10 @@ def main() -> None:
     from eaglenest.core.measure.engines import (
         DRAFTING_KEYS,
         EngineBase,
-        close_engine,
         request_tokens,
         sampling_params,
         start_engine,
+        stop_engine,
     )
     from eaglenest.core.measure.single_stream import time_interleaved, tokens_and_seconds
     from eaglenest.stages.evaluate.job import EvaluationJob
@@ -77,7 +77,7 @@ def main() -> None:
             timed[eval_set.name] = {name: tokens_and_seconds(pairs) for name, pairs in turns.items()}
     finally:
         for llm in engines.values():
-            close_engine(llm)
+            stop_engine(llm)
 
     def ratio(new: str, old_name: str) -> dict:
         entries = [{"turns": timed[s.name][new], "plain_turns": timed[s.name][old_name]} for s in sets]

@@ -45,7 +45,7 @@ def main() -> None:
     from eaglenest.artifacts.verifier import load_tokenizer, load_verifier_info
     from eaglenest.commands.params_file import load_params
     from eaglenest.core.host import host_record
-    from eaglenest.core.measure.engines import EngineBase, NgramSetting, close_engine, sampling_params, start_engine
+    from eaglenest.core.measure.engines import EngineBase, NgramSetting, sampling_params, start_engine, stop_engine
     from eaglenest.core.measure.spec_counters import request_counts
     from eaglenest.core.vllm_support import generate
     from eaglenest.stages.evaluate.job import EvaluationJob
@@ -84,7 +84,7 @@ def main() -> None:
                 counts += decode(prompts[start:start + size])
             runs[f"groups of {size}"] = counts
     finally:
-        close_engine(llm)
+        stop_engine(llm)
 
     def tau(counts: list[dict]) -> float:
         return round(1 + sum(c["accepted"] for c in counts) / max(1, sum(c["steps"] for c in counts)), 4)

@@ -22,8 +22,8 @@ from eaglenest.artifacts.vocab import load_vocab
 from eaglenest.commands.params_file import load_params
 from eaglenest.stages.train import TrainPaths, train_draft
 from eaglenest.stages.train.data import load_training_data, pack_batches
-from eaglenest.stages.train.loop import build_optimization, train_step
 from eaglenest.stages.train.model import build_draft, draft_runtime
+from eaglenest.stages.train.optimization import build_optimization, train_step
 
 
 def main() -> None:

@@ -95,7 +95,7 @@ def main() -> None:
     from eaglenest.artifacts.verifier import load_tokenizer, load_verifier_info
     from eaglenest.commands.params_file import load_params
     from eaglenest.core.host import host_record, short_commit
-    from eaglenest.core.measure.engines import EngineBase, close_engine, sampling_params, start_engine
+    from eaglenest.core.measure.engines import EngineBase, sampling_params, start_engine, stop_engine
     from eaglenest.core.measure.single_stream import decode_alone
     from eaglenest.core.measure.spec_counters import request_counts
     from eaglenest.stages.evaluate.job import EvaluationJob
@@ -144,7 +144,7 @@ def main() -> None:
             spy.send_signal(2)
             spy.wait(timeout=60)
         finally:
-            close_engine(llm)
+            stop_engine(llm)
         counts = read_stacks(stacks)
         total = sum(counts.values())
         record["engines"][drafter] = {

@@ -18,7 +18,7 @@ evaluation sets) are skipped. Packages are taken in name order, at most ``MAX_EX
 each, until ``--count``. The file is a snapshot, committed and a dependency of prepare: upgraded packages change
 the pipeline only when this script is run again and its output committed. An excerpt that shares a
 50-character stretch with a prompt of the shipped evaluation sets is left out
-(:mod:`eaglenest.core.overlap`; tests/stages/prepare/test_disjoint_sources.py checks the file); the ``long``
+(scripts/_overlap.py; tests/stages/prepare/test_disjoint_sources.py checks the file); the ``long``
 evaluation set is Python's own documentation.
 """
 
@@ -103,8 +103,9 @@ def package_records(count: int, cut: Callable[[str], list[str]], requests: tuple
         if (name and name.lower() not in EXCLUDED and licence is not None
                 and len(description) >= MIN_DESCRIPTION_CHARS):
             described.setdefault(name.lower(), (description, licence))
+    from _overlap import StretchIndex  # scripts/, next to this file
+
     from eaglenest.artifacts.eval_sets import shipped_evaluation_prompts
-    from eaglenest.core.overlap import StretchIndex
 
     evaluation = StretchIndex(shipped_evaluation_prompts())
     chosen: list[dict[str, str]] = []

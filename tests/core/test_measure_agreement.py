@@ -18,19 +18,19 @@ import pytest
 import torch
 
 from eaglenest.artifacts.draft import save_draft, vllm_speculative_config
+from eaglenest.artifacts.eval_params import EvaluateParams
 from eaglenest.artifacts.evaluation import speedup_interval as evaluate_speedup
 from eaglenest.artifacts.verifier import INFO_FILE, load_verifier_info
 from eaglenest.commands.bench.counters import acceptance
 from eaglenest.commands.bench.figures import single_stream_speedup
-from eaglenest.core.eval_params import EvaluateParams
 from eaglenest.core.measure.beside_plain import TimedTurns, add_speedup, time_beside_plain, timed_entry
 from eaglenest.core.measure.engines import (
     EngineBase,
-    close_engine,
     drafting,
     request_tokens,
     sampling_params,
     start_engine,
+    stop_engine,
 )
 from eaglenest.core.measure.single_stream import output_tokens, time_interleaved, tokens_and_seconds
 from eaglenest.core.measure.spec_counters import parse_metrics
@@ -175,5 +175,5 @@ def test_evaluate_k_sweep_and_bench_report_one_speed_up_and_one_tau(tmp_path: Pa
     finally:
         for llm in (spec, plain):
             if llm is not None:
-                close_engine(llm)
+                stop_engine(llm)
     assert agreed, f"the three paths' speed-up intervals did not all overlap in any of {ROUNDS} rounds"

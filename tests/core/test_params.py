@@ -8,9 +8,9 @@ from typing import get_args, get_origin
 import pytest
 import yaml
 
+from eaglenest.artifacts.eval_params import EvalSetsAndEngines, EvaluateParams
 from eaglenest.commands.params_file import MOVED_KEYS, Params, load_params, parse_params
 from eaglenest.core.errors import ParamsError
-from eaglenest.core.eval_params import EvalSetsAndEngines, EvaluateParams
 from eaglenest.core.params import VllmEngineParams, parse_sections
 from eaglenest.stages.extract.params import ExtractParams
 from eaglenest.stages.k_sweep.params import KSweepStageParams

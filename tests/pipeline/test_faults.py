@@ -270,9 +270,9 @@ def test_corrupt_draft_checkpoint(trained: dict[str, Path], tmp_path: Path, dama
 ])
 def test_bad_set_file_is_one_line_naming_the_set_and_the_file(trained: dict[str, Path], tmp_path: Path,
                                                                 content: str, message: str):
+    from eaglenest.artifacts.eval_params import EvalSetParams
     from eaglenest.artifacts.eval_sets import load_eval_set
     from eaglenest.artifacts.verifier import load_tokenizer
-    from eaglenest.core.eval_params import EvalSetParams
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(content)

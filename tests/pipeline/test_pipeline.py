@@ -264,7 +264,7 @@ def test_an_edit_re_runs_only_the_stages_that_run_the_edited_code(tiny_pipeline:
         append_comment(code / "commands" / command)
     assert changed_stages(repo) == set()
 
-    append_comment(code / "stages" / "train" / "loop.py")
+    append_comment(code / "stages" / "train" / "optimization.py")
     assert changed_stages(repo) == {"train"}
     draft_before = draft_hash(repo)
     rerun = dvc(["repro"], repo)

@@ -195,11 +195,11 @@ def test_the_closure_counts_lazy_imports_parents_and_module_names_but_not_type_c
 def test_a_missing_or_extra_code_dep_is_named_with_its_stage(tmp_path: Path):
     text = (REPO / "dvc.yaml").read_text()
     edited = tmp_path / "dvc.yaml"
-    edited.write_text(text.replace("      - src/eaglenest/stages/train/loop.py\n", "", 1).replace(
+    edited.write_text(text.replace("      - src/eaglenest/stages/train/optimization.py\n", "", 1).replace(
         "      - src/eaglenest/stages/evaluate/vllm.py\n",
         "      - src/eaglenest/stages/evaluate/vllm.py\n      - src/eaglenest/commands/report.py\n", 1))
     assert stage_deps.problems(edited) == [
-        "stage train: dvc.yaml misses src/eaglenest/stages/train/loop.py (the stage runs it)",
+        "stage train: dvc.yaml misses src/eaglenest/stages/train/optimization.py (the stage runs it)",
         "stage evaluate: dvc.yaml lists src/eaglenest/commands/report.py, which the stage does not run",
     ]
 

@@ -1,16 +1,69 @@
-"""Rules of the code's structure that hold from now on, read from the source."""
+"""Where code lives and what it is called, read from the source: ``eaglenest.core`` holds only what the stages
+stand on (an edit there re-runs every stage that runs the file), a name in it says one thing, and one place answers
+each question about a file layout."""
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 from tests.fixtures.pipeline import REPO
 
-SRC = REPO / "src" / "eaglenest"
+PACKAGE = REPO / "src" / "eaglenest"
+CORE = PACKAGE / "core"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every module ``path`` imports, lazily too, and for ``from a import b`` both ``a`` and ``a.b`` (b may be a
+    module)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return found
+
+
+def test_no_two_core_modules_define_the_same_public_name():
+    """Two acts under one name (stopping a vLLM engine, closing whatever an executor built) read as one; each
+    public function and class of core has a name of its own."""
+    defined: dict[str, list[str]] = {}
+    for path in sorted(CORE.rglob("*.py")):
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
+                defined.setdefault(node.name, []).append(str(path.relative_to(REPO)))
+    assert {name: paths for name, paths in defined.items() if len(paths) > 1} == {}
+
+
+def test_every_core_module_is_run_by_the_package():
+    """A module that only scripts or tests use is theirs, not the stages' ground."""
+    modules = {_module_name(path): path for path in CORE.rglob("*.py") if path.name != "__init__.py"}
+    imports = {path: _imported_modules(path) for path in PACKAGE.rglob("*.py")}
+    unused = sorted(name for name, own in modules.items()
+                    if not any(name in found for path, found in imports.items() if path != own))
+    assert unused == []
+
+
+def test_no_stages_own_section_has_its_schema_in_core():
+    """A stage's own section of params.yaml has its schema beside the stage, or among the artifacts where other
+    stages read it too; core keeps only what several sections share (``cluster``, the vLLM engine settings)."""
+    from eaglenest.commands.params_file import SECTIONS
+
+    in_core = {name: section.model.__module__ for name, section in SECTIONS.items()
+               if name != "cluster" and section.model.__module__.startswith("eaglenest.core.")}
+    assert in_core == {}
 
 
 def test_only_the_hidden_state_artifact_asks_whether_a_layout_holds_row_files():
     """``rows_per_shard == 1`` (one file per row) is answered by the layout's ``row_files``: one place decides it."""
-    owner = SRC / "artifacts" / "hidden_states"
+    owner = PACKAGE / "artifacts" / "hidden_states"
     offenders = [f"{path.relative_to(REPO)}:{number}"
-                 for path in sorted(SRC.rglob("*.py")) if owner not in path.parents
+                 for path in sorted(PACKAGE.rglob("*.py")) if owner not in path.parents
                  for number, line in enumerate(path.read_text().splitlines(), 1) if "rows_per_shard == 1" in line]
     assert not offenders, f"ask the layout's row_files instead: {offenders}"

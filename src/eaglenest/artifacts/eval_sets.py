@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eaglenest.artifacts.eval_params import EvalSetParams
 from eaglenest.artifacts.prepared import VAL_PROMPTS_FILE, load_chat_kwargs, load_split
 from eaglenest.core.errors import InputFileError
-from eaglenest.core.eval_params import EvalSetParams
 
 GENERAL_SET_FILE = Path(__file__).resolve().parents[3] / "data" / "eval" / "general.jsonl"
 # Sections of Python's documentation to summarize or answer from (scripts/snapshot_long_documents.py writes it).

@@ -99,8 +99,9 @@ class Executor(Generic[E, T, R]):
         raise NotImplementedError
 
 
-def close_engine(engine: Any) -> None:
-    """Releases an engine that holds more than memory (a vLLM engine's processes, a staging folder)."""
+def close_if_closable(engine: Any) -> None:
+    """Calls ``engine.close()`` where the engine has one: an engine that holds more than memory (a vLLM engine's
+    processes, a staging folder) releases it; any other is left to the garbage collector."""
     close = getattr(engine, "close", None)
     if close is not None:
         close()
@@ -120,7 +121,7 @@ class LocalExecutor(Executor[E, T, R]):
             for task in tasks:
                 on_result(task, run_task(engine, task))
         finally:
-            close_engine(engine)
+            close_if_closable(engine)
 
 
 class EngineHost:
@@ -148,7 +149,7 @@ class EngineHost:
 
     def close(self) -> None:
         if self._started:
-            close_engine(self._engine)
+            close_if_closable(self._engine)
             self._started, self._engine = False, None
 
 

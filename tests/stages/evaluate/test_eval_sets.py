@@ -10,13 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from eaglenest.artifacts.eval_params import EvalSetParams, EvaluateParams
 from eaglenest.artifacts.eval_sets import GENERAL_SET_FILE, LONG_SET_FILE, load_eval_set
 from eaglenest.artifacts.evaluation import draft_vs_ngram, headline, summarize, tau_interval, verdict
 from eaglenest.artifacts.prepared import write_prepared
 from eaglenest.commands.params_file import parse_params
 from eaglenest.core.bootstrap import bootstrap, difference, tau_statistic
 from eaglenest.core.errors import EaglenestError, InputFileError, ParamsError
-from eaglenest.core.eval_params import EvalSetParams, EvaluateParams
 from eaglenest.stages.evaluate import decoding_backends, write_eval_outputs
 from eaglenest.stages.evaluate.job import ask_turns
 from tests.fixtures.models import write_jsonl

@@ -362,11 +362,11 @@ def test_long_prompts_accept_as_much_alone_as_in_a_batch(shared_pipeline: Shared
     import numpy as np
 
     from eaglenest.artifacts.draft import draft_tokens, vllm_speculative_config
+    from eaglenest.artifacts.eval_params import EvalSetParams
     from eaglenest.artifacts.eval_sets import load_eval_sets
     from eaglenest.artifacts.verifier import load_tokenizer, load_verifier_info
     from eaglenest.core.bootstrap import bootstrap, difference, tau_statistic
-    from eaglenest.core.eval_params import EvalSetParams
-    from eaglenest.core.measure.engines import close_engine, drafting, request_tokens, sampling_params, start_engine
+    from eaglenest.core.measure.engines import drafting, request_tokens, sampling_params, start_engine, stop_engine
     from eaglenest.core.measure.spec_counters import request_counts
     from eaglenest.core.vllm_support import generate
 
@@ -388,7 +388,7 @@ def test_long_prompts_accept_as_much_alone_as_in_a_batch(shared_pipeline: Shared
                                                            sampling, "test")]
         alone = [request_counts(generate(llm, [{"prompt_token_ids": p}], sampling, "test")[0], k) for p in prompts]
     finally:
-        close_engine(llm)
+        stop_engine(llm)
     rows = np.array([[b.accepted, b.drafts, a.accepted, a.drafts] for b, a in zip(together, alone, strict=True)],
                     dtype=np.float64)
     assert rows[:, 1].sum() > 0 and rows[:, 3].sum() > 0

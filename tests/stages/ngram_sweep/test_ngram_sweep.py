@@ -123,7 +123,7 @@ class FakeNgramEngines:
         monkeypatch.setattr(ngram_stage, "tuning_turns", lambda params, paths, max_k: (
             TimedTurns(sets, prompts, [1], [64]), []))
         monkeypatch.setattr(engines, "start_engine", self.start_engine)
-        monkeypatch.setattr(engines, "close_engine", self.closed.append)
+        monkeypatch.setattr(engines, "stop_engine", self.closed.append)
         monkeypatch.setattr(engines, "sampling_params", lambda *args: None)
         monkeypatch.setattr(single_stream, "time_interleaved", self.time_interleaved)
         monkeypatch.setattr(ngram_stage, "generate", self.generate)

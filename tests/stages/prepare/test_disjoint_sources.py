@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import gzip
 import json
+import sys
 from collections.abc import Iterator
 
 import pytest
 
 from eaglenest.artifacts.eval_sets import shipped_evaluation_prompts
-from eaglenest.core.overlap import STRETCH, StretchIndex, normalised
 from tests.fixtures.pipeline import REPO
+
+sys.path.insert(0, str(REPO / "scripts"))
+from _overlap import STRETCH, StretchIndex, normalised  # noqa: E402
 
 
 def shipped_training_texts() -> Iterator[tuple[str, str]]:

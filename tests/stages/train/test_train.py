@@ -402,7 +402,7 @@ def test_a_checkpoint_of_the_other_optimizer_is_refused_in_one_line(converted: d
     place by hand, or holding another draft's states, stops the stage with one line instead of a torch traceback."""
     from eaglenest.artifacts.verifier import load_verifier_info
     from eaglenest.stages.train import checkpoint as checkpoint_module
-    from eaglenest.stages.train.loop import build_optimization
+    from eaglenest.stages.train.optimization import build_optimization
 
     verifier, _ = load_verifier_info(converted["verifier"])
     inputs = (verifier, converted["prepared"], converted["vocab"], converted["hs"])

@@ -126,6 +126,6 @@ def check_config(config: BenchConfig) -> None:
 
 def default_tie_margin() -> float:
     """``evaluate.bf16_tie_margin``'s default: ``--tie-margin`` when not given."""
-    from eaglenest.core.eval_params import EvaluateParams
+    from eaglenest.artifacts.eval_params import EvaluateParams
 
     return float(EvaluateParams.model_fields["bf16_tie_margin"].default)

@@ -66,7 +66,7 @@ def single_stream_speedup(draft_raw: dict[str, Any], baseline_raw: dict[str, Any
     and ``evaluate.seed``'s defaults): one request at a time, each request's tokens over its latency is a
     single-stream turn, and request i is prompt i mod P on both endpoints, so requests pair. None where no request
     succeeded on both, or the results hold no per-request figures."""
-    from eaglenest.core.eval_params import EvaluateParams
+    from eaglenest.artifacts.eval_params import EvaluateParams
     from eaglenest.core.measure.speedup import paired_rows, speedup_interval
 
     pairs = [(d, b) for d, b in zip(request_turns(draft_raw), request_turns(baseline_raw), strict=False)

@@ -43,8 +43,8 @@ BUILTIN_PROMPTS = ("builtin:humaneval", "builtin:general", "builtin:long")
 
 def bench_prompts_file(prompts: Path) -> Path:
     """The file ``--prompts`` names: a JSONL path, or one of evaluate's shipped sets by its ``source`` name."""
+    from eaglenest.artifacts.eval_params import EvalSetParams
     from eaglenest.artifacts.eval_sets import source_file
-    from eaglenest.core.eval_params import EvalSetParams
 
     if str(prompts) in BUILTIN_PROMPTS:
         return source_file(EvalSetParams(name="bench", source=str(prompts)), Path("."))
@@ -56,8 +56,8 @@ def bench_prompts_file(prompts: Path) -> Path:
 
 def render_prompts(conversations: list[Any], source: Path, tokenizer: Any) -> list[list[int]]:
     """Token ids of each conversation's first turn in the verifier's chat template, as evaluate renders it."""
+    from eaglenest.artifacts.eval_params import EvalSetParams
     from eaglenest.artifacts.eval_sets import EvalSet
-    from eaglenest.core.eval_params import EvalSetParams
 
     eval_set = EvalSet(EvalSetParams(name="bench", source=str(source)), conversations, {})
     return [[int(t) for t in eval_set.render(c, 0, [], tokenizer)] for c in conversations]

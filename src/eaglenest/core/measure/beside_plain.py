@@ -12,11 +12,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from eaglenest.core.eval_params import EvalSetParams, EvalSetsAndEngines
 from eaglenest.core.measure import engines as kit_engines
 from eaglenest.core.measure import single_stream
 from eaglenest.core.measure.spec_counters import SpecCounts, request_counts
 from eaglenest.core.measure.speedup import paired_rows, speedup_interval
+
+
+class SetSampling(Protocol):
+    """How a set's turns are decoded: what a measurement reads of an entry of ``evaluate.sets`` (an
+    :class:`eaglenest.artifacts.eval_params.EvalSetParams` is one)."""
+
+    @property
+    def max_new_tokens(self) -> int: ...
+
+    @property
+    def temperature(self) -> float: ...
 
 
 class TimedSet(Protocol):
@@ -27,7 +37,18 @@ class TimedSet(Protocol):
     def name(self) -> str: ...
 
     @property
-    def params(self) -> EvalSetParams: ...
+    def params(self) -> SetSampling: ...
+
+
+class Resampling(Protocol):
+    """The seed of the sampled sets and of the bootstrap, and its resamples: what a measurement reads of
+    ``evaluate:`` (an :class:`eaglenest.artifacts.eval_params.EvalSetsAndEngines` is one)."""
+
+    @property
+    def seed(self) -> int: ...
+
+    @property
+    def bootstrap_samples(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -53,7 +74,7 @@ class TimedTurns:
         return [prompt for prompts in self.prompts.values() for prompt in prompts]
 
 
-def time_beside_plain(turns: TimedTurns, plain: Any, engines: dict[str, Any], evaluate: EvalSetsAndEngines, param: str,
+def time_beside_plain(turns: TimedTurns, plain: Any, engines: dict[str, Any], evaluate: Resampling, param: str,
                       label: str) -> dict[str, dict[str, Any]]:
     """Every set's timed turns on the plain engine and ``engines`` (name -> speculative engine), taking turns prompt
     by prompt; per engine and set its figures beside the plain engine's (:func:`timed_entry`), with the speed-up

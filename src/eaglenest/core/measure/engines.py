@@ -181,8 +181,9 @@ def engine_dtype(llm: Any, requested: str) -> str:
     return str(dtype).removeprefix("torch.") if dtype is not None else requested
 
 
-def close_engine(llm: Any) -> None:
-    """Stops an engine's core (its process, on the multiprocessing client) so the next one has the memory."""
+def stop_engine(llm: Any) -> None:
+    """Stops a vLLM engine a measurement started (:func:`start_engine`): its core (its process, on the
+    multiprocessing client) is shut down and its memory collected, so the next engine has it."""
     client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     if client is not None:
         client.shutdown()

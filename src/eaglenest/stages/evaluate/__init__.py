@@ -48,12 +48,12 @@ from pathlib import Path
 from typing import Any
 
 from eaglenest.artifacts.draft import draft_algorithm
+from eaglenest.artifacts.eval_params import EvaluateParams
 from eaglenest.artifacts.eval_sets import load_eval_sets
 from eaglenest.artifacts.evaluation import DETAILS_FILE, RECORDS_FILE, headline, records_path, summarize
 from eaglenest.artifacts.verifier import load_tokenizer
 from eaglenest.core.atomic import atomic_write_json
 from eaglenest.core.errors import EaglenestError
-from eaglenest.core.eval_params import EvaluateParams
 from eaglenest.core.host import host_record
 from eaglenest.core.registry import Registry
 from eaglenest.core.stage import DraftInput, Stage, path_arg

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from eaglenest.artifacts.eval_params import EvaluateParams
 from eaglenest.artifacts.eval_sets import EvalConversation, EvalSet
-from eaglenest.core.eval_params import EvaluateParams
 from eaglenest.core.measure.single_stream import SECONDS_PLACES
 from eaglenest.stages.evaluate.acceptance import Acceptance
 from eaglenest.stages.evaluate.lossless import TopCandidates, first_divergence, is_lossless

@@ -1,11 +1,11 @@
-"""What the evaluate stage reads of params.yaml: its own section (its schema, :mod:`eaglenest.core.eval_params`,
-sits below the stages because the k_sweep stage reads it too)."""
+"""What the evaluate stage reads of params.yaml: its own section (its schema, :mod:`eaglenest.artifacts.eval_params`,
+sits below the stages because the k_sweep and ngram_sweep stages read it too)."""
 
 from __future__ import annotations
 
 from pydantic import Field
 
-from eaglenest.core.eval_params import EvaluateParams
+from eaglenest.artifacts.eval_params import EvaluateParams
 from eaglenest.core.params import StageParams
 
 

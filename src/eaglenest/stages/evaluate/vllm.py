@@ -37,15 +37,14 @@ import time
 from typing import Any
 
 from eaglenest.artifacts.draft import draft_algorithm, draft_tokens, vllm_speculative_config
+from eaglenest.artifacts.eval_params import EvaluateParams
 from eaglenest.artifacts.ngram_record import measured_ngram
 from eaglenest.artifacts.verifier import load_tokenizer, load_verifier_info
 from eaglenest.core.errors import EaglenestError
-from eaglenest.core.eval_params import EvaluateParams
 from eaglenest.core.measure.engines import (
     BATCH_IN_FLIGHT,
     EngineBase,
     NgramSetting,
-    close_engine,
     drafting,
     engine_dtype,
     meet_shapes,
@@ -53,6 +52,7 @@ from eaglenest.core.measure.engines import (
     requested_k,
     sampling_params,
     start_engine,
+    stop_engine,
 )
 from eaglenest.core.measure.single_stream import decode_alone, output_tokens, time_interleaved
 from eaglenest.core.measure.spec_counters import DRAFTS, SpecCounts, engine_counts, request_counts
@@ -242,7 +242,7 @@ class VllmEvaluation:
         self.timed[drafter] = {
             eval_set.name: decode_alone(llm, self.timed_prompts[eval_set.name], self.sampling(eval_set), PARAM)
             for eval_set in self.job.sets}
-        close_engine(llm)
+        stop_engine(llm)
 
     def decode_plain(self) -> tuple[dict[str, Any], str]:
         """Every turn of every set by the plain engine, batched; the timed prompts chosen from them.
@@ -310,7 +310,7 @@ class VllmEvaluation:
             for drafter, pairs in pairs_of.items():
                 self.timed[drafter][eval_set.name] = pairs
         for llm in self.held.values():
-            close_engine(llm)
+            stop_engine(llm)
 
     def log_timed(self) -> None:
         """One line per set: each engine's seconds over its timed turns."""

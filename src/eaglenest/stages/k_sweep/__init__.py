@@ -137,10 +137,10 @@ def _measure(params: KSweepStageParams, paths: KSweepPaths, ks: list[int], repea
                             f"{n} x{e['speedup']} ± {e['speedup_ci95']}" for n, e in measured["draft"][str(k)].items()))
             finally:
                 for llm in engines.values():
-                    kit_engines.close_engine(llm)
+                    kit_engines.stop_engine(llm)
     finally:
         if plain is not None:
-            kit_engines.close_engine(plain)
+            kit_engines.stop_engine(plain)
 
     names = [s.name for s in turns.sets]
     k_best, speedup, ci95 = serve_k(rounds, names, ks, evaluate.bootstrap_samples, evaluate.seed)

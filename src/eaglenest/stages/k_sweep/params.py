@@ -6,7 +6,7 @@ from typing import ClassVar
 
 from pydantic import Field, field_validator
 
-from eaglenest.core.eval_params import EvalSetsAndEngines
+from eaglenest.artifacts.eval_params import EvalSetsAndEngines
 from eaglenest.core.params import StageParams, StrictModel
 
 

@@ -130,7 +130,7 @@ def _measure(params: NgramSweepStageParams, paths: NgramSweepPaths, model_dir: P
         seconds["timed"] = round(time.perf_counter() - started, 3)
     finally:
         for llm in [*engines.values(), *([plain] if plain is not None else [])]:
-            kit_engines.close_engine(llm)
+            kit_engines.stop_engine(llm)
 
     names = [s.name for s in turns.sets]
     pooled = {setting: pooled_speedup(list(timed[setting.label].values()), evaluate.bootstrap_samples, evaluate.seed)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator
 
-from eaglenest.core.eval_params import EvalTimedSets
+from eaglenest.artifacts.eval_params import EvalTimedSets
 from eaglenest.core.params import StageParams, StrictModel
 
 

@@ -5,7 +5,7 @@ The loop is ours so that it runs on a CPU as well as a GPU (speculators' Trainer
 live beside it: :mod:`~eaglenest.stages.train.data` (speculators' data set and collation, packed batches in a
 deterministic order), :mod:`~eaglenest.stages.train.model` (the draft, and how it runs on this device),
 :mod:`~eaglenest.stages.train.validation` (in-training validation: loss, accuracy, tau_sim),
-:mod:`~eaglenest.stages.train.loop` (one optimizer step), :mod:`~eaglenest.stages.train.checkpoint` (resume
+:mod:`~eaglenest.stages.train.optimization` (one optimizer step), :mod:`~eaglenest.stages.train.checkpoint` (resume
 after a kill), :mod:`~eaglenest.stages.train.curves` (dvclive, rewritten on resume) and
 :mod:`~eaglenest.stages.train.distributed` (several processes under torchrun's elastic launcher). The stage runs in
 three phases: :func:`setup_training`, :func:`fit` and :func:`finish_training`.
@@ -57,8 +57,8 @@ from eaglenest.stages.train.checkpoint import (
 from eaglenest.stages.train.curves import Curves
 from eaglenest.stages.train.data import PackedBatches, TrainingData, checked_rows, load_training_data, pack_batches
 from eaglenest.stages.train.distributed import Distributed, init_distributed, local_launch, run_launcher
-from eaglenest.stages.train.loop import Optimization, backward, build_optimization, optimizer_step
 from eaglenest.stages.train.model import Runtime, build_draft, draft_runtime
+from eaglenest.stages.train.optimization import Optimization, backward, build_optimization, optimizer_step
 from eaglenest.stages.train.params import TrainParams, TrainStageParams
 from eaglenest.stages.train.validation import validate_draft
 

@@ -91,7 +91,7 @@ def cluster_launch(nproc: int, torchrun: TorchrunParams, rdzv_endpoint: str | No
         raise EaglenestError("no rendezvous endpoint: give --rdzv-endpoint HOST:PORT (the first node, where its "
                              "launcher hosts the rendezvous) or set cluster.torchrun.rdzv_endpoint")
     low, high, per_node = torchrun.plan(nproc)
-    assert per_node is not None, "params.world_size_problems refuses bounds that do not divide train.nproc"
+    assert per_node is not None, "train params' world_size_problems refuses bounds that do not divide train.nproc"
     return Launch(low, high, per_node, torchrun.max_restarts, endpoint, rdzv_id or torchrun.rdzv_id)
 
 

@@ -7,7 +7,14 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from eaglenest.core.params import CLUSTER_DESCRIPTION, ClusterParams, StageParams, StrictModel, world_size_problems
+from eaglenest.core.params import (
+    CLUSTER_DESCRIPTION,
+    ClusterParams,
+    StageParams,
+    StrictModel,
+    TorchrunParams,
+    node_plan,
+)
 
 
 class PEagleParams(StrictModel):
@@ -212,6 +219,29 @@ class TrainParams(StrictModel):
                 problems.append(f"train.{name}: not an option of train.algorithm: {algorithm} (vLLM would not "
                                 f"read it from the draft); set train.{name}: false")
         return problems
+
+
+def world_size_problems(nproc: Any, torchrun: dict[str, Any]) -> list[str]:
+    """Node bounds under which some world size would not divide ``train.nproc`` (the global batch), one line.
+
+    ``torchrun`` holds ``cluster.torchrun``'s values (defaults where missing); values of a wrong type are skipped.
+    """
+    values = {name: torchrun.get(name, TorchrunParams.model_fields[name].default)
+              for name in ("min_nodes", "max_nodes", "nproc_per_node")}
+    if not all(isinstance(value, int) and value >= 1 for value in (nproc, values["min_nodes"])) or not all(
+            value is None or isinstance(value, int) and value >= 1 for value in values.values()):
+        return []
+    low, high, per_node = node_plan(nproc, **values)
+    if per_node is None:
+        return [f"cluster.torchrun.nproc_per_node: null means train.nproc / cluster.torchrun.max_nodes = {nproc} / "
+                f"{high}, not a whole number; set cluster.torchrun.nproc_per_node"]
+    bad = [nodes for nodes in range(low, high + 1) if nproc % (nodes * per_node)]
+    if bad:
+        return [f"train.nproc = {nproc} (the global batch, in packed sequences) is not a multiple of the world size "
+                f"{bad[0] * per_node} ({bad[0]} node(s) x {per_node} processes per node) that cluster.torchrun's node "
+                f"bounds {low}..{high} allow; every world size must divide it: change the bounds, "
+                "cluster.torchrun.nproc_per_node or train.nproc"]
+    return []
 
 
 class TrainStageParams(StageParams):

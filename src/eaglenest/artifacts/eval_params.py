@@ -1,8 +1,10 @@
 """``evaluate:`` in params.yaml: the evaluation sets and the evaluate section's schema.
 
-Below the stages because two stages read the section: evaluate decodes its sets, and k_sweep times the headline
-sets' turns with its engine settings (artifacts/eval_sets.py and core/single_stream.py read it too). An edit here
-re-runs those two stages only (each stage's params module says what else it reads).
+Among the artifacts rather than beside the evaluate stage because more than that stage reads the section: the
+k_sweep and ngram_sweep stages time the headline sets' turns with its engine settings, artifacts/eval_sets.py reads
+each set's source and ``eaglenest bench`` its sets. An edit here re-runs those three stages only (each stage's
+params module says what else it reads); core's measurement kit takes a set's sampling and the section's seed and
+bootstrap as protocols (core/measure/beside_plain.py), so no stage below them depends on this file.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 A draft evaluated on text it was trained on measures recall. ``evaluate`` refuses a prompt found whole in a
 training row (:func:`eaglenest.artifacts.eval_sets.check_disjoint`); the sources that ship with the project
-are held to this stricter rule, by their snapshot scripts and by tests/stages/prepare/test_disjoint_sources.py.
+are held to this stricter rule, by their snapshot scripts and by tests/stages/prepare/test_disjoint_sources.py,
+which import it from here (no stage runs it).
 """
 
 from __future__ import annotations
