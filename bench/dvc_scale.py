@@ -41,7 +41,7 @@ import torch
 from eaglenest.artifacts.hidden_states.format import encode_hidden_states, file_metadata
 from eaglenest.artifacts.hidden_states.layout import FileSink, FileWriter, file_layout, shard_plan
 from eaglenest.commands.remote.dvc_config import configure_remote
-from eaglenest.commands.remote.store import Store, start_store, stop_store
+from eaglenest.commands.remote.store import WeedStore, start_store, stop_store
 from eaglenest.core.host import host_record
 
 VENV_BIN = Path(sys.executable).parent
@@ -105,7 +105,7 @@ def read_rate(folder: Path, rows: int, sample: int) -> float:
 
 
 def measure(rows: int, rows_per_shard: int, tokens: int, hidden: int, scratch: Path, read_sample: int,
-            store: Store | None = None) -> dict:
+            store: WeedStore | None = None) -> dict:
     """One case; ``store``: push and pull through that S3 store, else through a local folder."""
     repo = scratch / f"repo-{rows}-{rows_per_shard}-{hidden}"
     remote = scratch / f"remote-{rows}-{rows_per_shard}-{hidden}"

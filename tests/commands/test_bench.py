@@ -21,6 +21,7 @@ import pytest
 
 from eaglenest.artifacts.serve_schedule import MeasuredPoint
 from eaglenest.commands import cli
+from eaglenest.commands.bench import run as bench_run
 from eaglenest.commands.bench import sweep
 from eaglenest.commands.bench.config import BenchConfig, ServeSetup
 from eaglenest.commands.bench.counters import acceptance, acceptance_json, counter_problems
@@ -498,7 +499,7 @@ def test_serve_starts_the_draft_server_sweeps_stops_it_then_the_baseline(
     # vLLM's own bench runs the sweep of test_a_sweep_writes_bench_json_and_the_plot.
     out, events, port = tmp_path / "out", tmp_path / "events.jsonl", free_port()
     # the draft takes the baseline's runner-up at token 1: a near-tie, judged against the baseline process
-    monkeypatch.setattr(sweep, "server_command", fake_serve_command(events, draft=["--flip-at", "1"]))
+    monkeypatch.setattr(bench_run, "server_command", fake_serve_command(events, draft=["--flip-at", "1"]))
     status = cli.main(serve_args(port, prompts, tokenizer_dir, out, "--concurrency", "1", "2", "--num-prompts",
                                  "3", "--max-tokens", "4", "--warmup-prompts", "0", "--rounds", "1"))
     captured = capsys.readouterr()
@@ -532,7 +533,7 @@ def test_serve_starts_the_draft_server_sweeps_stops_it_then_the_baseline(
 def test_a_started_server_that_exits_before_answering_is_one_line_naming_its_log(
         capsys, monkeypatch, prompts: Path, tokenizer_dir: Path, tmp_path: Path):
     out, events = tmp_path / "out", tmp_path / "events.jsonl"
-    monkeypatch.setattr(sweep, "server_command", fake_serve_command(events, draft=["--fail-at-start"]))
+    monkeypatch.setattr(bench_run, "server_command", fake_serve_command(events, draft=["--fail-at-start"]))
     err = one_line_refusal(capsys, serve_args(free_port(), prompts, tokenizer_dir, out))
     log = out / "raw" / "server-draft.log"
     assert "the draft server exited with 3 before it answered" in err and f"(log: {log})" in err
@@ -545,11 +546,11 @@ def test_a_started_server_is_stopped_on_a_refusal_and_on_ctrl_c(capsys, monkeypa
                                                                 tokenizer_dir: Path, tmp_path: Path, how: str):
     out, events = tmp_path / "out", tmp_path / "events.jsonl"
     if how == "refusal":  # a draft server without spec-decode counters is refused once it answers
-        monkeypatch.setattr(sweep, "server_command", fake_serve_command(events, draft=["--plain"]))
+        monkeypatch.setattr(bench_run, "server_command", fake_serve_command(events, draft=["--plain"]))
         err = one_line_refusal(capsys, serve_args(free_port(), prompts, tokenizer_dir, out))
         assert "the draft server http://127.0.0.1:" in err and "vllm:spec_decode_* counters" in err
     else:
-        monkeypatch.setattr(sweep, "server_command", fake_serve_command(events))
+        monkeypatch.setattr(bench_run, "server_command", fake_serve_command(events))
 
         def interrupted(*args: object) -> dict:
             raise KeyboardInterrupt
@@ -564,7 +565,7 @@ def test_a_started_server_killed_mid_run_ends_the_bench_in_one_line_keeping_what
         capsys, monkeypatch, fast_runs, prompts: Path, tokenizer_dir: Path, tmp_path: Path):
     out, events = tmp_path / "out", tmp_path / "events.jsonl"
     # three requests per run: the draft's run at concurrency 1 completes, the process dies at its first at 2
-    monkeypatch.setattr(sweep, "server_command", fake_serve_command(events, draft=["--die-after", "3"]))
+    monkeypatch.setattr(bench_run, "server_command", fake_serve_command(events, draft=["--die-after", "3"]))
     err = one_line_refusal(capsys, serve_args(free_port(), prompts, tokenizer_dir, out, "--concurrency", "1", "2",
                                               "--num-prompts", "3", "--max-tokens", "3", "--warmup-prompts", "0",
                                               "--rounds", "1"))
@@ -787,7 +788,7 @@ def test_serve_writes_the_schedule_record_for_the_draft_it_measured(
 
     _, draft_dir = pipeline_folders
     out, events, record = tmp_path / "out", tmp_path / "events.jsonl", tmp_path / "serve_schedule.json"
-    monkeypatch.setattr(sweep, "server_command", scheduled_fake_command(events, draft_dir))
+    monkeypatch.setattr(bench_run, "server_command", scheduled_fake_command(events, draft_dir))
     made = paced(monkeypatch, {("draft", 1): [20.0, 21.0], ("baseline", 1): [10.0, 10.0],
                                ("draft", 2): [15.0, 15.5], ("baseline", 2): [10.0, 10.0]})
     status = cli.main(serve_args(free_port(), prompts, tokenizer_dir, out, "--concurrency", "1", "2", "--num-prompts",
@@ -820,7 +821,7 @@ def test_a_served_schedule_is_checked_step_by_step_not_measured_anew(
     the concurrency, any draft counted is a step vLLM did not take as told (the fake drafts regardless)."""
     _, draft_dir = pipeline_folders
     out, events, record = tmp_path / "out", tmp_path / "events.jsonl", tmp_path / "serve_schedule.json"
-    monkeypatch.setattr(sweep, "server_command", scheduled_fake_command(events, draft_dir, [[1, 1, 3], [2, 8, 0]]))
+    monkeypatch.setattr(bench_run, "server_command", scheduled_fake_command(events, draft_dir, [[1, 1, 3], [2, 8, 0]]))
     paced(monkeypatch, {("draft", c): [10.0, 10.0] for c in (1, 2)} | {("baseline", c): [10.0, 10.0] for c in (1, 2)})
     assert cli.main(serve_args(free_port(), prompts, tokenizer_dir, out, "--concurrency", "1", "2", "--num-prompts",
                                "3", "--max-tokens", "4", "--warmup-prompts", "0", "--rounds", "2", "--schedule",
@@ -829,7 +830,7 @@ def test_a_served_schedule_is_checked_step_by_step_not_measured_anew(
     assert result["schedule"]["served"] == [[1, 1, 3], [2, 8, 0]] and result["schedule"]["written"] is None
     assert result["servers"]["draft"]["schedule"] == [[1, 1, 3], [2, 8, 0]] and not record.exists()
     assert result["results"][0]["draft"]["counter_problems"] == []  # batch 1 drafts: expected
-    monkeypatch.setattr(sweep, "server_command", scheduled_fake_command(events, draft_dir, [[1, 8, 0]]))
+    monkeypatch.setattr(bench_run, "server_command", scheduled_fake_command(events, draft_dir, [[1, 8, 0]]))
     paced(monkeypatch, {("draft", 1): [10.0, 10.0], ("baseline", 1): [10.0, 10.0]})
     assert cli.main(serve_args(free_port(), prompts, tokenizer_dir, out, "--concurrency", "1", "--num-prompts", "3",
                                "--max-tokens", "4", "--warmup-prompts", "0", "--rounds", "2")) == 0
@@ -887,7 +888,7 @@ def test_bench_records_the_servers_commands_without_the_api_key(monkeypatch, pip
     setup = ServeSetup(verifier=verifier, draft=draft, vllm_args=("--hf-token", "hf_s3cret"))
     commands = {"draft": server_command(setup, None, None, cpu_build=True)}
     config = BenchConfig(None, None, tmp_path / "p.jsonl", serve=setup)
-    recorded = json.dumps(sweep._new_result(config, "vllm bench serve", ("u", "u"), None, [[1]], commands))
+    recorded = json.dumps(bench_run._new_result(config, "vllm bench serve", ("u", "u"), None, [[1]], commands))
     assert "s3cret" not in recorded and "HF_TOKEN=***" in recorded
     with pytest.raises(EaglenestError, match="--api-key after --: .* export VLLM_API_KEY=... instead"):
         server_command(ServeSetup(verifier=verifier, draft=draft, vllm_args=("--api-key", "k")), None, None, True)

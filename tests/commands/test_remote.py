@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 import yaml
 
-from eaglenest.commands.remote import remote
-from eaglenest.commands.remote.store import STATE_FILE, stop_store, store_status
+from eaglenest.commands import cli
+from eaglenest.commands.remote import start
+from eaglenest.commands.remote.store import STATE_FILE, WeedStore, stop_store, store_status
 from eaglenest.commands.remote.transfer import DOWN_AFTER_S
 from eaglenest.core.errors import EaglenestError
 from tests.fixtures.pipeline import VENV_BIN, project_env, run
@@ -143,6 +144,40 @@ def test_faults_wrong_credentials_store_down_mid_push_corrupt_object(tmp_path: P
         assert not (repo / "a.txt").exists()
     finally:
         eaglenest_remote("stop", repo, "--dir", store)
+
+
+@pytest.mark.parametrize("argv", [
+    ["stop", "extra"], ["status", "--name", "team"], ["stop", "--force"], ["push", "--force"], ["push", "--dir", "x"],
+    ["exp-push"], ["exp-pull", "a", "origin", "more"], ["start", "a.txt"], ["start", "--", "--jobs", "4"],
+    ["exp-push", "wide", "--", "--jobs", "4"], ["status", "--", "-v"], ["upload"],
+])
+def test_an_action_refuses_what_it_does_not_take_in_one_line(argv: list[str],
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.parse(["remote", *argv])
+    assert exited.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("eaglenest") and ": error: " in last, last
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["push", "--", "--jobs", "4"], {"action": "push", "targets": [], "passthrough_args": ["--jobs", "4"],
+                                     "name": "team"}),
+    (["pull", "models/draft", "--name", "mine", "--", "--jobs", "4"],
+     {"targets": ["models/draft"], "name": "mine", "passthrough_args": ["--jobs", "4"]}),
+    (["exp-push", "lr-3e-4"], {"experiment": "lr-3e-4", "git_remote": "origin"}),
+    (["exp-pull", "lr-3e-4", "upstream"], {"experiment": "lr-3e-4", "git_remote": "upstream"}),
+    (["start", "--dir", "../first-clone/.eaglenest/store", "--force"],
+     {"dir": "../first-clone/.eaglenest/store", "force": True, "repo": "."}),
+])
+def test_each_action_parses_what_it_takes(argv: list[str], expected: dict[str, Any]) -> None:
+    args, command = cli.parse(["remote", *argv])
+    assert command.name == "remote"
+    assert {key: getattr(args, key) for key in expected} == expected
+
+
+def test_the_store_state_reads_back_as_a_weed_store(store_dir: Path) -> None:  # noqa: F811
+    assert isinstance(store_status(store_dir), WeedStore)
 
 
 def test_status_without_a_store(tmp_path: Path) -> None:
@@ -332,7 +367,7 @@ def test_start_shows_the_secret_to_nobody(tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.setattr(os, "open", recording_open)
     RecordingPopen.lines.clear()
     try:
-        assert remote("start", repo, directory, "team", [], []) == 0
+        assert start(repo, directory, "team") == 0
         monkeypatch.undo()
         store = store_status(directory)
         assert store is not None and RecordingPopen.lines  # weed itself is one of them
@@ -360,12 +395,12 @@ def test_start_keeps_a_remote_of_that_name_elsewhere(store_dir: Path, tmp_path: 
         config["remote"]["mine"] = {"url": "s3://my-bucket/data"}
         config["core"] = {"remote": "mine"}
     with pytest.raises(EaglenestError) as refused:
-        remote("start", repo, store_dir, "team", [], [])
+        start(repo, store_dir, "team")
     assert str(refused.value) == (f"DVC remote 'team' of {repo} is s3://their-bucket/data: --force replaces it "
                                   "with this store, --name picks another name")
     assert not (repo / ".dvc" / "config.local").exists()
 
-    assert remote("start", repo, store_dir, "team", [], [], force=True) == 0
+    assert start(repo, store_dir, "team", force=True) == 0
     assert "not the default: that stays 'mine'" in capsys.readouterr().out
     config = Config(dvc_dir=str(repo / ".dvc"))
     assert config["remote"]["team"]["endpointurl"] == store.endpoint and config["core"]["remote"] == "mine"
@@ -373,7 +408,7 @@ def test_start_keeps_a_remote_of_that_name_elsewhere(store_dir: Path, tmp_path: 
     # the same store again: only the credentials change; the user's own fields of that remote stay
     with config.edit("local") as local:
         local["remote"]["team"].update(secret_access_key="stale", region="us-east-1")
-    assert remote("start", repo, store_dir, "team", [], []) == 0
+    assert start(repo, store_dir, "team") == 0
     team = Config(dvc_dir=str(repo / ".dvc"))["remote"]["team"]
     assert team["secret_access_key"] == store.secret_key and team["region"] == "us-east-1"
 
@@ -383,7 +418,7 @@ def test_start_refuses_a_folder_open_to_others(tmp_path: Path) -> None:
     directory.mkdir()
     directory.chmod(0o755)
     with pytest.raises(EaglenestError) as refused:
-        remote("start", repo, directory, "team", [], [])
+        start(repo, directory, "team")
     assert str(refused.value) == (f"--dir {directory}: the folder is open to other users (mode 755) and holds no "
                                   f"store: name a new folder, or close it (`chmod 700 {directory}`)")
     assert mode(directory) == 0o755 and not weeds_on(directory)
@@ -394,7 +429,7 @@ def test_a_second_start_of_one_store_is_refused_while_the_first_runs(tmp_path: P
 
     repo, directory = dvc_repo(tmp_path / "repo"), tmp_path / "store"
     with exclusive(lock_file_for(directory), "the first start"), pytest.raises(EaglenestError) as refused:
-        remote("start", repo, directory, "team", [], [])
+        start(repo, directory, "team")
     assert str(refused.value).startswith(f"the store in {directory} is being written by pid {os.getpid()} ")
     assert not weeds_on(directory)
 

@@ -1,6 +1,6 @@
 """Where code lives and what it is called, read from the source: ``eaglenest.core`` holds only what the stages
-stand on (an edit there re-runs every stage that runs the file), a name in it says one thing, and one place answers
-each question about a file layout."""
+stand on (an edit there re-runs every stage that runs the file), a name in it says one thing, one place answers
+each question about a file layout, and no command module mixes concerns."""
 
 from __future__ import annotations
 
@@ -67,3 +67,14 @@ def test_only_the_hidden_state_artifact_asks_whether_a_layout_holds_row_files():
                  for path in sorted(PACKAGE.rglob("*.py")) if owner not in path.parents
                  for number, line in enumerate(path.read_text().splitlines(), 1) if "rows_per_shard == 1" in line]
     assert not offenders, f"ask the layout's row_files instead: {offenders}"
+
+
+# A command module longer than this mixes concerns: split it by concern (as commands/bench and commands/remote are).
+MAX_COMMAND_MODULE_LINES = 400
+
+
+def test_no_command_module_is_over_400_lines() -> None:
+    commands = PACKAGE / "commands"
+    long = {str(path.relative_to(REPO)): count for path in sorted(commands.rglob("*.py"))
+            if (count := len(path.read_text().splitlines())) > MAX_COMMAND_MODULE_LINES}
+    assert not long, f"over {MAX_COMMAND_MODULE_LINES} lines (split by concern): {long}"

@@ -65,32 +65,38 @@ def _version() -> str:
         return "(not installed)"
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the console script.
+def parse(argv: list[str]) -> tuple[argparse.Namespace, Command]:
+    """The parsed arguments of ``eaglenest ARGV`` and the command they name.
 
-    Everything after ``--`` goes on, for the commands that pass flags on (``eaglenest serve ... -- FLAGS`` to vLLM's
-    server, ``eaglenest bench --serve ... -- FLAGS`` to the servers it starts, ``eaglenest remote push|pull ... --
-    FLAGS`` to DVC); the others refuse it.
+    Everything after ``--`` goes on as ``passthrough_args``, for the commands that pass flags on (``eaglenest serve
+    ... -- FLAGS`` to vLLM's server, ``eaglenest bench --serve ... -- FLAGS`` to the servers it starts, ``eaglenest
+    remote push|pull ... -- FLAGS`` to DVC); the others refuse it (argparse's one line, exit status 2). A command
+    with actions of its own says per action whether it passes them (``passes_flags`` in the action's parsed
+    arguments).
     """
-    argv = list(sys.argv[1:] if argv is None else argv)
-    vllm_args: list[str] = []
+    passthrough_args: list[str] = []
     if "--" in argv:
         separator = argv.index("--")
-        argv, vllm_args = argv[:separator], argv[separator + 1:]
+        argv, passthrough_args = argv[:separator], argv[separator + 1:]
     parser = build_parser()
     args = parser.parse_args(argv)
     command = COMMANDS.get(args.command)
-    if vllm_args and not command.passes_flags:
+    if passthrough_args and not getattr(args, "passes_flags", command.passes_flags):
         parser.error(f"{args.command}: takes no arguments after --; only `eaglenest serve -- FLAGS` and "
                      "`eaglenest bench --serve -- FLAGS` pass flags on (to vLLM), and `eaglenest remote push|pull "
                      "-- FLAGS` (to DVC)")
-    args.vllm_args = vllm_args
+    args.passthrough_args = passthrough_args
+    return args, command
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the console script: runs the command ``argv`` names (:func:`parse`); its exit status."""
+    args, command = parse(list(sys.argv[1:] if argv is None else argv))
     try:
         return command.run(args)
     except EaglenestError as err:
         print(f"eaglenest {args.command}: error: {err}", file=sys.stderr)
         return 2
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -22,11 +22,13 @@ class Command:
     Attributes:
         name: What follows ``eaglenest`` on the command line.
         help: The one line ``eaglenest --help`` lists it with.
-        add_arguments: Adds the command's arguments to its subparser.
-        run: Runs the command on the parsed arguments (with ``vllm_args``, the flags after ``--``); the exit
+        add_arguments: Adds the command's arguments to its subparser (a command with actions of its own, like
+            ``remote``, adds each action as a ``Command`` of its own subparser).
+        run: Runs the command on the parsed arguments (with ``passthrough_args``, the flags after ``--``); the exit
             status. An ``EaglenestError`` it raises becomes one line and exit status 2.
         description: The opening of ``eaglenest NAME --help``; None: ``help`` as a sentence.
-        passes_flags: Flags after ``--`` go on (to vLLM, or to DVC); any other command refuses them.
+        passes_flags: Flags after ``--`` go on (to vLLM, or to DVC); any other command refuses them. A command
+            with actions narrows it per action (``passes_flags`` set in the action's parsed arguments).
     """
 
     name: str

@@ -182,13 +182,22 @@ def cli_markdown() -> str:
            "command that fails on its input exits 2 with `eaglenest COMMAND: error: ...`.", "",
            "```text", _usage(parser), "```", ""]
     for name, help_text, sub in _subcommands(parser):
-        description = sub.description or help_text
-        out += [f"## `eaglenest {name}`", "", _cell(description[:1].upper() + description[1:]).rstrip(".") + ".",
-                "", "```text", _usage(sub), "```", ""]
-        rows = _argument_rows(sub)
-        if rows:
-            out += ["| argument | default | what it is |", "|---|---|---|", *rows, ""]
+        out += _command_section(f"eaglenest {name}", help_text, sub, "##")
     return "\n".join(out).rstrip() + "\n"
+
+
+def _command_section(words: str, help_text: str, parser: argparse.ArgumentParser, heading: str) -> list[str]:
+    """The section of the command ``words`` (``eaglenest remote``), then one a level down for each of its actions
+    (``eaglenest remote start``)."""
+    description = parser.description or help_text
+    out = [f"{heading} `{words}`", "", _cell(description[:1].upper() + description[1:]).rstrip(".") + ".", "",
+           "```text", _usage(parser), "```", ""]
+    rows = _argument_rows(parser)
+    if rows:
+        out += ["| argument | default | what it is |", "|---|---|---|", *rows, ""]
+    for name, action_help, sub in _subcommands(parser):
+        out += _command_section(f"{words} {name}", action_help, sub, heading + "#")
+    return out
 
 
 PARAMS_TARGET = Generated("docs/params.md", lambda _old, _repo: params_markdown(), GENERATE_COMMAND)

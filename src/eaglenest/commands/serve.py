@@ -382,7 +382,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 def _run(args: argparse.Namespace) -> int:
     schedule_file = None if args.no_schedule else Path(args.schedule or SCHEDULE_FILE)
     return serve(Path(args.verifier), Path(args.draft), args.host, args.port, args.dtype, args.print_command,
-                 args.num_speculative_tokens, Path(args.k_sweep), args.served_model_name, args.vllm_args,
+                 args.num_speculative_tokens, Path(args.k_sweep), args.served_model_name, args.passthrough_args,
                  args.baseline, Path(args.ngram_sweep), schedule_file, schedule_explicit=args.schedule is not None,
                  no_api_key=args.no_api_key)
 

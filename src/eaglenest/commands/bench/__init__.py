@@ -5,7 +5,8 @@ checks), ``prompts`` (the prompts file rendered to token ids), ``servers`` (the 
 stops), ``endpoint`` (a server's HTTP API), ``load`` (``vllm bench serve``, the load and its timing), ``counters``
 (``/metrics`` readings and acceptance), ``outputs`` (the temperature-0 check and its near-tie rule), ``figures``
 (an endpoint's figures at one concurrency, and where speculation stops paying), ``render`` (bench.json, the
-table, the plot) and ``sweep`` (the sweep that puts them together). How the bench measures:
+table, the plot), ``sweep`` (the runs measured, their rows and the outputs' check) and ``run`` (the bench from
+start to end: the checks, the prompts, the endpoints swept, the result written). How the bench measures:
 :mod:`eaglenest.commands.bench.sweep`.
 
 This module declares the command; it imports the rest only when the command runs.
@@ -105,7 +106,7 @@ BENCH_SERVE_FLAGS = {"baseline": "--baseline", "port": "--port", "verifier": "--
 
 
 def _run(args: argparse.Namespace) -> int:
-    from eaglenest.commands.bench.sweep import bench
+    from eaglenest.commands.bench.run import bench
 
     serve = None
     if args.serve:
@@ -115,10 +116,10 @@ def _run(args: argparse.Namespace) -> int:
                 given[key] = Path(given[key])
         if "server_timeout" in given:
             given["timeout_s"] = given.pop("server_timeout")
-        serve = ServeSetup(**given, vllm_args=tuple(args.vllm_args))
+        serve = ServeSetup(**given, vllm_args=tuple(args.passthrough_args))
     else:
         stray = [flag for key, flag in BENCH_SERVE_FLAGS.items() if getattr(args, key) is not None]
-        if args.vllm_args:
+        if args.passthrough_args:
             stray.append("flags after --")
         if stray:
             raise EaglenestError(f"{', '.join(stray)}: only with --serve (they say how bench starts the servers); "

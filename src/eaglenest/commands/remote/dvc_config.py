@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from eaglenest.commands.remote.store import Store
+from eaglenest.commands.remote.store import WeedStore
 from eaglenest.core.errors import EaglenestError
 
 DEFAULT_REMOTE = "team"
@@ -32,7 +32,7 @@ def _private_file(path: Path) -> None:
         path.chmod(0o600)
 
 
-def configure_remote(repo: Path, store: Store, name: str = DEFAULT_REMOTE, prefix: str = "eaglenest",
+def configure_remote(repo: Path, store: WeedStore, name: str = DEFAULT_REMOTE, prefix: str = "eaglenest",
                      force: bool = False) -> str:
     """Makes ``name`` a DVC remote of ``repo`` on the store, in ``.dvc/config.local`` (0600), written by DVC's own
     config API in this process (a ``dvc remote modify`` line would show the secret to every user in ``ps``).

@@ -46,8 +46,8 @@ STOP_TIMEOUT_S = 20.0
 
 
 @dataclass(frozen=True)
-class Store:
-    """A running store, as its state file records it.
+class WeedStore:
+    """A running SeaweedFS S3 store (``weed mini`` on this machine), as its state file records it.
 
     Attributes:
         pid: The ``weed`` process (leader of its own process group).
@@ -78,10 +78,10 @@ def answers(port: int, host: str = "127.0.0.1") -> bool:
         return False
 
 
-def _recorded(directory: Path) -> Store | None:
+def _recorded(directory: Path) -> WeedStore | None:
     """The store ``directory`` last ran, as its state file says; None where there is none."""
     try:
-        return Store(**json.loads((directory / STATE_FILE).read_text()))
+        return WeedStore(**json.loads((directory / STATE_FILE).read_text()))
     except (OSError, ValueError, TypeError):
         return None
 
@@ -102,7 +102,7 @@ def _weeds_of(directory: Path) -> list[int]:
     return [pid for pid in pids if pid != os.getpid() and _is_weed_of(pid, directory)]
 
 
-def store_status(directory: Path) -> Store | None:
+def store_status(directory: Path) -> WeedStore | None:
     """The store running from ``directory``, or None where none is."""
     store = _recorded(directory)
     return store if store is not None and _is_weed_of(store.pid, directory) and answers(store.ports["s3.port"]) \
@@ -219,7 +219,7 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def _next_store(directory: Path, bucket: str) -> Store:
+def _next_store(directory: Path, bucket: str) -> WeedStore:
     """The store to start in ``directory`` (pid 0 until it runs): a restarted store keeps its credentials and,
     where they are still free, its ports, so every clone configured for it pushes again without being configured
     anew."""
@@ -230,11 +230,11 @@ def _next_store(directory: Path, bucket: str) -> Store:
     else:
         ports = {flag: _free_port() for flag in PORT_FLAGS}
     if previous is not None:
-        return Store(0, ports, previous.access_key, previous.secret_key, bucket)
-    return Store(0, ports, "eaglenest-" + secrets.token_hex(6), secrets.token_hex(20), bucket)
+        return WeedStore(0, ports, previous.access_key, previous.secret_key, bucket)
+    return WeedStore(0, ports, "eaglenest-" + secrets.token_hex(6), secrets.token_hex(20), bucket)
 
 
-def start_store(directory: Path, bucket: str = DEFAULT_BUCKET, timeout_s: float = START_TIMEOUT_S) -> Store:
+def start_store(directory: Path, bucket: str = DEFAULT_BUCKET, timeout_s: float = START_TIMEOUT_S) -> WeedStore:
     """Starts a store in ``directory`` (or returns the one already running there).
 
     One command at a time starts or stops a folder's store (a second is refused with the lock's line). Ctrl-C
@@ -265,7 +265,7 @@ def start_store(directory: Path, bucket: str = DEFAULT_BUCKET, timeout_s: float 
                 process = subprocess.Popen(_weed_command(directory, planned.ports, bucket), cwd=directory,
                                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                            start_new_session=True)
-            store = Store(process.pid, planned.ports, planned.access_key, planned.secret_key, bucket)
+            store = WeedStore(process.pid, planned.ports, planned.access_key, planned.secret_key, bucket)
             atomic_write_json(directory / STATE_FILE, asdict(store), mode=0o600)  # it holds the secret
             _wait_for(store, process, log_file, timeout_s)
         except KeyboardInterrupt:
@@ -278,7 +278,7 @@ def start_store(directory: Path, bucket: str = DEFAULT_BUCKET, timeout_s: float 
         return store
 
 
-def _wait_for(store: Store, process: subprocess.Popen[bytes], log_file: Path, timeout_s: float) -> None:
+def _wait_for(store: WeedStore, process: subprocess.Popen[bytes], log_file: Path, timeout_s: float) -> None:
     """Waits until the store's S3 port answers.
 
     Raises:
