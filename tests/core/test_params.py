@@ -122,6 +122,19 @@ def test_cluster_params_name_what_is_allowed():
     assert (cluster.address, cluster.workers, cluster.output) == ("10.0.0.1:6379", 16, "driver")
 
 
+@pytest.mark.parametrize("value", ["bad host:6379", "[::1]:6379", "head:0", "head:65536", "head:", ":6379"])
+def test_every_host_and_port_is_read_alike(value: str):
+    """A Ray head's address and a rendezvous endpoint take the same HOST:PORT, each in its key's own words."""
+    lines = problems({"cluster": {"address": value, "torchrun": {"rdzv_endpoint": value}}})
+    assert f"  - cluster.address = {value!r}: allowed: 'local', 'auto' or host:port (the head's GCS port, 6379 by " \
+           "default)" in lines
+    assert (f"  - cluster.torchrun.rdzv_endpoint = {value!r}: must be HOST:PORT: a host name or IPv4 address, and a "
+            "port in 1..65535") in lines
+    for good in ("10.0.0.1:6379", "node-a.cluster_1:29500"):
+        cluster = parse_params({"cluster": {"address": good, "torchrun": {"rdzv_endpoint": good}}}).cluster
+        assert (cluster.address, cluster.torchrun.rdzv_endpoint) == (good, good)
+
+
 def test_tensor_parallelism_needs_a_vllm_back_end_in_every_stage():
     """A verifier spread over GPUs needs vLLM wherever it runs; the hf back ends load it on one device. The
     three refusals come in one report, each naming its section's engine key."""

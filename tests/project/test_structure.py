@@ -1,10 +1,12 @@
 """Where code lives and what it is called, read from the source: ``eaglenest.core`` holds only what the stages
 stand on (an edit there re-runs every stage that runs the file), a name in it says one thing, one place answers
-each question about a file layout, and no command module mixes concerns."""
+each question about a file layout, no command module mixes concerns, and no stage knows which executor runs
+it."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from tests.fixtures.pipeline import REPO
@@ -78,3 +80,21 @@ def test_no_command_module_is_over_400_lines() -> None:
     long = {str(path.relative_to(REPO)): count for path in sorted(commands.rglob("*.py"))
             if (count := len(path.read_text().splitlines())) > MAX_COMMAND_MODULE_LINES}
     assert not long, f"over {MAX_COMMAND_MODULE_LINES} lines (split by concern): {long}"
+
+
+def test_no_stage_asks_which_executor_runs_it():
+    """Stages ask the executor what it offers (core/executor.py), never which one it is: a new executor must not
+    mean an edit to every stage."""
+    asks = re.compile(r"\bexecutor\s*(?:==|!=|\bin\b|\bis\b)|executor\.kind\b|\bcluster\.output\b")
+    found = [f"{path.relative_to(REPO)}:{number}: {line.strip()}"
+             for path in sorted((PACKAGE / "stages").rglob("*.py"))
+             for number, line in enumerate(path.read_text().splitlines(), 1) if asks.search(line)]
+    assert found == [], "\n".join(found)
+
+
+def test_the_missing_ray_error_has_one_home():
+    """One sentence, in one place, for every way to a Ray cluster without Ray installed."""
+    homes = [path.relative_to(REPO) for path in sorted(PACKAGE.rglob("*.py")) if "needs Ray, which" in
+             path.read_text()]
+    counts = {path: (REPO / path).read_text().count("needs Ray, which") for path in homes}
+    assert counts == {PACKAGE.relative_to(REPO) / "core" / "executor.py": 1}

@@ -7,6 +7,11 @@ and ``on_result(task, result)``, which the stage runs in its own process as each
 result). Both executors run the very same ``run_task``, so they produce the same bytes by construction; the
 executor knows neither vLLM nor any stage.
 
+A stage never asks which executor it has, only what the executor offers it: whether its engines run in the
+stage's own process (:attr:`Executor.runs_in_driver`: they may reuse an engine the stage has loaded, and this
+machine's folders), and where tasks write their results (:meth:`Executor.results_folder`: into a folder the
+workers share, or back to ``on_result``).
+
 * :class:`LocalExecutor` loads one engine and runs the tasks in turn (``cluster.executor: local``).
 * :class:`RayExecutor` starts ``cluster.workers`` actors, each owning one engine, loaded once per actor; GPUs per
   actor come from the engine's ``tensor_parallel_size``, in a placement group when it spans GPUs. A small
@@ -24,6 +29,8 @@ Ray is imported only here and only when ``cluster.executor`` is ``ray``.
 from __future__ import annotations
 
 import contextlib
+import enum
+import importlib.util
 import logging
 import os
 import socket
@@ -35,6 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from eaglenest.core.errors import EaglenestError
+from eaglenest.core.params import check_endpoint
 
 if TYPE_CHECKING:
     from eaglenest.core.params import ClusterParams
@@ -93,6 +101,14 @@ class Executor(Generic[E, T, R]):
 
     kind = "executor"
     workers = 1
+    # The engines run in the stage's own process: they may be an engine the stage has already loaded, and they
+    # see this machine's folders (a staging folder beside the output).
+    runs_in_driver = False
+
+    def results_folder(self, folder: Path) -> Path | None:
+        """Where tasks write their results: ``folder`` (absolute) where every engine can write into it, None where
+        each result travels back to the stage's ``on_result``, which writes it."""
+        raise NotImplementedError
 
     def run(self, make_engine: Callable[[], E], run_task: Callable[[E, T], R], tasks: Sequence[T],
             on_result: Callable[[T, R], None]) -> None:
@@ -111,6 +127,10 @@ class LocalExecutor(Executor[E, T, R]):
     """One engine in this process; the tasks in order (``cluster.executor: local``)."""
 
     kind = "local"
+    runs_in_driver = True
+
+    def results_folder(self, folder: Path) -> Path | None:
+        return folder.resolve()
 
     def run(self, make_engine: Callable[[], E], run_task: Callable[[E, T], R], tasks: Sequence[T],
             on_result: Callable[[T, R], None]) -> None:
@@ -153,12 +173,25 @@ class EngineHost:
             self._started, self._engine = False, None
 
 
+class ActorState(enum.Enum):
+    """Where one actor of a :class:`RayExecutor` stands, as its dispatcher sees it."""
+
+    STARTING = "starting"  # its start call (the engine loading) is in flight
+    IDLE = "idle"  # its engine is up and it has no task
+    BUSY = "busy"  # a task is in flight on it
+    DOWN = "down"  # its process died: it is asked to start again at its retry_at
+    DROPPED = "dropped"  # its engine failed to start cluster.max_task_retries times: never asked again
+
+
+ENGINE_UP = (ActorState.IDLE, ActorState.BUSY)
+
+
 @dataclass
 class _Actor:
     """The dispatcher's view of one actor."""
 
     handle: Any
-    state: str = "starting"  # starting (its start call in flight) | idle | busy | down (retry at retry_at)
+    state: ActorState = ActorState.STARTING
     where: str = ""
     retry_at: float = 0.0
     backoff: float = RETRY_FIRST_S
@@ -196,6 +229,10 @@ class RayExecutor(Executor[E, T, R]):
     def __init__(self, cluster: ClusterParams, needs: EngineNeeds) -> None:
         self.cluster, self.needs = cluster, needs
         self.options, self.workers, self.description = plan_engines(cluster, needs, alive_nodes())
+
+    def results_folder(self, folder: Path) -> Path | None:
+        """``folder`` with ``cluster.output: shared`` (every node mounts it at the same path); else None."""
+        return folder.resolve() if self.cluster.output == "shared" else None
 
     def run(self, make_engine: Callable[[], E], run_task: Callable[[E, T], R], tasks: Sequence[T],
             on_result: Callable[[T, R], None]) -> None:
@@ -240,29 +277,29 @@ class RayExecutor(Executor[E, T, R]):
 
     def _assign(self, actors: list[_Actor], dispatch: _Dispatch[T]) -> None:
         for index, actor in enumerate(actors):
-            if actor.state == "idle" and dispatch.pending:
+            if actor.state is ActorState.IDLE and dispatch.pending:
                 task = dispatch.pending.popleft()
                 dispatch.inflight[actor.handle.run.remote(task)] = (index, task)
-                actor.state = "busy"
+                actor.state = ActorState.BUSY
 
     def _revive(self, actors: list[_Actor], dispatch: _Dispatch[T]) -> None:
         """Asks each actor that died, once its wait is over, to start again (Ray restarts its process)."""
         now = time.monotonic()
         for index, actor in enumerate(actors):
-            if actor.state == "down" and actor.retry_at <= now:
+            if actor.state is ActorState.DOWN and actor.retry_at <= now:
                 dispatch.inflight[actor.handle.start.remote()] = (index, None)
-                actor.state = "starting"
+                actor.state = ActorState.STARTING
 
     @staticmethod
     def _next_retry(actors: list[_Actor]) -> float:
         """Seconds until the next actor that died is asked again; at most ``RETRY_CAP_S``."""
-        waits = [actor.retry_at - time.monotonic() for actor in actors if actor.state == "down"]
+        waits = [actor.retry_at - time.monotonic() for actor in actors if actor.state is ActorState.DOWN]
         return max(0.05, min([RETRY_CAP_S, *waits]))
 
     def _check_capacity(self, actors: list[_Actor]) -> None:
         """No engine is up: stop if the nodes left cannot hold a single engine (they will not come back; an actor
         waiting for a node would wait for ever)."""
-        if any(actor.state in ("idle", "busy") for actor in actors):
+        if any(actor.state in ENGINE_UP for actor in actors):
             return
         try:
             plan_engines(self.cluster.model_copy(update={"workers": "auto"}), self.needs, alive_nodes())
@@ -295,15 +332,15 @@ class RayExecutor(Executor[E, T, R]):
             if task is None:
                 self._start_failed(actor, actors, cause)
                 return
-            actor.state = "idle"
+            actor.state = ActorState.IDLE
             log.warning("ray: %s failed on %s: %s", task.label, actor.where, error_line(cause))
             self._failed(task, dispatch, error_line(cause))
             return
         if task is None:
-            actor.state, actor.where, actor.backoff = "idle", str(value), RETRY_FIRST_S
+            actor.state, actor.where, actor.backoff = ActorState.IDLE, str(value), RETRY_FIRST_S
             log.info("ray: engine %d ready (%s)", index, actor.where)
             return
-        actor.state = "idle"
+        actor.state = ActorState.IDLE
         on_result(task, value)
 
     def _failed(self, task: T, dispatch: _Dispatch[T], why: str) -> None:
@@ -317,8 +354,8 @@ class RayExecutor(Executor[E, T, R]):
         actor.start_failures += 1
         log.warning("ray: an engine failed to start: %s", error_line(cause))
         if actor.start_failures >= self.cluster.max_task_retries:
-            actor.state = "dropped"
-            if all(other.state == "dropped" for other in actors):
+            actor.state = ActorState.DROPPED
+            if all(other.state is ActorState.DROPPED for other in actors):
                 raise EaglenestError(f"no engine could start on the cluster; the last failure: {error_line(cause)}")
         else:
             self._down(actor)
@@ -326,7 +363,7 @@ class RayExecutor(Executor[E, T, R]):
     @staticmethod
     def _down(actor: _Actor) -> None:
         """The actor is asked again after its wait, which doubles each time (up to ``RETRY_CAP_S``)."""
-        actor.state, actor.retry_at = "down", time.monotonic() + actor.backoff
+        actor.state, actor.retry_at = ActorState.DOWN, time.monotonic() + actor.backoff
         actor.backoff = min(RETRY_CAP_S, actor.backoff * 2)
 
     @staticmethod
@@ -336,7 +373,7 @@ class RayExecutor(Executor[E, T, R]):
         import ray
         from ray.exceptions import GetTimeoutError, RayError
 
-        closing = [actor.handle.close.remote() for actor in actors if actor.state == "idle"]
+        closing = [actor.handle.close.remote() for actor in actors if actor.state is ActorState.IDLE]
         with contextlib.suppress(RayError, GetTimeoutError):
             ray.get(closing, timeout=60)
         for actor in actors:
@@ -396,12 +433,12 @@ def _is_loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
-def _probe(address: str) -> None:
-    """Refuses a host:port where nothing answers (``ray.init`` would retry it for minutes)."""
-    host, _, port = address.rpartition(":")
+def _probe(address: str) -> str:
+    """Refuses a host:port where nothing answers (``ray.init`` would retry it for minutes); returns its host."""
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S):
-            return
+        host, port = check_endpoint(address)
+        with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S):
+            return host
     except (OSError, ValueError) as err:
         raise EaglenestError(
             f"cluster.address = {address!r}: no Ray cluster answers there ({err}); start its head there with "
@@ -410,15 +447,19 @@ def _probe(address: str) -> None:
         ) from None
 
 
+def require_ray() -> None:
+    """Refuses ``cluster.executor: ray`` where this interpreter has no Ray (one line, with the fix); imports
+    nothing (Ray reads some of its switches from the environment when it is first imported)."""
+    if importlib.util.find_spec("ray") is None:
+        raise EaglenestError(f"cluster.executor: ray needs Ray, which this interpreter lacks; {RAY_FIX}")
+
+
 def check_cluster(cluster: ClusterParams) -> None:
     """Refuses, before any work, ``cluster.executor: ray`` without Ray installed, or a host:port where nothing
     answers (one line each, with the fix); connecting waits until there is work."""
     if cluster.executor != "ray":
         return
-    import importlib.util
-
-    if importlib.util.find_spec("ray") is None:
-        raise EaglenestError(f"cluster.executor: ray needs Ray, which this interpreter lacks; {RAY_FIX}")
+    require_ray()
     address = os.environ.get("RAY_ADDRESS", "auto") if cluster.address == "auto" else cluster.address
     if address not in ("local", "auto"):
         _probe(address)
@@ -460,16 +501,14 @@ def connect(cluster: ClusterParams) -> Iterator[None]:
         env |= SINGLE_MACHINE_ENV | OWN_CLUSTER_ENV
         kwargs["include_dashboard"] = False
     elif address != "auto":
-        _probe(address)
-        if _is_loopback(address.rpartition(":")[0]):
+        if _is_loopback(_probe(address)):
             env |= SINGLE_MACHINE_ENV
         if any(os.environ.get(name) for name in TOKEN_SOURCES) or (Path.home() / ".ray" / "auth_token").is_file():
             env |= OWN_CLUSTER_ENV  # a RAY_AUTH_MODE the user set keeps theirs
+    require_ray()
     with _environment(env):  # before Ray's first import: it reads the single-machine switch then
-        try:
-            import ray
-        except ImportError:
-            raise EaglenestError(f"cluster.executor: ray needs Ray, which this interpreter lacks; {RAY_FIX}") from None
+        import ray
+
         try:
             ray.init(address=address, runtime_env={"py_modules": [str(_package_dir())]},
                      logging_level=logging.WARNING, **kwargs)
@@ -499,6 +538,15 @@ def open_executor(cluster: ClusterParams, needs: EngineNeeds) -> Iterator[Execut
         yield RayExecutor(cluster, needs)
 
 
+def in_this_process(cluster: ClusterParams, why: str) -> ClusterParams:
+    """``cluster`` with its tasks run by this process, for work bound to this machine (``why`` says how; it is
+    logged where that sets another ``cluster.executor`` aside)."""
+    if cluster.executor == "local":
+        return cluster
+    log.info("%s; cluster.executor: %s is not used", why, cluster.executor)
+    return cluster.model_copy(update={"executor": "local"})
+
+
 def describe_cluster(cluster: ClusterParams) -> list[str]:
     """What ``cluster`` would run on, for ``eaglenest doctor``: a line per fact.
 
@@ -508,10 +556,7 @@ def describe_cluster(cluster: ClusterParams) -> list[str]:
     if cluster.executor == "local":
         return ["cluster: executor local (one process on this machine; cluster.executor: ray shares the work)"]
     if cluster.address == "local":
-        try:
-            import ray  # noqa: F401  (only whether it is there: a local cluster is started by the stage itself)
-        except ImportError:
-            raise EaglenestError(f"cluster.executor: ray needs Ray, which this interpreter lacks; {RAY_FIX}") from None
+        require_ray()  # only whether it is there: a local cluster is started by the stage itself
         import torch
 
         return [f"cluster: executor ray, address local: the stage starts Ray on this machine (127.0.0.1): "

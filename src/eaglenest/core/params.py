@@ -134,12 +134,13 @@ class HiddenStateStorage(StrictModel):
     dtype: HiddenStateDtype = "bfloat16"
 
 
-RDZV_ENDPOINT_PATTERN = re.compile(r"^[A-Za-z0-9._-]+:([0-9]{1,5})$")
+HOST_PORT_PATTERN = re.compile(r"^[A-Za-z0-9._-]+:([0-9]{1,5})$")
 
 
 def check_endpoint(value: str) -> tuple[str, int]:
-    """``HOST:PORT`` as (host, port); raises ValueError saying what is allowed."""
-    match = RDZV_ENDPOINT_PATTERN.match(value)
+    """``HOST:PORT`` as (host, port): the one reading of a network address the project takes (a Ray cluster's
+    head, a rendezvous endpoint); raises ValueError saying what is allowed."""
+    match = HOST_PORT_PATTERN.match(value)
     if not match or not 1 <= int(match.group(1)) <= 65535:
         raise ValueError("must be HOST:PORT: a host name or IPv4 address, and a port in 1..65535")
     host, _, port = value.rpartition(":")
@@ -297,9 +298,10 @@ class ClusterParams(StrictModel):
     def _address_form(cls, value: str) -> str:
         if value in ("local", "auto"):
             return value
-        host, _, port = value.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"allowed: {CLUSTER_ADDRESS_FORMS} (the head's GCS port, 6379 by default)")
+        try:
+            check_endpoint(value)
+        except ValueError:
+            raise ValueError(f"allowed: {CLUSTER_ADDRESS_FORMS} (the head's GCS port, 6379 by default)") from None
         return value
 
     @field_validator("workers")

@@ -268,6 +268,20 @@ def test_an_engine_wider_than_every_node_is_refused_before_any_work(data: dict[s
     assert engine_processes() == [] and not list(stored_files(unfinished_dir(tmp_path / "hs")))
 
 
+@pytest.mark.slow  # the module's Ray cluster of 3 nodes (tests/fixtures/cluster.py); no engine starts
+def test_ray_engines_run_outside_the_driver_and_write_only_into_a_shared_folder(ray_cluster: Any, tmp_path: Path):
+    """What a stage asks of the Ray executor: its engines never share the driver's process, and tasks write into
+    the stage's folder only with cluster.output: shared (else results travel back to the driver)."""
+    from eaglenest.core.executor import EngineNeeds, RayExecutor, connect
+
+    driver = ClusterParams(executor="ray", address=ray_cluster.address)
+    with connect(driver):
+        executor = RayExecutor(driver, EngineNeeds(None))
+        shared = RayExecutor(driver.model_copy(update={"output": "shared"}), EngineNeeds(None))
+    assert not executor.runs_in_driver and not shared.runs_in_driver
+    assert (executor.results_folder(tmp_path), shared.results_folder(tmp_path)) == (None, tmp_path.resolve())
+
+
 def test_a_gpu_engine_wider_than_every_node_is_refused():
     from eaglenest.core.errors import EaglenestError
     from eaglenest.core.executor import EngineNeeds, plan_engines

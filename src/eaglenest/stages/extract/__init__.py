@@ -38,7 +38,7 @@ from eaglenest.artifacts.prepared import load_input_ids
 from eaglenest.artifacts.verifier import VerifierInfo, load_verifier_info
 from eaglenest.core.atomic import atomic_write_json, remove_stale_temps
 from eaglenest.core.errors import EaglenestError
-from eaglenest.core.executor import EngineNeeds, check_cluster, open_executor
+from eaglenest.core.executor import EngineNeeds, check_cluster, in_this_process, open_executor
 from eaglenest.core.host import host_record
 from eaglenest.core.lock import exclusive, lock_file_for
 from eaglenest.core.params import ClusterParams
@@ -181,24 +181,15 @@ def compute_hidden_states(plan: ExtractionPlan, cluster: ClusterParams) -> Compu
     if len(to_compute) < len(plan.todo):
         log.info("%d files assembled from the rows of earlier files, nothing computed", len(plan.todo) -
                  len(to_compute))
-    if params.backend == "import" and cluster.executor != "local":
-        log.info("extract.backend: import copies files on this machine; cluster.executor: %s is not used",
-                 cluster.executor)
-        cluster = cluster.model_copy(update={"executor": "local"})
-    ray, shared = cluster.executor == "ray", cluster.output == "shared"
-    destination = None if ray and not shared else extraction.dir.resolve()
-    tasks = [ExtractTask(tuple(plan.layout(spec) for spec in group), params.dtype, destination)
-             for group in task_groups(to_compute)]
+    if params.backend == "import":
+        cluster = in_this_process(cluster, "extract.backend: import copies files on this machine")
     specs = {spec.name: spec for spec in to_compute}
     computed = Computed(rows=sum(len(spec.rows) for spec in to_compute),
                         tokens=sum(len(plan.input_ids[row]) for spec in to_compute for row in spec.rows),
                         executor=cluster.executor)
-    if not tasks:
+    if not to_compute:
         computed.seconds = time.perf_counter() - started
         return computed
-    settings = EngineSettings(plan.verifier, plan.model_dir.resolve(), params,
-                              max(len(ids) for ids in plan.input_ids),
-                              staging=None if ray else staging_dir_for(extraction.out_dir))
     with progress(computed.rows, f"hidden states ({params.backend}, {cluster.executor})", "row") as bar:
 
         def on_result(task: ExtractTask, files: list[tuple[str, Any]]) -> None:
@@ -211,6 +202,13 @@ def compute_hidden_states(plan: ExtractionPlan, cluster: ClusterParams) -> Compu
 
         with open_executor(cluster, engine_needs(params)) as executor:
             computed.engines = executor.workers
+            destination = executor.results_folder(extraction.dir)
+            tasks = [ExtractTask(tuple(plan.layout(spec) for spec in group), params.dtype, destination)
+                     for group in task_groups(to_compute)]
+            # A staging folder beside the output only where the engine runs on this machine.
+            staging = staging_dir_for(extraction.out_dir) if executor.runs_in_driver else None
+            settings = EngineSettings(plan.verifier, plan.model_dir.resolve(), params,
+                                      max(len(ids) for ids in plan.input_ids), staging=staging)
             executor.run(functools.partial(make_engine, settings), run_extract_task, tasks, on_result)
     computed.seconds = time.perf_counter() - started
     return computed

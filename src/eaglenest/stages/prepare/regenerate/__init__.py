@@ -35,7 +35,7 @@ from eaglenest.artifacts.verifier import VerifierInfo
 from eaglenest.core.atomic import atomic_write_json
 from eaglenest.core.chat import chat_template_kwargs, strip_reasoning
 from eaglenest.core.checkout import checkout_path
-from eaglenest.core.executor import EngineNeeds, check_cluster, open_executor
+from eaglenest.core.executor import EngineNeeds, Executor, check_cluster, open_executor
 from eaglenest.core.params import ClusterParams
 from eaglenest.core.progress import progress
 from eaglenest.core.registry import Registry
@@ -166,7 +166,7 @@ def make_reply_engine(settings: ReplySettings) -> ReplyEngine:
 
 @dataclass(frozen=True)
 class Pool:
-    """Regeneration on ``cluster.executor: ray``: the cluster params and what its actors build engines from."""
+    """Where regeneration runs (the cluster params), and what an engine outside this process is built from."""
 
     cluster: ClusterParams
     settings: ReplySettings
@@ -189,7 +189,7 @@ def regenerate(conversations: list[list[dict[str, str]]], generate_replies: Repl
         fingerprint: The verifier's fingerprint, part of every cache key.
         generator: The back end and its dtype (``hf-float32``, ``vllm-bfloat16``), part of every cache key.
         cache_dir: Where regenerated conversations are cached.
-        pool: Run the batches on a Ray cluster instead of this process.
+        pool: Run the batches where ``pool.cluster`` says; None: in this process.
     """
     cache_dir = checkout_path(cache_dir)  # the checkout's cache, also from a queued experiment's copy
     temperature, max_new_tokens = params.regenerate_temperature, params.regenerate_max_new_tokens
@@ -229,16 +229,25 @@ def regenerate(conversations: list[list[dict[str, str]]], generate_replies: Repl
     if tasks:
         cluster = pool.cluster if pool is not None else ClusterParams()
         with open_executor(cluster, regeneration_needs(params)) as executor:
-            if executor.kind == "local":
-                if generate_replies is None:
-                    raise ValueError("regenerate: conversations to generate but no reply generator")
-                engine = ReplyEngine(generate_replies, tokenizer)
-                executor.run(lambda: engine, regenerate_batch, tasks, on_result)
-            else:
-                executor.run(functools.partial(make_reply_engine, pool.settings), regenerate_batch, tasks, on_result)
+            make_engine = reply_engine_maker(executor, generate_replies, tokenizer, pool)
+            executor.run(make_engine, regenerate_batch, tasks, on_result)
     meter.close()
     stats.seconds = time.perf_counter() - started
     return [r for r in results if r is not None], stats
+
+
+def reply_engine_maker(executor: Executor[Any, Any, Any], generate_replies: ReplyGenerator | None, tokenizer: Any,
+                       pool: Pool | None) -> Callable[[], ReplyEngine]:
+    """How ``executor``'s engines come to be: in this process, the verifier the stage loads (once, also for the
+    prompts of ``builtin:self-instruct``); elsewhere, each engine loads its own from ``pool.settings``."""
+    if executor.runs_in_driver:
+        if generate_replies is None:
+            raise ValueError("regenerate: conversations to generate but no reply generator")
+        engine = ReplyEngine(generate_replies, tokenizer)
+        return lambda: engine
+    if pool is None:
+        raise ValueError("regenerate: engines outside this process, but no settings to build them from")
+    return functools.partial(make_reply_engine, pool.settings)
 
 
 def regeneration_needs(params: PrepareParams) -> EngineNeeds:
@@ -287,8 +296,8 @@ BACKENDS.register("vllm", ReplyBackend(
 def verifier_generator(params: PrepareParams, info: VerifierInfo, model_dir: Path, tokenizer: Any, eos_ids: set[int],
                        cluster: ClusterParams | None = None) -> VerifierGenerator:
     """The prepare stage's generator on ``prepare.regenerate_backend``: it loads the verifier only when some
-    conversation or prompt is not cached; with ``cluster.executor: ray`` regeneration runs on the cluster's actors
-    (the prompts of ``builtin:self-instruct`` are still written in this process)."""
+    conversation or prompt is not cached; regeneration runs where ``cluster.executor`` says (the prompts of
+    ``builtin:self-instruct`` are always written in this process)."""
     job = GeneratorJob(params, info, model_dir, tokenizer, eos_ids)
     backend = BACKENDS.get(params.regenerate_backend)
     load = functools.cache(lambda: backend.load(job))  # a fully cached rerun never loads the verifier
@@ -298,7 +307,7 @@ def verifier_generator(params: PrepareParams, info: VerifierInfo, model_dir: Pat
 
     generator = f"{params.regenerate_backend}-{backend.dtype(job)}"
     pool = None
-    if cluster is not None and cluster.executor == "ray":
+    if cluster is not None:
         check_cluster(cluster)  # before any work: a cluster that is not there is one line
         pool = Pool(cluster, ReplySettings(params, info, Path(model_dir).resolve(), frozenset(eos_ids)))
 
