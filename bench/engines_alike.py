@@ -61,7 +61,7 @@ def main() -> None:
     one_request = base.kwargs([request_tokens(len(p), s.params.max_new_tokens, ngram.k)
                                for s in sets for p in prompts[s.name]])
     old = {"plain": {key: value for key, value in alike["plain"].items() if key != "disable_log_stats"},
-           "ngram": {**{key: value for key, value in one_request.items()},
+           "ngram": {**one_request,
                      **{key: alike["ngram"][key] for key in DRAFTING_KEYS}}}
     kwargs = {"plain, alike": alike["plain"], "n-gram, alike": alike["ngram"], "plain, before": old["plain"],
               "n-gram, before": old["ngram"]}

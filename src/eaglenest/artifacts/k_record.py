@@ -37,7 +37,7 @@ def draft_fingerprint(draft_dir: Path) -> str:
     digest = hashlib.sha256()
     for name in ("config.json", "model.safetensors"):
         with open(draft_dir / name, "rb") as f:
-            for block in iter(lambda f=f: f.read(1 << 20), b""):
+            while block := f.read(1 << 20):
                 digest.update(block)
     return digest.hexdigest()
 

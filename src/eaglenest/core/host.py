@@ -73,7 +73,7 @@ class HostKind:
 
 
 def _cpu_model_and_flags() -> tuple[str, tuple[str, ...]]:
-    model, flags = "", set()
+    model, flags = "", set[str]()
     try:
         for line in CPUINFO.read_text().splitlines():
             name, _, value = line.partition(":")

@@ -373,7 +373,8 @@ def section_problems(raw: dict[str, Any], model: type[BaseModel]) -> list[str]:
         section_model = field.annotation
         values = raw.get(section)
         check = getattr(section_model, "consistency_problems", None)
-        if check is not None and isinstance(values, dict):
+        if check is not None and isinstance(values, dict) and isinstance(section_model, type) and \
+                issubclass(section_model, BaseModel):
             defaults = {name: f.get_default(call_default_factory=True)
                         for name, f in section_model.model_fields.items()}
             problems += check({**defaults, **values})

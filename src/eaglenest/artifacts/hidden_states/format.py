@@ -149,7 +149,7 @@ def row_digest(stored: dict[str, torch.Tensor]) -> bytes:
     digest = hashlib.sha256()
     for key in (HIDDEN_KEY, SCALES_KEY):
         if key in stored:
-            digest.update(stored[key].detach().to("cpu").contiguous().view(torch.uint8).numpy())
+            digest.update(stored[key].detach().to("cpu").contiguous().view(torch.uint8).numpy().data)
     return digest.digest()
 
 

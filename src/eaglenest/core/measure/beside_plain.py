@@ -100,8 +100,8 @@ def timed_entry(timed: list[single_stream.Timed], plain_turns: list[list[float]]
     entry: dict[str, Any] = {"tokens_per_s": _rate(turns), "plain_tokens_per_s": _rate(plain_turns),
                              "turns": turns, "plain_turns": plain_turns}
     counts = [request_counts(output) for output, _ in timed]
-    if counts and all(c is not None for c in counts):
-        summed = sum(counts, SpecCounts())  # type: ignore[arg-type]
+    if counts and not any(c is None for c in counts):
+        summed = sum((c for c in counts if c is not None), SpecCounts())
         entry |= {"steps_with_draft": summed.drafts, "tau_when_drafted": round(summed.tau or 1.0, 3)}
     return entry
 

@@ -82,7 +82,7 @@ class SpecCounts:
 
 def engine_counts(metrics: list[Any]) -> SpecCounts:
     """The counters of an engine's ``llm.get_metrics()`` snapshot, summed over its engines."""
-    totals = {name: 0 for name in _SCALARS.values()}
+    totals = dict.fromkeys(_SCALARS.values(), 0)
     per_position: list[int] = []
     for metric in metrics:
         if metric.name in _SCALARS:

@@ -78,7 +78,7 @@ def check_shard(stored: StoredHiddenStates, spec: ShardSpec, input_ids: list[lis
                                  num_slots=len(verifier.layer_ids), hidden_size=verifier.hidden_size, dtype=dtype,
                                  config=None, rows_per_shard=stored.rows_per_shard)
     if problem is not None:
-        return {row: problem for row in spec.rows}
+        return dict.fromkeys(spec.rows, problem)
     problems, digests = {}, []
     try:
         with safe_open(str(path), framework="pt") as handle:
@@ -93,7 +93,7 @@ def check_shard(stored: StoredHiddenStates, spec: ShardSpec, input_ids: list[lis
                     problems[row] = err.problem
             mismatch = checksum_problem(handle.metadata() or {}, digests, handle.get_tensor(TOKENS_KEY), index_tensor)
     except (OSError, ValueError, RuntimeError, SafetensorError) as err:
-        return {row: f"unreadable: {err}" for row in spec.rows}
+        return dict.fromkeys(spec.rows, f"unreadable: {err}")
     if mismatch is not None:
         return {row: problems.get(row, mismatch) for row in spec.rows}
     return problems

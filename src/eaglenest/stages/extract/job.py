@@ -113,7 +113,7 @@ def run_extract_task(engine: Engine, task: ExtractTask) -> list[tuple[str, Any]]
             continue
         sink = MemorySink(layout) if task.destination is None else FileSink(layout, layout.spec.path(task.destination))
         writers.append(FileWriter(layout, sink))
-        owner.update({row: writers[-1] for row in layout.spec.rows})
+        owner.update(dict.fromkeys(layout.spec.rows, writers[-1]))
     backend = getattr(engine, "name", "extract")
 
     def write(row: int, hidden: torch.Tensor) -> None:

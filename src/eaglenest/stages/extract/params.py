@@ -25,9 +25,11 @@ class ExtractParams(StrictModel):
         old: f"extract.vllm.{new}" for old, new in (("vllm_dtype", "dtype"),
                                                     ("gpu_memory_utilization", "gpu_memory_utilization"),
                                                     ("tensor_parallel_size", "tensor_parallel_size"))}
-    removed_keys: ClassVar[dict[str, str]] = {
-        key: "removed; use cluster.executor: ray, which shares the shards over the nodes of a Ray cluster "
-        "(docs/scale-out.md)" for key in ("rank", "world_size")}
+    removed_keys: ClassVar[dict[str, str]] = dict.fromkeys(
+        ("rank", "world_size"),
+        "removed; use cluster.executor: ray, which shares the shards over the nodes of a Ray cluster "
+        "(docs/scale-out.md)",
+    )
 
     backend: Literal["hf", "vllm", "import"] = Field(
         default="hf",

@@ -296,7 +296,7 @@ def render_mix(params: PrepareParams, tokenizer: Any, mix: Mix, eot_ids: set[int
     from eaglenest.core.progress import progress
 
     chat_kwargs = chat_template_kwargs(params.reasoning)
-    dropped: Counter[str] = Counter({reason: 0 for reason in DROP_REASONS})
+    dropped: Counter[str] = Counter(dict.fromkeys(DROP_REASONS, 0))
     dropped["no_assistant_turn"] = mix.picks.no_reply
     kept: list[tuple[list[PreparedRow], Conversation]] = []
     for conversation in progress(len(mix.conversations), "rendering", "conv", iterable=mix.conversations):
@@ -437,7 +437,7 @@ def prepare_imported(params: PrepareParams, source: Path, out_dir: Path, metrics
         "kept": count,
         "train_rows": train_rows,
         "val_rows": count - train_rows,
-        "dropped": {reason: 0 for reason in DROP_REASONS},
+        "dropped": dict.fromkeys(DROP_REASONS, 0),
         "truncated": 0,
         **_token_counts(input_ids, loss_mask),
         "seconds": round(time.perf_counter() - started, 3),
