@@ -38,14 +38,24 @@ def timed(cmd: list[str], cwd: Path, env: dict[str, str]) -> float:
 
 def stage_phases(clone: Path, stage: str) -> dict:
     """What a stage's own metrics say of its phases (seconds and rates); empty where it records none."""
+
     def read(path: str) -> dict:
         file = clone / path
         return json.loads(file.read_text()) if file.is_file() else {}
 
     if stage == "prepare":
         m = read("metrics/prepare.json")
-        return {k: m.get(k) for k in ("seconds", "prompts_written", "prompts_tried", "prompt_tokens_per_s",
-                                      "regenerated_tokens", "regenerate_tokens_per_s")}
+        return {
+            k: m.get(k)
+            for k in (
+                "seconds",
+                "prompts_written",
+                "prompts_tried",
+                "prompt_tokens_per_s",
+                "regenerated_tokens",
+                "regenerate_tokens_per_s",
+            )
+        }
     if stage == "extract":
         m = read("metrics/extract.json")
         return {k: m.get(k) for k in ("seconds", "tokens", "tokens_per_s")}
@@ -68,33 +78,57 @@ def main() -> None:
     parser.add_argument("--reuse", action="store_true", help="time the stages in an existing clone (no setup)")
     parser.add_argument("--out", type=Path, default=None, help="the JSON record (default: print only)")
     parser.add_argument("--keep", action="store_true", help="keep the clone (it holds ~2 GB of outputs)")
-    parser.add_argument("--force", action="store_true", help="run every stage (dvc repro -f -s), also those whose "
-                        "outputs the clone reproduces bit for bit: the demo's time on a host kind other than the "
-                        "committed metrics'")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="run every stage (dvc repro -f -s), also those whose "
+        "outputs the clone reproduces bit for bit: the demo's time on a host kind other than the "
+        "committed metrics'",
+    )
     args = parser.parse_args()
 
     env = dict(os.environ)
-    record: dict = {"commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, check=True,
-                                             capture_output=True, text=True).stdout.strip(), "forced": args.force}
+    record: dict = {
+        "commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, check=True, capture_output=True, text=True
+        ).stdout.strip(),
+        "forced": args.force,
+    }
     if not args.reuse:
         subprocess.run(["git", "clone", "-q", str(REPO), str(args.clone)], check=True)
         record["setup_s"] = round(timed(["make", "setup"], args.clone, env), 1)
     venv_bin = args.clone / ".venv" / "bin"
-    env.update(PATH=f"{venv_bin}{os.pathsep}{env['PATH']}", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+    env.update(
+        PATH=f"{venv_bin}{os.pathsep}{env['PATH']}",
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+    )
     stages = list(yaml.safe_load((args.clone / "dvc.yaml").read_text())["stages"])
     record["stages"] = {}
     for stage in stages:
-        seconds = timed([str(venv_bin / "dvc"), "repro", *(["-f"] if args.force else []), "-s", stage], args.clone,
-                        env)
+        seconds = timed([str(venv_bin / "dvc"), "repro", *(["-f"] if args.force else []), "-s", stage], args.clone, env)
         record["stages"][stage] = {"seconds": round(seconds, 1), "phases": stage_phases(args.clone, stage)}
     record["demo_s"] = round(sum(s["seconds"] for s in record["stages"].values()), 1)
-    summary = subprocess.run([str(venv_bin / "eaglenest"), "summary"], cwd=args.clone, env=env, check=True,
-                             capture_output=True, text=True).stdout
+    summary = subprocess.run(
+        [str(venv_bin / "eaglenest"), "summary"], cwd=args.clone, env=env, check=True, capture_output=True, text=True
+    ).stdout
     record["summary"] = summary.splitlines()
-    host = subprocess.run([str(venv_bin / "python"), "-c", "import json; from eaglenest.core.host import "
-                           "host_record; print(json.dumps(host_record()))"], cwd=args.clone, env=env, check=True,
-                          capture_output=True, text=True).stdout
+    host = subprocess.run(
+        [
+            str(venv_bin / "python"),
+            "-c",
+            "import json; from eaglenest.core.host import host_record; print(json.dumps(host_record()))",
+        ],
+        cwd=args.clone,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     record["host"] = json.loads(host)
     print(summary)
     for stage, entry in record["stages"].items():

@@ -51,8 +51,9 @@ def residual_streams(model: Any, layer_ids: list[int], sequences: list[list[int]
     out: list[torch.Tensor] = [torch.empty(0)] * len(sequences)
     with capture_residual_stream(model, layer_ids) as captured, torch.inference_mode():
         for batch in length_sorted_batches(list(range(len(sequences))), lengths, 8192):
-            hidden = hidden_states_of_rows(model, captured, layer_ids, [sequences[i] for i in batch], 0,
-                                           torch.device("cpu"), "")
+            hidden = hidden_states_of_rows(
+                model, captured, layer_ids, [sequences[i] for i in batch], 0, torch.device("cpu"), ""
+            )
             for j, i in enumerate(batch):
                 out[i] = hidden[j, : lengths[i]].to(torch.bfloat16).clone()
     return out
@@ -67,8 +68,9 @@ def capture(layers: list[int]) -> None:
     layer_ids = sorted(set(layers) | {verifier.num_layers})
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     decoder = load_decoder(model_dir, verifier.trust_remote_code, torch.device("cpu"))
-    lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                              trust_remote_code=verifier.trust_remote_code).eval()
+    lm = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, trust_remote_code=verifier.trust_remote_code
+    ).eval()
     eos = end_of_turn_ids(tokenizer, model_dir)
     RESULTS.mkdir(parents=True, exist_ok=True)
     for name, path in PROBES.items():
@@ -78,22 +80,38 @@ def capture(layers: list[int]) -> None:
         for conversation in probe.conversations:
             ids = probe.render(conversation, 0, [], tokenizer)
             with torch.inference_mode():
-                output = lm.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                     max_new_tokens=probe.params.max_new_tokens, do_sample=False, top_k=None,
-                                     top_p=None, eos_token_id=sorted(eos), pad_token_id=sorted(eos)[0])
-            reply = cut_after_end_of_turn(output[0, len(ids):].tolist(), eos)
+                output = lm.generate(
+                    torch.tensor([ids]),
+                    attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                    max_new_tokens=probe.params.max_new_tokens,
+                    do_sample=False,
+                    top_k=None,
+                    top_p=None,
+                    eos_token_id=sorted(eos),
+                    pad_token_id=sorted(eos)[0],
+                )
+            reply = cut_after_end_of_turn(output[0, len(ids) :].tolist(), eos)
             sequences.append(ids + reply)
             masks.append([0] * len(ids) + [1] * len(reply))
         hidden = residual_streams(decoder, layer_ids, sequences)
-        torch.save({"input_ids": sequences, "loss_mask": masks, "hidden": hidden, "layer_ids": layer_ids},
-                   RESULTS / f"{name}.pt")
+        torch.save(
+            {"input_ids": sequences, "loss_mask": masks, "hidden": hidden, "layer_ids": layer_ids},
+            RESULTS / f"{name}.pt",
+        )
         print(f"{name}: {len(sequences)} prompts with replies in {time.perf_counter() - started:.0f} s", flush=True)
     started = time.perf_counter()
     prepared = load_from_disk("data/prepared")
     sequences = [list(ids) for ids in prepared["input_ids"]]
     hidden = residual_streams(decoder, layer_ids, sequences)
-    torch.save({"input_ids": sequences, "loss_mask": [list(m) for m in prepared["loss_mask"]], "hidden": hidden,
-                "layer_ids": layer_ids}, RESULTS / "prepared.pt")
+    torch.save(
+        {
+            "input_ids": sequences,
+            "loss_mask": [list(m) for m in prepared["loss_mask"]],
+            "hidden": hidden,
+            "layer_ids": layer_ids,
+        },
+        RESULTS / "prepared.pt",
+    )
     print(f"prepared: {len(sequences)} rows in {time.perf_counter() - started:.0f} s", flush=True)
 
 
@@ -107,10 +125,16 @@ def load_captured(name: str, aux: list[int], final: int, dtype: torch.dtype) -> 
     items = []
     for ids, mask, hidden in zip(stored["input_ids"], stored["loss_mask"], stored["hidden"], strict=True):
         length = len(ids)
-        items.append({"input_ids": torch.tensor(ids), "loss_mask": torch.tensor(mask),
-                      "hidden_states": hidden[:, slots].reshape(length, -1).to(dtype),
-                      "verifier_last_hidden_states": hidden[:, stored["layer_ids"].index(final)].to(dtype),
-                      "lengths": torch.tensor([length]), "position_ids": torch.arange(length)})
+        items.append(
+            {
+                "input_ids": torch.tensor(ids),
+                "loss_mask": torch.tensor(mask),
+                "hidden_states": hidden[:, slots].reshape(length, -1).to(dtype),
+                "verifier_last_hidden_states": hidden[:, stored["layer_ids"].index(final)].to(dtype),
+                "lengths": torch.tensor([length]),
+                "position_ids": torch.arange(length),
+            }
+        )
     return items
 
 
@@ -121,14 +145,20 @@ def train(args: argparse.Namespace) -> None:
     from speculators.train.data import CollateFn
 
     aux = [int(a) for a in args.aux.split(",")]
-    params = load_params().train.model_copy(update={"steps": args.steps, "total_seq_len": args.total_seq_len,
-                                                    "lr": args.lr, "num_layers": args.num_layers})
+    params = load_params().train.model_copy(
+        update={"steps": args.steps, "total_seq_len": args.total_seq_len, "lr": args.lr, "num_layers": args.num_layers}
+    )
     verifier, model_dir = load_verifier_info(Path("models/verifier"))
     verifier = verifier.model_copy(update={"aux_layers": aux})
     vocab, d2t, t2d = load_vocab(Path("data/vocab"))
     runtime = draft_runtime(params, torch.device("cpu"))
-    collate = CollateFn(max_len=params.total_seq_len, hidden_size=verifier.hidden_size, num_target_layers=len(aux),
-                        dtype=runtime.hs_dtype, preprocess=shift_batch)
+    collate = CollateFn(
+        max_len=params.total_seq_len,
+        hidden_size=verifier.hidden_size,
+        num_target_layers=len(aux),
+        dtype=runtime.hs_dtype,
+        preprocess=shift_batch,
+    )
 
     rows = load_rows(Path("data/vocab"))
     items = load_captured("prepared", aux, verifier.num_layers, runtime.hs_dtype)
@@ -137,23 +167,41 @@ def train(args: argparse.Namespace) -> None:
         for row in train_rows:
             items[row]["loss_mask"] = every_token_mask(items[row]["loss_mask"], params.ttt_steps)
     lengths = [len(item["input_ids"]) for item in items]
-    data = TrainingData(items, collate, {"train": train_rows, "val": rows["val"]}, lengths, online=None,
-                        loss_on_every_token=False, ttt_steps=params.ttt_steps)  # the mask is set above
+    data = TrainingData(
+        items,
+        collate,
+        {"train": train_rows, "val": rows["val"]},
+        lengths,
+        online=None,
+        loss_on_every_token=False,
+        ttt_steps=params.ttt_steps,
+    )  # the mask is set above
     sets = {"val": (data, pack_batches(rows["val"], lengths, params.total_seq_len, params.seed, 0))}
     for name in PROBES:
         probe = load_captured(name, aux, verifier.num_layers, runtime.hs_dtype)
         probe_lengths = [len(item["input_ids"]) for item in probe]
-        probe_data = TrainingData(probe, collate, {"val": list(range(len(probe)))}, probe_lengths, online=None,
-                                  loss_on_every_token=False, ttt_steps=params.ttt_steps)
-        sets[name] = (probe_data,
-                      pack_batches(list(range(len(probe))), probe_lengths, params.total_seq_len, params.seed, 0))
+        probe_data = TrainingData(
+            probe,
+            collate,
+            {"val": list(range(len(probe)))},
+            probe_lengths,
+            online=None,
+            loss_on_every_token=False,
+            ttt_steps=params.ttt_steps,
+        )
+        sets[name] = (
+            probe_data,
+            pack_batches(list(range(len(probe))), probe_lengths, params.total_seq_len, params.seed, 0),
+        )
 
     model = build_draft(verifier, model_dir, params, vocab["draft_vocab_size"], d2t, t2d, runtime.attention)
     model.train()
     optimization = build_optimization(model, params)  # the train stage's optimizer, schedule and step
     batches = PackedBatches(train_rows, lengths, params.total_seq_len, params.seed).from_step(0)
-    label = (f"aux={aux} layers={args.num_layers} loss_on={args.loss_on} train_rows={len(train_rows)} "
-             f"precision={runtime.precision}")
+    label = (
+        f"aux={aux} layers={args.num_layers} loss_on={args.loss_on} train_rows={len(train_rows)} "
+        f"precision={runtime.precision}"
+    )
     started = time.perf_counter()
     for step in range(1, params.steps + 1):
         train_step(model, data.batch(next(batches), runtime.device), runtime, optimization, params)
@@ -163,23 +211,32 @@ def train(args: argparse.Namespace) -> None:
                 result = validate_draft(model, set_data, set_batches, runtime)
                 accuracies = " ".join(f"{a:.2f}" for a in result["val_cond_acc"])
                 figures.append(f"{name} {result['tau_sim']:.3f} ({accuracies})")
-            print(f"{label} step {step}: tau_sim " + " | ".join(figures) + f"  [{time.perf_counter() - started:.0f} s]",
-                  flush=True)
+            print(
+                f"{label} step {step}: tau_sim " + " | ".join(figures) + f"  [{time.perf_counter() - started:.0f} s]",
+                flush=True,
+            )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     capture_args = commands.add_parser("capture", help="store many layers' residual streams (once)")
-    capture_args.add_argument("--layers", default=",".join(map(str, DEFAULT_LAYERS)),
-                              help="layer ids 1..N-1 to keep (N, the final norm's input, is always kept)")
+    capture_args.add_argument(
+        "--layers",
+        default=",".join(map(str, DEFAULT_LAYERS)),
+        help="layer ids 1..N-1 to keep (N, the final norm's input, is always kept)",
+    )
     train_args = commands.add_parser("train", help="train one draft on captured streams")
     train_args.add_argument("--aux", default="2,15,27", help="aux layer ids, each among the captured ones")
     train_args.add_argument("--steps", type=int, default=400)
     train_args.add_argument("--every", type=int, default=200, help="report every this many steps")
     train_args.add_argument("--num-layers", type=int, default=1, help="draft decoder layers")
-    train_args.add_argument("--loss-on", choices=["assistant", "all"], default="assistant",
-                            help="the loss on reply tokens only (as the train stage) or on every position")
+    train_args.add_argument(
+        "--loss-on",
+        choices=["assistant", "all"],
+        default="assistant",
+        help="the loss on reply tokens only (as the train stage) or on every position",
+    )
     train_args.add_argument("--train-fraction", type=float, default=1.0, help="train on this share of the rows")
     train_args.add_argument("--total-seq-len", type=int, default=512)
     train_args.add_argument("--lr", type=float, default=1e-3)

@@ -78,8 +78,7 @@ def write_rows(folder: Path, rows: int, tokens: int, hidden: int, rows_per_shard
         layout = file_layout(spec, token_ids, 4, hidden, "bfloat16", metadata)
         writer = FileWriter(layout, FileSink(layout, spec.path(folder)))
         for row in spec.rows:
-            writer.write_row(row, encode_hidden_states(torch.randn(tokens, 4, hidden, generator=generator),
-                                                       "bfloat16"))
+            writer.write_row(row, encode_hidden_states(torch.randn(tokens, 4, hidden, generator=generator), "bfloat16"))
         writer.finish()
 
 
@@ -104,8 +103,15 @@ def read_rate(folder: Path, rows: int, sample: int) -> float:
     return round(len(order) / (time.perf_counter() - started), 1)
 
 
-def measure(rows: int, rows_per_shard: int, tokens: int, hidden: int, scratch: Path, read_sample: int,
-            store: WeedStore | None = None) -> dict:
+def measure(
+    rows: int,
+    rows_per_shard: int,
+    tokens: int,
+    hidden: int,
+    scratch: Path,
+    read_sample: int,
+    store: WeedStore | None = None,
+) -> dict:
     """One case; ``store``: push and pull through that S3 store, else through a local folder."""
     repo = scratch / f"repo-{rows}-{rows_per_shard}-{hidden}"
     remote = scratch / f"remote-{rows}-{rows_per_shard}-{hidden}"
@@ -127,8 +133,14 @@ def measure(rows: int, rows_per_shard: int, tokens: int, hidden: int, scratch: P
     folder = repo / "data" / "hidden_states"
     files = sum(1 for _ in folder.iterdir())
     size = sum(p.stat().st_size for p in folder.iterdir())
-    result = {"rows": rows, "rows_per_shard": rows_per_shard, "files": files, "bytes": size,
-              "row_bytes": round(size / rows), "write_s": written}
+    result = {
+        "rows": rows,
+        "rows_per_shard": rows_per_shard,
+        "files": files,
+        "bytes": size,
+        "row_bytes": round(size / rows),
+        "write_s": written,
+    }
     result["first_repro_s"] = timed([dvc, "repro", "-q"], repo)
     result["noop_repro_s"] = timed([dvc, "repro", "-q"], repo)
     result["noop_status_s"] = timed([dvc, "status", "-q"], repo)
@@ -148,18 +160,28 @@ def measure(rows: int, rows_per_shard: int, tokens: int, hidden: int, scratch: P
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, nargs="*", default=[10_000, 100_000, 500_000],
-                        help="row counts of small rows (per-file cost)")
+    parser.add_argument(
+        "--rows",
+        type=int,
+        nargs="*",
+        default=[10_000, 100_000, 500_000],
+        help="row counts of small rows (per-file cost)",
+    )
     parser.add_argument("--row-tokens", type=int, default=8, help="tokens per small row")
     parser.add_argument("--real-rows", type=int, default=0, help="rows of the demo's size (data rate); 0: none")
     parser.add_argument("--real-tokens", type=int, default=114, help="tokens per real-size row (the demo's mean)")
     parser.add_argument("--rows-per-shard", type=int, nargs="+", default=[1, 256, 1024])
     parser.add_argument("--read-sample", type=int, default=2000, help="rows read for the read rate")
-    parser.add_argument("--round-trip-ms", type=float, default=20.0,
-                        help="an object store's per-request latency, for the projection")
+    parser.add_argument(
+        "--round-trip-ms", type=float, default=20.0, help="an object store's per-request latency, for the projection"
+    )
     parser.add_argument("--scratch", type=Path, default=None, help="where the repositories go (default: a temp dir)")
-    parser.add_argument("--remote", choices=["local", "s3"], default="local",
-                        help="push and pull through a local folder or a SeaweedFS S3 store on 127.0.0.1")
+    parser.add_argument(
+        "--remote",
+        choices=["local", "s3"],
+        default="local",
+        help="push and pull through a local folder or a SeaweedFS S3 store on 127.0.0.1",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/dvc_scale.json"))
     args = parser.parse_args()
 
@@ -170,23 +192,34 @@ def main() -> None:
         cases.append((args.real_rows, args.real_tokens, 576))
     results = []
     print(f"remote: {args.remote}")
-    print("| rows | rows/shard | files | MB | first repro s | no-op repro s | no-op status s | push s (MB/s) | "
-          "pull s (MB/s) | checkout s | rows/s read | object store: requests x RTT s |")
+    print(
+        "| rows | rows/shard | files | MB | first repro s | no-op repro s | no-op status s | push s (MB/s) | "
+        "pull s (MB/s) | checkout s | rows/s read | object store: requests x RTT s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for rows, tokens, hidden in cases:
         for rows_per_shard in args.rows_per_shard:
             result = measure(rows, rows_per_shard, tokens, hidden, scratch, args.read_sample, store)
-            result |= {"row_tokens": tokens, "hidden": hidden, "remote": args.remote,
-                       "object_store_request_s": round(result["files"] * args.round_trip_ms / 1000, 1)}
+            result |= {
+                "row_tokens": tokens,
+                "hidden": hidden,
+                "remote": args.remote,
+                "object_store_request_s": round(result["files"] * args.round_trip_ms / 1000, 1),
+            }
             results.append(result)
-            print(f"| {rows:,} | {rows_per_shard} | {result['files']:,} | {result['bytes'] / 1e6:,.1f} | "
-                  f"{result['first_repro_s']} | {result['noop_repro_s']} | {result['noop_status_s']} | "
-                  f"{result['push_s']} ({result['push_mb_per_s']}) | {result['pull_s']} ({result['pull_mb_per_s']}) | "
-                  f"{result['checkout_s']} | {result['read_rows_per_s']} | "
-                  f"{result['object_store_request_s']} |", flush=True)
+            print(
+                f"| {rows:,} | {rows_per_shard} | {result['files']:,} | {result['bytes'] / 1e6:,.1f} | "
+                f"{result['first_repro_s']} | {result['noop_repro_s']} | {result['noop_status_s']} | "
+                f"{result['push_s']} ({result['push_mb_per_s']}) | {result['pull_s']} ({result['pull_mb_per_s']}) | "
+                f"{result['checkout_s']} | {result['read_rows_per_s']} | "
+                f"{result['object_store_request_s']} |",
+                flush=True,
+            )
             args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps({"round_trip_ms": args.round_trip_ms, "host": host_record(),
-                                            "results": results}, indent=2) + "\n")
+            args.out.write_text(
+                json.dumps({"round_trip_ms": args.round_trip_ms, "host": host_record(), "results": results}, indent=2)
+                + "\n"
+            )
     if store is not None:
         stop_store(scratch / "store")
     shutil.rmtree(scratch, ignore_errors=True)

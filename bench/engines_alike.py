@@ -53,18 +53,25 @@ def main() -> None:
     ngram = measured_ngram(info.fingerprint, k, Path("metrics/ngram_sweep.json")).setting
     base = EngineBase(model_dir, info, params.vllm, params.seed, at_once=4)
     job = EvaluationJob(params, verifier, sets, draft)
-    alike = engine_kwargs(base, conversation_requests(job, tokenizer, max(k, ngram.k)),
-                          vllm_speculative_config(draft, k), ngram)
-    prompts = {s.name: [s.render(c, 0, [], tokenizer) for c in s.conversations[:args.prompts]] for s in sets}
+    alike = engine_kwargs(
+        base, conversation_requests(job, tokenizer, max(k, ngram.k)), vllm_speculative_config(draft, k), ngram
+    )
+    prompts = {s.name: [s.render(c, 0, [], tokenizer) for c in s.conversations[: args.prompts]] for s in sets}
     every = [p for ps in prompts.values() for p in ps]
     # before: the plain engine logged no stats; the n-gram engine was sized for the timed turns one at a time
-    one_request = base.kwargs([request_tokens(len(p), s.params.max_new_tokens, ngram.k)
-                               for s in sets for p in prompts[s.name]])
-    old = {"plain": {key: value for key, value in alike["plain"].items() if key != "disable_log_stats"},
-           "ngram": {**one_request,
-                     **{key: alike["ngram"][key] for key in DRAFTING_KEYS}}}
-    kwargs = {"plain, alike": alike["plain"], "n-gram, alike": alike["ngram"], "plain, before": old["plain"],
-              "n-gram, before": old["ngram"]}
+    one_request = base.kwargs(
+        [request_tokens(len(p), s.params.max_new_tokens, ngram.k) for s in sets for p in prompts[s.name]]
+    )
+    old = {
+        "plain": {key: value for key, value in alike["plain"].items() if key != "disable_log_stats"},
+        "ngram": {**one_request, **{key: alike["ngram"][key] for key in DRAFTING_KEYS}},
+    }
+    kwargs = {
+        "plain, alike": alike["plain"],
+        "n-gram, alike": alike["ngram"],
+        "plain, before": old["plain"],
+        "n-gram, before": old["ngram"],
+    }
     warm_up = sets[0].render(sets[0].conversations[-1], 0, [], tokenizer)
     engines = {}
     try:
@@ -81,22 +88,33 @@ def main() -> None:
 
     def ratio(new: str, old_name: str) -> dict:
         entries = [{"turns": timed[s.name][new], "plain_turns": timed[s.name][old_name]} for s in sets]
-        per_set = {s.name: pooled_speedup([e], params.bootstrap_samples, params.seed)
-                   for s, e in zip(sets, entries, strict=True)}
+        per_set = {
+            s.name: pooled_speedup([e], params.bootstrap_samples, params.seed)
+            for s, e in zip(sets, entries, strict=True)
+        }
         return {"pooled": pooled_speedup(entries, params.bootstrap_samples, params.seed), "sets": per_set}
 
-    figures = {"plain alike over before": ratio("plain, alike", "plain, before"),
-               "n-gram alike over before": ratio("n-gram, alike", "n-gram, before"),
-               "n-gram speed-up, alike": ratio("n-gram, alike", "plain, alike"),
-               "n-gram speed-up, before": ratio("n-gram, before", "plain, before")}
-    record = {"command": " ".join(["bench/engines_alike.py", *sys.argv[1:]]), "commit": short_commit(),
-              "host": host_record(alike["plain"]["dtype"]), "ngram": ngram.label,
-              "max_num_seqs": {name: each.get("max_num_seqs") for name, each in kwargs.items()},
-              "figures": figures, "timed": timed}
+    figures = {
+        "plain alike over before": ratio("plain, alike", "plain, before"),
+        "n-gram alike over before": ratio("n-gram, alike", "n-gram, before"),
+        "n-gram speed-up, alike": ratio("n-gram, alike", "plain, alike"),
+        "n-gram speed-up, before": ratio("n-gram, before", "plain, before"),
+    }
+    record = {
+        "command": " ".join(["bench/engines_alike.py", *sys.argv[1:]]),
+        "commit": short_commit(),
+        "host": host_record(alike["plain"]["dtype"]),
+        "ngram": ngram.label,
+        "max_num_seqs": {name: each.get("max_num_seqs") for name, each in kwargs.items()},
+        "figures": figures,
+        "timed": timed,
+    }
     for name, figure in figures.items():
         value, half = figure["pooled"]
-        print(f"{name:28s} x{value:.3f} ± {half:.3f}   " + "  ".join(
-            f"{s} x{v:.3f} ± {h:.3f}" for s, (v, h) in figure["sets"].items()))
+        print(
+            f"{name:28s} x{value:.3f} ± {half:.3f}   "
+            + "  ".join(f"{s} x{v:.3f} ± {h:.3f}" for s, (v, h) in figure["sets"].items())
+        )
     print(record["host"]["key"])
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

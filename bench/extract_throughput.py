@@ -63,8 +63,14 @@ def main() -> None:
         config = extraction_fingerprint(verifier.fingerprint, verifier.layer_ids, params.dtype)
         metadata = file_metadata(config, verifier.layer_ids, params.dtype, "hf")
         # the rows as one task (one shard), so its batches are the bare passes' batches
-        layout = file_layout(ShardSpec(0, range(len(rows)), len(rows)), [input_ids[r] for r in rows],
-                             len(verifier.layer_ids), verifier.hidden_size, params.dtype, metadata)
+        layout = file_layout(
+            ShardSpec(0, range(len(rows)), len(rows)),
+            [input_ids[r] for r in rows],
+            len(verifier.layer_ids),
+            verifier.hidden_size,
+            params.dtype,
+            metadata,
+        )
         engine = HfEngine(EngineSettings(verifier, model_dir, params, max(len(input_ids[r]) for r in rows)))
         started = time.perf_counter()
         ((_, path),) = run_extract_task(engine, ExtractTask((layout,), params.dtype, Path(tmp)))
@@ -73,11 +79,15 @@ def main() -> None:
     bare_after = bare_forward(model, batches, input_ids)
     bare = (bare_before + bare_after) / 2
 
-    print(f"rows {len(rows)}, tokens {tokens}, batches {len(batches)} (batch_tokens {params.batch_tokens}), "
-          f"torch threads {torch.get_num_threads()}")
+    print(
+        f"rows {len(rows)}, tokens {tokens}, batches {len(batches)} (batch_tokens {params.batch_tokens}), "
+        f"torch threads {torch.get_num_threads()}"
+    )
     print(f"bare decoder forward: {tokens / bare_before:.0f} tok/s before, {tokens / bare_after:.0f} tok/s after")
-    print(f"extraction (hf, {params.dtype}): {tokens / extract_seconds:.0f} tok/s "
-          f"(model load excluded), {written / tokens:.0f} bytes/token")
+    print(
+        f"extraction (hf, {params.dtype}): {tokens / extract_seconds:.0f} tok/s "
+        f"(model load excluded), {written / tokens:.0f} bytes/token"
+    )
     print(f"ratio extraction / bare: {bare / extract_seconds:.3f}")
     print(f"peak RSS: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
 

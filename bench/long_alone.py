@@ -29,8 +29,9 @@ REPO = Path(__file__).resolve().parents[1]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--set", default="long", help="the evaluate.sets entry (default: long)")
-    parser.add_argument("--prompts", type=int, default=8, help="prompts decoded in groups (default: 8, evaluate's "
-                        "timed turns)")
+    parser.add_argument(
+        "--prompts", type=int, default=8, help="prompts decoded in groups (default: 8, evaluate's timed turns)"
+    )
     parser.add_argument("--group", type=int, nargs="+", default=[1], help="group sizes to decode them in")
     parser.add_argument("--attn-isa", default=None, help="vLLM CPU attention kernels to use (amx, vec, vec16)")
     parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="set before the engine")
@@ -64,24 +65,27 @@ def main() -> None:
     k = draft_tokens(draft, "the draft")
     job = EvaluationJob(params, verifier, [eval_set], draft)
     base = EngineBase(model_dir, info, params.vllm, params.seed, at_once=3)
-    kwargs = engine_kwargs(base, conversation_requests(job, tokenizer, k), vllm_speculative_config(draft, k),
-                           NgramSetting.vllm_default(k))["spec"]
+    kwargs = engine_kwargs(
+        base, conversation_requests(job, tokenizer, k), vllm_speculative_config(draft, k), NgramSetting.vllm_default(k)
+    )["spec"]
     prompts = [eval_set.render(c, 0, [], tokenizer) for c in eval_set.conversations]
     sampling = sampling_params(eval_set.params.max_new_tokens, 0.0, params.seed)
-    llm, _ = start_engine(kwargs, "bench", "the draft", prompts[-1], params.seed, prompts[:args.prompts])
+    llm, _ = start_engine(kwargs, "bench", "the draft", prompts[-1], params.seed, prompts[: args.prompts])
 
     def decode(group: list[list[int]]) -> list[dict]:
         outputs = generate(llm, [{"prompt_token_ids": p} for p in group], sampling, "bench")
         counted = [request_counts(o, k) for o in outputs]
-        return [{"steps": c.drafts, "accepted": c.accepted, "tokens": len(o.outputs[0].token_ids)}
-                for c, o in zip(counted, outputs, strict=True)]
+        return [
+            {"steps": c.drafts, "accepted": c.accepted, "tokens": len(o.outputs[0].token_ids)}
+            for c, o in zip(counted, outputs, strict=True)
+        ]
 
     try:
-        runs = {"batched": decode(prompts)[:args.prompts]}  # every prompt of the set at once, as evaluate
+        runs = {"batched": decode(prompts)[: args.prompts]}  # every prompt of the set at once, as evaluate
         for size in args.group:
             counts = []
             for start in range(0, args.prompts, size):
-                counts += decode(prompts[start:start + size])
+                counts += decode(prompts[start : start + size])
             runs[f"groups of {size}"] = counts
     finally:
         stop_engine(llm)
@@ -89,14 +93,25 @@ def main() -> None:
     def tau(counts: list[dict]) -> float:
         return round(1 + sum(c["accepted"] for c in counts) / max(1, sum(c["steps"] for c in counts)), 4)
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True).stdout.strip()
-    record = {"command": " ".join(["bench/long_alone.py", *sys.argv[1:]]), "commit": commit,
-              "host": host_record(kwargs["dtype"]), "set": args.set, "k": k, "attn_isa": args.attn_isa,
-              "env": args.env, "prompt_tokens": [len(p) for p in prompts[:args.prompts]],
-              "tau": {name: tau(counts) for name, counts in runs.items()}, "runs": runs}
-    print(f"{args.set}, K = {k}, attention {args.attn_isa or 'as vLLM picks'}, env {args.env or '-'}, "
-          f"{record['host']['key']}")
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+    ).stdout.strip()
+    record = {
+        "command": " ".join(["bench/long_alone.py", *sys.argv[1:]]),
+        "commit": commit,
+        "host": host_record(kwargs["dtype"]),
+        "set": args.set,
+        "k": k,
+        "attn_isa": args.attn_isa,
+        "env": args.env,
+        "prompt_tokens": [len(p) for p in prompts[: args.prompts]],
+        "tau": {name: tau(counts) for name, counts in runs.items()},
+        "runs": runs,
+    }
+    print(
+        f"{args.set}, K = {k}, attention {args.attn_isa or 'as vLLM picks'}, env {args.env or '-'}, "
+        f"{record['host']['key']}"
+    )
     print("prompt tokens  " + "  ".join(f"{name:>14s}" for name in runs))
     for i, tokens in enumerate(record["prompt_tokens"]):
         print(f"{tokens:13d}  " + "  ".join(f"{runs[n][i]['steps']:>6d} / {runs[n][i]['accepted']:<5d}" for n in runs))

@@ -30,8 +30,12 @@ import yaml
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]
-INPUTS = {"models/verifier": "models/verifier", "data/prepared": "data/prepared",
-          "data/hidden_states": "data/hidden_states", "data/vocab": "data/vocab"}
+INPUTS = {
+    "models/verifier": "models/verifier",
+    "data/prepared": "data/prepared",
+    "data/hidden_states": "data/hidden_states",
+    "data/vocab": "data/vocab",
+}
 
 
 def tiny_inputs(root: Path) -> Path:
@@ -65,8 +69,9 @@ def process_tree(pid: int) -> list[int]:
 
 
 def launch_node(root: Path, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "eaglenest", "train-launch"], cwd=root,
-                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "eaglenest", "train-launch"], cwd=root, stdout=log.open("w"), stderr=subprocess.STDOUT
+    )
 
 
 def main() -> None:
@@ -82,16 +87,27 @@ def main() -> None:
     inputs = tiny_inputs(scratch / "inputs") if args.tiny else args.inputs
     params = yaml.safe_load((inputs / "params.yaml").read_text()) if (inputs / "params.yaml").is_file() else {}
     params = {key: value for key, value in params.items() if key != "cluster"}
-    params["train"] = {**params.get("train", {}), "steps": args.steps, "checkpoint_every": args.checkpoint_every,
-                       "eval_every": args.checkpoint_every * 2, "nproc": 2, "precision": "float32"}
+    params["train"] = {
+        **params.get("train", {}),
+        "steps": args.steps,
+        "checkpoint_every": args.checkpoint_every,
+        "eval_every": args.checkpoint_every * 2,
+        "nproc": 2,
+        "precision": "float32",
+    }
     if args.tiny:
-        params.update(extract={"dtype": "float32"}, train={**params["train"], "total_seq_len": 96, "lr": 3e-3,
-                                                          "warmup_steps": 0})
+        params.update(
+            extract={"dtype": "float32"}, train={**params["train"], "total_seq_len": 96, "lr": 3e-3, "warmup_steps": 0}
+        )
 
     reference = scratch_checkout(scratch / "uninterrupted", inputs, params)
     started = time.perf_counter()
-    stage = subprocess.run([sys.executable, *yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]["train"]
-                            ["cmd"].split()[1:]], cwd=reference, capture_output=True, text=True)
+    stage = subprocess.run(
+        [sys.executable, *yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]["train"]["cmd"].split()[1:]],
+        cwd=reference,
+        capture_output=True,
+        text=True,
+    )
     assert stage.returncode == 0, stage.stderr
     uninterrupted_s = time.perf_counter() - started
 
@@ -118,10 +134,12 @@ def main() -> None:
     theirs = load_file(reference / "models" / "draft" / "model.safetensors")
     figures = {
         "inputs": "tiny" if args.tiny else str(args.inputs.resolve()),
-        "steps": args.steps, "checkpoint_every": args.checkpoint_every,
+        "steps": args.steps,
+        "checkpoint_every": args.checkpoint_every,
         "uninterrupted_2_processes_s": round(uninterrupted_s, 1),
         "node_b_killed_after_s": round(killed - started, 1),
-        "node_a_exit": node_a.returncode, "node_a_finished_after_kill_s": round(finished - killed, 1),
+        "node_a_exit": node_a.returncode,
+        "node_a_finished_after_kill_s": round(finished - killed, 1),
         **{key: details[key] for key in ("processes", "launcher_restarts", "resumed_from_step")},
         "max_abs_weight_difference": max((ours[name] - theirs[name]).abs().max().item() for name in theirs),
     }

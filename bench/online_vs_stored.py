@@ -28,20 +28,33 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     args = parser.parse_args()
     params = load_params()
-    train = params.train.model_copy(update={"steps": args.steps, "eval_every": args.steps,
-                                            "checkpoint_every": 10**6})
+    train = params.train.model_copy(update={"steps": args.steps, "eval_every": args.steps, "checkpoint_every": 10**6})
     results, drafts = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         manifest_dir = tmp / "online"
-        extract_hidden_states(params.extract.model_copy(update={"store": "online"}), Path("models/verifier"),
-                              Path("data/prepared"), manifest_dir, tmp / "extract.json")
+        extract_hidden_states(
+            params.extract.model_copy(update={"store": "online"}),
+            Path("models/verifier"),
+            Path("data/prepared"),
+            manifest_dir,
+            tmp / "extract.json",
+        )
         for name, hidden_states in (("stored", Path("data/hidden_states")), ("online", manifest_dir)):
             out = tmp / name
-            results[name] = train_draft(train, TrainPaths(
-                verifier=Path("models/verifier"), prepared=Path("data/prepared"), hidden_states=hidden_states,
-                vocab=Path("data/vocab"), out=out / "draft", metrics=out / "train.json", live_dir=out / "live",
-                checkpoints=out / "ck"))
+            results[name] = train_draft(
+                train,
+                TrainPaths(
+                    verifier=Path("models/verifier"),
+                    prepared=Path("data/prepared"),
+                    hidden_states=hidden_states,
+                    vocab=Path("data/vocab"),
+                    out=out / "draft",
+                    metrics=out / "train.json",
+                    live_dir=out / "live",
+                    checkpoints=out / "ck",
+                ),
+            )
             drafts[name] = load_file(out / "draft" / "model.safetensors")
     worst = 0.0
     for key, a in drafts["stored"].items():
@@ -50,10 +63,14 @@ def main() -> None:
             worst = max(worst, float((a - b).abs().max()) / max(float(a.abs().max()), 1e-12))
     stored, online = results["stored"], results["online"]
     print(f"steps {args.steps}, total_seq_len {train.total_seq_len}, extract.dtype {params.extract.dtype}")
-    print(f"stored: {stored['tokens_per_s']:.0f} tok/s, train loss {stored['train_loss']}, val loss "
-          f"{stored['val_loss']}, tau_sim {stored['tau_sim']}")
-    print(f"online: {online['tokens_per_s']:.0f} tok/s, train loss {online['train_loss']}, val loss "
-          f"{online['val_loss']}, tau_sim {online['tau_sim']}")
+    print(
+        f"stored: {stored['tokens_per_s']:.0f} tok/s, train loss {stored['train_loss']}, val loss "
+        f"{stored['val_loss']}, tau_sim {stored['tau_sim']}"
+    )
+    print(
+        f"online: {online['tokens_per_s']:.0f} tok/s, train loss {online['train_loss']}, val loss "
+        f"{online['val_loss']}, tau_sim {online['tau_sim']}"
+    )
     print(f"ratio online / stored: {online['tokens_per_s'] / stored['tokens_per_s']:.3f}")
     print(f"largest weight difference / tensor scale: {worst:.2e}")
 

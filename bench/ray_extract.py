@@ -75,8 +75,10 @@ def synthetic_rows(count: int, seed: int = 0) -> list[list[int]]:
 
 def cpu_seconds() -> float:
     """User and system CPU seconds of this process and of its reaped children."""
-    return sum(usage.ru_utime + usage.ru_stime for usage in (resource.getrusage(resource.RUSAGE_SELF),
-                                                              resource.getrusage(resource.RUSAGE_CHILDREN)))
+    return sum(
+        usage.ru_utime + usage.ru_stime
+        for usage in (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN))
+    )
 
 
 def folder_digest(path: Path) -> str:
@@ -119,9 +121,13 @@ def driver_rate(tasks: int, mb: int, workers: int, scratch: Path) -> dict[str, A
     with open_executor(ClusterParams(executor="ray", workers=workers), EngineNeeds(None)) as executor:
         executor.run(no_engine, returns, [EmptyTask(i, mb) for i in range(tasks)], on_result)
     seconds = arrived[-1] - arrived[0]
-    return {"tasks": tasks, "mb_each": mb, "seconds": round(seconds, 2),
-            "tasks_per_s": round((tasks - 1) / seconds, 1),
-            "mb_per_s": round(sum(written[1:]) / 2**20 / seconds, 1) if mb else None}
+    return {
+        "tasks": tasks,
+        "mb_each": mb,
+        "seconds": round(seconds, 2),
+        "tasks_per_s": round((tasks - 1) / seconds, 1),
+        "mb_per_s": round(sum(written[1:]) / 2**20 / seconds, 1) if mb else None,
+    }
 
 
 def main() -> None:
@@ -151,22 +157,33 @@ def main() -> None:
         out = work / f"hs-{name}"
         shutil.rmtree(out, ignore_errors=True)
         started, cpu = time.time(), cpu_seconds()
-        metrics = extract_hidden_states(params, work / "verifier", work / "prepared", out, work / f"{name}.json",
-                                        cluster)
+        metrics = extract_hidden_states(
+            params, work / "verifier", work / "prepared", out, work / f"{name}.json", cluster
+        )
         time.sleep(2)  # the local cluster's servers exit and are reaped
-        runs[name] = {"seconds": round(time.time() - started - 2, 1), "cpu_seconds": round(cpu_seconds() - cpu, 1),
-                      "engines": metrics["engines"], "tokens_per_s": metrics["tokens_per_s"],
-                      "md5": folder_digest(out)}
+        runs[name] = {
+            "seconds": round(time.time() - started - 2, 1),
+            "cpu_seconds": round(cpu_seconds() - cpu, 1),
+            "engines": metrics["engines"],
+            "tokens_per_s": metrics["tokens_per_s"],
+            "md5": folder_digest(out),
+        }
         if name == "ray":
             runs[name]["ray_start_s"] = round(timeline.planned - started, 1)
             runs[name]["engines_up_s"] = round(max(timeline.ready) - started, 1)
             runs[name]["after_last_engine_up_s"] = round(time.time() - max(timeline.ready), 1)
     result = {
-        "host": {"cpu": platform.processor() or platform.machine(), "cpus": len(os.sched_getaffinity(0)),
-                 "load_avg_at_end": os.getloadavg()},
-        "rows": args.rows, "tokens": sum(len(r) for r in rows), "rows_per_shard": args.rows_per_shard,
+        "host": {
+            "cpu": platform.processor() or platform.machine(),
+            "cpus": len(os.sched_getaffinity(0)),
+            "load_avg_at_end": os.getloadavg(),
+        },
+        "rows": args.rows,
+        "tokens": sum(len(r) for r in rows),
+        "rows_per_shard": args.rows_per_shard,
         "shards": -(-args.rows // args.rows_per_shard),
-        "runs": runs, "same_bytes": runs["local"]["md5"] == runs["ray"]["md5"],
+        "runs": runs,
+        "same_bytes": runs["local"]["md5"] == runs["ray"]["md5"],
         "driver_empty": driver_rate(args.empty_tasks, 0, 2, work),
         "driver_big": driver_rate(args.big_tasks, args.big_mb, 2, work / "big"),
     }

@@ -46,11 +46,19 @@ def host(revision: str | None = None) -> dict | None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2], help="train.seed values besides 0")
-    parser.add_argument("--revisions", nargs="+", metavar="SEED=REV",
-                        help="read finished runs instead of running: train.seed=REV pairs (0 included)")
-    parser.add_argument("--figures", nargs="+", metavar="NAME[=SEED,...]",
-                        help="record only these figures (vllm_tau, ...), each from every seed or from the seeds "
-                        "listed (vllm_speedup=0,2): a speed-up timed beside other work is not a seed's spread")
+    parser.add_argument(
+        "--revisions",
+        nargs="+",
+        metavar="SEED=REV",
+        help="read finished runs instead of running: train.seed=REV pairs (0 included)",
+    )
+    parser.add_argument(
+        "--figures",
+        nargs="+",
+        metavar="NAME[=SEED,...]",
+        help="record only these figures (vllm_tau, ...), each from every seed or from the seeds "
+        "listed (vllm_speedup=0,2): a speed-up timed beside other work is not a seed's spread",
+    )
     parser.add_argument("--out", type=Path, default=OUT, help=f"the file to write (default: {OUT})")
     args = parser.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -83,18 +91,23 @@ def main() -> int:
                     if wanted and wanted[metric] is not None and seed not in wanted[metric]:
                         continue
                     values.setdefault(set_name, {}).setdefault(metric, {})[str(seed)] = value
-    atomic_write_json(args.out, {
-        "what": "headline figures of the default pipeline retrained with each train.seed (prepare, extract and "
-                "convert cached); values: per set and figure, each seed's value by seed, from the seeds --figures "
-                "names for it; figures: max - min of a figure at least two seeds gave (none: no spread, no verdict)",
-        "command": " ".join(["bench/seed_spread.py", *sys.argv[1:]]),
-        "commit": commit,
-        "seeds": sorted(runs),
-        "host": hosts[min(hosts)],
-        "values": values,
-        "figures": {s: {m: round(max(v.values()) - min(v.values()), 4) for m, v in metrics.items() if len(v) >= 2}
-                    for s, metrics in values.items()},
-    })
+    atomic_write_json(
+        args.out,
+        {
+            "what": "headline figures of the default pipeline retrained with each train.seed (prepare, extract and "
+            "convert cached); values: per set and figure, each seed's value by seed, from the seeds --figures "
+            "names for it; figures: max - min of a figure at least two seeds gave (none: no spread, no verdict)",
+            "command": " ".join(["bench/seed_spread.py", *sys.argv[1:]]),
+            "commit": commit,
+            "seeds": sorted(runs),
+            "host": hosts[min(hosts)],
+            "values": values,
+            "figures": {
+                s: {m: round(max(v.values()) - min(v.values()), 4) for m, v in metrics.items() if len(v) >= 2}
+                for s, metrics in values.items()
+            },
+        },
+    )
     print(json.dumps(json.loads(args.out.read_text())["figures"], indent=1))
     return 0
 

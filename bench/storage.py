@@ -39,20 +39,28 @@ def main() -> None:
     table = load_from_disk("data/prepared").with_format(None)
     rows = min(args.rows, len(table))
     ids, masks = table[:rows]["input_ids"], table[:rows]["loss_mask"]
-    print(f"verifier {verifier.name}: hidden {verifier.hidden_size}, {len(verifier.layer_ids)} slots; {rows} rows, "
-          f"{sum(map(len, ids))} tokens")
+    print(
+        f"verifier {verifier.name}: hidden {verifier.hidden_size}, {len(verifier.layer_ids)} slots; {rows} rows, "
+        f"{sum(map(len, ids))} tokens"
+    )
     measured = {}
     with tempfile.TemporaryDirectory() as tmp:
         prepared = Path(tmp) / "prepared"
         write_prepared(prepared, ids, masks, train_rows=rows - 1, val_prompts=[])
         for dtype in DTYPES:
-            metrics = extract_hidden_states(params.model_copy(update={"dtype": dtype, "backend": "hf"}),
-                                            Path("models/verifier"), prepared, Path(tmp) / dtype,
-                                            Path(tmp) / f"{dtype}.json")
+            metrics = extract_hidden_states(
+                params.model_copy(update={"dtype": dtype, "backend": "hf"}),
+                Path("models/verifier"),
+                prepared,
+                Path(tmp) / dtype,
+                Path(tmp) / f"{dtype}.json",
+            )
             measured[dtype] = metrics
             formula = len(verifier.layer_ids) * verifier.hidden_size * DTYPES[dtype] + EXTRA[dtype]
-            print(f"{dtype:14s} {metrics['bytes_per_token']:9.1f} bytes/token measured ({formula} by the formula, "
-                  f"the rest is the file header), {metrics['seconds']:.1f} s")
+            print(
+                f"{dtype:14s} {metrics['bytes_per_token']:9.1f} bytes/token measured ({formula} by the formula, "
+                f"the rest is the file header), {metrics['seconds']:.1f} s"
+            )
     print(f"\nprojected per million tokens ({SLOTS} slots): GB on disk")
     for name, hidden in VERIFIERS.items():
         cells = [f"{dtype} {(SLOTS * hidden * DTYPES[dtype] + EXTRA[dtype]) / 1e3:.1f}" for dtype in DTYPES]

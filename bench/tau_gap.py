@@ -86,15 +86,24 @@ def figures(captured, k: int) -> dict[str, float]:
                 start += 1
                 continue
             accepted = 0
-            while (accepted < k and start + accepted < n and reply[start + accepted]
-                   and start < len(steps[accepted]) and steps[accepted][start]):
+            while (
+                accepted < k
+                and start + accepted < n
+                and reply[start + accepted]
+                and start < len(steps[accepted])
+                and steps[accepted][start]
+            ):
                 accepted += 1
             tokens += accepted + 1
             chains += 1
             start += accepted + 1
     conditional = [h / t if t else 0.0 for h, t in zip(cond_hits, cond_total, strict=True)]
-    return {"tau_sim": tau_from_conditional(conditional), "tau_replayed": tokens / chains,
-            "conditional_accuracy": conditional, "chains": chains}
+    return {
+        "tau_sim": tau_from_conditional(conditional),
+        "tau_replayed": tokens / chains,
+        "conditional_accuracy": conditional,
+        "chains": chains,
+    }
 
 
 def main() -> None:
@@ -103,8 +112,15 @@ def main() -> None:
     params = load_params(sys.argv[1] if len(sys.argv) > 1 else "params.yaml")
     verifier, model_dir = load_verifier_info(Path("models/verifier"))
     runtime = draft_runtime(params.train, torch.device("cpu"))
-    data = load_training_data(params.train, verifier, Path("data/prepared"), Path("data/hidden_states"),
-                              Path("data/vocab"), runtime.hs_dtype, model_dir=model_dir)
+    data = load_training_data(
+        params.train,
+        verifier,
+        Path("data/prepared"),
+        Path("data/hidden_states"),
+        Path("data/vocab"),
+        runtime.hs_dtype,
+        model_dir=model_dir,
+    )
     model = load_draft(Path("models/draft"), model_dir, verifier.trust_remote_code)
     batches = pack_batches(data.rows["val"], data.lengths, params.train.total_seq_len, params.train.seed, epoch=0)
     result = figures(capture_correct(model, data, batches, runtime), params.train.ttt_steps)

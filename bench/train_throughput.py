@@ -30,8 +30,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--total-seq-len", type=int, default=None)
-    parser.add_argument("--precision", choices=["auto", "float32", "bfloat16"], default=None,
-                        help="override train.precision")
+    parser.add_argument(
+        "--precision", choices=["auto", "float32", "bfloat16"], default=None, help="override train.precision"
+    )
     args = parser.parse_args()
     params = load_params().train
     updates = {"steps": args.steps, "eval_every": 10**6, "checkpoint_every": 10**6, "warmup_steps": 0}
@@ -44,8 +45,9 @@ def main() -> None:
     vocab, d2t, t2d = load_vocab(Path("data/vocab"))
     runtime = draft_runtime(params, torch.device("cpu"))
     # The train stage's own data setup: speculators' ArrowDataset and CollateFn, its packing and order.
-    data = load_training_data(params, verifier, Path("data/prepared"), Path("data/hidden_states"), Path("data/vocab"),
-                              runtime.hs_dtype)
+    data = load_training_data(
+        params, verifier, Path("data/prepared"), Path("data/hidden_states"), Path("data/vocab"), runtime.hs_dtype
+    )
     batches = pack_batches(data.rows["train"], data.lengths, params.total_seq_len, params.seed, 0)[: args.steps]
     tokens = sum(data.lengths[r] for b in batches for r in b)
 
@@ -61,13 +63,24 @@ def main() -> None:
     # (a) the stage's own loop over the same batches (same seed, epoch 0, first --steps batches).
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        metrics = train_draft(params, TrainPaths(
-            verifier=Path("models/verifier"), prepared=Path("data/prepared"),
-            hidden_states=Path("data/hidden_states"), vocab=Path("data/vocab"), out=tmp / "draft",
-            metrics=tmp / "train.json", live_dir=tmp / "live", checkpoints=tmp / "ck"))
+        metrics = train_draft(
+            params,
+            TrainPaths(
+                verifier=Path("models/verifier"),
+                prepared=Path("data/prepared"),
+                hidden_states=Path("data/hidden_states"),
+                vocab=Path("data/vocab"),
+                out=tmp / "draft",
+                metrics=tmp / "train.json",
+                live_dir=tmp / "live",
+                checkpoints=tmp / "ck",
+            ),
+        )
     loop_tokens_per_s = metrics["tokens_per_s"]  # includes the final validation; see note in README
-    print(f"steps {args.steps}, total_seq_len {params.total_seq_len}, tokens {tokens}, "
-          f"threads {torch.get_num_threads()}, precision {runtime.precision}")
+    print(
+        f"steps {args.steps}, total_seq_len {params.total_seq_len}, tokens {tokens}, "
+        f"threads {torch.get_num_threads()}, precision {runtime.precision}"
+    )
     print(f"bare forward+backward+step: {tokens / bare:.0f} tok/s")
     print(f"train stage loop: {loop_tokens_per_s:.0f} tok/s")
     print(f"ratio loop / bare: {loop_tokens_per_s / (tokens / bare):.3f}")

@@ -44,8 +44,11 @@ CATEGORIES = [
     ("attention metadata", r"MetadataBuilder\.build|get_scheduler_metadata"),
     ("verifier: logits", r"compute_logits|logits_processor\.py"),
     ("verifier: layers (linear, norm, activation)", r"models/llama\.py"),
-    ("model runner: inputs and outputs", r"worker/(gpu|cpu)_model_runner\.py|worker/gpu_input_batch\.py|"
-                                          r"worker/cpu_worker|worker/gpu_worker"),
+    (
+        "model runner: inputs and outputs",
+        r"worker/(gpu|cpu)_model_runner\.py|worker/gpu_input_batch\.py|"
+        r"worker/cpu_worker|worker/gpu_worker",
+    ),
     ("scheduler", r"core/sched/|core/kv_cache"),
     ("engine: outputs and requests", r"v1/engine/|entrypoints/llm\.py|outputs\.py"),
 ]
@@ -63,9 +66,23 @@ def category(stack: str) -> str:
 def sampled(pid: int, rate: int, out: Path) -> subprocess.Popen:
     """py-spy recording this process into ``out`` (raw collapsed stacks) until stopped with SIGINT."""
     spy = Path(sys.executable).with_name("py-spy")
-    return subprocess.Popen([str(spy), "record", "--pid", str(pid), "--rate", str(rate), "--format", "raw",
-                             "--nonblocking", "--output", str(out)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [
+            str(spy),
+            "record",
+            "--pid",
+            str(pid),
+            "--rate",
+            str(rate),
+            "--format",
+            "raw",
+            "--nonblocking",
+            "--output",
+            str(out),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def read_stacks(path: Path) -> collections.Counter:
@@ -110,16 +127,25 @@ def main() -> None:
     ngram = measured_ngram(info.fingerprint, k, Path("metrics/ngram_sweep.json")).setting
     base = EngineBase(model_dir, info, params.vllm, params.seed, at_once=3)
     job = EvaluationJob(params, verifier, sets, draft)
-    kwargs = engine_kwargs(base, conversation_requests(job, tokenizer, max(k, ngram.k)),
-                           vllm_speculative_config(draft, k), ngram)
-    turns = [(s, s.render(c, 0, [], tokenizer)) for s in sets for c in s.conversations[:args.prompts]]
+    kwargs = engine_kwargs(
+        base, conversation_requests(job, tokenizer, max(k, ngram.k)), vllm_speculative_config(draft, k), ngram
+    )
+    turns = [(s, s.render(c, 0, [], tokenizer)) for s in sets for c in s.conversations[: args.prompts]]
     warm_up = sets[0].render(sets[0].conversations[-1], 0, [], tokenizer)
 
-    record = {"command": " ".join(["bench/verify_round.py", *sys.argv[1:]]), "commit": short_commit(),
-              "host": host_record(kwargs["plain"]["dtype"]), "k": k, "ngram": ngram.label, "env": args.env,
-              "ld_preload": os.environ.get("LD_PRELOAD"),
-              "turns": len(turns), "engines": {}}
+    record = {
+        "command": " ".join(["bench/verify_round.py", *sys.argv[1:]]),
+        "commit": short_commit(),
+        "host": host_record(kwargs["plain"]["dtype"]),
+        "k": k,
+        "ngram": ngram.label,
+        "env": args.env,
+        "ld_preload": os.environ.get("LD_PRELOAD"),
+        "turns": len(turns),
+        "engines": {},
+    }
     folder = Path(tempfile.mkdtemp(prefix="verify-round-"))
+
     def decode_all(llm: object, engine_k: int) -> tuple[float, int, int]:
         """Every turn alone: seconds, tokens and verify rounds (forwards after the prefill's: a drafting engine's
         counts say how many; plain decoding takes one per token after the first)."""
@@ -148,16 +174,23 @@ def main() -> None:
         counts = read_stacks(stacks)
         total = sum(counts.values())
         record["engines"][drafter] = {
-            "seconds": round(seconds, 3), "tokens": tokens, "verify_rounds": rounds,
-            "ms_per_round": round(1000 * seconds / rounds, 3), "sampled_seconds": round(sampled_seconds, 3),
+            "seconds": round(seconds, 3),
+            "tokens": tokens,
+            "verify_rounds": rounds,
+            "ms_per_round": round(1000 * seconds / rounds, 3),
+            "sampled_seconds": round(sampled_seconds, 3),
             "samples": total,
-            "ms_per_round_by_part": {name: round(1000 * seconds * n / total / rounds, 3)
-                                     for name, n in counts.most_common()}}
+            "ms_per_round_by_part": {
+                name: round(1000 * seconds * n / total / rounds, 3) for name, n in counts.most_common()
+            },
+        }
     plain_step = record["engines"]["plain"]["ms_per_round"]
     for drafter, entry in record["engines"].items():
         entry["plain_steps_per_round"] = round(entry["ms_per_round"] / plain_step, 3)
-        print(f"{drafter:6s} {entry['tokens']:5d} tokens in {entry['verify_rounds']:5d} rounds, "
-              f"{entry['ms_per_round']:.2f} ms a round ({entry['plain_steps_per_round']:.2f} plain steps)")
+        print(
+            f"{drafter:6s} {entry['tokens']:5d} tokens in {entry['verify_rounds']:5d} rounds, "
+            f"{entry['ms_per_round']:.2f} ms a round ({entry['plain_steps_per_round']:.2f} plain steps)"
+        )
         for name, ms in entry["ms_per_round_by_part"].items():
             print(f"    {name:48s} {ms:7.2f} ms")
     print(record["host"]["key"])

@@ -29,8 +29,12 @@ def main() -> int:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
     import vllm.v1.spec_decode.ngram_proposer  # noqa: F401  (imports numba, and with it llvmlite)
 
-    kwargs = {"model": str(Path("models/verifier").resolve()), "max_model_len": 256, "enforce_eager": True,
-              "kv_cache_memory_bytes": 64 << 20}
+    kwargs = {
+        "model": str(Path("models/verifier").resolve()),
+        "max_model_len": 256,
+        "enforce_eager": True,
+        "kv_cache_memory_bytes": 64 << 20,
+    }
     if args.bare:
         from vllm import LLM
 

@@ -88,10 +88,13 @@ def regeneration_worker(args: argparse.Namespace) -> dict[str, Any]:
     eos = end_of_turn_ids(tokenizer, model_dir)
     conversations = chitchat_conversations(args.conversations)
     batch_size = args.batch_size
-    params = PrepareParams(regenerate_backend=args.backend,
-                           regenerate_vllm=VllmEngineParams(dtype=args.dtype or "auto"),
-                           regenerate_max_new_tokens=args.max_new_tokens, regenerate_batch_size=batch_size,
-                           max_len=args.max_len)
+    params = PrepareParams(
+        regenerate_backend=args.backend,
+        regenerate_vllm=VllmEngineParams(dtype=args.dtype or "auto"),
+        regenerate_max_new_tokens=args.max_new_tokens,
+        regenerate_batch_size=batch_size,
+        max_len=args.max_len,
+    )
     started = time.perf_counter()
     # As the prepare stage loads it (greedy: regenerate_temperature defaults to 0).
     generate = BACKENDS.get(args.backend).load(GeneratorJob(params, info, model_dir, tokenizer, eos))
@@ -104,20 +107,42 @@ def regeneration_worker(args: argparse.Namespace) -> dict[str, Any]:
         return replies
 
     with tempfile.TemporaryDirectory() as cache:
-        _, stats = regenerate(conversations, recorded, tokenizer, params, fingerprint=args.backend,
-                              cache_dir=Path(cache))
-    return {"load_s": round(load_s, 1), "generate_s": round(stats.seconds, 2), "replies": stats.turns,
-            "tokens": stats.tokens, "tokens_per_s": round(stats.tokens / stats.seconds, 1), "calls": calls}
+        _, stats = regenerate(
+            conversations, recorded, tokenizer, params, fingerprint=args.backend, cache_dir=Path(cache)
+        )
+    return {
+        "load_s": round(load_s, 1),
+        "generate_s": round(stats.seconds, 2),
+        "replies": stats.turns,
+        "tokens": stats.tokens,
+        "tokens_per_s": round(stats.tokens / stats.seconds, 1),
+        "calls": calls,
+    }
 
 
 def run_worker(args: argparse.Namespace, backend: str, dtype: str | None) -> dict[str, Any]:
     """This script as a regeneration worker in a fresh interpreter; its JSON result plus the wall time."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--repo", str(args.repo),
-               "--conversations", str(args.conversations), "--max-new-tokens", str(args.max_new_tokens),
-               "--max-len", str(args.max_len), "--batch-size", str(args.batch_size), "--backend", backend,
-               "--out", str(out)] + (["--dtype", dtype] if dtype else [])
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--worker",
+            "--repo",
+            str(args.repo),
+            "--conversations",
+            str(args.conversations),
+            "--max-new-tokens",
+            str(args.max_new_tokens),
+            "--max-len",
+            str(args.max_len),
+            "--batch-size",
+            str(args.batch_size),
+            "--backend",
+            backend,
+            "--out",
+            str(out),
+        ] + (["--dtype", dtype] if dtype else [])
         started = time.perf_counter()
         result = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True)
         wall = time.perf_counter() - started
@@ -127,8 +152,14 @@ def run_worker(args: argparse.Namespace, backend: str, dtype: str | None) -> dic
 
 
 # --- stage runs -----------------------------------------------------------------------------------------
-def run_stage(stage: str, args: argparse.Namespace, overrides: dict[str, dict[str, Any]], work: Path,
-              paths: dict[str, Path], metrics: Path) -> dict[str, Any]:
+def run_stage(
+    stage: str,
+    args: argparse.Namespace,
+    overrides: dict[str, dict[str, Any]],
+    work: Path,
+    paths: dict[str, Path],
+    metrics: Path,
+) -> dict[str, Any]:
     """One stage script of this checkout on the repo's inputs with overridden params; its metrics JSON
     (read even when the stage failed, as evaluate writes them before refusing a lossy run), exit status
     and wall time."""
@@ -137,8 +168,14 @@ def run_stage(stage: str, args: argparse.Namespace, overrides: dict[str, dict[st
         params.setdefault(section, {}).update(values)
     params_file = work / f"params-{metrics.stem}.yaml"
     params_file.write_text(yaml.safe_dump(params, sort_keys=False))
-    cmd = [sys.executable, str(ROOT / "stages" / f"{stage}.py"), "--params", str(params_file),
-           *[f"--{name}={path}" for name, path in paths.items()], f"--metrics={metrics}"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "stages" / f"{stage}.py"),
+        "--params",
+        str(params_file),
+        *[f"--{name}={path}" for name, path in paths.items()],
+        f"--metrics={metrics}",
+    ]
     started = time.perf_counter()
     result = subprocess.run(cmd, cwd=work, capture_output=True, text=True)
     outcome: dict[str, Any] = {"wall_s": round(time.perf_counter() - started, 1), "returncode": result.returncode}
@@ -157,19 +194,35 @@ def tail(text: str, lines: int = 3) -> str:
 def evaluation(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """evaluate.backend hf and vllm (bf16, fp32) on the same draft and held-out prompts."""
     prompts = work / "eval_prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"messages": c[:-1]}) + "\n"
-                               for c in chitchat_conversations(args.eval_prompts, from_end=True)))
-    paths = {"verifier": args.repo / "models" / "verifier", "prepared": args.repo / "data" / "prepared",
-             "draft": args.repo / "models" / "draft", "plots": work / "plots"}
-    common = {"prompts": str(prompts), "num_prompts": args.eval_prompts, "max_new_tokens": args.max_new_tokens,
-              "temperature": 0.0}
+    prompts.write_text(
+        "".join(
+            json.dumps({"messages": c[:-1]}) + "\n" for c in chitchat_conversations(args.eval_prompts, from_end=True)
+        )
+    )
+    paths = {
+        "verifier": args.repo / "models" / "verifier",
+        "prepared": args.repo / "data" / "prepared",
+        "draft": args.repo / "models" / "draft",
+        "plots": work / "plots",
+    }
+    common = {
+        "prompts": str(prompts),
+        "num_prompts": args.eval_prompts,
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": 0.0,
+    }
     runs = {"hf": {"backend": "hf"}, **{f"vllm {d}": {"backend": "vllm", "vllm": {"dtype": d}} for d in DTYPES}}
     results = {}
     for label, values in runs.items():
         log(f"evaluate: {label}")
-        results[label] = run_stage("evaluate", args, {"evaluate": {**common, **values}}, work,
-                                   {**paths, "plots": work / f"plots-{label.replace(' ', '-')}"},
-                                   work / f"eval-{label.replace(' ', '-')}.json")
+        results[label] = run_stage(
+            "evaluate",
+            args,
+            {"evaluate": {**common, **values}},
+            work,
+            {**paths, "plots": work / f"plots-{label.replace(' ', '-')}"},
+            work / f"eval-{label.replace(' ', '-')}.json",
+        )
     return results
 
 
@@ -180,10 +233,14 @@ def extraction(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     for label, values in runs.items():
         log(f"extract: {label}")
         name = label.replace(" ", "-")
-        paths = {"verifier": args.repo / "models" / "verifier", "prepared": args.repo / "data" / "prepared",
-                 "out": work / f"hs-{name}"}
-        results[label] = run_stage("extract", args, {"extract": {"device": "auto", **values}}, work, paths,
-                                   work / f"extract-{name}.json")
+        paths = {
+            "verifier": args.repo / "models" / "verifier",
+            "prepared": args.repo / "data" / "prepared",
+            "out": work / f"hs-{name}",
+        }
+        results[label] = run_stage(
+            "extract", args, {"extract": {"device": "auto", **values}}, work, paths, work / f"extract-{name}.json"
+        )
     return results
 
 
@@ -213,24 +270,44 @@ def report(results: dict[str, Any]) -> str:
     lines = []
     regen = results["regeneration"]
     if regen:
-        lines += ["### Regeneration (greedy, first reply)", "",
-                  "| back end | dtype | load s | generate s | replies | tokens | tokens/s | replies equal to hf |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "### Regeneration (greedy, first reply)",
+            "",
+            "| back end | dtype | load s | generate s | replies | tokens | tokens/s | replies equal to hf |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
     for label, r in regen.items():
         backend, _, dtype = label.partition(" ")
         if "error" in r:
             lines.append(f"| {backend} | {dtype or 'float32'} | failed: {r['error'].splitlines()[-1]} |||||| ")
             continue
-        lines.append(f"| {backend} | {dtype or 'float32'} | {fmt(r['load_s'])} | {fmt(r['generate_s'])} | "
-                     f"{r['replies']} | {r['tokens']} | {fmt(r['tokens_per_s'])} | "
-                     f"{equal_replies(regen.get('hf', {}), r) if label != 'hf' else '(reference)'} |")
-    keys = ("tau", "per_position_acceptance", "lossless_fraction", "identical_fraction", "tokens_per_s_plain",
-            "tokens_per_s_spec", "speedup", "tokens_per_s_plain_batched", "tokens_per_s_spec_batched",
-            "speedup_batched", "tau_ngram")
+        lines.append(
+            f"| {backend} | {dtype or 'float32'} | {fmt(r['load_s'])} | {fmt(r['generate_s'])} | "
+            f"{r['replies']} | {r['tokens']} | {fmt(r['tokens_per_s'])} | "
+            f"{equal_replies(regen.get('hf', {}), r) if label != 'hf' else '(reference)'} |"
+        )
+    keys = (
+        "tau",
+        "per_position_acceptance",
+        "lossless_fraction",
+        "identical_fraction",
+        "tokens_per_s_plain",
+        "tokens_per_s_spec",
+        "speedup",
+        "tokens_per_s_plain_batched",
+        "tokens_per_s_spec_batched",
+        "speedup_batched",
+        "tau_ngram",
+    )
     evals = results.get("evaluation", {})
     if evals:
-        lines += ["", "### Evaluation (stages/evaluate.py, same draft and prompts)", "",
-                  "| metric | " + " | ".join(evals) + " |", "|---" * (len(evals) + 1) + "|"]
+        lines += [
+            "",
+            "### Evaluation (stages/evaluate.py, same draft and prompts)",
+            "",
+            "| metric | " + " | ".join(evals) + " |",
+            "|---" * (len(evals) + 1) + "|",
+        ]
         for key in (*keys, "wall_s", "returncode"):
             row = []
             for r in evals.values():
@@ -241,14 +318,20 @@ def report(results: dict[str, Any]) -> str:
         lines += [f"- {label}: {r['error'].splitlines()[-1]}" for label, r in evals.items() if "error" in r]
     extracts = results.get("extraction", {})
     if extracts:
-        lines += ["", "### Extraction (stages/extract.py, bf16 files)", "",
-                  "| back end | compute dtype | rows | tokens | seconds | tokens/s | wall s |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "### Extraction (stages/extract.py, bf16 files)",
+            "",
+            "| back end | compute dtype | rows | tokens | seconds | tokens/s | wall s |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for label, r in extracts.items():
             backend, _, dtype = label.partition(" ")
             m = r.get("metrics", {})
-            lines.append(f"| {backend} | {dtype or 'float32'} | {fmt(m.get('rows'))} | {fmt(m.get('tokens'))} | "
-                         f"{fmt(m.get('seconds'))} | {fmt(m.get('tokens_per_s'))} | {fmt(r['wall_s'])} |")
+            lines.append(
+                f"| {backend} | {dtype or 'float32'} | {fmt(m.get('rows'))} | {fmt(m.get('tokens'))} | "
+                f"{fmt(m.get('seconds'))} | {fmt(m.get('tokens_per_s'))} | {fmt(r['wall_s'])} |"
+            )
         lines += [f"- {label}: {r['error'].splitlines()[-1]}" for label, r in extracts.items() if "error" in r]
     return "\n".join(lines)
 
@@ -259,8 +342,12 @@ def log(message: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repo", type=Path, required=True,
-                        help="pipeline repo after `dvc repro train` (models/verifier, data/prepared, models/draft)")
+    parser.add_argument(
+        "--repo",
+        type=Path,
+        required=True,
+        help="pipeline repo after `dvc repro train` (models/verifier, data/prepared, models/draft)",
+    )
     parser.add_argument("--out", type=Path, required=True, help="JSON file for every measured number")
     parser.add_argument("--conversations", type=int, default=128, help="conversations to regenerate")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="per regenerated reply and per evaluation")

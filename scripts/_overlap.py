@@ -25,7 +25,7 @@ def stretches(text: str) -> set[str]:
     text = normalised(text)
     if len(text) <= STRETCH:
         return {text} if text else set()
-    return {text[i:i + STRETCH] for i in range(len(text) - STRETCH + 1)}
+    return {text[i : i + STRETCH] for i in range(len(text) - STRETCH + 1)}
 
 
 class StretchIndex:
@@ -43,8 +43,8 @@ class StretchIndex:
         """(protected text's name, the shared stretch) of the first overlap with ``text``, or None."""
         text = normalised(text)
         for i in range(max(1, len(text) - STRETCH + 1)):
-            if text[i:i + STRETCH] in self.owner:
-                return self.owner[text[i:i + STRETCH]], text[i:i + STRETCH]
+            if text[i : i + STRETCH] in self.owner:
+                return self.owner[text[i : i + STRETCH]], text[i : i + STRETCH]
         for stretch, name in self.short.items():
             if stretch in text:
                 return name, stretch

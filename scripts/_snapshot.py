@@ -8,8 +8,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 
-def run(doc: str, out: Path, default_count: int, records: Callable[[int], list[dict[str, str]]],
-        summary: Callable[[list[dict[str, str]]], str]) -> int:
+def run(
+    doc: str,
+    out: Path,
+    default_count: int,
+    records: Callable[[int], list[dict[str, str]]],
+    summary: Callable[[list[dict[str, str]]], str],
+) -> int:
     """Parses the arguments, writes ``records(count)`` to ``--out`` (temp file, then rename), prints the summary."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--count", type=int, default=default_count, help=f"records (default: {default_count})")

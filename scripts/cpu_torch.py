@@ -54,8 +54,9 @@ def installed_version(name: str) -> str | None:
 
 def offered_versions(name: str) -> list[str]:
     """The versions of ``name`` that pip's configured sources offer this interpreter (none where pip fails)."""
-    result = subprocess.run([sys.executable, "-m", "pip", "index", "versions", name, "--json"],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "index", "versions", name, "--json"], capture_output=True, text=True
+    )
     if result.returncode != 0:
         return []
     try:
@@ -95,11 +96,17 @@ def install_from_index(pin: str, index: str, log: Path, dry_run: bool = False) -
         return 0
     log.write_text(f"$ {' '.join(command)}\n{result.stdout}{result.stderr}")
     unreachable = reach_error(f"{index.rstrip('/')}/{parse_pin(pin)[0]}/")
-    reason = f"it could not be reached: {unreachable}" if unreachable else \
-        "it has no such wheel for this Python and platform"
-    print(f"make setup: {pin} (the torch vLLM's CPU build pins) is not on this machine's pip sources and PyTorch's "
-          f"CPU index {index} did not provide it ({reason}; pip's output: {log}); make that index reachable, put the "
-          f"wheel in a pip find-links folder, or run make setup VLLM=none", file=sys.stderr)
+    reason = (
+        f"it could not be reached: {unreachable}"
+        if unreachable
+        else "it has no such wheel for this Python and platform"
+    )
+    print(
+        f"make setup: {pin} (the torch vLLM's CPU build pins) is not on this machine's pip sources and PyTorch's "
+        f"CPU index {index} did not provide it ({reason}; pip's output: {log}); make that index reachable, put the "
+        f"wheel in a pip find-links folder, or run make setup VLLM=none",
+        file=sys.stderr,
+    )
     return 1
 
 
@@ -109,8 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--index", required=True, help="the index that carries it (the Makefile's TORCH_CPU_INDEX)")
     parser.add_argument("--decide", action="store_true", help="print where it would come from; install nothing")
     parser.add_argument("--dry-run", action="store_true", help="where the index is needed, ask it without installing")
-    parser.add_argument("--log", type=Path, default=Path(sys.prefix) / LOG_NAME,
-                        help=f"where pip's output goes when the index fails (default: the venv's {LOG_NAME})")
+    parser.add_argument(
+        "--log",
+        type=Path,
+        default=Path(sys.prefix) / LOG_NAME,
+        help=f"where pip's output goes when the index fails (default: the venv's {LOG_NAME})",
+    )
     args = parser.parse_args(argv)
     name, version = parse_pin(args.pin)
     decision = decide(name, version)

@@ -35,8 +35,11 @@ from eaglenest.core.errors import EaglenestError
 FILL_IN = "_(fill in: {})_"
 PLAIN = re.compile(r"[A-Za-z0-9_./+-][A-Za-z0-9_./:+ -]*")  # a string YAML may read unquoted in a flow
 # metrics files whose ``seconds`` is a stage's wall time, in pipeline order
-STAGE_SECONDS = {"prepare": "metrics/prepare.json", "extract": "metrics/extract.json",
-                 "train": "metrics/train_details.json"}
+STAGE_SECONDS = {
+    "prepare": "metrics/prepare.json",
+    "extract": "metrics/extract.json",
+    "train": "metrics/train_details.json",
+}
 
 
 def short(revision: Revision) -> str:
@@ -98,9 +101,13 @@ def figures_table(base: Revision, head: Revision) -> list[str]:
     details = head.read_json(DETAILS) or {}
     backend = details.get("headline_backend", "vllm")
     k = details.get("num_speculative_tokens")
-    lines = [f"**Figures** ({backend}{f', K = {k}' if k else ''}; 95% intervals over prompts; "
-             f"{short(base)} → {short(head)}):", "",
-             "| set | tau | speed-up | draft / n-gram |", "|---|---|---|---|"]
+    lines = [
+        f"**Figures** ({backend}{f', K = {k}' if k else ''}; 95% intervals over prompts; "
+        f"{short(base)} → {short(head)}):",
+        "",
+        "| set | tau | speed-up | draft / n-gram |",
+        "|---|---|---|---|",
+    ]
     for name, now in metrics.items():
         if not isinstance(now, dict):
             continue
@@ -114,16 +121,21 @@ def figures_table(base: Revision, head: Revision) -> list[str]:
     extras = [f"lossless {metrics['lossless']}"] if "lossless" in metrics else []
     train, train_before = head.read_json("metrics/train.json") or {}, base.read_json("metrics/train.json") or {}
     if "tau_sim" in train:
-        extras.append(f"`tau_sim` {train_before['tau_sim']:.3f} → {train['tau_sim']:.3f}" if "tau_sim" in
-                      train_before else f"`tau_sim` {train['tau_sim']:.3f}")
+        extras.append(
+            f"`tau_sim` {train_before['tau_sim']:.3f} → {train['tau_sim']:.3f}"
+            if "tau_sim" in train_before
+            else f"`tau_sim` {train['tau_sim']:.3f}"
+        )
     seconds = []
     for stage, path in STAGE_SECONDS.items():
         recorded = head.read_json(path)
         if isinstance(recorded, dict) and isinstance(recorded.get("seconds"), int | float):
             seconds.append(f"{stage} {recorded['seconds']:.0f} s")
     if seconds:
-        extras.append("stage times " + ", ".join(seconds) + " (as the metrics record them; a stage reused from "
-                      "the cache keeps its earlier time)")
+        extras.append(
+            "stage times " + ", ".join(seconds) + " (as the metrics record them; a stage reused from "
+            "the cache keeps its earlier time)"
+        )
     return [*lines, "; ".join(extras) + ".", ""] if extras else lines
 
 
@@ -133,37 +145,64 @@ def record(repo: Path, rev: str, base_rev: str | None = None, title: str | None 
     base = Revision(repo, base_rev or base_of(head))
     changes = changed_params(base, head)
     is_experiment = head.ref is not None and head.ref.startswith("refs/exps/")
-    change = "; ".join(f"`{key}` {yaml_value(old)} → {yaml_value(new)}" for key, old, new in changes) \
-        or "none to the params"
+    change = (
+        "; ".join(f"`{key}` {yaml_value(old)} → {yaml_value(new)}" for key, old, new in changes) or "none to the params"
+    )
     if is_experiment:
         command = f"`dvc exp run -n {rev} {set_flags(changes)}`".replace(" `", "`")
     else:
-        command = FILL_IN.format("what ran it: `make demo` in a fresh clone, `dvc repro`, a `bench/` script") + \
-                  (f"; the params as `dvc exp run {set_flags(changes)}`" if changes else "")
+        command = FILL_IN.format("what ran it: `make demo` in a fresh clone, `dvc repro`, a `bench/` script") + (
+            f"; the params as `dvc exp run {set_flags(changes)}`" if changes else ""
+        )
     commit = short(base) if is_experiment else short(head)
     details = head.read_json(DETAILS) or {}
-    host = host_line(details.get("host")) if details.get("host") else \
-        FILL_IN.format("the CPU model and whether it computes bf16 natively (AVX512-BF16, AMX) or not (AVX2 "
-                       "only); the metrics predate the host record")
-    lines = [f"### {title or (rev if is_experiment else 'TITLE')}", "",
-             f"**Question**: {FILL_IN.format('what this experiment asks')}", "",
-             f"**Change**: {change} (against {short(base)}).", "",
-             f"**Command**: {command}.", "",
-             f"**Commit**: {commit}" + (f" (the experiment's baseline; `dvc exp show` lists {rev})" if is_experiment
-                                        else " (the workspace's HEAD; the run's changes are not committed)"
-                                        if head.ref is None else "") + ".", "",
-             f"**Host**: {host}; {FILL_IN.format('what else ran on it')}.", "",
-             *figures_table(base, head),
-             f"Paired differences, prompt by prompt: `eaglenest report {short(base)} {rev}`.", "",
-             f"**Conclusion**: {FILL_IN.format('what the figures say, and which default it changes or keeps')}", ""]
+    host = (
+        host_line(details.get("host"))
+        if details.get("host")
+        else FILL_IN.format(
+            "the CPU model and whether it computes bf16 natively (AVX512-BF16, AMX) or not (AVX2 "
+            "only); the metrics predate the host record"
+        )
+    )
+    lines = [
+        f"### {title or (rev if is_experiment else 'TITLE')}",
+        "",
+        f"**Question**: {FILL_IN.format('what this experiment asks')}",
+        "",
+        f"**Change**: {change} (against {short(base)}).",
+        "",
+        f"**Command**: {command}.",
+        "",
+        f"**Commit**: {commit}"
+        + (
+            f" (the experiment's baseline; `dvc exp show` lists {rev})"
+            if is_experiment
+            else " (the workspace's HEAD; the run's changes are not committed)"
+            if head.ref is None
+            else ""
+        )
+        + ".",
+        "",
+        f"**Host**: {host}; {FILL_IN.format('what else ran on it')}.",
+        "",
+        *figures_table(base, head),
+        f"Paired differences, prompt by prompt: `eaglenest report {short(base)} {rev}`.",
+        "",
+        f"**Conclusion**: {FILL_IN.format('what the figures say, and which default it changes or keeps')}",
+        "",
+    ]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("rev", metavar="REV", help=f"a DVC experiment's name, a git revision or {WORKSPACE!r}")
-    parser.add_argument("--base", default=None, help="the revision to compare with (default: an experiment's "
-                        "baseline commit, a commit's parent, the workspace's HEAD)")
+    parser.add_argument(
+        "--base",
+        default=None,
+        help="the revision to compare with (default: an experiment's "
+        "baseline commit, a commit's parent, the workspace's HEAD)",
+    )
     parser.add_argument("--title", default=None, help="the record's heading (default: the experiment's name)")
     parser.add_argument("--repo", default=".", help="the repository (default: the current folder)")
     args = parser.parse_args(argv)

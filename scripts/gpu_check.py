@@ -49,9 +49,11 @@ def cannot_run_here() -> str | None:
 
     if not torch.cuda.is_available():
         built_for = f"CUDA {torch.version.cuda}" if torch.version.cuda else "the CPU only"
-        return (f"no CUDA device visible to torch {torch.__version__} (built for {built_for}); run it on a "
-                "machine with an NVIDIA GPU after `make setup VLLM=gpu`. On a CPU machine, "
-                "bench/vllm_vs_hf.py compares the back ends instead")
+        return (
+            f"no CUDA device visible to torch {torch.__version__} (built for {built_for}); run it on a "
+            "machine with an NVIDIA GPU after `make setup VLLM=gpu`. On a CPU machine, "
+            "bench/vllm_vs_hf.py compares the back ends instead"
+        )
     try:
         require_vllm("gpu_check")
     except EaglenestError as err:
@@ -68,14 +70,16 @@ class Pipeline:
         self.work = work
         self.base = yaml.safe_load((ROOT / "params.yaml").read_text())
         # val_fraction 0.25: evaluate decodes the held-out rows' prompts, 8 of them out of 32 rows
-        self.base["prepare"].update(max_conversations=rows, max_len=512, regenerate_max_new_tokens=64,
-                                    val_fraction=0.25)
+        self.base["prepare"].update(
+            max_conversations=rows, max_len=512, regenerate_max_new_tokens=64, val_fraction=0.25
+        )
         # float32 files: the extraction comparison then sees only the compute's differences, not storage's
         self.base["extract"]["dtype"] = "float32"
         self.base["extract"]["rows_per_shard"] = 1  # row files: the comparison reads each row's own file
         self.base["train"].update(steps=60, eval_every=30, checkpoint_every=30, total_seq_len=2048)
-        self.base["evaluate"].update(sets=[{"name": "val", "source": "val", "num_prompts": 8, "max_new_tokens": 64,
-                                            "headline": True}])
+        self.base["evaluate"].update(
+            sets=[{"name": "val", "source": "val", "num_prompts": 8, "max_new_tokens": 64, "headline": True}]
+        )
 
     def stage(self, name: str, tag: str, overrides: dict[str, dict[str, Any]], **paths: Path) -> dict[str, Any]:
         """Runs ``stages/<name>.py``; returns its metrics (``paths["metrics"]``) or exits on failure.
@@ -95,8 +99,13 @@ class Pipeline:
         cwd = self.work / f"run-{tag}"
         cwd.mkdir(parents=True, exist_ok=True)
         (cwd / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-        cmd = [sys.executable, str(ROOT / "stages" / f"{name}.py"), "--params", "params.yaml",
-               *[f"--{key.replace('_', '-')}={value}" for key, value in paths.items()]]
+        cmd = [
+            sys.executable,
+            str(ROOT / "stages" / f"{name}.py"),
+            "--params",
+            "params.yaml",
+            *[f"--{key.replace('_', '-')}={value}" for key, value in paths.items()],
+        ]
         started = time.perf_counter()
         result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
         print(f"  {name} ({tag}): exit {result.returncode} in {time.perf_counter() - started:.0f} s", flush=True)
@@ -165,41 +174,87 @@ def main() -> int:
     prepared = {}
     for backend in ("hf", "vllm"):
         prepared[backend] = work / f"prepared-{backend}"
-        pipe.stage("prepare", f"prepare-{backend}",
-                   {"prepare": {"regenerate_backend": backend, "regenerate_vllm": {"dtype": "float32"}}},
-                   verifier=verifier, out=prepared[backend], metrics=work / f"prepare-{backend}.json")
+        pipe.stage(
+            "prepare",
+            f"prepare-{backend}",
+            {"prepare": {"regenerate_backend": backend, "regenerate_vllm": {"dtype": "float32"}}},
+            verifier=verifier,
+            out=prepared[backend],
+            metrics=work / f"prepare-{backend}.json",
+        )
     differing, rows = compare_prepared(prepared["hf"], prepared["vllm"])
     failed |= differing > 0
-    print(f"regeneration (float32, greedy): {rows - differing} / {rows} prepared rows equal token for token "
-          f"{'ok' if differing == 0 else 'FAIL'}", flush=True)
+    print(
+        f"regeneration (float32, greedy): {rows - differing} / {rows} prepared rows equal token for token "
+        f"{'ok' if differing == 0 else 'FAIL'}",
+        flush=True,
+    )
 
     # 2. extraction, on the hf back end's prepared rows
     hidden = {}
     for backend in ("hf", "vllm"):
         hidden[backend] = work / f"hs-{backend}"
-        pipe.stage("extract", f"extract-{backend}",
-                   {"extract": {"backend": backend, "vllm": {"dtype": "bfloat16"},
-                                "device": "cuda" if backend == "hf" else "auto"}},
-                   verifier=verifier, prepared=prepared["hf"], out=hidden[backend],
-                   metrics=work / f"extract-{backend}.json")
+        pipe.stage(
+            "extract",
+            f"extract-{backend}",
+            {
+                "extract": {
+                    "backend": backend,
+                    "vllm": {"dtype": "bfloat16"},
+                    "device": "cuda" if backend == "hf" else "auto",
+                }
+            },
+            verifier=verifier,
+            prepared=prepared["hf"],
+            out=hidden[backend],
+            metrics=work / f"extract-{backend}.json",
+        )
     info, _ = load_verifier_info(verifier)
     for result in compare_hidden_states(hidden["hf"], hidden["vllm"], rows, info.layer_ids):
         ok = result["min_cosine"] >= MIN_COSINE and result["relative_diff"] <= MAX_RELATIVE_DIFF
         failed |= not ok
-        print(f"extraction layer {result['layer']:>3}: min cosine {result['min_cosine']:.5f}, "
-              f"relative mean abs diff {result['relative_diff']:.4f} {'ok' if ok else 'FAIL'}", flush=True)
+        print(
+            f"extraction layer {result['layer']:>3}: min cosine {result['min_cosine']:.5f}, "
+            f"relative mean abs diff {result['relative_diff']:.4f} {'ok' if ok else 'FAIL'}",
+            flush=True,
+        )
 
     # 3. evaluation of a short draft trained on the GPU
-    pipe.stage("convert", "convert", {}, verifier=verifier, prepared=prepared["hf"],
-               hidden_states=hidden["hf"], out=work / "vocab", metrics=work / "data.json")
-    pipe.stage("train", "train", {}, verifier=verifier, prepared=prepared["hf"], hidden_states=hidden["hf"],
-               vocab=work / "vocab", out=work / "draft", metrics=work / "train.json",
-               details=work / "train_details.json", live_dir=work / "live")
+    pipe.stage(
+        "convert",
+        "convert",
+        {},
+        verifier=verifier,
+        prepared=prepared["hf"],
+        hidden_states=hidden["hf"],
+        out=work / "vocab",
+        metrics=work / "data.json",
+    )
+    pipe.stage(
+        "train",
+        "train",
+        {},
+        verifier=verifier,
+        prepared=prepared["hf"],
+        hidden_states=hidden["hf"],
+        vocab=work / "vocab",
+        out=work / "draft",
+        metrics=work / "train.json",
+        details=work / "train_details.json",
+        live_dir=work / "live",
+    )
     evals = {}
     for backend in ("hf", "vllm"):
-        pipe.stage("evaluate", f"evaluate-{backend}", {"evaluate": {"backend": backend, "vllm": {"dtype": "float32"}}},
-                   verifier=verifier, prepared=prepared["hf"], draft=work / "draft",
-                   metrics=work / f"eval-{backend}.json", out=work / f"eval-{backend}")
+        pipe.stage(
+            "evaluate",
+            f"evaluate-{backend}",
+            {"evaluate": {"backend": backend, "vllm": {"dtype": "float32"}}},
+            verifier=verifier,
+            prepared=prepared["hf"],
+            draft=work / "draft",
+            metrics=work / f"eval-{backend}.json",
+            out=work / f"eval-{backend}",
+        )
         details = json.loads((work / f"eval-{backend}" / "details.json").read_text())
         summary = details["runs"][backend]["sets"]["val"]["summary"]
         evals[backend] = {"tau": summary["tau"]["value"], "per_position_acceptance": summary["per_position_acceptance"]}
@@ -210,9 +265,12 @@ def main() -> int:
     ]
     ok = max(gaps) <= MAX_EVAL_RELATIVE_DIFF
     failed |= not ok
-    print(f"evaluation (float32): tau hf {hf['tau']} vllm {vllm['tau']}; acceptance hf "
-          f"{hf['per_position_acceptance']} vllm {vllm['per_position_acceptance']}; largest relative gap "
-          f"{max(gaps):.4f} {'ok' if ok else 'FAIL'}", flush=True)
+    print(
+        f"evaluation (float32): tau hf {hf['tau']} vllm {vllm['tau']}; acceptance hf "
+        f"{hf['per_position_acceptance']} vllm {vllm['per_position_acceptance']}; largest relative gap "
+        f"{max(gaps):.4f} {'ok' if ok else 'FAIL'}",
+        flush=True,
+    )
     print(f"gpu_check: {'FAIL' if failed else 'PASS'} in {time.perf_counter() - started:.0f} s")
     return 1 if failed else 0
 

@@ -25,8 +25,11 @@ OUT = Path(__file__).resolve().parents[1] / "data" / "eval" / "long.jsonl"
 MIN_DOCUMENT_CHARS, MAX_DOCUMENT_CHARS = 2500, 6000  # about 600 to 1,500 SmolLM2 tokens
 REQUESTS = (
     ("summarize", "Summarize the following section of the Python documentation in a few sentences.\n\n{document}"),
-    ("explain", "Read the documentation below, then explain to a beginner what it describes, with one short "
-                "example.\n\n{document}"),
+    (
+        "explain",
+        "Read the documentation below, then explain to a beginner what it describes, with one short "
+        "example.\n\n{document}",
+    ),
     ("answer", "{document}\n\nBased only on the text above: what are the main rules it states?"),
 )
 
@@ -37,7 +40,7 @@ def cut(text: str, limit: int) -> str:
     if len(text) <= limit:
         return text
     head = text[:limit]
-    return head[:head.rfind("\n\n")].rstrip() if "\n\n" in head else head
+    return head[: head.rfind("\n\n")].rstrip() if "\n\n" in head else head
 
 
 def records(count: int) -> list[dict[str, str]]:
@@ -47,8 +50,10 @@ def records(count: int) -> list[dict[str, str]]:
     documents = [(name, cut(text, MAX_DOCUMENT_CHARS)) for name, text in sorted(topics.items())]
     documents = [(name, text) for name, text in documents if len(text) >= MIN_DOCUMENT_CHARS]
     if len(documents) < count:
-        raise SystemExit(f"--count {count}: this interpreter's documentation has {len(documents)} topics of at "
-                         f"least {MIN_DOCUMENT_CHARS} characters")
+        raise SystemExit(
+            f"--count {count}: this interpreter's documentation has {len(documents)} topics of at "
+            f"least {MIN_DOCUMENT_CHARS} characters"
+        )
     chosen = []
     for number, (name, text) in enumerate(documents[:count]):
         kind, template = REQUESTS[number % len(REQUESTS)]
@@ -59,8 +64,13 @@ def records(count: int) -> list[dict[str, str]]:
 def main() -> int:
     from _snapshot import run  # scripts/, next to this file
 
-    return run(__doc__, OUT, 24, records,
-               lambda chosen: f"{len(chosen)} documents from Python {sys.version.split()[0]}'s pydoc_data.topics")
+    return run(
+        __doc__,
+        OUT,
+        24,
+        records,
+        lambda chosen: f"{len(chosen)} documents from Python {sys.version.split()[0]}'s pydoc_data.topics",
+    )
 
 
 if __name__ == "__main__":

@@ -33,16 +33,20 @@ MAX_EXCERPTS_PER_PACKAGE = 2
 REQUESTS = (
     ("summarize", "Summarize this document in one paragraph.\n\n{excerpt}"),
     ("explain", "{excerpt}\n\nExplain what the text above is about and how someone would use it."),
-    ("answer", "Read the text below and answer: what problem does it address, and what are the main steps or "
-               "options it describes?\n\n{excerpt}"),
+    (
+        "answer",
+        "Read the text below and answer: what problem does it address, and what are the main steps or "
+        "options it describes?\n\n{excerpt}",
+    ),
     ("rewrite", "Rewrite the main points of the following text as a short bulleted list.\n\n{excerpt}"),
 )
 
 
 def records(count: int) -> list[dict[str, str]]:
     """Up to ``count`` long excerpts, packages in name order, each in the next request of ``REQUESTS``."""
-    cut = partial(excerpts, shortest=MIN_EXCERPT_CHARS, longest=MAX_EXCERPT_CHARS,
-                  longest_paragraph=MAX_PARAGRAPH_CHARS)
+    cut = partial(
+        excerpts, shortest=MIN_EXCERPT_CHARS, longest=MAX_EXCERPT_CHARS, longest_paragraph=MAX_PARAGRAPH_CHARS
+    )
     return package_records(count, cut, REQUESTS, MAX_EXCERPTS_PER_PACKAGE)
 
 

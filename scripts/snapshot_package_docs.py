@@ -37,14 +37,19 @@ MIN_DESCRIPTION_CHARS = 3000  # a shorter description is a blurb, not documentat
 MIN_EXCERPT_CHARS, MAX_EXCERPT_CHARS = 500, 1000  # about 150 to 450 SmolLM2 tokens (code is denser)
 MAX_EXCERPTS_PER_PACKAGE = 3
 # A line that is markup, not prose: images, badges, raw HTML, reST directives, substitutions and underlines.
-MARKUP_LINE = re.compile(r"^\s*(!\[|\[!\[|<[a-zA-Z/!]|\.\. |\|[^|]+\| image::|:target:|:alt:|(\|[\w-]+\|\s*)+$"
-                         r"|([=\-~^*#+`_])\3{3,}\s*$)")
+MARKUP_LINE = re.compile(
+    r"^\s*(!\[|\[!\[|<[a-zA-Z/!]|\.\. |\|[^|]+\| image::|:target:|:alt:|(\|[\w-]+\|\s*)+$"
+    r"|([=\-~^*#+`_])\3{3,}\s*$)"
+)
 # Licences that let the excerpts be copied into this repository with attribution (the record names both).
 PERMISSIVE = ("mit", "bsd", "apache", "isc", "psf", "python software foundation", "unlicense", "0bsd", "zlib")
 REQUESTS = (
     ("summarize", "Here is part of a software project's README. Give a short summary of what it says.\n\n{excerpt}"),
-    ("explain", "What does this documentation excerpt explain? Answer in plain words for someone new to the "
-                "project.\n\n{excerpt}"),
+    (
+        "explain",
+        "What does this documentation excerpt explain? Answer in plain words for someone new to the "
+        "project.\n\n{excerpt}",
+    ),
     ("answer", "{excerpt}\n\nUsing only the excerpt above, list the key points a new user should know."),
 )
 
@@ -60,8 +65,12 @@ def paragraphs(description: str) -> list[str]:
     return kept
 
 
-def excerpts(description: str, shortest: int = MIN_EXCERPT_CHARS, longest: int = MAX_EXCERPT_CHARS,
-             longest_paragraph: int = MAX_EXCERPT_CHARS) -> list[str]:
+def excerpts(
+    description: str,
+    shortest: int = MIN_EXCERPT_CHARS,
+    longest: int = MAX_EXCERPT_CHARS,
+    longest_paragraph: int = MAX_EXCERPT_CHARS,
+) -> list[str]:
     """Consecutive paragraphs joined into excerpts of ``shortest`` to ``longest`` characters.
 
     A paragraph longer than ``longest_paragraph`` (a table, a long code listing) ends the excerpt being built
@@ -88,8 +97,9 @@ def records(count: int) -> list[dict[str, str]]:
     return package_records(count, excerpts, REQUESTS, MAX_EXCERPTS_PER_PACKAGE)
 
 
-def package_records(count: int, cut: Callable[[str], list[str]], requests: tuple[tuple[str, str], ...],
-                    per_package: int) -> list[dict[str, str]]:
+def package_records(
+    count: int, cut: Callable[[str], list[str]], requests: tuple[tuple[str, str], ...], per_package: int
+) -> list[dict[str, str]]:
     """Up to ``count`` excerpts (``cut`` of each README), packages in name order, ``per_package`` at most each.
 
     Each excerpt is wrapped in the next of ``requests`` (``(kind, template with {excerpt})``); an excerpt that
@@ -100,8 +110,7 @@ def package_records(count: int, cut: Callable[[str], list[str]], requests: tuple
         name = dist.metadata["Name"]
         description = dist.metadata.get_payload() or dist.metadata.get("Description") or ""
         licence = permissive_licence(dist.metadata)
-        if (name and name.lower() not in EXCLUDED and licence is not None
-                and len(description) >= MIN_DESCRIPTION_CHARS):
+        if name and name.lower() not in EXCLUDED and licence is not None and len(description) >= MIN_DESCRIPTION_CHARS:
             described.setdefault(name.lower(), (description, licence))
     from _overlap import StretchIndex  # scripts/, next to this file
 
@@ -116,8 +125,9 @@ def package_records(count: int, cut: Callable[[str], list[str]], requests: tuple
             if len(chosen) == count:
                 return chosen
             kind, template = requests[len(chosen) % len(requests)]
-            chosen.append({"prompt": template.format(excerpt=excerpt), "kind": kind, "id": f"{name}:{number}",
-                           "licence": licence})
+            chosen.append(
+                {"prompt": template.format(excerpt=excerpt), "kind": kind, "id": f"{name}:{number}", "licence": licence}
+            )
     return chosen
 
 
@@ -128,8 +138,12 @@ def permissive_licence(metadata: Any) -> str | None:
     declared.append((metadata.get("License") or "").splitlines()[0] if metadata.get("License") else "")
     for text in declared:
         lowered = text.lower()
-        if text and len(text) < 80 and any(word in lowered for word in PERMISSIVE) and not any(
-                copyleft in lowered for copyleft in ("gpl", "mpl", "epl")):
+        if (
+            text
+            and len(text) < 80
+            and any(word in lowered for word in PERMISSIVE)
+            and not any(copyleft in lowered for copyleft in ("gpl", "mpl", "epl"))
+        ):
             return text
     return None
 

@@ -30,8 +30,20 @@ import textwrap
 from pathlib import Path
 
 # Folders of the standard library whose code is not what users ask about (tests, demos, GUI, the old 2to3).
-SKIPPED_PARTS = {"test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3", "site-packages", "__pycache__",
-                 "ensurepip", "venv", "pydoc_data", "encodings"}
+SKIPPED_PARTS = {
+    "test",
+    "tests",
+    "idlelib",
+    "tkinter",
+    "turtledemo",
+    "lib2to3",
+    "site-packages",
+    "__pycache__",
+    "ensurepip",
+    "venv",
+    "pydoc_data",
+    "encodings",
+}
 MAX_PROMPT_CHARS = 1200  # a docstring longer than this is reference documentation, not a task
 MIN_BODY_LINES, MAX_BODY_LINES = 2, 40
 
@@ -77,8 +89,10 @@ def _record(node: ast.AST, lines: list[str], module: str) -> dict[str, object] |
     reply = textwrap.dedent("\n".join(body_lines))
     if len(prompt) > MAX_PROMPT_CHARS or not reply.strip():
         return None
-    return {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}],
-            "origin": f"{module}.{node.name}"}
+    return {
+        "messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}],
+        "origin": f"{module}.{node.name}",
+    }
 
 
 def main() -> None:

@@ -37,7 +37,8 @@ def package_modules(src: Path = SRC) -> dict[str, Path]:
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _runtime_nodes(tree: ast.AST):
@@ -73,8 +74,12 @@ def imported_names(path: Path, module: str | None, own_packages: frozenset[str] 
                 base = ".".join([*anchor, base] if base else anchor)
             names.add(base)
             names.update(f"{base}.{alias.name}" for alias in node.names)
-        elif (isinstance(node, ast.Constant) and isinstance(node.value, str)
-              and re.fullmatch(r"[a-z_]+(\.[a-z_0-9]+)+", node.value) and node.value.split(".")[0] in own_packages):
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and re.fullmatch(r"[a-z_]+(\.[a-z_0-9]+)+", node.value)
+            and node.value.split(".")[0] in own_packages
+        ):
             names.add(node.value)
     return names
 
@@ -150,8 +155,9 @@ def problems(dvc_yaml: Path = ROOT / "dvc.yaml") -> list[str]:
         listed = {dep for dep in listed_deps(stage, dvc_yaml) if dep.startswith(CODE_PREFIXES)}
         expected = set(expected_code_deps(stage))
         found += [f"stage {stage}: dvc.yaml misses {dep} (the stage runs it)" for dep in sorted(expected - listed)]
-        found += [f"stage {stage}: dvc.yaml lists {dep}, which the stage does not run" for dep in
-                  sorted(listed - expected)]
+        found += [
+            f"stage {stage}: dvc.yaml lists {dep}, which the stage does not run" for dep in sorted(listed - expected)
+        ]
     return found
 
 
@@ -160,8 +166,7 @@ def write(dvc_yaml: Path = ROOT / "dvc.yaml") -> None:
     lines = dvc_yaml.read_text().splitlines()
     for stage in stage_names(dvc_yaml):
         first, end = _deps_block(lines, stage)
-        others = [line for line in lines[first:end]
-                  if not line.strip().removeprefix("- ").startswith(CODE_PREFIXES)]
+        others = [line for line in lines[first:end] if not line.strip().removeprefix("- ").startswith(CODE_PREFIXES)]
         lines[first:end] = [f"      - {dep}" for dep in expected_code_deps(stage)] + others
     dvc_yaml.write_text("\n".join(lines) + "\n")
 

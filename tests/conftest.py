@@ -11,8 +11,13 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ("tests.fixtures.workers", "tests.fixtures.models", "tests.fixtures.pipeline",
-                  "tests.fixtures.cluster", "tests.fixtures.bench")
+pytest_plugins = (
+    "tests.fixtures.workers",
+    "tests.fixtures.models",
+    "tests.fixtures.pipeline",
+    "tests.fixtures.cluster",
+    "tests.fixtures.bench",
+)
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
@@ -66,17 +71,34 @@ def pipeline_folders(tmp_path: Path, tiny_verifier_dir: Path) -> tuple[Path, Pat
     """A verifier stage record pointing at the tiny verifier, and a minimal EAGLE-3 speculators draft (K = 3)."""
     verifier = tmp_path / "models" / "verifier"
     verifier.mkdir(parents=True)
-    (verifier / "verifier.json").write_text(json.dumps({
-        "source": str(tiny_verifier_dir), "kind": "local", "path": str(tiny_verifier_dir), "name": "tiny/llama",
-        "fingerprint": "0" * 64, "model_type": "llama", "num_layers": 8, "hidden_size": 32, "vocab_size": 300,
-        "max_position_embeddings": 512, "aux_layers": [2, 4, 5], "layer_ids": [2, 4, 5, 8],
-        "trust_remote_code": False,
-    }))
+    (verifier / "verifier.json").write_text(
+        json.dumps(
+            {
+                "source": str(tiny_verifier_dir),
+                "kind": "local",
+                "path": str(tiny_verifier_dir),
+                "name": "tiny/llama",
+                "fingerprint": "0" * 64,
+                "model_type": "llama",
+                "num_layers": 8,
+                "hidden_size": 32,
+                "vocab_size": 300,
+                "max_position_embeddings": 512,
+                "aux_layers": [2, 4, 5],
+                "layer_ids": [2, 4, 5, 8],
+                "trust_remote_code": False,
+            }
+        )
+    )
     draft = tmp_path / "models" / "draft"
     draft.mkdir()
-    (draft / "config.json").write_text(json.dumps({
-        "speculators_model_type": "eagle3",
-        "speculators_config": {"proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}]},
-    }))
+    (draft / "config.json").write_text(
+        json.dumps(
+            {
+                "speculators_model_type": "eagle3",
+                "speculators_config": {"proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}]},
+            }
+        )
+    )
     (draft / "model.safetensors").write_bytes(b"")
     return verifier, draft

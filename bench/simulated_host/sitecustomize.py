@@ -23,9 +23,16 @@ import sys
 
 # kind -> (environment it sets where unset, torch.cpu capability probes it makes answer False)
 KINDS = {
-    "avx2": ({"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
-             ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_avx512_vnni_supported",
-              "_is_amx_tile_supported", "_is_amx_fp16_supported")),
+    "avx2": (
+        {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+        (
+            "_is_avx512_supported",
+            "_is_avx512_bf16_supported",
+            "_is_avx512_vnni_supported",
+            "_is_amx_tile_supported",
+            "_is_amx_fp16_supported",
+        ),
+    ),
     "avx512-bf16": ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, ("_is_amx_tile_supported", "_is_amx_fp16_supported")),
 }
 KIND = os.environ.setdefault("EAGLENEST_SIMULATED_HOST", "avx2")

@@ -33,8 +33,13 @@ def extracted(tmp_path_factory: pytest.TempPathFactory, tiny_verifier_dir: Path)
     root = tmp_path_factory.mktemp("fp8")
     verifier_dir, prepared = pipeline_until_prepare(root, tiny_verifier_dir, rows=ROWS)
     for dtype in ("float32", FP8):
-        extract_hidden_states(ExtractParams(dtype=dtype, rows_per_shard=1), verifier_dir, prepared, root / dtype,
-                              root / f"extract-{dtype}.json")
+        extract_hidden_states(
+            ExtractParams(dtype=dtype, rows_per_shard=1),
+            verifier_dir,
+            prepared,
+            root / dtype,
+            root / f"extract-{dtype}.json",
+        )
     return {"root": root, "verifier": verifier_dir, "prepared": prepared, "fp32": root / "float32", "fp8": root / FP8}
 
 
@@ -82,8 +87,13 @@ def test_files_from_speculators_fp8_connector_are_imported_as_they_are(extracted
         quantized, scales = quantize_tensor_to_fp8(data[HIDDEN_KEY])
         save_file({HIDDEN_KEY: quantized, SCALES_KEY: scales, TOKENS_KEY: data[TOKENS_KEY]}, hs_path(theirs, row))
     out = tmp_path / "hs"
-    extract_hidden_states(ExtractParams(backend="import", import_path=str(theirs), dtype=FP8), extracted["verifier"],
-                          extracted["prepared"], out, tmp_path / "extract.json")
+    extract_hidden_states(
+        ExtractParams(backend="import", import_path=str(theirs), dtype=FP8),
+        extracted["verifier"],
+        extracted["prepared"],
+        out,
+        tmp_path / "extract.json",
+    )
     for row in range(ROWS):  # same quantizer, same values: the bytes of the tensors are theirs (in a shard)
         ours, source = stored_row(out, row), load_file(hs_path(theirs, row))
         assert torch.equal(ours[HIDDEN_KEY].view(torch.uint8), source[HIDDEN_KEY].view(torch.uint8))
@@ -96,29 +106,47 @@ def test_files_from_speculators_fp8_connector_are_imported_as_they_are(extracted
 
 
 def test_convert_train_and_inspect_run_on_fp8(extracted: dict[str, Path], tmp_path: Path):
-    metrics = convert(ConvertParams(draft_vocab_size=64), ExtractParams(dtype=FP8, rows_per_shard=1),
-                      extracted["verifier"], extracted["prepared"],
-                      extracted["fp8"], tmp_path / "vocab", tmp_path / "data.json")
+    metrics = convert(
+        ConvertParams(draft_vocab_size=64),
+        ExtractParams(dtype=FP8, rows_per_shard=1),
+        extracted["verifier"],
+        extracted["prepared"],
+        extracted["fp8"],
+        tmp_path / "vocab",
+        tmp_path / "data.json",
+    )
     assert metrics["excluded"] == 0
-    result = train_draft(TrainParams(steps=4, eval_every=4, total_seq_len=256, lr=3e-3, warmup_steps=1),
-                         TrainPaths(verifier=extracted["verifier"], prepared=extracted["prepared"],
-                                     hidden_states=extracted["fp8"], vocab=tmp_path / "vocab", out=tmp_path / "draft",
-                                     metrics=tmp_path / "train.json",
-                                     details=tmp_path / "train_details.json", live_dir=tmp_path / "live",
-                                     checkpoints=tmp_path / "ck"))
+    result = train_draft(
+        TrainParams(steps=4, eval_every=4, total_seq_len=256, lr=3e-3, warmup_steps=1),
+        TrainPaths(
+            verifier=extracted["verifier"],
+            prepared=extracted["prepared"],
+            hidden_states=extracted["fp8"],
+            vocab=tmp_path / "vocab",
+            out=tmp_path / "draft",
+            metrics=tmp_path / "train.json",
+            details=tmp_path / "train_details.json",
+            live_dir=tmp_path / "live",
+            checkpoints=tmp_path / "ck",
+        ),
+    )
     assert result["steps"] == 4 and (tmp_path / "draft" / "model.safetensors").is_file()
     assert all(torch.isfinite(torch.tensor(result["val_acc"])))
     described = "\n".join(inspect_path(hs_path(extracted["fp8"], 0)))
     assert "hidden_states: float8_e4m3fn" in described and "(dequantized with hidden_states_scales)" in described
 
 
-@pytest.mark.parametrize(("how", "message"), [
-    ("no scales", "fp8 hidden_states without hidden_states_scales (the per-token scales): cannot be dequantized"),
-    ("scales shape", "hidden_states_scales is F32 [SEQ], expected F32 [SEQ, 1, 1]"),
-    ("scales dtype", "hidden_states_scales is BF16 [SEQ, 1, 1], expected F32 [SEQ, 1, 1]"),
-])
-def test_a_broken_fp8_file_is_named_with_its_problem(extracted: dict[str, Path], tmp_path: Path, how: str,
-                                                     message: str):
+@pytest.mark.parametrize(
+    ("how", "message"),
+    [
+        ("no scales", "fp8 hidden_states without hidden_states_scales (the per-token scales): cannot be dequantized"),
+        ("scales shape", "hidden_states_scales is F32 [SEQ], expected F32 [SEQ, 1, 1]"),
+        ("scales dtype", "hidden_states_scales is BF16 [SEQ, 1, 1], expected F32 [SEQ, 1, 1]"),
+    ],
+)
+def test_a_broken_fp8_file_is_named_with_its_problem(
+    extracted: dict[str, Path], tmp_path: Path, how: str, message: str
+):
     hs = tmp_path / "hs"
     shutil.copytree(extracted["fp8"], hs)
     path = hs_path(hs, 4)
@@ -132,8 +160,14 @@ def test_a_broken_fp8_file_is_named_with_its_problem(extracted: dict[str, Path],
         data[SCALES_KEY] = data[SCALES_KEY].bfloat16()
     save_file(data, path)
     with pytest.raises(InputFileError) as err:
-        convert(ConvertParams(draft_vocab_size=64), ExtractParams(dtype=FP8, rows_per_shard=1), extracted["verifier"],
-                extracted["prepared"], hs,
-                tmp_path / "vocab", tmp_path / "data.json")
+        convert(
+            ConvertParams(draft_vocab_size=64),
+            ExtractParams(dtype=FP8, rows_per_shard=1),
+            extracted["verifier"],
+            extracted["prepared"],
+            hs,
+            tmp_path / "vocab",
+            tmp_path / "data.json",
+        )
     assert message.replace("SEQ", str(seq)) in str(err.value) and "hs_4.safetensors" in str(err.value)
     assert not (tmp_path / "vocab").exists()

@@ -24,10 +24,19 @@ from tests.conftest import requires_vllm
 POINTS = [MeasuredPoint(1, 3, 1.2, 1.1, 1.3, 3, True), MeasuredPoint(4, 3, 0.9, 0.85, 0.95, 3, False)]
 
 
-def write_record(path: Path, draft: Path, k: int = 3, schedule=((1, 1, 3), (2, 64, 0)), max_num_seqs: int = 64
-                 ) -> dict:
-    return write_schedule_record(path, draft, k, list(schedule), max_num_seqs, "the rule", POINTS,
-                                 {"rounds": 3, "baseline": "none"}, "abc1234", {"key": "test host"})
+def write_record(path: Path, draft: Path, k: int = 3, schedule=((1, 1, 3), (2, 64, 0)), max_num_seqs: int = 64) -> dict:
+    return write_schedule_record(
+        path,
+        draft,
+        k,
+        list(schedule),
+        max_num_seqs,
+        "the rule",
+        POINTS,
+        {"rounds": 3, "baseline": "none"},
+        "abc1234",
+        {"key": "test host"},
+    )
 
 
 def test_a_record_reads_back_as_written(tmp_path: Path, pipeline_folders):
@@ -49,8 +58,10 @@ def test_the_schedule_is_served_only_for_this_draft_at_the_k_it_was_measured_at(
     write_record(path, draft)
     choice = served_schedule(draft, 3, path)
     assert choice.schedule == [(1, 1, 3), (2, 64, 0)]
-    assert choice.line() == (f"K per batch size: K 3 at 1, 0 at 2-64 (measured for this draft by eaglenest bench at "
-                             f"abc1234 on test host, {path}: x1.20 (95% 1.10-1.30) at 1, x0.90 (95% 0.85-0.95) at 4)")
+    assert choice.line() == (
+        f"K per batch size: K 3 at 1, 0 at 2-64 (measured for this draft by eaglenest bench at "
+        f"abc1234 on test host, {path}: x1.20 (95% 1.10-1.30) at 1, x0.90 (95% 0.85-0.95) at 4)"
+    )
     # another K: the schedule says nothing about it
     other_k = served_schedule(draft, 2, path)
     assert other_k.schedule is None and "measured at K=3, and K=2 is served" in other_k.why
@@ -62,7 +73,8 @@ def test_the_schedule_is_served_only_for_this_draft_at_the_k_it_was_measured_at(
     stale = served_schedule(draft, 3, path)
     assert stale.schedule is None and stale.line() == (
         f"K per batch size: none, the same K at every batch size ({path} was measured on another draft; "
-        "`eaglenest bench --serve` measures one for this one)")
+        "`eaglenest bench --serve` measures one for this one)"
+    )
     with pytest.raises(InputFileError, match="measured on another draft"):
         served_schedule(draft, 3, path, explicit=True)
     # no file, and turned off
@@ -72,22 +84,40 @@ def test_the_schedule_is_served_only_for_this_draft_at_the_k_it_was_measured_at(
     assert served_schedule(draft, 3, None).why == "--no-schedule"
     # a draft that paid nowhere: served as measured, with the plain server named
     write_record(path, draft, schedule=[(1, 64, 0)])
-    assert served_schedule(draft, 3, path).line().endswith(
-        "; it never speculates, and at K 0 the draft still runs a forward per step to keep its cache: `eaglenest "
-        "serve --baseline none` serves plain decoding without it")
+    assert (
+        served_schedule(draft, 3, path)
+        .line()
+        .endswith(
+            "; it never speculates, and at K 0 the draft still runs a forward per step to keep its cache: `eaglenest "
+            "serve --baseline none` serves plain decoding without it"
+        )
+    )
 
 
-@pytest.mark.parametrize("edit, wanted", [
-    (lambda text: text[:-5], "not a serve schedule record (JSONDecodeError"),
-    (lambda text: json.dumps({**json.loads(text), "k": 0}), "k is 0; expected the K measured"),
-    (lambda text: json.dumps({k: v for k, v in json.loads(text).items() if k != "schedule"}), "KeyError: 'schedule'"),
-    (lambda text: json.dumps({**json.loads(text), "schedule": [[2, 64, 3]]}),
-     "the first range starts at 2: it must start at batch size 1"),
-    (lambda text: json.dumps({**json.loads(text), "schedule": [[1, 4, 3], [3, 64, 0]]}),
-     "ranges must be sorted and must not overlap"),
-    (lambda text: json.dumps({**json.loads(text), "schedule": [[1, 64, 5]]}), "asks for more than k 3"),
-    (lambda text: json.dumps({**json.loads(text), "measured": [{"concurrency": 1}]}), "not a serve schedule record"),
-])
+@pytest.mark.parametrize(
+    "edit, wanted",
+    [
+        (lambda text: text[:-5], "not a serve schedule record (JSONDecodeError"),
+        (lambda text: json.dumps({**json.loads(text), "k": 0}), "k is 0; expected the K measured"),
+        (
+            lambda text: json.dumps({k: v for k, v in json.loads(text).items() if k != "schedule"}),
+            "KeyError: 'schedule'",
+        ),
+        (
+            lambda text: json.dumps({**json.loads(text), "schedule": [[2, 64, 3]]}),
+            "the first range starts at 2: it must start at batch size 1",
+        ),
+        (
+            lambda text: json.dumps({**json.loads(text), "schedule": [[1, 4, 3], [3, 64, 0]]}),
+            "ranges must be sorted and must not overlap",
+        ),
+        (lambda text: json.dumps({**json.loads(text), "schedule": [[1, 64, 5]]}), "asks for more than k 3"),
+        (
+            lambda text: json.dumps({**json.loads(text), "measured": [{"concurrency": 1}]}),
+            "not a serve schedule record",
+        ),
+    ],
+)
 def test_a_bad_record_is_one_line_naming_the_file(tmp_path: Path, pipeline_folders, edit, wanted: str):
     _, draft = pipeline_folders
     path = tmp_path / "serve_schedule.json"
@@ -108,9 +138,21 @@ def test_a_schedule_is_fitted_to_the_servers_largest_batch():
 
 
 SCHEDULES = [
-    [[1, 128, 2]], [[1, 1, 2], [2, 128, 0]], [[1, 4, 3], [8, 16, 1]], [[1, 2, 0], [3, 5, 2]], [[1, 1, 5]],
-    [], [[2, 8, 1]], [[0, 8, 1]], [[1, 4, 2], [4, 8, 0]], [[3, 8, 1], [1, 2, 2]], [[1, 8, -1]], [[1, 8]],
-    [[5, 2, 1]], "1-8:2", [[1, 4, 2], [6, 3, 1]],
+    [[1, 128, 2]],
+    [[1, 1, 2], [2, 128, 0]],
+    [[1, 4, 3], [8, 16, 1]],
+    [[1, 2, 0], [3, 5, 2]],
+    [[1, 1, 5]],
+    [],
+    [[2, 8, 1]],
+    [[0, 8, 1]],
+    [[1, 4, 2], [4, 8, 0]],
+    [[3, 8, 1], [1, 2, 2]],
+    [[1, 8, -1]],
+    [[1, 8]],
+    [[5, 2, 1]],
+    "1-8:2",
+    [[1, 4, 2], [6, 3, 1]],
 ]
 
 

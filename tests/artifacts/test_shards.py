@@ -55,8 +55,9 @@ def extract(prepared: tuple[Path, Path], out: Path, rows_per_shard: int = 1, **p
     task (a shard, or a group of row files)."""
     verifier_dir, prepared_dir = prepared
     params.setdefault("batch_tokens", 16)
-    return extract_hidden_states(ExtractParams(rows_per_shard=rows_per_shard, **params), verifier_dir, prepared_dir,
-                                 out, out.parent / "m.json")
+    return extract_hidden_states(
+        ExtractParams(rows_per_shard=rows_per_shard, **params), verifier_dir, prepared_dir, out, out.parent / "m.json"
+    )
 
 
 def folder(out: Path) -> dict[str, bytes]:
@@ -83,8 +84,9 @@ def test_shards_hold_exactly_the_row_files_rows(tmp_path: Path, prepared, dtype:
             expected = load_file(hs_path(rows_dir, row))
             assert stored.keys() == expected.keys()  # fp8 keeps its per-token scales
             for key in expected:
-                assert stored[key].dtype == expected[key].dtype and torch.equal(stored[key].view(torch.uint8),
-                                                                                expected[key].view(torch.uint8))
+                assert stored[key].dtype == expected[key].dtype and torch.equal(
+                    stored[key].view(torch.uint8), expected[key].view(torch.uint8)
+                )
     header = json.loads(safe_open(str(shard_path(shards_dir, 2)), framework="pt").metadata()["eaglenest"])
     assert header["rows_per_shard"] == 4 and header["shard"] == 2 and header["dtype"] == dtype
 
@@ -136,8 +138,15 @@ def test_shards_of_another_dtype_are_recomputed(tmp_path: Path, prepared):
 
 def run_convert(prepared: tuple[Path, Path], hs: Path, root: Path, rows_per_shard: int = 4, **params) -> dict:
     verifier_dir, prepared_dir = prepared
-    return convert(ConvertParams(draft_vocab_size=64, **params), ExtractParams(rows_per_shard=rows_per_shard),
-                   verifier_dir, prepared_dir, hs, root / "vocab", root / "data.json")
+    return convert(
+        ConvertParams(draft_vocab_size=64, **params),
+        ExtractParams(rows_per_shard=rows_per_shard),
+        verifier_dir,
+        prepared_dir,
+        hs,
+        root / "vocab",
+        root / "data.json",
+    )
 
 
 def rewrite_shard(path: Path, change) -> None:
@@ -146,11 +155,14 @@ def rewrite_shard(path: Path, change) -> None:
         metadata = handle.metadata()
     tensors = load_file(path)
     change(tensors)
-    rows = [{key: value[first: first + length] for key, value in tensors.items() if key not in (TOKENS_KEY,
-                                                                                                   ROW_INDEX_KEY)}
-            for _, first, length in tensors[ROW_INDEX_KEY].tolist()]
-    checksum = file_checksum([row_digest(row) for row in rows],
-                             [tensors[TOKENS_KEY].numpy().tobytes(), tensors[ROW_INDEX_KEY].numpy().tobytes()])
+    rows = [
+        {key: value[first : first + length] for key, value in tensors.items() if key not in (TOKENS_KEY, ROW_INDEX_KEY)}
+        for _, first, length in tensors[ROW_INDEX_KEY].tolist()
+    ]
+    checksum = file_checksum(
+        [row_digest(row) for row in rows],
+        [tensors[TOKENS_KEY].numpy().tobytes(), tensors[ROW_INDEX_KEY].numpy().tobytes()],
+    )
     save_file(tensors, path, metadata=with_checksum(metadata, checksum))
 
 
@@ -197,8 +209,15 @@ def test_convert_reads_the_layout_from_the_files_and_refuses_a_mixed_folder_in_o
     extract(prepared, threes, rows_per_shard=3)
     # the layout is the files': extract.rows_per_shard (here 8) is never read by convert
     for hs in (rows_dir, shards_dir):
-        metrics = convert(ConvertParams(draft_vocab_size=64), ExtractParams(rows_per_shard=8), verifier_dir,
-                          prepared_dir, hs, tmp_path / "vocab", tmp_path / "data.json")
+        metrics = convert(
+            ConvertParams(draft_vocab_size=64),
+            ExtractParams(rows_per_shard=8),
+            verifier_dir,
+            prepared_dir,
+            hs,
+            tmp_path / "vocab",
+            tmp_path / "data.json",
+        )
         assert metrics["samples"] == ROWS and metrics["excluded"] == 0
     mixed, sizes = tmp_path / "mixed", tmp_path / "sizes"
     for folder_, extra in ((mixed, hs_path(rows_dir, 9)), (sizes, shard_path(threes, 3))):
@@ -207,30 +226,51 @@ def test_convert_reads_the_layout_from_the_files_and_refuses_a_mixed_folder_in_o
             (folder_ / path.name).write_bytes(path.read_bytes())
         (folder_ / extra.name).write_bytes(extra.read_bytes())
     for hs, message in [
-        (mixed, r"mixed: holds 1 row files \(hs_\{i\}.safetensors\) and 3 shards \(shard_\{s\}.safetensors\), two "
-                r"layouts in one folder; run `dvc repro extract` \(it writes the folder anew\)$"),
-        (sizes, r"sizes: shards of different sizes \(shard_3.safetensors: 3 rows, shard_0.safetensors: 4 rows\); run "
-                r"`dvc repro extract`"),
+        (
+            mixed,
+            r"mixed: holds 1 row files \(hs_\{i\}.safetensors\) and 3 shards \(shard_\{s\}.safetensors\), two "
+            r"layouts in one folder; run `dvc repro extract` \(it writes the folder anew\)$",
+        ),
+        (
+            sizes,
+            r"sizes: shards of different sizes \(shard_3.safetensors: 3 rows, shard_0.safetensors: 4 rows\); run "
+            r"`dvc repro extract`",
+        ),
     ]:
         with pytest.raises(InputFileError, match=message) as err:
-            convert(ConvertParams(draft_vocab_size=64, on_bad="skip"), ExtractParams(rows_per_shard=4),
-                    verifier_dir, prepared_dir, hs, tmp_path / "vocab2", tmp_path / "data2.json")
+            convert(
+                ConvertParams(draft_vocab_size=64, on_bad="skip"),
+                ExtractParams(rows_per_shard=4),
+                verifier_dir,
+                prepared_dir,
+                hs,
+                tmp_path / "vocab2",
+                tmp_path / "data2.json",
+            )
         assert "\n" not in str(err.value) and not (tmp_path / "vocab2").exists()
     # the fix the line gives: extract writes the folder of its layout, without recomputing a row, and convert passes
     assert extract(prepared, sizes, rows_per_shard=4)["rows_computed"] == 0
-    convert(ConvertParams(draft_vocab_size=64), ExtractParams(rows_per_shard=4), verifier_dir, prepared_dir,
-            sizes, tmp_path / "vocab2", tmp_path / "data2.json")
+    convert(
+        ConvertParams(draft_vocab_size=64),
+        ExtractParams(rows_per_shard=4),
+        verifier_dir,
+        prepared_dir,
+        sizes,
+        tmp_path / "vocab2",
+        tmp_path / "data2.json",
+    )
     assert folder(sizes) == folder(shards_dir)
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    ("index", "its row index disagrees with its tensors at row 5"),
-    ("truncated", "(truncated?)"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [("index", "its row index disagrees with its tensors at row 5"), ("truncated", "(truncated?)")],
+)
 def test_convert_refuses_a_bad_shard_naming_it(tmp_path: Path, prepared, change: str, message: str):
     out = tmp_path / "hs"
     extract(prepared, out, rows_per_shard=4)
     if change == "index":
+
         def shift(tensors: dict) -> None:
             tensors[ROW_INDEX_KEY][1, 1] += 1  # row 5 said to start a token later
 
@@ -253,8 +293,9 @@ def test_training_reads_the_same_rows_from_shards(tmp_path: Path, prepared, tiny
         out = tmp_path / f"hs-{size}"
         extract(prepared, out, rows_per_shard=size)
         run_convert(prepared, out, tmp_path / f"c-{size}", rows_per_shard=size)
-        data = load_training_data(TrainParams(), verifier, prepared_dir, out, tmp_path / f"c-{size}" / "vocab",
-                                  torch.float32)
+        data = load_training_data(
+            TrainParams(), verifier, prepared_dir, out, tmp_path / f"c-{size}" / "vocab", torch.float32
+        )
         items[size] = [data.dataset[row] for row in range(ROWS)]
     for from_rows, from_shards in zip(items[1], items[4], strict=True):
         assert from_rows.keys() == from_shards.keys()
@@ -298,8 +339,9 @@ def test_export_writes_speculators_layout_equal_to_row_files(tmp_path: Path, pre
     assert (folder(prepared[1]), folder(shards_dir)) == inputs
 
 
-def test_rows_finishing_out_of_order_go_straight_to_their_place(tmp_path: Path, prepared,
-                                                                monkeypatch: pytest.MonkeyPatch):
+def test_rows_finishing_out_of_order_go_straight_to_their_place(
+    tmp_path: Path, prepared, monkeypatch: pytest.MonkeyPatch
+):
     """As vLLM's requests finish: each row is written at its offset when it arrives, and the shard appears under its
     name only once its last row is in; the bytes are those of rows written in order."""
     import eaglenest.stages.extract as extract_stage
@@ -339,8 +381,9 @@ def test_an_unreadable_shard_is_removed_whatever_the_shard_size(tmp_path: Path, 
 
 
 @pytest.mark.parametrize("damage", ["zeroed", "no checksum"])
-def test_a_shard_whose_data_is_lost_or_unchecked_is_recomputed_on_resume(tmp_path: Path, prepared, damage: str,
-                                                                          caplog: pytest.LogCaptureFixture):
+def test_a_shard_whose_data_is_lost_or_unchecked_is_recomputed_on_resume(
+    tmp_path: Path, prepared, damage: str, caplog: pytest.LogCaptureFixture
+):
     """A shard renamed into place just before a power loss keeps its header, its size and its token ids, and holds
     zeros: resume recomputes it, as it does a shard an older eaglenest wrote without a checksum; the rest is kept."""
     fresh = tmp_path / "fresh"
@@ -357,9 +400,13 @@ def test_a_shard_whose_data_is_lost_or_unchecked_is_recomputed_on_resume(tmp_pat
     assert folder(out) == folder(fresh)  # bit-identical to an uninterrupted run
     reason = "its data does not match its checksum" if damage == "zeroed" else "its header holds no checksum"
     assert [record.getMessage() for record in caplog.records if "recomputing" in record.getMessage()] == [
-        f"recomputing shard_1.safetensors: {reason}" + (
-            " (written over, or lost to a crash before it reached the disk)" if damage == "zeroed"
-            else " (written by an older eaglenest)")]
+        f"recomputing shard_1.safetensors: {reason}"
+        + (
+            " (written over, or lost to a crash before it reached the disk)"
+            if damage == "zeroed"
+            else " (written by an older eaglenest)"
+        )
+    ]
 
 
 @pytest.mark.parametrize("damage", ["zeroed", "no checksum"])

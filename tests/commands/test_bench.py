@@ -39,7 +39,7 @@ from eaglenest.commands.bench.outputs import (
 from eaglenest.commands.bench.prompts import bench_prompts_file
 from eaglenest.commands.bench.schedule import derive_schedule, measured_points, pays, server_blocks
 from eaglenest.commands.bench.servers import server_command
-from eaglenest.commands.serve import ServeCommand
+from eaglenest.commands.serve.command import ServeCommand
 from eaglenest.core.errors import EaglenestError
 from eaglenest.core.lossless_rule import TIE_CANDIDATES
 from eaglenest.core.measure.spec_counters import (
@@ -76,8 +76,20 @@ def free_port() -> int:
 
 
 def bench_args(draft: str, baseline: str, prompts: Path, tokenizer: Path, out: Path, *extra: str) -> list[str]:
-    return ["bench", "--url", draft, "--baseline-url", baseline, "--prompts", str(prompts), "--tokenizer",
-            str(tokenizer), "--out", str(out), *extra]
+    return [
+        "bench",
+        "--url",
+        draft,
+        "--baseline-url",
+        baseline,
+        "--prompts",
+        str(prompts),
+        "--tokenizer",
+        str(tokenizer),
+        "--out",
+        str(out),
+        *extra,
+    ]
 
 
 def one_line_refusal(capsys: pytest.CaptureFixture, argv: list[str]) -> str:
@@ -132,7 +144,8 @@ def test_tau_is_one_plus_accepted_over_drafts_between_two_readings():
     before = parse_metrics(VLLM_METRICS, "before")
     after = MetricsReading(
         {**before.totals, DRAFTS: 10.0 + 4, DRAFT_TOKENS: 30.0 + 12, ACCEPTED: 19.0 + 6},
-        {0: 9.0 + 3, 1: 6.0 + 2, 2: 4.0 + 1})
+        {0: 9.0 + 3, 1: 6.0 + 2, 2: 4.0 + 1},
+    )
     spec = acceptance(before, after)
     assert spec == SpecCounts(drafts=4, draft_tokens=12, accepted=6, per_position=[3, 2, 1])
     figures = acceptance_json(spec)
@@ -146,22 +159,33 @@ def test_tau_is_one_plus_accepted_over_drafts_between_two_readings():
     assert acceptance(MetricsReading({}, {}), MetricsReading({}, {})) is None
     # per-position counts that do not add up, or that rise with the position, are reported too
     odd = MetricsReading(after.totals, {0: 9.0 + 1, 1: 6.0 + 3, 2: 4.0 + 1})
-    problems = counter_problems(before, odd, acceptance(before, odd),
-                                      {"spec_decode_acceptance_length": 2.5, "total_output_tokens": 0,
-                                       "completed": 0}, spec_expected=True)
-    assert problems == [f"{ACCEPTED}_per_pos sums to 5, but {ACCEPTED} grew by 6",
-                        "accepted tokens per position rise with the position: [1, 3, 1]"]
+    problems = counter_problems(
+        before,
+        odd,
+        acceptance(before, odd),
+        {"spec_decode_acceptance_length": 2.5, "total_output_tokens": 0, "completed": 0},
+        spec_expected=True,
+    )
+    assert problems == [
+        f"{ACCEPTED}_per_pos sums to 5, but {ACCEPTED} grew by 6",
+        "accepted tokens per position rise with the position: [1, 3, 1]",
+    ]
 
 
-@pytest.mark.parametrize("flags, wanted", [
-    (["--concurrency", "0", "2"], "--concurrency 0 2: every value must be at least 1"),
-    (["--concurrency", "1", "8", "--num-prompts", "4"], "--num-prompts 4: below --concurrency 8"),
-    (["--max-tokens", "0"], "--max-tokens 0: must be at least 1"),
-])
-def test_flags_that_cannot_make_a_sweep_are_refused(capsys, prompts: Path, tokenizer_dir: Path, tmp_path: Path,
-                                                    flags: list[str], wanted: str):
-    err = one_line_refusal(capsys, bench_args("http://127.0.0.1:9", "http://127.0.0.1:10", prompts, tokenizer_dir,
-                                              tmp_path / "o", *flags))
+@pytest.mark.parametrize(
+    "flags, wanted",
+    [
+        (["--concurrency", "0", "2"], "--concurrency 0 2: every value must be at least 1"),
+        (["--concurrency", "1", "8", "--num-prompts", "4"], "--num-prompts 4: below --concurrency 8"),
+        (["--max-tokens", "0"], "--max-tokens 0: must be at least 1"),
+    ],
+)
+def test_flags_that_cannot_make_a_sweep_are_refused(
+    capsys, prompts: Path, tokenizer_dir: Path, tmp_path: Path, flags: list[str], wanted: str
+):
+    err = one_line_refusal(
+        capsys, bench_args("http://127.0.0.1:9", "http://127.0.0.1:10", prompts, tokenizer_dir, tmp_path / "o", *flags)
+    )
     assert wanted in err
 
 
@@ -174,9 +198,12 @@ def test_fake_server_metrics_parse_as_vllms():
 
 
 def test_speedup_stops_paying_at_the_lowest_concurrency_below_one():
-    rows = [{"concurrency": 1, "speedup": 1.4}, {"concurrency": 4, "speedup": 0.97}, {"concurrency": 8,
-                                                                                      "speedup": 1.01},
-            {"concurrency": 16, "speedup": 0.8}]
+    rows = [
+        {"concurrency": 1, "speedup": 1.4},
+        {"concurrency": 4, "speedup": 0.97},
+        {"concurrency": 8, "speedup": 1.01},
+        {"concurrency": 16, "speedup": 0.8},
+    ]
     assert stops_paying_at(rows) == 4
     assert stops_paying_at(rows[:1]) is None
 
@@ -197,10 +224,13 @@ def test_urls_are_reduced_to_the_server_root():
 
 # --- refusals: one line, exit 2 ---------------------------------------------------------------------------------
 
+
 def test_an_unreachable_url_is_refused(capsys, prompts: Path, tokenizer_dir: Path, tmp_path: Path):
     with FakeServer(spec=False) as baseline:
-        err = one_line_refusal(capsys, bench_args(f"http://127.0.0.1:{free_port()}", baseline.url, prompts,
-                                                  tokenizer_dir, tmp_path / "out"))
+        err = one_line_refusal(
+            capsys,
+            bench_args(f"http://127.0.0.1:{free_port()}", baseline.url, prompts, tokenizer_dir, tmp_path / "out"),
+        )
     assert "--url http://127.0.0.1:" in err and "no server answers" in err
 
 
@@ -208,30 +238,37 @@ def test_a_server_of_another_model_is_refused(capsys, prompts: Path, tokenizer_d
     with FakeServer(model="tiny") as draft, FakeServer(model="other", spec=False) as baseline:
         err = one_line_refusal(capsys, bench_args(draft.url, baseline.url, prompts, tokenizer_dir, tmp_path / "o"))
         assert "--baseline-url" in err and "'other'" in err and "same model" in err
-        err = one_line_refusal(capsys, bench_args(draft.url, baseline.url, prompts, tokenizer_dir, tmp_path / "o",
-                                                  "--model", "llama"))
+        err = one_line_refusal(
+            capsys, bench_args(draft.url, baseline.url, prompts, tokenizer_dir, tmp_path / "o", "--model", "llama")
+        )
         assert f"--url {draft.url} serves ['tiny'], not 'llama'" in err
     assert draft.requests == [] and baseline.requests == []
 
 
-def test_a_draft_server_without_spec_decode_counters_is_refused(capsys, prompts: Path, tokenizer_dir: Path,
-                                                                 tmp_path: Path):
+def test_a_draft_server_without_spec_decode_counters_is_refused(
+    capsys, prompts: Path, tokenizer_dir: Path, tmp_path: Path
+):
     with FakeServer(spec=False) as draft, FakeServer(spec=False) as baseline:
         err = one_line_refusal(capsys, bench_args(draft.url, baseline.url, prompts, tokenizer_dir, tmp_path / "o"))
     assert "vllm:spec_decode_* counters" in err and "--url" in err
 
 
-@pytest.mark.parametrize("content, wanted", [
-    ('{"text": "no known field"}\n', "line 1: expected"),
-    ('{"prompt": "fine"}\nnot json\n', "line 2: not valid JSON"),
-    ("", "no prompts"),
-])
-def test_a_prompts_file_in_none_of_the_formats_is_refused(capsys, tmp_path: Path, tokenizer_dir: Path,
-                                                          content: str, wanted: str):
+@pytest.mark.parametrize(
+    "content, wanted",
+    [
+        ('{"text": "no known field"}\n', "line 1: expected"),
+        ('{"prompt": "fine"}\nnot json\n', "line 2: not valid JSON"),
+        ("", "no prompts"),
+    ],
+)
+def test_a_prompts_file_in_none_of_the_formats_is_refused(
+    capsys, tmp_path: Path, tokenizer_dir: Path, content: str, wanted: str
+):
     path = tmp_path / "bad.jsonl"
     path.write_text(content)
-    err = one_line_refusal(capsys, bench_args("http://127.0.0.1:9", "http://127.0.0.1:10", path, tokenizer_dir,
-                                              tmp_path / "o"))
+    err = one_line_refusal(
+        capsys, bench_args("http://127.0.0.1:9", "http://127.0.0.1:10", path, tokenizer_dir, tmp_path / "o")
+    )
     assert "--prompts" in err and str(path) in err and wanted in err
 
 
@@ -241,18 +278,22 @@ def test_evaluates_shipped_sets_are_prompts_by_their_source_name(capsys, tmp_pat
     assert bench_prompts_file(Path("builtin:general")) == GENERAL_SET_FILE
     assert bench_prompts_file(Path("builtin:long")) == LONG_SET_FILE
     assert bench_prompts_file(Path("data/mine.jsonl")) == Path("data/mine.jsonl")
-    err = one_line_refusal(capsys, bench_args("http://127.0.0.1:9", "http://127.0.0.1:10", Path("builtin:mtbench"),
-                                              tokenizer_dir, tmp_path / "o"))
+    err = one_line_refusal(
+        capsys,
+        bench_args("http://127.0.0.1:9", "http://127.0.0.1:10", Path("builtin:mtbench"), tokenizer_dir, tmp_path / "o"),
+    )
     assert "--prompts builtin:mtbench" in err and "builtin:humaneval" in err
 
 
 def test_the_same_server_twice_is_refused(capsys, prompts: Path, tokenizer_dir: Path, tmp_path: Path):
-    err = one_line_refusal(capsys, bench_args("http://127.0.0.1:8000/v1", "http://127.0.0.1:8000", prompts,
-                                              tokenizer_dir, tmp_path / "o"))
+    err = one_line_refusal(
+        capsys, bench_args("http://127.0.0.1:8000/v1", "http://127.0.0.1:8000", prompts, tokenizer_dir, tmp_path / "o")
+    )
     assert "both http://127.0.0.1:8000" in err
 
 
 # --- whole sweeps, with vLLM's bench (each run starts a Python that imports vLLM: slow on 2 cores) -------------
+
 
 @pytest.mark.slow
 def test_a_sweep_writes_bench_json_and_the_plot(real_bench_sweep: BenchSweep):
@@ -262,16 +303,18 @@ def test_a_sweep_writes_bench_json_and_the_plot(real_bench_sweep: BenchSweep):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(sweep.tokenizer)
-    first = tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": "hello there how are you today"}],
-                                                    tokenize=False, add_generation_prompt=True),
-                      add_special_tokens=False)["input_ids"]
+    first = tokenizer(
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hello there how are you today"}], tokenize=False, add_generation_prompt=True
+        ),
+        add_special_tokens=False,
+    )["input_ids"]
     assert sweep.draft_requests[0]["prompt"] == first  # the warm-up's
     measured = sweep.draft_requests[1:]
     theirs = sweep.baseline_requests[1:]
     assert len(measured) == 8 and [r["prompt"] for r in measured[:4]] == [r["prompt"] for r in theirs[:4]]
     assert sorted(r["prompt"] for r in measured) == sorted(r["prompt"] for r in theirs)  # c2: in any order
-    assert measured[3]["prompt"] == first and all(r["max_tokens"] == 5 and r["temperature"] == 0
-                                                  for r in measured)
+    assert measured[3]["prompt"] == first and all(r["max_tokens"] == 5 and r["temperature"] == 0 for r in measured)
     out = sweep.out
     result = json.loads((out / "bench.json").read_text())
     assert result["complete"] and result["concurrency"] == [1, 2] and result["model"] == "tiny"
@@ -294,13 +337,31 @@ def test_a_sweep_writes_bench_json_and_the_plot(real_bench_sweep: BenchSweep):
 
 @pytest.mark.slow
 def test_a_server_killed_mid_run_ends_the_bench_in_one_line_keeping_what_was_measured(
-        capsys, prompts: Path, tokenizer_dir: Path, tmp_path: Path):
+    capsys, prompts: Path, tokenizer_dir: Path, tmp_path: Path
+):
     out = tmp_path / "out"
     # three requests per run: concurrency 1 completes on both, the draft dies at its first request at 2
     with FakeServer(die_after=3) as draft, FakeServer(spec=False) as baseline:
-        status = cli.main(bench_args(draft.url, baseline.url, prompts, tokenizer_dir, out, "--concurrency", "1",
-                                     "2", "--num-prompts", "3", "--max-tokens", "3", "--warmup-prompts", "0",
-                                     "--rounds", "1"))
+        status = cli.main(
+            bench_args(
+                draft.url,
+                baseline.url,
+                prompts,
+                tokenizer_dir,
+                out,
+                "--concurrency",
+                "1",
+                "2",
+                "--num-prompts",
+                "3",
+                "--max-tokens",
+                "3",
+                "--warmup-prompts",
+                "0",
+                "--rounds",
+                "1",
+            )
+        )
     err = capsys.readouterr().err.strip()
     assert status == 2 and err.count("\n") == 0, err
     assert f"--url {draft.url}" in err and "concurrency 2" in err and "stopped answering" in err
@@ -312,8 +373,17 @@ def test_a_server_killed_mid_run_ends_the_bench_in_one_line_keeping_what_was_mea
 
 # --- the near-tie rule on outputs that differ (fast: the runs below send the requests themselves) -------------
 
-def fake_vllm_bench(endpoint: Endpoint, model: str, dataset: Path, num_requests: int, concurrency: int,
-                    config: BenchConfig, raw_dir: Path, name: str) -> dict:
+
+def fake_vllm_bench(
+    endpoint: Endpoint,
+    model: str,
+    dataset: Path,
+    num_requests: int,
+    concurrency: int,
+    config: BenchConfig,
+    raw_dir: Path,
+    name: str,
+) -> dict:
     """`vllm bench serve`'s result file, from the requests sent one at a time (no vLLM import: seconds, not
     minutes); a request the server does not answer is a failed one, as vLLM's bench counts it."""
     records = [json.loads(line) for line in dataset.read_text().splitlines()][:num_requests]
@@ -322,14 +392,23 @@ def fake_vllm_bench(endpoint: Endpoint, model: str, dataset: Path, num_requests:
     start = time.perf_counter()
     for record in records:
         sent = time.perf_counter()
-        body = json.dumps({"model": model, "prompt": record["prompt"], "max_tokens": config.max_tokens,
-                           "temperature": config.temperature, "stream": True}).encode()
-        request = urllib.request.Request(endpoint.url + "/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
+        body = json.dumps(
+            {
+                "model": model,
+                "prompt": record["prompt"],
+                "max_tokens": config.max_tokens,
+                "temperature": config.temperature,
+                "stream": True,
+            }
+        ).encode()
+        request = urllib.request.Request(
+            endpoint.url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(request, timeout=10) as response:
-                events = [json.loads(line[6:]) for line in response.read().decode().splitlines()
-                          if line.startswith("data: {")]
+                events = [
+                    json.loads(line[6:]) for line in response.read().decode().splitlines() if line.startswith("data: {")
+                ]
         except (urllib.error.URLError, OSError) as err:
             texts.append("")
             errors.append(str(err))
@@ -344,11 +423,20 @@ def fake_vllm_bench(endpoint: Endpoint, model: str, dataset: Path, num_requests:
     duration = time.perf_counter() - start
     spec = acceptance(before, endpoint.counters()) if not any(errors) else None
     failed = sum(bool(e) for e in errors)
-    raw = {"completed": len(records) - failed, "failed": failed, "total_output_tokens": tokens, "duration": duration,
-           "output_throughput": tokens / duration, "request_throughput": (len(records) - failed) / duration,
-           "latencies": latencies, "ttfts": [latency / 2 for latency in latencies], "errors": errors,
-           "output_lens": lengths,
-           "generated_texts": texts, "spec_decode_acceptance_length": spec.tau if spec else None}
+    raw = {
+        "completed": len(records) - failed,
+        "failed": failed,
+        "total_output_tokens": tokens,
+        "duration": duration,
+        "output_throughput": tokens / duration,
+        "request_throughput": (len(records) - failed) / duration,
+        "latencies": latencies,
+        "ttfts": [latency / 2 for latency in latencies],
+        "errors": errors,
+        "output_lens": lengths,
+        "generated_texts": texts,
+        "spec_decode_acceptance_length": spec.tau if spec else None,
+    }
     (raw_dir / f"{name}.json").write_text(json.dumps(raw))
     return raw
 
@@ -358,21 +446,52 @@ def fast_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sweep, "run_vllm_bench", fake_vllm_bench)
 
 
-@pytest.mark.parametrize("flip_to, extra, status, kind", [
-    (None, [], 0, "identical"),
-    (1, [], 0, "near_ties"),  # the baseline's runner-up, TOP_GAP (0.3) behind its best: within 0.5
-    (13, [], 1, "outside"),  # none of the baseline's top 5
-    (1, ["--tie-margin", "0.2"], 1, "above"),  # the runner-up, but 0.3 is above the margin
-])
+@pytest.mark.parametrize(
+    "flip_to, extra, status, kind",
+    [
+        (None, [], 0, "identical"),
+        (1, [], 0, "near_ties"),  # the baseline's runner-up, TOP_GAP (0.3) behind its best: within 0.5
+        (13, [], 1, "outside"),  # none of the baseline's top 5
+        (1, ["--tie-margin", "0.2"], 1, "above"),  # the runner-up, but 0.3 is above the margin
+    ],
+)
 def test_outputs_that_differ_are_judged_by_the_near_tie_rule_on_the_baselines_top_logprobs(
-        capsys, fast_runs, prompts: Path, tokenizer_dir: Path, tmp_path: Path, flip_to: int | None,
-        extra: list[str], status: int, kind: str):
+    capsys,
+    fast_runs,
+    prompts: Path,
+    tokenizer_dir: Path,
+    tmp_path: Path,
+    flip_to: int | None,
+    extra: list[str],
+    status: int,
+    kind: str,
+):
     out = tmp_path / "out"
-    with FakeServer(flip_at=None if flip_to is None else 2, flip_to=flip_to or 0) as draft, \
-            FakeServer(spec=False) as baseline:
-        got = cli.main(bench_args(draft.url, baseline.url, prompts, tokenizer_dir, out, "--concurrency", "1", "2",
-                                  "--num-prompts", "6", "--max-tokens", "4", "--warmup-prompts", "1", "--rounds",
-                                  "1", *extra))
+    with (
+        FakeServer(flip_at=None if flip_to is None else 2, flip_to=flip_to or 0) as draft,
+        FakeServer(spec=False) as baseline,
+    ):
+        got = cli.main(
+            bench_args(
+                draft.url,
+                baseline.url,
+                prompts,
+                tokenizer_dir,
+                out,
+                "--concurrency",
+                "1",
+                "2",
+                "--num-prompts",
+                "6",
+                "--max-tokens",
+                "4",
+                "--warmup-prompts",
+                "1",
+                "--rounds",
+                "1",
+                *extra,
+            )
+        )
         captured = capsys.readouterr()
         assert got == status, captured.err + captured.out
         checks = baseline.checks
@@ -387,11 +506,20 @@ def test_outputs_that_differ_are_judged_by_the_near_tie_rule_on_the_baselines_to
     # once per prompt (3), whatever the concurrency: the measured token ids, alone, with the top 5 log-probs
     assert result["tie_checks"] == 3 and len(checks) == 3
     assert sorted(c["prompt"] for c in checks) == sorted(draft.requests[1 + i]["prompt"] for i in range(3))
-    assert all(c["max_tokens"] == 4 and c["temperature"] == 0 and c["logprobs"] == TIE_CANDIDATES
-               and c["return_tokens_as_token_ids"] and not c["stream"] for c in checks)
+    assert all(
+        c["max_tokens"] == 4
+        and c["temperature"] == 0
+        and c["logprobs"] == TIE_CANDIDATES
+        and c["return_tokens_as_token_ids"]
+        and not c["stream"]
+        for c in checks
+    )
     for outputs in rows:
-        judged, other = ((outputs["near_ties"], outputs["differ"]) if kind == "near_ties" else
-                         (outputs["differ"], outputs["near_ties"]))
+        judged, other = (
+            (outputs["near_ties"], outputs["differ"])
+            if kind == "near_ties"
+            else (outputs["differ"], outputs["near_ties"])
+        )
         assert outputs["identical"] == 0 and len(judged) == 6 and other == []
         first = judged[0]
         assert first["request"] == 0 and first["prompt"] == "1" and first["position"] == 2
@@ -419,8 +547,9 @@ def test_the_draft_text_is_placed_on_the_baselines_tokens():
     a, b, c, d, f = (letter_ids()[LETTERS.index(x)] for x in "abcdf")
     end = tokenizer.eos_token_id
     plain = [a, b, c, d, end]
-    top = [[(t, -0.05), (n, -0.35), (end, -2.0)] for t, n in ((a, b), (b, c), (c, d), (d, f))] + \
-        [[(end, -0.01), (f, -0.2)]]
+    top = [[(t, -0.05), (n, -0.35), (end, -2.0)] for t, n in ((a, b), (b, c), (c, d), (d, f))] + [
+        [(end, -0.01), (f, -0.2)]
+    ]
     assert draft_divergence("abcd", plain, top, tokenizer) is None
     tie = draft_divergence("abdd", plain, top, tokenizer)
     assert (tie.position, tie.plain_token, tie.spec_token, tie.gap) == (2, c, d, pytest.approx(0.3))
@@ -433,8 +562,7 @@ def test_the_draft_text_is_placed_on_the_baselines_tokens():
     replay = Replay(plain, top, "abcd")
     assert judge_difference("abdd", replay, tokenizer, 0.5).near_tie
     assert judge_difference("abdd", replay, tokenizer, 0.1).detail["why"] == "the gap 0.3 is above the margin 0.1"
-    assert "cannot be placed" in judge_difference("abdd", Replay(plain, top, "abce"), tokenizer,
-                                                        0.5).detail["why"]
+    assert "cannot be placed" in judge_difference("abdd", Replay(plain, top, "abce"), tokenizer, 0.5).detail["why"]
     assert judge_difference("abdd", "no replay", tokenizer, 0.5) == Verdict(False, {"why": "no replay"})
     with pytest.raises(ValueError, match="token_id:N"):
         parse_replay({"choices": [{"text": "a", "logprobs": {"tokens": ["a"], "top_logprobs": [{}]}}]})
@@ -468,23 +596,49 @@ def test_a_draft_text_that_reads_as_several_token_sequences_is_judged_by_its_nea
 
 # --- --serve: the servers started here, one after the other (the fake as a process) ----------------------------
 
+
 def fake_serve_command(events: Path, **role_flags: list[str]):
     """A stand-in for server_command: the fake server process, on --port, writing start/stop times."""
 
     def command(serve: ServeSetup, model: str | None, baseline: str | None, cpu_build: bool) -> ServeCommand:
         role = "draft" if baseline is None else "baseline"
         # like eaglenest serve's, the fake answers to its served name and to a model path
-        argv = [sys.executable, "-m", "tests.fixtures.fakes", "--port", str(serve.port), "--role", role, "--events",
-                str(events), "--alias", "/models/tiny", *(["--plain"] if baseline is not None else []),
-                *role_flags.get(role, [])]
+        argv = [
+            sys.executable,
+            "-m",
+            "tests.fixtures.fakes",
+            "--port",
+            str(serve.port),
+            "--role",
+            role,
+            "--events",
+            str(events),
+            "--alias",
+            "/models/tiny",
+            *(["--plain"] if baseline is not None else []),
+            *role_flags.get(role, []),
+        ]
         return ServeCommand(argv, {"PYTHONPATH": str(REPO)}, f"the fake {role} server", model or "tiny")
 
     return command
 
 
 def serve_args(port: int, prompts: Path, tokenizer: Path, out: Path, *extra: str) -> list[str]:
-    return ["bench", "--serve", "--port", str(port), "--server-timeout", "120", "--prompts", str(prompts),
-            "--tokenizer", str(tokenizer), "--out", str(out), *extra]
+    return [
+        "bench",
+        "--serve",
+        "--port",
+        str(port),
+        "--server-timeout",
+        "120",
+        "--prompts",
+        str(prompts),
+        "--tokenizer",
+        str(tokenizer),
+        "--out",
+        str(out),
+        *extra,
+    ]
 
 
 def read_events(path: Path) -> list[tuple[str, str]]:
@@ -494,19 +648,36 @@ def read_events(path: Path) -> list[tuple[str, str]]:
 
 
 def test_serve_starts_the_draft_server_sweeps_stops_it_then_the_baseline(
-        capsys, monkeypatch, fast_runs, prompts: Path, tokenizer_dir: Path, tmp_path: Path):
+    capsys, monkeypatch, fast_runs, prompts: Path, tokenizer_dir: Path, tmp_path: Path
+):
     # The runs send the requests themselves (fast_runs): what is tested is the servers' lives around the sweep;
     # vLLM's own bench runs the sweep of test_a_sweep_writes_bench_json_and_the_plot.
     out, events, port = tmp_path / "out", tmp_path / "events.jsonl", free_port()
     # the draft takes the baseline's runner-up at token 1: a near-tie, judged against the baseline process
     monkeypatch.setattr(bench_run, "server_command", fake_serve_command(events, draft=["--flip-at", "1"]))
-    status = cli.main(serve_args(port, prompts, tokenizer_dir, out, "--concurrency", "1", "2", "--num-prompts",
-                                 "3", "--max-tokens", "4", "--warmup-prompts", "0", "--rounds", "1"))
+    status = cli.main(
+        serve_args(
+            port,
+            prompts,
+            tokenizer_dir,
+            out,
+            "--concurrency",
+            "1",
+            "2",
+            "--num-prompts",
+            "3",
+            "--max-tokens",
+            "4",
+            "--warmup-prompts",
+            "0",
+            "--rounds",
+            "1",
+        )
+    )
     captured = capsys.readouterr()
     assert status == 0, captured.err + captured.out
     # one server at a time, each for the whole sweep: the draft stopped before the baseline started
-    assert read_events(events) == [("draft", "start"), ("draft", "stop"), ("baseline", "start"),
-                                   ("baseline", "stop")]
+    assert read_events(events) == [("draft", "start"), ("draft", "stop"), ("baseline", "start"), ("baseline", "stop")]
     result = json.loads((out / "bench.json").read_text())
     assert result["complete"] and "stopped" not in result and result["model"] == "tiny"
     assert result["url"] == result["baseline_url"] == f"http://127.0.0.1:{port}"
@@ -525,13 +696,14 @@ def test_serve_starts_the_draft_server_sweeps_stops_it_then_the_baseline(
         assert f"fake {role} server on" in (out / "raw" / f"server-{role}.log").read_text()
     assert result["servers"]["baseline"]["kind"] == "none"
     assert "stopped the draft server" in captured.out and "stopped the baseline server" in captured.out
-    from eaglenest.commands.serve import check_port_free
+    from eaglenest.commands.serve.access import check_port_free
 
     check_port_free("127.0.0.1", port)  # nothing left listening
 
 
 def test_a_started_server_that_exits_before_answering_is_one_line_naming_its_log(
-        capsys, monkeypatch, prompts: Path, tokenizer_dir: Path, tmp_path: Path):
+    capsys, monkeypatch, prompts: Path, tokenizer_dir: Path, tmp_path: Path
+):
     out, events = tmp_path / "out", tmp_path / "events.jsonl"
     monkeypatch.setattr(bench_run, "server_command", fake_serve_command(events, draft=["--fail-at-start"]))
     err = one_line_refusal(capsys, serve_args(free_port(), prompts, tokenizer_dir, out))
@@ -542,8 +714,9 @@ def test_a_started_server_that_exits_before_answering_is_one_line_naming_its_log
 
 
 @pytest.mark.parametrize("how", ["refusal", "interrupt"])
-def test_a_started_server_is_stopped_on_a_refusal_and_on_ctrl_c(capsys, monkeypatch, fast_runs, prompts: Path,
-                                                                tokenizer_dir: Path, tmp_path: Path, how: str):
+def test_a_started_server_is_stopped_on_a_refusal_and_on_ctrl_c(
+    capsys, monkeypatch, fast_runs, prompts: Path, tokenizer_dir: Path, tmp_path: Path, how: str
+):
     out, events = tmp_path / "out", tmp_path / "events.jsonl"
     if how == "refusal":  # a draft server without spec-decode counters is refused once it answers
         monkeypatch.setattr(bench_run, "server_command", fake_serve_command(events, draft=["--plain"]))
@@ -562,13 +735,31 @@ def test_a_started_server_is_stopped_on_a_refusal_and_on_ctrl_c(capsys, monkeypa
 
 
 def test_a_started_server_killed_mid_run_ends_the_bench_in_one_line_keeping_what_was_measured(
-        capsys, monkeypatch, fast_runs, prompts: Path, tokenizer_dir: Path, tmp_path: Path):
+    capsys, monkeypatch, fast_runs, prompts: Path, tokenizer_dir: Path, tmp_path: Path
+):
     out, events = tmp_path / "out", tmp_path / "events.jsonl"
     # three requests per run: the draft's run at concurrency 1 completes, the process dies at its first at 2
     monkeypatch.setattr(bench_run, "server_command", fake_serve_command(events, draft=["--die-after", "3"]))
-    err = one_line_refusal(capsys, serve_args(free_port(), prompts, tokenizer_dir, out, "--concurrency", "1", "2",
-                                              "--num-prompts", "3", "--max-tokens", "3", "--warmup-prompts", "0",
-                                              "--rounds", "1"))
+    err = one_line_refusal(
+        capsys,
+        serve_args(
+            free_port(),
+            prompts,
+            tokenizer_dir,
+            out,
+            "--concurrency",
+            "1",
+            "2",
+            "--num-prompts",
+            "3",
+            "--max-tokens",
+            "3",
+            "--warmup-prompts",
+            "0",
+            "--rounds",
+            "1",
+        ),
+    )
     assert "the draft server http://127.0.0.1:" in err and "concurrency 2" in err and "stopped answering" in err
     assert "it exited with 1" in err and "keeps the draft's figures at concurrency [1]" in err
     assert f"server log: {out / 'raw' / 'server-draft.log'}" in err
@@ -579,22 +770,49 @@ def test_a_started_server_killed_mid_run_ends_the_bench_in_one_line_keeping_what
     assert read_events(events) == [("draft", "start")]  # died on its own; the baseline never started
 
 
-@pytest.mark.parametrize("flags, wanted", [
-    (["--serve", "--url", "http://127.0.0.1:9"], "--serve with --url: --serve starts both servers here"),
-    (["--url", "http://127.0.0.1:9"], "--baseline-url missing: give the draft server's --url"),
-    (["--url", "http://127.0.0.1:9", "--baseline-url", "http://127.0.0.1:10", "--port", "8001"],
-     "--port: only with --serve"),
-    (["--url", "http://127.0.0.1:9", "--baseline-url", "http://127.0.0.1:10", "--", "--max-model-len", "512"],
-     "flags after --: only with --serve"),
-    (["--serve", "--tie-margin", "-1"], "--tie-margin -1: must be 0"),
-    (["--url", "http://127.0.0.1:9", "--baseline-url", "http://127.0.0.1:10", "--schedule", "s.json",
-      "--measure-schedule"], "--schedule, --measure-schedule: only with --serve"),
-])
-def test_serve_flags_are_refused_in_one_line_where_they_mean_nothing(capsys, prompts: Path, tokenizer_dir: Path,
-                                                                     tmp_path: Path, flags: list[str], wanted: str):
+@pytest.mark.parametrize(
+    "flags, wanted",
+    [
+        (["--serve", "--url", "http://127.0.0.1:9"], "--serve with --url: --serve starts both servers here"),
+        (["--url", "http://127.0.0.1:9"], "--baseline-url missing: give the draft server's --url"),
+        (
+            ["--url", "http://127.0.0.1:9", "--baseline-url", "http://127.0.0.1:10", "--port", "8001"],
+            "--port: only with --serve",
+        ),
+        (
+            ["--url", "http://127.0.0.1:9", "--baseline-url", "http://127.0.0.1:10", "--", "--max-model-len", "512"],
+            "flags after --: only with --serve",
+        ),
+        (["--serve", "--tie-margin", "-1"], "--tie-margin -1: must be 0"),
+        (
+            [
+                "--url",
+                "http://127.0.0.1:9",
+                "--baseline-url",
+                "http://127.0.0.1:10",
+                "--schedule",
+                "s.json",
+                "--measure-schedule",
+            ],
+            "--schedule, --measure-schedule: only with --serve",
+        ),
+    ],
+)
+def test_serve_flags_are_refused_in_one_line_where_they_mean_nothing(
+    capsys, prompts: Path, tokenizer_dir: Path, tmp_path: Path, flags: list[str], wanted: str
+):
     separator = flags.index("--") if "--" in flags else len(flags)
-    argv = ["bench", *flags[:separator], "--prompts", str(prompts), "--tokenizer", str(tokenizer_dir), "--out",
-            str(tmp_path / "o"), *flags[separator:]]
+    argv = [
+        "bench",
+        *flags[:separator],
+        "--prompts",
+        str(prompts),
+        "--tokenizer",
+        str(tokenizer_dir),
+        "--out",
+        str(tmp_path / "o"),
+        *flags[separator:],
+    ]
     assert wanted in one_line_refusal(capsys, argv)
 
 
@@ -603,42 +821,56 @@ def test_serve_builds_eaglenest_serves_commands(pipeline_folders):
     setup = ServeSetup(port=8123, verifier=verifier, draft=draft, vllm_args=("--max-model-len", "512"))
     commands = {kind: server_command(setup, None, kind, cpu_build=True) for kind in (None, "none", "ngram")}
     for command in commands.values():
-        assert command.argv[command.argv.index("--port") + 1] == "8123" and command.argv[-2:] == ["--max-model-len",
-                                                                                                  "512"]
+        assert command.argv[command.argv.index("--port") + 1] == "8123" and command.argv[-2:] == [
+            "--max-model-len",
+            "512",
+        ]
     assert '"eagle3"' in " ".join(commands[None].argv) and "--speculative-config" not in commands["none"].argv
     assert '"ngram"' in " ".join(commands["ngram"].argv)
     with pytest.raises(EaglenestError, match=r"^--port after --: eaglenest bench --serve sets it; use --port"):
-        server_command(ServeSetup(verifier=verifier, draft=draft, vllm_args=("--port=1",)), None, None,
-                             True)
+        server_command(ServeSetup(verifier=verifier, draft=draft, vllm_args=("--port=1",)), None, None, True)
 
 
 # --- rounds, intervals and the K per batch size read from them -------------------------------------------------
 
+
 def point(concurrency: int, low: float | None, speedup: float = 1.2, k: int = 3) -> MeasuredPoint:
-    return MeasuredPoint(concurrency, k, speedup, low, None if low is None else speedup + (speedup - low), 3,
-                         pays(low))
+    return MeasuredPoint(concurrency, k, speedup, low, None if low is None else speedup + (speedup - low), 3, pays(low))
 
 
-@pytest.mark.parametrize("points, max_num_seqs, wanted", [
-    # pays at every concurrency measured: K up to the largest, 0 past it (unmeasured)
-    ([point(1, 1.1), point(4, 1.05), point(16, 1.01)], 128, [(1, 16, 3), (17, 128, 0)]),
-    # stops paying at 4: 2 and 3 are unmeasured, and 4 does not vouch for them
-    ([point(1, 1.1), point(4, 0.7), point(16, 0.5)], 128, [(1, 1, 3), (2, 128, 0)]),
-    # a tie (the interval holds 1) does not pay, nor does a figure without an interval
-    ([point(1, 0.98, 1.05), point(4, 0.7)], 64, [(1, 64, 0)]),
-    ([point(1, None, 1.5)], 64, [(1, 64, 0)]),
-    # paying again after a concurrency that does not is noise: served plain
-    ([point(1, 1.1), point(4, 0.9), point(16, 1.02)], 128, [(1, 1, 3), (2, 128, 0)]),
-    # the first concurrency measured vouches for the batch sizes below it
-    ([point(4, 1.1), point(16, 0.8)], 128, [(1, 4, 3), (5, 128, 0)]),
-    # a server smaller than the concurrencies measured
-    ([point(1, 1.1), point(4, 1.1)], 2, [(1, 2, 3)]),
-    ([point(1, 1.1)], 1, [(1, 1, 3)]),
-    # several Ks: the paying one with the best speed-up (ties: the smaller K), ranges of one K merged
-    ([point(1, 1.1, 1.3, k=3), point(1, 1.2, 1.4, k=2), point(2, 1.05, 1.2, k=2), point(4, 0.9, 1.1, k=2),
-      point(4, 1.01, 1.1, k=1), point(8, 0.9, 0.95, k=1)], 32, [(1, 2, 2), (3, 4, 1), (5, 32, 0)]),
-    ([point(1, 1.1, 1.3, k=3), point(1, 1.1, 1.3, k=2)], 8, [(1, 1, 2), (2, 8, 0)]),
-])
+@pytest.mark.parametrize(
+    "points, max_num_seqs, wanted",
+    [
+        # pays at every concurrency measured: K up to the largest, 0 past it (unmeasured)
+        ([point(1, 1.1), point(4, 1.05), point(16, 1.01)], 128, [(1, 16, 3), (17, 128, 0)]),
+        # stops paying at 4: 2 and 3 are unmeasured, and 4 does not vouch for them
+        ([point(1, 1.1), point(4, 0.7), point(16, 0.5)], 128, [(1, 1, 3), (2, 128, 0)]),
+        # a tie (the interval holds 1) does not pay, nor does a figure without an interval
+        ([point(1, 0.98, 1.05), point(4, 0.7)], 64, [(1, 64, 0)]),
+        ([point(1, None, 1.5)], 64, [(1, 64, 0)]),
+        # paying again after a concurrency that does not is noise: served plain
+        ([point(1, 1.1), point(4, 0.9), point(16, 1.02)], 128, [(1, 1, 3), (2, 128, 0)]),
+        # the first concurrency measured vouches for the batch sizes below it
+        ([point(4, 1.1), point(16, 0.8)], 128, [(1, 4, 3), (5, 128, 0)]),
+        # a server smaller than the concurrencies measured
+        ([point(1, 1.1), point(4, 1.1)], 2, [(1, 2, 3)]),
+        ([point(1, 1.1)], 1, [(1, 1, 3)]),
+        # several Ks: the paying one with the best speed-up (ties: the smaller K), ranges of one K merged
+        (
+            [
+                point(1, 1.1, 1.3, k=3),
+                point(1, 1.2, 1.4, k=2),
+                point(2, 1.05, 1.2, k=2),
+                point(4, 0.9, 1.1, k=2),
+                point(4, 1.01, 1.1, k=1),
+                point(8, 0.9, 0.95, k=1),
+            ],
+            32,
+            [(1, 2, 2), (3, 4, 1), (5, 32, 0)],
+        ),
+        ([point(1, 1.1, 1.3, k=3), point(1, 1.1, 1.3, k=2)], 8, [(1, 1, 2), (2, 8, 0)]),
+    ],
+)
 def test_the_schedule_speculates_up_to_the_last_concurrency_that_pays_and_is_0_past_it(points, max_num_seqs, wanted):
     from eaglenest.artifacts.serve_schedule import schedule_problem
 
@@ -648,15 +880,27 @@ def test_the_schedule_speculates_up_to_the_last_concurrency_that_pays_and_is_0_p
 
 
 def test_the_rows_become_measured_points_that_pay_only_above_one():
-    rows = [{"concurrency": 1, "speedup": 1.3, "speedup_interval": {"low": 1.1, "high": 1.5},
-             "rounds": [{"speedup": 1.2}, {"speedup": 1.4}, {"speedup": 1.3}]},
-            {"concurrency": 4, "speedup": 1.02, "speedup_interval": {"low": 1.0, "high": 1.04},
-             "rounds": [{"speedup": 1.0}, {"speedup": 1.04}, {"speedup": None}]},
-            {"concurrency": 8, "speedup": 1.5, "speedup_interval": None, "rounds": [{"speedup": 1.5}]},
-            {"concurrency": 16, "speedup": None, "speedup_interval": None, "rounds": []}]
-    assert measured_points(rows, 2) == [MeasuredPoint(1, 2, 1.3, 1.1, 1.5, 3, True),
-                                        MeasuredPoint(4, 2, 1.02, 1.0, 1.04, 2, False),
-                                        MeasuredPoint(8, 2, 1.5, None, None, 1, False)]
+    rows = [
+        {
+            "concurrency": 1,
+            "speedup": 1.3,
+            "speedup_interval": {"low": 1.1, "high": 1.5},
+            "rounds": [{"speedup": 1.2}, {"speedup": 1.4}, {"speedup": 1.3}],
+        },
+        {
+            "concurrency": 4,
+            "speedup": 1.02,
+            "speedup_interval": {"low": 1.0, "high": 1.04},
+            "rounds": [{"speedup": 1.0}, {"speedup": 1.04}, {"speedup": None}],
+        },
+        {"concurrency": 8, "speedup": 1.5, "speedup_interval": None, "rounds": [{"speedup": 1.5}]},
+        {"concurrency": 16, "speedup": None, "speedup_interval": None, "rounds": []},
+    ]
+    assert measured_points(rows, 2) == [
+        MeasuredPoint(1, 2, 1.3, 1.1, 1.5, 3, True),
+        MeasuredPoint(4, 2, 1.02, 1.0, 1.04, 2, False),
+        MeasuredPoint(8, 2, 1.5, None, None, 1, False),
+    ]
 
 
 def test_the_interval_over_rounds_is_students_t_on_the_log_speedups():
@@ -690,15 +934,26 @@ def paced(monkeypatch: pytest.MonkeyPatch, rates: dict[tuple[str, int], list[flo
     round, so a sweep's speed-ups are known; returns the measured runs in the order made."""
     made: list[tuple[str, int]] = []
 
-    def run(endpoint: Endpoint, model: str, dataset: Path, num_requests: int, concurrency: int, config: BenchConfig,
-            raw_dir: Path, name: str) -> dict:
+    def run(
+        endpoint: Endpoint,
+        model: str,
+        dataset: Path,
+        num_requests: int,
+        concurrency: int,
+        config: BenchConfig,
+        raw_dir: Path,
+        name: str,
+    ) -> dict:
         raw = fake_vllm_bench(endpoint, model, dataset, num_requests, concurrency, config, raw_dir, name)
         if name.startswith("warmup"):
             return raw
         rate = rates[(endpoint.role, concurrency)][sum(m == (endpoint.role, concurrency) for m in made)]
         made.append((endpoint.role, concurrency))
-        raw |= {"duration": raw["total_output_tokens"] / rate, "output_throughput": rate,
-                "request_throughput": raw["completed"] * rate / raw["total_output_tokens"]}
+        raw |= {
+            "duration": raw["total_output_tokens"] / rate,
+            "output_throughput": rate,
+            "request_throughput": raw["completed"] * rate / raw["total_output_tokens"],
+        }
         (raw_dir / f"{name}.json").write_text(json.dumps(raw))
         return raw
 
@@ -706,12 +961,17 @@ def paced(monkeypatch: pytest.MonkeyPatch, rates: dict[tuple[str, int], list[flo
     return made
 
 
-RATES = {("draft", 1): [20.0, 21.0, 19.0], ("baseline", 1): [10.0, 10.0, 10.0],  # x2: pays
-         ("draft", 2): [10.0, 9.0, 11.0], ("baseline", 2): [10.0, 10.0, 10.0]}  # a tie: does not
+RATES = {
+    ("draft", 1): [20.0, 21.0, 19.0],
+    ("baseline", 1): [10.0, 10.0, 10.0],  # x2: pays
+    ("draft", 2): [10.0, 9.0, 11.0],
+    ("baseline", 2): [10.0, 10.0, 10.0],
+}  # a tie: does not
 
 
 def test_rounds_give_every_concurrency_an_interval_and_the_schedule_read_from_them(
-        capsys, monkeypatch, prompts: Path, tokenizer_dir: Path, tmp_path: Path):
+    capsys, monkeypatch, prompts: Path, tokenizer_dir: Path, tmp_path: Path
+):
     """--url: three rounds, the order alternating at each concurrency; per concurrency the speed-up over the rounds
     with its interval, each side's figures pooled, every round's outputs checked; the schedule is read from the
     figures into bench.json (no record: bench does not know the draft's files)."""
@@ -720,8 +980,24 @@ def test_rounds_give_every_concurrency_an_interval_and_the_schedule_read_from_th
     made = paced(monkeypatch, RATES)
     out = tmp_path / "out"
     with FakeServer() as draft, FakeServer(spec=False) as baseline:
-        status = cli.main(bench_args(draft.url, baseline.url, prompts, tokenizer_dir, out, "--concurrency", "1", "2",
-                                     "--num-prompts", "3", "--max-tokens", "4", "--warmup-prompts", "1"))
+        status = cli.main(
+            bench_args(
+                draft.url,
+                baseline.url,
+                prompts,
+                tokenizer_dir,
+                out,
+                "--concurrency",
+                "1",
+                "2",
+                "--num-prompts",
+                "3",
+                "--max-tokens",
+                "4",
+                "--warmup-prompts",
+                "1",
+            )
+        )
     captured = capsys.readouterr()
     assert status == 0, captured.err + captured.out
     d, b = "draft", "baseline"
@@ -736,8 +1012,11 @@ def test_rounds_give_every_concurrency_an_interval_and_the_schedule_read_from_th
     assert [r["round"] for r in second["rounds"]] == [1, 2, 3]
     # pooled: all tokens over all seconds of the three runs (of equal tokens: the harmonic mean of their rates)
     assert first["draft"]["tokens_per_s"] == pytest.approx(3 / (1 / 20 + 1 / 21 + 1 / 19), abs=1e-3)
-    assert first["draft"]["completed"] == 9 and first["draft"]["tau"] == 2.0 and first["draft"]["raw"] == \
-        "raw/draft-c1-r*.json"
+    assert (
+        first["draft"]["completed"] == 9
+        and first["draft"]["tau"] == 2.0
+        and first["draft"]["raw"] == "raw/draft-c1-r*.json"
+    )
     assert (out / "raw" / "draft-c1-r3.json").is_file() and first["outputs"]["compared"] == 9
     assert first["single_stream_speedup"]["units"] == 9
     schedule = result["schedule"]
@@ -752,17 +1031,34 @@ def test_one_round_reads_no_schedule(capsys, monkeypatch, prompts: Path, tokeniz
     paced(monkeypatch, RATES)
     out = tmp_path / "out"
     with FakeServer() as draft, FakeServer(spec=False) as baseline:
-        assert cli.main(bench_args(draft.url, baseline.url, prompts, tokenizer_dir, out, "--concurrency", "1",
-                                   "--num-prompts", "3", "--max-tokens", "4", "--rounds", "1")) == 0
+        assert (
+            cli.main(
+                bench_args(
+                    draft.url,
+                    baseline.url,
+                    prompts,
+                    tokenizer_dir,
+                    out,
+                    "--concurrency",
+                    "1",
+                    "--num-prompts",
+                    "3",
+                    "--max-tokens",
+                    "4",
+                    "--rounds",
+                    "1",
+                )
+            )
+            == 0
+        )
     result = json.loads((out / "bench.json").read_text())
     row = result["results"][0]
     assert row["speedup"] == 2.0 and row["speedup_interval"] is None and row["draft"]["raw"] == "raw/draft-c1.json"
     assert result["schedule"]["derived"] is None and "--rounds 3 measures one" in result["schedule"]["why"]
     assert "K per batch size: not read from this run: one round gives no interval" in capsys.readouterr().out
-    assert one_line_refusal(capsys, bench_args("http://127.0.0.1:9", "http://127.0.0.1:10", prompts, tokenizer_dir,
-                                               out, "--rounds", "0")).endswith("--rounds 0: must be at least 1 (2 or "
-                                                                               "more give the speed-up an interval "
-                                                                               "at every concurrency)")
+    assert one_line_refusal(
+        capsys, bench_args("http://127.0.0.1:9", "http://127.0.0.1:10", prompts, tokenizer_dir, out, "--rounds", "0")
+    ).endswith("--rounds 0: must be at least 1 (2 or more give the speed-up an interval at every concurrency)")
 
 
 def scheduled_fake_command(events: Path, draft: Path, schedule: list | None = None):
@@ -773,15 +1069,23 @@ def scheduled_fake_command(events: Path, draft: Path, schedule: list | None = No
         made = fake(serve, model, baseline, cpu_build)
         if baseline is not None:
             return made
-        return ServeCommand(made.argv, made.env, made.k_reason, made.served_name, k=3,
-                            schedule=None if schedule is None else [tuple(e) for e in schedule],
-                            schedule_reason="" if schedule is None else "the fake's schedule", dtype="float32")
+        return ServeCommand(
+            made.argv,
+            made.env,
+            made.k_reason,
+            made.served_name,
+            k=3,
+            schedule=None if schedule is None else [tuple(e) for e in schedule],
+            schedule_reason="" if schedule is None else "the fake's schedule",
+            dtype="float32",
+        )
 
     return command
 
 
 def test_serve_writes_the_schedule_record_for_the_draft_it_measured(
-        capsys, monkeypatch, prompts: Path, tokenizer_dir: Path, tmp_path: Path, pipeline_folders):
+    capsys, monkeypatch, prompts: Path, tokenizer_dir: Path, tmp_path: Path, pipeline_folders
+):
     """--serve, two rounds: baseline | draft, draft | baseline, each server started for whole rounds; the schedule
     read from the figures is written for the draft (its fingerprint, K, host, commit), and serve then reads it."""
     from eaglenest.artifacts.serve_schedule import read_schedule_record, served_schedule
@@ -789,17 +1093,61 @@ def test_serve_writes_the_schedule_record_for_the_draft_it_measured(
     _, draft_dir = pipeline_folders
     out, events, record = tmp_path / "out", tmp_path / "events.jsonl", tmp_path / "serve_schedule.json"
     monkeypatch.setattr(bench_run, "server_command", scheduled_fake_command(events, draft_dir))
-    made = paced(monkeypatch, {("draft", 1): [20.0, 21.0], ("baseline", 1): [10.0, 10.0],
-                               ("draft", 2): [15.0, 15.5], ("baseline", 2): [10.0, 10.0]})
-    status = cli.main(serve_args(free_port(), prompts, tokenizer_dir, out, "--concurrency", "1", "2", "--num-prompts",
-                                 "3", "--max-tokens", "4", "--warmup-prompts", "0", "--rounds", "2", "--draft",
-                                 str(draft_dir), "--schedule", str(record), "--", "--max-num-seqs", "8"))
+    made = paced(
+        monkeypatch,
+        {
+            ("draft", 1): [20.0, 21.0],
+            ("baseline", 1): [10.0, 10.0],
+            ("draft", 2): [15.0, 15.5],
+            ("baseline", 2): [10.0, 10.0],
+        },
+    )
+    status = cli.main(
+        serve_args(
+            free_port(),
+            prompts,
+            tokenizer_dir,
+            out,
+            "--concurrency",
+            "1",
+            "2",
+            "--num-prompts",
+            "3",
+            "--max-tokens",
+            "4",
+            "--warmup-prompts",
+            "0",
+            "--rounds",
+            "2",
+            "--draft",
+            str(draft_dir),
+            "--schedule",
+            str(record),
+            "--",
+            "--max-num-seqs",
+            "8",
+        )
+    )
     captured = capsys.readouterr()
     assert status == 0, captured.err + captured.out
-    assert read_events(events) == [("baseline", "start"), ("baseline", "stop"), ("draft", "start"), ("draft", "stop"),
-                                   ("baseline", "start"), ("baseline", "stop")]
-    assert made == [("baseline", 1), ("baseline", 2), ("draft", 1), ("draft", 2), ("draft", 1), ("draft", 2),
-                    ("baseline", 1), ("baseline", 2)]
+    assert read_events(events) == [
+        ("baseline", "start"),
+        ("baseline", "stop"),
+        ("draft", "start"),
+        ("draft", "stop"),
+        ("baseline", "start"),
+        ("baseline", "stop"),
+    ]
+    assert made == [
+        ("baseline", 1),
+        ("baseline", 2),
+        ("draft", 1),
+        ("draft", 2),
+        ("draft", 1),
+        ("draft", 2),
+        ("baseline", 1),
+        ("baseline", 2),
+    ]
     result = json.loads((out / "bench.json").read_text())
     assert result["servers"]["baseline"]["starts"] == 2 and (out / "raw" / "server-baseline-2.log").is_file()
     assert all(r["speedup_interval"]["units"] == 2 for r in result["results"])
@@ -816,27 +1164,69 @@ def test_serve_writes_the_schedule_record_for_the_draft_it_measured(
 
 
 def test_a_served_schedule_is_checked_step_by_step_not_measured_anew(
-        capsys, monkeypatch, prompts: Path, tokenizer_dir: Path, tmp_path: Path, pipeline_folders):
+    capsys, monkeypatch, prompts: Path, tokenizer_dir: Path, tmp_path: Path, pipeline_folders
+):
     """The draft server served a schedule: no record is written, and where it gives K 0 at every batch size up to
     the concurrency, any draft counted is a step vLLM did not take as told (the fake drafts regardless)."""
     _, draft_dir = pipeline_folders
     out, events, record = tmp_path / "out", tmp_path / "events.jsonl", tmp_path / "serve_schedule.json"
     monkeypatch.setattr(bench_run, "server_command", scheduled_fake_command(events, draft_dir, [[1, 1, 3], [2, 8, 0]]))
     paced(monkeypatch, {("draft", c): [10.0, 10.0] for c in (1, 2)} | {("baseline", c): [10.0, 10.0] for c in (1, 2)})
-    assert cli.main(serve_args(free_port(), prompts, tokenizer_dir, out, "--concurrency", "1", "2", "--num-prompts",
-                               "3", "--max-tokens", "4", "--warmup-prompts", "0", "--rounds", "2", "--schedule",
-                               str(record))) == 0
+    assert (
+        cli.main(
+            serve_args(
+                free_port(),
+                prompts,
+                tokenizer_dir,
+                out,
+                "--concurrency",
+                "1",
+                "2",
+                "--num-prompts",
+                "3",
+                "--max-tokens",
+                "4",
+                "--warmup-prompts",
+                "0",
+                "--rounds",
+                "2",
+                "--schedule",
+                str(record),
+            )
+        )
+        == 0
+    )
     result = json.loads((out / "bench.json").read_text())
     assert result["schedule"]["served"] == [[1, 1, 3], [2, 8, 0]] and result["schedule"]["written"] is None
     assert result["servers"]["draft"]["schedule"] == [[1, 1, 3], [2, 8, 0]] and not record.exists()
     assert result["results"][0]["draft"]["counter_problems"] == []  # batch 1 drafts: expected
     monkeypatch.setattr(bench_run, "server_command", scheduled_fake_command(events, draft_dir, [[1, 8, 0]]))
     paced(monkeypatch, {("draft", 1): [10.0, 10.0], ("baseline", 1): [10.0, 10.0]})
-    assert cli.main(serve_args(free_port(), prompts, tokenizer_dir, out, "--concurrency", "1", "--num-prompts", "3",
-                               "--max-tokens", "4", "--warmup-prompts", "0", "--rounds", "2")) == 0
+    assert (
+        cli.main(
+            serve_args(
+                free_port(),
+                prompts,
+                tokenizer_dir,
+                out,
+                "--concurrency",
+                "1",
+                "--num-prompts",
+                "3",
+                "--max-tokens",
+                "4",
+                "--warmup-prompts",
+                "0",
+                "--rounds",
+                "2",
+            )
+        )
+        == 0
+    )
     problems = json.loads((out / "bench.json").read_text())["results"][0]["draft"]["counter_problems"]
-    assert len(problems) == 2 and problems[0].startswith("round 1: 6 drafts at concurrency 1, where the served "
-                                                         "schedule gives K 0 at every batch size up to 1")
+    assert len(problems) == 2 and problems[0].startswith(
+        "round 1: 6 drafts at concurrency 1, where the served schedule gives K 0 at every batch size up to 1"
+    )
     assert "check: concurrency 1, draft: round 1: 6 drafts" in capsys.readouterr().out
 
 
@@ -850,23 +1240,27 @@ def test_serve_builds_the_draft_server_with_the_schedule_record_or_measures_past
     assert command.k == 3 and command.schedule == [(1, 4, 3), (5, 32, 0)]
     assert '"num_speculative_tokens_per_batch_size": [[1, 4, 3], [5, 32, 0]]' in command.shell()
     assert server_command(setup, None, "none", cpu_build=True).schedule is None
-    measuring = server_command(ServeSetup(verifier=verifier, draft=draft, schedule=record, measure_schedule=True),
-                               None, None, cpu_build=True)
+    measuring = server_command(
+        ServeSetup(verifier=verifier, draft=draft, schedule=record, measure_schedule=True), None, None, cpu_build=True
+    )
     assert measuring.schedule is None and "num_speculative_tokens_per_batch_size" not in measuring.shell()
     assert measuring.schedule_reason.endswith(f"(--measure-schedule: measured anew, written to {record})")
     record.write_text('{"draft": {"sha256": 1}}')
     with pytest.raises(EaglenestError) as err:
         server_command(setup, None, None, cpu_build=True)
-    assert str(err.value).startswith(f"{record}: not a serve schedule record (KeyError: 'k'); `eaglenest bench "
-                                     "--serve --measure-schedule` measures it again, and `eaglenest serve "
-                                     "--no-schedule` serves without it")
+    assert str(err.value).startswith(
+        f"{record}: not a serve schedule record (KeyError: 'k'); `eaglenest bench "
+        "--serve --measure-schedule` measures it again, and `eaglenest serve "
+        "--no-schedule` serves without it"
+    )
 
 
 # --- API key and hostile servers ---------------------------------------------------------------------------------
 
 
-def test_bench_sends_the_api_key_of_its_environment_and_never_openais(capsys, monkeypatch, prompts: Path,
-                                                                      tokenizer_dir: Path, tmp_path: Path):
+def test_bench_sends_the_api_key_of_its_environment_and_never_openais(
+    capsys, monkeypatch, prompts: Path, tokenizer_dir: Path, tmp_path: Path
+):
     for name in ("EAGLENEST_API_KEY", "VLLM_API_KEY", "OPENAI_API_KEY"):
         monkeypatch.delenv(name, raising=False)
     # a draft server without spec-decode counters: the refusal that follows /v1/models and /metrics both answering
@@ -936,8 +1330,9 @@ def hostile_url() -> Iterator[str]:
         server.server_close()
 
 
-def test_an_answer_larger_than_the_cap_is_refused_in_one_line(capsys, hostile_url: str, prompts: Path,
-                                                              tokenizer_dir: Path, tmp_path: Path):
+def test_an_answer_larger_than_the_cap_is_refused_in_one_line(
+    capsys, hostile_url: str, prompts: Path, tokenizer_dir: Path, tmp_path: Path
+):
     with FakeServer(spec=False) as baseline:
         err = one_line_refusal(capsys, bench_args(hostile_url, baseline.url, prompts, tokenizer_dir, tmp_path / "o"))
     assert f"--url {hostile_url}: GET /v1/models answered more than 8 MiB" in err

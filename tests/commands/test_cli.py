@@ -38,8 +38,11 @@ def test_import_lists_the_formats_the_importer_registers():
 def test_every_command_module_is_registered_once_in_the_order_of_the_help():
     """A module that declares a COMMAND but is missing from COMMAND_MODULES would be a command nobody can run; the
     parser lists exactly the registered commands, in COMMAND_MODULES' order."""
-    declaring = {info.name for info in pkgutil.walk_packages(commands.__path__, "eaglenest.commands.")
-                 if hasattr(importlib.import_module(info.name), "COMMAND")}
+    declaring = {
+        info.name
+        for info in pkgutil.walk_packages(commands.__path__, "eaglenest.commands.")
+        if hasattr(importlib.import_module(info.name), "COMMAND")
+    }
     assert declaring == {module.__name__ for module in cli.COMMAND_MODULES}
     names = [module.COMMAND.name for module in cli.COMMAND_MODULES]
     assert list(_subparsers(cli.build_parser())) == names and sorted(names) == cli.COMMANDS.names()
@@ -50,7 +53,9 @@ def test_every_command_module_is_registered_once_in_the_order_of_the_help():
 def test_the_parser_builds_in_an_interpreter_without_third_party_packages():
     """`eaglenest --help` and `eaglenest doctor` must run where torch, vLLM, even numpy or yaml are missing or
     broken: the command modules import them only when a command runs (python -S: no site-packages at all)."""
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from eaglenest.commands.cli import build_parser; "
-            "build_parser(); print('built')")
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); from eaglenest.commands.cli import build_parser; "
+        "build_parser(); print('built')"
+    )
     done = subprocess.run([sys.executable, "-S", "-c", code, str(REPO / "src")], capture_output=True, text=True)
     assert done.stdout.strip() == "built", done.stderr[-2000:]

@@ -14,8 +14,14 @@ def _write_dump(folder: Path) -> None:
     """Two speculators-pt samples that import takes: an import that went ahead would replace whatever --out is."""
     folder.mkdir()
     for sample in range(2):
-        torch.save({"input_ids": torch.arange(4) + 3, "hidden_states": [torch.randn(4, 8) for _ in range(2)],
-                    "loss_mask": torch.tensor([0, 1, 1, 1])}, folder / f"data_{sample}.pt")
+        torch.save(
+            {
+                "input_ids": torch.arange(4) + 3,
+                "hidden_states": [torch.randn(4, 8) for _ in range(2)],
+                "loss_mask": torch.tensor([0, 1, 1, 1]),
+            },
+            folder / f"data_{sample}.pt",
+        )
 
 
 def _import(source: Path, out: Path, *flags: str) -> int:
@@ -26,10 +32,18 @@ def _snapshot(folder: Path) -> dict[str, bytes]:
     return {str(path.relative_to(folder)): path.read_bytes() for path in folder.rglob("*") if path.is_file()}
 
 
-@pytest.mark.parametrize(("out", "overlap"), [("dump", "is the same folder as"), ("link", "is the same folder as"),
-                                              (".", "contains"), ("dump/out", "lies inside")])
-def test_an_out_that_overlaps_the_source_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture, out: str,
-                                                    overlap: str) -> None:
+@pytest.mark.parametrize(
+    ("out", "overlap"),
+    [
+        ("dump", "is the same folder as"),
+        ("link", "is the same folder as"),
+        (".", "contains"),
+        ("dump/out", "lies inside"),
+    ],
+)
+def test_an_out_that_overlaps_the_source_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture, out: str, overlap: str
+) -> None:
     source = tmp_path / "dump"
     _write_dump(source)
     (tmp_path / "link").symlink_to(source)

@@ -26,8 +26,11 @@ def _init(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str
 
 def _commented(text: str) -> dict[str, str]:
     """``{key: comment}`` of every line of params.yaml that carries a comment after its value."""
-    return {line.split(":")[0].strip(): line.split("  # ", 1)[1] for line in text.splitlines()
-            if not line.lstrip().startswith("#") and "  # " in line}
+    return {
+        line.split(":")[0].strip(): line.split("  # ", 1)[1]
+        for line in text.splitlines()
+        if not line.lstrip().startswith("#") and "  # " in line
+    }
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3"])
@@ -65,8 +68,9 @@ def test_init_leaves_remote_code_off_and_names_the_files_to_read(tmp_path: Path,
         assert params.verifier.aux_layers == [2, 4, 5]  # EAGLE-3's [2, N//2, N-3]
         comment = _commented(out.read_text()).get("trust_remote_code", "")
         assert ('"modeling_custom.py"' in comment and "set verifier.trust_remote_code: true" in comment) is ships_code
-        assert ("warning:" in err and '"modeling_custom.py"' in err and len(err.strip().splitlines()) == 1) \
-            is ships_code
+        assert (
+            "warning:" in err and '"modeling_custom.py"' in err and len(err.strip().splitlines()) == 1
+        ) is ships_code
 
 
 def test_init_escapes_the_model_s_strings_in_its_comments(tmp_path: Path, tiny_verifier_dir: Path, capsys):
@@ -91,8 +95,10 @@ def test_init_escapes_the_model_s_strings_in_its_comments(tmp_path: Path, tiny_v
 
 def test_init_on_the_builtin_verifier(tmp_path: Path, capsys):
     out = tmp_path / "params.yaml"
-    assert _init(capsys, "builtin:smollm2-135m-instruct", "--out", str(out), "--gpus", "0",
-                 "--gpu-memory-gib", "0")[0] == 0
+    assert (
+        _init(capsys, "builtin:smollm2-135m-instruct", "--out", str(out), "--gpus", "0", "--gpu-memory-gib", "0")[0]
+        == 0
+    )
     params = load_params(out)
     # On a CPU, init chooses what the committed demo params hold.
     demo = load_params(REPO / "params.yaml")
@@ -102,8 +108,16 @@ def test_init_on_the_builtin_verifier(tmp_path: Path, capsys):
 
 
 def test_engine_widths_follow_the_gpus():
-    big = VerifierFacts(model="m", model_type="deepseek_v3", num_layers=61, num_attention_heads=128,
-                        vocab_size=129_280, weight_bytes=640 * 2**30, remote_code=False, reasoning_template=False)
+    big = VerifierFacts(
+        model="m",
+        model_type="deepseek_v3",
+        num_layers=61,
+        num_attention_heads=128,
+        vocab_size=129_280,
+        weight_bytes=640 * 2**30,
+        remote_code=False,
+        reasoning_template=False,
+    )
     assert tensor_parallel(big, Gpus(8, 141), engines=1, utilization=0.85) == 8
     assert tensor_parallel(big, Gpus(8, 80), engines=1, utilization=0.85) is None
     values, why = choose(big, Gpus(8, 141))
@@ -115,11 +129,17 @@ def test_engine_widths_follow_the_gpus():
     assert init_aux_layers(61) == [2, 30, 58] and init_aux_layers(2) == [1]
 
 
-@pytest.mark.parametrize(("make", "message"), [
-    (lambda d: d, "not a model folder (no config.json)"),
-    (lambda d: d / "missing", "no such folder"),
-    (lambda d: (d / "config.json").write_text(json.dumps({"model_type": "x"})) and d, "not a decoder model's config"),
-])
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda d: d, "not a model folder (no config.json)"),
+        (lambda d: d / "missing", "no such folder"),
+        (
+            lambda d: (d / "config.json").write_text(json.dumps({"model_type": "x"})) and d,
+            "not a decoder model's config",
+        ),
+    ],
+)
 def test_init_refuses_what_is_not_a_model_in_one_line(tmp_path: Path, capsys, make, message):
     folder = tmp_path / "folder"
     folder.mkdir()

@@ -16,11 +16,13 @@ from eaglenest.commands.interrupted_run import EXEC_BASELINE, interrupted_run_pr
 from tests.fixtures.pipeline import VENV_BIN, dvc, project_env, run
 
 # The stage waits while params say x: 2 (the run that is killed), and finishes at once otherwise.
-STAGE = ("import pathlib, sys, time, yaml\n"
-         "x = yaml.safe_load(open('params.yaml'))['x']\n"
-         "pathlib.Path('started').write_text('')\n"
-         "time.sleep(120 if x == 2 else 0)\n"
-         "pathlib.Path('out.txt').write_text(str(x))\n")
+STAGE = (
+    "import pathlib, sys, time, yaml\n"
+    "x = yaml.safe_load(open('params.yaml'))['x']\n"
+    "pathlib.Path('started').write_text('')\n"
+    "time.sleep(120 if x == 2 else 0)\n"
+    "pathlib.Path('out.txt').write_text(str(x))\n"
+)
 
 
 def one_stage_repo(repo: Path) -> Path:
@@ -29,8 +31,9 @@ def one_stage_repo(repo: Path) -> Path:
     dvc(["init", "-q"], repo)
     (repo / "params.yaml").write_text("x: 1\n")
     (repo / "stage.py").write_text(STAGE)
-    (repo / "dvc.yaml").write_text("stages:\n  wait:\n    cmd: python stage.py\n    deps: [stage.py]\n"
-                                   "    params: [x]\n    outs: [out.txt]\n")
+    (repo / "dvc.yaml").write_text(
+        "stages:\n  wait:\n    cmd: python stage.py\n    deps: [stage.py]\n    params: [x]\n    outs: [out.txt]\n"
+    )
     (repo / ".gitignore").write_text("started\n")
     dvc(["repro", "-q"], repo)
     run(["git", "add", "-A"], repo)
@@ -46,8 +49,14 @@ def fixes(problem: str) -> list[str]:
 
 def test_a_killed_exp_run_is_reported_with_the_commands_that_clear_it(tmp_path: Path):
     repo = one_stage_repo(tmp_path / "repo")
-    killed = subprocess.Popen([str(VENV_BIN / "dvc"), "exp", "run", "-S", "x=2"], cwd=repo, env=project_env(),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    killed = subprocess.Popen(
+        [str(VENV_BIN / "dvc"), "exp", "run", "-S", "x=2"],
+        cwd=repo,
+        env=project_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 120
     while not (repo / "started").exists() and killed.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -58,8 +67,10 @@ def test_a_killed_exp_run_is_reported_with_the_commands_that_clear_it(tmp_path: 
     detached, interrupted = interrupted_run_problems(repo)
     assert "HEAD is detached" in detached and fixes(detached) == ["git checkout main"]
     assert EXEC_BASELINE in interrupted and "params.yaml" in interrupted
-    assert fixes(interrupted) == ["git checkout HEAD -- params.yaml",
-                                  f"git update-ref -d {EXEC_BASELINE} && git update-ref -d refs/exps/exec/EXEC_MERGE"]
+    assert fixes(interrupted) == [
+        "git checkout HEAD -- params.yaml",
+        f"git update-ref -d {EXEC_BASELINE} && git update-ref -d refs/exps/exec/EXEC_MERGE",
+    ]
 
     # The next run is not blocked, and takes the killed run's x: 2 into its own unless -S overrides it; HEAD stays
     # detached after it (its refs are its own again, so only the detachment is left to report).

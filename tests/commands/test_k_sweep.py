@@ -12,8 +12,9 @@ from eaglenest.commands import cli
 from tests.fixtures.fakes import FakeEngines
 
 
-def test_the_command_times_the_ks_it_is_given_and_prints_what_it_found(tmp_path: Path, monkeypatch, capsys,
-                                                                       pipeline_folders):
+def test_the_command_times_the_ks_it_is_given_and_prints_what_it_found(
+    tmp_path: Path, monkeypatch, capsys, pipeline_folders
+):
     verifier, draft = pipeline_folders
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump({"k_sweep": {"ks": [1, 2]}}))
@@ -21,8 +22,29 @@ def test_the_command_times_the_ks_it_is_given_and_prints_what_it_found(tmp_path:
     fake = FakeEngines(rates)
     fake.install(monkeypatch, ["general"])
     out = tmp_path / "k.json"
-    assert cli.main(["k-sweep", "--ks", "2", "4", "--repeats", "2", "--params", str(params), "--verifier",
-                     str(verifier), "--draft", str(draft), "--prepared", str(tmp_path), "--out", str(out)]) == 0
+    assert (
+        cli.main(
+            [
+                "k-sweep",
+                "--ks",
+                "2",
+                "4",
+                "--repeats",
+                "2",
+                "--params",
+                str(params),
+                "--verifier",
+                str(verifier),
+                "--draft",
+                str(draft),
+                "--prepared",
+                str(tmp_path),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out.splitlines()
     assert printed[0] == "general: draft K=2 x1.2, K=4 x1.5 (best K 4)"
     assert printed[1].startswith("serve_k 4: x1.5 ± 0.0 on general (the draft's own K is 3)")

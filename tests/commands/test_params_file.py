@@ -20,8 +20,17 @@ def problems(raw, model) -> list[str]:
 
 
 def test_the_file_is_every_stages_own_section_then_cluster_in_pipeline_order():
-    assert list(Params.model_fields) == ["verifier", "prepare", "extract", "convert", "train", "ngram_sweep",
-                                         "evaluate", "k_sweep", "cluster"]
+    assert list(Params.model_fields) == [
+        "verifier",
+        "prepare",
+        "extract",
+        "convert",
+        "train",
+        "ngram_sweep",
+        "evaluate",
+        "k_sweep",
+        "cluster",
+    ]
     assert [name for name, _ in STAGE_PARAMS.items()] == list(Params.model_fields)[:-1]
     for name, model in STAGE_PARAMS.items():
         assert model.model_fields[name].annotation is SECTIONS.get(name).model
@@ -38,7 +47,10 @@ def test_a_stage_reads_of_another_section_only_keys_that_section_declares_alike(
                 own = whole.model_fields.get(key)
                 assert own is not None, f"{stage} reads {section}.{key}, which {section} does not declare"
                 assert (own.annotation, own.default, own.description) == (
-                    view_field.annotation, view_field.default, view_field.description), f"{section}.{key}"
+                    view_field.annotation,
+                    view_field.default,
+                    view_field.description,
+                ), f"{section}.{key}"
 
 
 def test_a_section_registered_twice_is_refused():
@@ -50,8 +62,7 @@ def test_a_section_registered_twice_is_refused():
 
 
 def test_a_stage_refuses_typos_in_its_own_sections_and_ignores_the_others():
-    raw = {"train": {"stepz": 3}, "cluster": {"torchrun": {"max_restart": 1}}, "prepare": {"bogus": 1},
-           "trian": {}}
+    raw = {"train": {"stepz": 3}, "cluster": {"torchrun": {"max_restart": 1}}, "prepare": {"bogus": 1}, "trian": {}}
     train, torchrun = TrainParams.model_fields, TorchrunParams.model_fields
     assert problems(raw, TrainStageParams)[1:] == [
         f"  - train.stepz: unknown key (allowed: {', '.join(train)})",
@@ -65,8 +76,10 @@ def test_a_stage_refuses_typos_in_its_own_sections_and_ignores_the_others():
 
 def test_a_check_across_sections_runs_in_the_stage_that_reads_both_and_in_the_whole_file():
     raw = {"train": {"nproc": 3, "steps": 0}, "cluster": {"torchrun": {"min_nodes": 2}}}
-    world = ("  - cluster.torchrun.nproc_per_node: null means train.nproc / cluster.torchrun.max_nodes = 3 / 2, not a "
-             "whole number; set cluster.torchrun.nproc_per_node")
+    world = (
+        "  - cluster.torchrun.nproc_per_node: null means train.nproc / cluster.torchrun.max_nodes = 3 / 2, not a "
+        "whole number; set cluster.torchrun.nproc_per_node"
+    )
     for model in (TrainStageParams, Params):
         lines = problems(raw, model)
         assert lines[0] == "params.yaml: 2 invalid params values"  # with the unrelated bad value, all at once
@@ -78,7 +91,8 @@ def test_convert_reads_extracts_storage_settings_and_leaves_the_rest_of_extract_
     params = parse_sections(raw, ConvertStageParams)
     assert params.extract == HiddenStateStorage(dtype="float32", store="online")
     assert problems({"extract": {"dtype": "float16"}}, ConvertStageParams)[1].startswith(
-        "  - extract.dtype = 'float16': Input should be 'bfloat16', 'float32' or 'float8_e4m3fn'")
+        "  - extract.dtype = 'float16': Input should be 'bfloat16', 'float32' or 'float8_e4m3fn'"
+    )
     # extract's own check refuses what convert need not know (its keys, its combinations)
     assert len(problems(raw, Params)) == 3
     assert ExtractParams(dtype="float32").dtype == "float32"

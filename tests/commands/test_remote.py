@@ -103,18 +103,26 @@ def test_faults_wrong_credentials_store_down_mid_push_corrupt_object(tmp_path: P
         good = config_local.read_text()
         config_local.write_text(good.replace(live.secret_key, "not-the-secret"))
         wrong = only_line(eaglenest_remote("push", repo))
-        assert wrong.startswith(f"remote 'team' (s3://dvc/eaglenest at {live.endpoint}) refused the credentials in "
-                                ".dvc/config.local"), wrong
+        assert wrong.startswith(
+            f"remote 'team' (s3://dvc/eaglenest at {live.endpoint}) refused the credentials in .dvc/config.local"
+        ), wrong
         config_local.write_text(good)
 
         # the store down mid-push: one line; after a restart (same credentials and ports) the push sends the rest
         import s3fs
 
-        fs = s3fs.S3FileSystem(key=live.access_key, secret=live.secret_key,
-                               client_kwargs={"endpoint_url": live.endpoint})
+        fs = s3fs.S3FileSystem(
+            key=live.access_key, secret=live.secret_key, client_kwargs={"endpoint_url": live.endpoint}
+        )
         objects = f"{live.bucket}/eaglenest/files/md5"
-        pushing = subprocess.Popen(eaglenest_remote_command("push", "--", "--jobs", "1"), cwd=repo,
-                                   env=project_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        pushing = subprocess.Popen(
+            eaglenest_remote_command("push", "--", "--jobs", "1"),
+            cwd=repo,
+            env=project_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         deadline = time.monotonic() + 300
         while not first_object_in(fs, objects) and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -123,9 +131,11 @@ def test_faults_wrong_credentials_store_down_mid_push_corrupt_object(tmp_path: P
         stopped_at = time.monotonic()
         out, err = pushing.communicate(timeout=300)
         down = only_line(subprocess.CompletedProcess(pushing.args, pushing.returncode, out, err))
-        assert down == (f"remote 'team' (s3://dvc/eaglenest) does not answer at {live.endpoint}: start it "
-                        "(`eaglenest remote start`) or fix its endpointurl; run the push again, objects already "
-                        "pushed stay"), down
+        assert down == (
+            f"remote 'team' (s3://dvc/eaglenest) does not answer at {live.endpoint}: start it "
+            "(`eaglenest remote start`) or fix its endpointurl; run the push again, objects already "
+            "pushed stay"
+        ), down
         assert time.monotonic() - stopped_at < DOWN_AFTER_S + 30  # DVC alone retries for many minutes
         assert eaglenest_remote("start", repo, "--dir", store).returncode == 0
         again = eaglenest_remote("push", repo)
@@ -146,13 +156,26 @@ def test_faults_wrong_credentials_store_down_mid_push_corrupt_object(tmp_path: P
         eaglenest_remote("stop", repo, "--dir", store)
 
 
-@pytest.mark.parametrize("argv", [
-    ["stop", "extra"], ["status", "--name", "team"], ["stop", "--force"], ["push", "--force"], ["push", "--dir", "x"],
-    ["exp-push"], ["exp-pull", "a", "origin", "more"], ["start", "a.txt"], ["start", "--", "--jobs", "4"],
-    ["exp-push", "wide", "--", "--jobs", "4"], ["status", "--", "-v"], ["upload"],
-])
-def test_an_action_refuses_what_it_does_not_take_in_one_line(argv: list[str],
-                                                              capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["stop", "extra"],
+        ["status", "--name", "team"],
+        ["stop", "--force"],
+        ["push", "--force"],
+        ["push", "--dir", "x"],
+        ["exp-push"],
+        ["exp-pull", "a", "origin", "more"],
+        ["start", "a.txt"],
+        ["start", "--", "--jobs", "4"],
+        ["exp-push", "wide", "--", "--jobs", "4"],
+        ["status", "--", "-v"],
+        ["upload"],
+    ],
+)
+def test_an_action_refuses_what_it_does_not_take_in_one_line(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as exited:
         cli.parse(["remote", *argv])
     assert exited.value.code == 2
@@ -160,23 +183,32 @@ def test_an_action_refuses_what_it_does_not_take_in_one_line(argv: list[str],
     assert last.startswith("eaglenest") and ": error: " in last, last
 
 
-@pytest.mark.parametrize(("argv", "expected"), [
-    (["push", "--", "--jobs", "4"], {"action": "push", "targets": [], "passthrough_args": ["--jobs", "4"],
-                                     "name": "team"}),
-    (["pull", "models/draft", "--name", "mine", "--", "--jobs", "4"],
-     {"targets": ["models/draft"], "name": "mine", "passthrough_args": ["--jobs", "4"]}),
-    (["exp-push", "lr-3e-4"], {"experiment": "lr-3e-4", "git_remote": "origin"}),
-    (["exp-pull", "lr-3e-4", "upstream"], {"experiment": "lr-3e-4", "git_remote": "upstream"}),
-    (["start", "--dir", "../first-clone/.eaglenest/store", "--force"],
-     {"dir": "../first-clone/.eaglenest/store", "force": True, "repo": "."}),
-])
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (
+            ["push", "--", "--jobs", "4"],
+            {"action": "push", "targets": [], "passthrough_args": ["--jobs", "4"], "name": "team"},
+        ),
+        (
+            ["pull", "models/draft", "--name", "mine", "--", "--jobs", "4"],
+            {"targets": ["models/draft"], "name": "mine", "passthrough_args": ["--jobs", "4"]},
+        ),
+        (["exp-push", "lr-3e-4"], {"experiment": "lr-3e-4", "git_remote": "origin"}),
+        (["exp-pull", "lr-3e-4", "upstream"], {"experiment": "lr-3e-4", "git_remote": "upstream"}),
+        (
+            ["start", "--dir", "../first-clone/.eaglenest/store", "--force"],
+            {"dir": "../first-clone/.eaglenest/store", "force": True, "repo": "."},
+        ),
+    ],
+)
 def test_each_action_parses_what_it_takes(argv: list[str], expected: dict[str, Any]) -> None:
     args, command = cli.parse(["remote", *argv])
     assert command.name == "remote"
     assert {key: getattr(args, key) for key in expected} == expected
 
 
-def test_the_store_state_reads_back_as_a_weed_store(store_dir: Path) -> None:  # noqa: F811
+def test_the_store_state_reads_back_as_a_weed_store(store_dir: Path) -> None:
     assert isinstance(store_status(store_dir), WeedStore)
 
 
@@ -212,14 +244,24 @@ def test_prepare_s_caches_travel_as_a_merge(tmp_path: Path) -> None:
     assert "does not answer at http://127.0.0.1:" in only_line(eaglenest_remote("push", mine))
 
 
-def test_exp_push_refuses_a_name_taken_on_another_baseline(tmp_path: Path, store_dir: Path) -> None:  # noqa: F811
+def test_exp_push_refuses_a_name_taken_on_another_baseline(tmp_path: Path, store_dir: Path) -> None:
     git_remote = tmp_path / "team.git"
     run(["git", "init", "-q", "--bare", str(git_remote)], tmp_path)
     repo = dvc_repo(tmp_path / "repo")
     (repo / "params.yaml").write_text("x: 1\n")
-    (repo / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"copy": {
-        "cmd": "python -c \"import shutil; shutil.copy('params.yaml', 'out.txt')\"", "params": ["x"],
-        "outs": ["out.txt"]}}}))
+    (repo / "dvc.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "stages": {
+                    "copy": {
+                        "cmd": "python -c \"import shutil; shutil.copy('params.yaml', 'out.txt')\"",
+                        "params": ["x"],
+                        "outs": ["out.txt"],
+                    }
+                }
+            }
+        )
+    )
     run(["git", "add", "-A"], repo)
     run(["git", "commit", "-qm", "base"], repo)
     run(["git", "remote", "add", "origin", str(git_remote)], repo)
@@ -234,12 +276,14 @@ def test_exp_push_refuses_a_name_taken_on_another_baseline(tmp_path: Path, store
     run(["git", "commit", "-q", "--allow-empty", "-m", "next"], repo)
     run([str(VENV_BIN / "dvc"), "exp", "run", "-q", "-n", "wide", "-S", "x=3"], repo)
     assert only_line(eaglenest_remote("exp-push", repo, "wide", "origin")).startswith(
-        "experiment wide on origin is a teammate's with other outputs: rename yours (`dvc exp rename wide NEW`)")
+        "experiment wide on origin is a teammate's with other outputs: rename yours (`dvc exp rename wide NEW`)"
+    )
     assert run(["git", "ls-remote", str(git_remote), "refs/exps/*"], tmp_path).stdout == pushed_refs
 
     assert only_line(eaglenest_remote("exp-push", repo, "narrow")).startswith("no experiment narrow in ")
     assert only_line(eaglenest_remote("exp-push", repo, "wide", "nowhere")) == (
-        "Git remote 'nowhere' did not list its experiments: fatal: 'nowhere' does not appear to be a git repository")
+        "Git remote 'nowhere' did not list its experiments: fatal: 'nowhere' does not appear to be a git repository"
+    )
 
     # a Git remote that git would read as an option (--upload-pack runs a command): refused before git runs
     from eaglenest.commands.remote.experiments import exp_pull, exp_push
@@ -248,8 +292,9 @@ def test_exp_push_refuses_a_name_taken_on_another_baseline(tmp_path: Path, store
     for sync in (exp_push, exp_pull):
         with pytest.raises(EaglenestError) as refused:
             sync(repo, "wide", f"--upload-pack=touch {marker}", "team")
-        assert str(refused.value).startswith(f"the Git remote '--upload-pack=touch {marker}' starts with '-', which "
-                                             "git would read as an option"), refused.value
+        assert str(refused.value).startswith(
+            f"the Git remote '--upload-pack=touch {marker}' starts with '-', which git would read as an option"
+        ), refused.value
     assert not marker.exists()
 
 
@@ -301,7 +346,7 @@ def grpc_answers(port: int, tls: bool) -> bool:
         return False
 
 
-def test_every_port_of_the_store_asks_for_credentials(store_dir: Path) -> None:  # noqa: F811
+def test_every_port_of_the_store_asks_for_credentials(store_dir: Path) -> None:
     import json
 
     store = store_status(store_dir)
@@ -321,7 +366,7 @@ def test_every_port_of_the_store_asks_for_credentials(store_dir: Path) -> None: 
         assert not grpc_answers(store.ports[flag], tls=True), flag
 
 
-def test_no_other_origin_may_call_the_store(store_dir: Path) -> None:  # noqa: F811
+def test_no_other_origin_may_call_the_store(store_dir: Path) -> None:
     store = store_status(store_dir)
     assert store is not None
     evil = "http://evil.example"
@@ -331,11 +376,12 @@ def test_no_other_origin_may_call_the_store(store_dir: Path) -> None:  # noqa: F
             assert headers.get("Access-Control-Allow-Origin") not in ("*", evil), (port, method, dict(headers))
 
 
-def test_the_store_s_files_are_its_owner_s_and_weed_reports_to_nobody(store_dir: Path) -> None:  # noqa: F811
+def test_the_store_s_files_are_its_owner_s_and_weed_reports_to_nobody(store_dir: Path) -> None:
     store = store_status(store_dir)
     assert store is not None
     assert mode(store_dir / "data") == 0o700
     from eaglenest.commands.remote.store import SECURITY_FILE
+
     assert [mode(store_dir / name) for name in ("weed.log", STATE_FILE, SECURITY_FILE)] == [0o600] * 3
     argv = Path(f"/proc/{store.pid}/cmdline").read_bytes().decode().split("\0")
     assert "-master.telemetry=false" in argv
@@ -352,8 +398,9 @@ class RecordingPopen(subprocess.Popen):  # type: ignore[type-arg]
         super().__init__(args, *rest, **kwargs)
 
 
-def test_start_shows_the_secret_to_nobody(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_start_shows_the_secret_to_nobody(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     repo, directory = dvc_repo(tmp_path / "repo"), tmp_path / "stores" / "store"
     created: list[tuple[str, int]] = []
     real_open = os.open
@@ -383,8 +430,9 @@ def test_start_shows_the_secret_to_nobody(tmp_path: Path, monkeypatch: pytest.Mo
         stop_store(directory)
 
 
-def test_start_keeps_a_remote_of_that_name_elsewhere(store_dir: Path, tmp_path: Path,  # noqa: F811
-                                                     capsys: pytest.CaptureFixture[str]) -> None:
+def test_start_keeps_a_remote_of_that_name_elsewhere(
+    store_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from dvc.config import Config
 
     store = store_status(store_dir)
@@ -396,8 +444,10 @@ def test_start_keeps_a_remote_of_that_name_elsewhere(store_dir: Path, tmp_path: 
         config["core"] = {"remote": "mine"}
     with pytest.raises(EaglenestError) as refused:
         start(repo, store_dir, "team")
-    assert str(refused.value) == (f"DVC remote 'team' of {repo} is s3://their-bucket/data: --force replaces it "
-                                  "with this store, --name picks another name")
+    assert str(refused.value) == (
+        f"DVC remote 'team' of {repo} is s3://their-bucket/data: --force replaces it "
+        "with this store, --name picks another name"
+    )
     assert not (repo / ".dvc" / "config.local").exists()
 
     assert start(repo, store_dir, "team", force=True) == 0
@@ -419,8 +469,10 @@ def test_start_refuses_a_folder_open_to_others(tmp_path: Path) -> None:
     directory.chmod(0o755)
     with pytest.raises(EaglenestError) as refused:
         start(repo, directory, "team")
-    assert str(refused.value) == (f"--dir {directory}: the folder is open to other users (mode 755) and holds no "
-                                  f"store: name a new folder, or close it (`chmod 700 {directory}`)")
+    assert str(refused.value) == (
+        f"--dir {directory}: the folder is open to other users (mode 755) and holds no "
+        f"store: name a new folder, or close it (`chmod 700 {directory}`)"
+    )
     assert mode(directory) == 0o755 and not weeds_on(directory)
 
 
@@ -437,8 +489,14 @@ def test_a_second_start_of_one_store_is_refused_while_the_first_runs(tmp_path: P
 @pytest.mark.parametrize("sent", [signal.SIGKILL, signal.SIGINT])
 def test_a_start_killed_while_weed_starts_leaves_nothing_running(tmp_path: Path, sent: signal.Signals) -> None:
     repo, directory = dvc_repo(tmp_path / "repo"), tmp_path / "store"
-    starting = subprocess.Popen(eaglenest_remote_command("start", "--dir", directory), cwd=repo, env=project_env(),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    starting = subprocess.Popen(
+        eaglenest_remote_command("start", "--dir", directory),
+        cwd=repo,
+        env=project_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while not weeds_on(directory) and starting.poll() is None and time.monotonic() < deadline:
@@ -448,8 +506,10 @@ def test_a_start_killed_while_weed_starts_leaves_nothing_running(tmp_path: Path,
         starting.send_signal(sent)
         said = starting.communicate(timeout=60)[1]
         if sent == signal.SIGINT:  # the start stops what it started, and says so in one line
-            assert said.splitlines() == [f"eaglenest remote: error: the start of the store in {directory} was "
-                                         "interrupted: it was stopped, nothing runs; start it again"], said
+            assert said.splitlines() == [
+                f"eaglenest remote: error: the start of the store in {directory} was "
+                "interrupted: it was stopped, nothing runs; start it again"
+            ], said
             assert not weeds_on(directory)
         assert stop_store(directory) == (sent == signal.SIGKILL)  # the killed start's weed: recorded, stopped
         assert not weeds_on(directory)
@@ -458,7 +518,7 @@ def test_a_start_killed_while_weed_starts_leaves_nothing_running(tmp_path: Path,
             os.kill(pid, signal.SIGKILL)
 
 
-def test_a_pull_keeps_no_altered_cache_entry(store_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_a_pull_keeps_no_altered_cache_entry(store_dir: Path, tmp_path: Path) -> None:
     import s3fs
 
     from eaglenest.commands.remote.transfer import CACHES_PREFIX, cache_folders, transfer
@@ -469,22 +529,25 @@ def test_a_pull_keeps_no_altered_cache_entry(store_dir: Path, tmp_path: Path) ->
     for repo in (mine, theirs):
         use_store(repo, store_dir)
     # a stage run once leaves a run-cache entry; prepare's cache one entry
-    (mine / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"copy": {
-        "cmd": "cp in.txt out.txt", "deps": ["in.txt"], "outs": ["out.txt"]}}}))
+    (mine / "dvc.yaml").write_text(
+        yaml.safe_dump({"stages": {"copy": {"cmd": "cp in.txt out.txt", "deps": ["in.txt"], "outs": ["out.txt"]}}})
+    )
     (mine / "in.txt").write_text("rows\n")
     run([str(VENV_BIN / "dvc"), "repro", "-q"], mine)
     replies = cache_folders()[0]
     (mine / replies).mkdir(parents=True)
     (mine / replies / "aaa.json").write_text('["a reply"]')
     transfer(mine, "push", "team", [], [])
-    fs = s3fs.S3FileSystem(key=store.access_key, secret=store.secret_key,
-                           client_kwargs={"endpoint_url": store.endpoint})
+    fs = s3fs.S3FileSystem(
+        key=store.access_key, secret=store.secret_key, client_kwargs={"endpoint_url": store.endpoint}
+    )
 
     # a run-cache entry whose outputs were swapped in the store
     [entry] = (mine / ".dvc" / "cache" / "runs").glob("*/*/*")
     in_store = f"{store.bucket}/eaglenest/runs/{entry.parent.parent.name}/{entry.parent.name}/{entry.name}"
-    fs.pipe(in_store, entry.read_bytes().replace(yaml.safe_load(entry.read_text())["outs"][0]["md5"].encode(),
-                                                 b"0" * 32))
+    fs.pipe(
+        in_store, entry.read_bytes().replace(yaml.safe_load(entry.read_text())["outs"][0]["md5"].encode(), b"0" * 32)
+    )
     pulled = theirs / ".dvc" / "cache" / "runs" / entry.relative_to(mine / ".dvc" / "cache" / "runs")
     with pytest.raises(EaglenestError) as refused:
         transfer(theirs, "pull", "team", [], [])

@@ -60,8 +60,9 @@ def _decode(rng: np.random.Generator, tokens: int, alpha: float, k: int) -> tupl
     return steps, per_position
 
 
-def make_records(set_name: str, acceptance_scale: float = 1.0, prompts: int = 40, categories: bool = True,
-                 seed: int = 0, k: int = K) -> list[dict]:
+def make_records(
+    set_name: str, acceptance_scale: float = 1.0, prompts: int = 40, categories: bool = True, seed: int = 0, k: int = K
+) -> list[dict]:
     """Realistic records of one set: prompts of varied length and difficulty (the same prompts, lengths and
     difficulties for every ``acceptance_scale``), the first ten with a second turn, 24 turns timed."""
     prompt_rng = np.random.default_rng(seed)  # what the prompts are: shared by every revision
@@ -75,36 +76,80 @@ def make_records(set_name: str, acceptance_scale: float = 1.0, prompts: int = 40
             steps, per_position = _decode(decode_rng, tokens, alpha, k)
             ngram_steps, ngram_per_position = _decode(decode_rng, tokens, 0.2, k)
             timed = len(records) < 24
-            records.append({
-                "id": f"{set_name}/{i}", "turn": turn, "category": CATEGORIES[i % 4] if categories else None,
-                "prompt_tokens": int(prompt_rng.integers(20, 400)), "steps": steps, "accepted": sum(per_position),
-                "drafted": k * steps, "per_position": per_position, "identical": True, "lossless": True,
-                "plain_tokens": tokens if timed else None,
-                "plain_s": round(tokens / plain_rate, 6) if timed else None,
-                "spec_tokens": tokens if timed else None,
-                # a verify step over K drafts costs about 1.25 plain forwards
-                "spec_s": round(steps * 1.25 / plain_rate, 6) if timed else None,
-                "ngram_steps": ngram_steps, "ngram_accepted": sum(ngram_per_position), "ngram_drafted": k * ngram_steps,
-                "ngram_per_position": ngram_per_position, "ngram_tokens": tokens if timed else None,
-                "ngram_s": round(ngram_steps * 1.05 / plain_rate, 6) if timed else None,
-            })
+            records.append(
+                {
+                    "id": f"{set_name}/{i}",
+                    "turn": turn,
+                    "category": CATEGORIES[i % 4] if categories else None,
+                    "prompt_tokens": int(prompt_rng.integers(20, 400)),
+                    "steps": steps,
+                    "accepted": sum(per_position),
+                    "drafted": k * steps,
+                    "per_position": per_position,
+                    "identical": True,
+                    "lossless": True,
+                    "plain_tokens": tokens if timed else None,
+                    "plain_s": round(tokens / plain_rate, 6) if timed else None,
+                    "spec_tokens": tokens if timed else None,
+                    # a verify step over K drafts costs about 1.25 plain forwards
+                    "spec_s": round(steps * 1.25 / plain_rate, 6) if timed else None,
+                    "ngram_steps": ngram_steps,
+                    "ngram_accepted": sum(ngram_per_position),
+                    "ngram_drafted": k * ngram_steps,
+                    "ngram_per_position": ngram_per_position,
+                    "ngram_tokens": tokens if timed else None,
+                    "ngram_s": round(ngram_steps * 1.05 / plain_rate, 6) if timed else None,
+                }
+            )
     return records
 
 
 def eval_documents(acceptance_scale: float = 1.0, k: int = K, dtype: str = "bfloat16") -> dict[str, dict]:
     """records.json, details.json and eval.json of a vllm run on two headline sets, written as the evaluate
     stage writes them (its own summarize and headline)."""
-    sets = {"humaneval": make_records("humaneval", acceptance_scale, categories=False, seed=1, k=k),
-            "general": make_records("general", acceptance_scale, seed=2, k=k)}
-    records = {"num_speculative_tokens": k, "runs": {"vllm": {"dtype": dtype, "num_speculative_tokens": k, "sets": {
-        name: {"source": f"builtin:{name}", "temperature": 0.0, "max_new_tokens": 256, "chat_template": True,
-               "ngram_window": [5, 5], "records": rows} for name, rows in sets.items()}}}}
-    details = {"num_speculative_tokens": k, "headline_backend": "vllm", "runs": {"vllm": {"dtype": dtype, "sets": {
-        name: {key: value for key, value in entry.items() if key != "records"}
-        | {"summary": summarize(entry["records"], k, SAMPLES, SEED)}
-        for name, entry in records["runs"]["vllm"]["sets"].items()}}}}
-    return {"metrics/eval/records.json": records, "metrics/eval/details.json": details,
-            "metrics/eval.json": headline(details, list(sets), "vllm")}
+    sets = {
+        "humaneval": make_records("humaneval", acceptance_scale, categories=False, seed=1, k=k),
+        "general": make_records("general", acceptance_scale, seed=2, k=k),
+    }
+    records = {
+        "num_speculative_tokens": k,
+        "runs": {
+            "vllm": {
+                "dtype": dtype,
+                "num_speculative_tokens": k,
+                "sets": {
+                    name: {
+                        "source": f"builtin:{name}",
+                        "temperature": 0.0,
+                        "max_new_tokens": 256,
+                        "chat_template": True,
+                        "ngram_window": [5, 5],
+                        "records": rows,
+                    }
+                    for name, rows in sets.items()
+                },
+            }
+        },
+    }
+    details = {
+        "num_speculative_tokens": k,
+        "headline_backend": "vllm",
+        "runs": {
+            "vllm": {
+                "dtype": dtype,
+                "sets": {
+                    name: {key: value for key, value in entry.items() if key != "records"}
+                    | {"summary": summarize(entry["records"], k, SAMPLES, SEED)}
+                    for name, entry in records["runs"]["vllm"]["sets"].items()
+                },
+            }
+        },
+    }
+    return {
+        "metrics/eval/records.json": records,
+        "metrics/eval/details.json": details,
+        "metrics/eval.json": headline(details, list(sets), "vllm"),
+    }
 
 
 def loss_curves(scale: float = 1.0) -> dict[str, str]:
@@ -164,8 +209,10 @@ def test_same_records_at_two_commits_are_no_change(tmp_path: Path, good: dict):
     repo = _repo(tmp_path, good, good)
     text = write_report(repo, ["HEAD"], "HEAD~1", tmp_path / "out").read_text()
     assert "## Paired comparison: HEAD against HEAD~1" in text
-    for set_name, paired in (("humaneval", "50 turns of 40 conversations paired; 24 of them timed in both."),
-                             ("general", "50 turns of 40 conversations paired; 24 of them timed in both.")):
+    for set_name, paired in (
+        ("humaneval", "50 turns of 40 conversations paired; 24 of them timed in both."),
+        ("general", "50 turns of 40 conversations paired; 24 of them timed in both."),
+    ):
         assert paired in text.split(f"### {set_name}\n", 1)[1]
         rows = _rows(text, set_name)
         assert set(rows) == {"tau", "speed-up", "draft / n-gram"}
@@ -192,10 +239,16 @@ def test_a_revision_from_another_host_kind_is_labelled_and_not_judged(tmp_path: 
     details = other["metrics/eval/details.json"]
     details["host"] = {**details.get("host", {}), "key": "Another CPU | AVX2 | no-bf16 | no-gpu | torch 2.13"}
     base_details = good["metrics/eval/details.json"]
-    base = {**good, "metrics/eval/details.json": {**base_details, "host": {**base_details.get("host", {}),
-                                                                          "key": "This CPU | AVX512 | bf16"}}}
-    text = write_report(_repo(tmp_path, base, other, ZERO_SPREAD_FILE), ["HEAD"], "HEAD~1",
-                        tmp_path / "out").read_text()
+    base = {
+        **good,
+        "metrics/eval/details.json": {
+            **base_details,
+            "host": {**base_details.get("host", {}), "key": "This CPU | AVX512 | bf16"},
+        },
+    }
+    text = write_report(
+        _repo(tmp_path, base, other, ZERO_SPREAD_FILE), ["HEAD"], "HEAD~1", tmp_path / "out"
+    ).read_text()
     assert "Host kinds differ (HEAD~1: This CPU | AVX512 | bf16; HEAD: Another CPU" in text
     for set_name in ("humaneval", "general"):
         rows = _rows(text, set_name)
@@ -220,17 +273,24 @@ def test_a_revision_from_another_host_kind_is_labelled_and_not_judged(tmp_path: 
     # the draft over n-gram has no recorded seed spread to judge a change against
     assert [f.verdict for f in reverse.figures] == ["better", "better", NO_VERDICT]
     # without a recorded spread, or across host kinds, no verdict
-    assert [f.verdict for f in compare_set(head_records, base_records, "general", "vllm", {}, SAMPLES,
-                                           SEED).figures] == [NO_VERDICT] * 3
-    assert {f.verdict for f in compare_set(head_records, base_records, "general", "vllm", ZERO_SPREAD, SAMPLES,
-                                           SEED, other_host=True).figures} == {OTHER_HOST}
+    assert [
+        f.verdict for f in compare_set(head_records, base_records, "general", "vllm", {}, SAMPLES, SEED).figures
+    ] == [NO_VERDICT] * 3
+    assert {
+        f.verdict
+        for f in compare_set(
+            head_records, base_records, "general", "vllm", ZERO_SPREAD, SAMPLES, SEED, other_host=True
+        ).figures
+    } == {OTHER_HOST}
 
 
 def test_a_seed_spread_larger_than_the_change_is_within_seed_spread(tmp_path: Path, good: dict, worse: dict):
     base_records, head_records = good["metrics/eval/records.json"], worse["metrics/eval/records.json"]
     change = compare_set(base_records, head_records, "humaneval", "vllm", {}, SAMPLES, SEED).figures[0].difference
-    spread = {"figures": {"humaneval": {"vllm_tau": round(abs(change.value) * 1.5, 3), "vllm_speedup": 5.0}},
-              "seeds": [0, 1, 2]}
+    spread = {
+        "figures": {"humaneval": {"vllm_tau": round(abs(change.value) * 1.5, 3), "vllm_speedup": 5.0}},
+        "seeds": [0, 1, 2],
+    }
     repo = _repo(tmp_path, good, worse, {"docs/seed-spread.json": spread})
     text = write_report(repo, ["HEAD"], "HEAD~1", tmp_path / "out").read_text()
     humaneval, general = _rows(text, "humaneval"), _rows(text, "general")
@@ -239,8 +299,7 @@ def test_a_seed_spread_larger_than_the_change_is_within_seed_spread(tmp_path: Pa
     assert general["tau"][3] == NO_SPREAD and general["tau"][4] == NO_VERDICT  # no spread recorded for this set
 
 
-def test_an_experiment_branched_before_the_spread_was_recorded_reads_base_s(tmp_path: Path, good: dict,
-                                                                           worse: dict):
+def test_an_experiment_branched_before_the_spread_was_recorded_reads_base_s(tmp_path: Path, good: dict, worse: dict):
     base_records, head_records = good["metrics/eval/records.json"], worse["metrics/eval/records.json"]
     change = compare_set(base_records, head_records, "humaneval", "vllm", {}, SAMPLES, SEED).figures[0].difference
     spread = {"figures": {"humaneval": {"vllm_tau": round(abs(change.value) * 1.5, 3)}}}
@@ -269,10 +328,9 @@ def test_a_malformed_seed_spread_is_one_line(tmp_path: Path, good: dict):
         load_seed_spread(Revision(repo, "HEAD"))
 
 
-@pytest.mark.parametrize(("head", "reason"), [
-    ({"k": 5}, "K 3 against 5"),
-    ({"dtype": "float32"}, "dtype bfloat16 against float32"),
-])
+@pytest.mark.parametrize(
+    ("head", "reason"), [({"k": 5}, "K 3 against 5"), ({"dtype": "float32"}, "dtype bfloat16 against float32")]
+)
 def test_records_decoded_differently_are_not_paired(tmp_path: Path, good: dict, head: dict, reason: str):
     repo = _repo(tmp_path, good, eval_documents(**head))
     text = write_report(repo, ["HEAD"], "HEAD~1", tmp_path / "out").read_text()
@@ -289,7 +347,8 @@ def test_records_of_other_prompts_are_not_paired(good: dict):
     head["runs"]["vllm"]["sets"]["general"]["temperature"] = 0.7
     base = good["metrics/eval/records.json"]
     assert compare_set(base, head, "humaneval", "vllm", {}, SAMPLES, SEED).refused == (
-        "Not paired: base and head share no decoded turn (no record with the same id and turn)")
+        "Not paired: base and head share no decoded turn (no record with the same id and turn)"
+    )
     assert "temperature 0.0 against 0.7" in compare_set(base, head, "general", "vllm", {}, SAMPLES, SEED).refused
 
 
@@ -304,7 +363,7 @@ def test_acceptance_figure_has_one_panel_per_set(good: dict, worse: dict):
         heights = [round(bar.get_height(), 4) for container in ax.containers for bar in container]
         summary = good["metrics/eval/details.json"]["runs"]["vllm"]["sets"][set_name]["summary"]
         assert heights[:K] == summary["per_position_acceptance"]
-        assert heights[K:2 * K] == summary["ngram_per_position_acceptance"]
+        assert heights[K : 2 * K] == summary["ngram_per_position_acceptance"]
         assert len(heights) == 4 * K
 
 
@@ -322,7 +381,9 @@ def test_tau_category_figure_draws_the_k_plus_1_bound(good: dict):
     summary = details["runs"]["vllm"]["sets"]["general"]["summary"]
     assert bars.errorbar is not None  # the 95% intervals
     assert [round(b.get_height(), 4) for b in bars] == [
-        summary["tau"]["value"], *[summary["categories"][c]["value"] for c in sorted(CATEGORIES)]]
+        summary["tau"]["value"],
+        *[summary["categories"][c]["value"] for c in sorted(CATEGORIES)],
+    ]
 
 
 def test_one_revision_under_two_names_is_drawn_once(tmp_path: Path, good: dict):
@@ -337,7 +398,11 @@ def test_one_revision_under_two_names_is_drawn_once(tmp_path: Path, good: dict):
     train, val = loss_curves()
     curves = [(label, revision.read(train), revision.read(val)) for label, revision in series]
     assert [line.get_label() for line in loss_figure(curves).axes[0].get_lines()] == [
-        "main = feature: training", "main = feature: validation", "HEAD~1: training", "HEAD~1: validation"]
+        "main = feature: training",
+        "main = feature: validation",
+        "HEAD~1: training",
+        "HEAD~1: validation",
+    ]
     images = {"acceptance.png", "tau_per_category.png", "loss.png"}
     assert images <= {p.name for p in out.glob("*.png")}
     for name in images:
@@ -351,11 +416,13 @@ def test_cli_takes_base_then_heads(tmp_path: Path, good: dict, worse: dict, caps
     assert capsys.readouterr().out.splitlines() == [str(out / "report.md"), str(out / "report.html")]
     assert "## Paired comparison: main against main~1" in (out / "report.md").read_text()
     assert main(["report", "main", "--docs", "--repo", str(repo)]) == 2
-    assert capsys.readouterr().err == ("eaglenest report: error: --docs takes no revisions: it renders the "
-                                       "workspace's committed measurements\n")
+    assert capsys.readouterr().err == (
+        "eaglenest report: error: --docs takes no revisions: it renders the workspace's committed measurements\n"
+    )
     assert main(["report", "no-such-branch", "--repo", str(repo), "--out", str(out)]) == 2
-    assert capsys.readouterr().err == ("eaglenest report: error: revision 'no-such-branch': not a git revision, "
-                                       "DVC experiment or 'workspace'\n")
+    assert capsys.readouterr().err == (
+        "eaglenest report: error: revision 'no-such-branch': not a git revision, DVC experiment or 'workspace'\n"
+    )
 
 
 def test_the_html_report_works_offline_and_holds_every_plot_and_table(tmp_path: Path, good: dict, worse: dict):
@@ -392,8 +459,9 @@ def test_a_figure_of_many_sets_wraps_its_panels_to_the_page_width(good: dict):
     for fig in (acceptance_figure([("main", details)], "vllm"), tau_category_figure([("main", details)], "vllm")):
         width_px = fig.get_size_inches()[0] * DPI
         assert width_px <= MAX_WIDTH_PX
-        assert [ax.get_title() for ax in fig.axes] == [f"{name} (vllm)" for name in
-                                                      ("humaneval", "general", "copy0", "copy1", "copy2")]
+        assert [ax.get_title() for ax in fig.axes] == [
+            f"{name} (vllm)" for name in ("humaneval", "general", "copy0", "copy1", "copy2")
+        ]
         rows = {round(ax.get_position().y0, 3) for ax in fig.axes}
         assert len(rows) == 2  # three panels a row, then two
     png = Plot("acceptance", "acceptance", acceptance_figure([("main", details)], "vllm")).png()
@@ -415,20 +483,34 @@ def _short_draft(repo: Path, dest: Path, steps: int) -> Path:
     params = yaml.safe_load((repo / "params.yaml").read_text())
     params["train"].update(steps=steps, eval_every=steps, checkpoint_every=steps)
     (dest / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    paths = {"verifier": "models/verifier", "prepared": "data/prepared", "hidden-states": "data/hidden_states",
-             "vocab": "data/vocab"}
-    cmd = [sys.executable, str(REPO / "stages" / "train.py"), "--params", str(dest / "params.yaml"),
-           *[arg for key, path in paths.items() for arg in (f"--{key}", str(repo / path))],
-           "--out", str(dest / "draft"), "--metrics", str(dest / "train.json"),
-           "--details", str(dest / "train_details.json"), "--live-dir", str(dest / "live")]
+    paths = {
+        "verifier": "models/verifier",
+        "prepared": "data/prepared",
+        "hidden-states": "data/hidden_states",
+        "vocab": "data/vocab",
+    }
+    cmd = [
+        sys.executable,
+        str(REPO / "stages" / "train.py"),
+        "--params",
+        str(dest / "params.yaml"),
+        *[arg for key, path in paths.items() for arg in (f"--{key}", str(repo / path))],
+        "--out",
+        str(dest / "draft"),
+        "--metrics",
+        str(dest / "train.json"),
+        "--details",
+        str(dest / "train_details.json"),
+        "--live-dir",
+        str(dest / "live"),
+    ]
     result = subprocess.run(cmd, cwd=dest, env=project_env(), capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stderr[-3000:]
     return dest / "draft"
 
 
 @pytest.mark.slow
-def test_real_drafts_same_twice_is_no_change_and_a_short_one_is_worse(shared_pipeline: SharedPipeline,
-                                                                      tmp_path: Path):
+def test_real_drafts_same_twice_is_no_change_and_a_short_one_is_worse(shared_pipeline: SharedPipeline, tmp_path: Path):
     """Real drafts on the shared pipeline's held-out set, hf in float32, greedy: the pipeline's own hf records of
     its draft, paired with a second evaluate run of the same draft (a process of its own), are no change; paired
     with a run of a draft trained 4 steps on the same data, worse."""
@@ -450,9 +532,13 @@ def test_real_drafts_same_twice_is_no_change_and_a_short_one_is_worse(shared_pip
 
     # the same draft decodes the same tokens, so its acceptance records are identical, turn for turn
     def acceptance(name: str) -> list[dict]:
-        return [{key: record[key] for key in ("id", "turn", "prompt_tokens", "steps", "accepted", "drafted",
-                                              "per_position", "identical")}
-                for record in runs[name]["runs"]["hf"]["sets"][set_name]["records"]]
+        return [
+            {
+                key: record[key]
+                for key in ("id", "turn", "prompt_tokens", "steps", "accepted", "drafted", "per_position", "identical")
+            }
+            for record in runs[name]["runs"]["hf"]["sets"][set_name]["records"]
+        ]
 
     assert acceptance("again") == acceptance("first")
     same = compare_set(runs["first"], runs["again"], set_name, "hf", {}, SAMPLES, SEED)

@@ -42,8 +42,9 @@ def test_a_taken_port_is_refused_before_anything_starts(capsys, no_exec, tmp_pat
         listener.bind(("127.0.0.1", 0))
         listener.listen()
         port = listener.getsockname()[1]
-        status = cli.main(["serve", "--port", str(port), "--verifier", str(tmp_path / "v"),
-                           "--draft", str(tmp_path / "d")])
+        status = cli.main(
+            ["serve", "--port", str(port), "--verifier", str(tmp_path / "v"), "--draft", str(tmp_path / "d")]
+        )
     err = capsys.readouterr().err.strip()
     assert status == 2 and no_exec == []
     assert err.count("\n") == 0 and f"--port {port}" in err and "already in use" in err and "--port" in err
@@ -51,11 +52,13 @@ def test_a_taken_port_is_refused_before_anything_starts(capsys, no_exec, tmp_pat
 
 def test_print_command_is_the_exact_server_command(capsys, no_exec, pipeline_folders):
     verifier, draft = pipeline_folders
-    assert cli.main(["serve", "--verifier", str(verifier), "--draft", str(draft), "--port", "8123",
-                     "--print-command"]) == 0
+    assert (
+        cli.main(["serve", "--verifier", str(verifier), "--draft", str(draft), "--port", "8123", "--print-command"])
+        == 0
+    )
     line = capsys.readouterr().out.strip()
     argv = shlex.split(line)
-    argv = argv[next(i for i, a in enumerate(argv) if "=" not in a):]  # past the environment
+    argv = argv[next(i for i, a in enumerate(argv) if "=" not in a) :]  # past the environment
     assert no_exec == []
     assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     assert argv[argv.index("--port") + 1] == "8123" and argv[argv.index("--host") + 1] == "127.0.0.1"
@@ -70,13 +73,32 @@ def test_flags_after_the_separator_go_to_vllm_and_its_own_flags_are_refused(caps
     """``--`` hands the rest to vLLM as it is; a flag eaglenest sets itself is refused in one line naming the
     eaglenest flag to use, and another command given ``--`` is refused by the parser."""
     verifier, draft = pipeline_folders
-    assert cli.main(["serve", "--verifier", str(verifier), "--draft", str(draft), "--served-model-name", "mine",
-                     "--print-command", "--", "--tensor-parallel-size", "2", "--max-model-len=4096"]) == 0
+    assert (
+        cli.main(
+            [
+                "serve",
+                "--verifier",
+                str(verifier),
+                "--draft",
+                str(draft),
+                "--served-model-name",
+                "mine",
+                "--print-command",
+                "--",
+                "--tensor-parallel-size",
+                "2",
+                "--max-model-len=4096",
+            ]
+        )
+        == 0
+    )
     argv = shlex.split(capsys.readouterr().out.strip())
     assert argv[-3:] == ["--tensor-parallel-size", "2", "--max-model-len=4096"]
     assert argv[argv.index("--served-model-name") + 1] == "mine"
-    assert cli.main(["serve", "--verifier", str(verifier), "--draft", str(draft), "--print-command", "--",
-                     "--port=9000"]) == 2
+    assert (
+        cli.main(["serve", "--verifier", str(verifier), "--draft", str(draft), "--print-command", "--", "--port=9000"])
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "--port after --" in err and "eaglenest serve's own --port" in err
     with pytest.raises(SystemExit):
@@ -92,12 +114,38 @@ def test_version_names_the_installed_distribution(capsys):
 
 def test_k_can_be_served_below_the_drafts_own(capsys, no_exec, pipeline_folders):
     verifier, draft = pipeline_folders
-    assert cli.main(["serve", "--verifier", str(verifier), "--draft", str(draft), "--num-speculative-tokens", "2",
-                     "--print-command"]) == 0
+    assert (
+        cli.main(
+            [
+                "serve",
+                "--verifier",
+                str(verifier),
+                "--draft",
+                str(draft),
+                "--num-speculative-tokens",
+                "2",
+                "--print-command",
+            ]
+        )
+        == 0
+    )
     argv = shlex.split(capsys.readouterr().out.strip())
     assert json.loads(argv[argv.index("--speculative-config") + 1])["num_speculative_tokens"] == 2
-    assert cli.main(["serve", "--verifier", str(verifier), "--draft", str(draft), "--num-speculative-tokens", "0",
-                     "--print-command"]) == 2
+    assert (
+        cli.main(
+            [
+                "serve",
+                "--verifier",
+                str(verifier),
+                "--draft",
+                str(draft),
+                "--num-speculative-tokens",
+                "0",
+                "--print-command",
+            ]
+        )
+        == 2
+    )
     assert "--num-speculative-tokens 0: must be at least 1 (the draft's own K is 3)" in capsys.readouterr().err
 
 
@@ -106,16 +154,39 @@ def test_a_baseline_server_for_bench_serves_ngram_or_no_drafting(capsys, no_exec
     verifier, name and flags: n-gram drafting at the setting the ngram_sweep stage measured (without its record,
     vLLM's default window at the draft's K), or no drafting at all."""
     verifier, draft = pipeline_folders
-    assert cli.main(["serve", "--verifier", str(verifier), "--draft", str(draft), "--baseline", "ngram",
-                     "--ngram-sweep", str(tmp_path / "absent.json"), "--print-command"]) == 0
+    assert (
+        cli.main(
+            [
+                "serve",
+                "--verifier",
+                str(verifier),
+                "--draft",
+                str(draft),
+                "--baseline",
+                "ngram",
+                "--ngram-sweep",
+                str(tmp_path / "absent.json"),
+                "--print-command",
+            ]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     argv = shlex.split(captured.out.strip())
     assert json.loads(argv[argv.index("--speculative-config") + 1]) == {
-        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 5, "prompt_lookup_max": 5}
-    assert (f"baseline: n-gram drafting at window 5:5, K = 3 (vLLM's default window: no {tmp_path / 'absent.json'}"
-            in captured.err)
-    assert cli.main(["serve", "--verifier", str(verifier), "--draft", str(draft), "--baseline", "none",
-                     "--print-command"]) == 0
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_min": 5,
+        "prompt_lookup_max": 5,
+    }
+    assert (
+        f"baseline: n-gram drafting at window 5:5, K = 3 (vLLM's default window: no {tmp_path / 'absent.json'}"
+        in captured.err
+    )
+    assert (
+        cli.main(["serve", "--verifier", str(verifier), "--draft", str(draft), "--baseline", "none", "--print-command"])
+        == 0
+    )
     argv = shlex.split(capsys.readouterr().out.strip())
     assert "--speculative-config" not in argv and argv[argv.index("--served-model-name") + 1] == "tiny/llama"
 
@@ -131,8 +202,9 @@ def print_command(capsys, *flags: str) -> tuple[int, dict | None, str]:
 
 
 @requires_vllm
-def test_a_schedule_measured_for_this_draft_is_served_up_to_max_num_seqs(capsys, monkeypatch, no_exec, tmp_path,
-                                                                         pipeline_folders):
+def test_a_schedule_measured_for_this_draft_is_served_up_to_max_num_seqs(
+    capsys, monkeypatch, no_exec, tmp_path, pipeline_folders
+):
     """The record at its default place is read; its last range ends at the server's max_num_seqs: vLLM's default
     for the build (128 per rank on CPU), or --max-num-seqs after --. stderr says which schedule and whence."""
     from eaglenest.core.vllm_schedule import default_max_num_seqs
@@ -142,15 +214,19 @@ def test_a_schedule_measured_for_this_draft_is_served_up_to_max_num_seqs(capsys,
     folders = ("--verifier", str(verifier), "--draft", str(draft))
     status, spec, err = print_command(capsys, *folders)
     assert status == 0 and "num_speculative_tokens_per_batch_size" not in spec
-    assert "K per batch size: none, the same K at every batch size (no metrics/serve_schedule.json; " \
-           "`eaglenest bench --serve` measures one)" in err
+    assert (
+        "K per batch size: none, the same K at every batch size (no metrics/serve_schedule.json; "
+        "`eaglenest bench --serve` measures one)" in err
+    )
     schedule_record(tmp_path / "metrics" / "serve_schedule.json", draft)
     status, spec, err = print_command(capsys, *folders)
     default = default_max_num_seqs(1)
     assert status == 0 and spec["num_speculative_tokens"] == 3
     assert spec["num_speculative_tokens_per_batch_size"] == [[1, 4, 3], [5, default, 0]]
-    assert f"eaglenest serve: K per batch size: K 3 at 1-4, 0 at 5-{default} (measured for this draft by " \
-           "eaglenest bench at abc1234 on a test CPU, metrics/serve_schedule.json: x1.20 (95% 1.10-1.30) at 1" in err
+    assert (
+        f"eaglenest serve: K per batch size: K 3 at 1-4, 0 at 5-{default} (measured for this draft by "
+        "eaglenest bench at abc1234 on a test CPU, metrics/serve_schedule.json: x1.20 (95% 1.10-1.30) at 1" in err
+    )
     status, spec, _ = print_command(capsys, *folders, "--", "--max-num-seqs", "3")
     assert spec["num_speculative_tokens_per_batch_size"] == [[1, 3, 3]]
     status, spec, _ = print_command(capsys, *folders, "--", "--max-num-seqs=16", "-tp", "2")
@@ -174,7 +250,8 @@ def test_a_schedule_measured_for_this_draft_is_served_up_to_max_num_seqs(capsys,
 
 
 def test_a_schedule_of_another_draft_is_passed_over_by_default_and_refused_when_named(
-        capsys, monkeypatch, no_exec, tmp_path, pipeline_folders):
+    capsys, monkeypatch, no_exec, tmp_path, pipeline_folders
+):
     verifier, draft = pipeline_folders
     monkeypatch.chdir(tmp_path)
     record = schedule_record(tmp_path / "metrics" / "serve_schedule.json", draft)
@@ -182,8 +259,10 @@ def test_a_schedule_of_another_draft_is_passed_over_by_default_and_refused_when_
     folders = ("--verifier", str(verifier), "--draft", str(draft))
     status, spec, err = print_command(capsys, *folders)
     assert status == 0 and "num_speculative_tokens_per_batch_size" not in spec
-    assert "metrics/serve_schedule.json was measured on another draft; `eaglenest bench --serve` measures one " \
-           "for this one" in err
+    assert (
+        "metrics/serve_schedule.json was measured on another draft; `eaglenest bench --serve` measures one "
+        "for this one" in err
+    )
     status, _, err = print_command(capsys, *folders, "--schedule", str(record))
     assert status == 2 and err.strip().count("\n") == 0
     assert f"--schedule {record} was measured on another draft" in err
@@ -191,8 +270,12 @@ def test_a_schedule_of_another_draft_is_passed_over_by_default_and_refused_when_
     assert status == 2 and "typo.json: no such file" in err
     record.write_text("{}")
     status, _, err = print_command(capsys, *folders)
-    assert status == 2 and err.strip().count("\n") == 0 and f"{Path('metrics/serve_schedule.json')}: not a serve " \
-        "schedule record (KeyError: 'draft')" in err and "--no-schedule" in err
+    assert (
+        status == 2
+        and err.strip().count("\n") == 0
+        and f"{Path('metrics/serve_schedule.json')}: not a serve schedule record (KeyError: 'draft')" in err
+        and "--no-schedule" in err
+    )
     status, _, _ = print_command(capsys, *folders, "--no-schedule")
     assert status == 0  # the way past a broken record
     with pytest.raises(SystemExit):
@@ -228,14 +311,35 @@ def test_a_killed_serve_leaves_no_vllm_process(pipeline_folders, tmp_path: Path)
     verifier, draft = pipeline_folders
     model = build_tiny_verifier(tmp_path / "model32", hidden_size=128, num_heads=4)
     record = json.loads((verifier / "verifier.json").read_text())
-    (verifier / "verifier.json").write_text(json.dumps({**record, "source": str(model), "path": str(model),
-                                                        "hidden_size": 128}))
+    (verifier / "verifier.json").write_text(
+        json.dumps({**record, "source": str(model), "path": str(model), "hidden_size": 128})
+    )
     port = free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "eaglenest", "serve", "--verifier", str(verifier), "--draft", str(draft),
-         "--baseline", "none", "--dtype", "float32", "--port", str(port), "--", "--max-model-len", "256"],
-        cwd=tmp_path, env=project_env(VLLM_CPU_KVCACHE_SPACE="1"), stdout=subprocess.DEVNULL,
-        stderr=(tmp_path / "serve.log").open("wb"))
+        [
+            sys.executable,
+            "-m",
+            "eaglenest",
+            "serve",
+            "--verifier",
+            str(verifier),
+            "--draft",
+            str(draft),
+            "--baseline",
+            "none",
+            "--dtype",
+            "float32",
+            "--port",
+            str(port),
+            "--",
+            "--max-model-len",
+            "256",
+        ],
+        cwd=tmp_path,
+        env=project_env(VLLM_CPU_KVCACHE_SPACE="1"),
+        stdout=subprocess.DEVNULL,
+        stderr=(tmp_path / "serve.log").open("wb"),
+    )
 
     def answers() -> bool:
         try:
@@ -247,15 +351,22 @@ def test_a_killed_serve_leaves_no_vllm_process(pipeline_folders, tmp_path: Path)
     try:
         assert wait_for(answers, timeout_s=600) and server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
         tree = descendants(server.pid)
-        engines = [pid for pid in tree if "EngineCore" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")
-                   or "EngineCore" in Path(f"/proc/{pid}/comm").read_text()]
+        engines = [
+            pid
+            for pid in tree
+            if "EngineCore" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")
+            or "EngineCore" in Path(f"/proc/{pid}/comm").read_text()
+        ]
         server.kill()
         server.wait()
         started = time.monotonic()
         assert wait_for(lambda: not any(alive(pid) for pid in tree), timeout_s=10), [
-            (pid, Path(f"/proc/{pid}/cmdline").read_text(errors="replace")[:80]) for pid in tree if alive(pid)]
-        print(f"serve's tree of {len(tree)} processes ({len(engines)} engine core) gone "
-              f"{time.monotonic() - started:.1f} s after kill -9")
+            (pid, Path(f"/proc/{pid}/cmdline").read_text(errors="replace")[:80]) for pid in tree if alive(pid)
+        ]
+        print(
+            f"serve's tree of {len(tree)} processes ({len(engines)} engine core) gone "
+            f"{time.monotonic() - started:.1f} s after kill -9"
+        )
     finally:  # whatever failed, nothing of the server outlives the test
         leftovers = descendants(server.pid)
         server.kill()
@@ -267,7 +378,8 @@ def test_a_killed_serve_leaves_no_vllm_process(pipeline_folders, tmp_path: Path)
 @pytest.mark.slow
 @requires_vllm
 def test_bench_against_the_served_draft_and_plain_server_agrees_with_evaluate(
-        shared_pipeline: SharedPipeline, tmp_path: Path):
+    shared_pipeline: SharedPipeline, tmp_path: Path
+):
     """`eaglenest bench --serve` on the real servers: the draft server (eaglenest serve), then the plain one, at
     concurrency 1 and 4 on evaluate's first set's prompts. float32, so the served draft decodes as the hf
     reference does: tau at concurrency 1 is evaluate's in-process figure on the same prompt tokens, and every
@@ -279,14 +391,47 @@ def test_bench_against_the_served_draft_and_plain_server_agrees_with_evaluate(
     num_prompts, max_tokens = first_set["num_prompts"], first_set["max_new_tokens"]
     out = tmp_path / "bench"
     result = subprocess.run(
-        [sys.executable, "-m", "eaglenest", "bench", "--serve", "--port", str(free_port()), "--dtype", "float32",
-         "--verifier", str(repo / "models" / "verifier"), "--draft", str(repo / "models" / "draft"),
-         "--prompts", str(repo / "data" / "prepared" / VAL_PROMPTS_FILE), "--concurrency", "1", "4",
-         # no warm-up run: counts and outputs are what is checked, and a cold first request changes neither
-         "--num-prompts", str(num_prompts), "--max-tokens", str(max_tokens), "--warmup-prompts", "0",
-         "--rounds", "1",  # tau and outputs are what is checked; rounds add intervals, not those
-         "--server-timeout", "600", "--timeout", "600", "--out", str(out)],
-        cwd=tmp_path, env=project_env(VLLM_CPU_KVCACHE_SPACE="1"), capture_output=True, text=True, timeout=1800)
+        [
+            sys.executable,
+            "-m",
+            "eaglenest",
+            "bench",
+            "--serve",
+            "--port",
+            str(free_port()),
+            "--dtype",
+            "float32",
+            "--verifier",
+            str(repo / "models" / "verifier"),
+            "--draft",
+            str(repo / "models" / "draft"),
+            "--prompts",
+            str(repo / "data" / "prepared" / VAL_PROMPTS_FILE),
+            "--concurrency",
+            "1",
+            "4",
+            # no warm-up run: counts and outputs are what is checked, and a cold first request changes neither
+            "--num-prompts",
+            str(num_prompts),
+            "--max-tokens",
+            str(max_tokens),
+            "--warmup-prompts",
+            "0",
+            "--rounds",
+            "1",  # tau and outputs are what is checked; rounds add intervals, not those
+            "--server-timeout",
+            "600",
+            "--timeout",
+            "600",
+            "--out",
+            str(out),
+        ],
+        cwd=tmp_path,
+        env=project_env(VLLM_CPU_KVCACHE_SPACE="1"),
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     bench_result = json.loads((out / "bench.json").read_text())
     assert bench_result["complete"] and (out / "speedup.png").is_file()
@@ -321,21 +466,63 @@ def test_the_served_schedule_is_followed_step_by_step(shared_pipeline: SharedPip
     draft = repo / "models" / "draft"
     k = draft_tokens(draft, "the draft")
     record = tmp_path / "serve_schedule.json"
-    write_schedule_record(record, draft, k, [(1, 1, 0), (2, 8, k)], 8, "by hand: no speculation at batch size 1", [],
-                          {}, "test", {})
+    write_schedule_record(
+        record, draft, k, [(1, 1, 0), (2, 8, k)], 8, "by hand: no speculation at batch size 1", [], {}, "test", {}
+    )
     out = tmp_path / "bench"
     result = subprocess.run(
-        [sys.executable, "-m", "eaglenest", "bench", "--serve", "--port", str(free_port()), "--dtype", "float32",
-         "--verifier", str(repo / "models" / "verifier"), "--draft", str(draft), "--schedule", str(record),
-         "--num-speculative-tokens", str(k), "--prompts", str(repo / "data" / "prepared" / VAL_PROMPTS_FILE),
-         "--concurrency", "1", "4", "--num-prompts", "8", "--max-tokens", "16", "--warmup-prompts", "0",
-         "--rounds", "1", "--server-timeout", "600", "--out", str(out), "--", "--max-num-seqs", "8"],
-        cwd=tmp_path, env=project_env(VLLM_CPU_KVCACHE_SPACE="1"), capture_output=True, text=True, timeout=1800)
+        [
+            sys.executable,
+            "-m",
+            "eaglenest",
+            "bench",
+            "--serve",
+            "--port",
+            str(free_port()),
+            "--dtype",
+            "float32",
+            "--verifier",
+            str(repo / "models" / "verifier"),
+            "--draft",
+            str(draft),
+            "--schedule",
+            str(record),
+            "--num-speculative-tokens",
+            str(k),
+            "--prompts",
+            str(repo / "data" / "prepared" / VAL_PROMPTS_FILE),
+            "--concurrency",
+            "1",
+            "4",
+            "--num-prompts",
+            "8",
+            "--max-tokens",
+            "16",
+            "--warmup-prompts",
+            "0",
+            "--rounds",
+            "1",
+            "--server-timeout",
+            "600",
+            "--out",
+            str(out),
+            "--",
+            "--max-num-seqs",
+            "8",
+        ],
+        cwd=tmp_path,
+        env=project_env(VLLM_CPU_KVCACHE_SPACE="1"),
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     bench_result = json.loads((out / "bench.json").read_text())
     assert bench_result["schedule"]["served"] == [[1, 1, 0], [2, 8, k]]
-    assert f'"num_speculative_tokens_per_batch_size": [[1, 1, 0], [2, 8, {k}]]' in \
-        bench_result["servers"]["draft"]["command"]
+    assert (
+        f'"num_speculative_tokens_per_batch_size": [[1, 1, 0], [2, 8, {k}]]'
+        in bench_result["servers"]["draft"]["command"]
+    )
     alone, four = bench_result["results"]
     # at batch size 1 the scheduler schedules no draft token, so the counters stay put (bench checks it too)
     assert alone["draft"]["drafts"] == 0 and alone["draft"]["counter_problems"] == []
@@ -346,7 +533,8 @@ def test_the_served_schedule_is_followed_step_by_step(shared_pipeline: SharedPip
 
 
 def test_an_api_key_after_the_separator_reaches_vllm_in_its_environment_never_in_a_command_line(
-        capsys, monkeypatch, no_exec, pipeline_folders):
+    capsys, monkeypatch, no_exec, pipeline_folders
+):
     """``--api-key`` (and ``--hf-token``) after ``--``: the secret goes to vLLM as ``VLLM_API_KEY`` (``HF_TOKEN``),
     out of its argv, and the command printed, logged or recorded shows ``***``."""
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
@@ -354,7 +542,7 @@ def test_an_api_key_after_the_separator_reaches_vllm_in_its_environment_never_in
     base = ["serve", "--verifier", str(verifier), "--draft", str(draft), "--port", str(free_port())]
     assert cli.main([*base, "--", "--api-key", "s3cret-key", "--hf-token=hf_s3cret", "--max-model-len", "512"]) == 0
     err = capsys.readouterr().err
-    (argv, env), = no_exec
+    ((argv, env),) = no_exec
     assert env["VLLM_API_KEY"] == "s3cret-key" and env["HF_TOKEN"] == "hf_s3cret"
     assert not any("s3cret" in arg for arg in argv) and argv[-2:] == ["--max-model-len", "512"]
     assert "s3cret" not in err and "VLLM_API_KEY=***" in err and "HF_TOKEN=***" in err
@@ -367,8 +555,9 @@ def test_an_api_key_after_the_separator_reaches_vllm_in_its_environment_never_in
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "192.0.2.7", "::", "myhost"])
-def test_serving_beyond_loopback_without_an_api_key_is_refused_unless_asked_for(capsys, monkeypatch, no_exec,
-                                                                               pipeline_folders, host: str):
+def test_serving_beyond_loopback_without_an_api_key_is_refused_unless_asked_for(
+    capsys, monkeypatch, no_exec, pipeline_folders, host: str
+):
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
     verifier, draft = pipeline_folders
     base = ["serve", "--verifier", str(verifier), "--draft", str(draft), "--host", host, "--print-command"]
@@ -389,6 +578,7 @@ def test_serving_beyond_loopback_without_an_api_key_is_refused_unless_asked_for(
 def test_serving_on_loopback_needs_no_api_key(capsys, monkeypatch, no_exec, pipeline_folders, host: str):
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
     verifier, draft = pipeline_folders
-    assert cli.main(["serve", "--verifier", str(verifier), "--draft", str(draft), "--host", host,
-                     "--print-command"]) == 0
+    assert (
+        cli.main(["serve", "--verifier", str(verifier), "--draft", str(draft), "--host", host, "--print-command"]) == 0
+    )
     assert "WARNING" not in capsys.readouterr().err

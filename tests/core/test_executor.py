@@ -25,8 +25,9 @@ from eaglenest.core.params import ClusterParams
 NO_RAY = r"^cluster.executor: ray needs Ray, which this interpreter lacks; run `make setup` "
 
 
-def test_the_local_executor_runs_engines_in_the_driver_and_tasks_write_into_the_folder(tmp_path: Path,
-                                                                                       monkeypatch: pytest.MonkeyPatch):
+def test_the_local_executor_runs_engines_in_the_driver_and_tasks_write_into_the_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
     monkeypatch.chdir(tmp_path)
     executor = LocalExecutor()
     assert executor.runs_in_driver
@@ -52,8 +53,11 @@ def test_an_actor_whose_engine_never_starts_is_dropped_and_then_the_stage_stops(
     executor._start_failed(first, actors, RuntimeError("no weights"))
     assert (first.state, second.state) == (ActorState.DROPPED, ActorState.STARTING)
     second.start_failures = 1
-    with pytest.raises(EaglenestError, match=r"^no engine could start on the cluster; the last failure: "
-                                             r"RuntimeError: no weights$"):
+    with pytest.raises(
+        EaglenestError,
+        match=r"^no engine could start on the cluster; the last failure: "
+        r"RuntimeError: no weights$",
+    ):
         executor._start_failed(second, actors, RuntimeError("no weights"))
     assert second.state is ActorState.DROPPED
 

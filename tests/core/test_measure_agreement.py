@@ -55,14 +55,35 @@ def tiny_verifier_and_draft(root: Path) -> tuple[Path, Path]:
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     verifier_dir = root / "verifier"
     verifier_dir.mkdir()
-    (verifier_dir / INFO_FILE).write_text(json.dumps({
-        "source": str(model_dir), "kind": "local", "path": str(model_dir), "name": "tiny/llama",
-        "fingerprint": "0" * 64, "model_type": "llama", "num_layers": 4, "hidden_size": 64, "vocab_size": vocab,
-        "max_position_embeddings": 512, "aux_layers": [1, 2, 3], "layer_ids": [1, 2, 3, 4],
-        "trust_remote_code": False}))
+    (verifier_dir / INFO_FILE).write_text(
+        json.dumps(
+            {
+                "source": str(model_dir),
+                "kind": "local",
+                "path": str(model_dir),
+                "name": "tiny/llama",
+                "fingerprint": "0" * 64,
+                "model_type": "llama",
+                "num_layers": 4,
+                "hidden_size": 64,
+                "vocab_size": vocab,
+                "max_position_embeddings": 512,
+                "aux_layers": [1, 2, 3],
+                "layer_ids": [1, 2, 3, 4],
+                "trust_remote_code": False,
+            }
+        )
+    )
     info, _ = load_verifier_info(verifier_dir)
-    draft = build_draft(info, model_dir, TrainParams(ttt_steps=K), vocab, torch.zeros(vocab, dtype=torch.long),
-                        torch.ones(vocab, dtype=torch.bool), "sdpa")
+    draft = build_draft(
+        info,
+        model_dir,
+        TrainParams(ttt_steps=K),
+        vocab,
+        torch.zeros(vocab, dtype=torch.long),
+        torch.ones(vocab, dtype=torch.bool),
+        "sdpa",
+    )
     save_draft(draft, root / "draft", "tiny/llama")
     return verifier_dir, root / "draft"
 
@@ -76,8 +97,11 @@ def registry_reading(where: str):
 
 def bench_raw(timed: list) -> dict:
     """What ``vllm bench serve --save-detailed`` records of one endpoint's requests at concurrency 1."""
-    return {"output_lens": [len(output_tokens(o)) for o, _ in timed], "latencies": [s for _, s in timed],
-            "errors": [""] * len(timed)}
+    return {
+        "output_lens": [len(output_tokens(o)) for o, _ in timed],
+        "latencies": [s for _, s in timed],
+        "errors": [""] * len(timed),
+    }
 
 
 def evaluate_records(timed: dict[str, list], k: int) -> list[dict]:
@@ -115,8 +139,7 @@ def measure_three_ways(plain, spec, prompts, warm_up, requests, params) -> Simpl
     entry = timed_entry(timed["spec"], tokens_and_seconds(timed["plain"]))
     add_speedup(entry, SAMPLES, params.seed)
     by_bench = single_stream_speedup(bench_raw(timed["spec"]), bench_raw(timed["plain"]))
-    assert (entry["speedup"], entry["speedup_ci95"]) == (round(by_evaluate.value, 3),
-                                                         round(by_evaluate.half_width, 3))
+    assert (entry["speedup"], entry["speedup_ci95"]) == (round(by_evaluate.value, 3), round(by_evaluate.half_width, 3))
     # bench reads vLLM's unrounded seconds, the records hold microseconds
     assert by_bench is not None and by_bench.value == pytest.approx(by_evaluate.value, abs=1e-4)
     assert by_bench.half_width == pytest.approx(by_evaluate.half_width, abs=1e-3)
@@ -125,8 +148,9 @@ def measure_three_ways(plain, spec, prompts, warm_up, requests, params) -> Simpl
     # the k_sweep stage's path, timing for itself
     eval_set = SimpleNamespace(name="prompts", params=SimpleNamespace(max_new_tokens=MAX_NEW, temperature=0.0))
     turns = TimedTurns([eval_set], {"prompts": prompts}, warm_up, requests)
-    swept = time_beside_plain(turns, plain, {"draft": spec}, params, PARAM,
-                              "the k_sweep stage's path")["draft"]["prompts"]
+    swept = time_beside_plain(turns, plain, {"draft": spec}, params, PARAM, "the k_sweep stage's path")["draft"][
+        "prompts"
+    ]
 
     # bench's path: a server's counters around its run, its requests' tokens and seconds
     before = registry_reading("before")
@@ -139,10 +163,13 @@ def measure_three_ways(plain, spec, prompts, warm_up, requests, params) -> Simpl
     assert counted is not None and counted.drafts > 0
     assert swept["tau_when_drafted"] == round(tau_evaluate, 3) == round(counted.tau, 3)
     assert benched is not None
-    by_sweep = SimpleNamespace(low=swept["speedup"] - swept["speedup_ci95"],
-                               high=swept["speedup"] + swept["speedup_ci95"])
-    print(f"speed-ups: evaluate {by_evaluate.as_dict()}, k_sweep x{swept['speedup']} ± {swept['speedup_ci95']}, "
-          f"bench {benched.as_dict()}; tau {tau_evaluate:.4f}")
+    by_sweep = SimpleNamespace(
+        low=swept["speedup"] - swept["speedup_ci95"], high=swept["speedup"] + swept["speedup_ci95"]
+    )
+    print(
+        f"speed-ups: evaluate {by_evaluate.as_dict()}, k_sweep x{swept['speedup']} ± {swept['speedup_ci95']}, "
+        f"bench {benched.as_dict()}; tau {tau_evaluate:.4f}"
+    )
     return SimpleNamespace(evaluate=by_evaluate, sweep=by_sweep, bench=benched)
 
 
@@ -163,13 +190,22 @@ def test_evaluate_k_sweep_and_bench_report_one_speed_up_and_one_tau(tmp_path: Pa
     agreed = False
     try:
         # the draft's engine starts last: its counters are the ones in the process's registry
-        spec, _ = start_engine(drafting(common, vllm_speculative_config(draft_dir, K)), PARAM, "the tiny draft",
-                               warm_up, params.seed, prompts)
+        spec, _ = start_engine(
+            drafting(common, vllm_speculative_config(draft_dir, K)),
+            PARAM,
+            "the tiny draft",
+            warm_up,
+            params.seed,
+            prompts,
+        )
         for _ in range(ROUNDS):
             three = measure_three_ways(plain, spec, prompts, warm_up, requests, params)
             # one speed-up: each path's figure within the others' intervals
-            agreed = (overlap(three.evaluate, three.sweep) and overlap(three.evaluate, three.bench)
-                      and overlap(three.sweep, three.bench))
+            agreed = (
+                overlap(three.evaluate, three.sweep)
+                and overlap(three.evaluate, three.bench)
+                and overlap(three.sweep, three.bench)
+            )
             if agreed:
                 break
     finally:

@@ -42,10 +42,12 @@ def test_unknown_top_level_and_nested_keys_are_errors_listing_allowed_keys():
 
 
 def test_every_bad_value_is_reported_at_once_with_key_and_value():
-    lines = problems({
-        "verifier": {"trust_remote_code": "yes", "aux_layers": [3, 3]},
-        "prepare": {"max_len": 4, "val_fraction": 1.5, "max_conversations": 0, "seed": "x"},
-    })
+    lines = problems(
+        {
+            "verifier": {"trust_remote_code": "yes", "aux_layers": [3, 3]},
+            "prepare": {"max_len": 4, "val_fraction": 1.5, "max_conversations": 0, "seed": "x"},
+        }
+    )
     text = "\n".join(lines)
     assert lines[0] == "params.yaml: 6 invalid params values"
     assert "verifier.trust_remote_code = 'yes': Input should be a valid boolean" in text
@@ -107,17 +109,25 @@ def test_a_bad_combination_is_reported_next_to_an_unrelated_bad_value():
 
 def test_cluster_params_name_what_is_allowed():
     """Where the work runs: every bad value in one report; the removed static parts say what replaced them."""
-    lines = problems({"cluster": {"executor": "slurm", "address": "head-node", "workers": 0, "max_task_retries": 0},
-                      "extract": {"rank": 1, "world_size": 2}})
+    lines = problems(
+        {
+            "cluster": {"executor": "slurm", "address": "head-node", "workers": 0, "max_task_retries": 0},
+            "extract": {"rank": 1, "world_size": 2},
+        }
+    )
     assert lines[0] == "params.yaml: 6 invalid params values"
     assert "  - cluster.executor = 'slurm': Input should be 'local' or 'ray'" in lines
-    assert ("  - cluster.address = 'head-node': allowed: 'local', 'auto' or host:port (the head's GCS port, 6379 by "
-            "default)") in lines
+    assert (
+        "  - cluster.address = 'head-node': allowed: 'local', 'auto' or host:port (the head's GCS port, 6379 by "
+        "default)"
+    ) in lines
     assert "  - cluster.workers = 0: must be >= 1, or 'auto'" in lines
     assert "  - cluster.max_task_retries = 0: Input should be greater than or equal to 1" in lines
     for key in ("rank", "world_size"):
-        assert (f"  - extract.{key}: removed; use cluster.executor: ray, which shares the shards over the nodes of a "
-                "Ray cluster (docs/scale-out.md)") in lines
+        assert (
+            f"  - extract.{key}: removed; use cluster.executor: ray, which shares the shards over the nodes of a "
+            "Ray cluster (docs/scale-out.md)"
+        ) in lines
     cluster = parse_params({"cluster": {"executor": "ray", "address": "10.0.0.1:6379", "workers": 16}}).cluster
     assert (cluster.address, cluster.workers, cluster.output) == ("10.0.0.1:6379", 16, "driver")
 
@@ -126,10 +136,14 @@ def test_cluster_params_name_what_is_allowed():
 def test_every_host_and_port_is_read_alike(value: str):
     """A Ray head's address and a rendezvous endpoint take the same HOST:PORT, each in its key's own words."""
     lines = problems({"cluster": {"address": value, "torchrun": {"rdzv_endpoint": value}}})
-    assert f"  - cluster.address = {value!r}: allowed: 'local', 'auto' or host:port (the head's GCS port, 6379 by " \
-           "default)" in lines
-    assert (f"  - cluster.torchrun.rdzv_endpoint = {value!r}: must be HOST:PORT: a host name or IPv4 address, and a "
-            "port in 1..65535") in lines
+    assert (
+        f"  - cluster.address = {value!r}: allowed: 'local', 'auto' or host:port (the head's GCS port, 6379 by "
+        "default)" in lines
+    )
+    assert (
+        f"  - cluster.torchrun.rdzv_endpoint = {value!r}: must be HOST:PORT: a host name or IPv4 address, and a "
+        "port in 1..65535"
+    ) in lines
     for good in ("10.0.0.1:6379", "node-a.cluster_1:29500"):
         cluster = parse_params({"cluster": {"address": good, "torchrun": {"rdzv_endpoint": good}}}).cluster
         assert (cluster.address, cluster.torchrun.rdzv_endpoint) == (good, good)
@@ -138,11 +152,13 @@ def test_every_host_and_port_is_read_alike(value: str):
 def test_tensor_parallelism_needs_a_vllm_back_end_in_every_stage():
     """A verifier spread over GPUs needs vLLM wherever it runs; the hf back ends load it on one device. The
     three refusals come in one report, each naming its section's engine key."""
-    lines = problems({
-        "prepare": {"regenerate_backend": "hf", "regenerate_vllm": {"tensor_parallel_size": 8}},
-        "extract": {"backend": "hf", "vllm": {"tensor_parallel_size": 8}},
-        "evaluate": {"backend": ["hf"], "vllm": {"tensor_parallel_size": 8}},
-    })
+    lines = problems(
+        {
+            "prepare": {"regenerate_backend": "hf", "regenerate_vllm": {"tensor_parallel_size": 8}},
+            "extract": {"backend": "hf", "vllm": {"tensor_parallel_size": 8}},
+            "evaluate": {"backend": ["hf"], "vllm": {"tensor_parallel_size": 8}},
+        }
+    )
     assert lines[0] == "params.yaml: 3 invalid params values"
     assert lines[1:] == [
         "  - prepare.regenerate_vllm.tensor_parallel_size = 8 needs prepare.regenerate_backend: vllm (the hf back "
@@ -152,14 +168,24 @@ def test_tensor_parallelism_needs_a_vllm_back_end_in_every_stage():
         "  - evaluate.vllm.tensor_parallel_size = 8 is only used by the vllm back end, and evaluate.backend is "
         "['hf']; set it to 1 or add vllm to evaluate.backend",
     ]
-    params = parse_params({"prepare": {"regenerate_vllm": {"tensor_parallel_size": 8}},
-                           "evaluate": {"backend": ["hf", "vllm"], "vllm": {"tensor_parallel_size": 8}}})
+    params = parse_params(
+        {
+            "prepare": {"regenerate_vllm": {"tensor_parallel_size": 8}},
+            "evaluate": {"backend": ["hf", "vllm"], "vllm": {"tensor_parallel_size": 8}},
+        }
+    )
     assert params.prepare.regenerate_vllm.tensor_parallel_size == 8 and params.evaluate.vllm.tensor_parallel_size == 8
 
 
 def test_a_width_refusal_comes_with_an_unrelated_bad_value_and_a_missing_engine_section():
-    text = "\n".join(problems({"extract": {"backend": "hf", "vllm": {"tensor_parallel_size": 2}, "batch_tokens": "x"},
-                               "evaluate": {"backend": "hf", "timed_prompts": -1}}))
+    text = "\n".join(
+        problems(
+            {
+                "extract": {"backend": "hf", "vllm": {"tensor_parallel_size": 2}, "batch_tokens": "x"},
+                "evaluate": {"backend": "hf", "timed_prompts": -1},
+            }
+        )
+    )
     assert "extract.batch_tokens = 'x': Input should be a valid integer" in text
     assert "extract.vllm.tensor_parallel_size = 2 needs extract.backend: vllm" in text
     assert "evaluate.timed_prompts = -1: Input should be greater than or equal to 0" in text  # no vllm: given
@@ -167,11 +193,13 @@ def test_a_width_refusal_comes_with_an_unrelated_bad_value_and_a_missing_engine_
 
 
 def test_a_moved_key_says_where_it_went_next_to_other_problems():
-    lines = problems({
-        "prepare": {"regenerate_tensor_parallel_size": 8, "max_len": 4},
-        "extract": {"vllm_dtype": "float32", "gpu_memory_utilization": 0.5, "tensor_parallel_size": 2},
-        "evaluate": {"vllm_dtype": "bfloat16", "gpu_memory_utilization": 0.9, "tensor_parallel_size": 2},
-    })
+    lines = problems(
+        {
+            "prepare": {"regenerate_tensor_parallel_size": 8, "max_len": 4},
+            "extract": {"vllm_dtype": "float32", "gpu_memory_utilization": 0.5, "tensor_parallel_size": 2},
+            "evaluate": {"vllm_dtype": "bfloat16", "gpu_memory_utilization": 0.9, "tensor_parallel_size": 2},
+        }
+    )
     assert lines[0] == "params.yaml: 8 invalid params values"
     assert "  - prepare.regenerate_tensor_parallel_size moved to prepare.regenerate_vllm.tensor_parallel_size" in lines
     assert "  - prepare.max_len = 4: Input should be greater than or equal to 16" in lines
@@ -224,7 +252,8 @@ def test_the_k_sweep_reads_evaluates_sets_and_engines_and_nothing_else_of_it():
     shared = set(EvalSetsAndEngines.model_fields)
     assert shared < set(EvaluateParams.model_fields) and issubclass(EvaluateParams, EvalSetsAndEngines)
     assert {"timed_prompts", "timing", "reference_prompts", "num_speculative_tokens", "bf16_tie_margin"}.isdisjoint(
-        shared)
+        shared
+    )
     raw = {"evaluate": {"timed_prompts": 2, "seed": 3, "vllm": {"dtype": "float32"}}}
     read = parse_sections(raw, KSweepStageParams, "params.yaml").evaluate
     assert (read.seed, read.vllm.dtype) == (3, "float32") and not hasattr(read, "timed_prompts")

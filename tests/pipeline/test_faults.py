@@ -40,8 +40,15 @@ def test_the_suite_runs_with_outbound_network_blocked():
 
 # ----------------------------------------------------------------------------------------------- params
 
-VALUES = st.one_of(st.none(), st.booleans(), st.integers(-5, 100_000), st.floats(-2, 2), st.just(float("nan")),
-                   st.text(max_size=8), st.lists(st.integers(-3, 40), max_size=4))
+VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-5, 100_000),
+    st.floats(-2, 2),
+    st.just(float("nan")),
+    st.text(max_size=8),
+    st.lists(st.integers(-3, 40), max_size=4),
+)
 
 
 @st.composite
@@ -131,8 +138,9 @@ def test_read_only_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     assert not (tmp_path / "out.json").exists()
 
 
-def test_disk_full_during_extraction_then_rerun(tmp_path: Path, tiny_verifier_dir: Path,
-                                                monkeypatch: pytest.MonkeyPatch):
+def test_disk_full_during_extraction_then_rerun(
+    tmp_path: Path, tiny_verifier_dir: Path, monkeypatch: pytest.MonkeyPatch
+):
     """The disk fills up while shard 3 is written: one line naming it, no temporary left, shards 0-2 kept for the
     rerun, which computes only the rest."""
     from eaglenest.artifacts.hidden_states import layout
@@ -154,8 +162,11 @@ def test_disk_full_during_extraction_then_rerun(tmp_path: Path, tiny_verifier_di
     monkeypatch.setattr(layout.os, "pwrite", fills_up)
     out = tmp_path / "hs"
     params = ExtractParams(batch_tokens=32, rows_per_shard=2)
-    with pytest.raises(EaglenestError, match=r"^could not write .*hs.unfinished/shard_3.safetensors: No space left on "
-                                             r"device \(nothing was left under that name\)$"):
+    with pytest.raises(
+        EaglenestError,
+        match=r"^could not write .*hs.unfinished/shard_3.safetensors: No space left on "
+        r"device \(nothing was left under that name\)$",
+    ):
         extract_hidden_states(params, verifier_dir, prepared, out, tmp_path / "m.json")
     unfinished = unfinished_dir(out)
     assert sorted(p.name for p in unfinished.iterdir()) == ["earlier", *[f"shard_{s}.safetensors" for s in range(3)]]
@@ -165,8 +176,9 @@ def test_disk_full_during_extraction_then_rerun(tmp_path: Path, tiny_verifier_di
     assert metrics["rows_reused"] == 6 and metrics["rows_computed"] == 4 and not unfinished.exists()
 
 
-def test_out_of_memory_says_which_param_to_lower(tmp_path: Path, tiny_verifier_dir: Path,
-                                                 monkeypatch: pytest.MonkeyPatch):
+def test_out_of_memory_says_which_param_to_lower(
+    tmp_path: Path, tiny_verifier_dir: Path, monkeypatch: pytest.MonkeyPatch
+):
     import eaglenest.core.decoder as decoder
     from eaglenest.stages.extract import extract_hidden_states
     from eaglenest.stages.extract.params import ExtractParams
@@ -198,24 +210,48 @@ def trained(tmp_path_factory: pytest.TempPathFactory, tiny_verifier_dir: Path) -
     root = tmp_path_factory.mktemp("faults")
     verifier_dir, prepared = pipeline_until_prepare(root, tiny_verifier_dir, rows=12)
     extract_hidden_states(ExtractParams(), verifier_dir, prepared, root / "hs", root / "e.json")
-    convert(ConvertParams(draft_vocab_size=64), ExtractParams(dtype="bfloat16"), verifier_dir, prepared, root / "hs",
-            root / "vocab",
-            root / "d.json")
-    train_draft(TrainParams(steps=2, eval_every=2, total_seq_len=256),
-                TrainPaths(verifier=verifier_dir, prepared=prepared, hidden_states=root / "hs",
-                            vocab=root / "vocab", out=root / "draft", metrics=root / "t.json",
-                                                                      details=root / "t_details.json",
-                            live_dir=root / "live", checkpoints=root / "ck"))
-    return {"root": root, "verifier": verifier_dir, "prepared": prepared, "vocab": root / "vocab",
-            "draft": root / "draft", "model": tiny_verifier_dir}
+    convert(
+        ConvertParams(draft_vocab_size=64),
+        ExtractParams(dtype="bfloat16"),
+        verifier_dir,
+        prepared,
+        root / "hs",
+        root / "vocab",
+        root / "d.json",
+    )
+    train_draft(
+        TrainParams(steps=2, eval_every=2, total_seq_len=256),
+        TrainPaths(
+            verifier=verifier_dir,
+            prepared=prepared,
+            hidden_states=root / "hs",
+            vocab=root / "vocab",
+            out=root / "draft",
+            metrics=root / "t.json",
+            details=root / "t_details.json",
+            live_dir=root / "live",
+            checkpoints=root / "ck",
+        ),
+    )
+    return {
+        "root": root,
+        "verifier": verifier_dir,
+        "prepared": prepared,
+        "vocab": root / "vocab",
+        "draft": root / "draft",
+        "model": tiny_verifier_dir,
+    }
 
 
-@pytest.mark.parametrize(("damage", "message"), [
-    ("garbage", r"d2t-64.npy: not a readable .npy file"),
-    ("wrong dtype", r"d2t-64.npy: int32 \[64\], expected int64 \[64\]"),
-    ("disagree", r"d2t-64.npy and t2d-64.npy disagree"),
-    ("pickled", r"d2t-64.npy: not a readable .npy file"),
-])
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ("garbage", r"d2t-64.npy: not a readable .npy file"),
+        ("wrong dtype", r"d2t-64.npy: int32 \[64\], expected int64 \[64\]"),
+        ("disagree", r"d2t-64.npy and t2d-64.npy disagree"),
+        ("pickled", r"d2t-64.npy: not a readable .npy file"),
+    ],
+)
 def test_corrupt_vocabulary_files(trained: dict[str, Path], tmp_path: Path, damage: str, message: str):
     import shutil
 
@@ -236,11 +272,14 @@ def test_corrupt_vocabulary_files(trained: dict[str, Path], tmp_path: Path, dama
         load_vocab(vocab)
 
 
-@pytest.mark.parametrize(("damage", "message"), [
-    ("missing tensor", r"model.safetensors: missing tensor fc.weight \[32, 96\]"),
-    ("wrong shape", r"model.safetensors: tensor fc.weight has shape \[32, 64\], expected \[32, 96\]"),
-    ("truncated", r"model.safetensors: truncated"),
-])
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ("missing tensor", r"model.safetensors: missing tensor fc.weight \[32, 96\]"),
+        ("wrong shape", r"model.safetensors: tensor fc.weight has shape \[32, 64\], expected \[32, 96\]"),
+        ("truncated", r"model.safetensors: truncated"),
+    ],
+)
 def test_corrupt_draft_checkpoint(trained: dict[str, Path], tmp_path: Path, damage: str, message: str):
     import shutil
 
@@ -262,14 +301,18 @@ def test_corrupt_draft_checkpoint(trained: dict[str, Path], tmp_path: Path, dama
         load_draft(draft, trained["model"])
 
 
-@pytest.mark.parametrize(("content", "message"), [
-    ('{"messages": [{"role": "user", "content": "hi"}]}\n{oops\n', r"prompts.jsonl: line 2: not valid JSON"),
-    ('{"text": "hi"}\n', r"prompts.jsonl: line 1: expected \{'messages': \[..., user message\]\}, \{'prompt'"),
-    ('{"turns": []}\n', r"prompts.jsonl: line 1: expected"),
-    ("", r"prompts.jsonl: no prompts"),
-])
-def test_bad_set_file_is_one_line_naming_the_set_and_the_file(trained: dict[str, Path], tmp_path: Path,
-                                                                content: str, message: str):
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('{"messages": [{"role": "user", "content": "hi"}]}\n{oops\n', r"prompts.jsonl: line 2: not valid JSON"),
+        ('{"text": "hi"}\n', r"prompts.jsonl: line 1: expected \{'messages': \[..., user message\]\}, \{'prompt'"),
+        ('{"turns": []}\n', r"prompts.jsonl: line 1: expected"),
+        ("", r"prompts.jsonl: no prompts"),
+    ],
+)
+def test_bad_set_file_is_one_line_naming_the_set_and_the_file(
+    trained: dict[str, Path], tmp_path: Path, content: str, message: str
+):
     from eaglenest.artifacts.eval_params import EvalSetParams
     from eaglenest.artifacts.eval_sets import load_eval_set
     from eaglenest.artifacts.verifier import load_tokenizer
@@ -277,8 +320,9 @@ def test_bad_set_file_is_one_line_naming_the_set_and_the_file(trained: dict[str,
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(content)
     with pytest.raises(InputFileError, match="^evaluate.sets: mine: .*" + message) as raised:
-        load_eval_set(EvalSetParams(name="mine", source=str(prompts)), trained["prepared"],
-                      load_tokenizer(trained["verifier"]))
+        load_eval_set(
+            EvalSetParams(name="mine", source=str(prompts)), trained["prepared"], load_tokenizer(trained["verifier"])
+        )
     assert "\n" not in str(raised.value)
 
 
@@ -292,9 +336,14 @@ def kill_during(repo: Path, stage: str, ready, rng: random.Random) -> bool:
     """
     # The stage must run, never be restored: every output is in DVC's cache, so with its dependencies unchanged
     # `dvc repro` would check the locked outputs out instead (-f -s: this stage, run), or take the run-cache's.
-    process = subprocess.Popen([str(VENV_BIN / "dvc"), "repro", "-f", "-s", "--no-run-cache", stage], cwd=repo,
-                               env=project_env(),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    process = subprocess.Popen(
+        [str(VENV_BIN / "dvc"), "repro", "-f", "-s", "--no-run-cache", stage],
+        cwd=repo,
+        env=project_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and process.poll() is None and not ready():
         time.sleep(0.01)
@@ -324,8 +373,13 @@ def kill_five_times(repo: Path, stage: str, ready_factory, reset, rng: random.Ra
 
 def no_temporaries(*folders: Path) -> bool:
     """No temporary, nor a folder set aside by a swap, is left in ``folders``."""
-    return not [p for folder in folders if folder.exists() for p in folder.rglob("*")
-                if TMP_MARKER in p.name or ASIDE_MARKER in p.name]
+    return not [
+        p
+        for folder in folders
+        if folder.exists()
+        for p in folder.rglob("*")
+        if TMP_MARKER in p.name or ASIDE_MARKER in p.name
+    ]
 
 
 @pytest.mark.slow
@@ -384,12 +438,14 @@ def test_kill_9_during_extract_and_train_five_times_each(tiny_pipeline: SharedPi
 
 # ------------------------------------------------------------------------------------------ two runs at once
 # The stage starts, then waits for the test to say "go" (at most a minute): the second run meets the first mid-stage.
-WAITING_STAGE = ("import pathlib, time\n"
-                 "pathlib.Path('started').write_text('')\n"
-                 "deadline = time.monotonic() + 60\n"
-                 "while not pathlib.Path('go').exists() and time.monotonic() < deadline:\n"
-                 "    time.sleep(0.05)\n"
-                 "pathlib.Path('out.txt').write_text('done')\n")
+WAITING_STAGE = (
+    "import pathlib, time\n"
+    "pathlib.Path('started').write_text('')\n"
+    "deadline = time.monotonic() + 60\n"
+    "while not pathlib.Path('go').exists() and time.monotonic() < deadline:\n"
+    "    time.sleep(0.05)\n"
+    "pathlib.Path('out.txt').write_text('done')\n"
+)
 
 
 def test_a_second_dvc_repro_in_one_workspace_is_refused_while_the_first_runs(tmp_path: Path):
@@ -403,10 +459,17 @@ def test_a_second_dvc_repro_in_one_workspace_is_refused_while_the_first_runs(tmp
     dvc(["init", "-q"], repo)
     dvc(["config", "core.analytics", "false"], repo)
     (repo / "stage.py").write_text(WAITING_STAGE)
-    (repo / "dvc.yaml").write_text("stages:\n  wait:\n    cmd: python stage.py\n    deps: [stage.py]\n"
-                                   "    outs: [out.txt]\n")
-    first = subprocess.Popen([str(VENV_BIN / "dvc"), "repro"], cwd=repo, env=project_env(), stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+    (repo / "dvc.yaml").write_text(
+        "stages:\n  wait:\n    cmd: python stage.py\n    deps: [stage.py]\n    outs: [out.txt]\n"
+    )
+    first = subprocess.Popen(
+        [str(VENV_BIN / "dvc"), "repro"],
+        cwd=repo,
+        env=project_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while not (repo / "started").exists() and first.poll() is None and time.monotonic() < deadline:
@@ -419,8 +482,10 @@ def test_a_second_dvc_repro_in_one_workspace_is_refused_while_the_first_runs(tmp
         first.kill()
         first.wait()
     assert second.returncode != 0 and "Running stage" not in second.stdout
-    assert f"failed to reproduce 'wait': '{repo / 'out.txt'}' is busy, it is being blocked by:\n  (PID {first.pid})" \
+    assert (
+        f"failed to reproduce 'wait': '{repo / 'out.txt'}' is busy, it is being blocked by:\n  (PID {first.pid})"
         in second.stderr
+    )
     assert first.returncode == 0, first_output
     assert (repo / "out.txt").read_text() == "done"
     assert "up to date" in dvc(["status"], repo).stdout

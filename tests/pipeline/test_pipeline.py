@@ -16,13 +16,7 @@ from eaglenest.core.errors import ParamsError
 from eaglenest.core.params import parse_sections
 from eaglenest.stages.prepare.params import PrepareParams, PrepareStageParams
 from tests.fixtures.models import write_jsonl
-from tests.fixtures.pipeline import (
-    SHARED_PARAMS,
-    STAGES,
-    SharedPipeline,
-    dvc,
-    make_pipeline_repo,
-)
+from tests.fixtures.pipeline import SHARED_PARAMS, STAGES, SharedPipeline, dvc, make_pipeline_repo
 
 
 def assert_all_skipped(output: str) -> None:
@@ -81,8 +75,15 @@ def test_default_verifier_and_mix_through_dvc_repro(shared_pipeline: SharedPipel
     assert set(evaluation) == {*headline, "lossless"} and evaluation["lossless"] == 1.0
     for name in headline:
         figures = evaluation[name]
-        assert set(figures) == {"vllm_tau", "vllm_tau_ci95", "vllm_speedup", "vllm_speedup_ci95", "vllm_vs_ngram",
-                                "vllm_vs_ngram_ci95", "vllm_tau_timed"}, figures
+        assert set(figures) == {
+            "vllm_tau",
+            "vllm_tau_ci95",
+            "vllm_speedup",
+            "vllm_speedup_ci95",
+            "vllm_vs_ngram",
+            "vllm_vs_ngram_ci95",
+            "vllm_tau_timed",
+        }, figures
         assert 1.0 <= figures["vllm_tau"] <= 4.0 and figures["vllm_tau_ci95"] >= 0 and figures["vllm_speedup"] > 0
     records = json.loads((repo / "metrics/eval/records.json").read_text())
     mt = records["runs"]["vllm"]["sets"]["mt"]["records"]
@@ -118,16 +119,25 @@ def tiny_pipeline_repo(tmp_path: Path, tiny_verifier_dir: Path) -> tuple[Path, P
     """(the verifier folder, the repository): the tiny verifier used in place and 8 one-turn conversations."""
     model = tmp_path / "my-verifier"
     shutil.copytree(tiny_verifier_dir, model)
-    repo = make_pipeline_repo(tmp_path / "repo", {
-        "verifier": {"model": str(model)},
-        # vLLM's CPU build has no attention kernel for the tiny model's head size 8: hf regenerates here
-        "prepare": {"source": ["data/conversations/chats.jsonl"], "max_conversations": None, "val_fraction": 0.25,
-                    "regenerate_backend": "hf"},
-        "convert": {"draft_vocab_size": 64},
-        "train": {"steps": 2, "eval_every": 1, "total_seq_len": 256},
-        "evaluate": {"backend": "hf", "sets": [
-            {"name": "val", "source": "val", "num_prompts": 1, "max_new_tokens": 4, "headline": True}]},
-    })
+    repo = make_pipeline_repo(
+        tmp_path / "repo",
+        {
+            "verifier": {"model": str(model)},
+            # vLLM's CPU build has no attention kernel for the tiny model's head size 8: hf regenerates here
+            "prepare": {
+                "source": ["data/conversations/chats.jsonl"],
+                "max_conversations": None,
+                "val_fraction": 0.25,
+                "regenerate_backend": "hf",
+            },
+            "convert": {"draft_vocab_size": 64},
+            "train": {"steps": 2, "eval_every": 1, "total_seq_len": 256},
+            "evaluate": {
+                "backend": "hf",
+                "sets": [{"name": "val", "source": "val", "num_prompts": 1, "max_new_tokens": 4, "headline": True}],
+            },
+        },
+    )
     write_jsonl(repo / "data/conversations/chats.jsonl", [{"conversations": CHAT}] * 8)
     return model, repo
 
@@ -187,10 +197,13 @@ def test_own_verifier_and_conversations(tmp_path: Path, tiny_verifier_dir: Path)
 
 
 def test_bad_params_stop_dvc_repro_with_every_problem(tmp_path: Path, tiny_verifier_dir: Path):
-    repo = make_pipeline_repo(tmp_path / "repo", {
-        "verifier": {"model": str(tiny_verifier_dir), "aux_layers": [1, 1]},
-        "prepare": {"max_len": 3, "shuffle": True},
-    })
+    repo = make_pipeline_repo(
+        tmp_path / "repo",
+        {
+            "verifier": {"model": str(tiny_verifier_dir), "aux_layers": [1, 1]},
+            "prepare": {"max_len": 3, "shuffle": True},
+        },
+    )
     result = dvc(["repro"], repo, check=False)
     assert result.returncode != 0
     output = result.stdout + result.stderr
@@ -216,10 +229,10 @@ def test_bad_params_stop_dvc_repro_with_every_problem(tmp_path: Path, tiny_verif
 
 
 def test_malformed_conversations_stop_prepare_naming_file_and_record(tmp_path: Path, tiny_verifier_dir: Path):
-    repo = make_pipeline_repo(tmp_path / "repo", {
-        "verifier": {"model": str(tiny_verifier_dir)},
-        "prepare": {"source": ["data/conversations/bad.jsonl"]},
-    })
+    repo = make_pipeline_repo(
+        tmp_path / "repo",
+        {"verifier": {"model": str(tiny_verifier_dir)}, "prepare": {"source": ["data/conversations/bad.jsonl"]}},
+    )
     (repo / "data/conversations/bad.jsonl").write_text(
         '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
         '{"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "yo"}]}\n'
@@ -230,7 +243,6 @@ def test_malformed_conversations_stop_prepare_naming_file_and_record(tmp_path: P
     assert "eaglenest prepare: error: data/conversations/bad.jsonl: line 2: turn 1 has role 'bot'" in output
     assert "Traceback" not in output
     assert not (repo / "data/prepared").exists()
-
 
 
 def changed_stages(repo: Path) -> set[str]:

@@ -20,22 +20,28 @@ PATH_FREE_STAGES = ("prepare", "extract", "convert")
 def out_hashes(repo: Path, stages: tuple[str, ...]) -> dict[str, str]:
     """The stages' data outputs' hashes in dvc.lock (bookkeeping metrics hold timings: they differ run to run)."""
     lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
-    return {out["path"]: out["md5"] for stage in stages for out in lock[stage]["outs"]
-            if not out["path"].startswith("metrics/")}
+    return {
+        out["path"]: out["md5"]
+        for stage in stages
+        for out in lock[stage]["outs"]
+        if not out["path"].startswith("metrics/")
+    }
 
 
 def files_naming(root: Path, text: str) -> list[str]:
     return [str(p) for p in root.rglob("*") if p.is_file() and text.encode() in p.read_bytes()]
 
 
-def test_prepare_extract_convert_hash_the_same_in_clones_at_two_paths(tiny_pipeline: SharedPipeline,
-                                                                      tmp_path: Path) -> None:
+def test_prepare_extract_convert_hash_the_same_in_clones_at_two_paths(
+    tiny_pipeline: SharedPipeline, tmp_path: Path
+) -> None:
     clones = [tiny_pipeline.copy(tmp_path / "a" / "repo"), tiny_pipeline.copy(tmp_path / "b" / "deeper" / "repo")]
     for repo in clones:
         # a built-in source beside the tiny chats: its file lives inside the checkout
         params = yaml.safe_load((repo / "params.yaml").read_text())
-        params["prepare"].update(source=["data/conversations/chats.jsonl", "builtin:python-functions"],
-                                 max_conversations=60)
+        params["prepare"].update(
+            source=["data/conversations/chats.jsonl", "builtin:python-functions"], max_conversations=60
+        )
         (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     # Both clones at once (their stages mostly start Pythons): each stage alone (-s), in the order given.
     with ThreadPoolExecutor(len(clones)) as pool:
@@ -48,8 +54,9 @@ def test_prepare_extract_convert_hash_the_same_in_clones_at_two_paths(tiny_pipel
         assert "builtin:python-functions: line" in (repo / "data" / "prepared" / "val_prompts.jsonl").read_text()
 
 
-def test_a_clone_elsewhere_pulls_and_runs_nothing(tiny_pipeline: SharedPipeline, store_dir: Path,  # noqa: F811
-                                                  tmp_path: Path) -> None:
+def test_a_clone_elsewhere_pulls_and_runs_nothing(
+    tiny_pipeline: SharedPipeline, store_dir: Path, tmp_path: Path
+) -> None:
     origin = tiny_pipeline.copy(tmp_path / "origin")
     run(["git", "add", "-A"], origin)
     run(["git", "commit", "-qm", "outputs"], origin)
@@ -68,8 +75,9 @@ def test_a_clone_elsewhere_pulls_and_runs_nothing(tiny_pipeline: SharedPipeline,
     assert out_hashes(clone, ("extract", "train")) == out_hashes(origin, ("extract", "train"))
 
 
-def test_an_experiment_travels_and_a_taken_name_is_refused(tiny_pipeline: SharedPipeline,
-                                                            store_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_an_experiment_travels_and_a_taken_name_is_refused(
+    tiny_pipeline: SharedPipeline, store_dir: Path, tmp_path: Path
+) -> None:
     git_remote = tmp_path / "team.git"
     run(["git", "init", "-q", "--bare", str(git_remote)], tmp_path)
     mine = tiny_pipeline.copy(tmp_path / "mine")
@@ -90,7 +98,7 @@ def test_an_experiment_travels_and_a_taken_name_is_refused(tiny_pipeline: Shared
     assert pulled.returncode == 0, pulled.stderr
     dvc(["exp", "apply", "fewer-samples"], theirs)
     assert "up to date" in dvc(["status"], theirs).stdout  # the experiment's outputs came with it
-    mine_eval = (mine / "metrics" / "eval.json")
+    mine_eval = mine / "metrics" / "eval.json"
     dvc(["exp", "apply", "fewer-samples"], mine)
     assert (theirs / "metrics" / "eval.json").read_text() == mine_eval.read_text()
 
@@ -102,7 +110,8 @@ def test_an_experiment_travels_and_a_taken_name_is_refused(tiny_pipeline: Shared
     refused = eaglenest_remote("exp-push", theirs, "fewer-samples", "origin")
     assert refused.returncode != 0 and refused.stderr.splitlines() == [
         "eaglenest remote: error: experiment fewer-samples on origin is a teammate's with other outputs: rename yours "
-        "(`dvc exp rename fewer-samples NEW`) and push again; theirs stays as it was"], refused.stderr
+        "(`dvc exp rename fewer-samples NEW`) and push again; theirs stays as it was"
+    ], refused.stderr
     assert run(["git", "ls-remote", str(git_remote), "refs/exps/*"], tmp_path).stdout == ref
     # DVC alone refuses it too, though with exit status 0 (a script would believe it pushed), in the words
     # exp-push reads for a teammate who pushes between its check and its push
@@ -110,9 +119,9 @@ def test_an_experiment_travels_and_a_taken_name_is_refused(tiny_pipeline: Shared
     assert said.returncode == 0 and DIVERGED_MARKER in said.stderr, said.stderr
 
 
-def test_a_pulled_run_cache_restores_every_stage_but_the_timed_ones(tiny_pipeline: SharedPipeline,  # noqa: F811
-                                                                    store_dir: Path,  # noqa: F811
-                                                                    tmp_path: Path) -> None:
+def test_a_pulled_run_cache_restores_every_stage_but_the_timed_ones(
+    tiny_pipeline: SharedPipeline, store_dir: Path, tmp_path: Path
+) -> None:
     origin = tiny_pipeline.copy(tmp_path / "origin")
     # the tiny pipeline was built before this run's store existed: its run-cache is in its own DVC cache
     use_store(origin, store_dir)

@@ -27,7 +27,7 @@ def test_the_slurm_script_parses_and_runs_one_dvc_repro_on_the_head():
     assert {"nodes", "ntasks-per-node", "gpus-per-node", "cpus-per-task"} <= directives.keys()
     assert directives["ntasks-per-node"] == "1"  # one Ray node per machine
     command = " ".join(line.strip().rstrip("\\") for line in text.split("\nsrun --nodes=")[1].splitlines())
-    assert "ray symmetric-run --address \"$head_ip:$port\" --min-nodes \"$SLURM_JOB_NUM_NODES\"" in command
+    assert 'ray symmetric-run --address "$head_ip:$port" --min-nodes "$SLURM_JOB_NUM_NODES"' in command
     assert re.search(r"-- +bash -c 'eaglenest doctor && dvc repro \"\$@\"' dvc-repro \"\$@\"$", command), command
     assert "cluster: {executor: ray, address: auto}" in text
     # the params it asks for are valid ones
@@ -80,16 +80,22 @@ else:
 def ask_head(head: TokenHead, env: dict[str, str], cluster_id: str = "") -> str:
     """What a Ray client in ``env`` (plus a home without a token) gets from the head: 'connected: ID' or 'refused:
     ...'. Knowing the cluster's id, a client without the token is answered at once (it would retry for 20 s)."""
-    done = subprocess.run([sys.executable, "-c", CLIENT, head.address, *([cluster_id] if cluster_id else [])],
-                          env=ray_free_env(head.home) | env, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", CLIENT, head.address, *([cluster_id] if cluster_id else [])],
+        env=ray_free_env(head.home) | env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     return done.stdout.strip()
 
 
 def test_the_slurm_script_starts_every_ray_process_with_a_token():
     text = (CLUSTER / "slurm.sbatch").read_text()
     lines = [line.strip() for line in text.splitlines() if not line.lstrip().startswith("#")]
-    sourced = lines.index("source scripts/cluster/ray_token.sh  # RAY_AUTH_MODE=token, RAY_AUTH_TOKEN_PATH: before "
-                          "any Ray process starts")
+    sourced = lines.index(
+        "source scripts/cluster/ray_token.sh  # RAY_AUTH_MODE=token, RAY_AUTH_TOKEN_PATH: before any Ray process starts"
+    )
     assert all(i > sourced for i, line in enumerate(lines) if re.search(r"\bray ", line))
     assert """trap 'rm -f "$RAY_AUTH_TOKEN_PATH"' EXIT""" in lines
     assert "--export" not in text  # srun passes the job's environment, the token's variables with it, to every node
@@ -106,12 +112,17 @@ def test_the_kuberay_pods_read_the_token_from_a_secret():
             env = {item["name"]: item for item in template["spec"]["containers"][0]["env"]}
             assert env["RAY_AUTH_MODE"]["value"] == "token", name
             assert env["RAY_AUTH_TOKEN"]["valueFrom"] == {
-                "secretKeyRef": {"name": "eaglenest-ray-token", "key": "auth_token"}}, name
+                "secretKeyRef": {"name": "eaglenest-ray-token", "key": "auth_token"}
+            }, name
 
 
 def source_token_script(home: Path, job_id: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["bash", "-c", 'source "$0"', str(CLUSTER / "ray_token.sh")],
-                          env=ray_free_env(home) | {"SLURM_JOB_ID": job_id}, capture_output=True, text=True)
+    return subprocess.run(
+        ["bash", "-c", 'source "$0"', str(CLUSTER / "ray_token.sh")],
+        env=ray_free_env(home) | {"SLURM_JOB_ID": job_id},
+        capture_output=True,
+        text=True,
+    )
 
 
 def test_the_token_script_makes_a_private_token_for_each_job(tmp_path: Path):

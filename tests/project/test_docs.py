@@ -50,15 +50,16 @@ UNCHECKED = {
 SHELL_PAGES = ["README.md", *(f"docs/{p.name}" for p in sorted(DOCS.glob("*.md")))]
 # Tracked files that may hold an issue-like number: third-party text the project snapshots as data.
 ISSUE_NUMBER_EXEMPT = {
-    "data/": "snapshots of installed packages' READMEs and documentation (third-party text, training data)",
+    "data/": "snapshots of installed packages' READMEs and documentation (third-party text, training data)"
 }
 ISSUE_NUMBER = re.compile(
     r"\bissues?\s*#?\s*\d+\b"  # the word issue, an optional hash, a number
     r"|(?<![\w&#/.-])#\d{1,5}\b(?![\w-])",  # a hash and a number (not &#39;, not a hex colour, not an anchor)
     re.IGNORECASE,
 )
-WORK_LOG = re.compile(r"\b(this|last|previous|next) (session|round of work)\b|\bround \d+ of (the )?work\b",
-                      re.IGNORECASE)
+WORK_LOG = re.compile(
+    r"\b(this|last|previous|next) (session|round of work)\b|\bround \d+ of (the )?work\b", re.IGNORECASE
+)
 TEXT_SUFFIXES = {".md", ".py", ".txt", ".yaml", ".yml", ".toml", ".cfg", ".sh", ".json", ".jsonl", ".csv", ""}
 
 
@@ -136,7 +137,7 @@ def check_command(command: str) -> str | None:
 
         argv = words[1:]
         if "--" in argv:
-            argv = argv[:argv.index("--")]
+            argv = argv[: argv.index("--")]
         try:
             build_parser().parse_args(argv)
         except SystemExit as exit_:
@@ -158,8 +159,11 @@ def check_command(command: str) -> str | None:
             return str(err)
         return None
     if head == "source":
-        return None if words[1:] == [".venv/bin/activate"] and "VENV := .venv" in (REPO / "Makefile").read_text() \
+        return (
+            None
+            if words[1:] == [".venv/bin/activate"] and "VENV := .venv" in (REPO / "Makefile").read_text()
             else "not the environment make setup creates"
+        )
     if head in ("sbatch", "kubectl"):
         # a cluster launcher (tests/project/test_cluster_launchers.py checks the files): it must be one of ours
         launchers = [w for w in words[1:] if w.startswith("scripts/cluster/")]
@@ -178,8 +182,14 @@ def test_readme_is_a_two_minute_read():
     lines = README.read_text().splitlines()
     assert len(lines) <= 200, f"README.md has {len(lines)} lines; at most 200 (move depth into docs/)"
     headings = [line for line in lines if line.startswith("## ")]
-    for wanted in ("## Quickstart", "## Install", "## Train a draft for your own verifier", "## Serve the draft",
-                   "## The pipeline", "## Compare experiments"):
+    for wanted in (
+        "## Quickstart",
+        "## Install",
+        "## Train a draft for your own verifier",
+        "## Serve the draft",
+        "## The pipeline",
+        "## Compare experiments",
+    ):
         assert wanted in headings, f"README.md lacks the top-level heading {wanted!r}"
 
 
@@ -200,21 +210,26 @@ def test_readme_and_docs_commands_work():
                     if problem:
                         problems.append(f"{name}:{number}: `{command}`: {problem}")
             elif language not in ("yaml", "text"):
-                problems.append(f"{where}: a block in {language or 'no language'}; blocks are bash, yaml (params, "
-                                "checked by the next test) or text")
+                problems.append(
+                    f"{where}: a block in {language or 'no language'}; blocks are bash, yaml (params, "
+                    "checked by the next test) or text"
+                )
     assert not problems, "\n".join(problems)
     assert seen == set(UNCHECKED), f"UNCHECKED lists commands no page has any more: {set(UNCHECKED) - seen}"
 
 
-@pytest.mark.parametrize("command, problem", [
-    ("make demoo", "no make target"),
-    ("make setup VLLM=tpu", "not a VLLM choice"),
-    ("eaglenest serve --prot 8000", "refuses"),
-    ("dvc exp run -S train.lrr=3e-4", "unknown key"),
-    ("dvc exp run -S train.lr=2", "less than or equal to 1"),
-    ("dvc metrics difff main", "refuses"),
-    ("sbatch scripts/cluster/slurm.sh", "not a launcher"),
-])
+@pytest.mark.parametrize(
+    "command, problem",
+    [
+        ("make demoo", "no make target"),
+        ("make setup VLLM=tpu", "not a VLLM choice"),
+        ("eaglenest serve --prot 8000", "refuses"),
+        ("dvc exp run -S train.lrr=3e-4", "unknown key"),
+        ("dvc exp run -S train.lr=2", "less than or equal to 1"),
+        ("dvc metrics difff main", "refuses"),
+        ("sbatch scripts/cluster/slurm.sh", "not a launcher"),
+    ],
+)
 def test_a_broken_readme_command_is_caught(command: str, problem: str):
     assert problem in (check_command(command) or "")
     with pytest.raises(KeyError):
@@ -271,8 +286,10 @@ def test_docs_of_the_committed_run_are_fresh_where_the_workspace_holds_another(t
     (repo / "dvc.lock").write_text(lock.replace(locked_md5(repo), "0" * 32 + ".dir"))
     assert regenerate(repo, RUN_TARGETS, True) == 0
     said = capsys.readouterr().out
-    assert said.startswith("the workspace holds another run than the one committed (dvc.lock, metrics/eval.json "
-                           "differ from HEAD): checked the docs against the committed run")
+    assert said.startswith(
+        "the workspace holds another run than the one committed (dvc.lock, metrics/eval.json "
+        "differ from HEAD): checked the docs against the committed run"
+    )
     assert "is not what" not in said
     # a doc that really is stale: neither the committed run nor the workspace's draws it
     page = (repo / "docs/defaults.md").read_text()
@@ -291,8 +308,10 @@ def test_docs_drawn_from_the_workspaces_new_run_are_fresh_before_it_is_committed
     readme = (README_TARGET,)
     assert regenerate(repo, readme, False) == 0
     assert capsys.readouterr().out.splitlines() == [
-        "wrote README.md", "drawn from the workspace's run, not the committed one (metrics/eval.json differ from "
-        "HEAD): commit them with the docs"]
+        "wrote README.md",
+        "drawn from the workspace's run, not the committed one (metrics/eval.json differ from "
+        "HEAD): commit them with the docs",
+    ]
     assert "9.877" in (repo / "README.md").read_text()
     assert check(repo, readme)[0] == []
 
@@ -306,8 +325,10 @@ def test_a_stale_reference_names_the_command_that_regenerates_it(tmp_path: Path)
     (tmp_path / "metrics" / "eval.json").write_text(json.dumps(metrics))
     shutil.copy(REPO / "metrics" / "eval" / "details.json", tmp_path / "metrics" / "eval" / "details.json")
     problems = stale(tmp_path, (README_TARGET,))
-    assert problems == [f"README.md is not what `{README_TARGET.command}` writes from the current sources; run "
-                        f"`{README_TARGET.command}` and commit the result"]
+    assert problems == [
+        f"README.md is not what `{README_TARGET.command}` writes from the current sources; run "
+        f"`{README_TARGET.command}` and commit the result"
+    ]
     assert "9.877" in render_readme(README.read_text(), tmp_path, tmp_path / "README.md")
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "params.md").write_text("# old\n")
@@ -337,32 +358,63 @@ def test_the_headline_figure_shows_the_metrics_at_page_width_and_names_a_missing
     del metrics[first]["vllm_speedup_ci95"]
     (tmp_path / "metrics" / "eval.json").write_text(json.dumps(metrics))
     shutil.copy(REPO / "metrics" / "eval" / "details.json", tmp_path / "metrics" / "eval" / "details.json")
-    with pytest.raises(InputFileError, match=r"metrics/eval.json: no vllm_speedup with "
-                                             r"vllm_speedup_ci95; the figure docs/img/headline.svg needs both"):
+    with pytest.raises(
+        InputFileError,
+        match=r"metrics/eval.json: no vllm_speedup with "
+        r"vllm_speedup_ci95; the figure docs/img/headline.svg needs both",
+    ):
         headline_svg(tmp_path)
     del details["runs"]["vllm"]["sets"][first]["summary"]["ngram_speedup"]["ci95"]
     (tmp_path / "metrics" / "eval.json").write_text((REPO / "metrics" / "eval.json").read_text())
     (tmp_path / "metrics" / "eval" / "details.json").write_text(json.dumps(details))
-    with pytest.raises(InputFileError, match=rf"metrics/eval/details.json \({first}\): no ngram_speedup with "
-                                             r"ngram_speedup_ci95"):
+    with pytest.raises(
+        InputFileError,
+        match=rf"metrics/eval/details.json \({first}\): no ngram_speedup with "
+        r"ngram_speedup_ci95",
+    ):
         headline_svg(tmp_path)
 
 
 def bench_result(speedups: dict[int, float], plain_tokens_per_s: float = 20.0) -> dict:
     """A bench.json as ``eaglenest bench --serve`` writes it (the keys the docs' figures read), with ``recorded``."""
-    results = [{"concurrency": c, "speedup": speedup,
-                "draft": {"completed": 8, "failed": 0, "tokens_per_s": round(plain_tokens_per_s * c * speedup, 3),
-                          "latency_ms": {"mean": 900.0, "p50": 880.0 * c, "p99": 990.0}, "tau": 1.5626},
-                "baseline": {"completed": 8, "failed": 0, "tokens_per_s": plain_tokens_per_s * c,
-                             "latency_ms": {"mean": 950.0, "p50": 940.0 * c, "p99": 999.0}},
-                "outputs": {"compared": 8, "identical": 7, "near_ties": [{"request": 3}], "differ": []}}
-               for c, speedup in speedups.items()]
+    results = [
+        {
+            "concurrency": c,
+            "speedup": speedup,
+            "draft": {
+                "completed": 8,
+                "failed": 0,
+                "tokens_per_s": round(plain_tokens_per_s * c * speedup, 3),
+                "latency_ms": {"mean": 900.0, "p50": 880.0 * c, "p99": 990.0},
+                "tau": 1.5626,
+            },
+            "baseline": {
+                "completed": 8,
+                "failed": 0,
+                "tokens_per_s": plain_tokens_per_s * c,
+                "latency_ms": {"mean": 950.0, "p50": 940.0 * c, "p99": 999.0},
+            },
+            "outputs": {"compared": 8, "identical": 7, "near_ties": [{"request": 3}], "differ": []},
+        }
+        for c, speedup in speedups.items()
+    ]
     below = [c for c, speedup in speedups.items() if speedup < 1]
-    return {"model": "HuggingFaceTB/SmolLM2-135M-Instruct", "prompts": {"count": 8, "requests": 8}, "max_tokens": 64,
-            "temperature": 0.0, "concurrency": list(speedups), "results": results, "complete": True,
-            "stops_paying_at": min(below) if below else None, "servers": {"baseline": {"kind": "none"}},
-            "recorded": {"command": "eaglenest bench --serve --concurrency 1 4 16", "commit": "0123456789",
-                         "host": {"key": "AMD EPYC | AVX512 | bf16", "label": "AMD EPYC, AVX512 with AVX512-BF16"}}}
+    return {
+        "model": "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "prompts": {"count": 8, "requests": 8},
+        "max_tokens": 64,
+        "temperature": 0.0,
+        "concurrency": list(speedups),
+        "results": results,
+        "complete": True,
+        "stops_paying_at": min(below) if below else None,
+        "servers": {"baseline": {"kind": "none"}},
+        "recorded": {
+            "command": "eaglenest bench --serve --concurrency 1 4 16",
+            "commit": "0123456789",
+            "host": {"key": "AMD EPYC | AVX512 | bf16", "label": "AMD EPYC, AVX512 with AVX512-BF16"},
+        },
+    }
 
 
 def _docs_copy(tmp_path: Path) -> Path:
@@ -373,8 +425,9 @@ def _docs_copy(tmp_path: Path) -> Path:
     return tmp_path
 
 
-CONCURRENCY_TARGETS = tuple(t for t in DOCS_TARGETS if t.path in ("README.md", "docs/serving.md",
-                                                                  "docs/img/concurrency.svg"))
+CONCURRENCY_TARGETS = tuple(
+    t for t in DOCS_TARGETS if t.path in ("README.md", "docs/serving.md", "docs/img/concurrency.svg")
+)
 
 
 def test_the_docs_concurrency_figures_follow_the_committed_bench_result(tmp_path: Path):
@@ -383,9 +436,11 @@ def test_the_docs_concurrency_figures_follow_the_committed_bench_result(tmp_path
     (repo / SERVE_RECORD).write_text(json.dumps(bench_result({1: 1.06, 4: 0.705, 16: 0.537})))
     assert write(repo, CONCURRENCY_TARGETS) == [f"wrote {t.path}" for t in CONCURRENCY_TARGETS]
     serving = (repo / "docs/serving.md").read_text()
-    for row in ("| 1 | 21.2 | 20.0 | x1.060 | 1.5626 | 880 / 940 | 7 / 1 / 0 |",
-                "| 4 | 56.4 | 80.0 | x0.705 | 1.5626 | 3,520 / 3,760 | 7 / 1 / 0 |",
-                "| 16 | 171.8 | 320.0 | x0.537 | 1.5626 | 14,080 / 15,040 | 7 / 1 / 0 |"):
+    for row in (
+        "| 1 | 21.2 | 20.0 | x1.060 | 1.5626 | 880 / 940 | 7 / 1 / 0 |",
+        "| 4 | 56.4 | 80.0 | x0.705 | 1.5626 | 3,520 / 3,760 | 7 / 1 / 0 |",
+        "| 16 | 171.8 | 320.0 | x0.537 | 1.5626 | 14,080 / 15,040 | 7 / 1 / 0 |",
+    ):
         assert row in serving
     assert "speculation stops paying at concurrency 4" in serving and "at 0123456789, on AMD EPYC" in serving
     readme = (repo / "README.md").read_text()
@@ -394,8 +449,10 @@ def test_the_docs_concurrency_figures_follow_the_committed_bench_result(tmp_path
     scheduled = bench_result({1: 1.06, 4: 0.705, 16: 0.537}) | {"schedule": {"served": [[1, 1, 2], [2, 128, 0]]}}
     (repo / SERVE_RECORD).write_text(json.dumps(scheduled))
     write(repo, CONCURRENCY_TARGETS)
-    assert "Served by `eaglenest serve` with its K per batch size (K 2 at 1, 0 at 2-128) and measured" in \
-        (repo / "README.md").read_text()
+    assert (
+        "Served by `eaglenest serve` with its K per batch size (K 2 at 1, 0 at 2-128) and measured"
+        in (repo / "README.md").read_text()
+    )
     (repo / SERVE_RECORD).write_text(json.dumps(bench_result({1: 1.06, 4: 0.705, 16: 0.537})))
     write(repo, CONCURRENCY_TARGETS)
     svg = (repo / "docs/img/concurrency.svg").read_text()
@@ -410,7 +467,8 @@ def test_the_docs_concurrency_figures_follow_the_committed_bench_result(tmp_path
     (repo / SERVE_RECORD).unlink()  # no measurement: the blocks say how to make one, the figure must go
     assert stale(repo, CONCURRENCY_TARGETS)[-1] == (
         "docs/img/concurrency.svg draws a measurement that is not committed; run `eaglenest report --docs` (it "
-        "removes the file) and commit the result")
+        "removes the file) and commit the result"
+    )
     write(repo, CONCURRENCY_TARGETS)
     assert not (repo / "docs/img/concurrency.svg").exists()
     assert "Not measured at this commit" in (repo / "docs/serving.md").read_text()
@@ -432,8 +490,11 @@ def test_a_bench_of_several_rounds_shows_each_speedups_interval(tmp_path: Path):
     assert "8 requests per concurrency, 3 rounds, on AMD EPYC" in (repo / "README.md").read_text()
     document["results"][0]["speedup_interval"] = {"low": "x"}
     (repo / SERVE_RECORD).write_text(json.dumps(document))
-    with pytest.raises(InputFileError, match=r"no results\[0\]\.speedup_interval\.low \(expected an integer or a "
-                                             r"number\)"):
+    with pytest.raises(
+        InputFileError,
+        match=r"no results\[0\]\.speedup_interval\.low \(expected an integer or a "
+        r"number\)",
+    ):
         load_serve_record(repo)
 
 
@@ -444,18 +505,25 @@ def test_a_real_bench_result_recorded_renders_the_docs_figures(tmp_path: Path, r
     assert real_bench_sweep.status == 0, real_bench_sweep.stderr
     repo = _docs_copy(tmp_path / "repo")
     subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
-    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "t"],
-                   cwd=repo, check=True)
-    record = record_bench(out / "bench.json", shlex.join(["eaglenest", "bench", *REAL_SWEEP_FLAGS]), repo,
-                          repo / SERVE_RECORD)
+    subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "t"],
+        cwd=repo,
+        check=True,
+    )
+    record = record_bench(
+        out / "bench.json", shlex.join(["eaglenest", "bench", *REAL_SWEEP_FLAGS]), repo, repo / SERVE_RECORD
+    )
     measured = json.loads((out / "bench.json").read_text())["results"]
     assert [(level.concurrency, level.speedup) for level in record.levels] == [
-        (row["concurrency"], row["speedup"]) for row in measured]
+        (row["concurrency"], row["speedup"]) for row in measured
+    ]
     write(repo, CONCURRENCY_TARGETS)
     serving = (repo / "docs/serving.md").read_text()
     for row in measured:
-        assert f"| {row['concurrency']} | {row['draft']['tokens_per_s']:.1f} | " \
-               f"{row['baseline']['tokens_per_s']:.1f} | x{row['speedup']:.3f} |" in serving
+        assert (
+            f"| {row['concurrency']} | {row['draft']['tokens_per_s']:.1f} | "
+            f"{row['baseline']['tokens_per_s']:.1f} | x{row['speedup']:.3f} |" in serving
+        )
     assert stale(repo, CONCURRENCY_TARGETS) == [] and (repo / "docs/img/concurrency.svg").is_file()
 
 
@@ -467,8 +535,9 @@ def test_recording_a_bench_result_adds_the_command_commit_and_host_kind(tmp_path
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
     subprocess.run([*git, "init", "-q"], cwd=repo, check=True)
     subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "t"], cwd=repo, check=True)
-    head = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=repo, capture_output=True, text=True,
-                          check=True).stdout.strip()
+    head = subprocess.run(
+        ["git", "rev-parse", "--short=10", "HEAD"], cwd=repo, capture_output=True, text=True, check=True
+    ).stdout.strip()
     result = bench_result({1: 1.1, 4: 0.8})
     del result["recorded"]
     (tmp_path / "bench.json").write_text(json.dumps(result))
@@ -478,18 +547,29 @@ def test_recording_a_bench_result_adds_the_command_commit_and_host_kind(tmp_path
     assert recorded["command"] == "eaglenest bench --serve" and recorded["commit"] == head
     assert recorded["host"]["key"] == host_kind().key and recorded["host"]["label"] == host_kind().label
     script = [sys.executable, str(REPO / "scripts" / "record_serve_bench.py")]
-    missing = subprocess.run([*script, str(tmp_path / "none.json"), "--command", "x", "--repo", str(repo)],
-                             capture_output=True, text=True)
+    missing = subprocess.run(
+        [*script, str(tmp_path / "none.json"), "--command", "x", "--repo", str(repo)], capture_output=True, text=True
+    )
     assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
     assert missing.stderr.startswith(f"record_serve_bench.py: error: {tmp_path / 'none.json'}: not a bench result")
 
 
-@pytest.mark.parametrize("path, edit, line", [
-    ("results.1.baseline", lambda row: row.pop("tokens_per_s"), "no results[1].baseline.tokens_per_s (expected an "
-                                                                "integer or a number)"),
-    ("results.0", lambda row: row.update(speedup="fast"), "no results[0].speedup (expected an integer or a number)"),
-    ("recorded", lambda row: row.pop("commit"), "no recorded.commit (expected text)"),
-])
+@pytest.mark.parametrize(
+    "path, edit, line",
+    [
+        (
+            "results.1.baseline",
+            lambda row: row.pop("tokens_per_s"),
+            "no results[1].baseline.tokens_per_s (expected an integer or a number)",
+        ),
+        (
+            "results.0",
+            lambda row: row.update(speedup="fast"),
+            "no results[0].speedup (expected an integer or a number)",
+        ),
+        ("recorded", lambda row: row.pop("commit"), "no recorded.commit (expected text)"),
+    ],
+)
 def test_a_bench_record_missing_a_key_is_one_line_naming_file_and_key(tmp_path: Path, path: str, edit, line: str):
     document = bench_result({1: 1.06, 4: 0.705})
     node = document
@@ -500,8 +580,9 @@ def test_a_bench_record_missing_a_key_is_one_line_naming_file_and_key(tmp_path: 
     (tmp_path / SERVE_RECORD).write_text(json.dumps(document))
     with pytest.raises(InputFileError) as raised:
         load_serve_record(tmp_path)
-    assert str(raised.value) == (f"{tmp_path / SERVE_RECORD}: {line}; the figures of docs/serving.md and "
-                                 "docs/img/concurrency.svg need it")
+    assert str(raised.value) == (
+        f"{tmp_path / SERVE_RECORD}: {line}; the figures of docs/serving.md and docs/img/concurrency.svg need it"
+    )
 
 
 def test_the_training_figure_was_drawn_from_the_curves_dvc_lock_records(tmp_path: Path):
@@ -518,14 +599,20 @@ def test_the_training_figure_was_drawn_from_the_curves_dvc_lock_records(tmp_path
     assert render_training_svg(old, tmp_path) == old  # no curves here, and the figure is of the locked ones
     retrained = "0" * 32 + ".dir"
     (tmp_path / "dvc.lock").write_text(lock.replace(locked_md5(committed), retrained))
-    with pytest.raises(InputFileError, match=rf"{TRAINING_SVG} was drawn from dvclive/train md5 "
-                                             rf"{locked_md5(committed)}, but dvc.lock records {retrained}, and "
-                                             r"dvclive/train is not in the workspace: `dvc pull dvclive/train`"):
+    with pytest.raises(
+        InputFileError,
+        match=rf"{TRAINING_SVG} was drawn from dvclive/train md5 "
+        rf"{locked_md5(committed)}, but dvc.lock records {retrained}, and "
+        r"dvclive/train is not in the workspace: `dvc pull dvclive/train`",
+    ):
         render_training_svg(old, tmp_path)
     (tmp_path / "dvclive/train").mkdir(parents=True)
     (tmp_path / "dvclive/train/metrics.json").write_text("{}")
-    with pytest.raises(InputFileError, match=rf"dvclive/train: md5 [0-9a-f]{{32}}\.dir, but dvc.lock records "
-                                             rf"{retrained}; `dvc checkout dvclive/train`"):
+    with pytest.raises(
+        InputFileError,
+        match=rf"dvclive/train: md5 [0-9a-f]{{32}}\.dir, but dvc.lock records "
+        rf"{retrained}; `dvc checkout dvclive/train`",
+    ):
         render_training_svg(old, tmp_path)
 
 
@@ -538,8 +625,9 @@ def test_the_committed_curves_come_from_the_dvc_cache_where_the_workspace_holds_
     (curves / "plots/metrics/val/acc_0.tsv").write_text("step\tacc_0\n0\t0.1\n100\t0.3\n")
     Repo.init(str(repo), no_scm=True).add(str(curves))  # the committed curves, in DVC's cache
     md5 = yaml.safe_load((repo / "dvclive/train.dvc").read_text())["outs"][0]["md5"]
-    (repo / "dvc.lock").write_text(yaml.safe_dump({"schema": "2.0", "stages": {"train": {
-        "outs": [{"path": "dvclive/train", "md5": md5}]}}}))
+    (repo / "dvc.lock").write_text(
+        yaml.safe_dump({"schema": "2.0", "stages": {"train": {"outs": [{"path": "dvclive/train", "md5": md5}]}}})
+    )
     subprocess.run([*GIT, "init", "-q"], cwd=repo, check=True)
     subprocess.run([*GIT, "add", "dvc.lock"], cwd=repo, check=True)
     subprocess.run([*GIT, "commit", "-q", "-m", "t"], cwd=repo, check=True)
@@ -585,8 +673,13 @@ def test_every_page_says_what_it_is_for_and_links_back():
 
 def test_site_builds_strict(tmp_path: Path):
     """mkdocs build --strict: a broken link, a missing anchor or a page left out of the nav fails."""
-    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
-                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, f"mkdocs build --strict failed:\n{result.stdout}{result.stderr}"
     assert (tmp_path / "site" / "index.html").read_text().count("Quickstart") >= 1
 
@@ -597,24 +690,41 @@ MACHINE_PATH = re.compile(r"(?<![\w.~/-])/(?:tmp(?!/ray/)|work)/")
 
 
 def test_docs_name_no_machines_scratch_paths():
-    problems = [f"{name}:{number}: {line.strip()[:100]}" for name in SHELL_PAGES
-                for number, line in enumerate((REPO / name).read_text().splitlines(), 1) if MACHINE_PATH.search(line)]
-    assert not problems, "absolute /tmp/ or /work/ paths in the docs; say what the folder was (a fresh clone, a " \
-                         "scratch folder):\n" + "\n".join(problems)
+    problems = [
+        f"{name}:{number}: {line.strip()[:100]}"
+        for name in SHELL_PAGES
+        for number, line in enumerate((REPO / name).read_text().splitlines(), 1)
+        if MACHINE_PATH.search(line)
+    ]
+    assert not problems, (
+        "absolute /tmp/ or /work/ paths in the docs; say what the folder was (a fresh clone, a "
+        "scratch folder):\n" + "\n".join(problems)
+    )
 
 
-@pytest.mark.parametrize("line, found", [("`git clone /work/main /tmp/demo5`", True), ("--scratch /tmp/bench", True),
-                                         ("`--out report/`", False), ("https://example.com/tmp/x", False),
-                                         ("`/tmp/ray/session_latest/logs`", False)])
+@pytest.mark.parametrize(
+    "line, found",
+    [
+        ("`git clone /work/main /tmp/demo5`", True),
+        ("--scratch /tmp/bench", True),
+        ("`--out report/`", False),
+        ("https://example.com/tmp/x", False),
+        ("`/tmp/ray/session_latest/logs`", False),
+    ],
+)
 def test_the_machine_path_pattern(line: str, found: bool):
     assert bool(MACHINE_PATH.search(line)) is found
 
 
 def _tracked_text_files() -> list[str]:
     names = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
-    return [name for name in names.splitlines()
-            if Path(name).suffix in TEXT_SUFFIXES and (REPO / name).is_file()
-            and not any(name.startswith(prefix) for prefix in ISSUE_NUMBER_EXEMPT)]
+    return [
+        name
+        for name in names.splitlines()
+        if Path(name).suffix in TEXT_SUFFIXES
+        and (REPO / name).is_file()
+        and not any(name.startswith(prefix) for prefix in ISSUE_NUMBER_EXEMPT)
+    ]
 
 
 def test_no_tracked_file_cites_an_issue_number_or_a_work_session():
@@ -635,11 +745,21 @@ def test_no_tracked_file_cites_an_issue_number_or_a_work_session():
 N = 27  # the examples are built, so this file cites no issue itself
 
 
-@pytest.mark.parametrize("line, cited", [
-    (f"see issue {N} for why", True), (f"fixed in #{N}.", True), (f"(issue #{N})", True), (f"Issues {N}", True),
-    ("# a comment", False), ("color: #1f77b4", False), ("[link](#mix-sweep)", False), ("&#39;", False),
-    ("K = 2 (#make-demo-at-1f28d0c)", False), ("ranks #rank", False),
-])
+@pytest.mark.parametrize(
+    "line, cited",
+    [
+        (f"see issue {N} for why", True),
+        (f"fixed in #{N}.", True),
+        (f"(issue #{N})", True),
+        (f"Issues {N}", True),
+        ("# a comment", False),
+        ("color: #1f77b4", False),
+        ("[link](#mix-sweep)", False),
+        ("&#39;", False),
+        ("K = 2 (#make-demo-at-1f28d0c)", False),
+        ("ranks #rank", False),
+    ],
+)
 def test_the_issue_number_pattern(line: str, cited: bool):
     assert bool(ISSUE_NUMBER.search(line)) is cited
 

@@ -16,8 +16,13 @@ from tests.project.test_docs import check_command
 sys.path.insert(0, str(REPO / "scripts"))
 from experiment_record import record  # noqa: E402
 
-HOST = {"cpu": "AMD EPYC 9R14", "aten_capability": "AVX512", "bf16_native": True, "gpu": None,
-        "compute_dtype": "bfloat16"}
+HOST = {
+    "cpu": "AMD EPYC 9R14",
+    "aten_capability": "AVX512",
+    "bf16_native": True,
+    "gpu": None,
+    "compute_dtype": "bfloat16",
+}
 SOURCES = [{"source": "builtin:self-instruct", "weight": 2}, {"source": "builtin:chitchat", "weight": 1}]
 
 
@@ -26,8 +31,14 @@ def _commit(repo: Path, lr: float, sources: list, tau: float, host: dict | None)
     params["train"]["lr"], params["prepare"]["source"] = lr, sources
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     (repo / "metrics" / "eval").mkdir(parents=True, exist_ok=True)
-    figures = {"vllm_tau": tau, "vllm_tau_ci95": 0.03, "vllm_speedup": 1.2, "vllm_speedup_ci95": 0.07,
-               "vllm_vs_ngram": 1.1, "vllm_vs_ngram_ci95": 0.05}
+    figures = {
+        "vllm_tau": tau,
+        "vllm_tau_ci95": 0.03,
+        "vllm_speedup": 1.2,
+        "vllm_speedup_ci95": 0.07,
+        "vllm_vs_ngram": 1.1,
+        "vllm_vs_ngram_ci95": 0.05,
+    }
     (repo / "metrics" / "eval.json").write_text(json.dumps({"humaneval": figures, "lossless": 1.0}))
     details = {"num_speculative_tokens": 2, "headline_backend": "vllm", "runs": {}, **({"host": host} if host else {})}
     (repo / "metrics" / "eval" / "details.json").write_text(json.dumps(details))
@@ -80,8 +91,11 @@ def test_a_revision_without_a_host_record_leaves_the_host_to_fill_in(tmp_path: P
 
 def test_an_unknown_revision_is_one_line(tmp_path: Path):
     repo, _, _ = _repo(tmp_path)
-    result = subprocess.run([sys.executable, str(REPO / "scripts" / "experiment_record.py"), "nope", "--repo",
-                             str(repo)], capture_output=True, text=True, env=project_env(PYTHONPATH=str(REPO / "src")))
+    result = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "experiment_record.py"), "nope", "--repo", str(repo)],
+        capture_output=True,
+        text=True,
+        env=project_env(PYTHONPATH=str(REPO / "src")),
+    )
     assert result.returncode == 1
-    assert result.stderr == "experiment_record.py: revision 'nope': not a git revision, DVC experiment or " \
-                            "'workspace'\n"
+    assert result.stderr == "experiment_record.py: revision 'nope': not a git revision, DVC experiment or 'workspace'\n"

@@ -18,10 +18,15 @@ import pytest
 from tests.fixtures.pipeline import REPO
 
 PACKAGE = REPO / "src" / "eaglenest"
-VLLM_MODULES = {"eaglenest.core.vllm_support", "eaglenest.stages.extract.vllm",
-                "eaglenest.stages.extract.vllm_connector", "eaglenest.stages.evaluate.vllm",
-                "eaglenest.stages.prepare.regenerate.vllm", "eaglenest.core.measure.engines",
-                "eaglenest.core.vllm_schedule"}
+VLLM_MODULES = {
+    "eaglenest.core.vllm_support",
+    "eaglenest.stages.extract.vllm",
+    "eaglenest.stages.extract.vllm_connector",
+    "eaglenest.stages.evaluate.vllm",
+    "eaglenest.stages.prepare.regenerate.vllm",
+    "eaglenest.core.measure.engines",
+    "eaglenest.core.vllm_schedule",
+}
 
 
 def _load_stage_deps():
@@ -56,8 +61,11 @@ def import_graph() -> dict[str, set[str]]:
 
 def external_imports(path: Path) -> set[str]:
     """Top-level packages other than eaglenest that ``path`` imports at run time."""
-    return {name.split(".")[0] for name in stage_deps.imported_names(path, None)
-            if not name.startswith("eaglenest") and "." not in name or name.split(".")[0] == "vllm"}
+    return {
+        name.split(".")[0]
+        for name in stage_deps.imported_names(path, None)
+        if not name.startswith("eaglenest") and "." not in name or name.split(".")[0] == "vllm"
+    }
 
 
 def layer(module: str) -> tuple[str, str | None]:
@@ -80,7 +88,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for target in sorted(graph[node]):
             if state.get(target) == 1:
-                return path[path.index(target):] + [target]
+                return path[path.index(target) :] + [target]
             if target not in state and (cycle := visit(target)) is not None:
                 return cycle
         path.pop()
@@ -108,22 +116,33 @@ def test_the_cycle_finder_finds_a_circle():
 
 
 def test_no_stage_imports_another_stage():
-    crossings = [f"{module} imports {target}" for module, targets in import_graph().items() for target in targets
-                 if layer(module)[0] == "stage" and layer(target)[0] == "stage" and layer(target) != layer(module)]
+    crossings = [
+        f"{module} imports {target}"
+        for module, targets in import_graph().items()
+        for target in targets
+        if layer(module)[0] == "stage" and layer(target)[0] == "stage" and layer(target) != layer(module)
+    ]
     assert crossings == []
 
 
 def test_the_ground_and_the_artifacts_import_no_stage_and_no_command():
     allowed = {"core": {"root", "core"}, "artifacts": {"root", "core", "artifacts"}}
-    wrong = [f"{module} ({layer(module)[0]}) imports {target} ({layer(target)[0]})"
-             for module, targets in import_graph().items() for target in targets
-             if layer(module)[0] in allowed and layer(target)[0] not in allowed[layer(module)[0]]]
+    wrong = [
+        f"{module} ({layer(module)[0]}) imports {target} ({layer(target)[0]})"
+        for module, targets in import_graph().items()
+        for target in targets
+        if layer(module)[0] in allowed and layer(target)[0] not in allowed[layer(module)[0]]
+    ]
     assert wrong == []
 
 
 def test_only_commands_import_commands():
-    wrong = [f"{module} imports {target}" for module, targets in import_graph().items() for target in targets
-             if layer(target)[0] == "commands" and layer(module)[0] not in ("commands", "root")]
+    wrong = [
+        f"{module} imports {target}"
+        for module, targets in import_graph().items()
+        for target in targets
+        if layer(target)[0] == "commands" and layer(module)[0] not in ("commands", "root")
+    ]
     assert wrong == []
 
 
@@ -150,10 +169,12 @@ def test_every_dvc_stage_has_a_package_and_the_same_short_script():
 
 
 def stage_deps_script_body(stage: str) -> str:
-    return (f'\n\nfrom _guard import require_stage_environment\n\nrequire_stage_environment("{stage}")\n\n'
-            "from eaglenest.core.stage import run_stage  # noqa: E402\n"
-            f"from eaglenest.stages.{stage} import STAGE  # noqa: E402\n\n"
-            'if __name__ == "__main__":\n    raise SystemExit(run_stage(STAGE))\n')
+    return (
+        f'\n\nfrom _guard import require_stage_environment\n\nrequire_stage_environment("{stage}")\n\n'
+        "from eaglenest.core.stage import run_stage  # noqa: E402\n"
+        f"from eaglenest.stages.{stage} import STAGE  # noqa: E402\n\n"
+        'if __name__ == "__main__":\n    raise SystemExit(run_stage(STAGE))\n'
+    )
 
 
 def test_dvc_yaml_lists_exactly_each_stages_code():
@@ -188,16 +209,28 @@ def test_the_closure_counts_lazy_imports_parents_and_module_names_but_not_type_c
     script = tmp_path / "stages" / "s.py"
     script.write_text("from _helper import x\n")
     files = {str(p.relative_to(tmp_path)) for p in stage_deps.closure(script, stage_deps.package_modules(src))}
-    assert files == {"stages/s.py", "stages/_helper.py", "src/pkg/__init__.py", "src/pkg/main.py",
-                     "src/pkg/sub/__init__.py", "src/pkg/sub/leaf.py", "src/pkg/lazy.py", "src/pkg/by_name.py"}
+    assert files == {
+        "stages/s.py",
+        "stages/_helper.py",
+        "src/pkg/__init__.py",
+        "src/pkg/main.py",
+        "src/pkg/sub/__init__.py",
+        "src/pkg/sub/leaf.py",
+        "src/pkg/lazy.py",
+        "src/pkg/by_name.py",
+    }
 
 
 def test_a_missing_or_extra_code_dep_is_named_with_its_stage(tmp_path: Path):
     text = (REPO / "dvc.yaml").read_text()
     edited = tmp_path / "dvc.yaml"
-    edited.write_text(text.replace("      - src/eaglenest/stages/train/optimization.py\n", "", 1).replace(
-        "      - src/eaglenest/stages/evaluate/vllm.py\n",
-        "      - src/eaglenest/stages/evaluate/vllm.py\n      - src/eaglenest/commands/report.py\n", 1))
+    edited.write_text(
+        text.replace("      - src/eaglenest/stages/train/optimization.py\n", "", 1).replace(
+            "      - src/eaglenest/stages/evaluate/vllm.py\n",
+            "      - src/eaglenest/stages/evaluate/vllm.py\n      - src/eaglenest/commands/report.py\n",
+            1,
+        )
+    )
     assert stage_deps.problems(edited) == [
         "stage train: dvc.yaml misses src/eaglenest/stages/train/optimization.py (the stage runs it)",
         "stage evaluate: dvc.yaml lists src/eaglenest/commands/report.py, which the stage does not run",
@@ -226,8 +259,10 @@ def test_each_stage_declares_as_params_deps_the_sections_it_reads():
 
     from eaglenest.commands.params_file import SECTIONS, STAGE_PARAMS
 
-    declared = {name: stage.get("params", []) for name, stage in
-                yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"].items()}
+    declared = {
+        name: stage.get("params", [])
+        for name, stage in yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"].items()
+    }
     for stage in stage_deps.stage_names():
         importlib.import_module(f"eaglenest.stages.{stage}")
         assert sys.modules[f"eaglenest.stages.{stage}"].STAGE.params is STAGE_PARAMS.get(stage)
@@ -236,8 +271,11 @@ def test_each_stage_declares_as_params_deps_the_sections_it_reads():
             if section == "cluster":
                 continue
             whole = SECTIONS.get(section).model
-            expected += [section] if field.annotation is whole else [f"{section}.{key}"
-                                                                    for key in field.annotation.model_fields]
+            expected += (
+                [section]
+                if field.annotation is whole
+                else [f"{section}.{key}" for key in field.annotation.model_fields]
+            )
         assert sorted(declared[stage]) == sorted(expected), stage
 
 

@@ -19,11 +19,19 @@ SETS = ("humaneval", "general", "long")
 
 
 def seed_run(repo: Path, seed: int, host_key: str = HOST["key"]) -> str:
-    figures = {name: {"vllm_tau": round(1.4 + 0.01 * seed + 0.1 * i, 4), "vllm_tau_ci95": 0.05,
-                      "vllm_speedup": round(1.1 + 0.02 * seed, 4)}
-               for i, name in enumerate(SETS)}
-    return commit(repo, {"metrics/eval.json": figures,
-                         "metrics/eval/details.json": {"host": {**HOST, "key": host_key}}}, f"seed {seed}")
+    figures = {
+        name: {
+            "vllm_tau": round(1.4 + 0.01 * seed + 0.1 * i, 4),
+            "vllm_tau_ci95": 0.05,
+            "vllm_speedup": round(1.1 + 0.02 * seed, 4),
+        }
+        for i, name in enumerate(SETS)
+    }
+    return commit(
+        repo,
+        {"metrics/eval.json": figures, "metrics/eval/details.json": {"host": {**HOST, "key": host_key}}},
+        f"seed {seed}",
+    )
 
 
 def spread(repo: Path, *args: str) -> subprocess.CompletedProcess[str]:

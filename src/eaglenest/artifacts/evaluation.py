@@ -62,8 +62,7 @@ def timed(records: list[dict[str, Any]], drafter: str = "spec") -> list[dict[str
     return [r for r in records if r.get(f"{drafter}_s") is not None and r.get("plain_s") is not None]
 
 
-def speedup_interval(records: list[dict[str, Any]], samples: int, seed: int, drafter: str = "spec"
-                     ) -> Interval | None:
+def speedup_interval(records: list[dict[str, Any]], samples: int, seed: int, drafter: str = "spec") -> Interval | None:
     """Single-stream tokens/s of ``drafter`` over plain decoding on the timed records, the measurement kit's speed-up
     with its interval over conversations; None if none was timed."""
     chosen = timed(records, drafter)
@@ -124,9 +123,11 @@ def summarize(records: list[dict[str, Any]], k: int, samples: int, seed: int) ->
             chosen = timed(records, drafter)
             summary[name] = interval.as_dict()
             summary[f"tokens_per_s_{drafter}"] = round(
-                sum(r[f"{drafter}_tokens"] for r in chosen) / sum(r[f"{drafter}_s"] for r in chosen), 2)
+                sum(r[f"{drafter}_tokens"] for r in chosen) / sum(r[f"{drafter}_s"] for r in chosen), 2
+            )
             summary["tokens_per_s_plain"] = round(
-                sum(r["plain_tokens"] for r in chosen) / sum(r["plain_s"] for r in chosen), 2)
+                sum(r["plain_tokens"] for r in chosen) / sum(r["plain_s"] for r in chosen), 2
+            )
             summary["timed_turns"] = len(chosen)
     versus = draft_vs_ngram(records, samples, seed)
     if versus is not None:
@@ -136,13 +137,16 @@ def summarize(records: list[dict[str, Any]], k: int, samples: int, seed: int) ->
         # the same turns' tau decoded together and decoded alone; alone is the tau the timed speed-ups decoded at
         summary["tau_batched_vs_alone"] = {
             "batched": tau_interval(alone, samples, seed).as_dict(),
-            "alone": bootstrap(cluster_sums(alone, ("alone_accepted", "alone_steps")), tau_statistic, samples,
-                               seed).as_dict()}
+            "alone": bootstrap(
+                cluster_sums(alone, ("alone_accepted", "alone_steps")), tau_statistic, samples, seed
+            ).as_dict(),
+        }
     categories = sorted({r["category"] for r in records if r.get("category")})
     if categories:
         summary["categories"] = {
             category: tau_interval([r for r in records if r.get("category") == category], samples, seed).as_dict()
-            for category in categories}
+            for category in categories
+        }
     return summary
 
 
@@ -174,8 +178,12 @@ def headline(details: dict[str, Any], headline_sets: list[str], backend: str) ->
         if "tau_batched_vs_alone" in summary:
             entry[f"{backend}_tau_timed"] = summary["tau_batched_vs_alone"]["alone"]["value"]
         figures[name] = entry
-    greedy = [s["summary"]["lossless_fraction"] for run in details["runs"].values() for s in run["sets"].values()
-              if s["temperature"] == 0]
+    greedy = [
+        s["summary"]["lossless_fraction"]
+        for run in details["runs"].values()
+        for s in run["sets"].values()
+        if s["temperature"] == 0
+    ]
     if greedy:
         figures["lossless"] = min(greedy)
     return figures

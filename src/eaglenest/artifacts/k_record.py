@@ -59,15 +59,30 @@ class ServedFigure:
     sets: list[str]
 
 
-def write_k_record(path: Path, draft_dir: Path, algorithm: str, trained_k: int, served: ServedFigure | None,
-                   details: dict[str, Any], not_measured: str | None = None) -> dict[str, Any]:
+def write_k_record(
+    path: Path,
+    draft_dir: Path,
+    algorithm: str,
+    trained_k: int,
+    served: ServedFigure | None,
+    details: dict[str, Any],
+    not_measured: str | None = None,
+) -> dict[str, Any]:
     """Writes the record atomically (``served`` None: nothing measured, ``not_measured`` says why); returns it."""
-    record = {"draft": {"path": str(draft_dir), "sha256": draft_fingerprint(draft_dir), "algorithm": algorithm,
-                        "trained_k": trained_k},
-              "serve_k": served.k if served else None,
-              "serve": None if served is None else {"k": served.k, "speedup": served.speedup,
-                                                    "speedup_ci95": served.speedup_ci95, "sets": served.sets},
-              "not_measured": not_measured, **details}
+    record = {
+        "draft": {
+            "path": str(draft_dir),
+            "sha256": draft_fingerprint(draft_dir),
+            "algorithm": algorithm,
+            "trained_k": trained_k,
+        },
+        "serve_k": served.k if served else None,
+        "serve": None
+        if served is None
+        else {"k": served.k, "speedup": served.speedup, "speedup_ci95": served.speedup_ci95, "sets": served.sets},
+        "not_measured": not_measured,
+        **details,
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(path, record)
     return record
@@ -94,11 +109,18 @@ def read_k_record(path: Path) -> KRecord | None:
         document = json.loads(path.read_text())
         sha256 = str(document["draft"]["sha256"])
         serve = document["serve"]
-        served = None if serve is None else ServedFigure(int(serve["k"]), float(serve["speedup"]),
-                                                         float(serve["speedup_ci95"]), [str(s) for s in serve["sets"]])
+        served = (
+            None
+            if serve is None
+            else ServedFigure(
+                int(serve["k"]), float(serve["speedup"]), float(serve["speedup_ci95"]), [str(s) for s in serve["sets"]]
+            )
+        )
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
-        raise InputFileError(f"{path}: not a k_sweep stage record ({type(err).__name__}: {err}); "
-                             f"{MEASURE_HINT} again, or pass --num-speculative-tokens K") from None
+        raise InputFileError(
+            f"{path}: not a k_sweep stage record ({type(err).__name__}: {err}); "
+            f"{MEASURE_HINT} again, or pass --num-speculative-tokens K"
+        ) from None
     if served is not None and served.k < 1:
         raise InputFileError(f"{path}: serve.k is {served.k}; {MEASURE_HINT} again")
     return KRecord(sha256, served, document.get("not_measured"))
@@ -115,8 +137,12 @@ class KChoice:
         return f"served K: {self.k} ({self.why})"
 
 
-def served_k(draft_dir: Path, told: int | None = None, record_file: Path | None = K_RECORD_FILE,
-             told_name: str = "--num-speculative-tokens") -> KChoice:
+def served_k(
+    draft_dir: Path,
+    told: int | None = None,
+    record_file: Path | None = K_RECORD_FILE,
+    told_name: str = "--num-speculative-tokens",
+) -> KChoice:
     """The K to serve the draft at: ``told`` where given, else the K the k_sweep stage measured fastest for this
     very draft (``record_file``), else the draft's own.
 
@@ -135,10 +161,14 @@ def served_k(draft_dir: Path, told: int | None = None, record_file: Path | None 
     if record is None:
         return KChoice(own, f"the draft's own: no {record_file}; {MEASURE_HINT}")
     if record.sha256 != draft_fingerprint(draft_dir):
-        return KChoice(own, f"the draft's own: {record_file} was measured on another draft; {MEASURE_HINT} for "
-                            "this one")
+        return KChoice(
+            own, f"the draft's own: {record_file} was measured on another draft; {MEASURE_HINT} for this one"
+        )
     if record.served is None:
         return KChoice(own, f"the draft's own: {record_file} measured no K ({record.not_measured})")
     figure = record.served
-    return KChoice(figure.k, f"measured for this draft by the k_sweep stage: x{figure.speedup:.2f} ± "
-                             f"{figure.speedup_ci95:.2f} on {', '.join(figure.sets)}")
+    return KChoice(
+        figure.k,
+        f"measured for this draft by the k_sweep stage: x{figure.speedup:.2f} ± "
+        f"{figure.speedup_ci95:.2f} on {', '.join(figure.sets)}",
+    )

@@ -45,9 +45,14 @@ class NgramFigure:
     sets: list[str]
 
 
-def write_ngram_record(path: Path, verifier: dict[str, str], setting: NgramSetting | None,
-                       figure: NgramFigure | None, details: dict[str, Any], not_measured: str | None = None
-                       ) -> dict[str, Any]:
+def write_ngram_record(
+    path: Path,
+    verifier: dict[str, str],
+    setting: NgramSetting | None,
+    figure: NgramFigure | None,
+    details: dict[str, Any],
+    not_measured: str | None = None,
+) -> dict[str, Any]:
     """Writes the record atomically (``setting`` None: nothing measured, ``not_measured`` says why); returns it.
 
     Args:
@@ -58,13 +63,21 @@ def write_ngram_record(path: Path, verifier: dict[str, str], setting: NgramSetti
         details: The stage's own details, kept beside (candidates, timing, seconds, host).
         not_measured: Why nothing was measured.
     """
-    record = {"verifier": verifier,
-              "setting": None if setting is None else {"prompt_lookup_min": setting.prompt_lookup_min,
-                                                       "prompt_lookup_max": setting.prompt_lookup_max,
-                                                       "num_speculative_tokens": setting.k},
-              "serve": None if figure is None else {"speedup": figure.speedup, "speedup_ci95": figure.speedup_ci95,
-                                                    "sets": figure.sets},
-              "not_measured": not_measured, **details}
+    record = {
+        "verifier": verifier,
+        "setting": None
+        if setting is None
+        else {
+            "prompt_lookup_min": setting.prompt_lookup_min,
+            "prompt_lookup_max": setting.prompt_lookup_max,
+            "num_speculative_tokens": setting.k,
+        },
+        "serve": None
+        if figure is None
+        else {"speedup": figure.speedup, "speedup_ci95": figure.speedup_ci95, "sets": figure.sets},
+        "not_measured": not_measured,
+        **details,
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(path, record)
     return record
@@ -92,16 +105,29 @@ def read_ngram_record(path: Path) -> NgramRecord | None:
         document = json.loads(path.read_text())
         fingerprint = str(document["verifier"]["fingerprint"])
         chosen, serve = document["setting"], document["serve"]
-        setting = None if chosen is None else NgramSetting(
-            int(chosen["prompt_lookup_min"]), int(chosen["prompt_lookup_max"]), int(chosen["num_speculative_tokens"]))
-        figure = None if serve is None else NgramFigure(float(serve["speedup"]), float(serve["speedup_ci95"]),
-                                                        [str(s) for s in serve["sets"]])
+        setting = (
+            None
+            if chosen is None
+            else NgramSetting(
+                int(chosen["prompt_lookup_min"]),
+                int(chosen["prompt_lookup_max"]),
+                int(chosen["num_speculative_tokens"]),
+            )
+        )
+        figure = (
+            None
+            if serve is None
+            else NgramFigure(float(serve["speedup"]), float(serve["speedup_ci95"]), [str(s) for s in serve["sets"]])
+        )
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
-        raise InputFileError(f"{path}: not an ngram_sweep stage record ({type(err).__name__}: {err}); "
-                             f"{MEASURE_HINT} again") from None
+        raise InputFileError(
+            f"{path}: not an ngram_sweep stage record ({type(err).__name__}: {err}); {MEASURE_HINT} again"
+        ) from None
     if setting is not None and (not 1 <= setting.prompt_lookup_min <= setting.prompt_lookup_max or setting.k < 1):
-        raise InputFileError(f"{path}: setting {setting.label} is not one vLLM runs (1 <= prompt_lookup_min <= "
-                             f"prompt_lookup_max, K >= 1); {MEASURE_HINT} again")
+        raise InputFileError(
+            f"{path}: setting {setting.label} is not one vLLM runs (1 <= prompt_lookup_min <= "
+            f"prompt_lookup_max, K >= 1); {MEASURE_HINT} again"
+        )
     return NgramRecord(fingerprint, setting, figure, document.get("not_measured"))
 
 
@@ -116,8 +142,9 @@ class NgramChoice:
         return f"n-gram drafting at {self.setting.label} ({self.why})"
 
 
-def measured_ngram(verifier_fingerprint: str, fallback_k: int, record_file: Path | None = NGRAM_RECORD_FILE
-                   ) -> NgramChoice:
+def measured_ngram(
+    verifier_fingerprint: str, fallback_k: int, record_file: Path | None = NGRAM_RECORD_FILE
+) -> NgramChoice:
     """The n-gram setting to run for the verifier ``verifier_fingerprint``: the one the ngram_sweep stage measured
     fastest for it (``record_file``), else vLLM's default window at K = ``fallback_k`` (what naming the method
     gives).
@@ -132,11 +159,16 @@ def measured_ngram(verifier_fingerprint: str, fallback_k: int, record_file: Path
     if record is None:
         return NgramChoice(fallback, f"vLLM's default window: no {record_file}; {MEASURE_HINT}")
     if record.fingerprint != verifier_fingerprint:
-        return NgramChoice(fallback, f"vLLM's default window: {record_file} was measured on another verifier; "
-                                     f"{MEASURE_HINT} for this one")
+        return NgramChoice(
+            fallback,
+            f"vLLM's default window: {record_file} was measured on another verifier; {MEASURE_HINT} for this one",
+        )
     if record.setting is None:
         return NgramChoice(fallback, f"vLLM's default window: {record_file} measured none ({record.not_measured})")
     figure = record.figure
-    measured = "" if figure is None else (f": x{figure.speedup:.2f} ± {figure.speedup_ci95:.2f} over plain decoding "
-                                          f"on {', '.join(figure.sets)}")
+    measured = (
+        ""
+        if figure is None
+        else (f": x{figure.speedup:.2f} ± {figure.speedup_ci95:.2f} over plain decoding on {', '.join(figure.sets)}")
+    )
     return NgramChoice(record.setting, f"measured fastest by the ngram_sweep stage{measured}")

@@ -28,8 +28,14 @@ VAL_PROMPTS_FILE = "val_prompts.jsonl"
 CHAT_FILE = "chat_template_kwargs.json"
 
 
-def write_prepared(out_dir: Path, input_ids: list[list[int]], loss_mask: list[list[int]], train_rows: int,
-                   val_prompts: list[dict[str, Any]], chat_kwargs: dict[str, Any] | None = None) -> None:
+def write_prepared(
+    out_dir: Path,
+    input_ids: list[list[int]],
+    loss_mask: list[list[int]],
+    train_rows: int,
+    val_prompts: list[dict[str, Any]],
+    chat_kwargs: dict[str, Any] | None = None,
+) -> None:
     """Writes the prepared dataset (speculators' schema, torch format), split.json and val_prompts.jsonl, and
     the chat-template arguments when there are any."""
     with atomic_directory(out_dir) as tmp:
@@ -44,28 +50,33 @@ def load_chat_kwargs(prepared_dir: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def write_prepared_into(directory: Path, input_ids: list[list[int]], loss_mask: list[list[int]], train_rows: int,
-                        val_prompts: list[dict[str, Any]]) -> None:
+def write_prepared_into(
+    directory: Path,
+    input_ids: list[list[int]],
+    loss_mask: list[list[int]],
+    train_rows: int,
+    val_prompts: list[dict[str, Any]],
+) -> None:
     """:func:`write_prepared` into an existing folder (for callers that add files and rename it themselves)."""
     from datasets import Dataset, Features, Sequence, Value
 
-    features = Features({
-        "input_ids": Sequence(Value("int64")),
-        "loss_mask": Sequence(Value("int64")),
-        "seq_len": Value("int64"),
-    })
+    features = Features(
+        {"input_ids": Sequence(Value("int64")), "loss_mask": Sequence(Value("int64")), "seq_len": Value("int64")}
+    )
     dataset = Dataset.from_dict(
-        {"input_ids": input_ids, "loss_mask": loss_mask, "seq_len": [len(ids) for ids in input_ids]},
-        features=features,
+        {"input_ids": input_ids, "loss_mask": loss_mask, "seq_len": [len(ids) for ids in input_ids]}, features=features
     )
     dataset.set_format(type="torch")  # speculators' ArrowDataset indexes rows as tensors
     dataset.save_to_disk(str(directory))
     # speculators splits with split_idx = int(len * train_ratio); the +0.5 keeps float error out.
-    atomic_write_json(directory / SPLIT_FILE, {
-        "train_rows": train_rows,
-        "val_rows": len(input_ids) - train_rows,
-        "train_ratio": (train_rows + 0.5) / len(input_ids),
-    })
+    atomic_write_json(
+        directory / SPLIT_FILE,
+        {
+            "train_rows": train_rows,
+            "val_rows": len(input_ids) - train_rows,
+            "train_ratio": (train_rows + 0.5) / len(input_ids),
+        },
+    )
     lines = "".join(json.dumps(prompt) + "\n" for prompt in val_prompts)
     atomic_write_bytes(directory / VAL_PROMPTS_FILE, lines.encode())
 

@@ -39,8 +39,10 @@ from eaglenest.core.errors import InputFileError
 
 SCHEDULE_FILE = Path("metrics/serve_schedule.json")
 MEASURE_HINT = "`eaglenest bench --serve` measures one"
-REMEASURE_HINT = ("`eaglenest bench --serve --measure-schedule` measures it again, and `eaglenest serve --no-schedule` "
-                  "serves without it")
+REMEASURE_HINT = (
+    "`eaglenest bench --serve --measure-schedule` measures it again, and `eaglenest serve --no-schedule` "
+    "serves without it"
+)
 
 # (first batch size, last batch size, K), inclusive, as vLLM's parser returns them
 Schedule = list[tuple[int, int, int]]
@@ -93,8 +95,11 @@ def schedule_problem(schedule: Any) -> str | None:
         return "expected a non-empty list of [first, last, K] ranges"
     previous_end = 0
     for entry in schedule:
-        if not isinstance(entry, list | tuple) or len(entry) != 3 or not all(
-                isinstance(v, int) and not isinstance(v, bool) for v in entry):
+        if (
+            not isinstance(entry, list | tuple)
+            or len(entry) != 3
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in entry)
+        ):
             return f"{list(entry) if isinstance(entry, tuple) else entry!r}: each range is [first, last, K], integers"
         first, last, k = entry
         if first < 1 or first > last:
@@ -135,8 +140,9 @@ def k_at(schedule: Schedule, batch_size: int, k: int) -> int:
 
 def schedule_text(schedule: Schedule) -> str:
     """``K 2 at batch sizes 1-3, 0 at 4-128``: the schedule for people."""
-    return "K " + ", ".join(f"{k} at {first}" if first == last else f"{k} at {first}-{last}"
-                            for first, last, k in schedule)
+    return "K " + ", ".join(
+        f"{k} at {first}" if first == last else f"{k} at {first}-{last}" for first, last, k in schedule
+    )
 
 
 def point_text(point: MeasuredPoint) -> str:
@@ -145,9 +151,18 @@ def point_text(point: MeasuredPoint) -> str:
     return f"x{point.speedup:.2f} ({interval}) at {point.concurrency}"
 
 
-def write_schedule_record(path: Path, draft_dir: Path, k: int, schedule: Schedule, max_num_seqs: int,
-                          rule: str, measured: list[MeasuredPoint], details: dict[str, Any], commit: str,
-                          host: dict[str, Any]) -> dict[str, Any]:
+def write_schedule_record(
+    path: Path,
+    draft_dir: Path,
+    k: int,
+    schedule: Schedule,
+    max_num_seqs: int,
+    rule: str,
+    measured: list[MeasuredPoint],
+    details: dict[str, Any],
+    commit: str,
+    host: dict[str, Any],
+) -> dict[str, Any]:
     """Writes the record atomically; returns it.
 
     Args:
@@ -166,10 +181,17 @@ def write_schedule_record(path: Path, draft_dir: Path, k: int, schedule: Schedul
     problem = schedule_problem([list(entry) for entry in schedule])
     if problem is not None:  # a derivation bug, not the user's: say what it made
         raise ValueError(f"not a schedule vLLM accepts: {schedule}: {problem}")
-    record = {"draft": {"path": str(draft_dir), "sha256": draft_fingerprint(draft_dir)}, "k": k,
-              "schedule": [list(entry) for entry in fit_schedule(schedule, max_num_seqs)],
-              "max_num_seqs": max_num_seqs, "rule": rule, "measured": [asdict(p) for p in measured],
-              **details, "commit": commit, "host": host}
+    record = {
+        "draft": {"path": str(draft_dir), "sha256": draft_fingerprint(draft_dir)},
+        "k": k,
+        "schedule": [list(entry) for entry in fit_schedule(schedule, max_num_seqs)],
+        "max_num_seqs": max_num_seqs,
+        "rule": rule,
+        "measured": [asdict(p) for p in measured],
+        **details,
+        "commit": commit,
+        "host": host,
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(path, record)
     return record
@@ -193,23 +215,28 @@ def read_schedule_record(path: Path) -> ScheduleRecord | None:
         host = document.get("host") or {}
         host_label = str(host.get("label") or host.get("key") or "a host it does not record")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as err:
-        raise InputFileError(f"{path}: not a serve schedule record ({type(err).__name__}: {err}); "
-                             f"{REMEASURE_HINT}") from None
+        raise InputFileError(
+            f"{path}: not a serve schedule record ({type(err).__name__}: {err}); {REMEASURE_HINT}"
+        ) from None
     if not isinstance(sha256, str):
         raise InputFileError(f"{path}: draft.sha256 is {sha256!r}, not a fingerprint; {REMEASURE_HINT}")
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise InputFileError(f"{path}: k is {k!r}; expected the K measured, 1 or more; {REMEASURE_HINT}")
     if not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool) or max_num_seqs < 1:
-        raise InputFileError(f"{path}: max_num_seqs is {max_num_seqs!r}; expected a batch size, 1 or more; "
-                             f"{REMEASURE_HINT}")
+        raise InputFileError(
+            f"{path}: max_num_seqs is {max_num_seqs!r}; expected a batch size, 1 or more; {REMEASURE_HINT}"
+        )
     problem = schedule_problem(schedule)
     if problem is not None:
-        raise InputFileError(f"{path}: schedule {json.dumps(schedule)}: {problem} (vLLM's "
-                             f"num_speculative_tokens_per_batch_size); {REMEASURE_HINT}")
+        raise InputFileError(
+            f"{path}: schedule {json.dumps(schedule)}: {problem} (vLLM's "
+            f"num_speculative_tokens_per_batch_size); {REMEASURE_HINT}"
+        )
     above = [entry for entry in schedule if entry[2] > k]
     if above:
-        raise InputFileError(f"{path}: schedule range {above[0]} asks for more than k {k}, the K measured; "
-                             f"{REMEASURE_HINT}")
+        raise InputFileError(
+            f"{path}: schedule range {above[0]} asks for more than k {k}, the K measured; {REMEASURE_HINT}"
+        )
     return ScheduleRecord(sha256, k, [tuple(entry) for entry in schedule], max_num_seqs, measured, commit, host_label)
 
 
@@ -223,14 +250,18 @@ class ScheduleChoice:
     def line(self) -> str:
         if self.schedule is None:
             return f"K per batch size: none, the same K at every batch size ({self.why})"
-        never = ("; it never speculates, and at K 0 the draft still runs a forward per step to keep its cache: "
-                 "`eaglenest serve --baseline none` serves plain decoding without it"
-                 if all(k == 0 for _, _, k in self.schedule) else "")
+        never = (
+            "; it never speculates, and at K 0 the draft still runs a forward per step to keep its cache: "
+            "`eaglenest serve --baseline none` serves plain decoding without it"
+            if all(k == 0 for _, _, k in self.schedule)
+            else ""
+        )
         return f"K per batch size: {schedule_text(self.schedule)} ({self.why}){never}"
 
 
-def served_schedule(draft_dir: Path, k: int, record_file: Path | None = SCHEDULE_FILE, explicit: bool = False,
-                    flag: str = "--schedule") -> ScheduleChoice:
+def served_schedule(
+    draft_dir: Path, k: int, record_file: Path | None = SCHEDULE_FILE, explicit: bool = False, flag: str = "--schedule"
+) -> ScheduleChoice:
     """The schedule to serve the draft with at K = ``k``: the record's, where it was measured on this very draft at
     this K; else none, with the reason.
 
@@ -251,19 +282,25 @@ def served_schedule(draft_dir: Path, k: int, record_file: Path | None = SCHEDULE
     record = read_schedule_record(record_file)
     if record is None:
         if explicit:
-            raise InputFileError(f"{flag} {record_file}: no such file; {MEASURE_HINT} (it writes "
-                                 f"{SCHEDULE_FILE}), or drop {flag}")
+            raise InputFileError(
+                f"{flag} {record_file}: no such file; {MEASURE_HINT} (it writes {SCHEDULE_FILE}), or drop {flag}"
+            )
         return ScheduleChoice(None, f"no {record_file}; {MEASURE_HINT}")
     why_not = None
     if record.sha256 != draft_fingerprint(draft_dir):
         why_not = f"{record_file} was measured on another draft; {MEASURE_HINT} for this one"
     elif record.k != k:
-        why_not = (f"{record_file} was measured at K={record.k}, and K={k} is served; `eaglenest bench --serve "
-                   f"--num-speculative-tokens {k} --measure-schedule` measures one at K={k}")
+        why_not = (
+            f"{record_file} was measured at K={record.k}, and K={k} is served; `eaglenest bench --serve "
+            f"--num-speculative-tokens {k} --measure-schedule` measures one at K={k}"
+        )
     if why_not is not None:
         if explicit:
             raise InputFileError(f"{flag} {why_not}, or drop {flag}")
         return ScheduleChoice(None, why_not)
     figures = ", ".join(point_text(p) for p in record.measured)
-    return ScheduleChoice(record.schedule, f"measured for this draft by eaglenest bench at {record.commit} on "
-                                           f"{record.host}, {record_file}: {figures or 'no figures'}")
+    return ScheduleChoice(
+        record.schedule,
+        f"measured for this draft by eaglenest bench at {record.commit} on "
+        f"{record.host}, {record_file}: {figures or 'no figures'}",
+    )

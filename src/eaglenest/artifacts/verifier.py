@@ -71,8 +71,10 @@ def verifier_path_override() -> Path | None:
         return None
     path = Path(value).expanduser()
     if not path.is_dir():
-        raise ParamsError(f"{VERIFIER_PATH_ENV}={value!r}: no such folder; set it to this machine's copy of the "
-                          "verifier in params' verifier.model, or unset it")
+        raise ParamsError(
+            f"{VERIFIER_PATH_ENV}={value!r}: no such folder; set it to this machine's copy of the "
+            "verifier in params' verifier.model, or unset it"
+        )
     return path
 
 

@@ -53,8 +53,13 @@ def _load_npy(path: Path, dtype: Any, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
-def write_vocab(directory: Path, token_freq: dict[int, int], mapping: tuple[torch.Tensor, torch.Tensor] | None,
-                record: dict[str, Any], rows: dict[str, Any]) -> None:
+def write_vocab(
+    directory: Path,
+    token_freq: dict[int, int],
+    mapping: tuple[torch.Tensor, torch.Tensor] | None,
+    record: dict[str, Any],
+    rows: dict[str, Any],
+) -> None:
     """Writes the vocabulary folder's files into ``directory`` (the convert stage's temporary output folder).
 
     Args:

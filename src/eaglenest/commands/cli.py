@@ -37,8 +37,20 @@ DESCRIPTION = (
 EPILOG = "`eaglenest COMMAND --help` describes each command. Reference: docs/cli.md and docs/params.md."
 
 # The modules that declare the commands, in the order `eaglenest --help` lists them.
-COMMAND_MODULES = (doctor, inspect, export, importer, report_command, summary, remote, serve, init_command, k_sweep,
-                   bench, train_launch_command)
+COMMAND_MODULES = (
+    doctor,
+    inspect,
+    export,
+    importer,
+    report_command,
+    summary,
+    remote,
+    serve,
+    init_command,
+    k_sweep,
+    bench,
+    train_launch_command,
+)
 COMMANDS: Registry[Command] = Registry("command")
 for _module in COMMAND_MODULES:
     COMMANDS.register(_module.COMMAND.name, _module.COMMAND)
@@ -77,14 +89,16 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, Command]:
     passthrough_args: list[str] = []
     if "--" in argv:
         separator = argv.index("--")
-        argv, passthrough_args = argv[:separator], argv[separator + 1:]
+        argv, passthrough_args = argv[:separator], argv[separator + 1 :]
     parser = build_parser()
     args = parser.parse_args(argv)
     command = COMMANDS.get(args.command)
     if passthrough_args and not getattr(args, "passes_flags", command.passes_flags):
-        parser.error(f"{args.command}: takes no arguments after --; only `eaglenest serve -- FLAGS` and "
-                     "`eaglenest bench --serve -- FLAGS` pass flags on (to vLLM), and `eaglenest remote push|pull "
-                     "-- FLAGS` (to DVC)")
+        parser.error(
+            f"{args.command}: takes no arguments after --; only `eaglenest serve -- FLAGS` and "
+            "`eaglenest bench --serve -- FLAGS` pass flags on (to vLLM), and `eaglenest remote push|pull "
+            "-- FLAGS` (to DVC)"
+        )
     args.passthrough_args = passthrough_args
     return args, command
 
@@ -97,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     except EaglenestError as err:
         print(f"eaglenest {args.command}: error: {err}", file=sys.stderr)
         return 2
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -128,10 +128,17 @@ def doctor(params_file: Path | None = None) -> int:
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--params", type=Path, default=None,
-                        help="params file whose cluster section is checked (default: the project's params.yaml)")
+    parser.add_argument(
+        "--params",
+        type=Path,
+        default=None,
+        help="params file whose cluster section is checked (default: the project's params.yaml)",
+    )
 
 
 COMMAND = Command(
-    "doctor", help="check the interpreter, the installed packages, the device and the cluster the work runs on",
-    add_arguments=_add_arguments, run=lambda args: doctor(args.params))
+    "doctor",
+    help="check the interpreter, the installed packages, the device and the cluster the work runs on",
+    add_arguments=_add_arguments,
+    run=lambda args: doctor(args.params),
+)

@@ -57,8 +57,10 @@ def export_speculators(prepared: Path, hidden_states: Path, out: Path, force: bo
         for row in progress(len(input_ids), "export", "row", iterable=range(len(input_ids))):
             path = stored.path_of(row)
             if not path.is_file():
-                raise InputFileError(f"{hidden_states}: prepared row {row} has no hidden states ({path.name} is "
-                                     "missing); run `dvc repro extract`")
+                raise InputFileError(
+                    f"{hidden_states}: prepared row {row} has no hidden states ({path.name} is "
+                    "missing); run `dvc repro extract`"
+                )
             if stored.row_files:  # already one file per row: copied
                 shutil.copyfile(path, hs_path(target, row))
                 continue
@@ -69,34 +71,54 @@ def export_speculators(prepared: Path, hidden_states: Path, out: Path, force: bo
                 raise InputFileError(f"{path}: unreadable ({err}); run `dvc repro extract`") from None
             tokens = data.pop(TOKENS_KEY)
             if tokens.tolist() != input_ids[row]:
-                raise InputFileError(f"{stored.location(row)}: its token ids differ from the prepared row; run "
-                                     "`dvc repro extract`")
+                raise InputFileError(
+                    f"{stored.location(row)}: its token ids differ from the prepared row; run `dvc repro extract`"
+                )
             write_hidden_states(hs_path(target, row), data, tokens, metadata)
         mark_written_by(tmp, COMMAND_NAME)
     return len(input_ids)
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--format", required=True, choices=["speculators"],
-                        help="speculators: a prepare-data dataset with hidden_states/hs_{i}.safetensors inside, "
-                        "as `speculators train --data-path` reads it")
-    parser.add_argument("--prepared", default="data/prepared", help="the prepare stage's dataset folder "
-                        "(default: data/prepared)")
-    parser.add_argument("--hidden-states", default="data/hidden_states", help="the extract stage's folder "
-                        "(default: data/hidden_states)")
-    parser.add_argument("--out", required=True, help="the folder to write (replaced whole, atomically); it may "
-                        "not hold or lie in --prepared or --hidden-states")
-    parser.add_argument("--force", action="store_true", help="replace --out even where it is not an earlier "
-                        "export (a folder of yours is deleted)")
+    parser.add_argument(
+        "--format",
+        required=True,
+        choices=["speculators"],
+        help="speculators: a prepare-data dataset with hidden_states/hs_{i}.safetensors inside, "
+        "as `speculators train --data-path` reads it",
+    )
+    parser.add_argument(
+        "--prepared", default="data/prepared", help="the prepare stage's dataset folder (default: data/prepared)"
+    )
+    parser.add_argument(
+        "--hidden-states", default="data/hidden_states", help="the extract stage's folder (default: data/hidden_states)"
+    )
+    parser.add_argument(
+        "--out",
+        required=True,
+        help="the folder to write (replaced whole, atomically); it may "
+        "not hold or lie in --prepared or --hidden-states",
+    )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="replace --out even where it is not an earlier export (a folder of yours is deleted)",
+    )
 
 
 def _run(args: argparse.Namespace) -> int:
     rows = export_speculators(Path(args.prepared), Path(args.hidden_states), Path(args.out), args.force)
-    print(f"exported {rows} rows to {args.out} (hs_{{i}}.safetensors in {args.out}/hidden_states); train on it with "
-          f"`speculators train --data-path {args.out}`")
+    print(
+        f"exported {rows} rows to {args.out} (hs_{{i}}.safetensors in {args.out}/hidden_states); train on it with "
+        f"`speculators train --data-path {args.out}`"
+    )
     return 0
 
 
 COMMAND = Command(
-    "export", help="write the prepared rows and their hidden states in speculators' layout, one "
-    "hs_{i}.safetensors per row (from shards or row files)", add_arguments=_add_arguments, run=_run)
+    "export",
+    help="write the prepared rows and their hidden states in speculators' layout, one "
+    "hs_{i}.safetensors per row (from shards or row files)",
+    add_arguments=_add_arguments,
+    run=_run,
+)

@@ -55,8 +55,7 @@ def load_pt_sample(path: Path) -> Sample:
     except pickle.UnpicklingError as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else "unsupported object"
         raise InputFileError(
-            f"{path}: refused: holds pickled objects that torch.load(weights_only=True) will not load "
-            f"({first_line})"
+            f"{path}: refused: holds pickled objects that torch.load(weights_only=True) will not load ({first_line})"
         ) from None
     except (OSError, RuntimeError, EOFError) as err:
         raise InputFileError(f"{path}: not a readable .pt file: {err}") from None
@@ -163,8 +162,10 @@ def import_dump(fmt: str, source: Path, out: Path, val_fraction: float = 0.05, f
             if slots is None:
                 slots, hidden = states.shape[1], states.shape[2]
             elif states.shape[1:] != (slots, hidden):
-                raise InputFileError(f"{source}: sample {row} has {tuple(states.shape[1:])} layers x hidden, "
-                                     f"sample 0 has ({slots}, {hidden})")
+                raise InputFileError(
+                    f"{source}: sample {row} has {tuple(states.shape[1:])} layers x hidden, "
+                    f"sample 0 has ({slots}, {hidden})"
+                )
             if not bool(torch.isfinite(decode_hidden_states(stored)).all()):
                 raise InputFileError(f"{source}: sample {row} has non-finite hidden states")
             write_hidden_states(hs_path(hs_dir, row), stored, torch.tensor(input_ids), {})
@@ -179,23 +180,40 @@ def import_dump(fmt: str, source: Path, out: Path, val_fraction: float = 0.05, f
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--format", required=True, choices=IMPORT_FORMATS.names(),
-                        help="speculators-pt (one .pt per sample) or speculators (0.9 / vLLM hs_{i}.safetensors)")
+    parser.add_argument(
+        "--format",
+        required=True,
+        choices=IMPORT_FORMATS.names(),
+        help="speculators-pt (one .pt per sample) or speculators (0.9 / vLLM hs_{i}.safetensors)",
+    )
     parser.add_argument("source", help="the dump (a folder)")
-    parser.add_argument("--out", required=True, help="output folder: a dataset with hidden_states/ inside "
-                        "(replaced whole, atomically); it may not hold or lie in the source")
-    parser.add_argument("--force", action="store_true", help="replace --out even where it is not an earlier "
-                        "import (a folder of yours is deleted)")
+    parser.add_argument(
+        "--out",
+        required=True,
+        help="output folder: a dataset with hidden_states/ inside "
+        "(replaced whole, atomically); it may not hold or lie in the source",
+    )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="replace --out even where it is not an earlier import (a folder of yours is deleted)",
+    )
     parser.add_argument("--val-fraction", type=float, default=0.05, help="last rows held out for validation")
 
 
 def _run(args: argparse.Namespace) -> int:
     counts = import_dump(args.format, Path(args.source), Path(args.out), args.val_fraction, args.force)
-    print(f"imported {counts['samples']} samples ({counts['layers']} layers x {counts['hidden_size']}) into "
-          f"{args.out}\nuse it with params: prepare.source: [import:{args.out}], extract.backend: import, "
-          f"extract.import_path: {args.out}/hidden_states")
+    print(
+        f"imported {counts['samples']} samples ({counts['layers']} layers x {counts['hidden_size']}) into "
+        f"{args.out}\nuse it with params: prepare.source: [import:{args.out}], extract.backend: import, "
+        f"extract.import_path: {args.out}/hidden_states"
+    )
     return 0
 
 
-COMMAND = Command("import", help="turn hidden states dumped by other tools into eaglenest's layout",
-                  add_arguments=_add_arguments, run=_run)
+COMMAND = Command(
+    "import",
+    help="turn hidden states dumped by other tools into eaglenest's layout",
+    add_arguments=_add_arguments,
+    run=_run,
+)

@@ -87,26 +87,36 @@ def _json_file(path: Path) -> dict[str, Any] | None:
 def read_folder(folder: Path, given: str) -> VerifierFacts:
     """A local model folder's facts, or one line saying why it is not a model folder."""
     if not folder.is_dir():
-        raise EaglenestError(f"{given}: no such folder; give a model folder (config.json, weights, tokenizer) or "
-                             f"{BUILTIN_PREFIX}smollm2-135m-instruct")
+        raise EaglenestError(
+            f"{given}: no such folder; give a model folder (config.json, weights, tokenizer) or "
+            f"{BUILTIN_PREFIX}smollm2-135m-instruct"
+        )
     config = _json_file(folder / "config.json")
     if config is None:
-        raise EaglenestError(f"{given}: not a model folder (no config.json); give the folder holding the "
-                             "verifier's config.json, weights and tokenizer")
+        raise EaglenestError(
+            f"{given}: not a model folder (no config.json); give the folder holding the "
+            "verifier's config.json, weights and tokenizer"
+        )
     text = config.get("text_config") or config  # multimodal configs nest the language model's
     missing = [key for key in ("num_hidden_layers", "hidden_size", "vocab_size") if not isinstance(text.get(key), int)]
     if missing:
         raise EaglenestError(f"{folder / 'config.json'}: not a decoder model's config (no {', '.join(missing)})")
     templates = chat_template_texts(folder)
     if not templates:
-        raise EaglenestError(f"{given}: has no chat template (tokenizer_config.json 'chat_template' or "
-                             "chat_template.jinja); eaglenest renders every conversation with the verifier's own")
+        raise EaglenestError(
+            f"{given}: has no chat template (tokenizer_config.json 'chat_template' or "
+            "chat_template.jinja); eaglenest renders every conversation with the verifier's own"
+        )
     weights = [p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".pth")]
     return VerifierFacts(
-        model=given, model_type=str(text.get("model_type") or config.get("model_type") or "unknown"),
-        num_layers=text["num_hidden_layers"], num_attention_heads=text.get("num_attention_heads"),
-        vocab_size=text["vocab_size"], weight_bytes=sum(p.stat().st_size for p in weights),
-        remote_code="auto_map" in config, remote_code_files=auto_map_files(config.get("auto_map")),
+        model=given,
+        model_type=str(text.get("model_type") or config.get("model_type") or "unknown"),
+        num_layers=text["num_hidden_layers"],
+        num_attention_heads=text.get("num_attention_heads"),
+        vocab_size=text["vocab_size"],
+        weight_bytes=sum(p.stat().st_size for p in weights),
+        remote_code="auto_map" in config,
+        remote_code_files=auto_map_files(config.get("auto_map")),
         reasoning_template=any(marker in t for t in templates for marker in REASONING_MARKERS),
     )
 
@@ -132,8 +142,10 @@ def read_builtin(name: str) -> VerifierFacts:
     from eaglenest.stages.verifier import BUILTIN_VERIFIERS, _builtin_gguf
 
     if name not in BUILTIN_VERIFIERS:
-        raise EaglenestError(f"{BUILTIN_PREFIX}{name}: no such built-in verifier; allowed: "
-                             f"{', '.join(BUILTIN_PREFIX + n for n in BUILTIN_VERIFIERS.names())}")
+        raise EaglenestError(
+            f"{BUILTIN_PREFIX}{name}: no such built-in verifier; allowed: "
+            f"{', '.join(BUILTIN_PREFIX + n for n in BUILTIN_VERIFIERS.names())}"
+        )
     gguf = _builtin_gguf(BUILTIN_VERIFIERS.get(name))
     from transformers import AutoConfig, AutoTokenizer
 
@@ -143,8 +155,13 @@ def read_builtin(name: str) -> VerifierFacts:
     # Materialised in float32: embeddings plus about 12 x hidden^2 per layer (attention and a 8/3-wide MLP).
     estimate = 4 * (vocab * hidden + layers * 12 * hidden * hidden)
     return VerifierFacts(
-        model=f"{BUILTIN_PREFIX}{name}", model_type=config.model_type, num_layers=layers,
-        num_attention_heads=config.num_attention_heads, vocab_size=vocab, weight_bytes=estimate, remote_code=False,
+        model=f"{BUILTIN_PREFIX}{name}",
+        model_type=config.model_type,
+        num_layers=layers,
+        num_attention_heads=config.num_attention_heads,
+        vocab_size=vocab,
+        weight_bytes=estimate,
+        remote_code=False,
         reasoning_template=any(marker in template for marker in REASONING_MARKERS),
     )
 
@@ -187,58 +204,96 @@ def choose(facts: VerifierFacts, gpus: Gpus) -> tuple[dict[str, Any], dict[str, 
     def pick(key: str, value: Any, reason: str) -> None:
         values[key], why[key] = value, reason
 
-    pick("verifier.model", facts.model, f"{comment_safe(facts.model_type)}, {facts.num_layers} layers, "
-         f"vocabulary {facts.vocab_size:,}, {facts.weight_bytes / 2**30:.1f} GiB of weights")
+    pick(
+        "verifier.model",
+        facts.model,
+        f"{comment_safe(facts.model_type)}, {facts.num_layers} layers, "
+        f"vocabulary {facts.vocab_size:,}, {facts.weight_bytes / 2**30:.1f} GiB of weights",
+    )
     if facts.remote_code:
         # Off even so: the pipeline would run a downloaded model's code on its first repro without anyone choosing
         # to; the comment (and init's warning) names the files a person reads before turning it on.
         pick("verifier.trust_remote_code", False, remote_code_reason(facts))
     aux = init_aux_layers(facts.num_layers)
-    pick("verifier.aux_layers", aux, "EAGLE-3's [2, N//2, N-3]" if aux == [2, facts.num_layers // 2,
-         facts.num_layers - 3] else f"[2, N//2, N-3] collides for N = {facts.num_layers}: spread instead")
+    pick(
+        "verifier.aux_layers",
+        aux,
+        "EAGLE-3's [2, N//2, N-3]"
+        if aux == [2, facts.num_layers // 2, facts.num_layers - 3]
+        else f"[2, N//2, N-3] collides for N = {facts.num_layers}: spread instead",
+    )
     if facts.reasoning_template:
-        pick("prepare.reasoning", "keep", "the chat template handles <think> blocks: keep trains on the thinking "
-             "a server emits with thinking on; strip if you serve with enable_thinking=False")
+        pick(
+            "prepare.reasoning",
+            "keep",
+            "the chat template handles <think> blocks: keep trains on the thinking "
+            "a server emits with thinking on; strip if you serve with enable_thinking=False",
+        )
     if facts.model_type.startswith("qwen3"):
         pick("train.draft_arch", "qwen3", "the verifier's own family's layer (per-head q/k norms)")
     vocab = GPU_DRAFT_VOCAB if gpus.count else CPU_DRAFT_VOCAB
     if facts.vocab_size <= vocab:
         pick("convert.draft_vocab_size", None, f"the verifier's {facts.vocab_size:,} tokens fit: the full vocabulary")
     else:
-        pick("convert.draft_vocab_size", vocab, "speculators' recipes' 32k draft vocabulary" if gpus.count else
-             "no GPU seen: the CPU demo's 4096 (the draft's LM head is most of a CPU training step)")
+        pick(
+            "convert.draft_vocab_size",
+            vocab,
+            "speculators' recipes' 32k draft vocabulary"
+            if gpus.count
+            else "no GPU seen: the CPU demo's 4096 (the draft's LM head is most of a CPU training step)",
+        )
 
     if not gpus.count:
         return values, why
     seen = f"{gpus.count} GPU(s) of {gpus.memory_gib:.0f} GiB"
     for section in ("prepare.regenerate_vllm", "extract.vllm"):
         width = tensor_parallel(facts, gpus, 1, 0.85)
-        pick(f"{section}.tensor_parallel_size", width or gpus.count, f"fits {width} of the {seen}" if width
-             else f"does not fit on the {seen}: add GPUs, or nodes (extract.rank / world_size)")
+        pick(
+            f"{section}.tensor_parallel_size",
+            width or gpus.count,
+            f"fits {width} of the {seen}"
+            if width
+            else f"does not fit on the {seen}: add GPUs, or nodes (extract.rank / world_size)",
+        )
     interleaved = tensor_parallel(facts, gpus, INTERLEAVED_ENGINES, 0.85)
     if interleaved is not None:
-        pick("evaluate.vllm.tensor_parallel_size", interleaved,
-             f"three engines take turns per prompt (evaluate.timing: interleaved); each fits {interleaved} of the "
-             f"{seen}")
+        pick(
+            "evaluate.vllm.tensor_parallel_size",
+            interleaved,
+            f"three engines take turns per prompt (evaluate.timing: interleaved); each fits {interleaved} of the "
+            f"{seen}",
+        )
     else:
         sequential = tensor_parallel(facts, gpus, 2, 0.85)
         pick("evaluate.timing", "sequential", f"three engines at once do not fit on the {seen}")
-        pick("evaluate.vllm.tensor_parallel_size", sequential or gpus.count, f"fits {sequential} of the {seen}"
-             if sequential else f"does not fit on the {seen}: evaluate with more GPUs")
+        pick(
+            "evaluate.vllm.tensor_parallel_size",
+            sequential or gpus.count,
+            f"fits {sequential} of the {seen}"
+            if sequential
+            else f"does not fit on the {seen}: evaluate with more GPUs",
+        )
     return values, why
 
 
 def remote_code_reason(facts: VerifierFacts) -> str:
     """Why ``trust_remote_code`` stays off for a model that ships its own code, and what to read to turn it on."""
     files = ", ".join(comment_safe(name) for name in facts.remote_code_files) or "the .py files in its folder"
-    return (f"the model ships its own Python code (config.json auto_map: {files}); read those files, then set "
-            "verifier.trust_remote_code: true to let the pipeline run them")
+    return (
+        f"the model ships its own Python code (config.json auto_map: {files}); read those files, then set "
+        "verifier.trust_remote_code: true to let the pipeline run them"
+    )
 
 
 def _flow(value: Any) -> str:
     """One YAML value on one line (flow style)."""
-    return yaml.safe_dump(value, default_flow_style=True, width=2**16, sort_keys=False).strip().removesuffix(
-        "\n...").removesuffix("...").strip()
+    return (
+        yaml.safe_dump(value, default_flow_style=True, width=2**16, sort_keys=False)
+        .strip()
+        .removesuffix("\n...")
+        .removesuffix("...")
+        .strip()
+    )
 
 
 def render(params: dict[str, Any], why: dict[str, str], header: list[str]) -> str:
@@ -265,14 +320,18 @@ def render(params: dict[str, Any], why: dict[str, str], header: list[str]) -> st
     return "\n".join(lines) + "\n"
 
 
-def init_params(verifier: str, out: Path, *, force: bool = False,
-                gpus: Gpus | None = None) -> tuple[list[str], list[str]]:
+def init_params(
+    verifier: str, out: Path, *, force: bool = False, gpus: Gpus | None = None
+) -> tuple[list[str], list[str]]:
     """Writes ``out`` for ``verifier`` (a model folder or builtin:NAME); returns the lines to print and the warnings
     (for stderr)."""
     if out.exists() and not force:
         raise EaglenestError(f"{out} exists; pass --force to replace it, or --out another file")
-    facts = (read_builtin(verifier.removeprefix(BUILTIN_PREFIX)) if verifier.startswith(BUILTIN_PREFIX)
-             else read_folder(Path(verifier).expanduser(), verifier))
+    facts = (
+        read_builtin(verifier.removeprefix(BUILTIN_PREFIX))
+        if verifier.startswith(BUILTIN_PREFIX)
+        else read_folder(Path(verifier).expanduser(), verifier)
+    )
     gpus = visible_gpus() if gpus is None else gpus
     values, why = choose(facts, gpus)
 
@@ -285,11 +344,15 @@ def init_params(verifier: str, out: Path, *, force: bool = False,
         section[leaf] = value
     parse_params(params, str(out))  # the strict check, before anything is written
 
-    header = [f"params.yaml for {verifier}, written by `eaglenest init`. Values chosen for this verifier say",
-              "why on their line; every other value is the default (docs/params.md). Unknown keys are errors.",
-              "Override one value for an experiment: dvc exp run -S train.lr=3e-4"]
+    header = [
+        f"params.yaml for {verifier}, written by `eaglenest init`. Values chosen for this verifier say",
+        "why on their line; every other value is the default (docs/params.md). Unknown keys are errors.",
+        "Override one value for an experiment: dvc exp run -S train.lr=3e-4",
+    ]
     atomic_write_bytes(out, render(params, why, header).encode("utf-8"))
     gpu_line = f"{gpus.count} GPU(s) of {gpus.memory_gib:.0f} GiB" if gpus.count else "no GPU"
     warnings = [f"warning: {out}: verifier.trust_remote_code: false: {remote_code_reason(facts)}"] * facts.remote_code
-    return [f"wrote {out} for {verifier} ({gpu_line}):", *(f"  {key}: {_flow(values[key])}  ({why[key]})"
-                                                          for key in values)], warnings
+    return [
+        f"wrote {out} for {verifier} ({gpu_line}):",
+        *(f"  {key}: {_flow(values[key])}  ({why[key]})" for key in values),
+    ], warnings

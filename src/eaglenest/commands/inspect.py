@@ -38,8 +38,10 @@ def _stats(tensor: torch.Tensor) -> str:
         values = values[finite]
     if values.numel() == 0:
         return text + "no finite values"
-    return text + (f"min {values.min().item():.4g}, max {values.max().item():.4g}, "
-                   f"mean {values.mean().item():.4g}, std {values.std().item() if values.numel() > 1 else 0:.4g}")
+    return text + (
+        f"min {values.min().item():.4g}, max {values.max().item():.4g}, "
+        f"mean {values.mean().item():.4g}, std {values.std().item() if values.numel() > 1 else 0:.4g}"
+    )
 
 
 def _describe_tensor(name: str, tensor: torch.Tensor) -> str:
@@ -91,8 +93,10 @@ def describe_safetensors(path: Path) -> list[str]:
         stored = data[HIDDEN_KEY]
         hidden = decode_hidden_states(data)  # statistics of the values training sees (fp8: dequantized)
         dtype = str(stored.dtype).removeprefix("torch.")
-        lines.append(f"  {HIDDEN_KEY}: {dtype} {list(stored.shape)}  {_stats(hidden)}"
-                     + (f"  (dequantized with {SCALES_KEY})" if SCALES_KEY in data else ""))
+        lines.append(
+            f"  {HIDDEN_KEY}: {dtype} {list(stored.shape)}  {_stats(hidden)}"
+            + (f"  (dequantized with {SCALES_KEY})" if SCALES_KEY in data else "")
+        )
         if hidden.dim() == 3:
             for slot in range(hidden.shape[1]):
                 lines.append(f"    slot {slot}: {_stats(hidden[:, slot])}")
@@ -130,19 +134,24 @@ def describe_shard(path: Path) -> list[str]:
         index = handle.get_tensor(ROW_INDEX_KEY)  # [rows, 3]: row, first token, length
         stored_tokens = handle.get_slice(HIDDEN_KEY).get_shape()[0]
         rows, lengths = index[:, 0].tolist(), index[:, 2].tolist()
-        lines = [f"  shard of {len(rows)} rows ({rows[0]}..{rows[-1]}), {sum(lengths):,} tokens; row length min "
-                 f"{min(lengths)}, mean {sum(lengths) / len(lengths):.1f}, max {max(lengths)}"]
+        lines = [
+            f"  shard of {len(rows)} rows ({rows[0]}..{rows[-1]}), {sum(lengths):,} tokens; row length min "
+            f"{min(lengths)}, mean {sum(lengths) / len(lengths):.1f}, max {max(lengths)}"
+        ]
         starts = [sum(lengths[:i]) for i in range(len(lengths))]
         contiguous = rows == list(range(rows[0], rows[0] + len(rows))) and index[:, 1].tolist() == starts
         if not contiguous or sum(lengths) != stored_tokens:
-            lines.append(f"  ROW INDEX DISAGREES with the tensors: {ROW_INDEX_KEY} covers {sum(lengths)} tokens of "
-                         f"{stored_tokens}" + ("" if contiguous else ", rows or offsets not consecutive"))
+            lines.append(
+                f"  ROW INDEX DISAGREES with the tensors: {ROW_INDEX_KEY} covers {sum(lengths)} tokens of "
+                f"{stored_tokens}" + ("" if contiguous else ", rows or offsets not consecutive")
+            )
             return lines
         data = read_shard_row(handle, int(index[0, 1]), int(index[0, 2]))
     hidden = decode_hidden_states(data)
-    lines.append(f"  row {rows[0]}: {HIDDEN_KEY} {str(data[HIDDEN_KEY].dtype).removeprefix('torch.')} "
-                 f"{list(hidden.shape)}  {_stats(hidden)}" + (f"  (dequantized with {SCALES_KEY})"
-                                                              if SCALES_KEY in data else ""))
+    lines.append(
+        f"  row {rows[0]}: {HIDDEN_KEY} {str(data[HIDDEN_KEY].dtype).removeprefix('torch.')} "
+        f"{list(hidden.shape)}  {_stats(hidden)}" + (f"  (dequantized with {SCALES_KEY})" if SCALES_KEY in data else "")
+    )
     lines += [f"    slot {slot}: {_stats(hidden[:, slot])}" for slot in range(hidden.shape[1])]
     return lines
 
@@ -166,8 +175,10 @@ def describe_dataset(path: Path) -> list[str]:
     lines = [f"{path}: dataset, {table.num_rows} rows, columns {table.column_names}"]
     if "input_ids" in table.column_names:
         lengths = [len(ids) for ids in table.column("input_ids").to_pylist()]
-        lines.append(f"  tokens {sum(lengths):,}; seq_len min {min(lengths)}, mean {sum(lengths) / len(lengths):.1f}, "
-                     f"max {max(lengths)}")
+        lines.append(
+            f"  tokens {sum(lengths):,}; seq_len min {min(lengths)}, mean {sum(lengths) / len(lengths):.1f}, "
+            f"max {max(lengths)}"
+        )
     if "loss_mask" in table.column_names:
         lines.append(f"  loss tokens {sum(sum(m) for m in table.column('loss_mask').to_pylist()):,}")
     return lines
@@ -175,8 +186,16 @@ def describe_dataset(path: Path) -> list[str]:
 
 def describe_checkpoint(path: Path) -> list[str]:
     config = json.loads((path / "config.json").read_text())
-    keys = ("speculators_model_type", "architectures", "model_type", "draft_vocab_size", "vocab_size",
-            "hidden_size", "num_hidden_layers", "eagle_aux_hidden_state_layer_ids")
+    keys = (
+        "speculators_model_type",
+        "architectures",
+        "model_type",
+        "draft_vocab_size",
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "eagle_aux_hidden_state_layer_ids",
+    )
     lines = [f"{path}: model folder"]
     lines += [f"  config.{key}: {json.dumps(config[key])}" for key in keys if key in config]
     for sub in ("transformer_layer_config", "speculators_config"):
@@ -212,9 +231,11 @@ def describe_folder(path: Path) -> list[str]:
     lines = [f"{path}: folder, {len(files)} files ({kinds_text})"]
     if (path / MANIFEST_FILE).is_file():  # extract.store: online
         manifest = json.loads((path / MANIFEST_FILE).read_text())
-        lines.append(f"online extraction (nothing stored; the train stage computes them): {manifest.get('rows')} rows, "
-                     f"{manifest.get('tokens')} tokens, layers {manifest.get('layer_ids')}, rounded to "
-                     f"{manifest.get('dtype')}")
+        lines.append(
+            f"online extraction (nothing stored; the train stage computes them): {manifest.get('rows')} rows, "
+            f"{manifest.get('tokens')} tokens, layers {manifest.get('layer_ids')}, rounded to "
+            f"{manifest.get('dtype')}"
+        )
     tensors = [p for p in files if p.suffix in (".safetensors", ".pt", ".pth", ".npy")]
     if not tensors:
         return lines
@@ -236,8 +257,10 @@ def describe_folder(path: Path) -> list[str]:
                 shapes[f"{dtype} [seq, {', '.join(map(str, shape[1:]))}]"] += 1
                 tokens += shape[0] if shape else 0
         shards = sum(1 for file in safetensors if shard_number(file) is not None)
-        lines.append(f"summary of {len(safetensors)} safetensors files{f' ({shards} shards)' if shards else ''}: "
-                     f"{size:,} bytes, {tokens:,} tokens, {bad} unreadable or truncated")
+        lines.append(
+            f"summary of {len(safetensors)} safetensors files{f' ({shards} shards)' if shards else ''}: "
+            f"{size:,} bytes, {tokens:,} tokens, {bad} unreadable or truncated"
+        )
         lines += [f"  {HIDDEN_KEY} {shape}: {count} files" for shape, count in shapes.items()]
         if tokens:
             lines.append(f"  {size / tokens:.1f} bytes per token")
@@ -271,5 +294,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 COMMAND = Command(
-    "inspect", help="show keys, shapes, dtypes, value ranges and token counts of dumps and checkpoints",
-    add_arguments=_add_arguments, run=_run)
+    "inspect",
+    help="show keys, shapes, dtypes, value ranges and token counts of dumps and checkpoints",
+    add_arguments=_add_arguments,
+    run=_run,
+)

@@ -60,17 +60,26 @@ def interrupted_run_problems(repo: Path) -> list[str]:
     head = _git(repo, "rev-parse", "-q", "--verify", "HEAD")
     detached = _git(repo, "symbolic-ref", "-q", "HEAD") is None
     if head is not None and detached and _git(repo, "rev-parse", "-q", "--verify", EXEC_HEAD) == head:
-        branches = (_git(repo, "for-each-ref", "--points-at", head, "--format=%(refname:short)", "refs/heads")
-                    or "").split()
+        branches = (
+            _git(repo, "for-each-ref", "--points-at", head, "--format=%(refname:short)", "refs/heads") or ""
+        ).split()
         fix = f"git checkout {branches[0]}" if branches else "git checkout -b NAME"
         where = f", where branch {branches[0]} points" if branches else ""
-        problems.append(f"HEAD is detached at {head[:7]}{where}, as `dvc exp run` leaves it when it is killed (later "
-                        f"runs keep it so, and commits there belong to no branch); fix: `{fix}`")
+        problems.append(
+            f"HEAD is detached at {head[:7]}{where}, as `dvc exp run` leaves it when it is killed (later "
+            f"runs keep it so, and commits there belong to no branch); fix: `{fix}`"
+        )
     if _git(repo, "rev-parse", "-q", "--verify", EXEC_BASELINE) is not None:
         changed = (_git(repo, "diff", "HEAD", "--name-only") or "").split()
-        kept = (f"the workspace keeps its changes to {', '.join(changed)} (its -S values), which the next "
-                f"`dvc exp run` would include: see them with `git diff HEAD`, drop them with "
-                f"`git checkout HEAD -- {' '.join(changed)}`; then " if changed else "")
-        problems.append(f"a `dvc exp run` was interrupted ({EXEC_BASELINE} is left): {kept}clear its refs with "
-                        f"`git update-ref -d {EXEC_BASELINE} && git update-ref -d {EXEC_MERGE}`")
+        kept = (
+            f"the workspace keeps its changes to {', '.join(changed)} (its -S values), which the next "
+            f"`dvc exp run` would include: see them with `git diff HEAD`, drop them with "
+            f"`git checkout HEAD -- {' '.join(changed)}`; then "
+            if changed
+            else ""
+        )
+        problems.append(
+            f"a `dvc exp run` was interrupted ({EXEC_BASELINE} is left): {kept}clear its refs with "
+            f"`git update-ref -d {EXEC_BASELINE} && git update-ref -d {EXEC_MERGE}`"
+        )
     return problems

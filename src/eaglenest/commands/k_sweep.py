@@ -22,8 +22,9 @@ from eaglenest.commands.command import Command
 from eaglenest.core.errors import EaglenestError
 
 
-def run_sweep(params_file: Path, verifier: Path, draft: Path, prepared: Path, out: Path, ks: list[int] | None,
-              repeats: int | None) -> dict[str, Any]:
+def run_sweep(
+    params_file: Path, verifier: Path, draft: Path, prepared: Path, out: Path, ks: list[int] | None, repeats: int | None
+) -> dict[str, Any]:
     """The stage's sweep on these folders with ``ks`` and ``repeats`` in place of params.yaml's (None: its)."""
     from eaglenest.core.params import load_sections
     from eaglenest.stages.k_sweep import KSweepPaths, sweep
@@ -43,22 +44,33 @@ def summary_lines(record: dict[str, Any]) -> list[str]:
         return [f"no K measured: {record['not_measured']}"]
     lines = []
     for name, entry in record["best"].items():
-        lines.append(f"{name}: " + "; ".join(
-            f"{drafter} " + ", ".join(f"K={k} x{v}" for k, v in figures["mean_speedup_per_k"].items())
-            + f" (best K {figures['k']})" for drafter, figures in entry.items()))
+        lines.append(
+            f"{name}: "
+            + "; ".join(
+                f"{drafter} "
+                + ", ".join(f"K={k} x{v}" for k, v in figures["mean_speedup_per_k"].items())
+                + f" (best K {figures['k']})"
+                for drafter, figures in entry.items()
+            )
+        )
     serve = record["serve"]
-    lines.append(f"serve_k {serve['k']}: x{serve['speedup']} ± {serve['speedup_ci95']} on {', '.join(serve['sets'])} "
-                 f"(the draft's own K is {record['draft']['trained_k']}); `eaglenest serve` uses it for this draft")
+    lines.append(
+        f"serve_k {serve['k']}: x{serve['speedup']} ± {serve['speedup_ci95']} on {', '.join(serve['sets'])} "
+        f"(the draft's own K is {record['draft']['trained_k']}); `eaglenest serve` uses it for this draft"
+    )
     return lines
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ks", nargs="+", type=int, default=None, metavar="K",
-                        help="the Ks to time (default: k_sweep.ks)")
-    parser.add_argument("--repeats", type=int, default=None, help="rounds on the same engines (default: "
-                        "k_sweep.repeats)")
-    parser.add_argument("--out", default=str(K_RECORD_FILE), help=f"the K record (default: {K_RECORD_FILE}, the "
-                        "stage's)")
+    parser.add_argument(
+        "--ks", nargs="+", type=int, default=None, metavar="K", help="the Ks to time (default: k_sweep.ks)"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="rounds on the same engines (default: k_sweep.repeats)"
+    )
+    parser.add_argument(
+        "--out", default=str(K_RECORD_FILE), help=f"the K record (default: {K_RECORD_FILE}, the stage's)"
+    )
     parser.add_argument("--params", default="params.yaml", help="the pipeline's params (default: params.yaml)")
     parser.add_argument("--verifier", default="models/verifier", help="the verifier stage's output folder")
     parser.add_argument("--draft", default="models/draft", help="the train stage's draft checkpoint")
@@ -66,12 +78,28 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    print("\n".join(summary_lines(run_sweep(Path(args.params), Path(args.verifier), Path(args.draft),
-                                            Path(args.prepared), Path(args.out), args.ks, args.repeats))))
+    print(
+        "\n".join(
+            summary_lines(
+                run_sweep(
+                    Path(args.params),
+                    Path(args.verifier),
+                    Path(args.draft),
+                    Path(args.prepared),
+                    Path(args.out),
+                    args.ks,
+                    args.repeats,
+                )
+            )
+        )
+    )
     return 0
 
 
 COMMAND = Command(
-    "k-sweep", help="the k_sweep stage's timing by hand, for other Ks or rounds than params.yaml's k_sweep: "
+    "k-sweep",
+    help="the k_sweep stage's timing by hand, for other Ks or rounds than params.yaml's k_sweep: "
     "the draft at each K, single-stream on the headline sets; records the fastest K for `eaglenest serve`",
-    add_arguments=_add_arguments, run=_run)
+    add_arguments=_add_arguments,
+    run=_run,
+)

@@ -52,10 +52,16 @@ class Section:
 
 # What each stage reads, by stage name, in pipeline order (a stage's own section is the field named as it).
 STAGE_PARAMS: Registry[type[StageParams]] = Registry("stage's params")
-for _name, _model in (("verifier", VerifierStageParams), ("prepare", PrepareStageParams),
-                      ("extract", ExtractStageParams), ("convert", ConvertStageParams),
-                      ("train", TrainStageParams), ("ngram_sweep", NgramSweepStageParams),
-                      ("evaluate", EvaluateStageParams), ("k_sweep", KSweepStageParams)):
+for _name, _model in (
+    ("verifier", VerifierStageParams),
+    ("prepare", PrepareStageParams),
+    ("extract", ExtractStageParams),
+    ("convert", ConvertStageParams),
+    ("train", TrainStageParams),
+    ("ngram_sweep", NgramSweepStageParams),
+    ("evaluate", EvaluateStageParams),
+    ("k_sweep", KSweepStageParams),
+):
     STAGE_PARAMS.register(_name, _model)
 
 # The file's top-level keys, in the order the reference and `eaglenest init` write them.
@@ -83,13 +89,16 @@ Params = create_model(
     "Params",
     __base__=ParamsFile,
     __doc__="The whole params.yaml: one section per stage, and ``cluster`` (where and how they run).",
-    **{name: (section.model, Field(default_factory=section.model, description=section.description))
-       for name, section in SECTIONS.items()},
+    **{
+        name: (section.model, Field(default_factory=section.model, description=section.description))
+        for name, section in SECTIONS.items()
+    },
 )
 
 # Every key of the file that moved or is gone, as a full key (what the file's check answers for it).
-MOVED_KEYS = {f"{name}.{key}": new for name, section in SECTIONS.items()
-              for key, new in section.model.moved_keys.items()}
+MOVED_KEYS = {
+    f"{name}.{key}": new for name, section in SECTIONS.items() for key, new in section.model.moved_keys.items()
+}
 
 
 def parse_params(raw: Any, source: str = "params.yaml") -> ParamsFile:

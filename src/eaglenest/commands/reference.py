@@ -98,14 +98,22 @@ def _default(field: FieldInfo) -> str:
 def _section(key: str, model: type[BaseModel], heading: str, out: list[str], done: set[str]) -> None:
     """Appends the table of ``model`` under ``key``, then a section for each nested model."""
     doc = (model.__doc__ or "").strip().split("\n\n")[0]
-    out += [f"{heading} `{key}`", "", " ".join(doc.split()), "",
-            "| key | type | default | description |", "|---|---|---|---|"]
+    out += [
+        f"{heading} `{key}`",
+        "",
+        " ".join(doc.split()),
+        "",
+        "| key | type | default | description |",
+        "|---|---|---|---|",
+    ]
     nested = []
     for name, field in model.model_fields.items():
         kind = type_name(field.annotation)
         bounds = _constraints(field)
-        out.append(f"| `{key}.{name}` | {_cell(kind)}{_cell(', ' + bounds) if bounds else ''} | "
-                   f"{_cell(_default(field))} | {_cell(field.description or '')} |")
+        out.append(
+            f"| `{key}.{name}` | {_cell(kind)}{_cell(', ' + bounds) if bounds else ''} | "
+            f"{_cell(_default(field))} | {_cell(field.description or '')} |"
+        )
         suffix = "[]" if get_origin(field.annotation) is list else ""
         nested += [(f"{key}.{name}{suffix}", inner) for inner in _models(field.annotation)]
     out.append("")
@@ -117,14 +125,19 @@ def _section(key: str, model: type[BaseModel], heading: str, out: list[str], don
 
 def params_markdown() -> str:
     """``docs/params.md``: every params key, from the typed params' field descriptions."""
-    out = [GENERATED_NOTE.format(command=GENERATE_COMMAND, source="src/eaglenest/commands/params_file.py"), "",
-           "# Params reference", "",
-           "Every key of `params.yaml`, its type, its default and what it does: the reference for the "
-           "[pipeline's stages](index.md). Each stage checks the sections it reads strictly before any model "
-           "loads (`eaglenest doctor` checks the whole file): an unknown key, a wrong type or a value out of range "
-           "stops the stage with one line per problem. A key left out takes the default below; "
-           "`dvc exp run -S section.key=value` overrides one for an experiment. "
-           "A key `a.b[]` is a list whose entries are the section shown.", ""]
+    out = [
+        GENERATED_NOTE.format(command=GENERATE_COMMAND, source="src/eaglenest/commands/params_file.py"),
+        "",
+        "# Params reference",
+        "",
+        "Every key of `params.yaml`, its type, its default and what it does: the reference for the "
+        "[pipeline's stages](index.md). Each stage checks the sections it reads strictly before any model "
+        "loads (`eaglenest doctor` checks the whole file): an unknown key, a wrong type or a value out of range "
+        "stops the stage with one line per problem. A key left out takes the default below; "
+        "`dvc exp run -S section.key=value` overrides one for an experiment. "
+        "A key `a.b[]` is a list whose entries are the section shown.",
+        "",
+    ]
     done: set[str] = set()
     for key, field in Params.model_fields.items():
         (model,) = _models(field.annotation)
@@ -175,12 +188,20 @@ def cli_markdown() -> str:
     from eaglenest.commands.cli import build_parser
 
     parser = build_parser()
-    out = [GENERATED_NOTE.format(command=GENERATE_COMMAND, source="src/eaglenest/commands/cli.py"), "",
-           "# Command reference", "",
-           "Every `eaglenest` command and its arguments, as `eaglenest COMMAND --help` prints them; the "
-           "[front page](index.md) shows them in use. A bad argument stops the command with one line; a "
-           "command that fails on its input exits 2 with `eaglenest COMMAND: error: ...`.", "",
-           "```text", _usage(parser), "```", ""]
+    out = [
+        GENERATED_NOTE.format(command=GENERATE_COMMAND, source="src/eaglenest/commands/cli.py"),
+        "",
+        "# Command reference",
+        "",
+        "Every `eaglenest` command and its arguments, as `eaglenest COMMAND --help` prints them; the "
+        "[front page](index.md) shows them in use. A bad argument stops the command with one line; a "
+        "command that fails on its input exits 2 with `eaglenest COMMAND: error: ...`.",
+        "",
+        "```text",
+        _usage(parser),
+        "```",
+        "",
+    ]
     for name, help_text, sub in _subcommands(parser):
         out += _command_section(f"eaglenest {name}", help_text, sub, "##")
     return "\n".join(out).rstrip() + "\n"
@@ -190,8 +211,16 @@ def _command_section(words: str, help_text: str, parser: argparse.ArgumentParser
     """The section of the command ``words`` (``eaglenest remote``), then one a level down for each of its actions
     (``eaglenest remote start``)."""
     description = parser.description or help_text
-    out = [f"{heading} `{words}`", "", _cell(description[:1].upper() + description[1:]).rstrip(".") + ".", "",
-           "```text", _usage(parser), "```", ""]
+    out = [
+        f"{heading} `{words}`",
+        "",
+        _cell(description[:1].upper() + description[1:]).rstrip(".") + ".",
+        "",
+        "```text",
+        _usage(parser),
+        "```",
+        "",
+    ]
     rows = _argument_rows(parser)
     if rows:
         out += ["| argument | default | what it is |", "|---|---|---|", *rows, ""]

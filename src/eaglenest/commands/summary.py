@@ -35,8 +35,15 @@ def summary_lines(repo: Path) -> list[str]:
         if not isinstance(figures, dict):
             continue
         summary = sets.get(name, {}).get("summary", {})
-        rows.append((name, figure_text(figures, f"{backend}_tau"), figure_text(figures, f"{backend}_speedup", "x"),
-                     summary_figure_text(summary, "ngram_speedup", "x"), versus_text(figures, backend, summary)))
+        rows.append(
+            (
+                name,
+                figure_text(figures, f"{backend}_tau"),
+                figure_text(figures, f"{backend}_speedup", "x"),
+                summary_figure_text(summary, "ngram_speedup", "x"),
+                versus_text(figures, backend, summary),
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
     lines.append(f"lossless: {headline.get('lossless', '—')}")
@@ -66,8 +73,9 @@ def host_line(host: dict[str, Any] | None) -> str:
         return f"{host['gpu']}, {host.get('compute_dtype', '?')}"
     native = "bf16 native" if host.get("bf16_native") else "no native bf16"
     simulated = f", simulated {host['simulated']}" if host.get("simulated") else ""
-    return f"{host['cpu']}, {host['aten_capability']} ({native}{simulated}), computing in " \
-           f"{host.get('compute_dtype', '?')}"
+    return (
+        f"{host['cpu']}, {host['aten_capability']} ({native}{simulated}), computing in {host.get('compute_dtype', '?')}"
+    )
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,5 +87,6 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMAND = Command("summary", help="the headline figures of the workspace as a short table",
-                  add_arguments=_add_arguments, run=_run)
+COMMAND = Command(
+    "summary", help="the headline figures of the workspace as a short table", add_arguments=_add_arguments, run=_run
+)

@@ -82,14 +82,30 @@ class SupervisedGroup:
         OSError: the command could not start.
     """
 
-    def __init__(self, argv: list[str], env: dict[str, str], stdout: IO[Any] | int | None = None,
-                 stderr: IO[Any] | int | None = None) -> None:
-        self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, env=env,
-                                        start_new_session=True, preexec_fn=_dies_with(os.getpid()))
+    def __init__(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        stdout: IO[Any] | int | None = None,
+        stderr: IO[Any] | int | None = None,
+    ) -> None:
+        self.process = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=stdout,
+            stderr=stderr,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_dies_with(os.getpid()),
+        )
         try:
             self.watchdog: subprocess.Popen[bytes] | None = subprocess.Popen(
-                [sys.executable, "-c", WATCHDOG, str(self.process.pid)], stdin=subprocess.PIPE,
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                [sys.executable, "-c", WATCHDOG, str(self.process.pid)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         except OSError:
             signal_group(self.process.pid, signal.SIGKILL)
             self.process.wait()

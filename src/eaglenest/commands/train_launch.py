@@ -48,8 +48,10 @@ def check_rendezvous_endpoint(endpoint: str) -> None:
     try:
         socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as err:
-        raise EaglenestError(f"rendezvous endpoint {endpoint}: the host {host!r} does not resolve ({err.strerror}); "
-                             "give the first node's name or address") from None
+        raise EaglenestError(
+            f"rendezvous endpoint {endpoint}: the host {host!r} does not resolve ({err.strerror}); "
+            "give the first node's name or address"
+        ) from None
 
 
 def train_launch(rdzv_endpoint: str | None, rdzv_id: str | None, print_only: bool) -> int:
@@ -74,6 +76,8 @@ def train_launch(rdzv_endpoint: str | None, rdzv_id: str | None, print_only: boo
     check_rendezvous_endpoint(launch.rdzv_endpoint)
     check_inputs(params.train, placed(params, TrainPaths(**stage_args)))
     run_launcher(launch, script, argv)
-    print("training finished; rank 0 wrote the draft, its metrics and curves: record them with `dvc commit train` "
-          "(scripts/cluster/train.sbatch does)")
+    print(
+        "training finished; rank 0 wrote the draft, its metrics and curves: record them with `dvc commit train` "
+        "(scripts/cluster/train.sbatch does)"
+    )
     return 0

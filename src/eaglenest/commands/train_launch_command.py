@@ -10,13 +10,23 @@ from eaglenest.commands.command import Command
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
-                        help="the rendezvous, on the first node (default: cluster.torchrun.rdzv_endpoint)")
-    parser.add_argument("--rdzv-id", default=None, metavar="ID",
-                        help="the job's rendezvous id, the same on every node (default: cluster.torchrun.rdzv_id)")
-    parser.add_argument("--print", action="store_true",
-                        help="print the exact line (environment, torchrun and its flags, the stage) and exit")
-
+    parser.add_argument(
+        "--rdzv-endpoint",
+        default=None,
+        metavar="HOST:PORT",
+        help="the rendezvous, on the first node (default: cluster.torchrun.rdzv_endpoint)",
+    )
+    parser.add_argument(
+        "--rdzv-id",
+        default=None,
+        metavar="ID",
+        help="the job's rendezvous id, the same on every node (default: cluster.torchrun.rdzv_id)",
+    )
+    parser.add_argument(
+        "--print",
+        action="store_true",
+        help="print the exact line (environment, torchrun and its flags, the stage) and exit",
+    )
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -26,11 +36,14 @@ def _run(args: argparse.Namespace) -> int:
 
 
 COMMAND = Command(
-    "train-launch", help="this node's part of a multi-node training run: torchrun's elastic launcher on the "
+    "train-launch",
+    help="this node's part of a multi-node training run: torchrun's elastic launcher on the "
     "train stage, built from params.yaml (train.nproc, cluster.torchrun) and dvc.yaml",
     description="This node's part of a multi-node training run: torchrun's elastic launcher (c10d rendezvous, "
     "restarts from the last checkpoint) on the train stage, with the stage's script and paths from dvc.yaml "
     "and the node bounds, processes per node and restarts from cluster.torchrun. Run it on every node, in the "
     "checkout's root (scripts/cluster/train.sbatch does, under Slurm); then `dvc commit train` records the "
     "outputs. --print shows the line instead of running it.",
-    add_arguments=_add_arguments, run=_run)
+    add_arguments=_add_arguments,
+    run=_run,
+)

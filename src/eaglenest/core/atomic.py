@@ -289,11 +289,14 @@ def check_replaceable(out: Path, inputs: dict[str, Path], command: str, force: b
     for flag, source in inputs.items():
         overlap = _overlap(out, source)
         if overlap is not None:
-            raise EaglenestError(f"--out {out} {overlap} {flag} {source}: writing it would delete {command}'s "
-                                 "input; pick another --out")
+            raise EaglenestError(
+                f"--out {out} {overlap} {flag} {source}: writing it would delete {command}'s input; pick another --out"
+            )
     if force or not (out.exists() or out.is_symlink()):
         return
     if out.is_dir() and not out.is_symlink() and (not any(out.iterdir()) or _written_by(out) == command):
         return
-    raise EaglenestError(f"--out {out} exists and was not written by {command} (no {WRITTEN_BY_FILE} naming it): "
-                         "pick another --out, or pass --force to replace it")
+    raise EaglenestError(
+        f"--out {out} exists and was not written by {command} (no {WRITTEN_BY_FILE} naming it): "
+        "pick another --out, or pass --force to replace it"
+    )

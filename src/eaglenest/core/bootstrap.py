@@ -43,8 +43,13 @@ class Interval:
         return self.low > 0 or self.high < 0
 
     def as_dict(self, places: int = 4) -> dict[str, float | int]:
-        return {"value": round(self.value, places), "low": round(self.low, places), "high": round(self.high, places),
-                "ci95": round(self.half_width, places), "units": self.units}
+        return {
+            "value": round(self.value, places),
+            "low": round(self.low, places),
+            "high": round(self.high, places),
+            "ci95": round(self.half_width, places),
+            "units": self.units,
+        }
 
 
 def bootstrap(sums: np.ndarray, statistic: Statistic, samples: int, seed: int) -> Interval:
@@ -81,6 +86,7 @@ def speedup_statistic(totals: np.ndarray) -> np.ndarray:
 
 def difference(statistic: Statistic, width: int) -> Statistic:
     """For paired sums ``[..., 2 * width]`` (base quantities, then head's): head's statistic minus base's."""
+
     def paired(totals: np.ndarray) -> np.ndarray:
         return statistic(totals[..., width:]) - statistic(totals[..., :width])
 

@@ -107,16 +107,28 @@ def pad_batch(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, to
     return input_ids, attention_mask
 
 
-def forward_hidden_states(model: nn.Module, captured: dict[int, torch.Tensor], layer_ids: list[int],
-                          input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def forward_hidden_states(
+    model: nn.Module,
+    captured: dict[int, torch.Tensor],
+    layer_ids: list[int],
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+) -> torch.Tensor:
     """One decoder forward; returns ``[batch, seq, n_slots, hidden]`` in ``layer_ids`` order."""
     captured.clear()
     model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     return torch.stack([captured[layer_id] for layer_id in layer_ids], dim=2)
 
 
-def hidden_states_of_rows(model: nn.Module, captured: dict[int, torch.Tensor], layer_ids: list[int],
-                          sequences: list[list[int]], pad_id: int, device: torch.device, fix: str) -> torch.Tensor:
+def hidden_states_of_rows(
+    model: nn.Module,
+    captured: dict[int, torch.Tensor],
+    layer_ids: list[int],
+    sequences: list[list[int]],
+    pad_id: int,
+    device: torch.device,
+    fix: str,
+) -> torch.Tensor:
     """One right-padded decoder forward over ``sequences``: ``[batch, longest, n_slots, hidden]``.
 
     Running out of memory is one line: the batch's size, then ``fix``.

@@ -110,8 +110,13 @@ class Executor(Generic[E, T, R]):
         each result travels back to the stage's ``on_result``, which writes it."""
         raise NotImplementedError
 
-    def run(self, make_engine: Callable[[], E], run_task: Callable[[E, T], R], tasks: Sequence[T],
-            on_result: Callable[[T, R], None]) -> None:
+    def run(
+        self,
+        make_engine: Callable[[], E],
+        run_task: Callable[[E, T], R],
+        tasks: Sequence[T],
+        on_result: Callable[[T, R], None],
+    ) -> None:
         raise NotImplementedError
 
 
@@ -132,8 +137,13 @@ class LocalExecutor(Executor[E, T, R]):
     def results_folder(self, folder: Path) -> Path | None:
         return folder.resolve()
 
-    def run(self, make_engine: Callable[[], E], run_task: Callable[[E, T], R], tasks: Sequence[T],
-            on_result: Callable[[T, R], None]) -> None:
+    def run(
+        self,
+        make_engine: Callable[[], E],
+        run_task: Callable[[E, T], R],
+        tasks: Sequence[T],
+        on_result: Callable[[T, R], None],
+    ) -> None:
         if not tasks:
             return
         engine = make_engine()
@@ -234,8 +244,13 @@ class RayExecutor(Executor[E, T, R]):
         """``folder`` with ``cluster.output: shared`` (every node mounts it at the same path); else None."""
         return folder.resolve() if self.cluster.output == "shared" else None
 
-    def run(self, make_engine: Callable[[], E], run_task: Callable[[E, T], R], tasks: Sequence[T],
-            on_result: Callable[[T, R], None]) -> None:
+    def run(
+        self,
+        make_engine: Callable[[], E],
+        run_task: Callable[[E, T], R],
+        tasks: Sequence[T],
+        on_result: Callable[[T, R], None],
+    ) -> None:
         if not tasks:
             return
         import ray
@@ -272,8 +287,11 @@ class RayExecutor(Executor[E, T, R]):
 
         group = placement_group(self.options["placement_bundles"], strategy="STRICT_PACK")
         # The engine's own workers (vLLM's, one per GPU) are scheduled into the group by the engine.
-        return {"num_cpus": 0, "num_gpus": 0, "scheduling_strategy": PlacementGroupSchedulingStrategy(
-            group, placement_group_capture_child_tasks=True)}
+        return {
+            "num_cpus": 0,
+            "num_gpus": 0,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_capture_child_tasks=True),
+        }
 
     def _assign(self, actors: list[_Actor], dispatch: _Dispatch[T]) -> None:
         for index, actor in enumerate(actors):
@@ -306,8 +324,9 @@ class RayExecutor(Executor[E, T, R]):
         except EaglenestError as err:
             raise EaglenestError(f"every engine was lost and the cluster cannot start another: {err}") from None
 
-    def _collect(self, ref: Any, actors: list[_Actor], dispatch: _Dispatch[T],
-                 on_result: Callable[[T, R], None]) -> None:
+    def _collect(
+        self, ref: Any, actors: list[_Actor], dispatch: _Dispatch[T], on_result: Callable[[T, R], None]
+    ) -> None:
         import ray
         from ray.exceptions import RayActorError, RayTaskError
 
@@ -317,8 +336,12 @@ class RayExecutor(Executor[E, T, R]):
             value = ray.get(ref)
         except RayActorError as err:  # the actor's process or node died: its task (if any) goes back in the queue
             if task is not None:
-                log.warning("ray: %s: its engine (%s) was lost (%s); it runs again", task.label, actor.where or "?",
-                            type(err).__name__)
+                log.warning(
+                    "ray: %s: its engine (%s) was lost (%s); it runs again",
+                    task.label,
+                    actor.where or "?",
+                    type(err).__name__,
+                )
                 self._failed(task, dispatch, f"its engine was lost ({type(err).__name__})")
             if err.actor_init_failed:  # the worker could not even create the actor (an import failed there)
                 self._start_failed(actor, actors, err)
@@ -346,8 +369,10 @@ class RayExecutor(Executor[E, T, R]):
     def _failed(self, task: T, dispatch: _Dispatch[T], why: str) -> None:
         tries = dispatch.tries[id(task)] = dispatch.tries.get(id(task), 0) + 1
         if tries >= self.cluster.max_task_retries:
-            raise EaglenestError(f"{task.label} failed {tries} times (cluster.max_task_retries = "
-                                 f"{self.cluster.max_task_retries}); the last: {why}")
+            raise EaglenestError(
+                f"{task.label} failed {tries} times (cluster.max_task_retries = "
+                f"{self.cluster.max_task_retries}); the last: {why}"
+            )
         dispatch.pending.appendleft(task)
 
     def _start_failed(self, actor: _Actor, actors: list[_Actor], cause: BaseException) -> None:
@@ -388,8 +413,9 @@ def alive_nodes() -> list[dict[str, float]]:
     return [dict(node.get("Resources", {})) for node in ray.nodes() if node.get("Alive")]
 
 
-def plan_engines(cluster: ClusterParams, needs: EngineNeeds, nodes: list[dict[str, float]]
-                 ) -> tuple[dict[str, Any], int, str]:
+def plan_engines(
+    cluster: ClusterParams, needs: EngineNeeds, nodes: list[dict[str, float]]
+) -> tuple[dict[str, Any], int, str]:
     """(one actor's Ray options, engines to start, a description) for ``nodes``.
 
     On a cluster with GPUs an engine takes ``needs.gpus`` of one node's GPUs (and a CPU per GPU); elsewhere
@@ -407,8 +433,9 @@ def plan_engines(cluster: ClusterParams, needs: EngineNeeds, nodes: list[dict[st
                 f"cluster has {max_gpus:g}; lower {needs.param} or add nodes with more GPUs"
             )
         fit = sum(int(node.get("GPU", 0.0) // gpus) for node in nodes)
-        options: dict[str, Any] = ({"num_gpus": 1, "num_cpus": 1} if gpus == 1
-                                   else {"placement_bundles": [{"GPU": 1, "CPU": 1}] * gpus})
+        options: dict[str, Any] = (
+            {"num_gpus": 1, "num_cpus": 1} if gpus == 1 else {"placement_bundles": [{"GPU": 1, "CPU": 1}] * gpus}
+        )
         per_engine = f"{gpus} GPU{'s' if gpus > 1 else ''} each"
     else:
         cpus = cluster.cpus_per_worker
@@ -423,8 +450,9 @@ def plan_engines(cluster: ClusterParams, needs: EngineNeeds, nodes: list[dict[st
         per_engine = f"{cpus} CPU{'s' if cpus > 1 else ''} each"
     wanted = fit if cluster.workers == "auto" else int(cluster.workers)
     if wanted > fit:
-        log.warning("cluster.workers = %d, but the cluster holds %d engines of %s: starting %d", wanted, fit,
-                    per_engine, fit)
+        log.warning(
+            "cluster.workers = %d, but the cluster holds %d engines of %s: starting %d", wanted, fit, per_engine, fit
+        )
         wanted = fit
     return options, wanted, f"{per_engine}, on {len(nodes)} nodes"
 
@@ -510,8 +538,12 @@ def connect(cluster: ClusterParams) -> Iterator[None]:
         import ray
 
         try:
-            ray.init(address=address, runtime_env={"py_modules": [str(_package_dir())]},
-                     logging_level=logging.WARNING, **kwargs)
+            ray.init(
+                address=address,
+                runtime_env={"py_modules": [str(_package_dir())]},
+                logging_level=logging.WARNING,
+                **kwargs,
+            )
         except ConnectionError as err:
             raise EaglenestError(
                 f"cluster.address = {cluster.address!r}: {error_line(err).rstrip('.')}; start a cluster with "
@@ -559,11 +591,12 @@ def describe_cluster(cluster: ClusterParams) -> list[str]:
         require_ray()  # only whether it is there: a local cluster is started by the stage itself
         import torch
 
-        return [f"cluster: executor ray, address local: the stage starts Ray on this machine (127.0.0.1): "
-                f"{len(os.sched_getaffinity(0))} CPUs, {torch.cuda.device_count()} GPUs"]
+        return [
+            f"cluster: executor ray, address local: the stage starts Ray on this machine (127.0.0.1): "
+            f"{len(os.sched_getaffinity(0))} CPUs, {torch.cuda.device_count()} GPUs"
+        ]
     with connect(cluster):
         nodes = alive_nodes()
     cpus = sum(node.get("CPU", 0.0) for node in nodes)
     gpus = sum(node.get("GPU", 0.0) for node in nodes)
     return [f"cluster: executor ray at {cluster.address}: {len(nodes)} nodes alive, {cpus:g} CPUs, {gpus:g} GPUs"]
-

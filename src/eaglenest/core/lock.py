@@ -46,8 +46,10 @@ def exclusive(lock_file: Path, what: str) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
-            raise EaglenestError(f"{what} is being written by {holder} (lock {lock_file}): wait for it to finish "
-                                 "or stop it, then run again") from None
+            raise EaglenestError(
+                f"{what} is being written by {holder} (lock {lock_file}): wait for it to finish "
+                "or stop it, then run again"
+            ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
         yield

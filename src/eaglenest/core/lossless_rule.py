@@ -44,8 +44,9 @@ TIE_CANDIDATES = 5
 TopCandidates = list[tuple[int, float]]
 
 
-def first_divergence(plain: list[int], spec: list[int], plain_top: list[TopCandidates] | None = None
-                     ) -> Divergence | None:
+def first_divergence(
+    plain: list[int], spec: list[int], plain_top: list[TopCandidates] | None = None
+) -> Divergence | None:
     """The first position where ``spec`` differs from ``plain``; None when the two are identical.
 
     Args:
@@ -55,8 +56,9 @@ def first_divergence(plain: list[int], spec: list[int], plain_top: list[TopCandi
     """
     if plain == spec:
         return None
-    position = next((i for i, (a, b) in enumerate(zip(plain, spec, strict=False)) if a != b),
-                    min(len(plain), len(spec)))
+    position = next(
+        (i for i, (a, b) in enumerate(zip(plain, spec, strict=False)) if a != b), min(len(plain), len(spec))
+    )
     plain_token = plain[position] if position < len(plain) else None
     spec_token = spec[position] if position < len(spec) else None
     top = plain_top[position] if plain_top is not None and position < len(plain_top) else []

@@ -69,7 +69,9 @@ class VllmEngineParams(StrictModel):
         "served in bfloat16, as a server would run it; float32 computes as the hf back end does.",
     )
     gpu_memory_utilization: float = Field(
-        default=0.85, gt=0.0, le=1.0,
+        default=0.85,
+        gt=0.0,
+        le=1.0,
         description="Fraction of GPU memory vLLM may take (GPU build; the CPU build sizes its KV cache by "
         "VLLM_CPU_KVCACHE_SPACE).",
     )
@@ -94,30 +96,40 @@ def width_needs_vllm(values: dict[str, Any], section: str, engine_key: str, back
         return []
     key, backend = f"{section}.{engine_key}.tensor_parallel_size", values.get(backend_key)
     if isinstance(backend, list) and "vllm" not in backend:
-        return [f"{key} = {width} is only used by the vllm back end, and {section}.{backend_key} is {backend}; "
-                f"set it to 1 or add vllm to {section}.{backend_key}"]
+        return [
+            f"{key} = {width} is only used by the vllm back end, and {section}.{backend_key} is {backend}; "
+            f"set it to 1 or add vllm to {section}.{backend_key}"
+        ]
     if backend == "hf":
-        return [f"{key} = {width} needs {section}.{backend_key}: vllm (the hf back end runs on one device); "
-                "set it to 1 or switch the back end"]
+        return [
+            f"{key} = {width} needs {section}.{backend_key}: vllm (the hf back end runs on one device); "
+            "set it to 1 or switch the back end"
+        ]
     return []
 
 
-HiddenStateStore = Annotated[Literal["files", "online"], Field(
-    description=(
-        "'files': the hidden states of every row in data/hidden_states, in shards of extract.rows_per_shard "
-        "rows (DVC-tracked, reused by every training run); 'online': nothing stored, the train stage computes "
-        "each batch's hidden states from the verifier (hf back end, on train.device) and extract writes only "
-        "data/hidden_states/manifest.json."
+HiddenStateStore = Annotated[
+    Literal["files", "online"],
+    Field(
+        description=(
+            "'files': the hidden states of every row in data/hidden_states, in shards of extract.rows_per_shard "
+            "rows (DVC-tracked, reused by every training run); 'online': nothing stored, the train stage computes "
+            "each batch's hidden states from the verifier (hf back end, on train.device) and extract writes only "
+            "data/hidden_states/manifest.json."
+        )
     ),
-)]
-HiddenStateDtype = Annotated[Literal["bfloat16", "float32", "float8_e4m3fn"], Field(
-    description=(
-        "Storage dtype of the hidden-state files: bfloat16 halves float32's disk; float8_e4m3fn halves it again "
-        "(one float32 scale per token, in speculators' hs_connectors FP8 layout; training dequantizes it). "
-        "With store: online, the precision computed hidden states are rounded to before training, so online "
-        "trains on what files would hold."
+]
+HiddenStateDtype = Annotated[
+    Literal["bfloat16", "float32", "float8_e4m3fn"],
+    Field(
+        description=(
+            "Storage dtype of the hidden-state files: bfloat16 halves float32's disk; float8_e4m3fn halves it again "
+            "(one float32 scale per token, in speculators' hs_connectors FP8 layout; training dequantizes it). "
+            "With store: online, the precision computed hidden states are rounded to before training, so online "
+            "trains on what files would hold."
+        )
     ),
-)]
+]
 
 
 class HiddenStateStorage(StrictModel):
@@ -157,22 +169,26 @@ class TorchrunParams(StrictModel):
     """
 
     max_restarts: int = Field(
-        default=3, ge=0,
+        default=3,
+        ge=0,
         description="Times the launcher restarts every training process after one dies (a killed process, a lost "
         "node); each restart resumes from the last checkpoint rank 0 wrote (train.checkpoint_every). 0: the first "
         "failure ends the run, and a rerun of the stage resumes.",
     )
     min_nodes: int = Field(
-        default=1, ge=1,
+        default=1,
+        ge=1,
         description="eaglenest train-launch: the fewest nodes training runs on; after a node is lost the others go "
         "on while at least this many remain (torchrun --nnodes=MIN:MAX).",
     )
     max_nodes: int | None = Field(
-        default=None, ge=1,
+        default=None,
+        ge=1,
         description="eaglenest train-launch: the most nodes that join; null = min_nodes (a fixed number of nodes).",
     )
     nproc_per_node: int | None = Field(
-        default=None, ge=1,
+        default=None,
+        ge=1,
         description="eaglenest train-launch: training processes per node (one per GPU); null = train.nproc / "
         "max_nodes. Every world size from min_nodes to max_nodes times this must divide train.nproc.",
     )
@@ -183,12 +199,14 @@ class TorchrunParams(StrictModel):
         "training run on one machine always uses a free port on 127.0.0.1.",
     )
     rdzv_id: str = Field(
-        default="eaglenest-train", pattern=r"^[A-Za-z0-9._-]+$",
+        default="eaglenest-train",
+        pattern=r"^[A-Za-z0-9._-]+$",
         description="eaglenest train-launch: the job's rendezvous id, the same on every node (letters, digits, '.', "
         "'_', '-'); --rdzv-id overrides it (scripts/cluster/train.sbatch passes the Slurm job's id).",
     )
     checkpoint_dir: str | None = Field(
-        default=None, min_length=1,
+        default=None,
+        min_length=1,
         description="The folder of the train stage's resumable checkpoints (<folder>/<run fingerprint>/"
         "checkpoint.pt, written by rank 0, read by every process on a restart); null: .eaglenest/train-checkpoints "
         "in the checkout. On several nodes it must be storage every node mounts at this path (the checkout, when "
@@ -207,8 +225,10 @@ class TorchrunParams(StrictModel):
         """Bad combinations of otherwise valid values, one line each (values of a wrong type are skipped)."""
         low, high = values.get("min_nodes"), values.get("max_nodes")
         if isinstance(low, int) and isinstance(high, int) and high < low:
-            return [f"cluster.torchrun.max_nodes = {high} < cluster.torchrun.min_nodes = {low}: the most nodes cannot "
-                    "be fewer than the fewest"]
+            return [
+                f"cluster.torchrun.max_nodes = {high} < cluster.torchrun.min_nodes = {low}: the most nodes cannot "
+                "be fewer than the fewest"
+            ]
         return []
 
     def plan(self, nproc: int) -> tuple[int, int, int | None]:
@@ -216,8 +236,9 @@ class TorchrunParams(StrictModel):
         return node_plan(nproc, self.min_nodes, self.max_nodes, self.nproc_per_node)
 
 
-def node_plan(nproc: int, min_nodes: int, max_nodes: int | None, nproc_per_node: int | None
-              ) -> tuple[int, int, int | None]:
+def node_plan(
+    nproc: int, min_nodes: int, max_nodes: int | None, nproc_per_node: int | None
+) -> tuple[int, int, int | None]:
     """(fewest nodes, most nodes, processes per node) of ``cluster.torchrun`` for the global batch ``nproc``: the
     most is the fewest when null, and processes per node default to ``nproc`` over the most nodes (None where that
     is not a whole number)."""
@@ -228,9 +249,11 @@ def node_plan(nproc: int, min_nodes: int, max_nodes: int | None, nproc_per_node:
 
 
 CLUSTER_ADDRESS_FORMS = "'local', 'auto' or host:port"
-CLUSTER_DESCRIPTION = ("Where and how the stages run: this process or a Ray cluster for regeneration and extract, "
-                       "torchrun's elastic launcher for train (no stage's params dependency: a change re-runs "
-                       "nothing).")
+CLUSTER_DESCRIPTION = (
+    "Where and how the stages run: this process or a Ray cluster for regeneration and extract, "
+    "torchrun's elastic launcher for train (no stage's params dependency: a change re-runs "
+    "nothing)."
+)
 
 
 class ClusterParams(StrictModel):
@@ -260,12 +283,14 @@ class ClusterParams(StrictModel):
         "cluster.cpus_per_worker.",
     )
     cpus_per_worker: int = Field(
-        default=1, ge=1,
+        default=1,
+        ge=1,
         description="executor: ray: CPUs each engine reserves (its torch threads) where it runs on CPUs; an engine "
         "on GPUs reserves 1 CPU per GPU.",
     )
     max_task_retries: int = Field(
-        default=3, ge=1,
+        default=3,
+        ge=1,
         description="executor: ray: tries per task (an actor that dies, or an error) before the stage stops, naming "
         "the task and the error; a problem of the data itself (a checked error) stops it at once. Finished tasks "
         "are kept, and the next run continues.",
@@ -373,17 +398,23 @@ def section_problems(raw: dict[str, Any], model: type[BaseModel]) -> list[str]:
         section_model = field.annotation
         values = raw.get(section)
         check = getattr(section_model, "consistency_problems", None)
-        if check is not None and isinstance(values, dict) and isinstance(section_model, type) and \
-                issubclass(section_model, BaseModel):
-            defaults = {name: f.get_default(call_default_factory=True)
-                        for name, f in section_model.model_fields.items()}
+        if (
+            check is not None
+            and isinstance(values, dict)
+            and isinstance(section_model, type)
+            and issubclass(section_model, BaseModel)
+        ):
+            defaults = {
+                name: f.get_default(call_default_factory=True) for name, f in section_model.model_fields.items()
+            }
             problems += check({**defaults, **values})
     check = getattr(model, "consistency_problems", None)
     return problems + (check(raw) if check is not None else [])
 
 
-def format_validation_error(err: ValidationError, source: str, model: type[BaseModel],
-                            raw: dict[str, Any] | None = None) -> str:
+def format_validation_error(
+    err: ValidationError, source: str, model: type[BaseModel], raw: dict[str, Any] | None = None
+) -> str:
     """Turns a pydantic error into one line per problem: key, value given, what is allowed."""
     lines = []
     for problem in err.errors():

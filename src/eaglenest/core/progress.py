@@ -51,8 +51,9 @@ def progress(total: float | None, desc: str, unit: str = "it", **kwargs: Any) ->
     if sys.stderr.isatty():
         return tqdm(total=total, desc=desc, unit=unit, **kwargs)
     kwargs.pop("dynamic_ncols", None)  # vLLM asks for it; a log has no width to follow
-    return tqdm(total=total, desc=desc, unit=unit, file=_LogLines(), mininterval=LOG_INTERVAL, ncols=100,
-                ascii=True, **kwargs)
+    return tqdm(
+        total=total, desc=desc, unit=unit, file=_LogLines(), mininterval=LOG_INTERVAL, ncols=100, ascii=True, **kwargs
+    )
 
 
 def vllm_progress(desc: str, unit: str) -> Any:

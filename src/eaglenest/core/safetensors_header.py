@@ -35,9 +35,15 @@ def tensor_extents(path: Path) -> tuple[int, dict[str, tuple[str, list[int], int
         (header_len,) = struct.unpack("<Q", fh.read(8))
         raw = json.loads(fh.read(header_len))
     raw.pop("__metadata__", None)
-    return 8 + header_len, {name: (str(entry["dtype"]), [int(d) for d in entry["shape"]],
-                                   int(entry["data_offsets"][0]), int(entry["data_offsets"][1]))
-                            for name, entry in raw.items()}
+    return 8 + header_len, {
+        name: (
+            str(entry["dtype"]),
+            [int(d) for d in entry["shape"]],
+            int(entry["data_offsets"][0]),
+            int(entry["data_offsets"][1]),
+        )
+        for name, entry in raw.items()
+    }
 
 
 def read_header(path: Path) -> Header:

@@ -134,8 +134,9 @@ def run_stage(stage: Stage[Any, Any], argv: Sequence[str] | None = None) -> int:
     args = vars(stage_parser(stage).parse_args(argv))
     params_file = args.pop("params")
     # Timestamped: a log of hours (training, extraction at scale) says when each line was written.
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s eaglenest {stage.name}: %(message)s",
-                        datefmt="%Y-%m-%d %H:%M:%S")
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s eaglenest {stage.name}: %(message)s", datefmt="%Y-%m-%d %H:%M:%S"
+    )
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         stage.run(load_sections(params_file, stage.params), stage.paths(**args))

@@ -94,7 +94,7 @@ def installed_build() -> VllmBuild | None:
 
 
 def device_kind() -> str:
-    """"gpu" when torch sees a CUDA device, else "cpu"."""
+    """ "gpu" when torch sees a CUDA device, else "cpu"."""
     import torch
 
     return "gpu" if torch.cuda.is_available() else "cpu"
@@ -114,8 +114,7 @@ def require_vllm(param: str) -> VllmBuild:
         )
     if build.kind in ("cpu", "gpu") and build.kind != device:
         raise EaglenestError(
-            f"{param}: vllm: {build} is installed but this machine runs on the {device.upper()}; "
-            f"{SETUP_FIX[device]}"
+            f"{param}: vllm: {build} is installed but this machine runs on the {device.upper()}; {SETUP_FIX[device]}"
         )
     return build
 
@@ -227,9 +226,17 @@ def kv_cache_bytes(model_dir: Path, dtype: str, tokens: int) -> int | None:
     return int(1.25 * per_token * tokens) + KV_CACHE_MARGIN_BYTES
 
 
-def engine_kwargs(model_dir: Path, verifier: VerifierTraits, engine: VllmEngineParams, *, context_tokens: int,
-                  seed: int = 0, gpu_memory_share: float = 1.0, kv_tokens: int | None = None,
-                  in_flight: int | None = None) -> dict[str, Any]:
+def engine_kwargs(
+    model_dir: Path,
+    verifier: VerifierTraits,
+    engine: VllmEngineParams,
+    *,
+    context_tokens: int,
+    seed: int = 0,
+    gpu_memory_share: float = 1.0,
+    kv_tokens: int | None = None,
+    in_flight: int | None = None,
+) -> dict[str, Any]:
     """The ``vllm.LLM(**kwargs)`` arguments every back end shares; they add their own on top.
 
     Args:
@@ -261,7 +268,8 @@ def engine_kwargs(model_dir: Path, verifier: VerifierTraits, engine: VllmEngineP
         "model": str(model_dir),
         "trust_remote_code": verifier.trust_remote_code,
         "dtype": serving_dtype(model_dir, engine.dtype),
-        "max_model_len": context_tokens if verifier.max_position_embeddings is None
+        "max_model_len": context_tokens
+        if verifier.max_position_embeddings is None
         else min(context_tokens, verifier.max_position_embeddings),
         "seed": seed,
         "tensor_parallel_size": engine.tensor_parallel_size,
@@ -283,8 +291,9 @@ def engine_kwargs(model_dir: Path, verifier: VerifierTraits, engine: VllmEngineP
         cores = sorted(os.sched_getaffinity(0))
         if len(cores) <= SMALL_MACHINE_CORES:
             contiguous = cores == list(range(cores[0], cores[-1] + 1))
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
-                                  f"{cores[0]}-{cores[-1]}" if contiguous else ",".join(map(str, cores)))
+            os.environ.setdefault(
+                "VLLM_CPU_OMP_THREADS_BIND", f"{cores[0]}-{cores[-1]}" if contiguous else ",".join(map(str, cores))
+            )
             os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         kwargs["enforce_eager"] = True
     else:
@@ -315,8 +324,9 @@ def _without_llvmlite_ffi() -> Iterator[None]:
             sys.modules[LLVMLITE_FFI] = ffi
 
 
-def create_llm(kwargs: dict[str, Any], param: str, what: str = "the verifier", *, in_process_on_cpu: bool = False
-               ) -> Any:
+def create_llm(
+    kwargs: dict[str, Any], param: str, what: str = "the verifier", *, in_process_on_cpu: bool = False
+) -> Any:
     """``vllm.LLM(**kwargs)``, with a failure to start turned into one line naming ``param``.
 
     vLLM reports a model it cannot run (unsupported layer, a draft it refuses, too little memory) as an
@@ -379,8 +389,9 @@ def vllm_meter(desc: str) -> Any:
     return make
 
 
-def generate(llm: Any, requests: list[dict[str, Any]], sampling: Any, param: str, progress_desc: str | None = None
-             ) -> list[Any]:
+def generate(
+    llm: Any, requests: list[dict[str, Any]], sampling: Any, param: str, progress_desc: str | None = None
+) -> list[Any]:
     """``llm.generate``, with a meter per finished request named ``progress_desc`` (none when None); an engine
     that dies mid-run (a kernel it lacks, memory) is one line naming ``param``, after vLLM's own log of the root
     cause."""
@@ -400,4 +411,3 @@ def first_line(err: BaseException) -> str:
     """An exception as one line: its type and the first line of its message."""
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0] if text else ''}"
-

@@ -22,17 +22,33 @@ from eaglenest.artifacts.hidden_states.layout import write_hidden_states
 from eaglenest.artifacts.verifier import VerifierInfo
 
 TOKENS = [5, 6, 7]
-VERIFIER = VerifierInfo(source="tiny", kind="local", path=".", name="tiny", fingerprint="f", model_type="llama",
-                        num_layers=2, hidden_size=4, vocab_size=16, max_position_embeddings=32, aux_layers=[1],
-                        layer_ids=[1, 2], trust_remote_code=False)
+VERIFIER = VerifierInfo(
+    source="tiny",
+    kind="local",
+    path=".",
+    name="tiny",
+    fingerprint="f",
+    model_type="llama",
+    num_layers=2,
+    hidden_size=4,
+    vocab_size=16,
+    max_position_embeddings=32,
+    aux_layers=[1],
+    layer_ids=[1, 2],
+    trust_remote_code=False,
+)
 
 
 @pytest.fixture
 def row_file(tmp_path: Path) -> Path:
     path = hs_path(tmp_path, 0)
     hidden = torch.arange(len(TOKENS) * 2 * 4, dtype=torch.float32).reshape(len(TOKENS), 2, 4)
-    write_hidden_states(path, encode_hidden_states(hidden, "float32"), torch.tensor(TOKENS),
-                        file_metadata("config", VERIFIER.layer_ids, "float32", "hf"))
+    write_hidden_states(
+        path,
+        encode_hidden_states(hidden, "float32"),
+        torch.tensor(TOKENS),
+        file_metadata("config", VERIFIER.layer_ids, "float32", "hf"),
+    )
     return path
 
 
@@ -69,6 +85,7 @@ def test_a_row_holding_a_non_finite_value_raises_naming_its_file_token_and_slot(
     hidden[1, 1, 0] = float("nan")
     path = tmp_path / "shard_0.safetensors"
     with pytest.raises(HiddenStateFileError, match="1 non-finite values \\(first at token 1, slot 1\\)") as raised:
-        checked_hidden_states(path, {TOKENS_KEY: torch.tensor(TOKENS), **encode_hidden_states(hidden, "float32")},
-                              TOKENS)
+        checked_hidden_states(
+            path, {TOKENS_KEY: torch.tensor(TOKENS), **encode_hidden_states(hidden, "float32")}, TOKENS
+        )
     assert raised.value.path == path

@@ -11,8 +11,15 @@ from eaglenest.artifacts.hidden_states.format import encode_hidden_states, extra
 from eaglenest.artifacts.hidden_states.layout import FileSink, FileWriter, HiddenStatePlan
 from eaglenest.artifacts.hidden_states.resume import Extraction, unfinished_dir
 
-PLAN = HiddenStatePlan(input_ids=[[1, 2, 3], [4, 5], [6]], rows_per_shard=2, layer_ids=[1, 2], hidden_size=4,
-                       verifier_fingerprint="verifier", dtype="float32", backend="hf")
+PLAN = HiddenStatePlan(
+    input_ids=[[1, 2, 3], [4, 5], [6]],
+    rows_per_shard=2,
+    layer_ids=[1, 2],
+    hidden_size=4,
+    verifier_fingerprint="verifier",
+    dtype="float32",
+    backend="hf",
+)
 
 
 def write_every_file(plan: HiddenStatePlan, folder: Path) -> None:
@@ -31,8 +38,11 @@ def test_files_written_from_the_plan_are_what_resume_keeps(tmp_path: Path):
     out = tmp_path / "hidden_states"
     write_every_file(PLAN, unfinished_dir(out))
     assert [spec.name for spec in PLAN.files] == ["shard_0.safetensors", "shard_1.safetensors"]
-    assert recorded_in(unfinished_dir(out) / "shard_0.safetensors", "config") == extraction_fingerprint(
-        "verifier", [1, 2], "float32") == PLAN.config
+    assert (
+        recorded_in(unfinished_dir(out) / "shard_0.safetensors", "config")
+        == extraction_fingerprint("verifier", [1, 2], "float32")
+        == PLAN.config
+    )
     assert Extraction(out, PLAN).collect() == []
 
 

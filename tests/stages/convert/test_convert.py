@@ -30,17 +30,23 @@ def extracted(tmp_path: Path, tiny_verifier_dir: Path) -> dict[str, Path]:
     verifier_dir, prepared = pipeline_until_prepare(tmp_path, tiny_verifier_dir, rows=10)
     hs = tmp_path / "data" / "hidden_states"
     # Row files: each test below breaks one file of one row.
-    extract_hidden_states(ExtractParams(rows_per_shard=1), verifier_dir, prepared, hs,
-                          tmp_path / "metrics" / "extract.json")
+    extract_hidden_states(
+        ExtractParams(rows_per_shard=1), verifier_dir, prepared, hs, tmp_path / "metrics" / "extract.json"
+    )
     return {"verifier": verifier_dir, "prepared": prepared, "hs": hs, "root": tmp_path}
 
 
 def run_convert(paths: dict[str, Path], **params) -> dict:
     params.setdefault("draft_vocab_size", 64)  # the default 8192 exceeds the tiny verifier's 300 tokens
-    return convert(ConvertParams(**params), ExtractParams(dtype="bfloat16", rows_per_shard=1), paths["verifier"],
-                   paths["prepared"],
-                   paths["hs"],
-                   paths["root"] / "data" / "vocab", paths["root"] / "metrics" / "data.json")
+    return convert(
+        ConvertParams(**params),
+        ExtractParams(dtype="bfloat16", rows_per_shard=1),
+        paths["verifier"],
+        paths["prepared"],
+        paths["hs"],
+        paths["root"] / "data" / "vocab",
+        paths["root"] / "metrics" / "data.json",
+    )
 
 
 def corrupt(path: Path, how: str) -> None:
@@ -50,8 +56,9 @@ def corrupt(path: Path, how: str) -> None:
     elif how == "wrong shape":
         save_file({"hidden_states": data["hidden_states"][:, :3].contiguous(), "token_ids": data["token_ids"]}, path)
     elif how == "wrong hidden size":
-        save_file({"hidden_states": data["hidden_states"][:, :, :16].contiguous(), "token_ids": data["token_ids"]},
-                  path)
+        save_file(
+            {"hidden_states": data["hidden_states"][:, :, :16].contiguous(), "token_ids": data["token_ids"]}, path
+        )
     elif how == "nan":
         data["hidden_states"][1, 2, 3] = float("nan")
         save_file(data, path)
@@ -120,8 +127,9 @@ def test_vocab_mapping_round_trips_and_speculators_loads_it(extracted: dict[str,
     assert torch.equal(d2t_ours, d2t) and torch.equal(t2d_ours, t2d)
     # Every loss-masked train token is in the vocabulary: 64 > the tiny data's distinct tokens.
     data = load_from_disk(str(extracted["prepared"])).with_format(None)
-    train_tokens = {t for row in data.select(range(8)) for t, m in zip(row["input_ids"], row["loss_mask"],
-                                                                         strict=True) if m}
+    train_tokens = {
+        t for row in data.select(range(8)) for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m
+    }
     assert train_tokens <= set(targets.tolist())
     assert len(train_tokens) < 64  # so the rest was filled deterministically
     assert metrics["vocab_coverage_train"] == 1.0
@@ -140,8 +148,11 @@ def test_small_vocab_coverage_below_one_and_full_vocab(extracted: dict[str, Path
 
 
 def test_draft_vocab_larger_than_the_verifier_is_refused(extracted: dict[str, Path]):
-    with pytest.raises(EaglenestError, match=r"convert.draft_vocab_size = 400 exceeds the verifier's vocabulary "
-                                             r"of 300; use null"):
+    with pytest.raises(
+        EaglenestError,
+        match=r"convert.draft_vocab_size = 400 exceeds the verifier's vocabulary "
+        r"of 300; use null",
+    ):
         run_convert(extracted, draft_vocab_size=400)
 
 
@@ -149,11 +160,14 @@ def write_pt_dump(folder: Path, samples: int, layers: int = 4, hidden: int = 32,
     folder.mkdir(parents=True)
     for i in range(samples):
         seq = base_len + i
-        torch.save({
-            "input_ids": torch.arange(seq, dtype=torch.int64) + 3,
-            "hidden_states": [torch.randn(seq, hidden, dtype=torch.bfloat16) for _ in range(layers)],
-            "loss_mask": torch.tensor([0, 0] + [1] * (seq - 2)),
-        }, folder / f"data_{i}.pt")
+        torch.save(
+            {
+                "input_ids": torch.arange(seq, dtype=torch.int64) + 3,
+                "hidden_states": [torch.randn(seq, hidden, dtype=torch.bfloat16) for _ in range(layers)],
+                "loss_mask": torch.tensor([0, 0] + [1] * (seq - 2)),
+            },
+            folder / f"data_{i}.pt",
+        )
 
 
 class Evil:
@@ -163,10 +177,15 @@ class Evil:
 
 def test_pt_with_pickled_object_is_refused(tmp_path: Path):
     write_pt_dump(tmp_path / "dump", 2)
-    torch.save({"input_ids": torch.arange(3), "hidden_states": [Evil()], "loss_mask": torch.ones(3)},
-               tmp_path / "dump" / "data_1.pt")
-    with pytest.raises(InputFileError, match=r"data_1.pt: refused: holds pickled objects that "
-                                             r"torch.load\(weights_only=True\) will not load"):
+    torch.save(
+        {"input_ids": torch.arange(3), "hidden_states": [Evil()], "loss_mask": torch.ones(3)},
+        tmp_path / "dump" / "data_1.pt",
+    )
+    with pytest.raises(
+        InputFileError,
+        match=r"data_1.pt: refused: holds pickled objects that "
+        r"torch.load\(weights_only=True\) will not load",
+    ):
         import_dump("speculators-pt", tmp_path / "dump", tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -186,13 +205,29 @@ def test_import_formats_feed_the_pipeline(tmp_path: Path, tiny_verifier_dir: Pat
     for name in ("imported", "reimported"):
         root = tmp_path / f"run-{name}"
         prepared, hs = root / "prepared", root / "hidden_states"
-        prepare_dataset(PrepareParams(source=[f"import:{tmp_path / name}"], val_fraction=0.2), None, prepared,
-                        root / "prepare.json", set())
-        extract_hidden_states(ExtractParams(backend="import", import_path=str(tmp_path / name / "hidden_states")),
-                              verifier_dir, prepared, hs, root / "extract.json")
-        metrics = convert(ConvertParams(draft_vocab_size=16), ExtractParams(dtype="bfloat16"), verifier_dir,
-                          prepared, hs, root / "vocab",
-                          root / "data.json")
+        prepare_dataset(
+            PrepareParams(source=[f"import:{tmp_path / name}"], val_fraction=0.2),
+            None,
+            prepared,
+            root / "prepare.json",
+            set(),
+        )
+        extract_hidden_states(
+            ExtractParams(backend="import", import_path=str(tmp_path / name / "hidden_states")),
+            verifier_dir,
+            prepared,
+            hs,
+            root / "extract.json",
+        )
+        metrics = convert(
+            ConvertParams(draft_vocab_size=16),
+            ExtractParams(dtype="bfloat16"),
+            verifier_dir,
+            prepared,
+            hs,
+            root / "vocab",
+            root / "data.json",
+        )
         assert metrics["samples"] == 6 and metrics["excluded"] == 0
         original = torch.load(tmp_path / "dump" / "data_2.pt", weights_only=True)
         stored = stored_row(hs, 2)  # the per-row dump lands in a shard (extract.rows_per_shard)
@@ -202,10 +237,18 @@ def test_import_formats_feed_the_pipeline(tmp_path: Path, tiny_verifier_dir: Pat
 def test_import_rows_are_never_truncated(tmp_path: Path):
     write_pt_dump(tmp_path / "dump", 3, base_len=15)
     import_dump("speculators-pt", tmp_path / "dump", tmp_path / "imported")
-    with pytest.raises(InputFileError, match=r"imported: row 2 has 17 tokens > prepare.max_len = 16; imported rows "
-                                             r"are never truncated"):
-        prepare_dataset(PrepareParams(source=[f"import:{tmp_path / 'imported'}"], max_len=16), None,
-                        tmp_path / "p", tmp_path / "m.json", set())
+    with pytest.raises(
+        InputFileError,
+        match=r"imported: row 2 has 17 tokens > prepare.max_len = 16; imported rows "
+        r"are never truncated",
+    ):
+        prepare_dataset(
+            PrepareParams(source=[f"import:{tmp_path / 'imported'}"], max_len=16),
+            None,
+            tmp_path / "p",
+            tmp_path / "m.json",
+            set(),
+        )
 
 
 def test_inspect_describes_files_folders_and_datasets(extracted: dict[str, Path], tmp_path: Path, capsys):

@@ -26,8 +26,12 @@ MT_BENCH_SAMPLE = REPO / "tests" / "data" / "mt_bench_sample.jsonl"
 
 
 def _prepared(tmp_path: Path, tokenizer, train_texts: list[str]) -> Path:
-    rows = [tokenizer.apply_chat_template([{"role": "user", "content": t}, {"role": "assistant", "content": "ok"}],
-                                          tokenize=True)["input_ids"] for t in train_texts]
+    rows = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": t}, {"role": "assistant", "content": "ok"}], tokenize=True
+        )["input_ids"]
+        for t in train_texts
+    ]
     rows = [list(r) for r in rows]
     out = tmp_path / "prepared"
     val = [{"messages": [{"role": "user", "content": "the weather is nice"}], "origin": "chitchat:1"}]
@@ -41,11 +45,15 @@ def prepared(tmp_path: Path, tiny_tokenizer) -> Path:
 
 
 def test_a_set_must_share_no_prompt_with_training(tmp_path: Path, tiny_tokenizer, prepared: Path):
-    general = write_jsonl(tmp_path / "general.jsonl", [{"prompt": "what is the capital of France?"},
-                                                       {"prompt": "let us go for a walk"}])
+    general = write_jsonl(
+        tmp_path / "general.jsonl", [{"prompt": "what is the capital of France?"}, {"prompt": "let us go for a walk"}]
+    )
     params = EvalSetParams(name="general", source=str(general))
-    with pytest.raises(InputFileError, match=r"general.jsonl\): prompt 2 \('let us go for a walk'\) is also in the "
-                                             r"training rows"):
+    with pytest.raises(
+        InputFileError,
+        match=r"general.jsonl\): prompt 2 \('let us go for a walk'\) is also in the "
+        r"training rows",
+    ):
         load_eval_set(params, prepared, tiny_tokenizer)
     write_jsonl(general, [{"prompt": "what is the capital of France?"}])
     assert len(load_eval_set(params, prepared, tiny_tokenizer).conversations) == 1
@@ -83,18 +91,29 @@ def test_the_shipped_long_set_is_what_its_snapshot_script_writes(tmp_path: Path)
 def test_question_jsonl_turns_are_asked_after_the_verifiers_own_answers(tiny_tokenizer, prepared: Path):
     eval_set = load_eval_set(EvalSetParams(name="mt", source=str(MT_BENCH_SAMPLE)), prepared, tiny_tokenizer)
     assert [(c.id, c.category, len(c.turns)) for c in eval_set.conversations] == [
-        ("81", "writing", 2), ("111", "math", 2), ("131", "extraction", 2)]
+        ("81", "writing", 2),
+        ("111", "math", 2),
+        ("131", "extraction", 2),
+    ]
     seen: list[list[int]] = []
 
     def decode(prompts: list[list[int]]) -> list[list[int]]:
         first = len(seen) + 1
         seen.extend(prompts)
-        return [tiny_tokenizer(f"ANSWER NUMBER {first + i}", add_special_tokens=False)["input_ids"]
-                for i in range(len(prompts))]
+        return [
+            tiny_tokenizer(f"ANSWER NUMBER {first + i}", add_special_tokens=False)["input_ids"]
+            for i in range(len(prompts))
+        ]
 
     turns, outputs = ask_turns(eval_set, eval_set.conversations, tiny_tokenizer, decode, lambda out: out)
-    assert [(t.conversation.id, t.turn) for t in turns] == [("81", 0), ("81", 1), ("111", 0), ("111", 1),
-                                                           ("131", 0), ("131", 1)]
+    assert [(t.conversation.id, t.turn) for t in turns] == [
+        ("81", 0),
+        ("81", 1),
+        ("111", 0),
+        ("111", 1),
+        ("131", 0),
+        ("131", 1),
+    ]
     assert len(seen) == 6 and len(outputs) == 6
     second = tiny_tokenizer.decode(turns[1].prompt)
     # turn 2 of question 81 holds its first question, the answer decoded for it, then its second question
@@ -105,8 +124,11 @@ def test_question_jsonl_turns_are_asked_after_the_verifiers_own_answers(tiny_tok
 def test_humaneval_comes_from_the_installed_package_in_the_template_or_raw(tiny_tokenizer, prepared: Path):
     chat = load_eval_set(EvalSetParams(name="he", source="builtin:humaneval"), prepared, tiny_tokenizer)
     assert len(chat.conversations) == 164 and chat.conversations[0].id == "HumanEval/0"
-    raw = load_eval_set(EvalSetParams(name="he", source="builtin:humaneval", num_prompts=3, chat_template=False),
-                        prepared, tiny_tokenizer)
+    raw = load_eval_set(
+        EvalSetParams(name="he", source="builtin:humaneval", num_prompts=3, chat_template=False),
+        prepared,
+        tiny_tokenizer,
+    )
     problem = raw.conversations[0].turns[0]
     assert problem.lstrip().startswith("from typing import List")
     raw_ids = raw.render(raw.conversations[0], 0, [], tiny_tokenizer)
@@ -115,26 +137,39 @@ def test_humaneval_comes_from_the_installed_package_in_the_template_or_raw(tiny_
 
 
 def test_category_filter_and_count(tiny_tokenizer, prepared: Path):
-    kept = load_eval_set(EvalSetParams(name="g", source="builtin:general", categories=["math", "coding"],
-                                       num_prompts=3), prepared, tiny_tokenizer)
+    kept = load_eval_set(
+        EvalSetParams(name="g", source="builtin:general", categories=["math", "coding"], num_prompts=3),
+        prepared,
+        tiny_tokenizer,
+    )
     assert [c.category for c in kept.conversations] == ["coding", "math", "coding"]
-    with pytest.raises(InputFileError, match=r"^evaluate.sets: g: .*general.jsonl: no record has a category among "
-                                             r"\['poetry'\]$"):
-        load_eval_set(EvalSetParams(name="g", source="builtin:general", categories=["poetry"]), prepared,
-                      tiny_tokenizer)
+    with pytest.raises(
+        InputFileError,
+        match=r"^evaluate.sets: g: .*general.jsonl: no record has a category among "
+        r"\['poetry'\]$",
+    ):
+        load_eval_set(
+            EvalSetParams(name="g", source="builtin:general", categories=["poetry"]), prepared, tiny_tokenizer
+        )
     with pytest.raises(InputFileError, match="chat_template: false sends one raw completion per record"):
-        load_eval_set(EvalSetParams(name="mt", source=str(MT_BENCH_SAMPLE), chat_template=False), prepared,
-                      tiny_tokenizer)
+        load_eval_set(
+            EvalSetParams(name="mt", source=str(MT_BENCH_SAMPLE), chat_template=False), prepared, tiny_tokenizer
+        )
 
 
-@pytest.mark.parametrize(("sets", "message"), [
-    ([{"name": "a", "source": "val", "headline": True}, {"name": "a", "source": "x.jsonl"}],
-     "evaluate.sets: set name(s) a used twice"),
-    ([{"name": n, "source": "val", "headline": True} for n in "abcd"], "at most 3 may be headline"),
-    ([{"name": "a", "source": "val"}], "no set has headline: true"),
-    ([{"name": "a", "source": "builtin:mtbench", "headline": True}], "evaluate.sets.0.source = 'builtin:mtbench'"),
-    ([{"name": "A b", "source": "val", "headline": True}], "evaluate.sets.0.name = 'A b'"),
-])
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (
+            [{"name": "a", "source": "val", "headline": True}, {"name": "a", "source": "x.jsonl"}],
+            "evaluate.sets: set name(s) a used twice",
+        ),
+        ([{"name": n, "source": "val", "headline": True} for n in "abcd"], "at most 3 may be headline"),
+        ([{"name": "a", "source": "val"}], "no set has headline: true"),
+        ([{"name": "a", "source": "builtin:mtbench", "headline": True}], "evaluate.sets.0.source = 'builtin:mtbench'"),
+        ([{"name": "A b", "source": "val", "headline": True}], "evaluate.sets.0.name = 'A b'"),
+    ],
+)
 def test_bad_sets_are_named_in_one_line(sets: list, message: str):
     with pytest.raises(ParamsError, match=message.replace("(", r"\(").replace(")", r"\)")):
         parse_params({"evaluate": {"sets": sets}})
@@ -154,12 +189,31 @@ def _records(n: int, accept: float, rng: np.random.Generator, k: int = 3) -> lis
         accepted = int(rng.binomial(steps * k, accept / k))
         per_position = [min(steps, accepted)] + [0] * (k - 1)
         spec_s, plain_s = float(rng.uniform(0.5, 1.0)), float(rng.uniform(0.8, 1.2))
-        records.append({"id": str(i), "turn": 1, "category": "ab"[i % 2], "steps": steps, "accepted": accepted,
-                        "drafted": steps * k, "per_position": per_position, "identical": True, "lossless": True,
-                        "plain_tokens": 32, "plain_s": plain_s, "spec_tokens": 32, "spec_s": spec_s,
-                        "ngram_tokens": 32, "ngram_s": plain_s, "ngram_steps": steps, "ngram_accepted": 1,
-                        "ngram_drafted": 3, "ngram_per_position": [1, 0, 0],
-                        "alone_steps": steps, "alone_accepted": max(accepted - 1, 0)})
+        records.append(
+            {
+                "id": str(i),
+                "turn": 1,
+                "category": "ab"[i % 2],
+                "steps": steps,
+                "accepted": accepted,
+                "drafted": steps * k,
+                "per_position": per_position,
+                "identical": True,
+                "lossless": True,
+                "plain_tokens": 32,
+                "plain_s": plain_s,
+                "spec_tokens": 32,
+                "spec_s": spec_s,
+                "ngram_tokens": 32,
+                "ngram_s": plain_s,
+                "ngram_steps": steps,
+                "ngram_accepted": 1,
+                "ngram_drafted": 3,
+                "ngram_per_position": [1, 0, 0],
+                "alone_steps": steps,
+                "alone_accepted": max(accepted - 1, 0),
+            }
+        )
     return records
 
 
@@ -177,21 +231,38 @@ def test_the_interval_covers_the_figure_and_narrows_with_more_prompts():
 
 def test_headline_is_a_few_named_numbers(tmp_path: Path):
     rng = np.random.default_rng(1)
-    params = EvaluateParams(sets=[EvalSetParams(name="humaneval", source="builtin:humaneval", headline=True),
-                                  EvalSetParams(name="val", source="val")], bootstrap_samples=200)
+    params = EvaluateParams(
+        sets=[
+            EvalSetParams(name="humaneval", source="builtin:humaneval", headline=True),
+            EvalSetParams(name="val", source="val"),
+        ],
+        bootstrap_samples=200,
+    )
 
     def run(dtype: str) -> dict:
-        return {"dtype": dtype, "num_speculative_tokens": 3, "sets": {
-            name: {"source": "x", "temperature": 0.0, "max_new_tokens": 32, "records": _records(12, 1.2, rng)}
-            for name in ("humaneval", "val")}}
+        return {
+            "dtype": dtype,
+            "num_speculative_tokens": 3,
+            "sets": {
+                name: {"source": "x", "temperature": 0.0, "max_new_tokens": 32, "records": _records(12, 1.2, rng)}
+                for name in ("humaneval", "val")
+            },
+        }
 
-    details = write_eval_outputs(params, {"hf": run("float32"), "vllm": run("bfloat16")}, tmp_path / "eval.json",
-                                 tmp_path / "eval")
+    details = write_eval_outputs(
+        params, {"hf": run("float32"), "vllm": run("bfloat16")}, tmp_path / "eval.json", tmp_path / "eval"
+    )
     figures = json.loads((tmp_path / "eval.json").read_text())
     assert figures == headline(details, ["humaneval"], "vllm")
     assert set(figures) == {"humaneval", "lossless"} and set(figures["humaneval"]) == {
-        "vllm_tau", "vllm_tau_ci95", "vllm_speedup", "vllm_speedup_ci95", "vllm_vs_ngram", "vllm_vs_ngram_ci95",
-        "vllm_tau_timed"}
+        "vllm_tau",
+        "vllm_tau_ci95",
+        "vllm_speedup",
+        "vllm_speedup_ci95",
+        "vllm_vs_ngram",
+        "vllm_vs_ngram_ci95",
+        "vllm_tau_timed",
+    }
     summary = details["runs"]["vllm"]["sets"]["humaneval"]["summary"]
     # n-gram decoded each turn as fast as plain decoding here: the draft's speed over n-gram's is its speed-up
     assert figures["humaneval"]["vllm_vs_ngram"] == pytest.approx(figures["humaneval"]["vllm_speedup"], abs=1e-4)
@@ -200,11 +271,16 @@ def test_headline_is_a_few_named_numbers(tmp_path: Path):
     assert figures["humaneval"]["vllm_tau"] == summary["tau"]["value"] and set(summary["categories"]) == {"a", "b"}
     moved = summary["tau_batched_vs_alone"]  # one accepted token fewer per turn when decoded alone
     assert moved["alone"]["value"] < moved["batched"]["value"] == summary["tau"]["value"]
-    assert summary == summarize(json.loads((tmp_path / "eval/records.json").read_text())["runs"]["vllm"]["sets"]
-                                ["humaneval"]["records"], 3, 200, 0)
+    assert summary == summarize(
+        json.loads((tmp_path / "eval/records.json").read_text())["runs"]["vllm"]["sets"]["humaneval"]["records"],
+        3,
+        200,
+        0,
+    )
     rows = json.loads((tmp_path / "eval/acceptance.json").read_text())
-    assert {(r["set"], r["drafter"]) for r in rows} == {(s, d) for s in ("humaneval", "val")
-                                                        for d in ("eagle3", "ngram")}
+    assert {(r["set"], r["drafter"]) for r in rows} == {
+        (s, d) for s in ("humaneval", "val") for d in ("eagle3", "ngram")
+    }
 
 
 def test_only_vllm_decodes_a_draft_the_reference_decoder_does_not():
@@ -213,8 +289,11 @@ def test_only_vllm_decodes_a_draft_the_reference_decoder_does_not():
     both = EvaluateParams(backend=["hf", "vllm"])
     assert decoding_backends(both, "eagle3") == ["hf", "vllm"]
     assert decoding_backends(both, "peagle") == decoding_backends(both, "dflash") == ["vllm"]
-    with pytest.raises(EaglenestError, match=r"evaluate.backend: \[hf\] decodes EAGLE-3 drafts only, and the draft "
-                                             r"is dflash \(train.algorithm\); add vllm to evaluate.backend"):
+    with pytest.raises(
+        EaglenestError,
+        match=r"evaluate.backend: \[hf\] decodes EAGLE-3 drafts only, and the draft "
+        r"is dflash \(train.algorithm\); add vllm to evaluate.backend",
+    ):
         decoding_backends(EvaluateParams(backend=["hf"]), "dflash")
 
 

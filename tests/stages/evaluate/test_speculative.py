@@ -39,12 +39,18 @@ def generate_greedy(model: Any, prompt: list[int], max_new_tokens: int, eos_ids:
     """
     with torch.inference_mode():
         output = model.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_new_tokens, do_sample=False, temperature=None, top_k=None, top_p=None,
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            temperature=None,
+            top_k=None,
+            top_p=None,
             # None overrides the model's own end of turn, so "no eos" really runs to max_new_tokens.
-            eos_token_id=sorted(eos_ids) or None, pad_token_id=0,
+            eos_token_id=sorted(eos_ids) or None,
+            pad_token_id=0,
         )
-    tokens = output[0, len(prompt):].tolist()
+    tokens = output[0, len(prompt) :].tolist()
     if not eos_ids:
         assert len(tokens) == max_new_tokens  # a silent early stop would shorten every reference
     return cut_after_end_of_turn(tokens, eos_ids)
@@ -127,8 +133,9 @@ def test_always_wrong_draft_gives_tau_one(verifier: VerifierRunner):
     assert result.acceptance.steps == 11
 
 
-def test_trained_draft_is_lossless_at_temperature_zero(verifier: VerifierRunner, tmp_path: Path,
-                                                       tiny_verifier_dir: Path):
+def test_trained_draft_is_lossless_at_temperature_zero(
+    verifier: VerifierRunner, tmp_path: Path, tiny_verifier_dir: Path
+):
     from eaglenest.artifacts.draft import load_draft
     from eaglenest.stages.convert import convert
     from eaglenest.stages.convert.params import ConvertParams
@@ -140,14 +147,29 @@ def test_trained_draft_is_lossless_at_temperature_zero(verifier: VerifierRunner,
 
     verifier_dir, prepared = pipeline_until_prepare(tmp_path, tiny_verifier_dir, rows=20)
     extract_hidden_states(ExtractParams(), verifier_dir, prepared, tmp_path / "hs", tmp_path / "e.json")
-    convert(ConvertParams(draft_vocab_size=64), ExtractParams(dtype="bfloat16"), verifier_dir, prepared,
-            tmp_path / "hs",
-            tmp_path / "vocab", tmp_path / "d.json")
-    train_draft(TrainParams(steps=10, eval_every=10, total_seq_len=256, lr=3e-3, warmup_steps=1),
-                TrainPaths(verifier=verifier_dir, prepared=prepared, hidden_states=tmp_path / "hs",
-                            vocab=tmp_path / "vocab", out=tmp_path / "draft", metrics=tmp_path / "t.json",
-                                                                              details=tmp_path / "t_details.json",
-                            live_dir=tmp_path / "live", checkpoints=tmp_path / "ck"))
+    convert(
+        ConvertParams(draft_vocab_size=64),
+        ExtractParams(dtype="bfloat16"),
+        verifier_dir,
+        prepared,
+        tmp_path / "hs",
+        tmp_path / "vocab",
+        tmp_path / "d.json",
+    )
+    train_draft(
+        TrainParams(steps=10, eval_every=10, total_seq_len=256, lr=3e-3, warmup_steps=1),
+        TrainPaths(
+            verifier=verifier_dir,
+            prepared=prepared,
+            hidden_states=tmp_path / "hs",
+            vocab=tmp_path / "vocab",
+            out=tmp_path / "draft",
+            metrics=tmp_path / "t.json",
+            details=tmp_path / "t_details.json",
+            live_dir=tmp_path / "live",
+            checkpoints=tmp_path / "ck",
+        ),
+    )
     drafter = EagleDrafter(load_draft(tmp_path / "draft", tiny_verifier_dir), VOCAB)
     # Ten steps on a random verifier's data get no draft accepted (measured: 0 of 207), so this test checks
     # only losslessness; test_oracle_draft_accepts_every_draft fails if correct drafts are not accepted.
@@ -166,10 +188,21 @@ def random_draft(request: pytest.FixtureRequest, tiny_verifier_dir: Path) -> Any
     from eaglenest.stages.train.model import build_draft
     from eaglenest.stages.train.params import TrainParams
 
-    info = VerifierInfo(source="x", kind="local", path=str(tiny_verifier_dir), name="x", fingerprint="x",
-                        model_type="llama", num_layers=8, hidden_size=32, vocab_size=VOCAB,
-                        max_position_embeddings=512, aux_layers=AUX_LAYERS, layer_ids=[*AUX_LAYERS, 8],
-                        trust_remote_code=False)
+    info = VerifierInfo(
+        source="x",
+        kind="local",
+        path=str(tiny_verifier_dir),
+        name="x",
+        fingerprint="x",
+        model_type="llama",
+        num_layers=8,
+        hidden_size=32,
+        vocab_size=VOCAB,
+        max_position_embeddings=512,
+        aux_layers=AUX_LAYERS,
+        layer_ids=[*AUX_LAYERS, 8],
+        trust_remote_code=False,
+    )
     torch.manual_seed(3)
     params = TrainParams(norm_before_fc=request.param, norm_output=request.param)
     draft = build_draft(info, tiny_verifier_dir, params, VOCAB, None, None, "sdpa")
@@ -191,9 +224,13 @@ def _training_forward_predictions(draft: Any, verifier: VerifierRunner, row: lis
     _, aux = verifier.extend(row)  # [L, 3, H]
     length = len(row)
     with torch.no_grad():
-        predictions = draft(hidden_states=aux[:-1].flatten(1)[None], input_ids=torch.tensor([row[1:]]),
-                            document_ids=torch.zeros(1, length - 1, dtype=torch.long),
-                            position_ids=torch.arange(1, length)[None], ttt_steps=1)[0][0].tolist()
+        predictions = draft(
+            hidden_states=aux[:-1].flatten(1)[None],
+            input_ids=torch.tensor([row[1:]]),
+            document_ids=torch.zeros(1, length - 1, dtype=torch.long),
+            position_ids=torch.arange(1, length)[None],
+            ttt_steps=1,
+        )[0][0].tolist()
     return predictions, aux
 
 
@@ -226,15 +263,20 @@ def test_every_draft_step_matches_the_training_forward(verifier: VerifierRunner,
         verifier.reset()
         _, forced_aux = verifier.extend(forced)
         with torch.no_grad():
-            steps = random_draft(hidden_states=forced_aux[:-1].flatten(1)[None], input_ids=torch.tensor([forced[1:]]),
-                                 document_ids=torch.zeros(1, len(forced) - 1, dtype=torch.long),
-                                 position_ids=torch.arange(1, len(forced))[None], ttt_steps=K)
+            steps = random_draft(
+                hidden_states=forced_aux[:-1].flatten(1)[None],
+                input_ids=torch.tensor([forced[1:]]),
+                document_ids=torch.zeros(1, len(forced) - 1, dtype=torch.long),
+                position_ids=torch.arange(1, len(forced))[None],
+                ttt_steps=K,
+            )
         assert proposal == [int(step[0, m - 1]) for step in steps], m
 
 
 @pytest.mark.parametrize("acceptances", [[0], [1], [2], [K], [2, 0, 1]])
-def test_drafter_state_after_partial_acceptance_equals_a_fresh_start(verifier: VerifierRunner, random_draft: Any,
-                                                                     acceptances: list[int]):
+def test_drafter_state_after_partial_acceptance_equals_a_fresh_start(
+    verifier: VerifierRunner, random_draft: Any, acceptances: list[int]
+):
     """Rounds run as speculative_decode runs them leave the drafter as a fresh start on the longer prefix.
 
     Each round drafts K, has the verifier extend over [next_token, *drafts], accepts the first ``j`` (the
@@ -294,8 +336,9 @@ def test_ngram_baseline_replays_prompt_lookup():
     assert (counts.steps, counts.accepted, counts.drafted) == (2, 3, 6)
     assert counts.per_position == [1, 1, 1]
     # No earlier occurrence ever: every step drafts nothing, and is still a verify step.
-    assert ngram_acceptance([1, 2], [7, 8, 9], k=2) == Acceptance(2, steps=3, drafted=0, accepted=0,
-                                                                  per_position=[0, 0])
+    assert ngram_acceptance([1, 2], [7, 8, 9], k=2) == Acceptance(
+        2, steps=3, drafted=0, accepted=0, per_position=[0, 0]
+    )
     # A step without a match is not charged for drafts it never made: 0 + 2 drafted, not 2 * 2.
     counts = ngram_acceptance([1, 2, 5], [1, 2, 5, 6], k=2)
     assert (counts.steps, counts.drafted, counts.accepted) == (2, 2, 2)

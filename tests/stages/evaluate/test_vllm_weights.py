@@ -43,8 +43,11 @@ pytestmark = requires_vllm
 # The class vLLM 0.32 builds for each algorithm's checkpoint: `update_eagle3`, `update_peagle` and
 # `update_dflash` (vllm/transformers_utils/configs/speculators/algos.py) name the architecture, the model
 # registry maps it (PeagleLlamaForCausalLM and DFlashDraftModel to these classes).
-VLLM_CLASSES = {"eagle3": "Eagle3LlamaForCausalLM", "peagle": "Eagle3LlamaForCausalLM",
-                "dflash": "DFlashQwen3ForCausalLM"}
+VLLM_CLASSES = {
+    "eagle3": "Eagle3LlamaForCausalLM",
+    "peagle": "Eagle3LlamaForCausalLM",
+    "dflash": "DFlashQwen3ForCausalLM",
+}
 
 # vLLM's stacked parameters and the checkpoint tensors its WeightsMapper stacks into them, in vLLM's order.
 MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -58,12 +61,14 @@ NOT_FROM_CHECKPOINT: dict[str, dict[str, str]] = {
             "shared from the verifier: speculators' DFlash draft reads the verifier's frozen embedding and saves "
             "none; load_weights then leaves has_own_embed_tokens False, and vLLM's proposer "
             "(_maybe_share_embeddings, vllm/v1/spec_decode/llm_base_proposer.py) replaces this module with the "
-            "verifier's embed_tokens"),
+            "verifier's embed_tokens"
+        ),
         "model.mask_embedding": (
             "read only from a separate mask_embedding.pt beside the checkpoint (_read_mask_embedding); without one "
             "has_separate_mask_embedding stays False and embed_input_ids never reads it: masked slots embed "
-            "mask_token_id through the (verifier's) embed_tokens, as in training"),
-    },
+            "mask_token_id through the (verifier's) embed_tokens, as in training"
+        ),
+    }
 }
 # The same, for a draft predicting the verifier's whole vocabulary (convert.draft_vocab_size: null).
 NOT_FROM_CHECKPOINT_FULL_VOCABULARY: dict[str, dict[str, str]] = {
@@ -72,15 +77,18 @@ NOT_FROM_CHECKPOINT_FULL_VOCABULARY: dict[str, dict[str, str]] = {
             "shared from the verifier: speculators keeps every head frozen at the verifier's (cut to the draft "
             "vocabulary when there is one) and DFlash saves it only when cut; load_weights then leaves "
             "has_own_lm_head False, and vLLM's proposer (_maybe_share_lm_head, "
-            "vllm/v1/spec_decode/llm_base_proposer.py) replaces this head with the verifier's lm_head"),
-    },
+            "vllm/v1/spec_decode/llm_base_proposer.py) replaces this head with the verifier's lm_head"
+        )
+    }
 }
 # Checkpoint tensors vLLM does not serve, and why nothing is lost.
 NOT_SERVED = {
-    "t2d": ("training only: speculators cuts the verifier's lm_head down to the draft vocabulary with this "
-            "target-to-draft mask (the draft's head and its training targets, load_verifier_weights); vLLM maps "
-            "draft ids to target ids from d2t alone (compute_logits: arange + d2t), and load_weights skips t2d by "
-            "name. The test checks that t2d says nothing d2t does not"),
+    "t2d": (
+        "training only: speculators cuts the verifier's lm_head down to the draft vocabulary with this "
+        "target-to-draft mask (the draft's head and its training targets, load_verifier_weights); vLLM maps "
+        "draft ids to target ids from d2t alone (compute_logits: arange + d2t), and load_weights skips t2d by "
+        "name. The test checks that t2d says nothing d2t does not"
+    )
 }
 
 NUM_LAYERS = 6
@@ -96,10 +104,17 @@ def build_verifier_weights(path: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = build_tiny_tokenizer()
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96,
-                         num_hidden_layers=NUM_LAYERS, num_attention_heads=2, num_key_value_heads=1,
-                         max_position_embeddings=512, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=NUM_LAYERS,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
@@ -116,8 +131,15 @@ def training_data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     extract_hidden_states(ExtractParams(dtype="float32"), verifier, prepared, hs, root / "extract.json")
     data = {"model": model_dir, "verifier": verifier, "prepared": prepared, "hs": hs}
     for case, size in DRAFT_VOCABULARIES.items():
-        convert(ConvertParams(draft_vocab_size=size), ExtractParams(dtype="float32"), verifier, prepared, hs,
-                root / case, root / f"{case}.json")
+        convert(
+            ConvertParams(draft_vocab_size=size),
+            ExtractParams(dtype="float32"),
+            verifier,
+            prepared,
+            hs,
+            root / case,
+            root / f"{case}.json",
+        )
         data[case] = root / case
     return data
 
@@ -153,16 +175,13 @@ def vllm_model_context(vllm_config: Any, state: ParallelState) -> Iterator[None]
     """What vLLM's worker sets up before it builds a model: the current config and the tensor and pipeline
     parallel groups of one process (gloo, on CPU)."""
     from vllm.config import set_current_vllm_config
-    from vllm.distributed import (
-        init_distributed_environment,
-        initialize_model_parallel,
-        model_parallel_is_initialized,
-    )
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel, model_parallel_is_initialized
 
     with set_current_vllm_config(vllm_config):
         if not model_parallel_is_initialized():
-            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                         distributed_init_method=f"file://{state.init_file}")
+            init_distributed_environment(
+                world_size=1, rank=0, local_rank=0, backend="gloo", distributed_init_method=f"file://{state.init_file}"
+            )
             initialize_model_parallel(1, 1)
             state.set_up_here = True
         yield
@@ -180,12 +199,30 @@ def train(algorithm: str, vocabulary: Path, data: dict[str, Path], out: Path) ->
     Returns:
         The draft's folder (a speculators checkpoint).
     """
-    params = TrainParams(algorithm=algorithm, steps=2, eval_every=2, total_seq_len=128, warmup_steps=0,
-                         precision="float32", ttt_steps=K, verifier_name=str(data["model"]))
-    train_draft(params, TrainPaths(verifier=data["verifier"], prepared=data["prepared"], hidden_states=data["hs"],
-                                   vocab=vocabulary, out=out / "draft", metrics=out / "train.json",
-                                   details=out / "train_details.json", live_dir=out / "dvclive",
-                                   checkpoints=out / "checkpoints"))
+    params = TrainParams(
+        algorithm=algorithm,
+        steps=2,
+        eval_every=2,
+        total_seq_len=128,
+        warmup_steps=0,
+        precision="float32",
+        ttt_steps=K,
+        verifier_name=str(data["model"]),
+    )
+    train_draft(
+        params,
+        TrainPaths(
+            verifier=data["verifier"],
+            prepared=data["prepared"],
+            hidden_states=data["hs"],
+            vocab=vocabulary,
+            out=out / "draft",
+            metrics=out / "train.json",
+            details=out / "train_details.json",
+            live_dir=out / "dvclive",
+            checkpoints=out / "checkpoints",
+        ),
+    )
     return out / "draft"
 
 
@@ -223,6 +260,7 @@ def record_writes(model: torch.nn.Module, sources: dict[int, str]) -> dict[str, 
         def weight_loader(param: Any, loaded: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             writes[name].append(sources.get(loaded.data_ptr(), f"<not a checkpoint tensor {tuple(loaded.shape)}>"))
             return loader(param, loaded, *args, **kwargs)
+
         return weight_loader
 
     for name, param in model.named_parameters():
@@ -266,23 +304,27 @@ def build_vllm_draft(draft: Path, verifier_weights: Path, state: ParallelState) 
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     # float32 throughout: loaded values then equal the checkpoint's bit for bit.
-    engine = EngineArgs(model=str(verifier_weights), dtype="float32", max_model_len=128, enforce_eager=True,
-                        skip_tokenizer_init=True,
-                        speculative_config=vllm_speculative_config(draft, draft_tokens(draft, "the draft")))
+    engine = EngineArgs(
+        model=str(verifier_weights),
+        dtype="float32",
+        max_model_len=128,
+        enforce_eager=True,
+        skip_tokenizer_init=True,
+        speculative_config=vllm_speculative_config(draft, draft_tokens(draft, "the draft")),
+    )
     vllm_config = engine.create_engine_config()
     draft_config = vllm_config.speculative_config.draft_model_config
     loader = get_model_loader(vllm_config.load_config)
-    with vllm_model_context(vllm_config, state), set_default_torch_dtype(draft_config.dtype), \
-            torch.device("cpu"):
+    with vllm_model_context(vllm_config, state), set_default_torch_dtype(draft_config.dtype), torch.device("cpu"):
         model = loader.create_model(vllm_config=vllm_config, model_config=draft_config)
     return model, vllm_config, draft_config, loader
 
 
 @pytest.mark.parametrize("vocabulary", list(DRAFT_VOCABULARIES))
 @pytest.mark.parametrize("algorithm", list(VLLM_CLASSES))
-def test_vllm_writes_every_weight_of_the_draft_from_its_checkpoint(training_data: dict[str, Path], tmp_path: Path,
-                                                                   vllm_parallel_state: ParallelState,
-                                                                   algorithm: str, vocabulary: str):
+def test_vllm_writes_every_weight_of_the_draft_from_its_checkpoint(
+    training_data: dict[str, Path], tmp_path: Path, vllm_parallel_state: ParallelState, algorithm: str, vocabulary: str
+):
     """vLLM writes every parameter of its draft class from the checkpoint tensors of its name, with their values,
     and drops no checkpoint tensor; the exceptions are the ones named in this module, for the reasons given."""
     draft = train(algorithm, training_data[vocabulary], training_data, tmp_path)
@@ -338,7 +380,7 @@ def test_vllm_writes_every_weight_of_the_draft_from_its_checkpoint(training_data
             continue
         value = torch.cat([checkpoint[key] for key in expected]).to(param.dtype)
         # vLLM pads vocabulary tables to a multiple of 64 rows; its loader zeroes the padding.
-        loaded, padding = param.data[: value.shape[0]], param.data[value.shape[0]:]
+        loaded, padding = param.data[: value.shape[0]], param.data[value.shape[0] :]
         if loaded.shape != value.shape or not torch.equal(loaded, value) or bool(padding.any()):
             problems.append(f"{name}: values differ from checkpoint {expected}")
     for name, buffer in buffers.items():

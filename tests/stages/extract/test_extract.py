@@ -29,9 +29,18 @@ def build_tiny_qwen3(path: Path) -> Path:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     tokenizer = build_tiny_tokenizer()
-    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=8,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(1)
     Qwen3ForCausalLM(config).save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
@@ -54,13 +63,17 @@ def reference_hidden_states(model_dir: Path, input_ids: list[int], layer_ids: li
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen3"])
 def test_every_slot_matches_an_independent_computation(tmp_path: Path, architecture: str):
-    model_dir = (build_tiny_verifier(tmp_path / "m") if architecture == "llama"
-                 else build_tiny_qwen3(tmp_path / "m"))
+    model_dir = build_tiny_verifier(tmp_path / "m") if architecture == "llama" else build_tiny_qwen3(tmp_path / "m")
     verifier_dir, prepared = pipeline_until_prepare(tmp_path, model_dir)
     out = tmp_path / "data" / "hidden_states"
     # Small batches force padding: rows of different lengths share a batch.
-    metrics = extract_hidden_states(ExtractParams(dtype="float32", batch_tokens=200), verifier_dir, prepared, out,
-                                    tmp_path / "metrics" / "extract.json")
+    metrics = extract_hidden_states(
+        ExtractParams(dtype="float32", batch_tokens=200),
+        verifier_dir,
+        prepared,
+        out,
+        tmp_path / "metrics" / "extract.json",
+    )
     from datasets import load_from_disk
 
     dataset = load_from_disk(str(prepared))
@@ -88,8 +101,14 @@ def test_speculators_reads_the_files(tmp_path: Path, tiny_verifier_dir: Path):
     out = tmp_path / "data" / "hidden_states"
     extract_hidden_states(ExtractParams(rows_per_shard=1), verifier_dir, prepared, out, tmp_path / "extract.json")
     split = load_split(prepared)
-    dataset = ArrowDataset(max_len=256, datapath=prepared, transfer=FileTransfer(out), on_missing="raise",
-                           train_ratio=split["train_ratio"], split="train")
+    dataset = ArrowDataset(
+        max_len=256,
+        datapath=prepared,
+        transfer=FileTransfer(out),
+        on_missing="raise",
+        train_ratio=split["train_ratio"],
+        split="train",
+    )
     for index in range(len(dataset)):
         row = dataset.data.with_format(None)[index]
         check_hidden_states(load_file(hs_path(out, index)), row["input_ids"])
@@ -130,22 +149,27 @@ def test_resume_recomputes_only_bad_or_missing_files(tmp_path: Path, tiny_verifi
     assert again["rows_computed"] == 0 and again["tokens_per_s"] is None
 
 
-def test_a_second_extraction_into_the_folder_is_refused_and_leaves_the_first_alone(tmp_path: Path,
-                                                                                   tiny_verifier_dir: Path):
+def test_a_second_extraction_into_the_folder_is_refused_and_leaves_the_first_alone(
+    tmp_path: Path, tiny_verifier_dir: Path
+):
     """Two extract stages of one workspace (``python stages/extract.py`` beside a ``dvc repro``): the second meets
     the first's lock on the unfinished folder before it looks at, moves or deletes any file there."""
     verifier_dir, prepared = pipeline_until_prepare(tmp_path, tiny_verifier_dir)
     out = tmp_path / "hs"
     unfinished = unfinished_dir(out)
     unfinished.mkdir(parents=True)
-    first = {"hs_0.safetensors": b"a file the first extraction finished", f".hs_1.safetensors.tmp-{os.getpid() + 1}":
-             b"a file the first extraction is writing"}
+    first = {
+        "hs_0.safetensors": b"a file the first extraction finished",
+        f".hs_1.safetensors.tmp-{os.getpid() + 1}": b"a file the first extraction is writing",
+    }
     for name, data in first.items():
         (unfinished / name).write_bytes(data)
     with held_by_another_process(lock_file_for(unfinished)) as pid, pytest.raises(EaglenestError) as info:
         extract_hidden_states(ExtractParams(rows_per_shard=1), verifier_dir, prepared, out, tmp_path / "m.json")
-    assert str(info.value) == (f"{unfinished} is being written by pid {pid} on {socket.gethostname()} (lock "
-                               f"{lock_file_for(unfinished)}): wait for it to finish or stop it, then run again")
+    assert str(info.value) == (
+        f"{unfinished} is being written by pid {pid} on {socket.gethostname()} (lock "
+        f"{lock_file_for(unfinished)}): wait for it to finish or stop it, then run again"
+    )
     assert {p.name: p.read_bytes() for p in unfinished.iterdir()} == first
     assert not out.exists() and not (tmp_path / "m.json").exists()
 
@@ -153,21 +177,31 @@ def test_a_second_extraction_into_the_folder_is_refused_and_leaves_the_first_alo
 def test_changed_dtype_recomputes_everything(tmp_path: Path, tiny_verifier_dir: Path, caplog: pytest.LogCaptureFixture):
     verifier_dir, prepared = pipeline_until_prepare(tmp_path, tiny_verifier_dir)
     out = tmp_path / "hs"
-    first = extract_hidden_states(ExtractParams(dtype="bfloat16", rows_per_shard=1), verifier_dir, prepared, out,
-                                  tmp_path / "m.json")
+    first = extract_hidden_states(
+        ExtractParams(dtype="bfloat16", rows_per_shard=1), verifier_dir, prepared, out, tmp_path / "m.json"
+    )
     # the host record names what the decoder computed in: float32 on a CPU, whatever is stored (a GPU's bf16 is
     # checked in test_extract_cuda.py)
     assert first["host"]["compute_dtype"] == "float32" and first["dtype"] == "bfloat16"
     with caplog.at_level("INFO", logger="eaglenest"):
-        metrics = extract_hidden_states(ExtractParams(dtype="float32", rows_per_shard=1), verifier_dir, prepared, out,
-                                        tmp_path / "m.json")
+        metrics = extract_hidden_states(
+            ExtractParams(dtype="float32", rows_per_shard=1), verifier_dir, prepared, out, tmp_path / "m.json"
+        )
     assert metrics["rows_computed"] == metrics["rows"] == 10
     # three files named, the rest counted: one line per reason, not one per file
     recomputing = [r.getMessage() for r in caplog.records if r.getMessage().startswith("recomputing")]
     assert len(recomputing) == 4
     assert recomputing[-1] == "recomputing 10 files in all: hidden_states dtype BF16, expected F32 (float32)"
-    assert check_header(hs_path(out, 0), seq_len=load_file(hs_path(out, 0))["token_ids"].numel(), num_slots=4,
-                        hidden_size=32, dtype="float32") is None
+    assert (
+        check_header(
+            hs_path(out, 0),
+            seq_len=load_file(hs_path(out, 0))["token_ids"].numel(),
+            num_slots=4,
+            hidden_size=32,
+            dtype="float32",
+        )
+        is None
+    )
     written = json.loads((tmp_path / "m.json").read_text())
     assert written["dtype"] == "float32" and written["bytes_per_token"] == pytest.approx(4 * 32 * 4 + 8, rel=0.2)
 
@@ -179,8 +213,11 @@ def test_row_longer_than_context_is_refused_with_its_index(tmp_path: Path):
     config["max_position_embeddings"] = 20
     config_file.write_text(json.dumps(config))
     verifier_dir, prepared = pipeline_until_prepare(tmp_path, model)
-    with pytest.raises(EaglenestError, match=r"prepared row \d+ has \d+ tokens, more than the verifier's context "
-                                             r"of 20 .*set prepare.max_len <= 20"):
+    with pytest.raises(
+        EaglenestError,
+        match=r"prepared row \d+ has \d+ tokens, more than the verifier's context "
+        r"of 20 .*set prepare.max_len <= 20",
+    ):
         extract_hidden_states(ExtractParams(), verifier_dir, prepared, tmp_path / "hs", tmp_path / "m.json")
 
 
@@ -191,9 +228,12 @@ def test_a_token_outside_the_vocabulary_is_refused_before_any_work(tmp_path: Pat
     verifier_dir, _ = pipeline_until_prepare(tmp_path, tiny_verifier_dir)
     prepared = tmp_path / "other"
     write_prepared(prepared, [[5, 6, 7], [8, 4000, 9]], [[0, 1, 1], [0, 1, 1]], 1, [])
-    with pytest.raises(EaglenestError, match=r"^prepared row 1 holds token id 4000, outside the verifier's vocabulary "
-                                             r"of \d+ \(1 rows in all\); was data/prepared written with another "
-                                             r"tokenizer\? `dvc repro prepare`$"):
+    with pytest.raises(
+        EaglenestError,
+        match=r"^prepared row 1 holds token id 4000, outside the verifier's vocabulary "
+        r"of \d+ \(1 rows in all\); was data/prepared written with another "
+        r"tokenizer\? `dvc repro prepare`$",
+    ):
         extract_hidden_states(ExtractParams(), verifier_dir, prepared, tmp_path / "hs", tmp_path / "m.json")
     assert not (tmp_path / "hs").exists()
 

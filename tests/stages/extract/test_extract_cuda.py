@@ -12,8 +12,9 @@ from eaglenest.stages.extract import extract_hidden_states
 from eaglenest.stages.extract.params import ExtractParams
 from tests.fixtures.pipeline import pipeline_until_prepare, stored_row
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="needs a CUDA GPU (extract.device auto: the verifier in bf16 on CUDA)")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (extract.device auto: the verifier in bf16 on CUDA)"
+)
 
 # The GPU computes in bf16 (8 significant bits: a relative step of 2^-8 per rounding) through the tiny verifier's
 # 8 layers, the CPU in float32: each slot may differ by a few bf16 steps of its largest value (the same model in
@@ -26,8 +27,13 @@ def test_gpu_hidden_states_match_the_cpu_float32_ones(tmp_path: Path, tiny_verif
     runs = {}
     for device in ("cpu", "auto"):
         # Stored in float32 both: only the arithmetic differs. Small batches pad rows on both devices.
-        runs[device] = extract_hidden_states(ExtractParams(device=device, dtype="float32", batch_tokens=200),
-                                             verifier_dir, prepared, tmp_path / device, tmp_path / f"{device}.json")
+        runs[device] = extract_hidden_states(
+            ExtractParams(device=device, dtype="float32", batch_tokens=200),
+            verifier_dir,
+            prepared,
+            tmp_path / device,
+            tmp_path / f"{device}.json",
+        )
     gpu_host = runs["auto"]["host"]
     assert gpu_host["gpu"].endswith(torch.cuda.get_device_name(0)), gpu_host
     assert gpu_host["compute_dtype"] == "bfloat16" and runs["cpu"]["host"]["compute_dtype"] == "float32"
@@ -43,7 +49,9 @@ def test_gpu_hidden_states_match_the_cpu_float32_ones(tmp_path: Path, tiny_verif
         scale = expected.abs().amax(dim=(0, 2))  # [n_aux + 1]
         worst = max(worst, ((actual - expected).abs().amax(dim=(0, 2)) / scale).max().item())
         assert not torch.equal(actual, expected)  # really computed elsewhere, in bf16
-    print(f"\ncuda extract: {runs['auto']['rows']} rows, {runs['auto']['tokens_per_s']} tokens/s on "
-          f"{gpu_host['gpu']} ({runs['cpu']['tokens_per_s']} on the CPU); largest difference from the CPU's float32, "
-          f"relative to the slot's largest value: {worst:.3g}")
+    print(
+        f"\ncuda extract: {runs['auto']['rows']} rows, {runs['auto']['tokens_per_s']} tokens/s on "
+        f"{gpu_host['gpu']} ({runs['cpu']['tokens_per_s']} on the CPU); largest difference from the CPU's float32, "
+        f"relative to the slot's largest value: {worst:.3g}"
+    )
     assert worst < BF16_TOLERANCE

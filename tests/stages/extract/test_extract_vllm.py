@@ -38,7 +38,8 @@ class FakeEngine:
         self.kwargs = kwargs
         self.staging = Path(kwargs["kv_transfer_config"]["kv_connector_extra_config"]["shared_storage_path"])
         self.layers = kwargs["speculative_config"]["draft_model_config"]["hf_config"][
-            "eagle_aux_hidden_state_layer_ids"]
+            "eagle_aux_hidden_state_layer_ids"
+        ]
         self.corrupt_tokens = corrupt_tokens
         self.calls = 0
         self.call_sizes: list[int] = []
@@ -70,26 +71,37 @@ class Job:
         self.input_ids = load_from_disk(str(tmp_path / "data" / "prepared")).data.column("input_ids").to_pylist()
         self.out = tmp_path / "data" / "hidden_states"
         self.settings = EngineSettings(
-            verifier, model_dir,
-            ExtractParams(backend="vllm", vllm=VllmEngineParams(tensor_parallel_size=2, gpu_memory_utilization=0.5),
-                          max_num_seqs=max_num_seqs),
-            max(len(ids) for ids in self.input_ids), staging=staging_dir_for(self.out))
+            verifier,
+            model_dir,
+            ExtractParams(
+                backend="vllm",
+                vllm=VllmEngineParams(tensor_parallel_size=2, gpu_memory_utilization=0.5),
+                max_num_seqs=max_num_seqs,
+            ),
+            max(len(ids) for ids in self.input_ids),
+            staging=staging_dir_for(self.out),
+        )
         metadata = file_metadata("c", verifier.layer_ids, "bfloat16", "vllm")
-        layouts = tuple(file_layout(spec, [self.input_ids[spec.number]], len(verifier.layer_ids),
-                                    verifier.hidden_size, "bfloat16", metadata)
-                        for spec in shard_plan(len(self.input_ids), 1))
+        layouts = tuple(
+            file_layout(
+                spec, [self.input_ids[spec.number]], len(verifier.layer_ids), verifier.hidden_size, "bfloat16", metadata
+            )
+            for spec in shard_plan(len(self.input_ids), 1)
+        )
         self.task = ExtractTask(layouts, "bfloat16", self.out)
         self.rows = list(range(len(self.input_ids)))
 
     def engine(self, engines: list[FakeEngine] | None = None, **fake: bool) -> VllmExtractEngine:
         engines = [] if engines is None else engines
-        return VllmExtractEngine(self.settings, engine_factory=lambda kwargs: engines.append(
-            FakeEngine(kwargs, **fake)) or engines[-1])
+        return VllmExtractEngine(
+            self.settings, engine_factory=lambda kwargs: engines.append(FakeEngine(kwargs, **fake)) or engines[-1]
+        )
 
 
 @pytest.mark.parametrize("kind", ["cpu", "gpu"])
-def test_llm_arguments(tmp_path: Path, tiny_verifier_dir: Path, monkeypatch: pytest.MonkeyPatch, kind: str,
-                       native_bf16: None):
+def test_llm_arguments(
+    tmp_path: Path, tiny_verifier_dir: Path, monkeypatch: pytest.MonkeyPatch, kind: str, native_bf16: None
+):
     monkeypatch.setattr("eaglenest.core.vllm_support.installed_build", lambda: VllmBuild(kind, "vllm", "0"))
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     job = Job(tmp_path, tiny_verifier_dir)
@@ -154,7 +166,8 @@ def test_rows_go_to_vllm_a_few_waves_per_call(tmp_path: Path, tiny_verifier_dir:
     rows = len(job.rows)
     assert rows > WAVES_PER_CALL
     assert engines[0].call_sizes == [WAVES_PER_CALL] * (rows // WAVES_PER_CALL) + (
-        [rows % WAVES_PER_CALL] if rows % WAVES_PER_CALL else [])
+        [rows % WAVES_PER_CALL] if rows % WAVES_PER_CALL else []
+    )
     assert engines[0].kwargs["max_num_seqs"] == 1
 
 
@@ -165,22 +178,29 @@ def test_token_mismatch_from_vllm_is_an_error(tmp_path: Path, tiny_verifier_dir:
     assert not list(job.out.iterdir())  # not a file, not a temporary
 
 
-def test_vllm_backend_without_vllm_says_how_to_install(tmp_path: Path, tiny_verifier_dir: Path,
-                                                        monkeypatch: pytest.MonkeyPatch):
+def test_vllm_backend_without_vllm_says_how_to_install(
+    tmp_path: Path, tiny_verifier_dir: Path, monkeypatch: pytest.MonkeyPatch
+):
     # Runs whether or not vLLM is installed here: the check reads only the installation's metadata.
     monkeypatch.setattr("eaglenest.core.vllm_support.installed_build", lambda: None)
     verifier_dir, prepared = pipeline_until_prepare(tmp_path, tiny_verifier_dir)
-    with pytest.raises(EaglenestError, match=r"^extract.backend: vllm needs vLLM, which this interpreter lacks; "
-                                             r"install vLLM's (CPU|GPU) build: .*or set extract.backend: hf$"):
-        extract_hidden_states(ExtractParams(backend="vllm"), verifier_dir, prepared, tmp_path / "hs",
-                              tmp_path / "m.json")
+    with pytest.raises(
+        EaglenestError,
+        match=r"^extract.backend: vllm needs vLLM, which this interpreter lacks; "
+        r"install vLLM's (CPU|GPU) build: .*or set extract.backend: hf$",
+    ):
+        extract_hidden_states(
+            ExtractParams(backend="vllm"), verifier_dir, prepared, tmp_path / "hs", tmp_path / "m.json"
+        )
     assert not staging_dir_for(tmp_path / "hs").exists()  # refused before anything was staged
 
 
 def test_vllm_is_never_imported_by_the_base_package():
     # A fresh interpreter: other tests of the same pytest run may have imported vllm already.
-    code = ("import sys, eaglenest.commands.cli, eaglenest.stages.extract, eaglenest.stages.extract.vllm; "
-            "print('vllm' in sys.modules)")
+    code = (
+        "import sys, eaglenest.commands.cli, eaglenest.stages.extract, eaglenest.stages.extract.vllm; "
+        "print('vllm' in sys.modules)"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
 

@@ -56,10 +56,20 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     build_verifier(VerifierParams(model=str(model), aux_layers=[1, 3, 5]), root / "verifier")
     rows = random_rows(0)
     write_prepared(root / "prepared", rows, [[0] * 20 + [1] * (len(r) - 20) for r in rows], 40, [])
-    extract_hidden_states(ExtractParams(rows_per_shard=ROWS_PER_SHARD), root / "verifier", root / "prepared",
-                          root / "local", root / "local.json")
-    return {"root": root, "model": model, "verifier": root / "verifier", "prepared": root / "prepared",
-            "local": root / "local"}
+    extract_hidden_states(
+        ExtractParams(rows_per_shard=ROWS_PER_SHARD),
+        root / "verifier",
+        root / "prepared",
+        root / "local",
+        root / "local.json",
+    )
+    return {
+        "root": root,
+        "model": model,
+        "verifier": root / "verifier",
+        "prepared": root / "prepared",
+        "local": root / "local",
+    }
 
 
 class Writes:
@@ -123,9 +133,14 @@ def run_on_ray(data: dict[str, Path], out: Path, cluster: Any, watcher: EngineWa
     logger.setLevel(logging.INFO)
     thread = disrupt_mid_run(out, watcher, act)
     try:
-        metrics = extract_hidden_states(ExtractParams(rows_per_shard=ROWS_PER_SHARD), data["verifier"],
-                                        data["prepared"], out, out.with_suffix(".json"),
-                                        ClusterParams(executor="ray", address=cluster.address))
+        metrics = extract_hidden_states(
+            ExtractParams(rows_per_shard=ROWS_PER_SHARD),
+            data["verifier"],
+            data["prepared"],
+            out,
+            out.with_suffix(".json"),
+            ClusterParams(executor="ray", address=cluster.address),
+        )
     finally:
         logger.removeHandler(watcher)
         thread.join(timeout=60)
@@ -134,8 +149,9 @@ def run_on_ray(data: dict[str, Path], out: Path, cluster: Any, watcher: EngineWa
 
 
 @pytest.mark.slow  # a Ray cluster of 3 nodes (tests/fixtures/cluster.py) and engines that load a model
-def test_a_killed_engine_process_loses_nothing(data: dict[str, Path], ray_cluster: Any, tmp_path: Path,
-                                               monkeypatch: pytest.MonkeyPatch):
+def test_a_killed_engine_process_loses_nothing(
+    data: dict[str, Path], ray_cluster: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
     writes, watcher, killed = Writes(monkeypatch), EngineWatcher(), []
 
     def kill(node: str, pid: int) -> None:
@@ -151,8 +167,9 @@ def test_a_killed_engine_process_loses_nothing(data: dict[str, Path], ray_cluste
 
 
 @pytest.mark.slow  # a Ray cluster of 3 nodes (tests/fixtures/cluster.py) and engines that load a model
-def test_a_removed_node_loses_nothing(data: dict[str, Path], ray_cluster: Any, tmp_path: Path,
-                                      monkeypatch: pytest.MonkeyPatch):
+def test_a_removed_node_loses_nothing(
+    data: dict[str, Path], ray_cluster: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
     writes, watcher, removed = Writes(monkeypatch), EngineWatcher(), []
 
     def remove(node: str, pid: int) -> None:
@@ -171,14 +188,20 @@ def test_a_removed_node_loses_nothing(data: dict[str, Path], ray_cluster: Any, t
 
 
 @pytest.mark.slow  # a Ray cluster of 3 nodes (tests/fixtures/cluster.py) and engines that load a model
-def test_workers_write_their_shards_themselves_with_output_shared(data: dict[str, Path], ray_cluster: Any,
-                                                                  tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def test_workers_write_their_shards_themselves_with_output_shared(
+    data: dict[str, Path], ray_cluster: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
     """cluster.output: shared: each worker writes its shards into the unfinished folder (a filesystem the nodes share:
     this machine's), and the driver only checks them; the bytes are the local executor's."""
     writes = Writes(monkeypatch)
-    extract_hidden_states(ExtractParams(rows_per_shard=ROWS_PER_SHARD), data["verifier"], data["prepared"],
-                          tmp_path / "hs", tmp_path / "m.json",
-                          ClusterParams(executor="ray", address=ray_cluster.address, output="shared", workers=2))
+    extract_hidden_states(
+        ExtractParams(rows_per_shard=ROWS_PER_SHARD),
+        data["verifier"],
+        data["prepared"],
+        tmp_path / "hs",
+        tmp_path / "m.json",
+        ClusterParams(executor="ray", address=ray_cluster.address, output="shared", workers=2),
+    )
     assert folder(tmp_path / "hs") == folder(data["local"])
     assert not writes.names and sorted(writes.checked) == sorted(folder(data["local"]))
     assert set(writes.checked.values()) == {1} and wait_until_gone(engine_processes()) == []
@@ -197,14 +220,33 @@ def poison_embedding(model: Path, dest: Path) -> Path:
 
 def stage(root: Path, params: dict[str, Any]) -> subprocess.CompletedProcess[str]:
     (root / "params.yaml").write_text(yaml.safe_dump(params))
-    return subprocess.run([sys.executable, str(REPO / "stages" / "extract.py"), "--params", "params.yaml",
-                           "--verifier", "verifier", "--prepared", "prepared", "--out", "hs", "--metrics", "m.json"],
-                          cwd=root, env=project_env(), capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "stages" / "extract.py"),
+            "--params",
+            "params.yaml",
+            "--verifier",
+            "verifier",
+            "--prepared",
+            "prepared",
+            "--out",
+            "hs",
+            "--metrics",
+            "m.json",
+        ],
+        cwd=root,
+        env=project_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 @pytest.mark.slow  # a Ray cluster of 3 nodes (tests/fixtures/cluster.py) and engines that load a model
 def test_a_poisoned_row_stops_the_stage_in_one_line_and_the_rerun_keeps_finished_shards(
-        data: dict[str, Path], ray_cluster: Any, tmp_path: Path):
+    data: dict[str, Path], ray_cluster: Any, tmp_path: Path
+):
     model = poison_embedding(data["model"], tmp_path / "model")
     build_verifier(VerifierParams(model=str(model), aux_layers=[1, 3, 5]), tmp_path / "verifier")
     rows = random_rows(0)
@@ -216,8 +258,11 @@ def test_a_poisoned_row_stops_the_stage_in_one_line_and_the_rerun_keeps_finished
     failed = stage(tmp_path, {"extract": {"rows_per_shard": ROWS_PER_SHARD}, "cluster": cluster})
     assert failed.returncode == 2, failed.stderr[-3000:]
     assert "Traceback" not in failed.stderr
-    assert failed.stderr.strip().splitlines()[-1].startswith(
-        "eaglenest extract: error: shard 18 (rows 36..37): row 37: the verifier computed ")
+    assert (
+        failed.stderr.strip()
+        .splitlines()[-1]
+        .startswith("eaglenest extract: error: shard 18 (rows 36..37): row 37: the verifier computed ")
+    )
     # a NaN key poisons the attention scores of every query (masked positions included): from token 0 on
     assert "non-finite hidden-state values (first at token 0, slot 0); check the row's tokens" in failed.stderr
     finished = {path.name: path.stat().st_ino for path in stored_files(unfinished_dir(tmp_path / "hs"))}
@@ -225,16 +270,26 @@ def test_a_poisoned_row_stops_the_stage_in_one_line_and_the_rerun_keeps_finished
 
     rows[37][5] = 7  # the fix: the row's token
     write_prepared(tmp_path / "prepared", rows, masks, 40, [])
-    metrics = extract_hidden_states(ExtractParams(rows_per_shard=ROWS_PER_SHARD), tmp_path / "verifier",
-                                    tmp_path / "prepared", tmp_path / "hs", tmp_path / "m.json",
-                                    ClusterParams(**cluster))
+    metrics = extract_hidden_states(
+        ExtractParams(rows_per_shard=ROWS_PER_SHARD),
+        tmp_path / "verifier",
+        tmp_path / "prepared",
+        tmp_path / "hs",
+        tmp_path / "m.json",
+        ClusterParams(**cluster),
+    )
     assert metrics["rows_reused"] == ROWS_PER_SHARD * len(finished)  # finished shards are not computed again
     for name, inode in finished.items():
         assert (tmp_path / "hs" / name).stat().st_ino == inode, name  # the very file, moved in
     assert not unfinished_dir(tmp_path / "hs").exists()
     assert wait_until_gone(engine_processes()) == []
-    local = extract_hidden_states(ExtractParams(rows_per_shard=ROWS_PER_SHARD), tmp_path / "verifier",
-                                  tmp_path / "prepared", tmp_path / "local", tmp_path / "local.json")
+    local = extract_hidden_states(
+        ExtractParams(rows_per_shard=ROWS_PER_SHARD),
+        tmp_path / "verifier",
+        tmp_path / "prepared",
+        tmp_path / "local",
+        tmp_path / "local.json",
+    )
     assert local["rows_computed"] == ROWS and folder(tmp_path / "hs") == folder(tmp_path / "local")
 
 
@@ -248,23 +303,35 @@ def test_stage_script_without_a_cluster_at_the_address_is_one_line(tmp_path: Pat
         os.symlink(data[name], tmp_path / name)
     result = stage(tmp_path, {"cluster": {"executor": "ray", "address": f"127.0.0.1:{port}"}})
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines()[-1].startswith(
-        f"eaglenest extract: error: cluster.address = '127.0.0.1:{port}': no Ray cluster answers there (")
+    assert (
+        result.stderr.strip()
+        .splitlines()[-1]
+        .startswith(f"eaglenest extract: error: cluster.address = '127.0.0.1:{port}': no Ray cluster answers there (")
+    )
     assert "ray start --head --port=6379" in result.stderr and not (tmp_path / "hs").exists()
 
 
 @pytest.mark.slow  # a Ray cluster of 3 nodes (tests/fixtures/cluster.py) and engines that load a model
-def test_an_engine_wider_than_every_node_is_refused_before_any_work(data: dict[str, Path], ray_cluster: Any,
-                                                                    tmp_path: Path):
+def test_an_engine_wider_than_every_node_is_refused_before_any_work(
+    data: dict[str, Path], ray_cluster: Any, tmp_path: Path
+):
     """The test cluster has no GPUs, so a CPU engine that asks more CPUs than any node has shows the rule: one line
     naming the key, before an actor starts."""
     from eaglenest.core.errors import EaglenestError
 
-    with pytest.raises(EaglenestError, match=r"^cluster.cpus_per_worker = 2: no node of the Ray cluster has that "
-                                             r"many CPUs \(the largest has 1, in 4 nodes alive\); lower it or add"):
-        extract_hidden_states(ExtractParams(rows_per_shard=ROWS_PER_SHARD), data["verifier"], data["prepared"],
-                              tmp_path / "hs", tmp_path / "m.json",
-                              ClusterParams(executor="ray", address=ray_cluster.address, cpus_per_worker=2))
+    with pytest.raises(
+        EaglenestError,
+        match=r"^cluster.cpus_per_worker = 2: no node of the Ray cluster has that "
+        r"many CPUs \(the largest has 1, in 4 nodes alive\); lower it or add",
+    ):
+        extract_hidden_states(
+            ExtractParams(rows_per_shard=ROWS_PER_SHARD),
+            data["verifier"],
+            data["prepared"],
+            tmp_path / "hs",
+            tmp_path / "m.json",
+            ClusterParams(executor="ray", address=ray_cluster.address, cpus_per_worker=2),
+        )
     assert engine_processes() == [] and not list(stored_files(unfinished_dir(tmp_path / "hs")))
 
 
@@ -291,9 +358,14 @@ def test_a_gpu_engine_wider_than_every_node_is_refused():
     options, workers, _ = plan_engines(ClusterParams(executor="ray"), wide, nodes)
     assert workers == 3 and options == {"placement_bundles": [{"GPU": 1, "CPU": 1}] * 4}
     assert plan_engines(ClusterParams(executor="ray"), EngineNeeds(1), nodes)[:2] == (
-        {"num_gpus": 1, "num_cpus": 1}, 12)
-    with pytest.raises(EaglenestError, match=r"^extract.vllm.tensor_parallel_size = 16: an engine needs 16 GPUs on one "
-                                             r"node, and the largest node of the Ray cluster has 8; lower"):
+        {"num_gpus": 1, "num_cpus": 1},
+        12,
+    )
+    with pytest.raises(
+        EaglenestError,
+        match=r"^extract.vllm.tensor_parallel_size = 16: an engine needs 16 GPUs on one "
+        r"node, and the largest node of the Ray cluster has 8; lower",
+    ):
         plan_engines(ClusterParams(executor="ray"), EngineNeeds(16, "extract.vllm.tensor_parallel_size"), nodes)
     assert plan_engines(ClusterParams(executor="ray", workers=2), EngineNeeds(None), nodes)[1] == 2
 
@@ -303,18 +375,20 @@ def test_rows_of_a_shard_come_back_as_the_file_a_worker_would_write(data: dict[s
     from eaglenest.stages.extract import ExtractionPlan, make_engine, plan_extraction
     from eaglenest.stages.extract.job import EngineSettings, ExtractTask, run_extract_task
 
-    plan: ExtractionPlan = plan_extraction(ExtractParams(rows_per_shard=ROWS_PER_SHARD), data["verifier"],
-                                           data["prepared"], data["root"] / "sinks")
+    plan: ExtractionPlan = plan_extraction(
+        ExtractParams(rows_per_shard=ROWS_PER_SHARD), data["verifier"], data["prepared"], data["root"] / "sinks"
+    )
     layouts = (plan.layout(plan.todo[5]),)
     engine = make_engine(EngineSettings(plan.verifier, plan.model_dir, plan.params, 240))
-    (_, buffer), = run_extract_task(engine, ExtractTask(layouts, "bfloat16", None))
+    ((_, buffer),) = run_extract_task(engine, ExtractTask(layouts, "bfloat16", None))
     destination = data["root"] / "written"
-    (_, path), = run_extract_task(engine, ExtractTask(layouts, "bfloat16", destination))
+    ((_, path),) = run_extract_task(engine, ExtractTask(layouts, "bfloat16", destination))
     assert bytes(buffer) == path.read_bytes() == (data["local"] / path.name).read_bytes()
     mtime = path.stat().st_mtime_ns
     run_extract_task(engine, ExtractTask(layouts, "bfloat16", destination))  # run again after its worker died
-    assert path.stat().st_mtime_ns == mtime and torch.equal(load_file(path)["token_ids"],
-                                                            load_file(data["local"] / path.name)["token_ids"])
+    assert path.stat().st_mtime_ns == mtime and torch.equal(
+        load_file(path)["token_ids"], load_file(data["local"] / path.name)["token_ids"]
+    )
 
 
 @pytest.mark.slow
@@ -324,13 +398,22 @@ def test_vllm_engines_in_ray_actors_match_hf(data: dict[str, Path], ray_cluster:
     bound the back ends are held to (tests/stages/extract/test_vllm_extract_real.py)."""
     from tests.stages.extract.test_vllm_extract_real import FP32_BOUND, relative_errors
 
-    hf = extract_hidden_states(ExtractParams(rows_per_shard=ROWS_PER_SHARD, dtype="float32"), data["verifier"],
-                               data["prepared"], tmp_path / "hf", tmp_path / "hf.json")
-    params = ExtractParams(backend="vllm", dtype="float32", vllm={"dtype": "float32"},
-                           rows_per_shard=ROWS_PER_SHARD)
-    metrics = extract_hidden_states(params, data["verifier"], data["prepared"], tmp_path / "vllm",
-                                    tmp_path / "vllm.json",
-                                    ClusterParams(executor="ray", address=ray_cluster.address, workers=1))
+    hf = extract_hidden_states(
+        ExtractParams(rows_per_shard=ROWS_PER_SHARD, dtype="float32"),
+        data["verifier"],
+        data["prepared"],
+        tmp_path / "hf",
+        tmp_path / "hf.json",
+    )
+    params = ExtractParams(backend="vllm", dtype="float32", vllm={"dtype": "float32"}, rows_per_shard=ROWS_PER_SHARD)
+    metrics = extract_hidden_states(
+        params,
+        data["verifier"],
+        data["prepared"],
+        tmp_path / "vllm",
+        tmp_path / "vllm.json",
+        ClusterParams(executor="ray", address=ray_cluster.address, workers=1),
+    )
     assert (metrics["executor"], metrics["engines"], metrics["rows_computed"]) == ("ray", 1, hf["rows"])
     got = [stored_row(tmp_path / "vllm", row) for row in range(ROWS)]
     want = [stored_row(tmp_path / "hf", row) for row in range(ROWS)]
@@ -341,15 +424,15 @@ def test_vllm_engines_in_ray_actors_match_hf(data: dict[str, Path], ray_cluster:
 
 
 @pytest.mark.slow  # a Ray cluster of 3 nodes (tests/fixtures/cluster.py) and engines that load a model
-def test_doctor_reports_the_cluster_or_why_it_cannot_reach_it(ray_cluster: Any, tmp_path: Path,
-                                                              capsys: pytest.CaptureFixture[str]):
+def test_doctor_reports_the_cluster_or_why_it_cannot_reach_it(
+    ray_cluster: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
     from eaglenest.commands.cli import main as cli_main
 
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump({"cluster": {"executor": "ray", "address": ray_cluster.address}}))
     assert cli_main(["doctor", "--params", str(params)]) == 0
-    assert (f"cluster: executor ray at {ray_cluster.address}: 4 nodes alive, 3 CPUs, 0 GPUs"
-            in capsys.readouterr().out)
+    assert f"cluster: executor ray at {ray_cluster.address}: 4 nodes alive, 3 CPUs, 0 GPUs" in capsys.readouterr().out
     params.write_text(yaml.safe_dump({"cluster": {"executor": "ray", "address": "127.0.0.1:9"}}))
     assert cli_main(["doctor", "--params", str(params)]) == 1
     assert capsys.readouterr().err.startswith("error: cluster.address = '127.0.0.1:9': no Ray cluster answers there")
@@ -358,10 +441,14 @@ def test_doctor_reports_the_cluster_or_why_it_cannot_reach_it(ray_cluster: Any, 
 def test_a_cluster_named_by_address_gets_the_token_the_user_has(token_head: TokenHead):
     """Ray sends its token to a host:port only in token mode, which it does not switch on by itself there: connect
     asks for it where the user has a token (here RAY_AUTH_TOKEN_PATH, as scripts/cluster/ray_token.sh exports it)."""
-    code = ("from eaglenest.core.executor import connect; from eaglenest.core.params import ClusterParams\n"
-            f"with connect(ClusterParams(executor='ray', address={token_head.address!r})):\n"
-            "    import ray; print('nodes:', len(ray.nodes()))")  # Ray imported by connect, as the stages do
-    env = ray_free_env(token_head.home) | {"RAY_AUTH_TOKEN_PATH": token_head.token_env["RAY_AUTH_TOKEN_PATH"],
-                                           "PYTHONPATH": str(REPO / "src")}
+    code = (
+        "from eaglenest.core.executor import connect; from eaglenest.core.params import ClusterParams\n"
+        f"with connect(ClusterParams(executor='ray', address={token_head.address!r})):\n"
+        "    import ray; print('nodes:', len(ray.nodes()))"
+    )  # Ray imported by connect, as the stages do
+    env = ray_free_env(token_head.home) | {
+        "RAY_AUTH_TOKEN_PATH": token_head.token_env["RAY_AUTH_TOKEN_PATH"],
+        "PYTHONPATH": str(REPO / "src"),
+    }
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "nodes: 1", done.stderr[-2000:]

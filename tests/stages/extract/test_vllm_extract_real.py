@@ -47,8 +47,13 @@ PARAMS = {
     # same bits either way (32 rows in one batch vs one at a time), so byte equality on resume is not an artefact of it.
     # Shards of 3 rows (3, 3, 2): each shard is one task, written as its rows come back, and a kill falls between
     # or inside shards.
-    "extract": {"backend": "vllm", "dtype": "float32", "vllm": {"dtype": "float32"}, "max_num_seqs": 1,
-                "rows_per_shard": ROWS_PER_SHARD},
+    "extract": {
+        "backend": "vllm",
+        "dtype": "float32",
+        "vllm": {"dtype": "float32"},
+        "max_num_seqs": 1,
+        "rows_per_shard": ROWS_PER_SHARD,
+    },
     "train": {"steps": 2, "eval_every": 1, "checkpoint_every": 2, "total_seq_len": 512},
 }
 
@@ -73,8 +78,13 @@ def subset_prepared(source: Path, dest: Path) -> None:
     rows = [*range(TRAIN_ROWS), *range(train_rows, train_rows + VAL_ROWS)]
     picked = dataset.select(rows)
     val_prompts = [json.loads(line) for line in (source / VAL_PROMPTS_FILE).read_text().splitlines()[:VAL_ROWS]]
-    write_prepared(dest, [ids.tolist() for ids in picked["input_ids"]],
-                   [mask.tolist() for mask in picked["loss_mask"]], TRAIN_ROWS, val_prompts)
+    write_prepared(
+        dest,
+        [ids.tolist() for ids in picked["input_ids"]],
+        [mask.tolist() for mask in picked["loss_mask"]],
+        TRAIN_ROWS,
+        val_prompts,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +103,23 @@ def extract_with(repo: Path, out: Path, **extract: Any) -> dict[str, Any]:
     params_file = out.with_suffix(".params.yaml")
     params_file.write_text(yaml.safe_dump(params, sort_keys=False))
     metrics = out.with_suffix(".json")
-    run([str(VENV_BIN / "python"), "stages/extract.py", "--params", str(params_file), "--verifier",
-         "models/verifier", "--prepared", "data/prepared", "--out", str(out), "--metrics", str(metrics)], repo)
+    run(
+        [
+            str(VENV_BIN / "python"),
+            "stages/extract.py",
+            "--params",
+            str(params_file),
+            "--verifier",
+            "models/verifier",
+            "--prepared",
+            "data/prepared",
+            "--out",
+            str(out),
+            "--metrics",
+            str(metrics),
+        ],
+        repo,
+    )
     return json.loads(metrics.read_text())
 
 
@@ -125,8 +150,10 @@ def vllm_run(repo: Path) -> dict[str, Any]:
     """`dvc repro -s extract` with vLLM in float32: the files' bytes and the metrics."""
     dvc(["repro", "-s", "extract"], repo)
     hs_dir = repo / "data/hidden_states"
-    return {"files": {p.name: p.read_bytes() for p in hs_dir.iterdir()},
-            "metrics": json.loads((repo / "metrics/extract.json").read_text())}
+    return {
+        "files": {p.name: p.read_bytes() for p in hs_dir.iterdir()},
+        "metrics": json.loads((repo / "metrics/extract.json").read_text()),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -138,8 +165,13 @@ def hf_rows(repo: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, A
 
     out = tmp_path_factory.mktemp("hf") / "hidden_states"
     params = yaml.safe_load((repo / "params.yaml").read_text())["extract"]
-    metrics = extract_hidden_states(ExtractParams(**{**params, "backend": "hf", "dtype": "float32"}),
-                                    repo / "models/verifier", repo / "data/prepared", out, out.with_suffix(".json"))
+    metrics = extract_hidden_states(
+        ExtractParams(**{**params, "backend": "hf", "dtype": "float32"}),
+        repo / "models/verifier",
+        repo / "data/prepared",
+        out,
+        out.with_suffix(".json"),
+    )
     return {"rows": read_rows(out), "metrics": metrics}
 
 
@@ -152,8 +184,10 @@ def test_vllm_float32_matches_hf(repo: Path, vllm_run: dict[str, Any], hf_rows: 
         assert torch.equal(mine[TOKENS_KEY], reference[TOKENS_KEY])
         assert mine[HIDDEN_KEY].dtype == torch.float32 and mine[HIDDEN_KEY].shape == reference[HIDDEN_KEY].shape
     errors = relative_errors(got, hf_rows["rows"])
-    print(f"\nvllm float32 vs hf float32, relative error per slot: {[f'{e:.2e}' for e in errors]}; "
-          f"tok/s vllm {vllm_run['metrics']['tokens_per_s']}, hf {hf_rows['metrics']['tokens_per_s']}")
+    print(
+        f"\nvllm float32 vs hf float32, relative error per slot: {[f'{e:.2e}' for e in errors]}; "
+        f"tok/s vllm {vllm_run['metrics']['tokens_per_s']}, hf {hf_rows['metrics']['tokens_per_s']}"
+    )
     assert max(errors) < FP32_BOUND, errors
 
 
@@ -164,8 +198,10 @@ def test_vllm_bfloat16_is_close_to_hf(repo: Path, hf_rows: dict[str, Any], tmp_p
     got = read_rows(out)
     assert got[0][HIDDEN_KEY].dtype == torch.float32
     errors = relative_errors(got, hf_rows["rows"])
-    print(f"\nvllm bfloat16 vs hf float32, relative error per slot: {[f'{e:.2e}' for e in errors]}; "
-          f"tok/s {metrics['tokens_per_s']}")
+    print(
+        f"\nvllm bfloat16 vs hf float32, relative error per slot: {[f'{e:.2e}' for e in errors]}; "
+        f"tok/s {metrics['tokens_per_s']}"
+    )
     assert max(errors) < BF16_BOUND, errors
     assert min(errors) > BF16_FLOOR, "as close as float32: was extract.vllm.dtype ignored?"
 
@@ -216,8 +252,14 @@ def test_kill_9_mid_extraction_resumes_to_the_same_files(repo: Path, vllm_run: d
     hs_dir = repo / "data/hidden_states"
     shutil.rmtree(hs_dir)
     # -f: the locked extraction is in DVC's cache, so an unforced repro would check it out instead of running
-    process = subprocess.Popen([str(VENV_BIN / "dvc"), "repro", "-f", "-s", "extract"], cwd=repo, env=project_env(),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    process = subprocess.Popen(
+        [str(VENV_BIN / "dvc"), "repro", "-f", "-s", "extract"],
+        cwd=repo,
+        env=project_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     # Two shards are finished; the engine is computing the third when the kill comes.
     wait_for_files(process, hs_dir, ROWS_PER_SHARD + 1, timeout_s=300)
     os.killpg(process.pid, signal.SIGKILL)
@@ -252,8 +294,14 @@ def test_sigterm_to_the_stage_stops_vllms_engine_processes(repo: Path, vllm_run:
     shutil.rmtree(hs_dir)
     log = tmp_path / "repro.log"
     with log.open("w") as out:
-        process = subprocess.Popen([str(VENV_BIN / "dvc"), "repro", "-f", "-s", "extract"], cwd=repo, env=project_env(),
-                                   stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(
+            [str(VENV_BIN / "dvc"), "repro", "-f", "-s", "extract"],
+            cwd=repo,
+            env=project_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         wait_for_files(process, hs_dir, ROWS_PER_SHARD, timeout_s=300)  # the engine is up and computing
         stage = stage_pid(process.pid, "stages/extract.py")

@@ -50,17 +50,23 @@ def _timed(spec: float, plain: float, turns: int = 4) -> dict:
 def _round(speedups: dict[str, dict[int, float]]) -> dict:
     """One round of the draft at each K, the plain engine at 10 tok/s beside it."""
     ks = list(next(iter(speedups.values())))
-    return {"draft": {str(k): {n: {**_timed(10 * s[k], 10.0), "speedup": s[k]} for n, s in speedups.items()}
-                      for k in ks}}
+    return {
+        "draft": {str(k): {n: {**_timed(10 * s[k], 10.0), "speedup": s[k]} for n, s in speedups.items()} for k in ks}
+    }
 
 
 def test_best_k_per_set_and_the_k_to_serve_over_pooled_turns():
-    rounds = [_round({"code": {1: 1.1, 2: 1.5, 3: 1.2}, "chat": {1: 1.3, 2: 1.2, 3: 1.0}}),
-              _round({"code": {1: 1.1, 2: 1.4, 3: 1.2}, "chat": {1: 1.3, 2: 1.25, 3: 1.0}})]
+    rounds = [
+        _round({"code": {1: 1.1, 2: 1.5, 3: 1.2}, "chat": {1: 1.3, 2: 1.2, 3: 1.0}}),
+        _round({"code": {1: 1.1, 2: 1.4, 3: 1.2}, "chat": {1: 1.3, 2: 1.25, 3: 1.0}}),
+    ]
     best = best_ks(rounds, ["code", "chat"], [1, 2, 3], ["draft"])
     assert best["code"]["draft"]["k"] == 2 and best["code"]["draft"]["mean_speedup"] == pytest.approx(1.45)
-    assert best["chat"]["draft"] == {"k": 1, "mean_speedup": 1.3, "mean_speedup_per_k": {"1": 1.3, "2": 1.225,
-                                                                                          "3": 1.0}}
+    assert best["chat"]["draft"] == {
+        "k": 1,
+        "mean_speedup": 1.3,
+        "mean_speedup_per_k": {"1": 1.3, "2": 1.225, "3": 1.0},
+    }
     k, speedup, ci95 = serve_k(rounds, ["code", "chat"], [1, 2, 3], 500, 0)
     # pooled over both sets and rounds: tokens over seconds of every turn, each set's turns equally long
     assert k == 2 and speedup == pytest.approx(1.33, abs=0.01) and ci95 > 0
@@ -83,8 +89,9 @@ def _params(**k_sweep) -> object:
     return parse_params({"k_sweep": k_sweep})
 
 
-def test_the_stage_records_the_fastest_k_and_serve_and_summary_use_it(tmp_path: Path, monkeypatch, capsys,
-                                                                        pipeline_folders):
+def test_the_stage_records_the_fastest_k_and_serve_and_summary_use_it(
+    tmp_path: Path, monkeypatch, capsys, pipeline_folders
+):
     verifier, draft = pipeline_folders
     # the draft is fastest at K=2; the plain engine decodes at 10 tok/s
     rates = {"the verifier": 10.0} | {f"the eagle3 draft at K={k}": r for k, r in ((1, 12.0), (2, 15.0), (3, 13.0))}
@@ -93,28 +100,52 @@ def test_the_stage_records_the_fastest_k_and_serve_and_summary_use_it(tmp_path: 
     out = tmp_path / "metrics" / "k_sweep.json"
     record = sweep(_params(ks=[1, 2, 3], repeats=2), KSweepPaths(verifier, tmp_path, draft, out))
     # the plain engine starts once and is timed beside every group of two; a group's engines close after it
-    assert fake.started == ["the verifier", "the eagle3 draft at K=1", "the eagle3 draft at K=2",
-                            "the eagle3 draft at K=3"]
+    assert fake.started == [
+        "the verifier",
+        "the eagle3 draft at K=1",
+        "the eagle3 draft at K=2",
+        "the eagle3 draft at K=3",
+    ]
     assert fake.timed_together == [["plain", "draft K=1", "draft K=2"]] * 4 + [["plain", "draft K=3"]] * 4
     assert fake.closed[-1] == "the verifier"
     assert json.loads(out.read_text()) == record
-    assert record["serve_k"] == 2 and record["serve"] == {"k": 2, "speedup": 1.5, "speedup_ci95": 0.0,
-                                                          "sets": ["humaneval", "general"]}
+    assert record["serve_k"] == 2 and record["serve"] == {
+        "k": 2,
+        "speedup": 1.5,
+        "speedup_ci95": 0.0,
+        "sets": ["humaneval", "general"],
+    }
     assert record["draft"]["sha256"] == draft_fingerprint(draft) and record["draft"]["trained_k"] == 3
     entry = record["rounds"][1]["draft"]["3"]["general"]
     assert entry["speedup"] == 1.3 and entry["tau_when_drafted"] == 2.0 and len(entry["plain_turns"]) == 3
     assert record["best"]["humaneval"]["draft"]["mean_speedup_per_k"] == {"1": 1.2, "2": 1.5, "3": 1.3}
 
     def serve_says(*extra: str) -> tuple[int, str]:
-        assert cli.main(["serve", "--verifier", str(verifier), "--draft", str(draft), "--print-command",
-                         "--k-sweep", str(out), *extra]) == 0
+        assert (
+            cli.main(
+                [
+                    "serve",
+                    "--verifier",
+                    str(verifier),
+                    "--draft",
+                    str(draft),
+                    "--print-command",
+                    "--k-sweep",
+                    str(out),
+                    *extra,
+                ]
+            )
+            == 0
+        )
         captured = capsys.readouterr()
         argv = shlex.split(captured.out.strip())
         return json.loads(argv[argv.index("--speculative-config") + 1])["num_speculative_tokens"], captured.err
 
     k, said = serve_says()
-    assert k == 2 and ("served K: 2 (measured for this draft by the k_sweep stage: x1.50 ± 0.00 on humaneval, "
-                       "general)") in said
+    assert (
+        k == 2
+        and ("served K: 2 (measured for this draft by the k_sweep stage: x1.50 ± 0.00 on humaneval, general)") in said
+    )
     k, said = serve_says("--num-speculative-tokens", "1")  # told otherwise
     assert k == 1 and "served K: 1 (--num-speculative-tokens)" in said
     assert served_k(draft, record_file=out).line() in _summary(tmp_path, capsys)
@@ -133,8 +164,11 @@ def _summary(repo: Path, capsys) -> str:
 
 
 def test_n_gram_is_no_longer_the_sweeps_and_its_old_switch_says_where_it_went():
-    with pytest.raises(ParamsError, match=r"k_sweep.ngram: n-gram drafting is timed at each window and K by the "
-                                          r"ngram_sweep stage"):
+    with pytest.raises(
+        ParamsError,
+        match=r"k_sweep.ngram: n-gram drafting is timed at each window and K by the "
+        r"ngram_sweep stage",
+    ):
         parse_params({"k_sweep": {"ngram": True}})
 
 
@@ -144,29 +178,56 @@ def test_without_vllm_in_evaluate_no_k_is_measured_and_serve_says_why(tmp_path: 
     sweep(parse_params({"evaluate": {"backend": "hf"}}), KSweepPaths(verifier, tmp_path, draft, out))
     record = read_k_record(out)
     assert record.served is None and "evaluate.backend lists no vllm" in record.not_measured
-    assert cli.main(["serve", "--verifier", str(verifier), "--draft", str(draft), "--print-command",
-                     "--k-sweep", str(out)]) == 0
+    assert (
+        cli.main(
+            ["serve", "--verifier", str(verifier), "--draft", str(draft), "--print-command", "--k-sweep", str(out)]
+        )
+        == 0
+    )
     said = capsys.readouterr().err
     assert f"served K: 3 (the draft's own: {out} measured no K (evaluate.backend lists no vllm" in said
 
 
 def test_serve_without_a_record_uses_the_drafts_own_k(capsys, pipeline_folders, tmp_path: Path):
     verifier, draft = pipeline_folders
-    assert cli.main(["serve", "--verifier", str(verifier), "--draft", str(draft), "--print-command",
-                     "--k-sweep", str(tmp_path / "absent.json")]) == 0
+    assert (
+        cli.main(
+            [
+                "serve",
+                "--verifier",
+                str(verifier),
+                "--draft",
+                str(draft),
+                "--print-command",
+                "--k-sweep",
+                str(tmp_path / "absent.json"),
+            ]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     assert '"num_speculative_tokens": 3' in captured.out
     assert "served K: 3 (the draft's own: no " in captured.err and "`dvc repro k_sweep` measures it" in captured.err
 
 
-@pytest.mark.parametrize("content", ["not json", json.dumps({"serve_k": 2}), json.dumps({
-    "draft": {"sha256": "x"}, "serve": {"k": 0, "speedup": 1.0, "speedup_ci95": 0.0, "sets": []}})])
+@pytest.mark.parametrize(
+    "content",
+    [
+        "not json",
+        json.dumps({"serve_k": 2}),
+        json.dumps({"draft": {"sha256": "x"}, "serve": {"k": 0, "speedup": 1.0, "speedup_ci95": 0.0, "sets": []}}),
+    ],
+)
 def test_a_broken_record_is_refused_in_one_line(capsys, pipeline_folders, tmp_path: Path, content):
     verifier, draft = pipeline_folders
     record = tmp_path / "k_sweep.json"
     record.write_text(content)
-    assert cli.main(["serve", "--verifier", str(verifier), "--draft", str(draft), "--print-command",
-                     "--k-sweep", str(record)]) == 2
+    assert (
+        cli.main(
+            ["serve", "--verifier", str(verifier), "--draft", str(draft), "--print-command", "--k-sweep", str(record)]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and str(record) in err and "k_sweep" in err
 

@@ -35,8 +35,8 @@ def lookup(tokens: np.ndarray, low: int, high: int, max_model_len: int, k: int) 
     for n in range(min(high, len(sequence) - 1), low - 1, -1):
         suffix = sequence[-n:]
         for start in range(len(sequence) - n):
-            if sequence[start:start + n] == suffix:
-                return np.array(sequence[start + n:start + n + k], dtype=tokens.dtype)
+            if sequence[start : start + n] == suffix:
+                return np.array(sequence[start + n : start + n + k], dtype=tokens.dtype)
     return np.empty(0, dtype=tokens.dtype)
 
 
@@ -64,9 +64,13 @@ def test_the_replay_uses_vllms_own_proposer():
 
 def test_every_window_is_replayed_and_the_fewest_steps_win_per_k():
     assert windows(1, 3) == [(1, 1), (1, 2), (1, 3), (2, 2), (2, 3), (3, 3)]
-    counts = {NgramSetting(1, 3, 2): Replayed(40), NgramSetting(2, 3, 2): Replayed(40),
-              NgramSetting(3, 3, 2): Replayed(41), NgramSetting(1, 3, 4): Replayed(33),
-              NgramSetting(2, 4, 4): Replayed(35)}
+    counts = {
+        NgramSetting(1, 3, 2): Replayed(40),
+        NgramSetting(2, 3, 2): Replayed(40),
+        NgramSetting(3, 3, 2): Replayed(41),
+        NgramSetting(1, 3, 4): Replayed(33),
+        NgramSetting(2, 4, 4): Replayed(35),
+    }
     # a tie goes to the narrower window
     assert best_window_per_k(counts, [2, 4]) == {2: NgramSetting(2, 3, 2), 4: NgramSetting(1, 3, 4)}
 
@@ -78,8 +82,11 @@ def test_params_problems_are_one_line_each_and_the_old_window_keys_say_where_the
     assert any("ngram_sweep.ks" in line and "lists a K twice" in line for line in lines)
     assert any("ngram_sweep.lookup_min = 4 > ngram_sweep.lookup_max = 3" in line for line in lines)
     assert any(line.startswith("  - ngram_sweep.timed_prompts = 0:") for line in lines)
-    with pytest.raises(ParamsError, match=r"evaluate.ngram_prompt_lookup_max: the n-gram baseline's window and K are "
-                                          r"measured by the ngram_sweep stage"):
+    with pytest.raises(
+        ParamsError,
+        match=r"evaluate.ngram_prompt_lookup_max: the n-gram baseline's window and K are "
+        r"measured by the ngram_sweep stage",
+    ):
         parse_params({"evaluate": {"ngram_prompt_lookup_max": 3}})
     defaults = parse_params({}).ngram_sweep
     assert (defaults.ks, defaults.lookup_min, defaults.lookup_max, defaults.timed_prompts) == ([3, 4, 5], 1, 5, 4)
@@ -87,21 +94,38 @@ def test_params_problems_are_one_line_each_and_the_old_window_keys_say_where_the
 
 def test_the_turns_tuned_on_are_those_after_evaluates_timed_ones(tiny_verifier_dir: Path, tmp_path: Path):
     verifier, prepared = pipeline_until_prepare(tmp_path, tiny_verifier_dir)
-    params = parse_params({"evaluate": {"timed_prompts": 30, "sets": [
-        {"name": "general", "source": "builtin:general", "headline": True},                    # 32 conversations
-        {"name": "code", "source": "builtin:humaneval", "headline": True, "max_new_tokens": 16},
-        {"name": "few", "source": "builtin:general", "headline": True, "num_prompts": 8},       # none after 30
-        {"name": "sampled", "source": "builtin:general", "temperature": 0.7}]}})              # not a headline set
+    params = parse_params(
+        {
+            "evaluate": {
+                "timed_prompts": 30,
+                "sets": [
+                    {"name": "general", "source": "builtin:general", "headline": True},  # 32 conversations
+                    {"name": "code", "source": "builtin:humaneval", "headline": True, "max_new_tokens": 16},
+                    {"name": "few", "source": "builtin:general", "headline": True, "num_prompts": 8},  # none after 30
+                    {"name": "sampled", "source": "builtin:general", "temperature": 0.7},
+                ],
+            }
+        }
+    )  # not a headline set
     turns, skipped = tuning_turns(params, NgramSweepPaths(verifier, prepared, tmp_path / "n.json"), max_k=4)
     assert [s.name for s in turns.sets] == ["general", "code"] and skipped == ["few"]
     assert [len(turns.prompts[name]) for name in ("general", "code")] == [2, 4]
     general = turns.sets[0]
     assert turns.prompts["general"][0] == general.render(general.conversations[30], 0, [], _tokenizer(verifier))
     assert len(turns.requests) == 1 + 6  # the warm-up's, then every timed prompt's
-    none_after = parse_params({"evaluate": {"timed_prompts": 40, "sets": [
-        {"name": "general", "source": "builtin:general", "headline": True}]}})
-    with pytest.raises(EaglenestError, match=r"^evaluate.sets: no headline set has a conversation after the first "
-                                             r"evaluate.timed_prompts = 40"):
+    none_after = parse_params(
+        {
+            "evaluate": {
+                "timed_prompts": 40,
+                "sets": [{"name": "general", "source": "builtin:general", "headline": True}],
+            }
+        }
+    )
+    with pytest.raises(
+        EaglenestError,
+        match=r"^evaluate.sets: no headline set has a conversation after the first "
+        r"evaluate.timed_prompts = 40",
+    ):
         tuning_turns(none_after, NgramSweepPaths(verifier, prepared, tmp_path / "n.json"), max_k=4)
 
 
@@ -120,8 +144,9 @@ class FakeNgramEngines:
 
     def install(self, monkeypatch: pytest.MonkeyPatch, prompts: dict[str, list[list[int]]]) -> None:
         sets = [SimpleNamespace(name=n, params=SimpleNamespace(max_new_tokens=8, temperature=0.0)) for n in prompts]
-        monkeypatch.setattr(ngram_stage, "tuning_turns", lambda params, paths, max_k: (
-            TimedTurns(sets, prompts, [1], [64]), []))
+        monkeypatch.setattr(
+            ngram_stage, "tuning_turns", lambda params, paths, max_k: (TimedTurns(sets, prompts, [1], [64]), [])
+        )
         monkeypatch.setattr(engines, "start_engine", self.start_engine)
         monkeypatch.setattr(engines, "stop_engine", self.closed.append)
         monkeypatch.setattr(engines, "sampling_params", lambda *args: None)
@@ -134,21 +159,34 @@ class FakeNgramEngines:
         return what, 1.0
 
     def generate(self, llm, requests, sampling, param):
-        by_prompt = {tuple(p): o for name, ps in self.prompts_of.items()
-                     for p, o in zip(ps, self.outputs[name], strict=True)}
-        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=by_prompt[tuple(r["prompt_token_ids"])])])
-                for r in requests]
+        by_prompt = {
+            tuple(p): o for name, ps in self.prompts_of.items() for p, o in zip(ps, self.outputs[name], strict=True)
+        }
+        return [
+            SimpleNamespace(outputs=[SimpleNamespace(token_ids=by_prompt[tuple(r["prompt_token_ids"])])])
+            for r in requests
+        ]
 
     def time_interleaved(self, engines_, prompts, sampling, param, progress_desc):
         def seconds(what: str) -> float:
             k = next((k for k in self.rates if f"K = {k}" in what), None)
             return 64 / (10.0 if k is None else self.rates[k])
-        return {name: [(SimpleNamespace(outputs=[SimpleNamespace(token_ids=[0] * 64, spec_decode_metrics=None)]),
-                        seconds(what)) for _ in prompts] for name, what in engines_.items()}
+
+        return {
+            name: [
+                (
+                    SimpleNamespace(outputs=[SimpleNamespace(token_ids=[0] * 64, spec_decode_metrics=None)]),
+                    seconds(what),
+                )
+                for _ in prompts
+            ]
+            for name, what in engines_.items()
+        }
 
 
-def test_the_stage_times_the_best_window_at_each_k_and_records_the_fastest(tmp_path: Path, monkeypatch, capsys,
-                                                                             pipeline_folders):
+def test_the_stage_times_the_best_window_at_each_k_and_records_the_fastest(
+    tmp_path: Path, monkeypatch, capsys, pipeline_folders
+):
     verifier, draft = pipeline_folders
     prompts = {"code": [PROMPT, [7, 7, 8, 7, 7]], "chat": [[20, 21, 22]]}
     fake = FakeNgramEngines({"code": [OUTPUT, [8, 7, 7, 8]], "chat": [[23, 24, 25]]}, rates={2: 12.0, 3: 14.0, 4: 13.0})
@@ -180,8 +218,12 @@ def test_the_stage_times_the_best_window_at_each_k_and_records_the_fastest(tmp_p
     assert choice.setting == setting and "measured fastest by the ngram_sweep stage: x1.40 ± 0.00" in choice.why
     assert measured_ngram("f" * 64, 2, out).setting == NgramSetting(5, 5, 2)
     monkeypatch.chdir(tmp_path)  # serve reads metrics/ngram_sweep.json where it runs, by default
-    assert cli.main(["serve", "--verifier", str(verifier), "--draft", str(draft), "--print-command",
-                     "--baseline", "ngram"]) == 0
+    assert (
+        cli.main(
+            ["serve", "--verifier", str(verifier), "--draft", str(draft), "--print-command", "--baseline", "ngram"]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     argv = shlex.split(captured.out.strip())
     assert json.loads(argv[argv.index("--speculative-config") + 1]) == setting.speculative_config()
@@ -197,9 +239,20 @@ def test_without_vllm_in_evaluate_nothing_is_measured_and_the_default_window_run
     assert choice.setting == NgramSetting(5, 5, 2) and "measured none (evaluate.backend lists no vllm" in choice.why
 
 
-@pytest.mark.parametrize("content", ["not json", json.dumps({"setting": None}), json.dumps({
-    "verifier": {"fingerprint": "0" * 64}, "serve": None,
-    "setting": {"prompt_lookup_min": 4, "prompt_lookup_max": 2, "num_speculative_tokens": 3}})])
+@pytest.mark.parametrize(
+    "content",
+    [
+        "not json",
+        json.dumps({"setting": None}),
+        json.dumps(
+            {
+                "verifier": {"fingerprint": "0" * 64},
+                "serve": None,
+                "setting": {"prompt_lookup_min": 4, "prompt_lookup_max": 2, "num_speculative_tokens": 3},
+            }
+        ),
+    ],
+)
 def test_a_broken_record_is_refused_in_one_line(tmp_path: Path, content: str):
     record = tmp_path / "ngram_sweep.json"
     record.write_text(content)

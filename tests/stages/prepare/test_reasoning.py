@@ -66,12 +66,23 @@ def assert_rows(tokenizer, messages, reasoning: str, expected_pieces: list[list[
 
 def test_qwen3_like_keep_trains_each_reply_with_its_thinking_after_the_context_the_model_saw():
     tokenizer = tokenizer_with(QWEN3_LIKE)
-    first = [*user("hello there"), ("<|assistant|>", 0), ("\n", 0),
-             *reply("<think>\nthe weather is nice\n</think>\n\nI am fine thanks")]
+    first = [
+        *user("hello there"),
+        ("<|assistant|>", 0),
+        ("\n", 0),
+        *reply("<think>\nthe weather is nice\n</think>\n\nI am fine thanks"),
+    ]
     # The second reply's context holds the first reply without its thinking, as the template renders history.
-    second = [*user("hello there"), ("<|assistant|>", 0), ("\n", 0), *reply("I am fine thanks", 0),
-              *user("what is the capital of France?"), ("<|assistant|>", 0), ("\n", 0),
-              *reply("<think>\nnumbers 0 1 2\n</think>\n\nParis is the capital.")]
+    second = [
+        *user("hello there"),
+        ("<|assistant|>", 0),
+        ("\n", 0),
+        *reply("I am fine thanks", 0),
+        *user("what is the capital of France?"),
+        ("<|assistant|>", 0),
+        ("\n", 0),
+        *reply("<think>\nnumbers 0 1 2\n</think>\n\nParis is the capital."),
+    ]
     assert_rows(tokenizer, INLINE, "keep", [first, second])
     assert_rows(tokenizer, FIELD, "keep", [first, second])  # reasoning_content renders the same
 
@@ -80,8 +91,15 @@ def test_qwen3_like_strip_trains_answers_after_an_empty_think_block_in_the_promp
     tokenizer = tokenizer_with(QWEN3_LIKE)
     empty_think = [("<|assistant|>", 0), ("\n", 0), ("<think>\n\n</think>\n\n", 0)]
     first = [*user("hello there"), *empty_think, *reply("I am fine thanks")]
-    second = [*user("hello there"), ("<|assistant|>", 0), ("\n", 0), *reply("I am fine thanks", 0),
-              *user("what is the capital of France?"), *empty_think, *reply("Paris is the capital.")]
+    second = [
+        *user("hello there"),
+        ("<|assistant|>", 0),
+        ("\n", 0),
+        *reply("I am fine thanks", 0),
+        *user("what is the capital of France?"),
+        *empty_think,
+        *reply("Paris is the capital."),
+    ]
     assert_rows(tokenizer, INLINE, "strip", [first, second])
 
 
@@ -89,14 +107,27 @@ def test_kimi_k2_like_keep_and_strip():
     tokenizer = tokenizer_with(KIMI_K2_LIKE)
     head = [("<|assistant|>", 0), ("\n", 0)]
     first = [*user("hello there"), *head, *reply("<think>the weather is nice</think>I am fine thanks")]
-    second = [*user("hello there"), *head, *reply("<think></think>I am fine thanks", 0),
-              *user("what is the capital of France?"), *head,
-              *reply("<think>numbers 0 1 2</think>Paris is the capital.")]
+    second = [
+        *user("hello there"),
+        *head,
+        *reply("<think></think>I am fine thanks", 0),
+        *user("what is the capital of France?"),
+        *head,
+        *reply("<think>numbers 0 1 2</think>Paris is the capital."),
+    ]
     assert_rows(tokenizer, FIELD, "keep", [first, second])
     # strip: the empty think block is the generation prompt's, then the answer. Without thinking, history renders
     # as the last turn does, so the template is prefix-stable again: one row, both answers trained.
-    both = [*user("hello there"), *head, ("<think></think>", 0), *reply("I am fine thanks"),
-            *user("what is the capital of France?"), *head, ("<think></think>", 0), *reply("Paris is the capital.")]
+    both = [
+        *user("hello there"),
+        *head,
+        ("<think></think>", 0),
+        *reply("I am fine thanks"),
+        *user("what is the capital of France?"),
+        *head,
+        ("<think></think>", 0),
+        *reply("Paris is the capital."),
+    ]
     assert_rows(tokenizer, FIELD, "strip", [both])
 
 
@@ -111,8 +142,11 @@ def test_a_reasoning_template_needs_prepare_reasoning(tmp_path: Path):
     tokenizer = tokenizer_with(QWEN3_LIKE)
     source = write_jsonl(tmp_path / "chats.jsonl", [{"messages": INLINE}] * 4)
     params = PrepareParams(source=[str(source)], max_conversations=None, max_assistant_turns=None)
-    with pytest.raises(ParamsError, match=r"prepare.reasoning is unset, but the chat template of .* handles reasoning "
-                                          r"\(<think> blocks\); set prepare.reasoning: keep .* or strip"):
+    with pytest.raises(
+        ParamsError,
+        match=r"prepare.reasoning is unset, but the chat template of .* handles reasoning "
+        r"\(<think> blocks\); set prepare.reasoning: keep .* or strip",
+    ):
         prepare_dataset(params, tokenizer, tmp_path / "prepared", tmp_path / "prepare.json", end_of_turn_ids(tokenizer))
     assert not (tmp_path / "prepared").exists()
 
@@ -120,13 +154,16 @@ def test_a_reasoning_template_needs_prepare_reasoning(tmp_path: Path):
 def test_prepare_splits_by_conversation_and_records_the_template_switch(tmp_path: Path):
     """A conversation's rows (one per reply) stay on one side of the split; evaluate renders as prepare did."""
     tokenizer = tokenizer_with(QWEN3_LIKE)
-    records = [{"messages": [{**m, "content": m["content"].replace("hello", f"hello {i}")} for m in INLINE]}
-               for i in range(10)]
+    records = [
+        {"messages": [{**m, "content": m["content"].replace("hello", f"hello {i}")} for m in INLINE]} for i in range(10)
+    ]
     source = write_jsonl(tmp_path / "chats.jsonl", records)
-    params = PrepareParams(source=[str(source)], max_conversations=None, max_assistant_turns=None,
-                           val_fraction=0.2, reasoning="strip")
-    metrics = prepare_dataset(params, tokenizer, tmp_path / "prepared", tmp_path / "prepare.json",
-                              end_of_turn_ids(tokenizer))
+    params = PrepareParams(
+        source=[str(source)], max_conversations=None, max_assistant_turns=None, val_fraction=0.2, reasoning="strip"
+    )
+    metrics = prepare_dataset(
+        params, tokenizer, tmp_path / "prepared", tmp_path / "prepare.json", end_of_turn_ids(tokenizer)
+    )
     assert (metrics["kept"], metrics["rows"], metrics["train_rows"], metrics["val_rows"]) == (10, 20, 16, 4)
     assert load_split(tmp_path / "prepared")["train_rows"] == 16
     rows = load_from_disk(str(tmp_path / "prepared")).with_format(None)["input_ids"]
@@ -149,8 +186,9 @@ def test_regeneration_renders_with_the_switch_and_keeps_or_drops_thinking(tmp_pa
 
     conversation = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": ""}]
     params = PrepareParams(regenerate_max_new_tokens=32, regenerate_batch_size=4, reasoning=reasoning)
-    out, _ = regenerate([conversation], thinking_verifier, tokenizer, params, fingerprint="f",
-                        cache_dir=tmp_path / "cache")
+    out, _ = regenerate(
+        [conversation], thinking_verifier, tokenizer, params, fingerprint="f", cache_dir=tmp_path / "cache"
+    )
     thinking_off = prompts_seen[0].endswith("<think>\n\n</think>\n\n")
     assert thinking_off == (reasoning == "strip")
     thought = "<think>\nthe weather is nice\n</think>\n\n"

@@ -27,10 +27,17 @@ from tests.fixtures.pipeline import SharedPipeline, project_env
 
 CONVERSATIONS = [
     [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "I am fine"}],
-    [{"role": "user", "content": "what is the capital of France?"}, {"role": "assistant", "content": "Paris"},
-     {"role": "user", "content": "and the weather?"}, {"role": "assistant", "content": "nice"}],
-    [{"role": "system", "content": "be brief"}, {"role": "user", "content": "numbers 0 1 2"},
-     {"role": "assistant", "content": "3 4 5"}],
+    [
+        {"role": "user", "content": "what is the capital of France?"},
+        {"role": "assistant", "content": "Paris"},
+        {"role": "user", "content": "and the weather?"},
+        {"role": "assistant", "content": "nice"},
+    ],
+    [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "numbers 0 1 2"},
+        {"role": "assistant", "content": "3 4 5"},
+    ],
 ]
 
 
@@ -39,9 +46,15 @@ def greedy_reply(model, tokenizer, history, eos, max_new_tokens) -> str:
     text = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
     ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, eos_token_id=sorted(eos), pad_token_id=sorted(eos)[0])
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=sorted(eos),
+            pad_token_id=sorted(eos)[0],
+        )
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
 
 
 def test_regenerated_turns_are_the_verifiers_greedy_replies(tiny_verifier_dir: Path, tmp_path: Path):
@@ -64,8 +77,15 @@ def test_regenerated_turns_are_the_verifiers_greedy_replies(tiny_verifier_dir: P
     assert again == out and stats.cache_hits == 3 and stats.turns == 0  # nothing regenerated twice
     # another back end or dtype writes other replies: its cache entries are its own
     with pytest.raises(ValueError, match="no reply generator"):
-        regenerate(CONVERSATIONS, None, tokenizer, params, fingerprint="f", generator="vllm-bfloat16",
-                   cache_dir=tmp_path / "cache")
+        regenerate(
+            CONVERSATIONS,
+            None,
+            tokenizer,
+            params,
+            fingerprint="f",
+            generator="vllm-bfloat16",
+            cache_dir=tmp_path / "cache",
+        )
 
 
 def test_prepare_with_regeneration_masks_exactly_the_new_replies(tiny_verifier_dir: Path, tmp_path: Path):
@@ -78,9 +98,14 @@ def test_prepare_with_regeneration_masks_exactly_the_new_replies(tiny_verifier_d
     seen: list[list[dict[str, str]]] = []
 
     def regenerator(conversations):
-        result, stats = regenerate(conversations, hf_reply_generator(model, tokenizer, 0.0, 8, eos), tokenizer,
-                                   PrepareParams(regenerate_max_new_tokens=8, regenerate_batch_size=4),
-                                   fingerprint="f", cache_dir=tmp_path / "cache")
+        result, stats = regenerate(
+            conversations,
+            hf_reply_generator(model, tokenizer, 0.0, 8, eos),
+            tokenizer,
+            PrepareParams(regenerate_max_new_tokens=8, regenerate_batch_size=4),
+            fingerprint="f",
+            cache_dir=tmp_path / "cache",
+        )
         seen.extend(result)
         return result, stats
 
@@ -121,8 +146,14 @@ def test_vllm_regeneration_arguments(tiny_verifier_dir: Path, tmp_path: Path, na
     from eaglenest.stages.prepare.regenerate.vllm import build_regenerate_llm_kwargs, build_sampling_kwargs
 
     info, model_dir = load_verifier_info_for(tiny_verifier_dir, tmp_path)
-    params = PrepareParams(regenerate=True, regenerate_backend="vllm", max_len=256, regenerate_max_new_tokens=64,
-                           regenerate_temperature=0.7, regenerate_vllm=VllmEngineParams(gpu_memory_utilization=0.5))
+    params = PrepareParams(
+        regenerate=True,
+        regenerate_backend="vllm",
+        max_len=256,
+        regenerate_max_new_tokens=64,
+        regenerate_temperature=0.7,
+        regenerate_vllm=VllmEngineParams(gpu_memory_utilization=0.5),
+    )
     llm = build_regenerate_llm_kwargs(params, info, model_dir)
     assert llm["model"] == str(model_dir)
     assert llm["max_model_len"] == min(256 + 64, info.max_position_embeddings or 10**9)
@@ -135,11 +166,13 @@ def test_vllm_regeneration_arguments(tiny_verifier_dir: Path, tmp_path: Path, na
     else:
         assert llm["gpu_memory_utilization"] == 0.5 and "enforce_eager" not in llm
     exact = build_regenerate_llm_kwargs(
-        params.model_copy(update={"regenerate_vllm": VllmEngineParams(dtype="float32")}), info, model_dir)
+        params.model_copy(update={"regenerate_vllm": VllmEngineParams(dtype="float32")}), info, model_dir
+    )
     assert exact["dtype"] == "float32"
     assert llm["tensor_parallel_size"] == 1
     spread = build_regenerate_llm_kwargs(
-        params.model_copy(update={"regenerate_vllm": VllmEngineParams(tensor_parallel_size=8)}), info, model_dir)
+        params.model_copy(update={"regenerate_vllm": VllmEngineParams(tensor_parallel_size=8)}), info, model_dir
+    )
     assert spread["tensor_parallel_size"] == 8
     sampling = build_sampling_kwargs(params, {7, 3}, seed=11)
     assert sampling == {"temperature": 0.7, "max_tokens": 64, "stop_token_ids": [3, 7], "seed": 11}
@@ -163,8 +196,9 @@ def test_vllm_replies_are_cut_after_the_end_of_turn_token():
     assert replies_from_outputs(outputs, {2}) == [[5, 6, 2], [5, 6], []]
 
 
-def test_vllm_regeneration_without_vllm_says_how_to_install(tiny_verifier_dir: Path, tmp_path: Path,
-                                                              monkeypatch: pytest.MonkeyPatch):
+def test_vllm_regeneration_without_vllm_says_how_to_install(
+    tiny_verifier_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
     from eaglenest.core import vllm_support
     from eaglenest.core.errors import EaglenestError
     from eaglenest.stages.prepare.regenerate.job import GeneratorJob
@@ -173,9 +207,12 @@ def test_vllm_regeneration_without_vllm_says_how_to_install(tiny_verifier_dir: P
     # Runs whether vLLM is installed or not: the check reads the installation through installed_build().
     monkeypatch.setattr(vllm_support, "installed_build", lambda: None)
     info, model_dir = load_verifier_info_for(tiny_verifier_dir, tmp_path)
-    with pytest.raises(EaglenestError, match=r"prepare\.regenerate_backend: vllm needs vLLM, which this interpreter "
-                                             r"lacks; install vLLM's (CPU|GPU) build: .*or set "
-                                             r"prepare\.regenerate_backend: hf"):
+    with pytest.raises(
+        EaglenestError,
+        match=r"prepare\.regenerate_backend: vllm needs vLLM, which this interpreter "
+        r"lacks; install vLLM's (CPU|GPU) build: .*or set "
+        r"prepare\.regenerate_backend: hf",
+    ):
         vllm_reply_generator(GeneratorJob(PrepareParams(regenerate_backend="vllm"), info, model_dir, None, {2}))
     # the in-process engine setting is the regeneration engine's own: everything started later keeps the default
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
@@ -235,20 +272,28 @@ def chitchat_first_replies(count: int, seed: int = 0) -> list[list[dict[str, str
     return picked
 
 
-def recorded_hf_replies(model, tokenizer, eos, conversations, params: PrepareParams, cache_dir: Path,
-                        batch_size: int) -> dict[tuple[int, ...], list[int]]:
+def recorded_hf_replies(
+    model, tokenizer, eos, conversations, params: PrepareParams, cache_dir: Path, batch_size: int
+) -> dict[tuple[int, ...], list[int]]:
     """prompt token ids -> reply token ids, from eaglenest's own hf back end."""
     calls: dict[tuple[int, ...], list[int]] = {}
-    generate = hf_reply_generator(model, tokenizer, params.regenerate_temperature, params.regenerate_max_new_tokens,
-                                  eos)
+    generate = hf_reply_generator(
+        model, tokenizer, params.regenerate_temperature, params.regenerate_max_new_tokens, eos
+    )
 
     def recorded(prompts, seed):
         replies = generate(prompts, seed)
         calls.update((tuple(p), r) for p, r in zip(prompts, replies, strict=True))
         return replies
 
-    regenerate(conversations, recorded, tokenizer, params.model_copy(update={"regenerate_batch_size": batch_size}),
-               fingerprint="hf", cache_dir=cache_dir)
+    regenerate(
+        conversations,
+        recorded,
+        tokenizer,
+        params.model_copy(update={"regenerate_batch_size": batch_size}),
+        fingerprint="hf",
+        cache_dir=cache_dir,
+    )
     return calls
 
 
@@ -260,9 +305,14 @@ def test_vllm_regeneration_equals_hf_token_for_token_in_float32(shared_pipeline:
     from eaglenest.artifacts.verifier import load_tokenizer, load_verifier_info
 
     verifier_dir = shared_pipeline.repo / "models" / "verifier"
-    params = PrepareParams(regenerate_backend="vllm", regenerate_vllm=VllmEngineParams(dtype="float32"),
-                           regenerate_temperature=0.0,
-                           regenerate_max_new_tokens=48, max_len=256, regenerate_batch_size=8)
+    params = PrepareParams(
+        regenerate_backend="vllm",
+        regenerate_vllm=VllmEngineParams(dtype="float32"),
+        regenerate_temperature=0.0,
+        regenerate_max_new_tokens=48,
+        max_len=256,
+        regenerate_batch_size=8,
+    )
     conversations = chitchat_first_replies(8)
     job = tmp_path / "job.json"
     job.write_text(json.dumps({"params": params.model_dump(), "conversations": conversations}))
@@ -272,9 +322,14 @@ def test_vllm_regeneration_equals_hf_token_for_token_in_float32(shared_pipeline:
     # Its log goes to a file: a pipe nobody reads until hf is done would fill and stop vLLM mid-start.
     log = tmp_path / "vllm.log"
     with log.open("w") as log_file:
-        process = subprocess.Popen([sys.executable, str(script), str(verifier_dir), str(job),
-                                    str(tmp_path / "vllm.json")], cwd=tmp_path, env=project_env(),
-                                   stdout=subprocess.DEVNULL, stderr=log_file, text=True)
+        process = subprocess.Popen(
+            [sys.executable, str(script), str(verifier_dir), str(job), str(tmp_path / "vllm.json")],
+            cwd=tmp_path,
+            env=project_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=log_file,
+            text=True,
+        )
     try:
         info, model_dir = load_verifier_info(verifier_dir)
         tokenizer = load_tokenizer(verifier_dir)
@@ -298,18 +353,22 @@ def test_vllm_regeneration_equals_hf_token_for_token_in_float32(shared_pipeline:
         alone = recorded_hf_replies(model, tokenizer, eos, conversations, params, tmp_path / "hf-alone", batch_size=1)
         report = []
         for p in differing:
-            first = next((i for i, (a, b) in enumerate(zip(hf[p], vllm[p], strict=False)) if a != b),
-                         min(len(hf[p]), len(vllm[p])))
-            report.append(f"prompt of {len(p)} tokens: first difference at reply token {first}; "
-                          f"hf batched {hf[p][first:first + 4]}, hf alone {alone[p][first:first + 4]}, "
-                          f"vllm {vllm[p][first:first + 4]}")
+            first = next(
+                (i for i, (a, b) in enumerate(zip(hf[p], vllm[p], strict=False)) if a != b),
+                min(len(hf[p]), len(vllm[p])),
+            )
+            report.append(
+                f"prompt of {len(p)} tokens: first difference at reply token {first}; "
+                f"hf batched {hf[p][first : first + 4]}, hf alone {alone[p][first : first + 4]}, "
+                f"vllm {vllm[p][first : first + 4]}"
+            )
         pytest.fail(f"{len(differing)} of {len(hf)} replies differ:\n" + "\n".join(report))
 
 
 @pytest.mark.slow  # a Ray cluster started on this machine, each engine loading the verifier
-def test_regeneration_on_a_ray_cluster_writes_the_local_executors_replies(tiny_verifier_dir: Path, tmp_path: Path,
-                                                                         monkeypatch: pytest.MonkeyPatch,
-                                                                         caplog: pytest.LogCaptureFixture):
+def test_regeneration_on_a_ray_cluster_writes_the_local_executors_replies(
+    tiny_verifier_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+):
     """cluster.executor: ray (address: local, a cluster of this machine's CPUs started for the stage): each batch a
     task of an actor that loaded the verifier itself; the same batches and seeds as in this process, so the same
     replies and the same cache entries; no Ray process left afterwards."""

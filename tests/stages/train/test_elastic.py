@@ -30,13 +30,21 @@ from tests.fixtures.pipeline import REPO, equal_length_training_data, project_en
 # The tiny data's 8 training rows of 24 tokens make 2 sequences of 96 per epoch: the global batch of 2 is every
 # row, as one sequence of 192 is. float32: bf16 rounds differently for different batch shapes, and these tests
 # check that the arithmetic is the same.
-TRAIN = {"steps": 6, "eval_every": 3, "checkpoint_every": 3, "total_seq_len": 96, "lr": 3e-3, "warmup_steps": 0,
-         "nproc": 2, "precision": "float32"}
+TRAIN = {
+    "steps": 6,
+    "eval_every": 3,
+    "checkpoint_every": 3,
+    "total_seq_len": 96,
+    "lr": 3e-3,
+    "warmup_steps": 0,
+    "nproc": 2,
+    "precision": "float32",
+}
 ALGORITHMS = {"eagle3": {}, "peagle": {"algorithm": "peagle"}, "dflash": {"algorithm": "dflash"}}
 
 # The stage, of which the process of rank {rank} is killed with SIGKILL as it starts the first step after the
 # step-3 checkpoint, on the launcher's first attempt only: a worker lost mid-run.
-KILL_AFTER_CHECKPOINT = '''\
+KILL_AFTER_CHECKPOINT = """\
 import os
 import runpy
 import signal
@@ -61,7 +69,7 @@ train.run_launcher = lambda plan, script, argv: launch(plan, __file__, [script, 
 stage = sys.argv.pop(1)
 sys.path.insert(0, os.path.dirname(stage))  # the stage imports _guard from its own folder
 runpy.run_path(stage, run_name="__main__")
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +95,9 @@ def uninterrupted(data: Path) -> Callable[[str], Path]:
     return run
 
 
-def assert_same_training(run: Path, reference: Path, live: str = "dvclive", draft: str = "draft",
-                         exact: bool = False) -> None:
+def assert_same_training(
+    run: Path, reference: Path, live: str = "dvclive", draft: str = "draft", exact: bool = False
+) -> None:
     """The same draft (within 1e-4) and every curve as the reference's; ``exact``: bit for bit, every value of
     every curve as written (the same number of processes, so the same arithmetic)."""
     a, b = load_file(run / draft / "model.safetensors"), load_file(reference / "draft" / "model.safetensors")
@@ -108,15 +117,24 @@ def assert_same_training(run: Path, reference: Path, live: str = "dvclive", draf
 
 def stage_paths(run: Path, data: Path) -> TrainPaths:
     """The stage's paths as run_train_stage gives them, for the stage's code run in this process."""
-    return TrainPaths(verifier=data / "verifier", prepared=data / "prepared", hidden_states=data / "hs",
-                      vocab=data / "vocab", out=run / "draft", metrics=run / "train.json",
-                      details=run / "train_details.json", live_dir=run / "dvclive", checkpoints=run / CHECKPOINT_ROOT)
+    return TrainPaths(
+        verifier=data / "verifier",
+        prepared=data / "prepared",
+        hidden_states=data / "hs",
+        vocab=data / "vocab",
+        out=run / "draft",
+        metrics=run / "train.json",
+        details=run / "train_details.json",
+        live_dir=run / "dvclive",
+        checkpoints=run / CHECKPOINT_ROOT,
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("algorithm", "rank"), [("eagle3", 1), ("peagle", 0)])
-def test_a_killed_worker_is_restarted_and_resumes_from_the_checkpoint(data: Path, uninterrupted, tmp_path: Path,
-                                                                      algorithm: str, rank: int):
+def test_a_killed_worker_is_restarted_and_resumes_from_the_checkpoint(
+    data: Path, uninterrupted, tmp_path: Path, algorithm: str, rank: int
+):
     """SIGKILL of one of 2 processes after the step-3 checkpoint: the launcher restarts both, they resume at step
     3, and the draft and the curves are the uninterrupted run's (P-EAGLE samples positions at random: the resumed
     run draws what the uninterrupted one drew)."""
@@ -144,7 +162,8 @@ def test_a_run_that_lost_a_node_resumes_on_the_rest(data: Path, uninterrupted, t
     assert died.returncode == 2 and not (tmp_path / "draft").exists()
     assert died.stderr.strip().splitlines()[-1] == (
         "eaglenest train: error: training process rank 1 was killed by SIGKILL and the launcher has no restart left "
-        "(cluster.torchrun.max_restarts = 0); its own output is above; a rerun resumes from the last checkpoint")
+        "(cluster.torchrun.max_restarts = 0); its own output is above; a rerun resumes from the last checkpoint"
+    )
     resumed = train_draft(TrainParams(**train), stage_paths(tmp_path, data))  # one process: world size 1
     assert (resumed["processes"], resumed["resumed_from_step"]) == (1, 3)
     assert_same_training(tmp_path, uninterrupted("dflash"))
@@ -187,8 +206,12 @@ def checkout(root: Path, data: Path, params: dict) -> Path:
     root.mkdir(parents=True)
     (root / "dvc.yaml").write_text((REPO / "dvc.yaml").read_text())
     (root / "stages").symlink_to(REPO / "stages")
-    for link, target in (("models/verifier", "verifier"), ("data/prepared", "prepared"),
-                         ("data/hidden_states", "hs"), ("data/vocab", "vocab")):
+    for link, target in (
+        ("models/verifier", "verifier"),
+        ("data/prepared", "prepared"),
+        ("data/hidden_states", "hs"),
+        ("data/vocab", "vocab"),
+    ):
         (root / link).parent.mkdir(exist_ok=True)
         (root / link).symlink_to(data / target)
     (root / "params.yaml").write_text(yaml.safe_dump({"extract": {"dtype": "float32"}, **params}))
@@ -203,8 +226,17 @@ def free_port() -> int:
 
 def start_nodes(checkouts: list[Path]) -> list[str]:
     """`eaglenest train-launch` in each checkout at once, as on one node each; their output."""
-    nodes = [subprocess.Popen([sys.executable, "-m", "eaglenest", "train-launch"], cwd=root, env=project_env(),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for root in checkouts]
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "eaglenest", "train-launch"],
+            cwd=root,
+            env=project_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for root in checkouts
+    ]
     return [node.communicate(timeout=600)[0] + f"\nexit {node.returncode}" for node in nodes]
 
 
@@ -231,8 +263,10 @@ def test_nodes_that_do_not_share_the_checkpoint_folder_are_refused(data: Path, t
     assert all(output.endswith("exit 2") for output in outputs), outputs
     text = "\n".join(outputs)
     assert ".eaglenest/train-checkpoints/" in text and "rank 1 of 2, on" in text
-    assert "cannot read what rank 0 wrote there, so it would not resume from rank 0's checkpoints; point " \
-           "cluster.torchrun.checkpoint_dir at storage every node mounts at the same path" in text
+    assert (
+        "cannot read what rank 0 wrote there, so it would not resume from rank 0's checkpoints; point "
+        "cluster.torchrun.checkpoint_dir at storage every node mounts at the same path" in text
+    )
     assert not (tmp_path / "a/models/draft").exists() and not (tmp_path / "b/models/draft").exists()
 
 
@@ -245,9 +279,9 @@ def printed_line(root: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.
     return capsys.readouterr().out
 
 
-def test_the_printed_launch_line_is_torchruns_with_the_stage_of_dvc_yaml(tmp_path: Path, data: Path,
-                                                                           capsys: pytest.CaptureFixture,
-                                                                           monkeypatch: pytest.MonkeyPatch):
+def test_the_printed_launch_line_is_torchruns_with_the_stage_of_dvc_yaml(
+    tmp_path: Path, data: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+):
     from torch.distributed.run import get_args_parser
 
     root = checkout(tmp_path / "repo", data, LAUNCH_PARAMS)
@@ -265,21 +299,25 @@ def test_the_printed_launch_line_is_torchruns_with_the_stage_of_dvc_yaml(tmp_pat
     (root / "params.yaml").write_text(yaml.safe_dump(params))
     args = get_args_parser().parse_args(shlex.split(printed_line(root, capsys, monkeypatch))[2:])
     assert (args.nnodes, args.nproc_per_node, args.rdzv_endpoint, args.rdzv_id) == (
-        "2:2", "8", "10.0.0.1:29500", "eaglenest-train")
+        "2:2",
+        "8",
+        "10.0.0.1:29500",
+        "eaglenest-train",
+    )
 
 
 FAKE_SLURM = {
     # the allocation's nodes, first one first
-    "scontrol": 'echo node-a; echo node-b',
+    "scontrol": "echo node-a; echo node-b",
     # srun as the first node: its command, with --print, says what it would run there
     "srun": 'while [[ "$1" == -* ]]; do echo "srun $1" >> "$SRUN_OPTIONS"; shift; done; exec "$@" --print',
     "dvc": 'echo "dvc $*"',
 }
 
 
-def test_the_slurm_script_runs_the_printed_line_on_every_node(tmp_path: Path, data: Path,
-                                                               capsys: pytest.CaptureFixture,
-                                                               monkeypatch: pytest.MonkeyPatch):
+def test_the_slurm_script_runs_the_printed_line_on_every_node(
+    tmp_path: Path, data: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+):
     script = REPO / "scripts" / "cluster" / "train.sbatch"
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True).returncode == 0
     root = checkout(tmp_path / "repo", data, LAUNCH_PARAMS)
@@ -288,30 +326,53 @@ def test_the_slurm_script_runs_the_printed_line_on_every_node(tmp_path: Path, da
     for name, body in FAKE_SLURM.items():
         (fake / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
         (fake / name).chmod(0o755)
-    slurm = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node-[a-b]", "SLURM_SUBMIT_DIR": str(root),
-             "SRUN_OPTIONS": str(tmp_path / "srun-options")}
+    slurm = {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NODELIST": "node-[a-b]",
+        "SLURM_SUBMIT_DIR": str(root),
+        "SRUN_OPTIONS": str(tmp_path / "srun-options"),
+    }
     env = project_env(**slurm, PATH=f"{fake}{os.pathsep}{project_env()['PATH']}")
     result = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     line = printed_line(root, capsys, monkeypatch, "--rdzv-endpoint", "node-a:29500", "--rdzv-id", "eaglenest-4242")
     assert result.stdout == line + "dvc commit --force train\n"
     # one launcher per node, and a failed node does not end the others
-    assert (tmp_path / "srun-options").read_text().split() == ["srun", "--ntasks-per-node=1", "srun",
-                                                              "--kill-on-bad-exit=0"]
+    assert (tmp_path / "srun-options").read_text().split() == [
+        "srun",
+        "--ntasks-per-node=1",
+        "srun",
+        "--kill-on-bad-exit=0",
+    ]
     # --print inside an allocation prints the same line; outside one the script says so
-    printed = subprocess.run(["bash", str(script), "--print"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                             timeout=300)
+    printed = subprocess.run(
+        ["bash", str(script), "--print"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     assert printed.stdout == line
     alone = subprocess.run(["bash", str(script)], cwd=tmp_path, env=project_env(), capture_output=True, text=True)
     assert alone.returncode == 2 and alone.stderr.strip() == (
-        "train.sbatch: no Slurm allocation (SLURM_JOB_NODELIST is unset); submit it with sbatch")
+        "train.sbatch: no Slurm allocation (SLURM_JOB_NODELIST is unset); submit it with sbatch"
+    )
 
 
-def test_bad_launcher_settings_are_one_line_each(tmp_path: Path, data: Path, capsys: pytest.CaptureFixture,
-                                                 monkeypatch: pytest.MonkeyPatch):
+def test_bad_launcher_settings_are_one_line_each(
+    tmp_path: Path, data: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+):
     with pytest.raises(ParamsError) as info:
-        parse_params({"train": {"nproc": 12}, "cluster": {"torchrun": {
-            "max_restarts": -1, "rdzv_endpoint": "head", "min_nodes": 1, "max_nodes": 3, "nproc_per_node": 4}}})
+        parse_params(
+            {
+                "train": {"nproc": 12},
+                "cluster": {
+                    "torchrun": {
+                        "max_restarts": -1,
+                        "rdzv_endpoint": "head",
+                        "min_nodes": 1,
+                        "max_nodes": 3,
+                        "nproc_per_node": 4,
+                    }
+                },
+            }
+        )
     assert str(info.value).splitlines()[1:] == [
         "  - cluster.torchrun.max_restarts = -1: Input should be greater than or equal to 0",
         "  - cluster.torchrun.rdzv_endpoint = 'head': must be HOST:PORT: a host name or IPv4 address, and a port in "
@@ -326,11 +387,17 @@ def test_bad_launcher_settings_are_one_line_each(tmp_path: Path, data: Path, cap
     root = checkout(tmp_path / "repo", data, {"train": TRAIN})
     monkeypatch.chdir(root)
     for flags, message in (
-            (["--rdzv-endpoint", "no-such-node.invalid:29500"],
-             "rendezvous endpoint no-such-node.invalid:29500: the host 'no-such-node.invalid' does not resolve"),
-            ([], "no rendezvous endpoint: give --rdzv-endpoint HOST:PORT (the first node, where its launcher hosts "
-                 "the rendezvous) or set cluster.torchrun.rdzv_endpoint"),
-            (["--rdzv-endpoint", "node-a:http"], "--rdzv-endpoint 'node-a:http': must be HOST:PORT")):
+        (
+            ["--rdzv-endpoint", "no-such-node.invalid:29500"],
+            "rendezvous endpoint no-such-node.invalid:29500: the host 'no-such-node.invalid' does not resolve",
+        ),
+        (
+            [],
+            "no rendezvous endpoint: give --rdzv-endpoint HOST:PORT (the first node, where its launcher hosts "
+            "the rendezvous) or set cluster.torchrun.rdzv_endpoint",
+        ),
+        (["--rdzv-endpoint", "node-a:http"], "--rdzv-endpoint 'node-a:http': must be HOST:PORT"),
+    ):
         assert main(["train-launch", *flags]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith(f"eaglenest train-launch: error: {message}"), err

@@ -30,8 +30,15 @@ from tests.fixtures.pipeline import pipeline_until_prepare
 
 ROWS = 24
 # float32: the online and stored runs are compared to 1e-4, closer than bf16 arithmetic rounds.
-FAST = {"total_seq_len": 256, "lr": 3e-3, "warmup_steps": 2, "steps": 8, "eval_every": 4, "checkpoint_every": 4,
-        "precision": "float32"}
+FAST = {
+    "total_seq_len": 256,
+    "lr": 3e-3,
+    "warmup_steps": 2,
+    "steps": 8,
+    "eval_every": 4,
+    "checkpoint_every": 4,
+    "precision": "float32",
+}
 
 
 def extract_and_convert(root: Path, store: str, dtype: str = "bfloat16") -> dict[str, Path]:
@@ -39,17 +46,31 @@ def extract_and_convert(root: Path, store: str, dtype: str = "bfloat16") -> dict
     out = root / f"{store}-{dtype}"
     verifier, prepared = root / "models" / "verifier", root / "data" / "prepared"
     extract_hidden_states(ExtractParams(store=store, dtype=dtype), verifier, prepared, out / "hs", out / "extract.json")
-    convert(ConvertParams(draft_vocab_size=64), ExtractParams(store=store, dtype=dtype), verifier, prepared, out / "hs",
-            out / "vocab", out / "data.json")
+    convert(
+        ConvertParams(draft_vocab_size=64),
+        ExtractParams(store=store, dtype=dtype),
+        verifier,
+        prepared,
+        out / "hs",
+        out / "vocab",
+        out / "data.json",
+    )
     return {"verifier": verifier, "prepared": prepared, "hs": out / "hs", "vocab": out / "vocab", "out": out}
 
 
 def train_in(paths: dict[str, Path], name: str, **params: object) -> dict:
     out = paths["out"] / name
-    inputs = TrainPaths(verifier=paths["verifier"], prepared=paths["prepared"], hidden_states=paths["hs"],
-                         vocab=paths["vocab"], out=out / "draft", metrics=out / "train.json",
-                                                                  details=out / "train_details.json",
-                         live_dir=out / "dvclive", checkpoints=out / "checkpoints")
+    inputs = TrainPaths(
+        verifier=paths["verifier"],
+        prepared=paths["prepared"],
+        hidden_states=paths["hs"],
+        vocab=paths["vocab"],
+        out=out / "draft",
+        metrics=out / "train.json",
+        details=out / "train_details.json",
+        live_dir=out / "dvclive",
+        checkpoints=out / "checkpoints",
+    )
     return train_draft(TrainParams(**{**FAST, **params}), inputs)
 
 
@@ -94,8 +115,16 @@ def test_online_rows_equal_the_stored_files(prepared: Path):
     verifier, model_dir = load_verifier_info(stored["verifier"])
     params = TrainParams(total_seq_len=256)
     files = load_training_data(params, verifier, stored["prepared"], stored["hs"], stored["vocab"], torch.float32)
-    computed = load_training_data(params, verifier, online["prepared"], online["hs"], online["vocab"], torch.float32,
-                                  model_dir=model_dir, device=torch.device("cpu"))
+    computed = load_training_data(
+        params,
+        verifier,
+        online["prepared"],
+        online["hs"],
+        online["vocab"],
+        torch.float32,
+        model_dir=model_dir,
+        device=torch.device("cpu"),
+    )
     assert isinstance(computed.online, OnlineTransfer) and files.online is None
     computed.online.compute(list(range(ROWS)))  # one forward over every row, padded to the longest
     differing = 0
@@ -129,9 +158,15 @@ def test_online_manifest_switches_back_and_forth(prepared: Path):
     assert (hs / MANIFEST_FILE).read_bytes() == before
     # convert with store: files refuses the manifest; back to files, the manifest goes and the files return.
     with pytest.raises(InputFileError, match="an online extraction, but extract.store is files"):
-        convert(ConvertParams(draft_vocab_size=64), ExtractParams(dtype="bfloat16"), verifier, prepared_dir, hs,
-                prepared / "v",
-                prepared / "d.json")
+        convert(
+            ConvertParams(draft_vocab_size=64),
+            ExtractParams(dtype="bfloat16"),
+            verifier,
+            prepared_dir,
+            hs,
+            prepared / "v",
+            prepared / "d.json",
+        )
     extract_hidden_states(ExtractParams(), verifier, prepared_dir, hs, prepared / "e4.json")
     assert not (hs / MANIFEST_FILE).exists() and shard_path(hs, 0).is_file()
 
@@ -143,20 +178,37 @@ def test_a_manifest_for_other_rows_is_refused(prepared: Path, tmp_path: Path):
     other = tmp_path / "other-prepared"
     write_prepared(other, [[5, 6, 7, 8]] * 4, [[0, 0, 1, 1]] * 4, train_rows=3, val_prompts=[])
     with pytest.raises(InputFileError, match=r"manifest.json: its rows, rows_sha256 differ .*dvc repro extract"):
-        convert(ConvertParams(draft_vocab_size=64), ExtractParams(store="online"), verifier, other, hs,
-                tmp_path / "vocab", tmp_path / "d.json")
+        convert(
+            ConvertParams(draft_vocab_size=64),
+            ExtractParams(store="online"),
+            verifier,
+            other,
+            hs,
+            tmp_path / "vocab",
+            tmp_path / "d.json",
+        )
     empty = tmp_path / "no-manifest"
     empty.mkdir()
     with pytest.raises(InputFileError, match="manifest.json: missing, but extract.store is online"):
-        convert(ConvertParams(draft_vocab_size=64), ExtractParams(store="online"), verifier, prepared_dir, empty,
-                tmp_path / "vocab", tmp_path / "d.json")
+        convert(
+            ConvertParams(draft_vocab_size=64),
+            ExtractParams(store="online"),
+            verifier,
+            prepared_dir,
+            empty,
+            tmp_path / "vocab",
+            tmp_path / "d.json",
+        )
 
 
 def test_a_verifier_that_does_not_fit_is_one_line(prepared: Path, monkeypatch: pytest.MonkeyPatch):
     paths = extract_and_convert(prepared, "online")
     monkeypatch.setattr(online_module, "available_memory", lambda device: 1024)
-    with pytest.raises(EaglenestError, match=r"extract.store: online keeps the verifier .* GiB of weights as loaded "
-                                             r"on cpu.* use extract.store: files"):
+    with pytest.raises(
+        EaglenestError,
+        match=r"extract.store: online keeps the verifier .* GiB of weights as loaded "
+        r"on cpu.* use extract.store: files",
+    ):
         train_in(paths, "too-big")
     assert not (paths["out"] / "too-big" / "draft").exists()
 

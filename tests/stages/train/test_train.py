@@ -38,18 +38,36 @@ def converted(tmp_path_factory: pytest.TempPathFactory, tiny_verifier_dir: Path)
     verifier_dir, prepared = pipeline_until_prepare(root, tiny_verifier_dir, rows=40)
     hs = root / "hs"
     extract_hidden_states(ExtractParams(), verifier_dir, prepared, hs, root / "extract.json")
-    convert(ConvertParams(draft_vocab_size=64), ExtractParams(dtype="bfloat16"), verifier_dir, prepared, hs,
-            root / "vocab",
-            root / "data.json")
-    return {"verifier": verifier_dir, "prepared": prepared, "hs": hs, "vocab": root / "vocab",
-            "model": tiny_verifier_dir}
+    convert(
+        ConvertParams(draft_vocab_size=64),
+        ExtractParams(dtype="bfloat16"),
+        verifier_dir,
+        prepared,
+        hs,
+        root / "vocab",
+        root / "data.json",
+    )
+    return {
+        "verifier": verifier_dir,
+        "prepared": prepared,
+        "hs": hs,
+        "vocab": root / "vocab",
+        "model": tiny_verifier_dir,
+    }
 
 
 def inputs_in(paths: dict[str, Path], out: Path) -> TrainPaths:
-    return TrainPaths(verifier=paths["verifier"], prepared=paths["prepared"], hidden_states=paths["hs"],
-                       vocab=paths["vocab"], out=out / "draft", metrics=out / "train.json",
-                                                                details=out / "train_details.json",
-                       live_dir=out / "dvclive", checkpoints=out / "checkpoints")
+    return TrainPaths(
+        verifier=paths["verifier"],
+        prepared=paths["prepared"],
+        hidden_states=paths["hs"],
+        vocab=paths["vocab"],
+        out=out / "draft",
+        metrics=out / "train.json",
+        details=out / "train_details.json",
+        live_dir=out / "dvclive",
+        checkpoints=out / "checkpoints",
+    )
 
 
 def read_tsv(path: Path) -> list[tuple[int, float]]:
@@ -70,8 +88,10 @@ def test_draft_learns_and_saves_a_speculators_checkpoint(converted: dict[str, Pa
     assert metrics["tau_sim"] == pytest.approx(tau_from_conditional(metrics["val_cond_acc"]), abs=1e-3)
     assert json.loads((tmp_path / "train_details.json").read_text()) == metrics
     # the declared metric: tau_sim and the validation loss, named by the tokens it covers (train.loss_tokens)
-    assert json.loads((tmp_path / "train.json").read_text()) == {"tau_sim": metrics["tau_sim"],
-                                                                 "val_loss_all_tokens": metrics["val_loss"]}
+    assert json.loads((tmp_path / "train.json").read_text()) == {
+        "tau_sim": metrics["tau_sim"],
+        "val_loss_all_tokens": metrics["val_loss"],
+    }
 
     config = json.loads((tmp_path / "draft/config.json").read_text())
     assert config["speculators_model_type"] == "eagle3"
@@ -94,8 +114,9 @@ def test_draft_learns_and_saves_a_speculators_checkpoint(converted: dict[str, Pa
 
 
 @pytest.mark.parametrize("optimizer", [{}, {"optimizer": "muon", "muon": {"lr": 0.01}}], ids=["adamw", "muon"])
-def test_resume_after_a_kill_matches_an_uninterrupted_run(converted: dict[str, Path], tmp_path: Path,
-                                                          monkeypatch: pytest.MonkeyPatch, optimizer: dict):
+def test_resume_after_a_kill_matches_an_uninterrupted_run(
+    converted: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, optimizer: dict
+):
     """Every optimizer's state and schedule come back from the checkpoint: Muon's momentum and AdamW's moments."""
     params = TrainParams(steps=12, eval_every=6, checkpoint_every=4, **FAST, **optimizer)
     reference = train_draft(params, inputs_in(converted, tmp_path / "a"))
@@ -113,8 +134,9 @@ def test_resume_after_a_kill_matches_an_uninterrupted_run(converted: dict[str, P
     assert read_curves(tmp_path / "b/dvclive") == read_curves(tmp_path / "a/dvclive")
 
 
-def test_changed_params_never_resume_a_stale_run(converted: dict[str, Path], tmp_path: Path,
-                                                 monkeypatch: pytest.MonkeyPatch):
+def test_changed_params_never_resume_a_stale_run(
+    converted: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
     original = train_module.save_checkpoint
 
     def save_then_die(*args):
@@ -137,8 +159,11 @@ def test_bad_params_are_refused_before_training(converted: dict[str, Path], tmp_
     assert "train.ttt_steps = 0: Input should be greater than or equal to 1" in text
     assert "train.attention = 'flash': Input should be 'auto', 'sdpa', 'eager' or 'simple_flex_attention'" in text
     assert "train.total_seq_len = 8" in text
-    with pytest.raises(EaglenestError, match=r"train.total_seq_len = 16 is shorter than prepared row \d+ "
-                                             r"\(\d+ tokens; \d+ rows in all\); raise it to at least \d+"):
+    with pytest.raises(
+        EaglenestError,
+        match=r"train.total_seq_len = 16 is shorter than prepared row \d+ "
+        r"\(\d+ tokens; \d+ rows in all\); raise it to at least \d+",
+    ):
         train_draft(TrainParams(total_seq_len=16), inputs_in(converted, tmp_path))
     assert not (tmp_path / "draft").exists()
 
@@ -174,15 +199,20 @@ def test_the_fused_loss_kernels_get_autotune_configs_of_their_own():
     forward, backward = fused.loss_forward_kernel.configs, fused.loss_backward_kernel.configs
     assert backward is not forward and not any(b is f for b, f in zip(backward, forward, strict=True))
     assert [(c.kwargs, c.num_warps, c.num_stages) for c in backward] == [
-        (c.kwargs, c.num_warps, c.num_stages) for c in forward]
+        (c.kwargs, c.num_warps, c.num_stages) for c in forward
+    ]
 
 
 def test_bf16_and_fp32_training_agree(converted: dict[str, Path], tmp_path: Path):
     """bf16 autocast only changes the arithmetic: the validation loss stays within 5 % of float32's, and the
     weights stay float32."""
-    runs = {precision: train_draft(TrainParams(steps=10, eval_every=10, precision=precision, **FAST),
-                                   inputs_in(converted, tmp_path / precision))
-            for precision in ("float32", "bfloat16")}
+    runs = {
+        precision: train_draft(
+            TrainParams(steps=10, eval_every=10, precision=precision, **FAST),
+            inputs_in(converted, tmp_path / precision),
+        )
+        for precision in ("float32", "bfloat16")
+    }
     assert runs["bfloat16"]["precision"] == "bfloat16" and runs["float32"]["precision"] == "float32"
     assert runs["bfloat16"]["val_loss"] == pytest.approx(runs["float32"]["val_loss"], rel=0.05)
     weights = load_file(tmp_path / "bfloat16/draft/model.safetensors")
@@ -210,15 +240,19 @@ def test_loss_on_every_token_trains_prompts_too_and_validates_replies(converted:
     first_row = every.batch(rows[:1], torch.device("cpu"), training=True)["loss_mask"][0]  # [total_seq_len]
     assert first_row[:2].tolist() == [0, 0] and first_row[2 : every.lengths[rows[0]] - 1].all()
 
-    metrics = {tokens: train_draft(TrainParams(steps=4, eval_every=4, loss_tokens=tokens, **FAST),
-                                   inputs_in(converted, tmp_path / tokens))
-               for tokens in ("all", "replies")}
+    metrics = {
+        tokens: train_draft(
+            TrainParams(steps=4, eval_every=4, loss_tokens=tokens, **FAST), inputs_in(converted, tmp_path / tokens)
+        )
+        for tokens in ("all", "replies")
+    }
     assert metrics["all"]["loss_tokens"] == "all" and metrics["replies"]["loss_tokens"] == "replies"
     assert metrics["all"]["train_loss"] != metrics["replies"]["train_loss"]
 
 
-def test_a_checkpoint_that_cannot_be_written_is_one_line_and_keeps_the_last(tmp_path: Path,
-                                                                            monkeypatch: pytest.MonkeyPatch):
+def test_a_checkpoint_that_cannot_be_written_is_one_line_and_keeps_the_last(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
     """A full disk (torch's zip writer: "unexpected pos") stops training with one line naming the checkpoint;
     no temp file is left and the previous checkpoint still resumes."""
     from eaglenest.stages.train import checkpoint as checkpoint_module
@@ -234,8 +268,11 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line_and_keeps_the_last(tmp_
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 88640 vs 88528")
 
     monkeypatch.setattr(checkpoint_module.torch, "save", disk_full)
-    with pytest.raises(EaglenestError, match=r"could not write the training checkpoint .*checkpoint.pt at step 200 "
-                                             r"\(\[enforce fail.*MiB free there\); free disk space"):
+    with pytest.raises(
+        EaglenestError,
+        match=r"could not write the training checkpoint .*checkpoint.pt at step 200 "
+        r"\(\[enforce fail.*MiB free there\); free disk space",
+    ):
         checkpoint_module.save_checkpoint(path, model, optimizers, schedulers, 200, [])
     assert sorted(p.name for p in path.parent.iterdir()) == ["checkpoint.pt"]
     monkeypatch.undo()
@@ -274,10 +311,12 @@ ALGORITHM_CLASSES = {"peagle": "PEagleDraftModel", "dflash": "DFlashDraftModel"}
 
 
 @pytest.mark.parametrize("algorithm", ["peagle", "dflash"])
-def test_every_algorithm_learns_and_saves_its_speculators_checkpoint(converted: dict[str, Path], tmp_path: Path,
-                                                                     algorithm: str):
-    params = TrainParams(steps=20, eval_every=10, verifier_name=str(converted["model"]),
-                         **{**FAST, **ALGORITHM_PARAMS[algorithm]})
+def test_every_algorithm_learns_and_saves_its_speculators_checkpoint(
+    converted: dict[str, Path], tmp_path: Path, algorithm: str
+):
+    params = TrainParams(
+        steps=20, eval_every=10, verifier_name=str(converted["model"]), **{**FAST, **ALGORITHM_PARAMS[algorithm]}
+    )
     metrics = train_draft(params, inputs_in(converted, tmp_path))
 
     loss = read_tsv(tmp_path / "dvclive/plots/metrics/val/loss.tsv")
@@ -301,8 +340,9 @@ def test_every_algorithm_learns_and_saves_its_speculators_checkpoint(converted: 
 
 
 @pytest.mark.parametrize("algorithm", ["peagle", "dflash"])
-def test_every_algorithm_resumes_exactly(converted: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                         algorithm: str):
+def test_every_algorithm_resumes_exactly(
+    converted: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, algorithm: str
+):
     """P-EAGLE samples its positions at random: the resumed run draws what the uninterrupted one drew."""
     params = TrainParams(steps=8, eval_every=8, checkpoint_every=4, **{**FAST, **ALGORITHM_PARAMS[algorithm]})
     reference = train_draft(params, inputs_in(converted, tmp_path / "a"))
@@ -327,8 +367,16 @@ def test_every_algorithm_resumes_exactly(converted: dict[str, Path], tmp_path: P
 
 def test_algorithm_params_are_refused_for_the_wrong_algorithm():
     with pytest.raises(ParamsError) as info:
-        parse_params({"train": {"peagle": {"max_anchors": 64}, "norm_output": True, "algorithm": "peagle",
-                                "dflash": {"max_anchors": 8}}})
+        parse_params(
+            {
+                "train": {
+                    "peagle": {"max_anchors": 64},
+                    "norm_output": True,
+                    "algorithm": "peagle",
+                    "dflash": {"max_anchors": 8},
+                }
+            }
+        )
     text = str(info.value)
     assert "train.dflash: only with train.algorithm: dflash (it is peagle)" in text
     assert "train.norm_output: not an option of train.algorithm: peagle" in text
@@ -350,8 +398,9 @@ FROZEN = {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "v
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-def test_each_optimizer_moves_its_weights_and_never_the_frozen_ones(converted: dict[str, Path], tmp_path: Path,
-                                                                    optimizer: str):
+def test_each_optimizer_moves_its_weights_and_never_the_frozen_ones(
+    converted: dict[str, Path], tmp_path: Path, optimizer: str
+):
     """adamw: AdamW over every trainable weight. muon: Muon over the draft layer's 2-D matrices (fc, attention and
     MLP projections), AdamW over the rest (the norms). speculators hands AdamW the frozen weights too (every named
     parameter); without gradients they never move and hold no optimizer state."""
@@ -371,8 +420,11 @@ def test_each_optimizer_moves_its_weights_and_never_the_frozen_ones(converted: d
     trainable = {name for name, weight in named.items() if weight.requires_grad}
     assert set(named) - trainable == FROZEN and not FROZEN & set(stepped_by)
     matrices = {name for name in trainable if named[name].ndim == 2}
-    assert matrices == {"fc.weight", *(f"layers.0.self_attn.{p}_proj.weight" for p in "qkvo"),
-                        *(f"layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down"))}
+    assert matrices == {
+        "fc.weight",
+        *(f"layers.0.self_attn.{p}_proj.weight" for p in "qkvo"),
+        *(f"layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
+    }
     if optimizer == "muon":
         assert {name for name, kind in stepped_by.items() if kind == "Muon"} == matrices
         assert {name for name, kind in stepped_by.items() if kind == "AdamW"} == trainable - matrices
@@ -406,8 +458,10 @@ def test_a_checkpoint_of_the_other_optimizer_is_refused_in_one_line(converted: d
 
     verifier, _ = load_verifier_info(converted["verifier"])
     inputs = (verifier, converted["prepared"], converted["vocab"], converted["hs"])
-    fingerprints = {checkpoint_module.run_fingerprint(TrainParams(**settings), *inputs)
-                    for settings in ({}, {"optimizer": "muon"}, {"optimizer": "muon", "muon": {"lr": 0.01}})}
+    fingerprints = {
+        checkpoint_module.run_fingerprint(TrainParams(**settings), *inputs)
+        for settings in ({}, {"optimizer": "muon"}, {"optimizer": "muon", "muon": {"lr": 0.01}})
+    }
     assert len(fingerprints) == 3
 
     model = torch.nn.Linear(4, 4)  # a matrix for Muon, a bias for AdamW
@@ -416,8 +470,10 @@ def test_a_checkpoint_of_the_other_optimizer_is_refused_in_one_line(converted: d
     checkpoint_module.save_checkpoint(path, model, adamw.optimizers, adamw.schedulers, 4, [])
     with pytest.raises(EaglenestError) as info:
         checkpoint_module.resume(path, model, muon.optimizers, muon.schedulers)
-    assert str(info.value) == (f"{path}: a checkpoint of a run with the optimizers AdamW, and this run trains with "
-                               f"Muon+AdamW (train.optimizer); delete {path.parent} to start afresh")
+    assert str(info.value) == (
+        f"{path}: a checkpoint of a run with the optimizers AdamW, and this run trains with "
+        f"Muon+AdamW (train.optimizer); delete {path.parent} to start afresh"
+    )
     checkpoint_module.save_checkpoint(path, model, muon.optimizers, muon.schedulers, 4, [])
     assert checkpoint_module.resume(path, model, muon.optimizers, muon.schedulers) == (4, [])
     other = torch.nn.Linear(4, 8)  # another draft: its weights do not fit
@@ -437,15 +493,19 @@ def test_muon_params_are_refused_without_muon_and_default_to_speculators():
     with pytest.raises(ParamsError) as info:
         parse_params({"train": {"muon": {"lr": 0.05}}})
     assert str(info.value).splitlines()[1:] == [
-        "  - train.muon: only with train.optimizer: muon (it is adamw); remove train.muon or set train.optimizer: muon"]
+        "  - train.muon: only with train.optimizer: muon (it is adamw); remove train.muon or set train.optimizer: muon"
+    ]
     with pytest.raises(ParamsError) as info:
-        parse_params({"train": {"optimizer": "muon", "muon": {"lr": 0, "momentum": 1.0, "ns_steps": 100,
-                                                               "adjust_lr_fn": "rms"}}})
+        parse_params(
+            {"train": {"optimizer": "muon", "muon": {"lr": 0, "momentum": 1.0, "ns_steps": 100, "adjust_lr_fn": "rms"}}}
+        )
     text = str(info.value)
-    for line in ("train.muon.lr = 0: Input should be greater than 0",
-                 "train.muon.momentum = 1.0: Input should be less than 1",
-                 "train.muon.ns_steps = 100: Input should be less than 100",
-                 "train.muon.adjust_lr_fn = 'rms': Input should be 'match_rms_adamw' or 'original'"):
+    for line in (
+        "train.muon.lr = 0: Input should be greater than 0",
+        "train.muon.momentum = 1.0: Input should be less than 1",
+        "train.muon.ns_steps = 100: Input should be less than 100",
+        "train.muon.adjust_lr_fn = 'rms': Input should be 'match_rms_adamw' or 'original'",
+    ):
         assert line in text
     with pytest.raises(ParamsError, match=r"train.muon.beta: unknown key \(allowed: lr, momentum, weight_decay, "):
         parse_params({"train": {"optimizer": "muon", "muon": {"beta": 0.9}}})
@@ -459,9 +519,9 @@ def test_muon_params_are_refused_without_muon_and_default_to_speculators():
     assert parse_params({"train": {"optimizer": "adamw", "muon": None}}).train.muon is None
 
 
-def test_a_torn_checkpoint_resumes_from_the_previous_one(converted: dict[str, Path], tmp_path: Path,
-                                                          monkeypatch: pytest.MonkeyPatch,
-                                                          caplog: pytest.LogCaptureFixture):
+def test_a_torn_checkpoint_resumes_from_the_previous_one(
+    converted: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+):
     """Killed after its second checkpoint, which a power loss or a full disk tore: the rerun names it in one line and
     resumes from the first; the draft and the curves are the uninterrupted run's."""
     params = TrainParams(steps=6, eval_every=3, checkpoint_every=2, **FAST)
@@ -486,7 +546,8 @@ def test_a_torn_checkpoint_resumes_from_the_previous_one(converted: dict[str, Pa
     with caplog.at_level("WARNING"):
         resumed = train_draft(params, paths)
     assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
-        f"{newest}: unreadable checkpoint ({reason}), torn by a crash or a full disk?"]
+        f"{newest}: unreadable checkpoint ({reason}), torn by a crash or a full disk?"
+    ]
     assert resumed["resumed_from_step"] == 2 and resumed["steps_this_run"] == 4
     a, b = load_file(tmp_path / "a/draft/model.safetensors"), load_file(tmp_path / "b/draft/model.safetensors")
     for name in a:
@@ -536,13 +597,20 @@ def test_checkpoints_are_fsynced_before_their_rename(tmp_path: Path, monkeypatch
     synced = record_fsyncs(monkeypatch)
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.AdamW(model.parameters())
-    checkpoint_module.save_checkpoint(tmp_path / "checkpoint.pt", model, [optimizer],
-                                      [torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)], 1, [])
+    checkpoint_module.save_checkpoint(
+        tmp_path / "checkpoint.pt",
+        model,
+        [optimizer],
+        [torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)],
+        1,
+        [],
+    )
     assert any(name.startswith(".checkpoint.pt.tmp-") for name in synced), synced
 
 
-def test_a_second_training_of_the_same_run_is_refused_and_leaves_the_first_alone(converted: dict[str, Path],
-                                                                                 tmp_path: Path):
+def test_a_second_training_of_the_same_run_is_refused_and_leaves_the_first_alone(
+    converted: dict[str, Path], tmp_path: Path
+):
     """Two trainings of one run (checkouts sharing cluster.torchrun.checkpoint_dir): the second meets rank 0's lock
     on the run's checkpoint folder before it reads or writes anything there."""
     from eaglenest.artifacts.verifier import load_verifier_info
@@ -552,14 +620,17 @@ def test_a_second_training_of_the_same_run_is_refused_and_leaves_the_first_alone
     params = TrainParams(steps=4, checkpoint_every=2, **FAST)
     paths = inputs_in(converted, tmp_path)
     verifier, _ = load_verifier_info(converted["verifier"])
-    run_dir = paths.checkpoints / checkpoint_module.run_fingerprint(params, verifier, converted["prepared"],
-                                                                    converted["vocab"], converted["hs"])
+    run_dir = paths.checkpoints / checkpoint_module.run_fingerprint(
+        params, verifier, converted["prepared"], converted["vocab"], converted["hs"]
+    )
     run_dir.mkdir(parents=True)
     (run_dir / "checkpoint.pt").write_bytes(b"the first training's checkpoint, being written")
     with held_by_another_process(lock_file_for(run_dir)) as pid, pytest.raises(EaglenestError) as info:
         train_draft(params, paths)
-    assert str(info.value) == (f"{run_dir} is being written by pid {pid} on {socket.gethostname()} (lock "
-                               f"{lock_file_for(run_dir)}): wait for it to finish or stop it, then run again")
+    assert str(info.value) == (
+        f"{run_dir} is being written by pid {pid} on {socket.gethostname()} (lock "
+        f"{lock_file_for(run_dir)}): wait for it to finish or stop it, then run again"
+    )
     assert [p.name for p in run_dir.iterdir()] == ["checkpoint.pt"]
     assert (run_dir / "checkpoint.pt").read_bytes() == b"the first training's checkpoint, being written"
     assert not paths.out.exists() and not paths.metrics.exists()

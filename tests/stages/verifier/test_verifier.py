@@ -75,6 +75,7 @@ def test_fingerprint_changes_with_the_weights_layout_alone(tmp_path: Path, tiny_
 
 def test_fingerprint_changes_with_the_weights_values_alone(tmp_path: Path, tiny_verifier_dir: Path):
     """A fine-tune of the same shape: same config, same safetensors header, other bytes."""
+
     def perturb(tensors):
         tensors["model.layers.0.mlp.up_proj.weight"] += 0.01
 
@@ -113,8 +114,9 @@ def test_missing_record_says_which_stage_to_run(tmp_path: Path):
         load_verifier_info(tmp_path)
 
 
-def test_weight_hashes_are_read_once_per_path_size_and_mtime(tmp_path: Path, tiny_verifier_dir: Path,
-                                                             monkeypatch: pytest.MonkeyPatch):
+def test_weight_hashes_are_read_once_per_path_size_and_mtime(
+    tmp_path: Path, tiny_verifier_dir: Path, monkeypatch: pytest.MonkeyPatch
+):
     import hashlib
     import os
 
@@ -135,8 +137,9 @@ def test_weight_hashes_are_read_once_per_path_size_and_mtime(tmp_path: Path, tin
     assert json.loads(cache.read_text())[str(weights.resolve())]["mtime_ns"] == stat.st_mtime_ns + 1_000_000_000
 
 
-def test_each_machine_names_its_copy_of_an_external_verifier(tmp_path: Path, tiny_verifier_dir: Path,
-                                                             monkeypatch: pytest.MonkeyPatch):
+def test_each_machine_names_its_copy_of_an_external_verifier(
+    tmp_path: Path, tiny_verifier_dir: Path, monkeypatch: pytest.MonkeyPatch
+):
     """The record is the same on a machine whose copy lives elsewhere, and every stage loads that copy."""
     import shutil
 
@@ -147,8 +150,12 @@ def test_each_machine_names_its_copy_of_an_external_verifier(tmp_path: Path, tin
     copy = shutil.copytree(tiny_verifier_dir, tmp_path / "my-copy")
     monkeypatch.setenv(VERIFIER_PATH_ENV, str(copy))
     info = build_verifier(params, tmp_path / "b")
-    assert (info.path, info.source, info.kind, info.name) == ("/models/tiny-llama", "/models/tiny-llama", "local",
-                                                              "tiny-llama")
+    assert (info.path, info.source, info.kind, info.name) == (
+        "/models/tiny-llama",
+        "/models/tiny-llama",
+        "local",
+        "tiny-llama",
+    )
     assert info.fingerprint == here.fingerprint  # the same weights, wherever they are
     assert load_verifier_info(tmp_path / "b") == (info, copy)
     monkeypatch.setenv(VERIFIER_PATH_ENV, str(tmp_path / "nowhere"))

@@ -57,8 +57,12 @@ ROW_INDEX_KEY = "row_index"
 CHECKSUM_FIELD = "checksum"
 NO_CHECKSUM = "its header holds no checksum (written by an older eaglenest)"
 SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float32": "F32", "float16": "F16", FP8: "F8_E4M3"}
-TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16,
-                FP8: torch.float8_e4m3fn}
+TORCH_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    FP8: torch.float8_e4m3fn,
+}
 
 
 class HiddenStateFileError(InputFileError):
@@ -83,7 +87,7 @@ def hs_path(directory: Path, row: int) -> Path:
 def _file_number(path: Path, prefix: str) -> int | None:
     """``N`` of a ``{prefix}{N}.safetensors`` file name, or None for any other name."""
     name, suffix = path.name, ".safetensors"
-    digits = name[len(prefix): -len(suffix)]
+    digits = name[len(prefix) : -len(suffix)]
     return int(digits) if name.startswith(prefix) and name.endswith(suffix) and digits.isdigit() else None
 
 
@@ -104,8 +108,11 @@ def shard_number(path: Path) -> int | None:
 
 def stored_files(directory: Path) -> list[Path]:
     """Every row file and shard file in ``directory`` (what DVC tracks of the hidden states), sorted by name."""
-    return sorted(path for path in Path(directory).glob("*.safetensors")
-                  if row_file_number(path) is not None or shard_number(path) is not None)
+    return sorted(
+        path
+        for path in Path(directory).glob("*.safetensors")
+        if row_file_number(path) is not None or shard_number(path) is not None
+    )
 
 
 def recorded_in(path: Path, key: str) -> object:
@@ -161,8 +168,9 @@ def file_checksum(row_digests: list[bytes], fixed_parts: list[bytes]) -> str:
     return digest.hexdigest()
 
 
-def checksum_problem(metadata: dict[str, str], row_digests: list[bytes], token_ids: torch.Tensor,
-                     index: torch.Tensor | None) -> str | None:
+def checksum_problem(
+    metadata: dict[str, str], row_digests: list[bytes], token_ids: torch.Tensor, index: torch.Tensor | None
+) -> str | None:
     """What is wrong with a file's data against the checksum its header records, or None.
 
     Args:
@@ -186,8 +194,9 @@ def verify_checksum(path: Path) -> str | None:
         with safe_open(str(path), framework="pt") as handle:
             token_ids = handle.get_tensor(TOKENS_KEY)
             index = handle.get_tensor(ROW_INDEX_KEY) if ROW_INDEX_KEY in handle.keys() else None  # noqa: SIM118
-            extents = [(0, token_ids.numel())] if index is None else [(first, length)
-                                                                      for _, first, length in index.tolist()]
+            extents = (
+                [(0, token_ids.numel())] if index is None else [(first, length) for _, first, length in index.tolist()]
+            )
             digests = [row_digest(read_shard_row(handle, first, length)) for first, length in extents]
             return checksum_problem(handle.metadata() or {}, digests, token_ids, index)
     except (OSError, ValueError, RuntimeError, SafetensorError, KeyError) as err:
@@ -223,8 +232,9 @@ def decode_hidden_states(data: dict[str, torch.Tensor]) -> torch.Tensor:
     return hidden
 
 
-def check_header(path: Path, *, seq_len: int, num_slots: int, hidden_size: int, dtype: str | None,
-                 config: str | None = None) -> str | None:
+def check_header(
+    path: Path, *, seq_len: int, num_slots: int, hidden_size: int, dtype: str | None, config: str | None = None
+) -> str | None:
     """What is wrong with a hidden-state file's header, or None if it is what we expect.
 
     Args:
@@ -262,12 +272,14 @@ def _read_checked_header(path: Path) -> Header:
         raise HiddenStateFileError(path, f"not a safetensors file: {err}") from None
     if header.actual_size != header.expected_size:
         raise HiddenStateFileError(
-            path, f"{header.actual_size} bytes on disk, header promises {header.expected_size} (truncated?)")
+            path, f"{header.actual_size} bytes on disk, header promises {header.expected_size} (truncated?)"
+        )
     return header
 
 
-def _tensor_problem(header: Header, tokens: int, num_slots: int, hidden_size: int, dtype: str | None,
-                    keys: tuple[str, ...]) -> str | None:
+def _tensor_problem(
+    header: Header, tokens: int, num_slots: int, hidden_size: int, dtype: str | None, keys: tuple[str, ...]
+) -> str | None:
     """What is wrong with the tensors a header lists for ``tokens`` tokens (a row's or a shard's), or None."""
     missing = set(keys) - header.tensors.keys()
     if missing:
@@ -292,16 +304,18 @@ def _tensor_problem(header: Header, tokens: int, num_slots: int, hidden_size: in
     return None
 
 
-def read_hidden_state_file(path: Path, input_ids: list[int], verifier: VerifierInfo, dtype: str | None
-                           ) -> dict[str, torch.Tensor]:
+def read_hidden_state_file(
+    path: Path, input_ids: list[int], verifier: VerifierInfo, dtype: str | None
+) -> dict[str, torch.Tensor]:
     """A row file's tensors, checked (header, tokens, finiteness) in one read; an fp8 file's hidden states come back
     dequantized (float32).
 
     Raises:
         HiddenStateFileError: the file is bad: its header, its token ids or a non-finite value.
     """
-    problem = check_header(path, seq_len=len(input_ids), num_slots=len(verifier.layer_ids),
-                           hidden_size=verifier.hidden_size, dtype=dtype)
+    problem = check_header(
+        path, seq_len=len(input_ids), num_slots=len(verifier.layer_ids), hidden_size=verifier.hidden_size, dtype=dtype
+    )
     if problem is not None:
         raise HiddenStateFileError(path, problem)
     try:
@@ -312,8 +326,17 @@ def read_hidden_state_file(path: Path, input_ids: list[int], verifier: VerifierI
     return {TOKENS_KEY: data[TOKENS_KEY], HIDDEN_KEY: hidden}
 
 
-def check_shard_header(path: Path, *, rows: range, lengths: list[int], num_slots: int, hidden_size: int,
-                       dtype: str | None, config: str | None, rows_per_shard: int) -> str | None:
+def check_shard_header(
+    path: Path,
+    *,
+    rows: range,
+    lengths: list[int],
+    num_slots: int,
+    hidden_size: int,
+    dtype: str | None,
+    config: str | None,
+    rows_per_shard: int,
+) -> str | None:
     """What is wrong with a shard's header and row index, or None.
 
     Args:
@@ -333,8 +356,14 @@ def check_shard_header(path: Path, *, rows: range, lengths: list[int], num_slots
     written_size = recorded(header.metadata, "rows_per_shard")
     if written_size != rows_per_shard:
         return f"written with extract.rows_per_shard = {written_size}, expected {rows_per_shard}"
-    problem = _tensor_problem(header, sum(lengths[row] for row in rows), num_slots, hidden_size, dtype,
-                              (HIDDEN_KEY, TOKENS_KEY, ROW_INDEX_KEY))
+    problem = _tensor_problem(
+        header,
+        sum(lengths[row] for row in rows),
+        num_slots,
+        hidden_size,
+        dtype,
+        (HIDDEN_KEY, TOKENS_KEY, ROW_INDEX_KEY),
+    )
     if problem is not None:
         return problem
     if header.tensors[ROW_INDEX_KEY] != ("I64", [len(rows), 3]):
@@ -348,8 +377,10 @@ def check_shard_header(path: Path, *, rows: range, lengths: list[int], num_slots
     start = 0
     for (row, first, length), expected in zip(index.tolist(), rows, strict=True):
         if row != expected or first != start or length != lengths[expected]:
-            return (f"its row index disagrees with its tensors at row {expected}: [{row}, {first}, {length}], "
-                    f"expected [{expected}, {start}, {lengths[expected]}]")
+            return (
+                f"its row index disagrees with its tensors at row {expected}: [{row}, {first}, {length}], "
+                f"expected [{expected}, {start}, {lengths[expected]}]"
+            )
         start += length
     return None
 
@@ -394,5 +425,6 @@ def checked_hidden_states(path: Path, data: dict[str, torch.Tensor], input_ids: 
     if not bool(finite.all()):
         bad = (~finite).nonzero()[0].tolist()
         raise HiddenStateFileError(
-            path, f"{int((~finite).sum())} non-finite values (first at token {bad[0]}, slot {bad[1]})")
+            path, f"{int((~finite).sum())} non-finite values (first at token {bad[0]}, slot {bad[1]})"
+        )
     return hidden

@@ -95,8 +95,10 @@ class ShardSpec:
 
 def shard_plan(num_rows: int, rows_per_shard: int) -> list[ShardSpec]:
     """Every file of a data set of ``num_rows`` rows: ``rows_per_shard`` consecutive rows each, fewer in the last."""
-    return [ShardSpec(start // rows_per_shard, range(start, min(start + rows_per_shard, num_rows)), rows_per_shard)
-            for start in range(0, num_rows, rows_per_shard)]
+    return [
+        ShardSpec(start // rows_per_shard, range(start, min(start + rows_per_shard, num_rows)), rows_per_shard)
+        for start in range(0, num_rows, rows_per_shard)
+    ]
 
 
 def task_groups(specs: list[ShardSpec]) -> list[list[ShardSpec]]:
@@ -159,7 +161,7 @@ class FileLayout:
             return False
         if self.checksum_at is not None:  # the one part of the header that depends on the rows
             end = self.checksum_at + len(CHECKSUM_PLACEHOLDER)
-            header = header[:self.checksum_at] + self.header[self.checksum_at:end] + header[end:]
+            header = header[: self.checksum_at] + self.header[self.checksum_at : end] + header[end:]
         return size == self.size and header == self.header
 
     def fixed_parts(self) -> list[tuple[int, bytes]]:
@@ -167,8 +169,13 @@ class FileLayout:
         tokens = torch.tensor([t for ids in self.input_ids for t in ids], dtype=torch.int64)  # [tokens]
         parts = [(0, self.header), (self.places[TOKENS_KEY].begin, tokens.numpy().tobytes())]
         if ROW_INDEX_KEY in self.places:
-            index = torch.tensor([[row, first, len(ids)] for row, first, ids in zip(
-                self.spec.rows, self.first_tokens, self.input_ids, strict=True)], dtype=torch.int64)  # [rows, 3]
+            index = torch.tensor(
+                [
+                    [row, first, len(ids)]
+                    for row, first, ids in zip(self.spec.rows, self.first_tokens, self.input_ids, strict=True)
+                ],
+                dtype=torch.int64,
+            )  # [rows, 3]
             parts.append((self.places[ROW_INDEX_KEY].begin, index.numpy().tobytes()))
         return parts
 
@@ -184,9 +191,13 @@ class FileLayout:
         for name, tensor in stored.items():
             place = self.places[name]
             if SAFETENSORS_DTYPES.get(_dtype_name(tensor)) != place.dtype or tuple(tensor.shape) != (
-                    length, *place.shape[1:]):
-                raise EaglenestError(f"row {row}: {name} is {tensor.dtype} {tuple(tensor.shape)}, expected "
-                                     f"{place.dtype} {(length, *place.shape[1:])}")
+                length,
+                *place.shape[1:],
+            ):
+                raise EaglenestError(
+                    f"row {row}: {name} is {tensor.dtype} {tuple(tensor.shape)}, expected "
+                    f"{place.dtype} {(length, *place.shape[1:])}"
+                )
             per_token = (place.end - place.begin) // place.shape[0]
             data = tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy()  # row-major: the rows' bytes
             parts.append((place.begin + first * per_token, data))
@@ -197,8 +208,14 @@ def _dtype_name(tensor: torch.Tensor) -> str:
     return next((name for name, dtype in TORCH_DTYPES.items() if dtype == tensor.dtype), str(tensor.dtype))
 
 
-def file_layout(spec: ShardSpec, input_ids: list[list[int]], num_slots: int, hidden_size: int, stored_dtype: str,
-                metadata: dict[str, str]) -> FileLayout:
+def file_layout(
+    spec: ShardSpec,
+    input_ids: list[list[int]],
+    num_slots: int,
+    hidden_size: int,
+    stored_dtype: str,
+    metadata: dict[str, str],
+) -> FileLayout:
     """The layout of ``spec``'s file.
 
     Args:
@@ -233,13 +250,21 @@ def file_layout(spec: ShardSpec, input_ids: list[list[int]], num_slots: int, hid
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # safetensors aligns the data section to 8 bytes
     start = 8 + len(encoded)
-    places = {name: TensorPlace(tensors[name][0], tensors[name][1], start + begin, start + end)
-              for name, (begin, end) in relative.items()}
+    places = {
+        name: TensorPlace(tensors[name][0], tensors[name][1], start + begin, start + end)
+        for name, (begin, end) in relative.items()
+    }
     first_tokens = tuple(sum(lengths[:i]) for i in range(len(lengths)))
     found = encoded.find(CHECKSUM_PLACEHOLDER.encode())
-    return FileLayout(spec, tuple(tuple(ids) for ids in input_ids), stored_dtype,
-                      struct.pack("<Q", len(encoded)) + encoded, places, first_tokens,
-                      None if found < 0 else 8 + found)
+    return FileLayout(
+        spec,
+        tuple(tuple(ids) for ids in input_ids),
+        stored_dtype,
+        struct.pack("<Q", len(encoded)) + encoded,
+        places,
+        first_tokens,
+        None if found < 0 else 8 + found,
+    )
 
 
 @dataclass(frozen=True)
@@ -287,8 +312,14 @@ class HiddenStatePlan:
 
     def layout(self, spec: ShardSpec) -> FileLayout:
         """Every byte of ``spec``'s file but its rows' hidden states."""
-        return file_layout(spec, [self.input_ids[row] for row in spec.rows], self.num_slots, self.hidden_size,
-                           self.dtype, self.metadata)
+        return file_layout(
+            spec,
+            [self.input_ids[row] for row in spec.rows],
+            self.num_slots,
+            self.hidden_size,
+            self.dtype,
+            self.metadata,
+        )
 
 
 class MemorySink:
@@ -299,7 +330,7 @@ class MemorySink:
 
     def write(self, offset: int, data: Any) -> None:
         view = np.frombuffer(data, dtype=np.uint8)
-        self.buffer[offset: offset + view.size] = view
+        self.buffer[offset : offset + view.size] = view
 
     def finish(self) -> np.ndarray:
         return self.buffer
@@ -382,8 +413,9 @@ class FileWriter:
         self.sink.abort()
 
 
-def write_hidden_states(path: Path, hidden_states: dict[str, torch.Tensor], token_ids: torch.Tensor,
-                        metadata: dict[str, str]) -> int:
+def write_hidden_states(
+    path: Path, hidden_states: dict[str, torch.Tensor], token_ids: torch.Tensor, metadata: dict[str, str]
+) -> int:
     """Writes one row file atomically in the layout above; returns its size in bytes.
 
     Args:

@@ -62,8 +62,11 @@ def read_online_manifest(hs_dir: Path, verifier: VerifierInfo, input_ids: list[l
     if not isinstance(manifest, dict) or manifest.get("store") != "online" or manifest.get("dtype") not in TORCH_DTYPES:
         raise InputFileError(f"{path}: not an eaglenest online manifest; run `dvc repro extract`")
     expected = online_manifest(verifier, str(manifest["dtype"]), input_ids)
-    stale = [key for key in ("rows", "rows_sha256", "verifier", "layer_ids", "hidden_size", "config")
-             if manifest.get(key) != expected[key]]
+    stale = [
+        key
+        for key in ("rows", "rows_sha256", "verifier", "layer_ids", "hidden_size", "config")
+        if manifest.get(key) != expected[key]
+    ]
     if stale:
         raise InputFileError(
             f"{path}: its {', '.join(stale)} differ from the prepared rows and verifier now (an earlier "

@@ -60,8 +60,11 @@ class StoredHiddenStates:
     def spec_of(self, row: int) -> ShardSpec:
         """The file that holds ``row``."""
         start = row - row % self.rows_per_shard
-        return ShardSpec(row // self.rows_per_shard, range(start, min(start + self.rows_per_shard, self.num_rows)),
-                         self.rows_per_shard)
+        return ShardSpec(
+            row // self.rows_per_shard,
+            range(start, min(start + self.rows_per_shard, self.num_rows)),
+            self.rows_per_shard,
+        )
 
     def path_of(self, row: int) -> Path:
         return self.spec_of(row).path(self.folder)
@@ -73,8 +76,10 @@ class StoredHiddenStates:
 
     def size_of(self, rows: list[int]) -> int:
         """Bytes on disk of the files holding ``rows``."""
-        return sum(spec.path(self.folder).stat().st_size
-                   for spec in {self.spec_of(row).number: self.spec_of(row) for row in rows}.values())
+        return sum(
+            spec.path(self.folder).stat().st_size
+            for spec in {self.spec_of(row).number: self.spec_of(row) for row in rows}.values()
+        )
 
     def read_row(self, row: int) -> dict[str, torch.Tensor]:
         """Row ``row``'s tensors as stored (fp8 with its scales): its file, or a slice of its memory-mapped shard,
@@ -91,16 +96,18 @@ class StoredHiddenStates:
             index = handle.get_tensor(ROW_INDEX_KEY).tolist()  # [rows, 3]: row, first token, length
             self._indices[shard] = {int(r): (int(first), int(length)) for r, first, length in index}
         if row not in self._indices[shard]:
-            raise InputFileError(f"{self.path_of(row)}: its row index does not hold row {row}; "
-                                 "run `dvc repro extract convert`")
+            raise InputFileError(
+                f"{self.path_of(row)}: its row index does not hold row {row}; run `dvc repro extract convert`"
+            )
         return read_shard_row(handle, *self._indices[shard][row])
 
     def _handle(self, shard: int) -> Any:
         if shard in self._handles:
             self._handles.move_to_end(shard)
         else:
-            self._handles[shard] = safe_open(str(self.spec_of(shard * self.rows_per_shard).path(self.folder)),
-                                             framework="pt")
+            self._handles[shard] = safe_open(
+                str(self.spec_of(shard * self.rows_per_shard).path(self.folder)), framework="pt"
+            )
             if len(self._handles) > self.open_limit:
                 evicted, _ = self._handles.popitem(last=False)
                 self._indices.pop(evicted, None)
@@ -120,8 +127,10 @@ def open_stored(folder: Path, num_rows: int) -> StoredHiddenStates:
     if not shards:
         return StoredHiddenStates(folder, num_rows, 1)
     if row_files:
-        raise InputFileError(f"{folder}: holds {len(row_files)} row files (hs_{{i}}.safetensors) and {len(shards)} "
-                             f"shards (shard_{{s}}.safetensors), two layouts in one folder; {FIX}")
+        raise InputFileError(
+            f"{folder}: holds {len(row_files)} row files (hs_{{i}}.safetensors) and {len(shards)} "
+            f"shards (shard_{{s}}.safetensors), two layouts in one folder; {FIX}"
+        )
     sizes: dict[int, Path] = {}
     for path in shards:
         size = recorded_in(path, "rows_per_shard")
@@ -129,8 +138,9 @@ def open_stored(folder: Path, num_rows: int) -> StoredHiddenStates:
             sizes.setdefault(size, path)
     if len(sizes) > 1:
         (one, first), (other, second) = sorted(sizes.items())[:2]
-        raise InputFileError(f"{folder}: shards of different sizes ({first.name}: {one} rows, {second.name}: {other}"
-                             f" rows); {FIX}")
+        raise InputFileError(
+            f"{folder}: shards of different sizes ({first.name}: {one} rows, {second.name}: {other} rows); {FIX}"
+        )
     if not sizes:
         raise InputFileError(f"{folder}: no shard's header says its size ({shards[0].name} is unreadable); {FIX}")
     return StoredHiddenStates(folder, num_rows, next(iter(sizes)))

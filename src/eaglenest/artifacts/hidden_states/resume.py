@@ -63,12 +63,25 @@ def file_problem(path: Path, spec: ShardSpec, plan: HiddenStatePlan) -> str | No
     against its checksum), or None; "missing" when there is no file."""
     ids = plan.input_ids
     if spec.row_files:
-        problem = check_header(path, seq_len=len(ids[spec.number]), num_slots=plan.num_slots,
-                               hidden_size=plan.hidden_size, dtype=plan.dtype, config=plan.config)
+        problem = check_header(
+            path,
+            seq_len=len(ids[spec.number]),
+            num_slots=plan.num_slots,
+            hidden_size=plan.hidden_size,
+            dtype=plan.dtype,
+            config=plan.config,
+        )
     else:
-        problem = check_shard_header(path, rows=spec.rows, lengths=[len(row) for row in ids],
-                                     num_slots=plan.num_slots, hidden_size=plan.hidden_size,
-                                     dtype=plan.dtype, config=plan.config, rows_per_shard=spec.rows_per_shard)
+        problem = check_shard_header(
+            path,
+            rows=spec.rows,
+            lengths=[len(row) for row in ids],
+            num_slots=plan.num_slots,
+            hidden_size=plan.hidden_size,
+            dtype=plan.dtype,
+            config=plan.config,
+            rows_per_shard=spec.rows_per_shard,
+        )
     if problem is not None:
         return problem
     try:
@@ -127,7 +140,8 @@ class Extraction:
                 if reasons[problem] <= SHOW_RECOMPUTED:
                     log.info("recomputing %s: %s", path.name, problem)
             same = (spec is None or spec.name not in self.finished) and (
-                recorded_in(path, "config") == self.plan.config)
+                recorded_in(path, "config") == self.plan.config
+            )
             if same and path.parent == earlier:
                 continue
             if same and not (earlier / path.name).exists():
@@ -165,7 +179,7 @@ class Extraction:
             except HiddenStateFileError:  # read a moment ago for its checksum: gone or changed since, nothing to reuse
                 continue
             for row, first, length in entries:
-                if 0 <= row < len(ids) and length == len(ids[row]) and tokens[first: first + length] == ids[row]:
+                if 0 <= row < len(ids) and length == len(ids[row]) and tokens[first : first + length] == ids[row]:
                     sources[row] = RowSource(path, first, length, shard=row_file_number(path) is None)
         return sources
 
@@ -204,8 +218,10 @@ class Extraction:
         """A finished file a worker wrote into this folder itself (``cluster.output: shared``), checked."""
         problem = file_problem(self.path(spec), spec, self.plan)
         if problem is not None:
-            raise EaglenestError(f"{self.path(spec)}: the worker's file is not the one expected: {problem}; is "
-                                 f"{self.dir} on a filesystem every node mounts at the same path?")
+            raise EaglenestError(
+                f"{self.path(spec)}: the worker's file is not the one expected: {problem}; is "
+                f"{self.dir} on a filesystem every node mounts at the same path?"
+            )
         self.finished.add(spec.name)
 
     def finish(self) -> None:

@@ -32,77 +32,187 @@ from eaglenest.core.errors import EaglenestError
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", default=None, help="the server with the draft (eaglenest serve, or vllm serve "
-                        "with --speculative-config), e.g. http://127.0.0.1:8000")
-    parser.add_argument("--baseline-url", default=None, help="the server of the same model without the draft "
-                        "(or with n-gram drafting)")
-    parser.add_argument("--serve", action="store_true", help="instead of --url and --baseline-url: start the "
-                        "draft server (eaglenest serve) and the baseline server here, one at a time on "
-                        "127.0.0.1:--port, each for whole rounds, the order alternating (logs in --out/raw)")
-    parser.add_argument("--baseline", choices=["none", "ngram"], default=None,
-                        help="with --serve: the baseline server, the verifier alone (none) or with vLLM's n-gram "
-                        "drafting (ngram) (default: none)")
-    parser.add_argument("--port", type=int, default=None, metavar="P",
-                        help=f"with --serve: the port both servers listen on, in turn (default: {DEFAULT_PORT})")
-    parser.add_argument("--verifier", default=None, metavar="DIR",
-                        help="with --serve: the verifier stage's output folder (default: models/verifier)")
-    parser.add_argument("--draft", default=None, metavar="DIR",
-                        help="with --serve: the train stage's draft checkpoint (default: models/draft)")
-    parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
-                        help="with --serve: the servers' compute dtype, as eaglenest serve's (default: auto)")
-    parser.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
-                        help="with --serve: drafts per verify step, as eaglenest serve's (default: the fastest "
-                        "K the k_sweep stage measured, else the draft's own)")
-    parser.add_argument("--schedule", default=None, metavar="FILE",
-                        help="with --serve: the K-per-batch-size record; the draft server is served with it where it "
-                        "is of this draft at the K served (the run then checks it), else at one K at every batch "
-                        f"size, and the schedule read from the run is written there (default: {SCHEDULE_FILE})")
-    parser.add_argument("--measure-schedule", action="store_true", default=None,
-                        help="with --serve: serve the draft at one K at every batch size even where --schedule holds "
-                        "a schedule for it, and write the one read from this run over it")
-    parser.add_argument("--server-timeout", type=float, default=None, metavar="S",
-                        help="with --serve: seconds a started server may take to answer /v1/models (default: "
-                        f"{DEFAULT_SERVER_TIMEOUT_S:g})")
-    parser.add_argument("--prompts", required=True, metavar="FILE", help="JSONL of {'messages': [...]}, "
-                        "{'prompt': '...'} or question.jsonl {'turns': [...]} records (first turn asked), or one "
-                        "of evaluate's shipped sets: builtin:humaneval, builtin:general, builtin:long (the same "
-                        "prompt tokens evaluate decodes)")
-    parser.add_argument("--model", default=None, metavar="NAME", help="the served model name (default: the "
-                        "verifier's name with --tokenizer models/verifier, else the one model --url serves); with "
-                        "--serve, the name the servers serve it under")
-    parser.add_argument("--tokenizer", default=None, metavar="DIR", help="renders the prompts to "
-                        "token ids with its chat template: the verifier stage's folder or the served model's "
-                        "(default: --verifier's folder, models/verifier)")
-    parser.add_argument("--concurrency", nargs="+", type=int, default=DEFAULT_CONCURRENCY, metavar="C",
-                        help="requests in flight, one run per value and endpoint (default: "
-                        f"{' '.join(map(str, DEFAULT_CONCURRENCY))})")
-    parser.add_argument("--num-prompts", type=int, default=None, metavar="N", help="requests per run, the prompts "
-                        "taken in turn (default: 4 x the highest concurrency)")
-    parser.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, metavar="R",
-                        help="paired runs of both servers at every concurrency, the order alternating; 2 or more give "
-                        "the speed-up an interval at every concurrency, which the schedule needs (default: "
-                        f"{DEFAULT_ROUNDS})")
-    parser.add_argument("--max-tokens", type=int, default=64, metavar="M",
-                        help="tokens generated per request (default: 64)")
-    parser.add_argument("--temperature", type=float, default=0.0, metavar="T",
-                        help="sampling temperature; 0 also checks the outputs equal the baseline's (default: 0)")
-    parser.add_argument("--tie-margin", type=float, default=None, metavar="X",
-                        help="at temperature 0, an output that leaves the baseline's where the draft's token is "
-                        "among the baseline's top candidates at most X below its best log-prob is a near-tie, "
-                        "not a difference (default: evaluate.bf16_tie_margin's default)")
-    parser.add_argument("--warmup-prompts", type=int, default=2, metavar="N",
-                        help="requests of an unmeasured warm-up run per endpoint; 0: none (default: 2)")
-    parser.add_argument("--timeout", type=float, default=600.0, metavar="S",
-                        help="seconds one run may take before the bench stops (default: 600)")
-    parser.add_argument("--out", default=str(DEFAULT_OUT), metavar="DIR",
-                        help=f"bench.json, speedup.png and vLLM's raw results (default: {DEFAULT_OUT})")
+    parser.add_argument(
+        "--url",
+        default=None,
+        help="the server with the draft (eaglenest serve, or vllm serve "
+        "with --speculative-config), e.g. http://127.0.0.1:8000",
+    )
+    parser.add_argument(
+        "--baseline-url", default=None, help="the server of the same model without the draft (or with n-gram drafting)"
+    )
+    parser.add_argument(
+        "--serve",
+        action="store_true",
+        help="instead of --url and --baseline-url: start the "
+        "draft server (eaglenest serve) and the baseline server here, one at a time on "
+        "127.0.0.1:--port, each for whole rounds, the order alternating (logs in --out/raw)",
+    )
+    parser.add_argument(
+        "--baseline",
+        choices=["none", "ngram"],
+        default=None,
+        help="with --serve: the baseline server, the verifier alone (none) or with vLLM's n-gram "
+        "drafting (ngram) (default: none)",
+    )
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        metavar="P",
+        help=f"with --serve: the port both servers listen on, in turn (default: {DEFAULT_PORT})",
+    )
+    parser.add_argument(
+        "--verifier",
+        default=None,
+        metavar="DIR",
+        help="with --serve: the verifier stage's output folder (default: models/verifier)",
+    )
+    parser.add_argument(
+        "--draft",
+        default=None,
+        metavar="DIR",
+        help="with --serve: the train stage's draft checkpoint (default: models/draft)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="with --serve: the servers' compute dtype, as eaglenest serve's (default: auto)",
+    )
+    parser.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        metavar="K",
+        help="with --serve: drafts per verify step, as eaglenest serve's (default: the fastest "
+        "K the k_sweep stage measured, else the draft's own)",
+    )
+    parser.add_argument(
+        "--schedule",
+        default=None,
+        metavar="FILE",
+        help="with --serve: the K-per-batch-size record; the draft server is served with it where it "
+        "is of this draft at the K served (the run then checks it), else at one K at every batch "
+        f"size, and the schedule read from the run is written there (default: {SCHEDULE_FILE})",
+    )
+    parser.add_argument(
+        "--measure-schedule",
+        action="store_true",
+        default=None,
+        help="with --serve: serve the draft at one K at every batch size even where --schedule holds "
+        "a schedule for it, and write the one read from this run over it",
+    )
+    parser.add_argument(
+        "--server-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="with --serve: seconds a started server may take to answer /v1/models (default: "
+        f"{DEFAULT_SERVER_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--prompts",
+        required=True,
+        metavar="FILE",
+        help="JSONL of {'messages': [...]}, "
+        "{'prompt': '...'} or question.jsonl {'turns': [...]} records (first turn asked), or one "
+        "of evaluate's shipped sets: builtin:humaneval, builtin:general, builtin:long (the same "
+        "prompt tokens evaluate decodes)",
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        metavar="NAME",
+        help="the served model name (default: the "
+        "verifier's name with --tokenizer models/verifier, else the one model --url serves); with "
+        "--serve, the name the servers serve it under",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="renders the prompts to "
+        "token ids with its chat template: the verifier stage's folder or the served model's "
+        "(default: --verifier's folder, models/verifier)",
+    )
+    parser.add_argument(
+        "--concurrency",
+        nargs="+",
+        type=int,
+        default=DEFAULT_CONCURRENCY,
+        metavar="C",
+        help=f"requests in flight, one run per value and endpoint (default: {' '.join(map(str, DEFAULT_CONCURRENCY))})",
+    )
+    parser.add_argument(
+        "--num-prompts",
+        type=int,
+        default=None,
+        metavar="N",
+        help="requests per run, the prompts taken in turn (default: 4 x the highest concurrency)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=DEFAULT_ROUNDS,
+        metavar="R",
+        help="paired runs of both servers at every concurrency, the order alternating; 2 or more give "
+        "the speed-up an interval at every concurrency, which the schedule needs (default: "
+        f"{DEFAULT_ROUNDS})",
+    )
+    parser.add_argument(
+        "--max-tokens", type=int, default=64, metavar="M", help="tokens generated per request (default: 64)"
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        metavar="T",
+        help="sampling temperature; 0 also checks the outputs equal the baseline's (default: 0)",
+    )
+    parser.add_argument(
+        "--tie-margin",
+        type=float,
+        default=None,
+        metavar="X",
+        help="at temperature 0, an output that leaves the baseline's where the draft's token is "
+        "among the baseline's top candidates at most X below its best log-prob is a near-tie, "
+        "not a difference (default: evaluate.bf16_tie_margin's default)",
+    )
+    parser.add_argument(
+        "--warmup-prompts",
+        type=int,
+        default=2,
+        metavar="N",
+        help="requests of an unmeasured warm-up run per endpoint; 0: none (default: 2)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="seconds one run may take before the bench stops (default: 600)",
+    )
+    parser.add_argument(
+        "--out",
+        default=str(DEFAULT_OUT),
+        metavar="DIR",
+        help=f"bench.json, speedup.png and vLLM's raw results (default: {DEFAULT_OUT})",
+    )
 
 
 # bench's flags that only say how --serve starts the servers; None: not given.
-BENCH_SERVE_FLAGS = {"baseline": "--baseline", "port": "--port", "verifier": "--verifier", "draft": "--draft",
-                     "dtype": "--dtype", "num_speculative_tokens": "--num-speculative-tokens",
-                     "server_timeout": "--server-timeout", "schedule": "--schedule",
-                     "measure_schedule": "--measure-schedule"}
+BENCH_SERVE_FLAGS = {
+    "baseline": "--baseline",
+    "port": "--port",
+    "verifier": "--verifier",
+    "draft": "--draft",
+    "dtype": "--dtype",
+    "num_speculative_tokens": "--num-speculative-tokens",
+    "server_timeout": "--server-timeout",
+    "schedule": "--schedule",
+    "measure_schedule": "--measure-schedule",
+}
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -122,18 +232,34 @@ def _run(args: argparse.Namespace) -> int:
         if args.passthrough_args:
             stray.append("flags after --")
         if stray:
-            raise EaglenestError(f"{', '.join(stray)}: only with --serve (they say how bench starts the servers); "
-                                 "add --serve, or drop them to benchmark --url and --baseline-url")
-    return bench(BenchConfig(
-        args.url, args.baseline_url, Path(args.prompts), model=args.model,
-        tokenizer=None if args.tokenizer is None else Path(args.tokenizer), concurrency=tuple(args.concurrency),
-        num_prompts=args.num_prompts, max_tokens=args.max_tokens, temperature=args.temperature,
-        warmup_prompts=args.warmup_prompts, timeout_s=args.timeout, out=Path(args.out), tie_margin=args.tie_margin,
-        serve=serve, rounds=args.rounds))
+            raise EaglenestError(
+                f"{', '.join(stray)}: only with --serve (they say how bench starts the servers); "
+                "add --serve, or drop them to benchmark --url and --baseline-url"
+            )
+    return bench(
+        BenchConfig(
+            args.url,
+            args.baseline_url,
+            Path(args.prompts),
+            model=args.model,
+            tokenizer=None if args.tokenizer is None else Path(args.tokenizer),
+            concurrency=tuple(args.concurrency),
+            num_prompts=args.num_prompts,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            warmup_prompts=args.warmup_prompts,
+            timeout_s=args.timeout,
+            out=Path(args.out),
+            tie_margin=args.tie_margin,
+            serve=serve,
+            rounds=args.rounds,
+        )
+    )
 
 
 COMMAND = Command(
-    "bench", help="the served draft against a baseline server under load: tokens/s, latency, tau and speed-up "
+    "bench",
+    help="the served draft against a baseline server under load: tokens/s, latency, tau and speed-up "
     "at each concurrency, with vLLM's `vllm bench serve`",
     description="Benchmark the served draft against a baseline server (the same model without the draft, or "
     "with n-gram drafting) at each concurrency: tokens/s, latency and TTFT from vLLM's `vllm bench serve`, tau "
@@ -142,4 +268,7 @@ COMMAND = Command(
     "--serve written to --schedule, which eaglenest serve reads) and, at temperature 0, whether the outputs equal "
     "the baseline's (or leave it at a near-tie). Either both servers are running (--url, --baseline-url), or "
     "--serve starts them here, one at a time (flags after -- go to both). Writes bench.json and speedup.png.",
-    add_arguments=_add_arguments, run=_run, passes_flags=True)
+    add_arguments=_add_arguments,
+    run=_run,
+    passes_flags=True,
+)

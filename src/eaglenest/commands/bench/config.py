@@ -87,25 +87,32 @@ def check_config(config: BenchConfig) -> None:
     """Refuses flag values that cannot make a sweep, before anything is read or started."""
     urls = [flag for flag, value in (("--url", config.url), ("--baseline-url", config.baseline_url)) if value]
     if config.serve is not None and urls:
-        raise EaglenestError(f"--serve with {' and '.join(urls)}: --serve starts both servers here, one after the "
-                             f"other; drop {' and '.join(urls)}, or drop --serve to benchmark servers already running")
+        raise EaglenestError(
+            f"--serve with {' and '.join(urls)}: --serve starts both servers here, one after the "
+            f"other; drop {' and '.join(urls)}, or drop --serve to benchmark servers already running"
+        )
     if config.serve is None and len(urls) < 2:
         missing = " and ".join(f for f in ("--url", "--baseline-url") if f not in urls)
-        raise EaglenestError(f"{missing} missing: give the draft server's --url and the baseline's --baseline-url, "
-                             "or --serve to start both here, one after the other")
+        raise EaglenestError(
+            f"{missing} missing: give the draft server's --url and the baseline's --baseline-url, "
+            "or --serve to start both here, one after the other"
+        )
     if not config.concurrency or min(config.concurrency) < 1:
-        raise EaglenestError(f"--concurrency {' '.join(map(str, config.concurrency))}: every value must be at "
-                             "least 1")
+        raise EaglenestError(f"--concurrency {' '.join(map(str, config.concurrency))}: every value must be at least 1")
     for flag, value in (("--num-prompts", config.num_prompts), ("--max-tokens", config.max_tokens)):
         if value is not None and value < 1:
             raise EaglenestError(f"{flag} {value}: must be at least 1")
     if config.num_prompts is not None and config.num_prompts < max(config.concurrency):
-        raise EaglenestError(f"--num-prompts {config.num_prompts}: below --concurrency {max(config.concurrency)}, "
-                             "so that many requests are never in flight; raise --num-prompts (several times the "
-                             "highest concurrency is best)")
+        raise EaglenestError(
+            f"--num-prompts {config.num_prompts}: below --concurrency {max(config.concurrency)}, "
+            "so that many requests are never in flight; raise --num-prompts (several times the "
+            "highest concurrency is best)"
+        )
     if config.rounds < 1:
-        raise EaglenestError(f"--rounds {config.rounds}: must be at least 1 (2 or more give the speed-up an "
-                             "interval at every concurrency)")
+        raise EaglenestError(
+            f"--rounds {config.rounds}: must be at least 1 (2 or more give the speed-up an "
+            "interval at every concurrency)"
+        )
     if config.warmup_prompts < 0:
         raise EaglenestError(f"--warmup-prompts {config.warmup_prompts}: must be 0 (no warm-up) or more")
     if config.temperature < 0:
@@ -120,8 +127,9 @@ def check_config(config: BenchConfig) -> None:
         if not 0 < config.serve.port < 65536:
             raise EaglenestError(f"--port {config.serve.port}: expected a port, 1 to 65535")
         if config.serve.timeout_s <= 0:
-            raise EaglenestError(f"--server-timeout {config.serve.timeout_s:g}: must be positive (seconds a server "
-                                 "may take to answer)")
+            raise EaglenestError(
+                f"--server-timeout {config.serve.timeout_s:g}: must be positive (seconds a server may take to answer)"
+            )
 
 
 def default_tie_margin() -> float:

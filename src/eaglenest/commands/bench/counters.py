@@ -20,14 +20,19 @@ def acceptance_json(spec: SpecCounts) -> dict[str, Any]:
     """The figures as bench.json records them: tau = 1 + accepted / drafts and the per-position acceptance
     (accepted at position i / drafts), None without a draft, with the counts they come from."""
     drafts = spec.drafts
-    return {"tau": round(spec.tau, 4) if spec.tau is not None else None,
-            "per_position_acceptance": [round(n / drafts, 4) for n in spec.per_position] if drafts > 0 else None,
-            "drafts": drafts, "draft_tokens": spec.draft_tokens, "accepted_tokens": spec.accepted,
-            "accepted_per_position": spec.per_position}
+    return {
+        "tau": round(spec.tau, 4) if spec.tau is not None else None,
+        "per_position_acceptance": [round(n / drafts, 4) for n in spec.per_position] if drafts > 0 else None,
+        "drafts": drafts,
+        "draft_tokens": spec.draft_tokens,
+        "accepted_tokens": spec.accepted,
+        "accepted_per_position": spec.per_position,
+    }
 
 
-def counter_problems(before: MetricsReading, after: MetricsReading, spec: SpecCounts | None, raw: dict[str, Any],
-                     spec_expected: bool) -> list[str]:
+def counter_problems(
+    before: MetricsReading, after: MetricsReading, spec: SpecCounts | None, raw: dict[str, Any], spec_expected: bool
+) -> list[str]:
     """Where a run's counters disagree with its responses or with vLLM's own reading of them; [] when none.
 
     Args:
@@ -41,8 +46,10 @@ def counter_problems(before: MetricsReading, after: MetricsReading, spec: SpecCo
     if GENERATION_TOKENS in after.totals:
         generated = after.totals[GENERATION_TOKENS] - before.totals.get(GENERATION_TOKENS, 0.0)
         if int(generated) != int(raw.get("total_output_tokens", -1)):
-            problems.append(f"{GENERATION_TOKENS} grew by {int(generated)}, the responses hold "
-                            f"{raw.get('total_output_tokens')} tokens (other traffic on the server?)")
+            problems.append(
+                f"{GENERATION_TOKENS} grew by {int(generated)}, the responses hold "
+                f"{raw.get('total_output_tokens')} tokens (other traffic on the server?)"
+            )
     if REQUEST_SUCCESS in after.totals:
         finished = after.totals[REQUEST_SUCCESS] - before.totals.get(REQUEST_SUCCESS, 0.0)
         if int(finished) != int(raw.get("completed", -1)):

@@ -75,19 +75,26 @@ class Endpoint:
             with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S) as response:
                 return self._read(response, f"GET {path}").decode("utf-8", errors="replace")
         except urllib.error.HTTPError as err:
-            raise EaglenestError(f"{self.flag} {self.url}: GET {path} answered {err.code} {printable(str(err.reason))}"
-                                 f"; {_refusal_hint(err.code)}") from None
+            raise EaglenestError(
+                f"{self.flag} {self.url}: GET {path} answered {err.code} {printable(str(err.reason))}"
+                f"; {_refusal_hint(err.code)}"
+            ) from None
         except (urllib.error.URLError, OSError) as err:
             reason = printable(str(getattr(err, "reason", err)))
-            raise ServerGone(f"{self.flag} {self.url}: no server answers ({reason}); start it (eaglenest serve, "
-                             "vllm serve) or fix the URL", reason) from None
+            raise ServerGone(
+                f"{self.flag} {self.url}: no server answers ({reason}); start it (eaglenest serve, "
+                "vllm serve) or fix the URL",
+                reason,
+            ) from None
 
     def _read(self, response: Any, request: str) -> bytes:
         """An answer's body, refused past ``MAX_RESPONSE_BYTES`` (one line naming the server and the cap)."""
         body = response.read(MAX_RESPONSE_BYTES + 1)
         if len(body) > MAX_RESPONSE_BYTES:
-            raise EaglenestError(f"{self.flag} {self.url}: {request} answered more than {MAX_RESPONSE_BYTES // 2**20} "
-                                 "MiB, more than bench reads of one answer; is it a vLLM OpenAI-compatible server?")
+            raise EaglenestError(
+                f"{self.flag} {self.url}: {request} answered more than {MAX_RESPONSE_BYTES // 2**20} "
+                "MiB, more than bench reads of one answer; is it a vLLM OpenAI-compatible server?"
+            )
         return body
 
     def post(self, path: str, body: dict[str, Any], timeout_s: float) -> Any:
@@ -97,15 +104,20 @@ class Endpoint:
             ServerGone: nothing answers.
             EaglenestError: an answer other than 200 with JSON (its first 200 characters).
         """
-        request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(), method="POST",
-                                         headers={"Content-Type": "application/json", **auth_headers()})
+        request = urllib.request.Request(
+            self.url + path,
+            data=json.dumps(body).encode(),
+            method="POST",
+            headers={"Content-Type": "application/json", **auth_headers()},
+        )
         try:
             with urllib.request.urlopen(request, timeout=timeout_s) as response:
                 return json.loads(self._read(response, f"POST {path}"))
         except urllib.error.HTTPError as err:
             detail = printable(err.read(ERROR_BODY_BYTES).decode("utf-8", errors="replace"))[:200]
-            raise EaglenestError(f"{self.flag} {self.url}: POST {path} answered {err.code} "
-                                 f"{printable(str(err.reason))}: {detail}") from None
+            raise EaglenestError(
+                f"{self.flag} {self.url}: POST {path} answered {err.code} {printable(str(err.reason))}: {detail}"
+            ) from None
         except json.JSONDecodeError as err:
             raise EaglenestError(f"{self.flag} {self.url}: POST {path} answered with no JSON ({err})") from None
         except (urllib.error.URLError, OSError) as err:
@@ -119,8 +131,10 @@ class Endpoint:
             listed = json.loads(body)["data"]
             return {printable(str(m["id"])): {**m, "id": printable(str(m["id"]))} for m in listed}
         except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise EaglenestError(f"{self.flag} {self.url}: /v1/models is not an OpenAI model list "
-                                 f"({type(err).__name__}); is it an OpenAI-compatible server?") from None
+            raise EaglenestError(
+                f"{self.flag} {self.url}: /v1/models is not an OpenAI model list "
+                f"({type(err).__name__}); is it an OpenAI-compatible server?"
+            ) from None
 
     def counters(self) -> MetricsReading:
         return parse_metrics(self.get("/metrics"), f"{self.flag} {self.url}/metrics")
@@ -162,12 +176,16 @@ def draft_model(draft: Endpoint, model: str | None, expected: str | None) -> dic
     why = "--model" if model else "the verifier's name in --tokenizer's verifier.json; --model overrides it"
     if wanted is None:
         if len(served) != 1:
-            raise EaglenestError(f"{draft.flag} {draft.url} serves {sorted(served) or 'no model'}; name the one to "
-                                 "benchmark with --model")
+            raise EaglenestError(
+                f"{draft.flag} {draft.url} serves {sorted(served) or 'no model'}; name the one to "
+                "benchmark with --model"
+            )
         wanted = next(iter(served))
     if wanted not in served:
-        raise EaglenestError(f"{draft.flag} {draft.url} serves {sorted(served)}, not {wanted!r} ({why}); point "
-                             f"{draft.flag} at a server of that model, or pass --model")
+        raise EaglenestError(
+            f"{draft.flag} {draft.url} serves {sorted(served)}, not {wanted!r} ({why}); point "
+            f"{draft.flag} at a server of that model, or pass --model"
+        )
     return served[wanted]
 
 
@@ -175,22 +193,27 @@ def require_model(baseline: Endpoint, model: str, draft: Endpoint) -> None:
     """Refuses a baseline endpoint that does not serve ``model``, the one the draft endpoint serves."""
     other = baseline.models()
     if model not in other:
-        raise EaglenestError(f"{baseline.flag} {baseline.url} serves {sorted(other)}, not {model!r} (what "
-                             f"{draft.flag} serves): the two endpoints must serve the same model")
+        raise EaglenestError(
+            f"{baseline.flag} {baseline.url} serves {sorted(other)}, not {model!r} (what "
+            f"{draft.flag} serves): the two endpoints must serve the same model"
+        )
 
 
 def require_spec_decode(draft: Endpoint, model: str) -> None:
     """Refuses a draft endpoint whose ``/metrics`` has no speculative-decoding counters."""
     if draft.counters().spec is None:
-        raise EaglenestError(f"{draft.flag} {draft.url}: its /metrics has no vllm:spec_decode_* counters, so it "
-                             f"serves {model} without speculative decoding; start it with the draft (eaglenest "
-                             "serve, or vllm serve --speculative-config ...)")
+        raise EaglenestError(
+            f"{draft.flag} {draft.url}: its /metrics has no vllm:spec_decode_* counters, so it "
+            f"serves {model} without speculative decoding; start it with the draft (eaglenest "
+            "serve, or vllm serve --speculative-config ...)"
+        )
 
 
 def answers(url: str) -> bool:
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=auth_headers()),
-                                    timeout=HTTP_TIMEOUT_S) as response:
+        with urllib.request.urlopen(
+            urllib.request.Request(url, headers=auth_headers()), timeout=HTTP_TIMEOUT_S
+        ) as response:
             return response.status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False

@@ -13,8 +13,38 @@ from eaglenest.core.measure.spec_counters import SpecCounts
 
 # Student's t, 97.5th percentile, by degrees of freedom (1 to 30; past 30 the value at 30, a little wide): numpy
 # has no quantile function, and the interval over rounds needs one at a handful of rounds.
-T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+T_975 = (
+    12.706,
+    4.303,
+    3.182,
+    2.776,
+    2.571,
+    2.447,
+    2.365,
+    2.306,
+    2.262,
+    2.228,
+    2.201,
+    2.179,
+    2.160,
+    2.145,
+    2.131,
+    2.120,
+    2.110,
+    2.101,
+    2.093,
+    2.086,
+    2.080,
+    2.074,
+    2.069,
+    2.064,
+    2.060,
+    2.056,
+    2.052,
+    2.048,
+    2.045,
+    2.042,
+)
 
 
 def _stats_ms(values: list[float]) -> dict[str, float] | None:
@@ -24,17 +54,23 @@ def _stats_ms(values: list[float]) -> dict[str, float] | None:
     if not values:
         return None
     array = np.asarray(values, dtype=np.float64) * 1000
-    return {"mean": round(float(array.mean()), 2), "p50": round(float(np.percentile(array, 50)), 2),
-            "p99": round(float(np.percentile(array, 99)), 2)}
+    return {
+        "mean": round(float(array.mean()), 2),
+        "p50": round(float(np.percentile(array, 50)), 2),
+        "p99": round(float(np.percentile(array, 99)), 2),
+    }
 
 
-def endpoint_figures(raw: dict[str, Any], spec: SpecCounts | None, problems: list[str],
-                     raw_name: str) -> dict[str, Any]:
+def endpoint_figures(
+    raw: dict[str, Any], spec: SpecCounts | None, problems: list[str], raw_name: str
+) -> dict[str, Any]:
     """One endpoint's figures at one concurrency, from vLLM's result and the counters."""
     ok = [i for i, error in enumerate(raw.get("errors", [])) if not error and raw["latencies"][i] > 0]
     figures: dict[str, Any] = {
-        "completed": int(raw["completed"]), "failed": int(raw["failed"]),
-        "output_tokens": int(raw["total_output_tokens"]), "duration_s": round(float(raw["duration"]), 3),
+        "completed": int(raw["completed"]),
+        "failed": int(raw["failed"]),
+        "output_tokens": int(raw["total_output_tokens"]),
+        "duration_s": round(float(raw["duration"]), 3),
         "tokens_per_s": round(float(raw["output_throughput"]), 3),
         "requests_per_s": round(float(raw["request_throughput"]), 4),
         "latency_ms": _stats_ms([raw["latencies"][i] for i in ok]),
@@ -56,8 +92,10 @@ def request_turns(raw: dict[str, Any]) -> list[list[float] | None]:
     """``[output tokens, seconds]`` of each request of a ``vllm bench serve`` result (``--save-detailed``), None for
     one that failed."""
     lengths, latencies, errors = raw.get("output_lens") or [], raw.get("latencies") or [], raw.get("errors") or []
-    return [None if (i < len(errors) and errors[i]) or latency <= 0 else [float(tokens), float(latency)]
-            for i, (tokens, latency) in enumerate(zip(lengths, latencies, strict=False))]
+    return [
+        None if (i < len(errors) and errors[i]) or latency <= 0 else [float(tokens), float(latency)]
+        for i, (tokens, latency) in enumerate(zip(lengths, latencies, strict=False))
+    ]
 
 
 def single_stream_speedup(draft_raw: dict[str, Any], baseline_raw: dict[str, Any]) -> Interval | None:
@@ -69,13 +107,19 @@ def single_stream_speedup(draft_raw: dict[str, Any], baseline_raw: dict[str, Any
     from eaglenest.artifacts.eval_params import EvaluateParams
     from eaglenest.core.measure.speedup import paired_rows, speedup_interval
 
-    pairs = [(d, b) for d, b in zip(request_turns(draft_raw), request_turns(baseline_raw), strict=False)
-             if d is not None and b is not None]
+    pairs = [
+        (d, b)
+        for d, b in zip(request_turns(draft_raw), request_turns(baseline_raw), strict=False)
+        if d is not None and b is not None
+    ]
     if not pairs:
         return None
     defaults = EvaluateParams.model_fields
-    return speedup_interval(paired_rows([d for d, _ in pairs], [b for _, b in pairs]),
-                            int(defaults["bootstrap_samples"].default), int(defaults["seed"].default))
+    return speedup_interval(
+        paired_rows([d for d, _ in pairs], [b for _, b in pairs]),
+        int(defaults["bootstrap_samples"].default),
+        int(defaults["seed"].default),
+    )
 
 
 def pooled_raw(raws: list[dict[str, Any]]) -> dict[str, Any]:
@@ -84,8 +128,9 @@ def pooled_raw(raws: list[dict[str, Any]]) -> dict[str, Any]:
     it read each run's counters, and the pooled tau comes from the summed counters."""
     if len(raws) == 1:
         return raws[0]
-    pooled: dict[str, Any] = {key: sum(raw[key] for raw in raws) for key in ("completed", "failed",
-                                                                           "total_output_tokens", "duration")}
+    pooled: dict[str, Any] = {
+        key: sum(raw[key] for raw in raws) for key in ("completed", "failed", "total_output_tokens", "duration")
+    }
     for key in ("latencies", "ttfts", "errors", "output_lens", "generated_texts"):
         pooled[key] = [value for raw in raws for value in raw.get(key) or []]
     pooled["output_throughput"] = pooled["total_output_tokens"] / max(pooled["duration"], 1e-9)

@@ -26,8 +26,16 @@ class RunStopped(Exception):
     """A ``vllm bench serve`` run or a reading around it could not finish: the message says why."""
 
 
-def run_vllm_bench(endpoint: Endpoint, model: str, dataset: Path, num_requests: int, concurrency: int,
-                   config: BenchConfig, raw_dir: Path, name: str) -> dict[str, Any]:
+def run_vllm_bench(
+    endpoint: Endpoint,
+    model: str,
+    dataset: Path,
+    num_requests: int,
+    concurrency: int,
+    config: BenchConfig,
+    raw_dir: Path,
+    name: str,
+) -> dict[str, Any]:
     """One ``vllm bench serve`` run; its result file's contents.
 
     Raises:
@@ -36,13 +44,47 @@ def run_vllm_bench(endpoint: Endpoint, model: str, dataset: Path, num_requests: 
     result_file = raw_dir / f"{name}.json"
     log_file = raw_dir / f"{name}.log"
     result_file.unlink(missing_ok=True)  # a stale file from an earlier run must not pass for this one's
-    argv = [sys.executable, "-c", BENCH_LAUNCHER,
-            "--backend", "openai", "--endpoint", "/v1/completions", "--base-url", endpoint.url, "--model", model,
-            "--dataset-name", "custom", "--dataset-path", str(dataset), "--disable-shuffle", "--no-oversample",
-            "--skip-tokenizer-init", "--num-prompts", str(num_requests), "--max-concurrency", str(concurrency),
-            "--temperature", str(config.temperature), "--extra-body", json.dumps({"max_tokens": config.max_tokens}),
-            "--percentile-metrics", "e2el", "--metric-percentiles", "50,99", "--disable-tqdm", "--seed", "0",
-            "--save-result", "--save-detailed", "--result-dir", str(raw_dir), "--result-filename", result_file.name]
+    argv = [
+        sys.executable,
+        "-c",
+        BENCH_LAUNCHER,
+        "--backend",
+        "openai",
+        "--endpoint",
+        "/v1/completions",
+        "--base-url",
+        endpoint.url,
+        "--model",
+        model,
+        "--dataset-name",
+        "custom",
+        "--dataset-path",
+        str(dataset),
+        "--disable-shuffle",
+        "--no-oversample",
+        "--skip-tokenizer-init",
+        "--num-prompts",
+        str(num_requests),
+        "--max-concurrency",
+        str(concurrency),
+        "--temperature",
+        str(config.temperature),
+        "--extra-body",
+        json.dumps({"max_tokens": config.max_tokens}),
+        "--percentile-metrics",
+        "e2el",
+        "--metric-percentiles",
+        "50,99",
+        "--disable-tqdm",
+        "--seed",
+        "0",
+        "--save-result",
+        "--save-detailed",
+        "--result-dir",
+        str(raw_dir),
+        "--result-filename",
+        result_file.name,
+    ]
     # `vllm bench serve` sends OPENAI_API_KEY as its bearer token: bench's key, and never a key for another service
     env = {name: value for name, value in os.environ.items() if name != "OPENAI_API_KEY"}
     key = api_key()
@@ -50,18 +92,22 @@ def run_vllm_bench(endpoint: Endpoint, model: str, dataset: Path, num_requests: 
         env["OPENAI_API_KEY"] = key
     try:
         with log_file.open("w") as log:
-            done = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, timeout=config.timeout_s, check=False,
-                                  env=env)
+            done = subprocess.run(
+                argv, stdout=log, stderr=subprocess.STDOUT, timeout=config.timeout_s, check=False, env=env
+            )
     except subprocess.TimeoutExpired:
         raise RunStopped(f"ran past --timeout {config.timeout_s:g} s (log: {log_file})") from None
     if done.returncode != 0:
-        raise RunStopped(f"vllm bench serve exited with {done.returncode}: "
-                         f"{failure_line(log_file.read_text(errors='replace'))} (log: {log_file})")
+        raise RunStopped(
+            f"vllm bench serve exited with {done.returncode}: "
+            f"{failure_line(log_file.read_text(errors='replace'))} (log: {log_file})"
+        )
     try:
         return json.loads(result_file.read_text())
     except (OSError, json.JSONDecodeError) as err:
-        raise RunStopped(f"vllm bench serve left no result in {result_file} ({type(err).__name__}; log: "
-                         f"{log_file})") from None
+        raise RunStopped(
+            f"vllm bench serve left no result in {result_file} ({type(err).__name__}; log: {log_file})"
+        ) from None
 
 
 def failure_line(log: str) -> str:

@@ -74,8 +74,7 @@ class Replay:
     text: str
 
 
-def ask_with_logprobs(endpoint: Endpoint, model: str, prompt: list[int], max_tokens: int,
-                      timeout_s: float) -> Replay:
+def ask_with_logprobs(endpoint: Endpoint, model: str, prompt: list[int], max_tokens: int, timeout_s: float) -> Replay:
     """The baseline's output for ``prompt`` alone, with its top ``TIE_CANDIDATES`` log-probs at each token.
 
     The request is the measured one (token ids, ``max_tokens``, ``repetition_penalty`` 1 as ``vllm bench serve``
@@ -85,9 +84,20 @@ def ask_with_logprobs(endpoint: Endpoint, model: str, prompt: list[int], max_tok
         ServerGone: nothing answers.
         EaglenestError: the server refused the request, or answered without token-id log-probs.
     """
-    body = endpoint.post("/v1/completions", {
-        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "repetition_penalty": 1.0,
-        "logprobs": TIE_CANDIDATES, "return_tokens_as_token_ids": True, "stream": False}, timeout_s)
+    body = endpoint.post(
+        "/v1/completions",
+        {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "repetition_penalty": 1.0,
+            "logprobs": TIE_CANDIDATES,
+            "return_tokens_as_token_ids": True,
+            "stream": False,
+        },
+        timeout_s,
+    )
     try:
         return parse_replay(body)
     except ValueError as err:
@@ -105,12 +115,19 @@ def parse_replay(body: Any) -> Replay:
         logprobs = choice["logprobs"]
         tokens = [_token_id(token) for token in logprobs["tokens"]]
         # vLLM lists the chosen token, then the top ones: ranked here by log-prob, as evaluate ranks them
-        top = [sorted(((_token_id(key), float(value)) for key, value in (position or {}).items()),
-                      key=lambda candidate: -candidate[1])[:TIE_CANDIDATES] for position in logprobs["top_logprobs"]]
+        top = [
+            sorted(
+                ((_token_id(key), float(value)) for key, value in (position or {}).items()),
+                key=lambda candidate: -candidate[1],
+            )[:TIE_CANDIDATES]
+            for position in logprobs["top_logprobs"]
+        ]
         text = str(choice["text"])
     except (KeyError, IndexError, TypeError, ValueError) as err:
-        raise ValueError(f"the completion has no token-id log-probs ({type(err).__name__}: {err}); is it a vLLM "
-                         "server (logprobs with return_tokens_as_token_ids)?") from None
+        raise ValueError(
+            f"the completion has no token-id log-probs ({type(err).__name__}: {err}); is it a vLLM "
+            "server (logprobs with return_tokens_as_token_ids)?"
+        ) from None
     if len(top) != len(tokens):
         raise ValueError(f"the completion has {len(tokens)} tokens but log-probs for {len(top)}")
     return Replay(tokens, top, text)
@@ -133,8 +150,9 @@ def _whole(text: str) -> str:
     return text.rstrip("\ufffd")
 
 
-def draft_divergence(draft_text: str, plain: list[int], plain_top: list[TopCandidates], tokenizer: Any
-                     ) -> Divergence | None:
+def draft_divergence(
+    draft_text: str, plain: list[int], plain_top: list[TopCandidates], tokenizer: Any
+) -> Divergence | None:
     """Where the draft's output text first leaves the baseline's tokens, judged by :func:`first_divergence`.
 
     The divergence is the first baseline token whose text the draft's text does not continue with (or an end the
@@ -175,8 +193,9 @@ def draft_divergence(draft_text: str, plain: list[int], plain_top: list[TopCandi
     return Divergence(len(plain), None, None, None, None)  # the draft's text goes on past the baseline's
 
 
-def tokenization_alternatives(draft_text: str, plain: list[int], plain_top: list[TopCandidates], tokenizer: Any,
-                              before: int) -> list[Divergence]:
+def tokenization_alternatives(
+    draft_text: str, plain: list[int], plain_top: list[TopCandidates], tokenizer: Any, before: int
+) -> list[Divergence]:
     """Other divergences the draft's text allows up to position ``before`` (latest first): positions where the
     draft's text continues with the baseline's token and also with a longer candidate of the baseline's top ones,
     and at ``before`` every candidate the text continues with.
@@ -214,32 +233,48 @@ def judge_difference(draft_text: str, replay: Replay | str, tokenizer: Any, marg
     if isinstance(replay, str):
         return Verdict(False, {"why": replay})
     if _text(tokenizer, replay.tokens) != replay.text:
-        return Verdict(False, {"why": "the tokenizer decodes the baseline's tokens to another text than the "
-                                      "server's, so the draft's text cannot be placed on them"})
+        return Verdict(
+            False,
+            {
+                "why": "the tokenizer decodes the baseline's tokens to another text than the "
+                "server's, so the draft's text cannot be placed on them"
+            },
+        )
     divergence = draft_divergence(draft_text, replay.tokens, replay.top, tokenizer)
     if divergence is None:
-        return Verdict(True, {"position": None, "why": "the baseline asked alone gives the draft's text: its "
-                                                       "own output varies between runs"})
+        return Verdict(
+            True,
+            {
+                "position": None,
+                "why": "the baseline asked alone gives the draft's text: its own output varies between runs",
+            },
+        )
     ambiguous = False
     if not is_lossless(divergence, margin):
         # the text may hide where the draft's tokens parted: take an earlier reading that is a near-tie, if any
-        for alternative in tokenization_alternatives(draft_text, replay.tokens, replay.top, tokenizer,
-                                                     divergence.position):
+        for alternative in tokenization_alternatives(
+            draft_text, replay.tokens, replay.top, tokenizer, divergence.position
+        ):
             if is_lossless(alternative, margin):
                 divergence, ambiguous = alternative, True
                 break
-    at = len(_whole(_text(tokenizer, replay.tokens[:divergence.position])))
+    at = len(_whole(_text(tokenizer, replay.tokens[: divergence.position])))
     entry: dict[str, Any] = {
-        "position": divergence.position, "baseline_token": divergence.plain_token,
+        "position": divergence.position,
+        "baseline_token": divergence.plain_token,
         "baseline_text": None if divergence.plain_token is None else tokenizer.decode([divergence.plain_token]),
         "draft_token": divergence.spec_token,
-        "draft_text": (tokenizer.decode([divergence.spec_token]) if divergence.spec_token is not None
-                       else draft_text[at:at + 16]),
-        "gap": divergence.gap, "rank": divergence.spec_rank,
+        "draft_text": (
+            tokenizer.decode([divergence.spec_token]) if divergence.spec_token is not None else draft_text[at : at + 16]
+        ),
+        "gap": divergence.gap,
+        "rank": divergence.spec_rank,
     }
     if ambiguous:
-        entry["read_from_text"] = ("only the draft's text comes back, and it reads as this token here as well as "
-                                   "the way that parts beyond a near-tie: read as this one")
+        entry["read_from_text"] = (
+            "only the draft's text comes back, and it reads as this token here as well as "
+            "the way that parts beyond a near-tie: read as this one"
+        )
     near = is_lossless(divergence, margin)
     if not near:
         if divergence.plain_token is None:

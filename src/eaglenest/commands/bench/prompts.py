@@ -23,18 +23,24 @@ def load_bench_tokenizer(directory: Path) -> tuple[Any, str | None]:
         info, _ = load_verifier_info(directory)
         return load_tokenizer(directory), info.name
     if not directory.is_dir():
-        raise EaglenestError(f"--tokenizer {directory}: not a folder; give the verifier stage's output "
-                             "(models/verifier) or the served model's folder")
+        raise EaglenestError(
+            f"--tokenizer {directory}: not a folder; give the verifier stage's output "
+            "(models/verifier) or the served model's folder"
+        )
     from transformers import AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     except (OSError, ValueError) as err:
-        raise EaglenestError(f"--tokenizer {directory}: no tokenizer there ({type(err).__name__}); give the "
-                             "verifier stage's output (models/verifier) or the served model's folder") from None
+        raise EaglenestError(
+            f"--tokenizer {directory}: no tokenizer there ({type(err).__name__}); give the "
+            "verifier stage's output (models/verifier) or the served model's folder"
+        ) from None
     if not getattr(tokenizer, "chat_template", None):
-        raise EaglenestError(f"--tokenizer {directory}: the tokenizer has no chat template; the prompts are "
-                             "rendered with the verifier's own, so give an instruct/chat model's folder")
+        raise EaglenestError(
+            f"--tokenizer {directory}: the tokenizer has no chat template; the prompts are "
+            "rendered with the verifier's own, so give an instruct/chat model's folder"
+        )
     return tokenizer, None
 
 
@@ -49,8 +55,9 @@ def bench_prompts_file(prompts: Path) -> Path:
     if str(prompts) in BUILTIN_PROMPTS:
         return source_file(EvalSetParams(name="bench", source=str(prompts)), Path("."))
     if str(prompts).startswith("builtin:"):
-        raise EaglenestError(f"--prompts {prompts}: no such shipped set; choose {', '.join(BUILTIN_PROMPTS)} "
-                             "or give a JSONL file")
+        raise EaglenestError(
+            f"--prompts {prompts}: no such shipped set; choose {', '.join(BUILTIN_PROMPTS)} or give a JSONL file"
+        )
     return prompts
 
 
@@ -68,6 +75,8 @@ def check_length(served: dict[str, Any], prompts: list[list[int]], config: Bench
     longest = max(len(p) for p in prompts) + config.max_tokens
     max_model_len = served.get("max_model_len")
     if isinstance(max_model_len, int) and longest > max_model_len:
-        raise EaglenestError(f"--prompts {config.prompts}: the longest prompt plus --max-tokens is {longest} tokens, "
-                             f"past the server's max_model_len {max_model_len}; lower --max-tokens or drop long "
-                             "prompts")
+        raise EaglenestError(
+            f"--prompts {config.prompts}: the longest prompt plus --max-tokens is {longest} tokens, "
+            f"past the server's max_model_len {max_model_len}; lower --max-tokens or drop long "
+            "prompts"
+        )

@@ -23,8 +23,15 @@ def plot_speedup(results: list[dict[str, Any]], stops: int | None, path: Path) -
         ax.plot(*zip(*points, strict=True), marker="o", label="draft / baseline tokens/s")
     intervals = [(r["concurrency"], r["speedup_interval"]) for r in results if r.get("speedup_interval")]
     if intervals:
-        ax.vlines([c for c, _ in intervals], [i["low"] for _, i in intervals], [i["high"] for _, i in intervals],
-                  color="tab:blue", alpha=0.5, linewidth=2, label="95% interval over rounds")
+        ax.vlines(
+            [c for c, _ in intervals],
+            [i["low"] for _, i in intervals],
+            [i["high"] for _, i in intervals],
+            color="tab:blue",
+            alpha=0.5,
+            linewidth=2,
+            label="95% interval over rounds",
+        )
     ax.axhline(1.0, color="grey", linestyle="--", linewidth=1, label="break-even")
     if stops is not None:
         ax.axvline(stops, color="tab:red", linestyle=":", linewidth=1, label=f"stops paying at {stops}")
@@ -43,28 +50,46 @@ def plot_speedup(results: list[dict[str, Any]], stops: int | None, path: Path) -
 
 def summary_lines(result: dict[str, Any]) -> list[str]:
     """The sweep as a short table, then what it found."""
-    lines = [f"{'conc':>4}  {'draft tok/s':>11}  {'base tok/s':>10}  {'speed-up':>8}  {'95% interval':>12}  "
-             f"{'tau':>5}  {'p50 ms d/b':>15}  {'p99 ms d/b':>15}  {'identical':>9}  {'ties':>4}  {'differ':>6}  "
-             f"{'failed':>6}"]
+    lines = [
+        f"{'conc':>4}  {'draft tok/s':>11}  {'base tok/s':>10}  {'speed-up':>8}  {'95% interval':>12}  "
+        f"{'tau':>5}  {'p50 ms d/b':>15}  {'p99 ms d/b':>15}  {'identical':>9}  {'ties':>4}  {'differ':>6}  "
+        f"{'failed':>6}"
+    ]
     for r in result["results"]:
         d, b, outputs = r["draft"], r["baseline"], r["outputs"]
         lat = {p: f"{_ms(d, p)}/{_ms(b, p)}" for p in ("p50", "p99")}
-        same, ties, differ = ("-", "-", "-") if outputs is None else (
-            f"{outputs['identical']}/{outputs['compared']}", str(len(outputs["near_ties"])),
-            str(len(outputs["differ"])))
+        same, ties, differ = (
+            ("-", "-", "-")
+            if outputs is None
+            else (
+                f"{outputs['identical']}/{outputs['compared']}",
+                str(len(outputs["near_ties"])),
+                str(len(outputs["differ"])),
+            )
+        )
         speedup = "-" if r["speedup"] is None else f"{r['speedup']:.3f}x"
         interval = r.get("speedup_interval")
         within = "-" if interval is None else f"{interval['low']:.3f}-{interval['high']:.3f}"
         tau = "-" if d.get("tau") is None else f"{d['tau']:.2f}"
-        lines.append(f"{r['concurrency']:>4}  {d['tokens_per_s']:>11.1f}  {b['tokens_per_s']:>10.1f}  {speedup:>8}  "
-                     f"{within:>12}  {tau:>5}  {lat['p50']:>15}  {lat['p99']:>15}  {same:>9}  {ties:>4}  "
-                     f"{differ:>6}  {d['failed'] + b['failed']:>6}")
+        lines.append(
+            f"{r['concurrency']:>4}  {d['tokens_per_s']:>11.1f}  {b['tokens_per_s']:>10.1f}  {speedup:>8}  "
+            f"{within:>12}  {tau:>5}  {lat['p50']:>15}  {lat['p99']:>15}  {same:>9}  {ties:>4}  "
+            f"{differ:>6}  {d['failed'] + b['failed']:>6}"
+        )
     stops = result["stops_paying_at"]
     rounds = result.get("rounds", 1)
-    lines.append((f"speculation stops paying at concurrency {stops}" if stops is not None else
-                  "speculation pays at every concurrency measured")
-                 + (f" (speed-ups: geometric means of {rounds} paired rounds)" if rounds > 1 else
-                    " (one round: no interval above concurrency 1 but the single-stream one in bench.json)"))
+    lines.append(
+        (
+            f"speculation stops paying at concurrency {stops}"
+            if stops is not None
+            else "speculation pays at every concurrency measured"
+        )
+        + (
+            f" (speed-ups: geometric means of {rounds} paired rounds)"
+            if rounds > 1
+            else " (one round: no interval above concurrency 1 but the single-stream one in bench.json)"
+        )
+    )
     lines += schedule_lines(result.get("schedule"))
     for r in result["results"]:
         for role in ("draft", "baseline"):
@@ -72,12 +97,16 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
                 lines.append(f"check: concurrency {r['concurrency']}, {role}: {problem}")
         outputs = r["outputs"]
         if outputs is not None and outputs["near_ties"]:
-            lines.append(f"check: concurrency {r['concurrency']}: {len(outputs['near_ties'])} outputs leave the "
-                         f"baseline's at a near-tie within --tie-margin {result['tie_margin']:g}: "
-                         f"{_few(outputs['near_ties'], _tie_text)}")
+            lines.append(
+                f"check: concurrency {r['concurrency']}: {len(outputs['near_ties'])} outputs leave the "
+                f"baseline's at a near-tie within --tie-margin {result['tie_margin']:g}: "
+                f"{_few(outputs['near_ties'], _tie_text)}"
+            )
         if outputs is not None and outputs["differ"]:
-            lines.append(f"check: concurrency {r['concurrency']}: {len(outputs['differ'])} outputs differ from the "
-                         f"baseline's beyond a near-tie: {_few(outputs['differ'], _difference_text)}")
+            lines.append(
+                f"check: concurrency {r['concurrency']}: {len(outputs['differ'])} outputs differ from the "
+                f"baseline's beyond a near-tie: {_few(outputs['differ'], _difference_text)}"
+            )
     return lines
 
 
@@ -91,8 +120,10 @@ def schedule_lines(schedule: dict[str, Any] | None) -> list[str]:
     if schedule.get("served") is not None:
         lines = [f"served with K per batch size: {schedule_text([tuple(e) for e in schedule['served']])}"]
         if schedule["slower_than_baseline_at"]:
-            lines.append(f"check: the scheduled draft is slower than the baseline beyond the noise at concurrency "
-                         f"{schedule['slower_than_baseline_at']}; --measure-schedule measures the schedule anew")
+            lines.append(
+                f"check: the scheduled draft is slower than the baseline beyond the noise at concurrency "
+                f"{schedule['slower_than_baseline_at']}; --measure-schedule measures the schedule anew"
+            )
         return lines
     if schedule.get("derived") is None:
         return [f"K per batch size: not read from this run: {schedule['why']}"]
@@ -110,8 +141,10 @@ def _tie_text(entry: dict[str, Any]) -> str:
     where = f"request {entry['request']} (prompt {entry['prompt']})"
     if entry["position"] is None:
         return f"{where}: {entry['why']}"
-    return (f"{where} at token {entry['position']}: baseline {entry['baseline_text']!r}, draft "
-            f"{entry['draft_text']!r}, gap {entry['gap']:g}")
+    return (
+        f"{where} at token {entry['position']}: baseline {entry['baseline_text']!r}, draft "
+        f"{entry['draft_text']!r}, gap {entry['gap']:g}"
+    )
 
 
 def _difference_text(entry: dict[str, Any]) -> str:

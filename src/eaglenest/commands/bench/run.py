@@ -58,8 +58,10 @@ def run_bench(config: BenchConfig) -> tuple[dict[str, Any], int]:
         urls = (draft.url, baseline.url)
     else:
         # both commands built (and their refusals made) before anything starts
-        commands = {role: server_command(config.serve, config.model, kind, cpu_build=build.kind == "cpu")
-                    for role, kind in (("draft", None), ("baseline", config.serve.baseline))}
+        commands = {
+            role: server_command(config.serve, config.model, kind, cpu_build=build.kind == "cpu")
+            for role, kind in (("draft", None), ("baseline", config.serve.baseline))
+        }
         urls = (f"http://{SERVER_HOST}:{config.serve.port}",) * 2  # one port, one server at a time
     tokenizer, expected = load_bench_tokenizer(config.tokenizer_dir)
     if config.serve is None:
@@ -68,13 +70,22 @@ def run_bench(config: BenchConfig) -> tuple[dict[str, Any], int]:
     prompts = render_prompts(conversations, prompts_file, tokenizer)
     if served is not None:
         check_length(served, prompts, config)
-    result = _new_result(config, f"vllm bench serve ({build.distribution} {build.version})", urls, served, prompts,
-                         commands)
+    result = _new_result(
+        config, f"vllm bench serve ({build.distribution} {build.version})", urls, served, prompts, commands
+    )
     draft_command = commands.get("draft")
-    scheduled = None if draft_command is None or draft_command.schedule is None else (draft_command.schedule,
-                                                                                      draft_command.k)
-    sweep = Sweep(config, result, _write_requests(config, prompts, result["prompts"]["requests"]), prompts,
-                  [c.id for c in conversations], tokenizer, scheduled)
+    scheduled = (
+        None if draft_command is None or draft_command.schedule is None else (draft_command.schedule, draft_command.k)
+    )
+    sweep = Sweep(
+        config,
+        result,
+        _write_requests(config, prompts, result["prompts"]["requests"]),
+        prompts,
+        [c.id for c in conversations],
+        tokenizer,
+        scheduled,
+    )
     if config.serve is None:
         _sweep_urls(sweep, draft, baseline, result["concurrency"])
     else:
@@ -95,9 +106,11 @@ def _require_vllm() -> Any:
 
     build = installed_build()
     if build is None:
-        raise EaglenestError(f"eaglenest bench runs vLLM's `vllm bench serve`, and this interpreter "
-                             f"({sys.executable}) has no vLLM; install it (make setup) or run eaglenest from the "
-                             "environment that has it")
+        raise EaglenestError(
+            f"eaglenest bench runs vLLM's `vllm bench serve`, and this interpreter "
+            f"({sys.executable}) has no vLLM; install it (make setup) or run eaglenest from the "
+            "environment that has it"
+        )
     return build
 
 
@@ -106,35 +119,66 @@ def _url_endpoints(config: BenchConfig) -> tuple[Endpoint, Endpoint]:
     draft = Endpoint("draft", "--url", base_url(str(config.url), "--url"))
     baseline = Endpoint("baseline", "--baseline-url", base_url(str(config.baseline_url), "--baseline-url"))
     if draft.url == baseline.url:
-        raise EaglenestError(f"--url and --baseline-url are both {draft.url}: the baseline is another server, "
-                             "the same model without the draft (or with n-gram drafting)")
+        raise EaglenestError(
+            f"--url and --baseline-url are both {draft.url}: the baseline is another server, "
+            "the same model without the draft (or with n-gram drafting)"
+        )
     for endpoint in (draft, baseline):
         endpoint.get("/v1/models")  # both reachable before the tokenizer loads
     return draft, baseline
 
 
-def _new_result(config: BenchConfig, tool: str, urls: tuple[str, str], served: dict[str, Any] | None,
-                prompts: list[list[int]], commands: dict[str, Any]) -> dict[str, Any]:
+def _new_result(
+    config: BenchConfig,
+    tool: str,
+    urls: tuple[str, str],
+    served: dict[str, Any] | None,
+    prompts: list[list[int]],
+    commands: dict[str, Any],
+) -> dict[str, Any]:
     """bench.json before the first run: what is measured, how, and on which prompts."""
     levels = sorted(set(config.concurrency))
     result: dict[str, Any] = {
-        "url": urls[0], "baseline_url": urls[1],
+        "url": urls[0],
+        "baseline_url": urls[1],
         "model": None if served is None else str(served["id"]),
         "tool": tool,
-        "prompts": {"file": str(config.prompts), "count": len(prompts),
-                    "requests": config.num_prompts or 4 * levels[-1], "tokens": [len(p) for p in prompts]},
-        "max_tokens": config.max_tokens, "temperature": config.temperature, "concurrency": levels,
+        "prompts": {
+            "file": str(config.prompts),
+            "count": len(prompts),
+            "requests": config.num_prompts or 4 * levels[-1],
+            "tokens": [len(p) for p in prompts],
+        },
+        "max_tokens": config.max_tokens,
+        "temperature": config.temperature,
+        "concurrency": levels,
         "rounds": config.rounds,
-        "tie_margin": default_tie_margin() if config.tie_margin is None else config.tie_margin, "tie_checks": 0,
-        "results": [], "stops_paying_at": None, "schedule": None, "complete": False,
+        "tie_margin": default_tie_margin() if config.tie_margin is None else config.tie_margin,
+        "tie_checks": 0,
+        "results": [],
+        "stops_paying_at": None,
+        "schedule": None,
+        "complete": False,
     }
     if config.serve is not None:
         result["servers"] = {
-            role: {"kind": "draft" if role == "draft" else config.serve.baseline, "command": command.shell(),
-                   "why": command.k_reason, "log": f"raw/server-{role}.log", "starts": 0}
-            | ({"schedule": None if command.schedule is None else [list(e) for e in command.schedule],
-                "schedule_why": command.schedule_reason} if role == "draft" else {})
-            for role, command in commands.items()}
+            role: {
+                "kind": "draft" if role == "draft" else config.serve.baseline,
+                "command": command.shell(),
+                "why": command.k_reason,
+                "log": f"raw/server-{role}.log",
+                "starts": 0,
+            }
+            | (
+                {
+                    "schedule": None if command.schedule is None else [list(e) for e in command.schedule],
+                    "schedule_why": command.schedule_reason,
+                }
+                if role == "draft"
+                else {}
+            )
+            for role, command in commands.items()
+        }
     return result
 
 
@@ -146,8 +190,9 @@ def _write_requests(config: BenchConfig, prompts: list[list[int]], num_requests:
     remove_stale_temps(out)
     (out / "speedup.png").unlink(missing_ok=True)  # an earlier run's plot must not pass for this one's
     dataset = raw_dir / "requests.jsonl"  # `custom` reads only a .jsonl name
-    atomic_write_bytes(dataset, "".join(json.dumps({"prompt": prompts[i % len(prompts)]}) + "\n"
-                                        for i in range(num_requests)).encode())
+    atomic_write_bytes(
+        dataset, "".join(json.dumps({"prompt": prompts[i % len(prompts)]}) + "\n" for i in range(num_requests)).encode()
+    )
     return dataset
 
 
@@ -158,7 +203,7 @@ def _sweep_urls(sweep: Sweep, draft: Endpoint, baseline: Endpoint, levels: list[
         sweep.warm_up(endpoint)
     for number in range(sweep.rounds):
         for concurrency in levels:
-            for endpoint in ((draft, baseline) if number % 2 == 0 else (baseline, draft)):
+            for endpoint in (draft, baseline) if number % 2 == 0 else (baseline, draft):
                 sweep.measure(endpoint, concurrency, number)
             sweep.settle(baseline)  # each concurrency is kept as soon as it is measured
 
@@ -208,6 +253,9 @@ def bench(config: BenchConfig) -> int:
         print(f"eaglenest bench: {failed} requests failed (errors in {config.out / 'raw'})", file=sys.stderr)
     differ = sum(len(r["outputs"]["differ"]) for r in result["results"] if r["outputs"] is not None)
     if differ:
-        print(f"eaglenest bench: {differ} outputs at temperature 0 differ from the baseline's beyond a near-tie "
-              f"within --tie-margin {result['tie_margin']:g} (see {config.out / 'bench.json'})", file=sys.stderr)
+        print(
+            f"eaglenest bench: {differ} outputs at temperature 0 differ from the baseline's beyond a near-tie "
+            f"within --tie-margin {result['tie_margin']:g} (see {config.out / 'bench.json'})",
+            file=sys.stderr,
+        )
     return status

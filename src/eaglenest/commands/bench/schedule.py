@@ -27,10 +27,12 @@ from typing import Any
 from eaglenest.artifacts.serve_schedule import MeasuredPoint, Schedule
 
 PAYS_ABOVE = 1.0
-RULE = ("K where the speed-up's 95% interval over rounds lies wholly above 1, from batch size 1 up to the last "
-        "concurrency of the unbroken run of such concurrencies (a measured concurrency vouches for the batch sizes "
-        "below it); 0 everywhere else: at a tie, where it is slower, in the unmeasured gap before the first "
-        "concurrency that does not pay, and past the largest concurrency measured")
+RULE = (
+    "K where the speed-up's 95% interval over rounds lies wholly above 1, from batch size 1 up to the last "
+    "concurrency of the unbroken run of such concurrencies (a measured concurrency vouches for the batch sizes "
+    "below it); 0 everywhere else: at a tie, where it is slower, in the unmeasured gap before the first "
+    "concurrency that does not pay, and past the largest concurrency measured"
+)
 
 
 def pays(low: float | None) -> bool:
@@ -81,9 +83,17 @@ def measured_points(rows: list[dict[str, Any]], k: int) -> list[MeasuredPoint]:
             continue
         interval = row.get("speedup_interval")
         low, high = (None, None) if interval is None else (interval["low"], interval["high"])
-        points.append(MeasuredPoint(concurrency=row["concurrency"], k=k, speedup=row["speedup"], low=low, high=high,
-                                    rounds=len([r for r in row.get("rounds", []) if r.get("speedup") is not None]),
-                                    pays=pays(low)))
+        points.append(
+            MeasuredPoint(
+                concurrency=row["concurrency"],
+                k=k,
+                speedup=row["speedup"],
+                low=low,
+                high=high,
+                rounds=len([r for r in row.get("rounds", []) if r.get("speedup") is not None]),
+                pays=pays(low),
+            )
+        )
     return points
 
 
@@ -99,8 +109,7 @@ def server_blocks(rounds: int) -> list[tuple[str, list[int]]]:
     order: list[tuple[str, int]] = []
     for number in range(rounds):
         draft_first = (rounds - 1 - number) % 2 == 0
-        order += [("draft", number), ("baseline", number)] if draft_first else [("baseline", number),
-                                                                                ("draft", number)]
+        order += [("draft", number), ("baseline", number)] if draft_first else [("baseline", number), ("draft", number)]
     blocks: list[tuple[str, list[int]]] = []
     for role, number in order:
         if blocks and blocks[-1][0] == role:
@@ -117,54 +126,90 @@ def schedule_result(config: Any, result: dict[str, Any], draft_command: Any, sta
     Args:
         config: The flags (:class:`~eaglenest.commands.bench.config.BenchConfig`).
         result: bench.json as measured.
-        draft_command: The draft server's :class:`~eaglenest.commands.serve.ServeCommand` (``--serve``), else None.
+        draft_command: The draft server's :class:`~eaglenest.commands.serve.command.ServeCommand` (``--serve``),
+            else None.
         status: The bench's exit status so far: a run with a failed request or a real output difference writes no
             record.
     """
     from dataclasses import asdict
 
-    from eaglenest.commands.serve import server_max_num_seqs
+    from eaglenest.commands.serve.command import server_max_num_seqs
 
     rows = result["results"]
     if draft_command is not None and draft_command.schedule is not None:
         slower = [r["concurrency"] for r in rows if (r.get("speedup_interval") or {}).get("high", 2.0) < PAYS_ABOVE]
-        return {"served": [list(entry) for entry in draft_command.schedule], "why": draft_command.schedule_reason,
-                "derived": None, "written": None, "slower_than_baseline_at": slower,
-                "note": "the draft server served this schedule, so the figures check it rather than measure one; "
-                        "--measure-schedule measures the draft at one K at every batch size"}
+        return {
+            "served": [list(entry) for entry in draft_command.schedule],
+            "why": draft_command.schedule_reason,
+            "derived": None,
+            "written": None,
+            "slower_than_baseline_at": slower,
+            "note": "the draft server served this schedule, so the figures check it rather than measure one; "
+            "--measure-schedule measures the draft at one K at every batch size",
+        }
     k = draft_command.k if draft_command is not None else _k_from_counters(rows)
     entry: dict[str, Any] = {"served": None, "k": k, "derived": None, "written": None}
     if config.rounds < 2:
-        return entry | {"why": "one round gives no interval at any concurrency, and a schedule speculates only where "
-                               "the interval lies above 1; --rounds 3 measures one"}
+        return entry | {
+            "why": "one round gives no interval at any concurrency, and a schedule speculates only where "
+            "the interval lies above 1; --rounds 3 measures one"
+        }
     if k is None:
         return entry | {"why": "the draft server's K is not known: its /metrics count no draft position"}
     vllm_args = list(config.serve.vllm_args) if config.serve is not None else []
     max_num_seqs = server_max_num_seqs(vllm_args) or max(result["concurrency"])
     points = measured_points(rows, k)
     schedule = derive_schedule(points, max_num_seqs)
-    entry |= {"max_num_seqs": max_num_seqs, "rule": RULE, "measured": [asdict(p) for p in points],
-              "derived": [list(e) for e in schedule]}
+    entry |= {
+        "max_num_seqs": max_num_seqs,
+        "rule": RULE,
+        "measured": [asdict(p) for p in points],
+        "derived": [list(e) for e in schedule],
+    }
     if config.serve is None:
-        return entry | {"why": "--url: bench does not know the served draft's files, so it writes no record; "
-                               "`eaglenest bench --serve` does"}
+        return entry | {
+            "why": "--url: bench does not know the served draft's files, so it writes no record; "
+            "`eaglenest bench --serve` does"
+        }
     if config.serve.baseline != "none":
-        return entry | {"why": f"the baseline was {config.serve.baseline} drafting, and a schedule says where the "
-                               "draft beats plain decoding: --baseline none measures it; no record written"}
+        return entry | {
+            "why": f"the baseline was {config.serve.baseline} drafting, and a schedule says where the "
+            "draft beats plain decoding: --baseline none measures it; no record written"
+        }
     if status != 0:
-        return entry | {"why": "a request failed or an output differs from the baseline's beyond a near-tie: no "
-                               "record written from this run"}
+        return entry | {
+            "why": "a request failed or an output differs from the baseline's beyond a near-tie: no "
+            "record written from this run"
+        }
     from eaglenest.artifacts.serve_schedule import write_schedule_record
     from eaglenest.core.host import host_kind, host_record
     from eaglenest.stages.k_sweep import short_commit
 
-    details = {"baseline": config.serve.baseline, "rounds": config.rounds, "prompts": str(config.prompts),
-               "requests": result["prompts"]["requests"], "max_tokens": config.max_tokens,
-               "temperature": config.temperature, "bench": str(config.out / "bench.json")}
-    write_schedule_record(config.serve.schedule, config.serve.draft, k, schedule, max_num_seqs, RULE, points,
-                          details, short_commit(), {**host_record(draft_command.dtype), "label": host_kind().label})
-    return entry | {"written": str(config.serve.schedule),
-                    "why": f"the draft served at K={k} at every batch size, {config.rounds} rounds"}
+    details = {
+        "baseline": config.serve.baseline,
+        "rounds": config.rounds,
+        "prompts": str(config.prompts),
+        "requests": result["prompts"]["requests"],
+        "max_tokens": config.max_tokens,
+        "temperature": config.temperature,
+        "bench": str(config.out / "bench.json"),
+    }
+    write_schedule_record(
+        config.serve.schedule,
+        config.serve.draft,
+        k,
+        schedule,
+        max_num_seqs,
+        RULE,
+        points,
+        details,
+        short_commit(),
+        {**host_record(draft_command.dtype), "label": host_kind().label},
+    )
+    return entry | {
+        "written": str(config.serve.schedule),
+        "why": f"the draft served at K={k} at every batch size, {config.rounds} rounds",
+    }
 
 
 def _k_from_counters(rows: list[dict[str, Any]]) -> int | None:

@@ -31,28 +31,48 @@ def server_command(serve: ServeSetup, model: str | None, baseline: str | None, c
     ``--measure-schedule``).
 
     Returns:
-        A :class:`eaglenest.commands.serve.ServeCommand`.
+        A :class:`eaglenest.commands.serve.command.ServeCommand`.
     """
-    from eaglenest.commands.serve import API_KEY_ENV, OWN_FLAGS, build_command
+    from eaglenest.commands.serve.access import API_KEY_ENV
+    from eaglenest.commands.serve.command import OWN_FLAGS, build_command
 
     for arg in serve.vllm_args:
         flag = arg.split("=", 1)[0]
         if flag == "--api-key":  # bench must send the key it gives: one variable holds it for both ends
-            raise EaglenestError(f"--api-key after --: eaglenest bench --serve starts its servers with the key of "
-                                 f"{API_KEY_ENV} and sends the key of {' or '.join(API_KEY_ENVS)}; export "
-                                 f"{API_KEY_ENV}=... instead")
+            raise EaglenestError(
+                f"--api-key after --: eaglenest bench --serve starts its servers with the key of "
+                f"{API_KEY_ENV} and sends the key of {' or '.join(API_KEY_ENVS)}; export "
+                f"{API_KEY_ENV}=... instead"
+            )
         if flag in OWN_FLAGS:
-            instead = ("--model" if flag == "--served-model-name" else
-                       "nothing: the servers listen on 127.0.0.1" if flag == "--host" else OWN_FLAGS[flag])
+            instead = (
+                "--model"
+                if flag == "--served-model-name"
+                else "nothing: the servers listen on 127.0.0.1"
+                if flag == "--host"
+                else OWN_FLAGS[flag]
+            )
             raise EaglenestError(f"{flag} after --: eaglenest bench --serve sets it; use {instead} (before --)")
     # the record is passed over, not refused, where it is of another draft or K: this bench then measures anew
-    command = build_command(serve.verifier, serve.draft, SERVER_HOST, serve.port, serve.dtype, cpu_build=cpu_build,
-                            num_speculative_tokens=serve.num_speculative_tokens, served_model_name=model,
-                            vllm_args=list(serve.vllm_args), baseline=baseline,
-                            schedule_file=None if serve.measure_schedule else serve.schedule)
+    command = build_command(
+        serve.verifier,
+        serve.draft,
+        SERVER_HOST,
+        serve.port,
+        serve.dtype,
+        cpu_build=cpu_build,
+        num_speculative_tokens=serve.num_speculative_tokens,
+        served_model_name=model,
+        vllm_args=list(serve.vllm_args),
+        baseline=baseline,
+        schedule_file=None if serve.measure_schedule else serve.schedule,
+    )
     if baseline is None and serve.measure_schedule:
-        command = dataclasses.replace(command, schedule_reason="K per batch size: none, the same K at every batch "
-                                      f"size (--measure-schedule: measured anew, written to {serve.schedule})")
+        command = dataclasses.replace(
+            command,
+            schedule_reason="K per batch size: none, the same K at every batch "
+            f"size (--measure-schedule: measured anew, written to {serve.schedule})",
+        )
     return command
 
 
@@ -71,8 +91,9 @@ class StartedServer:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with self.log.open("wb") as log:  # the child keeps its own descriptor
             try:
-                self.group = SupervisedGroup(self.command.argv, {**os.environ, **self.command.env}, stdout=log,
-                                             stderr=subprocess.STDOUT)
+                self.group = SupervisedGroup(
+                    self.command.argv, {**os.environ, **self.command.env}, stdout=log, stderr=subprocess.STDOUT
+                )
             except OSError as err:
                 raise EaglenestError(f"the {self.role} server did not start: {err}") from None
 
@@ -95,14 +116,18 @@ class StartedServer:
             status = self.exit_status()
             if status is not None:
                 why = failure_line(self.log.read_text(errors="replace"))
-                raise EaglenestError(f"the {self.role} server exited with {status} before it answered at "
-                                     f"{self.url}/v1/models: {why} (log: {self.log})")
+                raise EaglenestError(
+                    f"the {self.role} server exited with {status} before it answered at "
+                    f"{self.url}/v1/models: {why} (log: {self.log})"
+                )
             if answers(self.url + "/v1/models"):
                 return time.monotonic() - start
             if time.monotonic() - start > timeout_s:
-                raise EaglenestError(f"the {self.role} server did not answer at {self.url}/v1/models within "
-                                     f"--server-timeout {timeout_s:g} s (log: {self.log}); raise --server-timeout "
-                                     "if it was still loading")
+                raise EaglenestError(
+                    f"the {self.role} server did not answer at {self.url}/v1/models within "
+                    f"--server-timeout {timeout_s:g} s (log: {self.log}); raise --server-timeout "
+                    "if it was still loading"
+                )
             time.sleep(SERVER_POLL_S)
 
     def stop(self) -> None:
@@ -114,7 +139,7 @@ class StartedServer:
 @contextlib.contextmanager
 def started_server(role: str, command: Any, serve: ServeSetup, log: Path) -> Iterator[StartedServer]:
     """The server, started and answering; stopped on leaving, whatever the way out."""
-    from eaglenest.commands.serve import check_port_free
+    from eaglenest.commands.serve.access import check_port_free
 
     check_port_free(SERVER_HOST, serve.port)
     server = StartedServer(role, command, f"http://{SERVER_HOST}:{serve.port}", log)

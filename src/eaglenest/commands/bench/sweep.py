@@ -12,11 +12,11 @@ elsewhere); ``--baseline-url`` serves the same model without the draft (the veri
 drafting). At each concurrency, each endpoint in turn gets the same requests.
 
 ``--serve`` starts the two servers here instead, one at a time, so that on a machine of few cores neither takes the
-other's: the draft server (``eaglenest serve``'s command, :func:`eaglenest.commands.serve.build_command`, with the
-K-per-batch-size schedule of ``--schedule`` where it is of this draft) and the baseline server (``--baseline``:
-``none``, the verifier alone, or ``ngram``), each on 127.0.0.1:``--port``, waited for until ``/v1/models`` answers
-(``--server-timeout``), warmed up, run through whole rounds at every concurrency, then stopped. Each runs as a
-subprocess in its own process group (SIGTERM to the group, SIGKILL after ``STOP_GRACE_S``:
+other's: the draft server (``eaglenest serve``'s command, :func:`eaglenest.commands.serve.command.build_command`,
+with the K-per-batch-size schedule of ``--schedule`` where it is of this draft) and the baseline server
+(``--baseline``: ``none``, the verifier alone, or ``ngram``), each on 127.0.0.1:``--port``, waited for until
+``/v1/models`` answers (``--server-timeout``), warmed up, run through whole rounds at every concurrency, then
+stopped. Each runs as a subprocess in its own process group (SIGTERM to the group, SIGKILL after ``STOP_GRACE_S``:
 :mod:`eaglenest.commands.supervised`), its output in ``raw/server-<role>.log`` (``-2``, ``-3`` for later starts),
 and is stopped whatever ends the bench: the last run, a refusal, Ctrl-C or SIGTERM; a bench killed with SIGKILL
 takes its server's whole process tree with it. Flags after ``--`` go to both servers.
@@ -97,10 +97,7 @@ from typing import Any
 from eaglenest.artifacts.serve_schedule import Schedule, k_at
 from eaglenest.commands.bench.config import BenchConfig
 from eaglenest.commands.bench.counters import acceptance, counter_problems
-from eaglenest.commands.bench.endpoint import (
-    Endpoint,
-    ServerGone,
-)
+from eaglenest.commands.bench.endpoint import Endpoint, ServerGone
 from eaglenest.commands.bench.figures import (
     endpoint_figures,
     pooled_raw,
@@ -109,13 +106,7 @@ from eaglenest.commands.bench.figures import (
     stops_paying_at,
 )
 from eaglenest.commands.bench.load import RunStopped, run_vllm_bench
-from eaglenest.commands.bench.outputs import (
-    Comparison,
-    Replay,
-    ask_with_logprobs,
-    compare_outputs,
-    judge_difference,
-)
+from eaglenest.commands.bench.outputs import Comparison, Replay, ask_with_logprobs, compare_outputs, judge_difference
 from eaglenest.commands.bench.render import write_result
 from eaglenest.commands.bench.servers import StartedServer
 from eaglenest.core.errors import EaglenestError
@@ -148,8 +139,16 @@ class Sweep:
             at a concurrency where it gives K 0 at every batch size, the counters must not grow.
     """
 
-    def __init__(self, config: BenchConfig, result: dict[str, Any], dataset: Path, prompts: list[list[int]],
-                 prompt_ids: list[str], tokenizer: Any, schedule: tuple[Schedule, int] | None = None) -> None:
+    def __init__(
+        self,
+        config: BenchConfig,
+        result: dict[str, Any],
+        dataset: Path,
+        prompts: list[list[int]],
+        prompt_ids: list[str],
+        tokenizer: Any,
+        schedule: tuple[Schedule, int] | None = None,
+    ) -> None:
         self.config, self.result, self.dataset = config, result, dataset
         self.prompts, self.prompt_ids, self.tokenizer = prompts, prompt_ids, tokenizer
         self.schedule = schedule
@@ -171,8 +170,7 @@ class Sweep:
 
     def write(self) -> None:
         levels = self.result["concurrency"]
-        self.result["results"] = [self.row(c) for c in levels
-                                  if any(key[2] == c for key in self.runs)]
+        self.result["results"] = [self.row(c) for c in levels if any(key[2] == c for key in self.runs)]
         self.result["stops_paying_at"] = stops_paying_at(self.result["results"])
         write_result(self.result, self.config.out)
 
@@ -181,8 +179,10 @@ class Sweep:
         self.write()
         rows = self.result["results"]
         measured = [r["concurrency"] for r in rows if r["speedup"] is not None]
-        alone = {role: [r["concurrency"] for r in rows if r["speedup"] is None and r[role] is not None]
-                 for role in ("draft", "baseline")}  # --serve: the other server has not run there yet
+        alone = {
+            role: [r["concurrency"] for r in rows if r["speedup"] is None and r[role] is not None]
+            for role in ("draft", "baseline")
+        }  # --serve: the other server has not run there yet
         kept = [f"concurrency {measured}"] if measured else []
         kept += [f"the {role}'s figures at concurrency {levels}" for role, levels in alone.items() if levels]
         kept_text = ("bench.json keeps " + " and ".join(kept)) if kept else "nothing was measured"
@@ -191,8 +191,10 @@ class Sweep:
         where = str(self.config.out / "bench.json")
         if endpoint.role in self.servers:
             where += f"; server log: {self.servers[endpoint.role].log}"
-        message = (f"{endpoint.flag} {endpoint.url}: the run at concurrency {concurrency} did not finish: {why}; "
-                   f"{kept_text} ({where})")
+        message = (
+            f"{endpoint.flag} {endpoint.url}: the run at concurrency {concurrency} did not finish: {why}; "
+            f"{kept_text} ({where})"
+        )
         self.result["stopped"] = message
         self.write()
         return EaglenestError(message)
@@ -201,8 +203,7 @@ class Sweep:
         """Why an endpoint stopped answering: the connection's error, and a started server's exit status."""
         server = self.servers.get(endpoint.role)
         status = None if server is None else server.exit_status(wait_s=SERVER_EXIT_WAIT_S)
-        return f"the server stopped answering ({reason})" + (f"; it exited with {status}" if status is not None
-                                                             else "")
+        return f"the server stopped answering ({reason})" + (f"; it exited with {status}" if status is not None else "")
 
     def warm_up(self, endpoint: Endpoint) -> None:
         """An unmeasured run of ``--warmup-prompts`` requests; refuses an endpoint that fails every one."""
@@ -211,8 +212,9 @@ class Sweep:
         print(f"eaglenest bench: warming up {endpoint.role} ({endpoint.url})", flush=True)
         requests = min(self.config.warmup_prompts, self.result["prompts"]["requests"])
         try:
-            warm = run_vllm_bench(endpoint, self.model, self.dataset, requests, 1, self.config, self.raw_dir,
-                                  f"warmup-{endpoint.role}")
+            warm = run_vllm_bench(
+                endpoint, self.model, self.dataset, requests, 1, self.config, self.raw_dir, f"warmup-{endpoint.role}"
+            )
         except RunStopped as err:
             raise self.stop(endpoint, "1 (warm-up)", str(err)) from None
         if not warm.get("completed"):  # a server that refuses every request: say why before the sweep
@@ -227,27 +229,29 @@ class Sweep:
         name = self._raw_name(endpoint.role, concurrency, number)
         requests = self.result["prompts"]["requests"]
         which = f", round {number + 1} of {self.rounds}" if self.rounds > 1 else ""
-        print(f"eaglenest bench: {endpoint.role} at concurrency {concurrency} ({requests} requests{which})",
-              flush=True)
+        print(f"eaglenest bench: {endpoint.role} at concurrency {concurrency} ({requests} requests{which})", flush=True)
         try:
             before = endpoint.counters()
-            raw = run_vllm_bench(endpoint, self.model, self.dataset, requests, concurrency, self.config, self.raw_dir,
-                                 name)
+            raw = run_vllm_bench(
+                endpoint, self.model, self.dataset, requests, concurrency, self.config, self.raw_dir, name
+            )
             after = endpoint.counters()
         except ServerGone as err:
             raise self.stop(endpoint, concurrency, self._gone(endpoint, err.reason)) from None
         except (RunStopped, EaglenestError) as err:
-            raise self.stop(endpoint, concurrency, str(err).removeprefix(f"{endpoint.flag} {endpoint.url}: ")) \
-                from None
+            raise self.stop(endpoint, concurrency, str(err).removeprefix(f"{endpoint.flag} {endpoint.url}: ")) from None
         spec = acceptance(before, after)
         expected, forbidden = self._drafts_expected(endpoint.role, concurrency)
         problems = counter_problems(before, after, spec, raw, spec_expected=expected)
         if forbidden and spec is not None and spec.drafts > 0:
-            problems.append(f"{spec.drafts} drafts at concurrency {concurrency}, where the served schedule gives K 0 "
-                            f"at every batch size up to {concurrency}: vLLM did not follow it step by step")
+            problems.append(
+                f"{spec.drafts} drafts at concurrency {concurrency}, where the served schedule gives K 0 "
+                f"at every batch size up to {concurrency}: vLLM did not follow it step by step"
+            )
         self.failed += int(raw["failed"])
-        self.runs[(endpoint.role, number, concurrency)] = Run(endpoint_figures(raw, spec, problems, f"raw/{name}.json"),
-                                                              raw, spec)
+        self.runs[(endpoint.role, number, concurrency)] = Run(
+            endpoint_figures(raw, spec, problems, f"raw/{name}.json"), raw, spec
+        )
 
     def _drafts_expected(self, role: str, concurrency: int) -> tuple[bool, bool]:
         """(every step should draft, no step may draft) for a run of ``role`` at ``concurrency``: at C requests in
@@ -288,22 +292,29 @@ class Sweep:
             if draft is not None and plain is not None and plain.figures["tokens_per_s"] > 0:
                 ratio = draft.figures["tokens_per_s"] / plain.figures["tokens_per_s"]
                 pairs.append((number, draft, plain))
-            rounds.append({"round": number + 1, "speedup": None if ratio is None else round(ratio, 4),
-                           "draft": None if draft is None else draft.figures,
-                           "baseline": None if plain is None else plain.figures,
-                           "outputs": self.outputs.get((number, concurrency))})
+            rounds.append(
+                {
+                    "round": number + 1,
+                    "speedup": None if ratio is None else round(ratio, 4),
+                    "draft": None if draft is None else draft.figures,
+                    "baseline": None if plain is None else plain.figures,
+                    "outputs": self.outputs.get((number, concurrency)),
+                }
+            )
         interval = rounds_interval([(d.figures["tokens_per_s"], b.figures["tokens_per_s"]) for _, d, b in pairs])
         speedup = interval.value if interval is not None else (rounds[0]["speedup"] if len(pairs) == 1 else None)
         single = None
         if concurrency == 1 and pairs:
-            single = single_stream_speedup(pooled_raw([d.raw for _, d, _ in pairs]),
-                                           pooled_raw([b.raw for _, _, b in pairs]))
+            single = single_stream_speedup(
+                pooled_raw([d.raw for _, d, _ in pairs]), pooled_raw([b.raw for _, _, b in pairs])
+            )
         return {
             "concurrency": concurrency,
             "speedup": None if speedup is None else round(speedup, 4),
             "speedup_interval": None if interval is None else interval.as_dict() | {"over": "rounds"},
             "single_stream_speedup": single.as_dict() if single is not None else None,
-            "draft": self._pooled("draft", concurrency), "baseline": self._pooled("baseline", concurrency),
+            "draft": self._pooled("draft", concurrency),
+            "baseline": self._pooled("baseline", concurrency),
             "outputs": _pooled_outputs(rounds),
             "rounds": rounds,
         }
@@ -318,34 +329,43 @@ class Sweep:
         specs = [run.spec for _, run in runs]
         spec = None if any(s is None for s in specs) else sum(specs, SpecCounts())  # type: ignore[arg-type]
         problems = [f"round {n + 1}: {p}" for n, run in runs for p in run.figures["counter_problems"]]
-        return endpoint_figures(pooled_raw([run.raw for _, run in runs]), spec, problems,
-                                f"raw/{role}-c{concurrency}-r*.json")
+        return endpoint_figures(
+            pooled_raw([run.raw for _, run in runs]), spec, problems, f"raw/{role}-c{concurrency}-r*.json"
+        )
 
-    def check_outputs(self, concurrency: int, compared: Comparison, draft: dict[str, Any],
-                      baseline_endpoint: Endpoint | None) -> dict[str, Any]:
+    def check_outputs(
+        self, concurrency: int, compared: Comparison, draft: dict[str, Any], baseline_endpoint: Endpoint | None
+    ) -> dict[str, Any]:
         """The temperature-0 check: identical texts, else the near-tie rule against the baseline's replay."""
         near_ties, differ = [], []
         for entry in compared.differ:
             request = entry["request"]
             assert baseline_endpoint is not None  # settle() waits for it where an output differs
             replay = self.replay(baseline_endpoint, request % len(self.prompts), concurrency)
-            verdict = judge_difference(draft["generated_texts"][request], replay, self.tokenizer,
-                                       self.result["tie_margin"])
+            verdict = judge_difference(
+                draft["generated_texts"][request], replay, self.tokenizer, self.result["tie_margin"]
+            )
             (near_ties if verdict.near_tie else differ).append(entry | verdict.detail)
         self.real_differences += len(differ)
-        return {"compared": compared.compared, "identical": compared.identical, "near_ties": near_ties,
-                "differ": differ}
+        return {
+            "compared": compared.compared,
+            "identical": compared.identical,
+            "near_ties": near_ties,
+            "differ": differ,
+        }
 
     def replay(self, endpoint: Endpoint, prompt: int, concurrency: int) -> Replay | str:
         """The baseline's replay of one prompt (asked once per bench), or why there is none."""
         if prompt not in self.replays:
             self.result["tie_checks"] += 1
             try:
-                self.replays[prompt] = ask_with_logprobs(endpoint, self.model, self.prompts[prompt],
-                                                         self.config.max_tokens, self.config.timeout_s)
+                self.replays[prompt] = ask_with_logprobs(
+                    endpoint, self.model, self.prompts[prompt], self.config.max_tokens, self.config.timeout_s
+                )
             except ServerGone as err:
-                raise self.stop(endpoint, concurrency, f"{self._gone(endpoint, err.reason)} during the near-tie "
-                                "check") from None
+                raise self.stop(
+                    endpoint, concurrency, f"{self._gone(endpoint, err.reason)} during the near-tie check"
+                ) from None
             except EaglenestError as err:
                 why = str(err).removeprefix(f"{endpoint.flag} {endpoint.url}: ")
                 self.replays[prompt] = f"the baseline's near-tie check failed: {why}"

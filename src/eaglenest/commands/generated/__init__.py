@@ -41,8 +41,17 @@ from eaglenest.commands.generated.training import TRAINING_SVG, render_training_
 DOCS_COMMAND = "eaglenest report --docs"
 
 __all__ = [
-    "CONCURRENCY_SVG", "DOCS_TARGETS", "HEADLINE_SVG", "README_TARGETS", "TRAINING_SVG", "Generated", "check",
-    "regenerate", "render_readme", "stale", "write",
+    "CONCURRENCY_SVG",
+    "DOCS_TARGETS",
+    "HEADLINE_SVG",
+    "README_TARGETS",
+    "TRAINING_SVG",
+    "Generated",
+    "check",
+    "regenerate",
+    "render_readme",
+    "stale",
+    "write",
 ]
 
 
@@ -53,8 +62,9 @@ def render_readme(text: str, repo: Path, path: Path) -> str:
 
 def _page(path: str, source: str, blocks: Callable[[Path], dict[str, list[str]]]) -> Generated:
     """A docs page whose generated blocks (name to lines, from the repository) come from ``source``."""
-    return Generated(path, lambda old, repo: render_blocks(old, blocks(repo), DOCS_COMMAND, source, repo / path),
-                     DOCS_COMMAND)
+    return Generated(
+        path, lambda old, repo: render_blocks(old, blocks(repo), DOCS_COMMAND, source, repo / path), DOCS_COMMAND
+    )
 
 
 README_TARGET = Generated("README.md", lambda old, repo: render_readme(old, repo, repo / "README.md"), README_COMMAND)
@@ -64,8 +74,7 @@ README_TARGETS = (README_TARGET, HEADLINE_SVG_TARGET)
 # What `eaglenest report --docs` writes: every figure drawn from a committed measurement.
 DOCS_TARGETS = (
     *README_TARGETS,
-    _page("docs/serving.md", SERVE_RECORD,
-          lambda repo: {"serve-concurrency": serving_lines(load_serve_record(repo))}),
+    _page("docs/serving.md", SERVE_RECORD, lambda repo: {"serve-concurrency": serving_lines(load_serve_record(repo))}),
     _page("docs/defaults.md", METRICS_SOURCE, lambda repo: {"committed-tau": committed_tau_lines(repo)}),
     Generated(CONCURRENCY_SVG, lambda _old, repo: concurrency_svg(load_serve_record(repo)), DOCS_COMMAND),
     Generated(TRAINING_SVG, render_training_svg, DOCS_COMMAND),

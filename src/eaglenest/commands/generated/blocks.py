@@ -48,8 +48,9 @@ def render_blocks(text: str, blocks: dict[str, list[str]], command: str, source:
     """
     for name, lines in blocks.items():
         begin, end = marker(name, command, source)
-        pattern = re.compile(r"^([ \t]*)" + re.escape(begin) + r"\n.*?^\1" + re.escape(end) + "$",
-                             re.DOTALL | re.MULTILINE)
+        pattern = re.compile(
+            r"^([ \t]*)" + re.escape(begin) + r"\n.*?^\1" + re.escape(end) + "$", re.DOTALL | re.MULTILINE
+        )
         if len(pattern.findall(text)) != 1:
             raise InputFileError(f"{path}: needs exactly one block between {begin!r} and {end!r}")
 
@@ -81,11 +82,15 @@ def stale(repo: Path, targets: tuple[Generated, ...]) -> list[str]:
     for target in targets:
         path, old, new = _rendered(repo, target)
         if new is None and path.exists():
-            problems.append(f"{target.path} draws a measurement that is not committed; run `{target.command}` "
-                            "(it removes the file) and commit the result")
+            problems.append(
+                f"{target.path} draws a measurement that is not committed; run `{target.command}` "
+                "(it removes the file) and commit the result"
+            )
         elif new is not None and new != old:
-            problems.append(f"{target.path} is not what `{target.command}` writes from the current sources; "
-                            f"run `{target.command}` and commit the result")
+            problems.append(
+                f"{target.path} is not what `{target.command}` writes from the current sources; "
+                f"run `{target.command}` and commit the result"
+            )
     return problems
 
 

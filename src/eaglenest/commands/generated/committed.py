@@ -124,11 +124,14 @@ def check(repo: Path, targets: tuple[Generated, ...]) -> tuple[list[str], list[s
         return stale(repo, targets), []
     with tempfile.TemporaryDirectory() as scratch:
         view = committed_view(repo, targets, Path(scratch))
-        problems = [line for target in targets for line in stale(view, (target,))
-                    if not _fresh_in_workspace(repo, target)]
-    note = (f"the workspace holds another run than the one committed ({', '.join(moved)} differ from HEAD): "
-            "checked the docs against the committed run; to show this run, `eaglenest report --docs` and commit "
-            "it with its measurements")
+        problems = [
+            line for target in targets for line in stale(view, (target,)) if not _fresh_in_workspace(repo, target)
+        ]
+    note = (
+        f"the workspace holds another run than the one committed ({', '.join(moved)} differ from HEAD): "
+        "checked the docs against the committed run; to show this run, `eaglenest report --docs` and commit "
+        "it with its measurements"
+    )
     return problems, [note]
 
 
@@ -137,13 +140,18 @@ def regenerate(repo: Path, targets: tuple[Generated, ...], check_only: bool) -> 
     returns the exit status."""
     if check_only:
         problems, notes = check(repo, targets)
-        print("\n".join([*notes, *problems]) if problems
-              else "\n".join([*notes, f"up to date: {', '.join(t.path for t in targets)}"]))
+        print(
+            "\n".join([*notes, *problems])
+            if problems
+            else "\n".join([*notes, f"up to date: {', '.join(t.path for t in targets)}"])
+        )
         return 1 if problems else 0
     moved = other_run(repo)
     done = write(repo, targets)
     if moved:
-        done.append(f"drawn from the workspace's run, not the committed one ({', '.join(moved)} differ from HEAD): "
-                    "commit them with the docs")
+        done.append(
+            f"drawn from the workspace's run, not the committed one ({', '.join(moved)} differ from HEAD): "
+            "commit them with the docs"
+        )
     print("\n".join(done) if done else "nothing to write: all up to date")
     return 0

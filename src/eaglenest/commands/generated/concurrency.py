@@ -21,9 +21,10 @@ from eaglenest.core.errors import InputFileError
 
 SERVE_RECORD = "bench/results/serve_concurrency.json"
 CONCURRENCY_SVG = "docs/img/concurrency.svg"
-BENCH_COMMAND = ("eaglenest bench --serve --prompts data/eval/general.jsonl --concurrency 1 4 16 "
-                 "--out bench/results/serve")
-RECORD_COMMAND = (f"python scripts/record_serve_bench.py bench/results/serve/bench.json --command '{BENCH_COMMAND}'")
+BENCH_COMMAND = (
+    "eaglenest bench --serve --prompts data/eval/general.jsonl --concurrency 1 4 16 --out bench/results/serve"
+)
+RECORD_COMMAND = f"python scripts/record_serve_bench.py bench/results/serve/bench.json --command '{BENCH_COMMAND}'"
 BASELINES = {"none": "plain decoding", "ngram": "n-gram drafting"}
 
 
@@ -106,15 +107,19 @@ class _Reader:
         name = f"{where}.{key}" if where else key
         value = node.get(key) if isinstance(node, dict) else None
         if isinstance(value, bool) or not isinstance(value, kind):
-            raise InputFileError(f"{self.path}: no {name} (expected {_kind_name(kind)}); the figures of "
-                                 f"docs/serving.md and {CONCURRENCY_SVG} need it")
+            raise InputFileError(
+                f"{self.path}: no {name} (expected {_kind_name(kind)}); the figures of "
+                f"docs/serving.md and {CONCURRENCY_SVG} need it"
+            )
         return value
 
 
 def _kind_name(kind: type | tuple[type, ...]) -> str:
     kinds = kind if isinstance(kind, tuple) else (kind,)
-    return " or ".join({"int": "an integer", "float": "a number", "str": "text", "dict": "an object",
-                        "list": "a list"}[k.__name__] for k in kinds)
+    return " or ".join(
+        {"int": "an integer", "float": "a number", "str": "text", "dict": "an object", "list": "a list"}[k.__name__]
+        for k in kinds
+    )
 
 
 def _level(read: _Reader, row: Any, where: str) -> Level:
@@ -131,17 +136,28 @@ def _level(read: _Reader, row: Any, where: str) -> Level:
     interval = row.get("speedup_interval") if isinstance(row, dict) else None
     bounds = None
     if isinstance(interval, dict):
-        bounds = (read.get(interval, "low", number, f"{where}.speedup_interval"),
-                  read.get(interval, "high", number, f"{where}.speedup_interval"))
-    return Level(concurrency=read.get(row, "concurrency", int, where), speedup=read.get(row, "speedup", number, where),
-                 draft_tokens_per_s=read.get(draft, "tokens_per_s", number, f"{where}.draft"),
-                 baseline_tokens_per_s=read.get(baseline, "tokens_per_s", number, f"{where}.baseline"),
-                 tau=float(tau) if isinstance(tau, int | float) else None,
-                 p50_ms=(read.get(read.get(draft, "latency_ms", dict, f"{where}.draft"), "p50", number,
-                                  f"{where}.draft.latency_ms"),
-                         read.get(read.get(baseline, "latency_ms", dict, f"{where}.baseline"), "p50", number,
-                                  f"{where}.baseline.latency_ms")),
-                 outputs=counts, interval=bounds)
+        bounds = (
+            read.get(interval, "low", number, f"{where}.speedup_interval"),
+            read.get(interval, "high", number, f"{where}.speedup_interval"),
+        )
+    return Level(
+        concurrency=read.get(row, "concurrency", int, where),
+        speedup=read.get(row, "speedup", number, where),
+        draft_tokens_per_s=read.get(draft, "tokens_per_s", number, f"{where}.draft"),
+        baseline_tokens_per_s=read.get(baseline, "tokens_per_s", number, f"{where}.baseline"),
+        tau=float(tau) if isinstance(tau, int | float) else None,
+        p50_ms=(
+            read.get(read.get(draft, "latency_ms", dict, f"{where}.draft"), "p50", number, f"{where}.draft.latency_ms"),
+            read.get(
+                read.get(baseline, "latency_ms", dict, f"{where}.baseline"),
+                "p50",
+                number,
+                f"{where}.baseline.latency_ms",
+            ),
+        ),
+        outputs=counts,
+        interval=bounds,
+    )
 
 
 def parse_serve_record(document: Any, path: str) -> ServeRecord:
@@ -159,16 +175,19 @@ def parse_serve_record(document: Any, path: str) -> ServeRecord:
     baseline = ((document.get("servers") or {}).get("baseline") or {}).get("kind")
     stops = document.get("stops_paying_at")
     return ServeRecord(
-        command=read.get(recorded, "command", str, "recorded"), commit=read.get(recorded, "commit", str, "recorded"),
-        host=host.get("label") or read.get(host, "key", str, "recorded.host"), model=read.get(document, "model", str),
+        command=read.get(recorded, "command", str, "recorded"),
+        commit=read.get(recorded, "commit", str, "recorded"),
+        host=host.get("label") or read.get(host, "key", str, "recorded.host"),
+        model=read.get(document, "model", str),
         baseline=BASELINES.get(baseline, "the baseline server"),
         requests=read.get(read.get(document, "prompts", dict), "requests", int, "prompts"),
-        max_tokens=read.get(document, "max_tokens", int), temperature=float(read.get(document, "temperature",
-                                                                                    (int, float))),
+        max_tokens=read.get(document, "max_tokens", int),
+        temperature=float(read.get(document, "temperature", (int, float))),
         levels=tuple(_level(read, row, f"results[{i}]") for i, row in enumerate(rows)),
         stops_paying_at=stops if isinstance(stops, int) else None,
         rounds=document["rounds"] if isinstance(document.get("rounds"), int) else 1,
-        schedule=_served_schedule(document))
+        schedule=_served_schedule(document),
+    )
 
 
 def _served_schedule(document: dict[str, Any]) -> str | None:
@@ -205,11 +224,11 @@ def record_bench(bench_json: Path, command: str, repo: Path, out: Path) -> Serve
     head = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=repo, capture_output=True, text=True)
     if head.returncode != 0:
         raise InputFileError(f"{repo}: not a git checkout with a commit; the record names the commit it ran at")
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo, capture_output=True,
-                           text=True).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo, capture_output=True, text=True
+    ).stdout.strip()
     commit = head.stdout.strip() + (" (with uncommitted changes)" if dirty else "")
-    document["recorded"] = {"command": command, "commit": commit,
-                            "host": {**host_record(), "label": host_kind().label}}
+    document["recorded"] = {"command": command, "commit": commit, "host": {**host_record(), "label": host_kind().label}}
     record = parse_serve_record(document, str(bench_json))
     atomic_write_bytes(out, (json.dumps(document, indent=2) + "\n").encode())
     return record
@@ -222,42 +241,59 @@ def _speedup(level: Level) -> str:
 def headline_clause(record: ServeRecord | None) -> str:
     """The README headline's sentence on the served draft under load."""
     if record is None:
-        return (f"Served under load: not measured at this commit (`{BENCH_COMMAND}`, recorded in "
-                f"{SERVE_RECORD}; [serving](docs/serving.md#measured-the-served-draft-under-load)).")
+        return (
+            f"Served under load: not measured at this commit (`{BENCH_COMMAND}`, recorded in "
+            f"{SERVE_RECORD}; [serving](docs/serving.md#measured-the-served-draft-under-load))."
+        )
     single = record.at(1)
     rest = [level for level in record.levels if level.concurrency != 1]
     parts = ([f"{_speedup(single)} single-stream"] if single else []) + [
-        f"{_speedup(level)} at {level.concurrency} requests in flight" for level in rest]
+        f"{_speedup(level)} at {level.concurrency} requests in flight" for level in rest
+    ]
     served = f" with its K per batch size ({record.schedule})" if record.schedule else ""
-    return (f"Served by `eaglenest serve`{served} and measured by `eaglenest bench` against {record.baseline}: "
-            f"{', '.join(parts)} ({record.requests} requests per concurrency, "
-            f"{'one run' if record.rounds == 1 else f'{record.rounds} rounds'}, on {record.host}; "
-            f"{SERVE_RECORD}).")
+    return (
+        f"Served by `eaglenest serve`{served} and measured by `eaglenest bench` against {record.baseline}: "
+        f"{', '.join(parts)} ({record.requests} requests per concurrency, "
+        f"{'one run' if record.rounds == 1 else f'{record.rounds} rounds'}, on {record.host}; "
+        f"{SERVE_RECORD})."
+    )
 
 
 def _row(level: Level) -> str:
     tau = "—" if level.tau is None else f"{level.tau:.4f}"
     outputs = "—" if level.outputs is None else " / ".join(str(n) for n in level.outputs)
     interval = "" if level.interval is None else f" ({level.interval[0]:.3f}–{level.interval[1]:.3f})"
-    return (f"| {level.concurrency} | {level.draft_tokens_per_s:.1f} | {level.baseline_tokens_per_s:.1f} | "
-            f"x{level.speedup:.3f}{interval} | {tau} | {level.p50_ms[0]:,.0f} / {level.p50_ms[1]:,.0f} | {outputs} |")
+    return (
+        f"| {level.concurrency} | {level.draft_tokens_per_s:.1f} | {level.baseline_tokens_per_s:.1f} | "
+        f"x{level.speedup:.3f}{interval} | {tau} | {level.p50_ms[0]:,.0f} / {level.p50_ms[1]:,.0f} | {outputs} |"
+    )
 
 
 def serving_lines(record: ServeRecord | None) -> list[str]:
     """docs/serving.md's block: the table of the committed bench result and its figure, or how to fill it."""
     if record is None:
-        return [f"Not measured at this commit: no `{SERVE_RECORD}`. On the demo's checkout, `{BENCH_COMMAND}`, then "
-                f"`{RECORD_COMMAND}` and `eaglenest report --docs` fill this block, the README's headline and "
-                "the figure."]
-    stops = ("speculation stops paying at concurrency " f"{record.stops_paying_at}" if record.stops_paying_at
-             else "speculation pays at every concurrency measured")
-    return [f"Measured on `{record.model}` at {record.commit}, on {record.host}: `{record.command}` "
-            f"({record.requests} requests per concurrency, {record.max_tokens} tokens each, temperature "
-            f"{record.temperature:g}; {record.runs_text}). The baseline is {record.baseline}; {stops}.", "",
-            "| concurrency | draft tokens/s | baseline tokens/s | speed-up | tau | p50 latency draft / baseline (ms) "
-            "| outputs identical / near-tie / other |", "|---|---|---|---|---|---|---|",
-            *(_row(level) for level in record.levels), "",
-            "![Speed-up of the served draft against concurrency](img/concurrency.svg)"]
+        return [
+            f"Not measured at this commit: no `{SERVE_RECORD}`. On the demo's checkout, `{BENCH_COMMAND}`, then "
+            f"`{RECORD_COMMAND}` and `eaglenest report --docs` fill this block, the README's headline and "
+            "the figure."
+        ]
+    stops = (
+        f"speculation stops paying at concurrency {record.stops_paying_at}"
+        if record.stops_paying_at
+        else "speculation pays at every concurrency measured"
+    )
+    return [
+        f"Measured on `{record.model}` at {record.commit}, on {record.host}: `{record.command}` "
+        f"({record.requests} requests per concurrency, {record.max_tokens} tokens each, temperature "
+        f"{record.temperature:g}; {record.runs_text}). The baseline is {record.baseline}; {stops}.",
+        "",
+        "| concurrency | draft tokens/s | baseline tokens/s | speed-up | tau | p50 latency draft / baseline (ms) "
+        "| outputs identical / near-tie / other |",
+        "|---|---|---|---|---|---|---|",
+        *(_row(level) for level in record.levels),
+        "",
+        "![Speed-up of the served draft against concurrency](img/concurrency.svg)",
+    ]
 
 
 def concurrency_svg(record: ServeRecord | None) -> str | None:
@@ -272,8 +308,9 @@ def concurrency_svg(record: ServeRecord | None) -> str | None:
         left, right = fig.subplots(1, 2)
         width = 0.38
         for offset, values, label, colour in (
-                (-width / 2, [lv.draft_tokens_per_s for lv in record.levels], "the draft", BLUE),
-                (width / 2, [lv.baseline_tokens_per_s for lv in record.levels], record.baseline, ORANGE)):
+            (-width / 2, [lv.draft_tokens_per_s for lv in record.levels], "the draft", BLUE),
+            (width / 2, [lv.baseline_tokens_per_s for lv in record.levels], record.baseline, ORANGE),
+        ):
             left.bar([p + offset for p in positions], values, width, color=colour, label=label)
         left.set_title("output tokens/s")
         left.legend(loc="upper left", frameon=False)
@@ -283,8 +320,9 @@ def concurrency_svg(record: ServeRecord | None) -> str | None:
             if level.interval is not None:  # the 95% interval over rounds
                 right.vlines(x, *level.interval, color=BLUE, linewidth=1.5, alpha=0.6)
         for x, value in zip(positions, speedups, strict=True):
-            right.annotate(f"{value:.2f}", (x, value), textcoords="offset points", xytext=(0, 5), ha="center",
-                           fontsize=7)
+            right.annotate(
+                f"{value:.2f}", (x, value), textcoords="offset points", xytext=(0, 5), ha="center", fontsize=7
+            )
         right.axhline(1.0, color="black", linewidth=0.8)
         bounds = [b for level in record.levels for b in (level.interval or (level.speedup, level.speedup))]
         right.set_ylim(min(0.8, min(bounds) - 0.1), max(1.2, max(bounds) + 0.15))
@@ -294,7 +332,6 @@ def concurrency_svg(record: ServeRecord | None) -> str | None:
             axes.set_xlabel("requests in flight")
         label_bars(left)
         runs = "one run" if record.rounds == 1 else f"{record.rounds} rounds"
-        fig.suptitle(f"{SERVE_RECORD} ({record.model}, {record.requests} requests per concurrency, {runs})",
-                     fontsize=9)
+        fig.suptitle(f"{SERVE_RECORD} ({record.model}, {record.requests} requests per concurrency, {runs})", fontsize=9)
         fig.tight_layout()
         return svg_text(fig)

@@ -65,9 +65,10 @@ def _sets(headline: dict[str, Any], repo: Path) -> dict[str, dict[str, Any]]:
 def _lossless(headline: dict[str, Any], runs: dict[str, Any], sets: list[str]) -> str:
     """Lossless as checked, and the fraction identical to plain decoding token for token per set."""
     lossless = headline.get("lossless")
-    checked = ("lossless on every turn as evaluate checks it" if lossless == 1 else f"lossless fraction {lossless}")
-    identical = ", ".join(f"`{name}` {_fraction(runs.get(name, {}).get('summary', {}), 'identical_fraction')}"
-                          for name in sets)
+    checked = "lossless on every turn as evaluate checks it" if lossless == 1 else f"lossless fraction {lossless}"
+    identical = ", ".join(
+        f"`{name}` {_fraction(runs.get(name, {}).get('summary', {}), 'identical_fraction')}" for name in sets
+    )
     return f"{checked} (identical to plain decoding token for token: {identical})"
 
 
@@ -104,37 +105,46 @@ def headline_lines(repo: Path) -> list[str]:
     first, figures = next(iter(sets.items()))
     timed = runs.get(first, {}).get("summary", {})
     timed_tau = figures.get(f"{backend}_tau_timed")
-    on_timed = (f" ({timed_tau:.3f} on its {timed.get('timed_turns')} timed turns)"
-                if isinstance(timed_tau, int | float) else "")
+    on_timed = (
+        f" ({timed_tau:.3f} on its {timed.get('timed_turns')} timed turns)"
+        if isinstance(timed_tau, int | float)
+        else ""
+    )
     lossless = _lossless(headline, runs, list(sets))
-    return [f"**Against vLLM's free n-gram drafting at its fastest measured setting ({_ngram_setting(runs)}): "
-            f"{_verdicts(headline, runs, backend, list(sets))}** (the draft's single-stream tokens/s over n-gram's, "
-            f"paired prompt by prompt, 95% intervals). `{first}`: τ {figure(figures, f'{backend}_tau')} tokens per "
-            f"verifier step at K = {details.get('num_speculative_tokens')} over the set{on_timed}, and "
-            f"{figure(figures, f'{backend}_speedup', 'x')} single-stream speed-up over plain decoding ({backend}; "
-            f"n-gram drafting {summary_figure_text(timed, 'ngram_speedup', 'x')}); {lossless}"
-            f"; {run.get('dtype', '—')}, on {host_label(details)}. {headline_clause(load_serve_record(repo))}"]
+    return [
+        f"**Against vLLM's free n-gram drafting at its fastest measured setting ({_ngram_setting(runs)}): "
+        f"{_verdicts(headline, runs, backend, list(sets))}** (the draft's single-stream tokens/s over n-gram's, "
+        f"paired prompt by prompt, 95% intervals). `{first}`: τ {figure(figures, f'{backend}_tau')} tokens per "
+        f"verifier step at K = {details.get('num_speculative_tokens')} over the set{on_timed}, and "
+        f"{figure(figures, f'{backend}_speedup', 'x')} single-stream speed-up over plain decoding ({backend}; "
+        f"n-gram drafting {summary_figure_text(timed, 'ngram_speedup', 'x')}); {lossless}"
+        f"; {run.get('dtype', '—')}, on {host_label(details)}. {headline_clause(load_serve_record(repo))}"
+    ]
 
 
 def demo_table(repo: Path) -> list[str]:
     """The README's table of what the demo measures, one row per headline set."""
     backend, headline, details = _headline_figures(repo)
     runs = details.get("runs", {}).get(backend, {}).get("sets", {})
-    table = [f"| set | prompts | timed turns | {backend} τ (95%) | τ, timed turns | speed-up (95%) | "
-             "n-gram speed-up (95%) | draft / n-gram (95%) | lossless | identical to plain |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    table = [
+        f"| set | prompts | timed turns | {backend} τ (95%) | τ, timed turns | speed-up (95%) | "
+        "n-gram speed-up (95%) | draft / n-gram (95%) | lossless | identical to plain |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, values in _sets(headline, repo).items():
         summary = runs.get(name, {}).get("summary", {})
         timed_tau = values.get(f"{backend}_tau_timed")
         # lossless: every turn equal to plain decoding under the set's rule (exact, or a flipped near-tie below
         # float32); identical: the turns equal token for token
-        table.append(f"| `{name}` | {summary.get('num_prompts', '—')} | {summary.get('timed_turns', '—')} | "
-                     f"{figure(values, f'{backend}_tau')} | "
-                     f"{f'{timed_tau:.3f}' if isinstance(timed_tau, int | float) else '—'} | "
-                     f"{figure(values, f'{backend}_speedup', 'x')} | "
-                     f"{summary_figure_text(summary, 'ngram_speedup', 'x')} | "
-                     f"{versus_text(values, backend, summary)} | "
-                     f"{_fraction(summary, 'lossless_fraction')} | {_fraction(summary, 'identical_fraction')} |")
+        table.append(
+            f"| `{name}` | {summary.get('num_prompts', '—')} | {summary.get('timed_turns', '—')} | "
+            f"{figure(values, f'{backend}_tau')} | "
+            f"{f'{timed_tau:.3f}' if isinstance(timed_tau, int | float) else '—'} | "
+            f"{figure(values, f'{backend}_speedup', 'x')} | "
+            f"{summary_figure_text(summary, 'ngram_speedup', 'x')} | "
+            f"{versus_text(values, backend, summary)} | "
+            f"{_fraction(summary, 'lossless_fraction')} | {_fraction(summary, 'identical_fraction')} |"
+        )
     return table
 
 
@@ -147,22 +157,29 @@ def committed_tau_lines(repo: Path) -> list[str]:
     """docs/defaults.md's sentence: the committed draft's τ per headline set and on the validation split."""
     backend, headline, details = _headline_figures(repo)
     runs = details.get("runs", {}).get(backend, {}).get("sets", {})
-    parts = [f"{headline[name][f'{backend}_tau']:.3f} on `{name}`" for name in _sets(headline, repo)
-             if isinstance(headline[name].get(f"{backend}_tau"), int | float)]
+    parts = [
+        f"{headline[name][f'{backend}_tau']:.3f} on `{name}`"
+        for name in _sets(headline, repo)
+        if isinstance(headline[name].get(f"{backend}_tau"), int | float)
+    ]
     val = runs.get("val", {}).get("summary", {}).get("tau", {})
     if isinstance(val, dict) and isinstance(val.get("value"), int | float):
         parts.append(f"{val['value']:.3f} on the validation split")
     listed = ", ".join(parts[:-1]) + f" and {parts[-1]}" if len(parts) > 1 else "".join(parts)
-    return [f"The committed draft reaches {backend} τ {listed} at K = {details.get('num_speculative_tokens')} "
-            f"(lossless {headline.get('lossless')}; `metrics/eval.json`),"]
+    return [
+        f"The committed draft reaches {backend} τ {listed} at K = {details.get('num_speculative_tokens')} "
+        f"(lossless {headline.get('lossless')}; `metrics/eval.json`),"
+    ]
 
 
 def _with_interval(figures: dict[str, Any], key: str, where: str) -> tuple[float, float]:
     """``figures[key]`` and its 95% half-width; one line naming the file and the key where either is missing."""
     value, half = figures.get(key), figures.get(f"{key}_ci95")
     if not isinstance(value, int | float) or not isinstance(half, int | float):
-        raise InputFileError(f"{where}: no {key} with {key}_ci95; the figure {HEADLINE_SVG} needs both (rerun "
-                             "evaluate with vllm among its back ends)")
+        raise InputFileError(
+            f"{where}: no {key} with {key}_ci95; the figure {HEADLINE_SVG} needs both (rerun "
+            "evaluate with vllm among its back ends)"
+        )
     return float(value), float(half)
 
 
@@ -190,10 +207,19 @@ def headline_svg(repo: Path) -> str:
         left.set_ylim(1.0, max(v + h for v, h in tau) * 1.08)
         left.set_title(f"τ, tokens per verifier step (K = {details.get('num_speculative_tokens')})")
         width = 0.38
-        for offset, values, label, colour in ((-width / 2, draft, "the draft", BLUE),
-                                              (width / 2, ngram, "vLLM n-gram", ORANGE)):
-            right.bar([p + offset for p in positions], [v for v, _ in values], width, yerr=[h for _, h in values],
-                      capsize=3, color=colour, label=label)
+        for offset, values, label, colour in (
+            (-width / 2, draft, "the draft", BLUE),
+            (width / 2, ngram, "vLLM n-gram", ORANGE),
+        ):
+            right.bar(
+                [p + offset for p in positions],
+                [v for v, _ in values],
+                width,
+                yerr=[h for _, h in values],
+                capsize=3,
+                color=colour,
+                label=label,
+            )
         right.axhline(1.0, color="black", linewidth=0.8)
         speedups = draft + ngram
         right.set_ylim(min(0.8, min(v - h for v, h in speedups) - 0.05), max(v + h for v, h in speedups) + 0.1)

@@ -52,8 +52,11 @@ def folder_md5(folder: Path) -> str:
 
     tree = Tree()
     for file in sorted(p for p in folder.rglob("*") if p.is_file()):
-        tree.add(file.relative_to(folder).parts, Meta(size=file.stat().st_size),
-                 HashInfo("md5", hashlib.md5(file.read_bytes()).hexdigest()))
+        tree.add(
+            file.relative_to(folder).parts,
+            Meta(size=file.stat().st_size),
+            HashInfo("md5", hashlib.md5(file.read_bytes()).hexdigest()),
+        )
     tree.digest()
     return str(tree.hash_info.value)
 
@@ -69,22 +72,23 @@ def _curve(folder: Path, name: str) -> tuple[list[float], list[float]]:
     try:
         return tsv_series(path.read_text())
     except FileNotFoundError:
-        raise InputFileError(f"{path}: not found; {TRAINING_SVG} draws it (the train stage's dvclive curve "
-                             f"{name})") from None
+        raise InputFileError(
+            f"{path}: not found; {TRAINING_SVG} draws it (the train stage's dvclive curve {name})"
+        ) from None
 
 
 def training_figure_svg(folder: Path, md5: str) -> str:
     """The figure: training and validation loss, validation accuracy per TTT step, and tau_sim, against step."""
     steps = sorted(int(p.stem.removeprefix("acc_")) for p in (folder / PLOTS / "val").glob("acc_*.tsv"))
     if not steps:
-        raise InputFileError(f"{folder / PLOTS / 'val'}: no acc_0.tsv; {TRAINING_SVG} draws the accuracy per TTT "
-                             "step")
+        raise InputFileError(f"{folder / PLOTS / 'val'}: no acc_0.tsv; {TRAINING_SVG} draws the accuracy per TTT step")
     with page_style():
         fig = new_figure(9, 2.8)
         loss, accuracy, tau = fig.subplots(1, 3)
         loss.plot(*_curve(folder, "train/loss"), color=BLUE, linewidth=0.6, label="training")
-        loss.plot(*_curve(folder, "val/loss"), color=ORANGE, linestyle="--", marker="o", markersize=3,
-                  label="validation")
+        loss.plot(
+            *_curve(folder, "val/loss"), color=ORANGE, linestyle="--", marker="o", markersize=3, label="validation"
+        )
         values = [v for line in loss.get_lines() for v in line.get_ydata()]
         if min(values) > 0 and max(values) > 10 * min(values):
             loss.set_yscale("log")  # early losses are tens of times the late ones, which a linear axis flattens
@@ -118,12 +122,16 @@ def render_training_svg(old: str, repo: Path) -> str:
     if folder.is_dir() and any(folder.iterdir()):
         found = folder_md5(folder)
         if found != locked:
-            raise InputFileError(f"{folder}: md5 {found}, but dvc.lock records {locked}; `dvc checkout "
-                                 f"{CURVES_DIR}` (or dvc repro) before drawing {TRAINING_SVG}")
+            raise InputFileError(
+                f"{folder}: md5 {found}, but dvc.lock records {locked}; `dvc checkout "
+                f"{CURVES_DIR}` (or dvc repro) before drawing {TRAINING_SVG}"
+            )
         return training_figure_svg(folder, locked)
     drawn = drawn_md5(old)
     if drawn == locked:
         return old
-    raise InputFileError(f"{TRAINING_SVG} was drawn from {CURVES_DIR} md5 {drawn or '(none recorded)'}, but dvc.lock "
-                         f"records {locked}, and {CURVES_DIR} is not in the workspace: `dvc pull {CURVES_DIR}` (or "
-                         "dvc repro), then `eaglenest report --docs`")
+    raise InputFileError(
+        f"{TRAINING_SVG} was drawn from {CURVES_DIR} md5 {drawn or '(none recorded)'}, but dvc.lock "
+        f"records {locked}, and {CURVES_DIR} is not in the workspace: `dvc pull {CURVES_DIR}` (or "
+        "dvc repro), then `eaglenest report --docs`"
+    )

@@ -37,8 +37,10 @@ def start(repo: Path, directory: Path, name: str = DEFAULT_REMOTE, force: bool =
     """
     store = start_store(directory)
     configured = configure_remote(repo, store, name, force=force)
-    print(f"store up at {store.endpoint} (objects in {directory / 'data'}, pid {store.pid}); {configured}: "
-          f"`eaglenest remote push`, `eaglenest remote pull`")
+    print(
+        f"store up at {store.endpoint} (objects in {directory / 'data'}, pid {store.pid}); {configured}: "
+        f"`eaglenest remote push`, `eaglenest remote pull`"
+    )
     return 0
 
 
@@ -84,16 +86,21 @@ def _add_name(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_dir(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dir", default=str(DEFAULT_STORE_DIR), help=f"the store's folder: objects, log and state "
-                        f"(default: {DEFAULT_STORE_DIR}; a second clone on this machine names the first one's)")
+    parser.add_argument(
+        "--dir",
+        default=str(DEFAULT_STORE_DIR),
+        help=f"the store's folder: objects, log and state "
+        f"(default: {DEFAULT_STORE_DIR}; a second clone on this machine names the first one's)",
+    )
     _add_repo(parser)
 
 
 def _start_arguments(parser: argparse.ArgumentParser) -> None:
     _add_dir(parser)
     _add_name(parser)
-    parser.add_argument("--force", action="store_true", help="replace a DVC remote --name that points elsewhere "
-                        "(default: refused)")
+    parser.add_argument(
+        "--force", action="store_true", help="replace a DVC remote --name that points elsewhere (default: refused)"
+    )
 
 
 def _transfer_arguments(parser: argparse.ArgumentParser) -> None:
@@ -104,39 +111,69 @@ def _transfer_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _experiment_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("experiment", metavar="NAME", help="the experiment")
-    parser.add_argument("git_remote", nargs="?", default="origin", metavar="GIT_REMOTE",
-                        help="the Git remote (default: origin)")
+    parser.add_argument(
+        "git_remote", nargs="?", default="origin", metavar="GIT_REMOTE", help="the Git remote (default: origin)"
+    )
     _add_name(parser)
     _add_repo(parser)
 
 
 # Each action, in the order `eaglenest remote --help` lists them.
 ACTIONS = (
-    Command("push", help="send DVC's objects and run-cache (dvc push --run-cache) to the DVC remote --name, then "
-            "prepare's caches (only entries the other side lacks); DVC's own flags go after -- (eaglenest remote "
-            "push -- --jobs 4)",
-            add_arguments=_transfer_arguments, run=_transfer, passes_flags=True),
-    Command("pull", help="fetch DVC's objects and run-cache (dvc pull --run-cache) from the DVC remote --name, then "
-            "prepare's caches (only entries this side lacks); DVC's own flags go after --",
-            add_arguments=_transfer_arguments, run=_transfer, passes_flags=True),
-    Command("exp-push", help="send the experiment NAME (dvc exp push --run-cache), refused where the Git remote "
-            "(default origin) holds another experiment NAME",
-            add_arguments=_experiment_arguments, run=partial(_experiment, exp_push)),
-    Command("exp-pull", help="fetch the experiment NAME (dvc exp pull --run-cache), refused where this clone holds "
-            "another experiment NAME",
-            add_arguments=_experiment_arguments, run=partial(_experiment, exp_pull)),
-    Command("start", help="run SeaweedFS (weed mini) on free 127.0.0.1 ports, every port asking for credentials, "
-            "and make it the DVC remote --name in .dvc/config.local",
-            description="Run SeaweedFS (weed mini) on free 127.0.0.1 ports, every port asking for credentials (made "
-            "once, kept across restarts), and make it the DVC remote --name in .dvc/config.local (0600; nothing "
-            "enters git), the default where the repository has none; a remote of that name elsewhere is refused "
-            "(--force replaces it); one start or stop per store at a time.",
-            add_arguments=_start_arguments,
-            run=lambda args: start(Path(args.repo), _store_dir(args), args.name, args.force)),
-    Command("stop", help="stop the store, keeping its objects", add_arguments=_add_dir,
-            run=lambda args: stop(_store_dir(args))),
-    Command("status", help="say whether the store runs: exit 0 where it does, 1 where not", add_arguments=_add_dir,
-            run=lambda args: status(_store_dir(args))),
+    Command(
+        "push",
+        help="send DVC's objects and run-cache (dvc push --run-cache) to the DVC remote --name, then "
+        "prepare's caches (only entries the other side lacks); DVC's own flags go after -- (eaglenest remote "
+        "push -- --jobs 4)",
+        add_arguments=_transfer_arguments,
+        run=_transfer,
+        passes_flags=True,
+    ),
+    Command(
+        "pull",
+        help="fetch DVC's objects and run-cache (dvc pull --run-cache) from the DVC remote --name, then "
+        "prepare's caches (only entries this side lacks); DVC's own flags go after --",
+        add_arguments=_transfer_arguments,
+        run=_transfer,
+        passes_flags=True,
+    ),
+    Command(
+        "exp-push",
+        help="send the experiment NAME (dvc exp push --run-cache), refused where the Git remote "
+        "(default origin) holds another experiment NAME",
+        add_arguments=_experiment_arguments,
+        run=partial(_experiment, exp_push),
+    ),
+    Command(
+        "exp-pull",
+        help="fetch the experiment NAME (dvc exp pull --run-cache), refused where this clone holds "
+        "another experiment NAME",
+        add_arguments=_experiment_arguments,
+        run=partial(_experiment, exp_pull),
+    ),
+    Command(
+        "start",
+        help="run SeaweedFS (weed mini) on free 127.0.0.1 ports, every port asking for credentials, "
+        "and make it the DVC remote --name in .dvc/config.local",
+        description="Run SeaweedFS (weed mini) on free 127.0.0.1 ports, every port asking for credentials (made "
+        "once, kept across restarts), and make it the DVC remote --name in .dvc/config.local (0600; nothing "
+        "enters git), the default where the repository has none; a remote of that name elsewhere is refused "
+        "(--force replaces it); one start or stop per store at a time.",
+        add_arguments=_start_arguments,
+        run=lambda args: start(Path(args.repo), _store_dir(args), args.name, args.force),
+    ),
+    Command(
+        "stop",
+        help="stop the store, keeping its objects",
+        add_arguments=_add_dir,
+        run=lambda args: stop(_store_dir(args)),
+    ),
+    Command(
+        "status",
+        help="say whether the store runs: exit 0 where it does, 1 where not",
+        add_arguments=_add_dir,
+        run=lambda args: status(_store_dir(args)),
+    ),
 )
 
 
@@ -150,10 +187,13 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 COMMAND = Command(
-    "remote", help="the team's DVC remote: push and pull (with prepare's caches), experiments, and an S3 "
-    "store on this machine",
+    "remote",
+    help="the team's DVC remote: push and pull (with prepare's caches), experiments, and an S3 store on this machine",
     description="The team's DVC remote: push and pull (DVC's objects and run-cache, then prepare's caches), "
     "experiments, and an S3 store on this machine (SeaweedFS' weed mini) to try it with. A failure is one line "
     "naming the remote and what to do. A remote elsewhere (AWS S3, GCS, MinIO): docs/team-remote.md. "
     "`eaglenest remote ACTION --help` describes each action and its arguments.",
-    add_arguments=_add_arguments, passes_flags=True, run=lambda args: args.run_action(args))
+    add_arguments=_add_arguments,
+    passes_flags=True,
+    run=lambda args: args.run_action(args),
+)

@@ -17,10 +17,21 @@ from eaglenest.core.errors import EaglenestError
 
 DEFAULT_REMOTE = "team"
 # botocore's and s3fs' words in DVC's error line: the store refused the credentials, or could not be reached.
-REFUSED_MARKERS = ("SignatureDoesNotMatch", "InvalidAccessKeyId", "AccessDenied", "(403)", "Forbidden",
-                   "Unable to locate credentials", "ExpiredToken", "InvalidToken")
-UNREACHABLE_MARKERS = ("Could not connect to the endpoint URL", "Connect timeout on endpoint URL",
-                       "Connection was closed before we received a valid response")
+REFUSED_MARKERS = (
+    "SignatureDoesNotMatch",
+    "InvalidAccessKeyId",
+    "AccessDenied",
+    "(403)",
+    "Forbidden",
+    "Unable to locate credentials",
+    "ExpiredToken",
+    "InvalidToken",
+)
+UNREACHABLE_MARKERS = (
+    "Could not connect to the endpoint URL",
+    "Connect timeout on endpoint URL",
+    "Connection was closed before we received a valid response",
+)
 # Each transfer's verb as the line says what it already moved: "objects already pushed stay".
 PAST = {"push": "pushed", "pull": "pulled"}
 
@@ -32,8 +43,9 @@ def _private_file(path: Path) -> None:
         path.chmod(0o600)
 
 
-def configure_remote(repo: Path, store: WeedStore, name: str = DEFAULT_REMOTE, prefix: str = "eaglenest",
-                     force: bool = False) -> str:
+def configure_remote(
+    repo: Path, store: WeedStore, name: str = DEFAULT_REMOTE, prefix: str = "eaglenest", force: bool = False
+) -> str:
     """Makes ``name`` a DVC remote of ``repo`` on the store, in ``.dvc/config.local`` (0600), written by DVC's own
     config API in this process (a ``dvc remote modify`` line would show the secret to every user in ``ps``).
 
@@ -53,20 +65,29 @@ def configure_remote(repo: Path, store: WeedStore, name: str = DEFAULT_REMOTE, p
     try:
         config = Config(dvc_dir=str(repo / ".dvc"))
         existing = config["remote"].get(name)
-        if existing is not None and not force and (existing.get("url"), existing.get("endpointurl")) != (
-                url, store.endpoint):
+        if (
+            existing is not None
+            and not force
+            and (existing.get("url"), existing.get("endpointurl")) != (url, store.endpoint)
+        ):
             raise EaglenestError(
                 f"DVC remote {name!r} of {repo.resolve()} is {existing.get('url')}"
                 + (f" at {existing['endpointurl']}" if existing.get("endpointurl") else "")
-                + ": --force replaces it with this store, --name picks another name")
+                + ": --force replaces it with this store, --name picks another name"
+            )
         default = config["core"].get("remote")
         _private_file(Path(config.files["local"]))
         with config.edit("local") as local:
             # DVC trusts an S3 remote's objects by default; verify makes a pull hash what it downloads and refuse
             # an object whose bytes changed in the store
             section = {} if force else local["remote"].get(name, {})  # the user's other fields stay
-            section.update(url=url, endpointurl=store.endpoint, access_key_id=store.access_key,
-                           secret_access_key=store.secret_key, verify=True)
+            section.update(
+                url=url,
+                endpointurl=store.endpoint,
+                access_key_id=store.access_key,
+                secret_access_key=store.secret_key,
+                verify=True,
+            )
             local["remote"][name] = section
             if default is None:
                 local.setdefault("core", {})["remote"] = name
@@ -106,17 +127,21 @@ class DvcRemote:
 
     def down(self, verb: str) -> str:
         """The line for a store that does not answer."""
-        return (f"remote {self.name!r} ({self.url}) does not answer at {self.endpoint or self.url}: start it "
-                f"(`eaglenest remote start`) or fix its endpointurl; run the {verb} again, objects already "
-                f"{PAST[verb]} stay")
+        return (
+            f"remote {self.name!r} ({self.url}) does not answer at {self.endpoint or self.url}: start it "
+            f"(`eaglenest remote start`) or fix its endpointurl; run the {verb} again, objects already "
+            f"{PAST[verb]} stay"
+        )
 
     def failure(self, said: str, verb: str) -> str:
         """The line for a failed ``verb`` from what DVC (or s3fs) said: this remote, and what to do."""
         if any(marker in said for marker in REFUSED_MARKERS):
-            return (f"{self} refused the credentials in .dvc/config.local (or the AWS_* environment): fix its "
-                    f"access_key_id and secret_access_key there (edit the file: a secret on a command line shows in "
-                    f"`ps`; `eaglenest remote start` rewrites them for this machine's store), then run the {verb} "
-                    f"again")
+            return (
+                f"{self} refused the credentials in .dvc/config.local (or the AWS_* environment): fix its "
+                f"access_key_id and secret_access_key there (edit the file: a secret on a command line shows in "
+                f"`ps`; `eaglenest remote start` rewrites them for this machine's store), then run the {verb} "
+                f"again"
+            )
         if any(marker in said for marker in UNREACHABLE_MARKERS):
             return self.down(verb)
         return f"{self}: {_error_line(said)}"
@@ -143,7 +168,9 @@ def dvc_remote(repo: Path, name: str) -> DvcRemote:
     except ConfigError as err:
         raise EaglenestError(f"{repo / '.dvc'}: {err}") from None
     if section is None:
-        raise EaglenestError(f"no DVC remote {name!r} in {repo.resolve()}: `eaglenest remote start` makes it on this "
-                             "machine's store, `dvc remote add` one elsewhere (docs/team-remote.md); --name picks "
-                             "another")
+        raise EaglenestError(
+            f"no DVC remote {name!r} in {repo.resolve()}: `eaglenest remote start` makes it on this "
+            "machine's store, `dvc remote add` one elsewhere (docs/team-remote.md); --name picks "
+            "another"
+        )
     return DvcRemote(name, section["url"], section.get("endpointurl"))

@@ -17,8 +17,10 @@ DIVERGED_MARKER = "has diverged from remote experiment"
 
 
 def _taken(name: str, git_remote: str) -> str:
-    return (f"experiment {name} on {git_remote} is a teammate's with other outputs: rename yours (`dvc exp rename "
-            f"{name} NEW`) and push again; theirs stays as it was")
+    return (
+        f"experiment {name} on {git_remote} is a teammate's with other outputs: rename yours (`dvc exp rename "
+        f"{name} NEW`) and push again; theirs stays as it was"
+    )
 
 
 def _refuse_options(name: str, git_remote: str) -> None:
@@ -30,8 +32,10 @@ def _refuse_options(name: str, git_remote: str) -> None:
     """
     for what, value in (("experiment name", name), ("Git remote", git_remote)):
         if value.startswith("-"):
-            raise EaglenestError(f"the {what} {value!r} starts with '-', which git would read as an option: give "
-                                 f"a remote's name or URL (`git remote -v` lists them) and an experiment's name")
+            raise EaglenestError(
+                f"the {what} {value!r} starts with '-', which git would read as an option: give "
+                f"a remote's name or URL (`git remote -v` lists them) and an experiment's name"
+            )
 
 
 def _remote_experiments(repo: Path, git_remote: str, name: str) -> dict[str, str]:
@@ -43,13 +47,20 @@ def _remote_experiments(repo: Path, git_remote: str, name: str) -> dict[str, str
     from dvc.repo.experiments.exceptions import InvalidExpRefError
     from dvc.repo.experiments.refs import EXPS_NAMESPACE, ExpRefInfo
 
-    listed = subprocess.run(["git", "ls-remote", "--", git_remote, f"{EXPS_NAMESPACE}/*"], cwd=repo,
-                            capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    listed = subprocess.run(
+        ["git", "ls-remote", "--", git_remote, f"{EXPS_NAMESPACE}/*"],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    )
     if listed.returncode != 0:
         said = [line for line in listed.stderr.splitlines() if line.strip()]
         # git's first line says what failed ("fatal: 'x' does not appear to be a git repository"); advice follows
-        raise EaglenestError(f"Git remote {git_remote!r} did not list its experiments: "
-                             f"{said[0] if said else f'git ls-remote exited {listed.returncode}'}")
+        raise EaglenestError(
+            f"Git remote {git_remote!r} did not list its experiments: "
+            f"{said[0] if said else f'git ls-remote exited {listed.returncode}'}"
+        )
     found = {}
     for line in listed.stdout.splitlines():
         commit, ref = line.split("\t")
@@ -119,7 +130,9 @@ def exp_pull(repo: Path, name: str, git_remote: str, remote_name: str) -> list[s
     remote = dvc_remote(repo, remote_name)
     said = run_dvc(repo, ["exp", "pull", "--run-cache", "-r", remote.name, git_remote, name], remote, "pull")
     if DIVERGED_MARKER in said:
-        raise EaglenestError(f"experiment {name} here is another than the one on {git_remote}: rename yours (`dvc "
-                             f"exp rename {name} NEW`) and pull again; yours stays as it was")
+        raise EaglenestError(
+            f"experiment {name} here is another than the one on {git_remote}: rename yours (`dvc "
+            f"exp rename {name} NEW`) and pull again; yours stays as it was"
+        )
     verify_run_cache(repo)
     return said.strip().splitlines()

@@ -39,8 +39,20 @@ GRPC_FILES = ("grpc-ca.crt", "grpc.crt", "grpc.key")
 GRPC_COMPONENTS = ("master", "volume", "filer", "s3", "admin", "worker", "msg_broker", "msg_agent", "mq", "client")
 # weed mini's listeners: each gets a free loopback port (their defaults are fixed, and gRPC ports default to the
 # HTTP port + 10000, which overflows above 55535).
-PORT_FLAGS = ("s3.port", "s3.port.grpc", "s3.port.iceberg", "s3.port.lance", "master.port", "master.port.grpc",
-              "filer.port", "filer.port.grpc", "volume.port", "volume.port.grpc", "admin.port", "admin.port.grpc")
+PORT_FLAGS = (
+    "s3.port",
+    "s3.port.grpc",
+    "s3.port.iceberg",
+    "s3.port.lance",
+    "master.port",
+    "master.port.grpc",
+    "filer.port",
+    "filer.port.grpc",
+    "volume.port",
+    "volume.port.grpc",
+    "admin.port",
+    "admin.port.grpc",
+)
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 20.0
 
@@ -105,8 +117,9 @@ def _weeds_of(directory: Path) -> list[int]:
 def store_status(directory: Path) -> WeedStore | None:
     """The store running from ``directory``, or None where none is."""
     store = _recorded(directory)
-    return store if store is not None and _is_weed_of(store.pid, directory) and answers(store.ports["s3.port"]) \
-        else None
+    return (
+        store if store is not None and _is_weed_of(store.pid, directory) and answers(store.ports["s3.port"]) else None
+    )
 
 
 def _private_folder(folder: Path, store: Path) -> None:
@@ -120,9 +133,11 @@ def _private_folder(folder: Path, store: Path) -> None:
     if not folder.stat().st_mode & 0o077:
         return
     if not (store / STATE_FILE).is_file():
-        raise EaglenestError(f"--dir {store}: the folder is open to other users (mode "
-                             f"{folder.stat().st_mode & 0o777:o}) and holds no store: name a new folder, or close it "
-                             f"(`chmod 700 {folder}`)")
+        raise EaglenestError(
+            f"--dir {store}: the folder is open to other users (mode "
+            f"{folder.stat().st_mode & 0o777:o}) and holds no store: name a new folder, or close it "
+            f"(`chmod 700 {folder}`)"
+        )
     folder.chmod(0o700)
 
 
@@ -144,29 +159,52 @@ def _grpc_certificates(directory: Path) -> tuple[Path, Path, Path]:
 
     now = datetime.datetime.now(datetime.UTC)
 
-    def signed(subject: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Name, signer: ec.EllipticCurvePrivateKey,
-               extensions: list[x509.ExtensionType]) -> x509.Certificate:
-        builder = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME,
-                                                                                        subject)]))
-                   .issuer_name(issuer).public_key(key.public_key()).serial_number(x509.random_serial_number())
-                   .not_valid_before(now - datetime.timedelta(minutes=5))
-                   .not_valid_after(now + datetime.timedelta(days=3650)))
+    def signed(
+        subject: str,
+        key: ec.EllipticCurvePrivateKey,
+        issuer: x509.Name,
+        signer: ec.EllipticCurvePrivateKey,
+        extensions: list[x509.ExtensionType],
+    ) -> x509.Certificate:
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+            .issuer_name(issuer)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=3650))
+        )
         for extension in extensions:
             builder = builder.add_extension(extension, critical=isinstance(extension, x509.BasicConstraints))
         return builder.sign(signer, hashes.SHA256())
 
     authority_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    authority = signed("eaglenest store authority", authority_key, x509.Name([x509.NameAttribute(
-        NameOID.COMMON_NAME, "eaglenest store authority")]), authority_key,
-        [x509.BasicConstraints(ca=True, path_length=0)])
-    certificate = signed("eaglenest store", key, authority.subject, authority_key, [
-        x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-        x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH])])
+    authority = signed(
+        "eaglenest store authority",
+        authority_key,
+        x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "eaglenest store authority")]),
+        authority_key,
+        [x509.BasicConstraints(ca=True, path_length=0)],
+    )
+    certificate = signed(
+        "eaglenest store",
+        key,
+        authority.subject,
+        authority_key,
+        [
+            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+        ],
+    )
     paths = tuple(directory / name for name in GRPC_FILES)
     atomic_write_bytes(paths[0], authority.public_bytes(serialization.Encoding.PEM))
     atomic_write_bytes(paths[1], certificate.public_bytes(serialization.Encoding.PEM))
-    atomic_write_bytes(paths[2], key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                   serialization.NoEncryption()), mode=0o600)
+    atomic_write_bytes(
+        paths[2],
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()),
+        mode=0o600,
+    )
     return paths  # type: ignore[return-value]
 
 
@@ -175,11 +213,13 @@ def _security_toml(directory: Path, ports: dict[str, int]) -> bytes:
     refuse anyone but the store's own S3 gateway, and fresh certificates that its gRPC ports ask for; browsers of
     other origins are refused too."""
     authority, certificate, key = (json.dumps(str(path)) for path in _grpc_certificates(directory))
-    lines = [f'[cors.allowed_origins]\nvalues = "http://127.0.0.1:{ports["s3.port"]}"\n',
-             # without read keys the filer would list and serve every object's metadata to anyone
-             "[access]\nui = false\n", "[filer.expose_directory_metadata]\nenabled = false\n"]
-    lines += [f'[{section}]\nkey = "{secrets.token_hex(32)}"\nexpires_after_seconds = 10\n'
-              for section in JWT_SECTIONS]
+    lines = [
+        f'[cors.allowed_origins]\nvalues = "http://127.0.0.1:{ports["s3.port"]}"\n',
+        # without read keys the filer would list and serve every object's metadata to anyone
+        "[access]\nui = false\n",
+        "[filer.expose_directory_metadata]\nenabled = false\n",
+    ]
+    lines += [f'[{section}]\nkey = "{secrets.token_hex(32)}"\nexpires_after_seconds = 10\n' for section in JWT_SECTIONS]
     lines += [f"[grpc]\nca = {authority}\n"]
     lines += [f"[grpc.{component}]\ncert = {certificate}\nkey = {key}\n" for component in GRPC_COMPONENTS]
     return "\n".join(lines).encode()
@@ -196,11 +236,20 @@ def weed_binary() -> Path:
 
 def _weed_command(directory: Path, ports: dict[str, int], bucket: str) -> list[str]:
     """``weed mini`` on 127.0.0.1 only, telemetry off, CORS for its own origin only, no admin UI or WebDAV."""
-    return [str(weed_binary()), "mini", f"-dir={directory.resolve() / 'data'}", "-ip=127.0.0.1",
-            "-ip.bind=127.0.0.1", f"-bucket={bucket}", "-admin.ui=false", "-webdav=false",
-            "-master.telemetry=false", f"-filer.allowedOrigins=http://127.0.0.1:{ports['filer.port']}",
-            f"-s3.allowedOrigins=http://127.0.0.1:{ports['s3.port']}",
-            *(f"-{flag}={port}" for flag, port in ports.items())]
+    return [
+        str(weed_binary()),
+        "mini",
+        f"-dir={directory.resolve() / 'data'}",
+        "-ip=127.0.0.1",
+        "-ip.bind=127.0.0.1",
+        f"-bucket={bucket}",
+        "-admin.ui=false",
+        "-webdav=false",
+        "-master.telemetry=false",
+        f"-filer.allowedOrigins=http://127.0.0.1:{ports['filer.port']}",
+        f"-s3.allowedOrigins=http://127.0.0.1:{ports['s3.port']}",
+        *(f"-{flag}={port}" for flag, port in ports.items()),
+    ]
 
 
 def _free_port() -> int:
@@ -262,16 +311,23 @@ def start_store(directory: Path, bucket: str = DEFAULT_BUCKET, timeout_s: float 
         try:
             with open(log_file, "ab", opener=lambda path, flags: os.open(path, flags, 0o600)) as log:
                 # cwd: weed reads ./security.toml first; its own session: it outlives this command, stopped by pid
-                process = subprocess.Popen(_weed_command(directory, planned.ports, bucket), cwd=directory,
-                                           stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                           start_new_session=True)
+                process = subprocess.Popen(
+                    _weed_command(directory, planned.ports, bucket),
+                    cwd=directory,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=env,
+                    start_new_session=True,
+                )
             store = WeedStore(process.pid, planned.ports, planned.access_key, planned.secret_key, bucket)
             atomic_write_json(directory / STATE_FILE, asdict(store), mode=0o600)  # it holds the secret
             _wait_for(store, process, log_file, timeout_s)
         except KeyboardInterrupt:
             _stop_weeds_of(directory)
-            raise EaglenestError(f"the start of the store in {directory} was interrupted: it was stopped, nothing "
-                                 "runs; start it again") from None
+            raise EaglenestError(
+                f"the start of the store in {directory} was interrupted: it was stopped, nothing runs; start it again"
+            ) from None
         except BaseException:  # a failed start: no store left running
             _stop_weeds_of(directory)
             raise
@@ -287,8 +343,9 @@ def _wait_for(store: WeedStore, process: subprocess.Popen[bytes], log_file: Path
     deadline = time.monotonic() + timeout_s
     while not answers(store.ports["s3.port"]):
         if process.poll() is not None or time.monotonic() > deadline:
-            raise EaglenestError(f"the store did not start (weed exited or did not answer in {timeout_s:.0f} s); "
-                                 f"its log: {log_file}")
+            raise EaglenestError(
+                f"the store did not start (weed exited or did not answer in {timeout_s:.0f} s); its log: {log_file}"
+            )
         time.sleep(0.2)
 
 

@@ -53,8 +53,16 @@ def run_dvc(repo: Path, args: list[str], remote: DvcRemote, verb: str) -> str:
     """
     address = remote.address()
     watched = address if address is not None and answers(address[1], address[0]) else None
-    process = subprocess.Popen([*DVC, *args], cwd=repo, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, encoding="utf-8", errors="replace")
+    process = subprocess.Popen(
+        [*DVC, *args],
+        cwd=repo,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        encoding="utf-8",
+        errors="replace",
+    )
     silent_since: float | None = None
     while True:
         try:
@@ -64,8 +72,10 @@ def run_dvc(repo: Path, args: list[str], remote: DvcRemote, verb: str) -> str:
             pass
         except KeyboardInterrupt:  # the terminal's Ctrl-C reached DVC too: it stops by itself
             process.communicate()
-            raise EaglenestError(f"the {verb} with remote {remote.name!r} was interrupted: run it again, objects "
-                                 f"already {PAST[verb]} stay") from None
+            raise EaglenestError(
+                f"the {verb} with remote {remote.name!r} was interrupted: run it again, objects "
+                f"already {PAST[verb]} stay"
+            ) from None
         if watched is None:
             continue
         if answers(watched[1], watched[0]):
@@ -105,17 +115,20 @@ def verify_run_cache(repo: Path) -> int:
     for path in entries:
         try:
             entry = load_yaml(str(path))
-            matches = (_get_cache_hash(dict(entry)) == path.name
-                       and _get_cache_hash(dict(entry), key=True) == path.parent.name)
+            matches = (
+                _get_cache_hash(dict(entry)) == path.name and _get_cache_hash(dict(entry), key=True) == path.parent.name
+            )
         except Exception:  # noqa: BLE001 (any file DVC cannot read as an entry is as altered as a wrong one)
             matches = False
         if not matches:
             path.unlink()
             altered.append(path)
     if altered:
-        raise EaglenestError(f"DVC's run-cache entry {altered[0]} does not match its name (altered in the remote): "
-                             f"deleted, with {len(altered) - 1} other such; no stage is restored from it, so "
-                             f"`dvc repro` runs that stage")
+        raise EaglenestError(
+            f"DVC's run-cache entry {altered[0]} does not match its name (altered in the remote): "
+            f"deleted, with {len(altered) - 1} other such; no stage is restored from it, so "
+            f"`dvc repro` runs that stage"
+        )
     return len(entries)
 
 
@@ -160,17 +173,21 @@ def _pull_entries(target: Any, local: Path, remote_dir: str, there: set[str], re
     for entry in missing:
         where = target.fs.join(remote_dir, entry)
         if entry + CHECKSUM_SUFFIX not in there:
-            raise EaglenestError(f"prepare's cache entry {where} on {remote} has no sha256 beside it (pushed by an "
-                                 f"older eaglenest, or altered): nothing of it was kept; a clone that has the "
-                                 f"entry pushes its sha256 with `eaglenest remote push`")
+            raise EaglenestError(
+                f"prepare's cache entry {where} on {remote} has no sha256 beside it (pushed by an "
+                f"older eaglenest, or altered): nothing of it was kept; a clone that has the "
+                f"entry pushes its sha256 with `eaglenest remote push`"
+            )
         expected = target.fs.cat_file(where + CHECKSUM_SUFFIX).decode().strip()
         partial = local / f".{entry}.partial"  # a partial or refused download never carries an entry's name
         try:
             target.fs.get_file(where, str(partial))
             if _sha256(partial) != expected:
-                raise EaglenestError(f"prepare's cache entry {where} on {remote} does not match the sha256 it was "
-                                     f"pushed with (its bytes changed in the store): nothing of it was kept; "
-                                     f"delete it there and push it again from a clone that made it")
+                raise EaglenestError(
+                    f"prepare's cache entry {where} on {remote} does not match the sha256 it was "
+                    f"pushed with (its bytes changed in the store): nothing of it was kept; "
+                    f"delete it there and push it again from a clone that made it"
+                )
             os.replace(partial, local / entry)
         finally:
             partial.unlink(missing_ok=True)
@@ -219,8 +236,10 @@ def transfer(repo: Path, direction: str, name: str, targets: list[str], dvc_flag
         EaglenestError: a flag names DVC's remote (``--name`` does), or the transfer failed (one line).
     """
     if any(flag in ("-r", "--remote") or flag.startswith(("-r", "--remote=")) for flag in dvc_flags):
-        raise EaglenestError(f"the DVC remote is --name (default: {DEFAULT_REMOTE}), not DVC's -r: the push, the "
-                             "pull and prepare's caches go to one remote")
+        raise EaglenestError(
+            f"the DVC remote is --name (default: {DEFAULT_REMOTE}), not DVC's -r: the push, the "
+            "pull and prepare's caches go to one remote"
+        )
     remote = dvc_remote(repo, name)
     said = run_dvc(repo, [direction, "--run-cache", "-r", remote.name, *dvc_flags, *targets], remote, direction)
     if direction == "pull":

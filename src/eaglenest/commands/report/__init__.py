@@ -63,15 +63,34 @@ from eaglenest.commands.report.revisions import (
 from eaglenest.core.errors import EaglenestError
 
 __all__ = [
-    "DETAILS", "EVAL_METRICS", "MAX_WIDTH_PX", "NO_SPREAD", "NO_VERDICT", "OTHER_HOST", "WORKSPACE", "PairedFigure",
-    "Plot", "Revision", "RevisionComparison", "SetComparison", "acceptance_figure", "build_figures",
-    "compare_revisions", "compare_set", "distinct_revisions", "load_seed_spread", "loss_figure",
-    "tau_category_figure", "verdict", "write_report",
+    "DETAILS",
+    "EVAL_METRICS",
+    "MAX_WIDTH_PX",
+    "NO_SPREAD",
+    "NO_VERDICT",
+    "OTHER_HOST",
+    "WORKSPACE",
+    "PairedFigure",
+    "Plot",
+    "Revision",
+    "RevisionComparison",
+    "SetComparison",
+    "acceptance_figure",
+    "build_figures",
+    "compare_revisions",
+    "compare_set",
+    "distinct_revisions",
+    "load_seed_spread",
+    "loss_figure",
+    "tau_category_figure",
+    "verdict",
+    "write_report",
 ]
 
 
-def write_report(repo: Path, revisions: list[str], base: str, out_dir: Path, samples: int = DEFAULT_SAMPLES,
-                 seed: int = DEFAULT_SEED) -> Path:
+def write_report(
+    repo: Path, revisions: list[str], base: str, out_dir: Path, samples: int = DEFAULT_SAMPLES, seed: int = DEFAULT_SEED
+) -> Path:
     """Writes ``out_dir/report.md`` with its PNG plots, and ``out_dir/report.html``; returns the Markdown path.
 
     Args:
@@ -100,8 +119,12 @@ def write_report(repo: Path, revisions: list[str], base: str, out_dir: Path, sam
     blocks: list[Block] = [Heading(title, 1)]
     for label, revision in series:
         if " = " in label:
-            blocks.append(Paragraph(f"{label.replace(' = ', ' and ')} are the same revision ({revision.short}): "
-                                    "each plot draws it once."))
+            blocks.append(
+                Paragraph(
+                    f"{label.replace(' = ', ' and ')} are the same revision ({revision.short}): "
+                    "each plot draws it once."
+                )
+            )
     blocks += [Heading("Headline metrics"), metrics_table(base, heads, values)]
     for head in head_revisions:
         blocks += comparison_blocks(compare_revisions(base_revision, head, samples, seed), samples, seed)

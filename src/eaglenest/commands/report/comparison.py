@@ -161,15 +161,22 @@ def _is_timed(record: dict[str, Any]) -> bool:
     return record.get("spec_s") is not None and record.get("plain_s") is not None
 
 
-def paired_interval(pairs: list[tuple[dict[str, Any], dict[str, Any]]], fields: tuple[str, ...],
-                    statistic: Statistic, samples: int, seed: int) -> tuple[float, float, Interval]:
+def paired_interval(
+    pairs: list[tuple[dict[str, Any], dict[str, Any]]],
+    fields: tuple[str, ...],
+    statistic: Statistic,
+    samples: int,
+    seed: int,
+) -> tuple[float, float, Interval]:
     """(base figure, head figure, head minus base with its interval) on the paired turns.
 
     A conversation's turns are summed into one unit on both sides, and each resample draws the same units for
     base and head, so what both share (which prompts are hard) cancels in the difference.
     """
-    merged = [{"id": base["id"], **{f"base.{f}": base[f] for f in fields}, **{f"head.{f}": head[f] for f in fields}}
-              for base, head in pairs]
+    merged = [
+        {"id": base["id"], **{f"base.{f}": base[f] for f in fields}, **{f"head.{f}": head[f] for f in fields}}
+        for base, head in pairs
+    ]
     width = len(fields)
     sums = cluster_sums(merged, tuple(f"base.{f}" for f in fields) + tuple(f"head.{f}" for f in fields))
     totals = sums.sum(0)
@@ -177,8 +184,9 @@ def paired_interval(pairs: list[tuple[dict[str, Any], dict[str, Any]]], fields: 
     return float(statistic(totals[:width])), float(statistic(totals[width:])), diff
 
 
-def _run_and_set(document: dict[str, Any], backend: str, set_name: str, label: str
-                 ) -> tuple[dict[str, Any] | None, dict[str, Any] | None, str | None]:
+def _run_and_set(
+    document: dict[str, Any], backend: str, set_name: str, label: str
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None, str | None]:
     run = document["runs"].get(backend)
     if not isinstance(run, dict):
         return None, None, f"{label} has no {backend} records"
@@ -188,20 +196,35 @@ def _run_and_set(document: dict[str, Any], backend: str, set_name: str, label: s
     return run, entry, None
 
 
-def _settings_differ(base: tuple[dict[str, Any], dict[str, Any], dict[str, Any]],
-                     head: tuple[dict[str, Any], dict[str, Any], dict[str, Any]]) -> list[str]:
+def _settings_differ(
+    base: tuple[dict[str, Any], dict[str, Any], dict[str, Any]],
+    head: tuple[dict[str, Any], dict[str, Any], dict[str, Any]],
+) -> list[str]:
     """What the two decoded differently (K, dtype, temperature, max_new_tokens), from (records, run, set) each."""
+
     def settings(records: dict[str, Any], run: dict[str, Any], entry: dict[str, Any]) -> dict[str, Any]:
-        return {"K": run.get("num_speculative_tokens", records["num_speculative_tokens"]), "dtype": run.get("dtype"),
-                "temperature": entry.get("temperature"), "max_new_tokens": entry.get("max_new_tokens")}
+        return {
+            "K": run.get("num_speculative_tokens", records["num_speculative_tokens"]),
+            "dtype": run.get("dtype"),
+            "temperature": entry.get("temperature"),
+            "max_new_tokens": entry.get("max_new_tokens"),
+        }
 
     ours, theirs = settings(*base), settings(*head)
     return [f"{name} {ours[name]} against {theirs[name]}" for name in ours if ours[name] != theirs[name]]
 
 
-def compare_set(base_records: dict[str, Any], head_records: dict[str, Any], set_name: str, backend: str,
-                spreads: dict[str, float], samples: int, seed: int, labels: tuple[str, str] = ("base", "head"),
-                other_host: bool = False) -> SetComparison:
+def compare_set(
+    base_records: dict[str, Any],
+    head_records: dict[str, Any],
+    set_name: str,
+    backend: str,
+    spreads: dict[str, float],
+    samples: int,
+    seed: int,
+    labels: tuple[str, str] = ("base", "head"),
+    other_host: bool = False,
+) -> SetComparison:
     """Pairs one set's records of two revisions (load_records documents) and compares tau, speed-up and the draft's
     speed over the n-gram baseline's.
 
@@ -227,26 +250,59 @@ def compare_set(base_records: dict[str, Any], head_records: dict[str, Any], set_
         return SetComparison(set_name, backend, refused=f"Not paired: {missing}")
     differ = _settings_differ((base_records, base_run, base_set), (head_records, head_run, head_set))
     if differ:
-        return SetComparison(set_name, backend, refused=f"Not paired: the revisions decoded it differently "
-                             f"({labels[0]} against {labels[1]}: {'; '.join(differ)})")
+        return SetComparison(
+            set_name,
+            backend,
+            refused=f"Not paired: the revisions decoded it differently "
+            f"({labels[0]} against {labels[1]}: {'; '.join(differ)})",
+        )
     pairs = pair_records(base_set.get("records", []), head_set.get("records", []))
     if not pairs:
-        return SetComparison(set_name, backend, refused=f"Not paired: {labels[0]} and {labels[1]} share no "
-                             "decoded turn (no record with the same id and turn)")
-    figures = [PairedFigure("tau", f"{backend}_tau", *paired_interval(pairs, TAU_FIELDS, tau_statistic, samples,
-                                                                      seed), spreads.get(f"{backend}_tau"), other_host)]
+        return SetComparison(
+            set_name,
+            backend,
+            refused=f"Not paired: {labels[0]} and {labels[1]} share no "
+            "decoded turn (no record with the same id and turn)",
+        )
+    figures = [
+        PairedFigure(
+            "tau",
+            f"{backend}_tau",
+            *paired_interval(pairs, TAU_FIELDS, tau_statistic, samples, seed),
+            spreads.get(f"{backend}_tau"),
+            other_host,
+        )
+    ]
     timed = [(b, h) for b, h in pairs if _is_timed(b) and _is_timed(h)]
     if timed:
-        figures.append(PairedFigure("speed-up", f"{backend}_speedup",
-                                    *paired_interval(timed, SPEEDUP_FIELDS, speedup_statistic, samples, seed),
-                                    spreads.get(f"{backend}_speedup"), other_host))
+        figures.append(
+            PairedFigure(
+                "speed-up",
+                f"{backend}_speedup",
+                *paired_interval(timed, SPEEDUP_FIELDS, speedup_statistic, samples, seed),
+                spreads.get(f"{backend}_speedup"),
+                other_host,
+            )
+        )
     versus = [(b, h) for b, h in timed if b.get("ngram_s") is not None and h.get("ngram_s") is not None]
     if versus:
-        figures.append(PairedFigure("draft / n-gram", f"{backend}_vs_ngram",
-                                    *paired_interval(versus, VERSUS_FIELDS, speedup_statistic, samples, seed),
-                                    spreads.get(f"{backend}_vs_ngram"), other_host))
-    return SetComparison(set_name, backend, pairs=len(pairs), conversations=len({str(b["id"]) for b, _ in pairs}),
-                         timed_pairs=len(timed), figures=tuple(figures))
+        figures.append(
+            PairedFigure(
+                "draft / n-gram",
+                f"{backend}_vs_ngram",
+                *paired_interval(versus, VERSUS_FIELDS, speedup_statistic, samples, seed),
+                spreads.get(f"{backend}_vs_ngram"),
+                other_host,
+            )
+        )
+    return SetComparison(
+        set_name,
+        backend,
+        pairs=len(pairs),
+        conversations=len({str(b["id"]) for b, _ in pairs}),
+        timed_pairs=len(timed),
+        figures=tuple(figures),
+    )
 
 
 def compare_revisions(base: Revision, head: Revision, samples: int, seed: int) -> RevisionComparison:
@@ -256,8 +312,11 @@ def compare_revisions(base: Revision, head: Revision, samples: int, seed: int) -
     sets_base, sets_head = headline_sets(base.read_json(EVAL_METRICS)), headline_sets(head.read_json(EVAL_METRICS))
     records = {revision.rev: revision.records() for revision in (base, head)}
     missing = [f"{rev}:{RECORDS}" for rev, document in records.items() if document is None]
-    missing += [f"{rev}:{EVAL_METRICS} (headline sets)" for rev, sets in ((base.rev, sets_base), (head.rev, sets_head))
-                if not sets]
+    missing += [
+        f"{rev}:{EVAL_METRICS} (headline sets)"
+        for rev, sets in ((base.rev, sets_base), (head.rev, sets_head))
+        if not sets
+    ]
     if missing:
         return RevisionComparison(base.rev, head.rev, missing=tuple(missing))
     base_records, head_records = records[base.rev], records[head.rev]
@@ -266,18 +325,33 @@ def compare_revisions(base: Revision, head: Revision, samples: int, seed: int) -
     if spreads is None:
         spread_at, spreads = base, load_seed_spread(base) or {}
     comparison = RevisionComparison(
-        base.rev, head.rev, backend=headline_backend(head.read_json(DETAILS), head_records),
-        base_backend=headline_backend(base.read_json(DETAILS), base_records), spread_at=spread_at.rev,
-        has_spreads=bool(spreads), hosts=tuple((r.rev, host_key(r.read_json(DETAILS))) for r in (base, head)))
+        base.rev,
+        head.rev,
+        backend=headline_backend(head.read_json(DETAILS), head_records),
+        base_backend=headline_backend(base.read_json(DETAILS), base_records),
+        spread_at=spread_at.rev,
+        has_spreads=bool(spreads),
+        hosts=tuple((r.rev, host_key(r.read_json(DETAILS))) for r in (base, head)),
+    )
     compared = []
     for set_name in sets_head + [name for name in sets_base if name not in sets_head]:
         if set_name not in sets_base or set_name not in sets_head:
             where = base.rev if set_name in sets_base else head.rev
-            compared.append(SetComparison(set_name, comparison.backend,
-                                          refused=f"Not paired: a headline set only at {where}."))
+            compared.append(
+                SetComparison(set_name, comparison.backend, refused=f"Not paired: a headline set only at {where}.")
+            )
             continue
-        compared.append(compare_set(base_records, head_records, set_name, comparison.backend,
-                                    spreads.get(set_name, {}), samples, seed, (base.rev, head.rev),
-                                    comparison.other_host))
+        compared.append(
+            compare_set(
+                base_records,
+                head_records,
+                set_name,
+                comparison.backend,
+                spreads.get(set_name, {}),
+                samples,
+                seed,
+                (base.rev, head.rev),
+                comparison.other_host,
+            )
+        )
     return replace(comparison, sets=tuple(compared))
-

@@ -22,8 +22,10 @@ if TYPE_CHECKING:
 TRAIN_LOSS = "dvclive/train/plots/metrics/train/loss.tsv"
 VAL_LOSS = "dvclive/train/plots/metrics/val/loss.tsv"
 CURVES = {
-    "val_accuracy": ("Validation accuracy per TTT step",
-                     [f"dvclive/train/plots/metrics/val/acc_{i}.tsv" for i in range(8)]),
+    "val_accuracy": (
+        "Validation accuracy per TTT step",
+        [f"dvclive/train/plots/metrics/val/acc_{i}.tsv" for i in range(8)],
+    ),
     "tau_sim": ("Simulated acceptance length (tau_sim)", ["dvclive/train/plots/metrics/val/tau_sim.tsv"]),
 }
 DPI = 110
@@ -81,9 +83,9 @@ def _panels(set_names: list[str], width: float = 4.6, height: float = 3.8) -> tu
     # a Figure without pyplot: no global state, no display, and savefig renders with Agg
     fig = Figure(figsize=(width * columns, height * rows), layout="constrained")
     axes = list(fig.subplots(rows, columns, squeeze=False).flat)
-    for unused in axes[len(set_names):]:
+    for unused in axes[len(set_names) :]:
         fig.delaxes(unused)  # the last row's empty cells
-    return fig, axes[:len(set_names)]
+    return fig, axes[: len(set_names)]
 
 
 def _ordered_union(groups: list[list[str]]) -> list[str]:
@@ -91,6 +93,8 @@ def _ordered_union(groups: list[list[str]]) -> list[str]:
     for group in groups:
         seen += [name for name in group if name not in seen]
     return seen
+
+
 def acceptance_figure(series: list[tuple[str, Any]], backend: str) -> Figure | None:
     """Acceptance rate per draft position, EAGLE-3 against n-gram per revision, one panel per set.
 
@@ -102,8 +106,11 @@ def acceptance_figure(series: list[tuple[str, Any]], backend: str) -> Figure | N
         The figure, or None where no revision has acceptance figures for the back end.
     """
     sets = _ordered_union([list(_run_sets(details, backend)) for _, details in series])
-    sets = [name for name in sets if any("per_position_acceptance" in _run_sets(d, backend).get(name, {}).get(
-        "summary", {}) for _, d in series)]
+    sets = [
+        name
+        for name in sets
+        if any("per_position_acceptance" in _run_sets(d, backend).get(name, {}).get("summary", {}) for _, d in series)
+    ]
     if not sets:
         return None
     fig, axes = _panels(sets)
@@ -114,16 +121,26 @@ def acceptance_figure(series: list[tuple[str, Any]], backend: str) -> Figure | N
         positions = 0
         for i, (label, details) in enumerate(series):
             summary = _run_sets(details, backend).get(set_name, {}).get("summary", {})
-            for j, (drafter, key, style) in enumerate((
+            for j, (drafter, key, style) in enumerate(
+                (
                     ("EAGLE-3", "per_position_acceptance", {}),
-                    ("n-gram", "ngram_per_position_acceptance", {"hatch": "//", "alpha": 0.45}))):
+                    ("n-gram", "ngram_per_position_acceptance", {"hatch": "//", "alpha": 0.45}),
+                )
+            ):
                 rates = summary.get(key)
                 if not rates:
                     continue
                 positions = max(positions, len(rates))
                 offset = (2 * i + j - (bars - 1) / 2) * width
-                ax.bar([p + 1 + offset for p in range(len(rates))], rates, width, color=colors[i],
-                       edgecolor=colors[i], label=f"{label}: {drafter}", **style)
+                ax.bar(
+                    [p + 1 + offset for p in range(len(rates))],
+                    rates,
+                    width,
+                    color=colors[i],
+                    edgecolor=colors[i],
+                    label=f"{label}: {drafter}",
+                    **style,
+                )
         ax.set_xticks(range(1, positions + 1))
         ax.set_ylim(0, 1)
         _label_panel(ax, f"{set_name} ({backend})", "draft position", "acceptance rate")
@@ -152,12 +169,20 @@ def tau_category_figure(series: list[tuple[str, Any]], backend: str) -> Figure |
     Returns:
         The figure, or None where no revision has a tau for the back end.
     """
-    sets = [name for name in _ordered_union([list(_run_sets(d, backend)) for _, d in series])
-            if any("tau" in _run_sets(d, backend).get(name, {}).get("summary", {}) for _, d in series)]
+    sets = [
+        name
+        for name in _ordered_union([list(_run_sets(d, backend)) for _, d in series])
+        if any("tau" in _run_sets(d, backend).get(name, {}).get("summary", {}) for _, d in series)
+    ]
     if not sets:
         return None
-    bounds = sorted({details["num_speculative_tokens"] + 1 for _, details in series
-                     if isinstance(details, dict) and isinstance(details.get("num_speculative_tokens"), int)})
+    bounds = sorted(
+        {
+            details["num_speculative_tokens"] + 1
+            for _, details in series
+            if isinstance(details, dict) and isinstance(details.get("num_speculative_tokens"), int)
+        }
+    )
     fig, axes = _panels(sets, width=4.8)
     colors = _colors(len(series))
     width = 0.8 / len(series)
@@ -213,8 +238,9 @@ def loss_figure(series: list[tuple[str, str | None, str | None]]) -> Figure | No
         if train:
             ax.plot(*tsv_series(train), color=color, linewidth=1, label=f"{label}: training")
         if val:
-            ax.plot(*tsv_series(val), color=color, linestyle="--", marker="o", markersize=3,
-                    label=f"{label}: validation")
+            ax.plot(
+                *tsv_series(val), color=color, linestyle="--", marker="o", markersize=3, label=f"{label}: validation"
+            )
     values = [v for line in ax.get_lines() for v in line.get_ydata()]
     if values and min(values) > 0 and max(values) > 10 * min(values):
         ax.set_yscale("log")  # early losses are tens of times the late ones, which a linear axis flattens
@@ -248,21 +274,34 @@ def curve_figure(title: str, series: list[tuple[str, list[tuple[str, str]]]]) ->
 def build_figures(series: list[tuple[str, Revision]]) -> list[Plot]:
     """Each plot that has data at the distinct revisions ``series`` ((label, revision) pairs)."""
     details = [(label, revision.read_json(DETAILS)) for label, revision in series]
-    backends = _ordered_union([[d["headline_backend"]] for _, d in details
-                               if isinstance(d, dict) and isinstance(d.get("headline_backend"), str)])
+    backends = _ordered_union(
+        [
+            [d["headline_backend"]]
+            for _, d in details
+            if isinstance(d, dict) and isinstance(d.get("headline_backend"), str)
+        ]
+    )
     backend = backends[0] if backends else "vllm"
     # vLLM counts n-gram acceptance only over the steps where the prompt lookup proposed: say so under the plot
-    ngram_note = ("The n-gram rates are vLLM's own, over the steps where its prompt lookup proposed (conditional "
-                  "on a match); compare the two drafters by speed-up." if backend == "vllm" else "")
+    ngram_note = (
+        "The n-gram rates are vLLM's own, over the steps where its prompt lookup proposed (conditional "
+        "on a match); compare the two drafters by speed-up."
+        if backend == "vllm"
+        else ""
+    )
     built = [
         ("Acceptance rate per draft position", "acceptance", acceptance_figure(details, backend), ngram_note),
         ("tau per category", "tau_per_category", tau_category_figure(details, backend), ""),
-        ("Training against validation loss", "loss",
-         loss_figure([(label, revision.read(TRAIN_LOSS), revision.read(VAL_LOSS)) for label, revision in series]),
-         ""),
+        (
+            "Training against validation loss",
+            "loss",
+            loss_figure([(label, revision.read(TRAIN_LOSS), revision.read(VAL_LOSS)) for label, revision in series]),
+            "",
+        ),
     ]
     for name, (title, paths) in CURVES.items():
-        curves = [(label, [(Path(p).stem, text) for p in paths if (text := revision.read(p))])
-                  for label, revision in series]
+        curves = [
+            (label, [(Path(p).stem, text) for p in paths if (text := revision.read(p))]) for label, revision in series
+        ]
         built.append((title, name, curve_figure(title, curves), ""))
     return [Plot(title, stem, fig, caption) for title, stem, fig, caption in built if fig is not None]

@@ -92,14 +92,26 @@ def set_blocks(comparison: SetComparison, base_label: str, head_label: str) -> l
     for figure in comparison.figures:
         diff = figure.difference
         spread = NO_SPREAD if figure.spread is None else f"{figure.spread:.3g}"
-        rows.append((figure.name, f"{figure.base:.3f}", f"{figure.head:.3f}",
-                     f"{diff.value:+.3f} [{diff.low:+.3f}, {diff.high:+.3f}]", spread, figure.verdict))
+        rows.append(
+            (
+                figure.name,
+                f"{figure.base:.3f}",
+                f"{figure.head:.3f}",
+                f"{diff.value:+.3f} [{diff.low:+.3f}, {diff.high:+.3f}]",
+                spread,
+                figure.verdict,
+            )
+        )
     if not comparison.timed_pairs:
         rows.append(("speed-up", "—", "—", "no turn timed in both", "—", "—"))
-    return [*blocks, Paragraph(f"{comparison.pairs} turns of {comparison.conversations} conversations paired; "
-                               f"{comparison.timed_pairs} of them timed in both."),
-            Table(("figure", base_label, head_label, "difference [95% interval]", "seed spread", "verdict"),
-                  tuple(rows))]
+    return [
+        *blocks,
+        Paragraph(
+            f"{comparison.pairs} turns of {comparison.conversations} conversations paired; "
+            f"{comparison.timed_pairs} of them timed in both."
+        ),
+        Table(("figure", base_label, head_label, "difference [95% interval]", "seed spread", "verdict"), tuple(rows)),
+    ]
 
 
 def comparison_blocks(comparison: RevisionComparison, samples: int, seed: int) -> list[Block]:
@@ -107,22 +119,30 @@ def comparison_blocks(comparison: RevisionComparison, samples: int, seed: int) -
     base, head = comparison.base, comparison.head
     blocks: list[Block] = [Heading(f"Paired comparison: {head} against {base}")]
     if comparison.same:
-        return [*blocks, Paragraph(f"{head} and {base} are the same revision ({comparison.same}): nothing to "
-                                   "compare.")]
+        return [*blocks, Paragraph(f"{head} and {base} are the same revision ({comparison.same}): nothing to compare.")]
     if comparison.missing:
         return [*blocks, Paragraph(f"Not paired: missing {', '.join(comparison.missing)}.")]
     other_backend = f"; {base}'s is {comparison.base_backend}" if comparison.base_backend != comparison.backend else ""
-    blocks.append(Paragraph(
-        f"Back end: {comparison.backend} (the headline back end of {head}{other_backend}). Each figure is recomputed "
-        "on the turns both revisions decoded (same id and turn); the interval of the difference is a paired bootstrap "
-        f"over conversations ({samples} resamples, seed {seed}). A change is better or worse when that interval "
-        f"excludes zero and the change exceeds the seed-to-seed spread recorded in {SEED_SPREAD} at "
-        f"{comparison.spread_at}" + ("" if comparison.has_spreads else f" ({NO_SPREAD}: {NO_VERDICT} on any change)")
-        + "."))
+    blocks.append(
+        Paragraph(
+            f"Back end: {comparison.backend} (the headline back end of {head}{other_backend}). Each figure is "
+            "recomputed on the turns both revisions decoded (same id and turn); the interval of the difference is a "
+            f"paired bootstrap over conversations ({samples} resamples, seed {seed}). A change is better or worse "
+            f"when that interval excludes zero and the change exceeds the seed-to-seed spread recorded in "
+            f"{SEED_SPREAD} at "
+            f"{comparison.spread_at}"
+            + ("" if comparison.has_spreads else f" ({NO_SPREAD}: {NO_VERDICT} on any change)")
+            + "."
+        )
+    )
     if comparison.other_host:
         hosts = "; ".join(f"{rev}: {key}" for rev, key in comparison.hosts)
-        blocks.append(Paragraph(f"Host kinds differ ({hosts}): kernels differ by host kind, so the figures are shown "
-                                "and neither revision is called better or worse."))
+        blocks.append(
+            Paragraph(
+                f"Host kinds differ ({hosts}): kernels differ by host kind, so the figures are shown "
+                "and neither revision is called better or worse."
+            )
+        )
     for set_comparison in comparison.sets:
         blocks += set_blocks(set_comparison, base, head)
     return blocks
@@ -152,8 +172,11 @@ def markdown(blocks: list[Block]) -> str:
         elif isinstance(block, Paragraph):
             lines.append(block.text)
         elif isinstance(block, Table):
-            lines += [_markdown_row(block.header), "|" + "---|" * len(block.header),
-                      *(_markdown_row(row) for row in block.rows)]
+            lines += [
+                _markdown_row(block.header),
+                "|" + "---|" * len(block.header),
+                *(_markdown_row(row) for row in block.rows),
+            ]
         else:
             lines.append(f"![{block.title}]({block.file})")
         lines.append("")
@@ -165,9 +188,11 @@ def _inline(text: str) -> str:
     return re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(text))
 
 
-HTML_STYLE = ("body{font-family:sans-serif;max-width:1650px;margin:1em auto;padding:0 1em}"
-              "table{border-collapse:collapse}td,th{border:1px solid #bbb;padding:2px 8px;text-align:left}"
-              "img{max-width:100%}")
+HTML_STYLE = (
+    "body{font-family:sans-serif;max-width:1650px;margin:1em auto;padding:0 1em}"
+    "table{border-collapse:collapse}td,th{border:1px solid #bbb;padding:2px 8px;text-align:left}"
+    "img{max-width:100%}"
+)
 
 
 def html_document(blocks: list[Block], title: str) -> str:
@@ -180,15 +205,20 @@ def html_document(blocks: list[Block], title: str) -> str:
             body.append(f"<p>{_inline(block.text)}</p>")
         elif isinstance(block, Table):
             head = "".join(f"<th>{_inline(cell)}</th>" for cell in block.header)
-            rows = "".join("<tr>" + "".join(f"<td>{_inline(cell)}</td>" for cell in row) + "</tr>"
-                           for row in block.rows)
+            rows = "".join(
+                "<tr>" + "".join(f"<td>{_inline(cell)}</td>" for cell in row) + "</tr>" for row in block.rows
+            )
             body.append(f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>")
         else:
             data = base64.b64encode(block.png).decode("ascii")
-            body.append(f'<figure><img alt="{html.escape(block.title)}" src="data:image/png;base64,{data}">'
-                        f"<figcaption>{_inline(block.title)}</figcaption></figure>")
-    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
-            f"<style>{HTML_STYLE}</style></head>\n<body>\n" + "\n".join(body) + "\n</body></html>\n")
+            body.append(
+                f'<figure><img alt="{html.escape(block.title)}" src="data:image/png;base64,{data}">'
+                f"<figcaption>{_inline(block.title)}</figcaption></figure>"
+            )
+    return (
+        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+        f"<style>{HTML_STYLE}</style></head>\n<body>\n" + "\n".join(body) + "\n</body></html>\n"
+    )
 
 
 def write_documents(blocks: list[Block], title: str, out_dir: Path) -> tuple[Path, Path]:

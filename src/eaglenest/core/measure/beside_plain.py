@@ -74,17 +74,24 @@ class TimedTurns:
         return [prompt for prompts in self.prompts.values() for prompt in prompts]
 
 
-def time_beside_plain(turns: TimedTurns, plain: Any, engines: dict[str, Any], evaluate: Resampling, param: str,
-                      label: str) -> dict[str, dict[str, Any]]:
+def time_beside_plain(
+    turns: TimedTurns, plain: Any, engines: dict[str, Any], evaluate: Resampling, param: str, label: str
+) -> dict[str, dict[str, Any]]:
     """Every set's timed turns on the plain engine and ``engines`` (name -> speculative engine), taking turns prompt
     by prompt; per engine and set its figures beside the plain engine's (:func:`timed_entry`), with the speed-up
     and its 95% interval. ``param`` is the params section named in vLLM's errors."""
     result: dict[str, dict[str, Any]] = {name: {} for name in engines}
     for eval_set in turns.sets:
-        sampling = kit_engines.sampling_params(eval_set.params.max_new_tokens, eval_set.params.temperature,
-                                               evaluate.seed)
-        timed = single_stream.time_interleaved({"plain": plain, **engines}, turns.prompts[eval_set.name], sampling,
-                                               param, f"{label}, {eval_set.name}, {', '.join(engines)}")
+        sampling = kit_engines.sampling_params(
+            eval_set.params.max_new_tokens, eval_set.params.temperature, evaluate.seed
+        )
+        timed = single_stream.time_interleaved(
+            {"plain": plain, **engines},
+            turns.prompts[eval_set.name],
+            sampling,
+            param,
+            f"{label}, {eval_set.name}, {', '.join(engines)}",
+        )
         plain_turns = single_stream.tokens_and_seconds(timed["plain"])
         for name in engines:
             entry = timed_entry(timed[name], plain_turns)
@@ -97,8 +104,12 @@ def timed_entry(timed: list[single_stream.Timed], plain_turns: list[list[float]]
     """One set's figures for one speculative engine: its turns beside the plain engine's, tokens/s of both, and tau
     over the verify steps that had a draft (every step, for a draft; n-gram drafts only on a match)."""
     turns = single_stream.tokens_and_seconds(timed)
-    entry: dict[str, Any] = {"tokens_per_s": _rate(turns), "plain_tokens_per_s": _rate(plain_turns),
-                             "turns": turns, "plain_turns": plain_turns}
+    entry: dict[str, Any] = {
+        "tokens_per_s": _rate(turns),
+        "plain_tokens_per_s": _rate(plain_turns),
+        "turns": turns,
+        "plain_turns": plain_turns,
+    }
     counts = [request_counts(output) for output, _ in timed]
     if counts and not any(c is None for c in counts):
         summed = sum((c for c in counts if c is not None), SpecCounts())

@@ -57,7 +57,7 @@ def request_tokens(prompt_tokens: int, max_new_tokens: int, k: int) -> int:
 def kv_tokens(requests: list[int], in_flight: int) -> int:
     """The tokens a KV cache holds for ``requests`` (each one's :func:`request_tokens`) run ``in_flight`` at once:
     the sum of the largest ``in_flight`` of them."""
-    return sum(sorted(requests, reverse=True)[:max(in_flight, 1)])
+    return sum(sorted(requests, reverse=True)[: max(in_flight, 1)])
 
 
 @dataclass(frozen=True)
@@ -79,8 +79,7 @@ class EngineBase:
     seed: int
     at_once: int
 
-    def kwargs(self, requests: list[int], in_flight: int = 1, batches: list[list[int]] | None = None
-               ) -> dict[str, Any]:
+    def kwargs(self, requests: list[int], in_flight: int = 1, batches: list[list[int]] | None = None) -> dict[str, Any]:
         """The ``vllm.LLM(**kwargs)`` every engine of one measurement starts from: plain decoding, with vLLM's stats
         logged. A drafting engine adds only its ``speculative_config`` (:func:`drafting`), so plain, draft and n-gram
         engines run with the same ``max_num_seqs``, KV cache and stats logging: what one engine is timed with, the
@@ -97,10 +96,20 @@ class EngineBase:
         held = max(kv_tokens(batch, in_flight) for batch in batches or [requests])
         # Stats logged on every engine, plain too: vLLM's logging costs each engine the same, so it cancels in a
         # speed-up, and the drafting engines' counters are read from it.
-        return {**engine_kwargs(self.model_dir, self.verifier, self.engine, context_tokens=max(requests),
-                                seed=self.seed, gpu_memory_share=1 / self.at_once, kv_tokens=held,
-                                in_flight=in_flight),
-                "enable_prefix_caching": False, "disable_log_stats": False}
+        return {
+            **engine_kwargs(
+                self.model_dir,
+                self.verifier,
+                self.engine,
+                context_tokens=max(requests),
+                seed=self.seed,
+                gpu_memory_share=1 / self.at_once,
+                kv_tokens=held,
+                in_flight=in_flight,
+            ),
+            "enable_prefix_caching": False,
+            "disable_log_stats": False,
+        }
 
 
 # What a drafting engine's kwargs add to the measurement's common ones (:meth:`EngineBase.kwargs`): its
@@ -138,8 +147,12 @@ class NgramSetting:
 
     def speculative_config(self) -> dict[str, Any]:
         """vLLM's ``speculative_config`` for it."""
-        return {"method": "ngram", "num_speculative_tokens": self.k, "prompt_lookup_min": self.prompt_lookup_min,
-                "prompt_lookup_max": self.prompt_lookup_max}
+        return {
+            "method": "ngram",
+            "num_speculative_tokens": self.k,
+            "prompt_lookup_min": self.prompt_lookup_min,
+            "prompt_lookup_max": self.prompt_lookup_max,
+        }
 
     @property
     def label(self) -> str:
@@ -147,8 +160,9 @@ class NgramSetting:
         return f"window {self.prompt_lookup_min}:{self.prompt_lookup_max}, K = {self.k}"
 
 
-def start_engine(kwargs: dict[str, Any], param: str, what: str, warm_up: list[int], seed: int,
-                 shapes: list[list[int]] | None = None) -> tuple[Any, float]:
+def start_engine(
+    kwargs: dict[str, Any], param: str, what: str, warm_up: list[int], seed: int, shapes: list[list[int]] | None = None
+) -> tuple[Any, float]:
     """One engine, its core in this process on the CPU build, warmed up on ``warm_up`` (a prompt not timed: first
     forwards allocate and pick kernels), then given each of ``shapes`` (:func:`meet_shapes`); and its seconds to
     start."""

@@ -31,8 +31,9 @@ def decode_alone(llm: Any, prompts: list[list[int]], sampling: Any, param: str) 
     return timed
 
 
-def time_interleaved(engines: dict[str, Any], prompts: list[list[int]], sampling: Any, param: str,
-                     progress_desc: str) -> dict[str, list[Timed]]:
+def time_interleaved(
+    engines: dict[str, Any], prompts: list[list[int]], sampling: Any, param: str, progress_desc: str
+) -> dict[str, list[Timed]]:
     """Each prompt alone on every engine, the engines taking turns prompt by prompt, the order rotating.
 
     Returns:

@@ -51,23 +51,32 @@ class SpecCounts:
         size = max(len(self.per_position), len(before.per_position))
         after_pos = self.per_position + [0] * (size - len(self.per_position))
         before_pos = before.per_position + [0] * (size - len(before.per_position))
-        return SpecCounts(self.drafts - before.drafts, self.draft_tokens - before.draft_tokens,
-                          self.accepted - before.accepted, [a - b for a, b in zip(after_pos, before_pos, strict=True)])
+        return SpecCounts(
+            self.drafts - before.drafts,
+            self.draft_tokens - before.draft_tokens,
+            self.accepted - before.accepted,
+            [a - b for a, b in zip(after_pos, before_pos, strict=True)],
+        )
 
     def __add__(self, other: SpecCounts) -> SpecCounts:
         size = max(len(self.per_position), len(other.per_position))
         mine = self.per_position + [0] * (size - len(self.per_position))
         theirs = other.per_position + [0] * (size - len(other.per_position))
-        return SpecCounts(self.drafts + other.drafts, self.draft_tokens + other.draft_tokens,
-                          self.accepted + other.accepted, [a + b for a, b in zip(mine, theirs, strict=True)])
+        return SpecCounts(
+            self.drafts + other.drafts,
+            self.draft_tokens + other.draft_tokens,
+            self.accepted + other.accepted,
+            [a + b for a, b in zip(mine, theirs, strict=True)],
+        )
 
     def problems(self, k: int | None = None) -> list[str]:
         """Why these counts cannot describe speculative decoding with K = ``k`` drafts per step (any K when None);
         [] when they can."""
         problems = []
         if sum(self.per_position) != self.accepted and self.per_position:
-            problems.append(f"{ACCEPTED_PER_POS} sums to {sum(self.per_position)}, but {ACCEPTED} grew by "
-                            f"{self.accepted}")
+            problems.append(
+                f"{ACCEPTED_PER_POS} sums to {sum(self.per_position)}, but {ACCEPTED} grew by {self.accepted}"
+            )
         if k is not None and len(self.per_position) > k:
             problems.append(f"{ACCEPTED_PER_POS} has {len(self.per_position)} positions for K = {k}")
         if self.accepted > self.draft_tokens:
@@ -88,8 +97,9 @@ def engine_counts(metrics: list[Any]) -> SpecCounts:
         if metric.name in _SCALARS:
             totals[_SCALARS[metric.name]] += int(metric.value)
         elif metric.name == ACCEPTED_PER_POS:
-            per_position = (SpecCounts(per_position=per_position)
-                            + SpecCounts(per_position=[int(v) for v in metric.values])).per_position
+            per_position = (
+                SpecCounts(per_position=per_position) + SpecCounts(per_position=[int(v) for v in metric.values])
+            ).per_position
     return SpecCounts(per_position=per_position, **totals)
 
 
@@ -111,8 +121,12 @@ class MetricsReading:
         if not (DRAFTS in self.totals and ACCEPTED in self.totals):
             return None
         positions = range(max(self.accepted_per_pos) + 1) if self.accepted_per_pos else range(0)
-        return SpecCounts(int(self.totals[DRAFTS]), int(self.totals.get(DRAFT_TOKENS, 0.0)),
-                          int(self.totals[ACCEPTED]), [int(self.accepted_per_pos.get(p, 0.0)) for p in positions])
+        return SpecCounts(
+            int(self.totals[DRAFTS]),
+            int(self.totals.get(DRAFT_TOKENS, 0.0)),
+            int(self.totals[ACCEPTED]),
+            [int(self.accepted_per_pos.get(p, 0.0)) for p in positions],
+        )
 
 
 def parse_metrics(text: str, where: str) -> MetricsReading:
@@ -157,5 +171,9 @@ def request_counts(output: Any, k: int | None = None) -> SpecCounts | None:
     histogram = list(metrics.histogram)  # [K + 1]
     positions = len(histogram) - 1 if k is None else k
     per_position = [sum(histogram[j] for j in range(i + 1, len(histogram))) for i in range(positions)]
-    return SpecCounts(sum(histogram), int(getattr(metrics, "num_draft_tokens", 0)),
-                      sum(j * count for j, count in enumerate(histogram)), per_position)
+    return SpecCounts(
+        sum(histogram),
+        int(getattr(metrics, "num_draft_tokens", 0)),
+        sum(j * count for j, count in enumerate(histogram)),
+        per_position,
+    )

@@ -66,17 +66,25 @@ def check_hidden_state_file(path: Path, input_ids: list[int], verifier: Verifier
     return verify_checksum(path)  # a second read of a row's file: page-cached
 
 
-def check_shard(stored: StoredHiddenStates, spec: ShardSpec, input_ids: list[list[int]], verifier: VerifierInfo,
-                dtype: str) -> dict[int, str]:
+def check_shard(
+    stored: StoredHiddenStates, spec: ShardSpec, input_ids: list[list[int]], verifier: VerifierInfo, dtype: str
+) -> dict[int, str]:
     """``{row: problem}`` for the rows of one shard: every row when the header or row index is bad, else each
     row read alone (its token ids and finiteness; its digest taken for the shard's checksum), so memory is a row's;
     every row without a problem of its own when the shard fails its checksum."""
     from safetensors import SafetensorError, safe_open
 
     path = spec.path(stored.folder)
-    problem = check_shard_header(path, rows=spec.rows, lengths=[len(ids) for ids in input_ids],
-                                 num_slots=len(verifier.layer_ids), hidden_size=verifier.hidden_size, dtype=dtype,
-                                 config=None, rows_per_shard=stored.rows_per_shard)
+    problem = check_shard_header(
+        path,
+        rows=spec.rows,
+        lengths=[len(ids) for ids in input_ids],
+        num_slots=len(verifier.layer_ids),
+        hidden_size=verifier.hidden_size,
+        dtype=dtype,
+        config=None,
+        rows_per_shard=stored.rows_per_shard,
+    )
     if problem is not None:
         return dict.fromkeys(spec.rows, problem)
     problems, digests = {}, []
@@ -99,8 +107,9 @@ def check_shard(stored: StoredHiddenStates, spec: ShardSpec, input_ids: list[lis
     return problems
 
 
-def validate_hidden_states(input_ids: list[list[int]], stored: StoredHiddenStates, verifier: VerifierInfo, dtype: str,
-                           workers: int) -> dict[int, str]:
+def validate_hidden_states(
+    input_ids: list[list[int]], stored: StoredHiddenStates, verifier: VerifierInfo, dtype: str, workers: int
+) -> dict[int, str]:
     """``{row: problem}`` for every prepared row whose file (or shard) is bad or missing, or whose own data is."""
     from eaglenest.core.progress import progress
 
@@ -175,8 +184,9 @@ class UsableRows:
         return sorted(self.train + self.val)
 
 
-def find_usable_rows(params: ConvertParams, extract: HiddenStateStorage, verifier_dir: Path, prepared_dir: Path,
-                     hs_dir: Path) -> UsableRows:
+def find_usable_rows(
+    params: ConvertParams, extract: HiddenStateStorage, verifier_dir: Path, prepared_dir: Path, hs_dir: Path
+) -> UsableRows:
     """Phase 1: every hidden-state file validated against its prepared row (``extract.store: online``: the
     manifest against the rows, every row usable; the train stage checks each row it computes)."""
     verifier, _ = load_verifier_info(verifier_dir)
@@ -243,15 +253,24 @@ def build_vocabulary(params: ConvertParams, rows: UsableRows, out_dir: Path) -> 
     }
     problems = rows.problems
     with atomic_directory(out_dir) as tmp:
-        write_vocab(tmp, train_freq, mapping, record, {
-            "train": rows.train, "val": rows.val, "excluded": sorted(problems),
-            "problems": {str(row): problems[row] for row in sorted(problems)},
-        })
+        write_vocab(
+            tmp,
+            train_freq,
+            mapping,
+            record,
+            {
+                "train": rows.train,
+                "val": rows.val,
+                "excluded": sorted(problems),
+                "problems": {str(row): problems[row] for row in sorted(problems)},
+            },
+        )
     return record
 
 
-def write_data_metrics(rows: UsableRows, vocab: dict[str, Any], extract: HiddenStateStorage, metrics_path: Path
-                       ) -> dict[str, Any]:
+def write_data_metrics(
+    rows: UsableRows, vocab: dict[str, Any], extract: HiddenStateStorage, metrics_path: Path
+) -> dict[str, Any]:
     """Phase 3: what the training set holds (``metrics/data.json``); returns the metrics."""
     usable, problems = rows.usable, rows.problems
     tokens = sum(len(rows.input_ids[row]) for row in usable)
@@ -272,14 +291,26 @@ def write_data_metrics(rows: UsableRows, vocab: dict[str, Any], extract: HiddenS
         "excluded_rows": sorted(problems),
     }
     atomic_write_json(metrics_path, metrics)
-    log.info("%d rows valid (%d excluded); draft vocabulary %d covers %.1f%% of train, %.1f%% of val loss tokens",
-             len(usable), len(problems), vocab["draft_vocab_size"], 100 * (vocab["vocab_coverage_train"] or 0),
-             100 * (vocab["vocab_coverage_val"] or 0))
+    log.info(
+        "%d rows valid (%d excluded); draft vocabulary %d covers %.1f%% of train, %.1f%% of val loss tokens",
+        len(usable),
+        len(problems),
+        vocab["draft_vocab_size"],
+        100 * (vocab["vocab_coverage_train"] or 0),
+        100 * (vocab["vocab_coverage_val"] or 0),
+    )
     return metrics
 
 
-def convert(params: ConvertParams, extract: HiddenStateStorage, verifier_dir: Path, prepared_dir: Path, hs_dir: Path,
-            out_dir: Path, metrics_path: Path) -> dict[str, Any]:
+def convert(
+    params: ConvertParams,
+    extract: HiddenStateStorage,
+    verifier_dir: Path,
+    prepared_dir: Path,
+    hs_dir: Path,
+    out_dir: Path,
+    metrics_path: Path,
+) -> dict[str, Any]:
     """The convert stage's work: validate, build the vocabulary, count; returns the metrics it writes.
 
     Args:
@@ -306,9 +337,11 @@ class ConvertPaths(HiddenStatesInput):
 
 def run(params: ConvertStageParams, paths: ConvertPaths) -> dict[str, Any]:
     """The convert stage: reads ``extract.dtype`` and ``extract.store``, which its input was written with."""
-    return convert(params.convert, params.extract, paths.verifier, paths.prepared, paths.hidden_states, paths.out,
-                   paths.metrics)
+    return convert(
+        params.convert, params.extract, paths.verifier, paths.prepared, paths.hidden_states, paths.out, paths.metrics
+    )
 
 
-STAGE = Stage("convert", "Validate every hidden-state file and build the draft vocabulary.", ConvertStageParams,
-              ConvertPaths, run)
+STAGE = Stage(
+    "convert", "Validate every hidden-state file and build the draft vocabulary.", ConvertStageParams, ConvertPaths, run
+)

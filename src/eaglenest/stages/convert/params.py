@@ -34,4 +34,5 @@ class ConvertStageParams(StageParams):
     convert: ConvertParams = Field(default_factory=ConvertParams, description="The convert stage.")
     extract: HiddenStateStorage = Field(
         default_factory=HiddenStateStorage,
-        description="The extract stage's storage settings (store, dtype): what the hidden states it validates are.")
+        description="The extract stage's storage settings (store, dtype): what the hidden states it validates are.",
+    )

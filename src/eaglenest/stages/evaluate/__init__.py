@@ -80,26 +80,50 @@ def _vllm(job: EvaluationJob) -> dict[str, Any]:
     return evaluate_draft_vllm(job)
 
 
-def write_eval_outputs(params: EvaluateParams, results: dict[str, dict[str, Any]], metrics_path: Path,
-                       out_dir: Path, algorithm: str = "eagle3") -> dict[str, Any]:
+def write_eval_outputs(
+    params: EvaluateParams,
+    results: dict[str, dict[str, Any]],
+    metrics_path: Path,
+    out_dir: Path,
+    algorithm: str = "eagle3",
+) -> dict[str, Any]:
     """The records, the details, the plot table and the headline (written last: dvc trusts what exists);
     ``algorithm`` (the draft's, ``train.algorithm``) names the draft's series in the plot table."""
     k = next(iter(results.values()))["num_speculative_tokens"]
     records = {"num_speculative_tokens": k, "runs": results}
-    details: dict[str, Any] = {"num_speculative_tokens": k, "headline_backend": params.headline_backend,
-                               "host": host_record(results[params.headline_backend]["dtype"]), "runs": {}}
+    details: dict[str, Any] = {
+        "num_speculative_tokens": k,
+        "headline_backend": params.headline_backend,
+        "host": host_record(results[params.headline_backend]["dtype"]),
+        "runs": {},
+    }
     for backend, run in results.items():
-        details["runs"][backend] = {"dtype": run["dtype"], "phases": run.get("phases", {}), "sets": {
-            name: {key: value for key, value in entry.items() if key != "records"}
-            | {"summary": summarize(entry["records"], k, params.bootstrap_samples, params.seed)}
-            for name, entry in run["sets"].items()}}
+        details["runs"][backend] = {
+            "dtype": run["dtype"],
+            "phases": run.get("phases", {}),
+            "sets": {
+                name: {key: value for key, value in entry.items() if key != "records"}
+                | {"summary": summarize(entry["records"], k, params.bootstrap_samples, params.seed)}
+                for name, entry in run["sets"].items()
+            },
+        }
     acceptance = []
     for name, entry in details["runs"][params.headline_backend]["sets"].items():
         summary = entry["summary"]
-        for drafter, rates in ((algorithm, summary["per_position_acceptance"]),
-                               ("ngram", summary.get("ngram_per_position_acceptance", []))):
-            acceptance += [{"set": name, "drafter": drafter, "position": i + 1, "series": f"{name} {drafter} {i + 1}",
-                            "acceptance": rate} for i, rate in enumerate(rates)]
+        for drafter, rates in (
+            (algorithm, summary["per_position_acceptance"]),
+            ("ngram", summary.get("ngram_per_position_acceptance", [])),
+        ):
+            acceptance += [
+                {
+                    "set": name,
+                    "drafter": drafter,
+                    "position": i + 1,
+                    "series": f"{name} {drafter} {i + 1}",
+                    "acceptance": rate,
+                }
+                for i, rate in enumerate(rates)
+            ]
     atomic_write_json(records_path(out_dir), records)
     atomic_write_json(out_dir / DETAILS_FILE, details)
     atomic_write_json(out_dir / ACCEPTANCE_FILE, acceptance)
@@ -108,24 +132,39 @@ def write_eval_outputs(params: EvaluateParams, results: dict[str, dict[str, Any]
     return details
 
 
-def evaluate(params: EvaluateParams, verifier_dir: Path, prepared_dir: Path, draft_dir: Path, metrics_path: Path,
-             out_dir: Path, ngram_record: Path | None = None) -> dict[str, Any]:
+def evaluate(
+    params: EvaluateParams,
+    verifier_dir: Path,
+    prepared_dir: Path,
+    draft_dir: Path,
+    metrics_path: Path,
+    out_dir: Path,
+    ngram_record: Path | None = None,
+) -> dict[str, Any]:
     """The evaluate stage: every back end of evaluate.backend on every set of evaluate.sets, the vllm back end's
     n-gram baseline at the setting ``ngram_record`` holds (the ngram_sweep stage's)."""
     algorithm = draft_algorithm(draft_dir, "the draft")
     backends = decoding_backends(params, algorithm)
     tokenizer = load_tokenizer(verifier_dir)
-    job = EvaluationJob(params, verifier_dir, load_eval_sets(params.sets, prepared_dir, tokenizer), draft_dir,
-                        ngram_record)
+    job = EvaluationJob(
+        params, verifier_dir, load_eval_sets(params.sets, prepared_dir, tokenizer), draft_dir, ngram_record
+    )
     results = {backend: BACKENDS.get(backend)(job) for backend in backends}
     details = write_eval_outputs(params, results, metrics_path, out_dir, algorithm)
     for backend, run in details["runs"].items():
         for name, entry in run["sets"].items():
             summary = entry["summary"]
             speedup = summary.get("speedup", {}).get("value", float("nan"))
-            log.info("%s, %s: tau %.3f ± %.3f, speed-up %.3f (n-gram %.3f), lossless %.2f", backend, name,
-                     summary["tau"]["value"], summary["tau"]["ci95"], speedup,
-                     summary.get("ngram_speedup", {}).get("value", float("nan")), summary["lossless_fraction"])
+            log.info(
+                "%s, %s: tau %.3f ± %.3f, speed-up %.3f (n-gram %.3f), lossless %.2f",
+                backend,
+                name,
+                summary["tau"]["value"],
+                summary["tau"]["ci95"],
+                speedup,
+                summary.get("ngram_speedup", {}).get("value", float("nan")),
+                summary["lossless_fraction"],
+            )
     for backend, run in details["runs"].items():
         for name, entry in run["sets"].items():
             _require_lossless(params, entry, backend, name, out_dir / DETAILS_FILE)
@@ -140,15 +179,21 @@ def decoding_backends(params: EvaluateParams, algorithm: str) -> list[str]:
         return params.backends
     others = [backend for backend in params.backends if backend != "hf"]
     if not others:
-        raise EaglenestError(f"evaluate.backend: [hf] decodes EAGLE-3 drafts only, and the draft is {algorithm} "
-                             "(train.algorithm); add vllm to evaluate.backend")
-    log.info("the draft is %s: the hf back end's reference decoder decodes EAGLE-3 only; measuring with %s",
-             algorithm, ", ".join(others))
+        raise EaglenestError(
+            f"evaluate.backend: [hf] decodes EAGLE-3 drafts only, and the draft is {algorithm} "
+            "(train.algorithm); add vllm to evaluate.backend"
+        )
+    log.info(
+        "the draft is %s: the hf back end's reference decoder decodes EAGLE-3 only; measuring with %s",
+        algorithm,
+        ", ".join(others),
+    )
     return others
 
 
-def _require_lossless(params: EvaluateParams, entry: dict[str, Any], backend: str, set_name: str,
-                      details_path: Path) -> None:
+def _require_lossless(
+    params: EvaluateParams, entry: dict[str, Any], backend: str, set_name: str, details_path: Path
+) -> None:
     """At temperature 0 every prompt must be lossless; otherwise the verification is wrong, whatever the draft.
 
     Raises:
@@ -157,8 +202,11 @@ def _require_lossless(params: EvaluateParams, entry: dict[str, Any], backend: st
     summary = entry["summary"]
     if entry["temperature"] > 0 or summary["lossless_fraction"] >= 1.0:
         return
-    rule = ("identical tokens" if entry.get("lossless_rule", "exact") == "exact" else
-            f"identical, or a near-tie flipped within evaluate.bf16_tie_margin={params.bf16_tie_margin}")
+    rule = (
+        "identical tokens"
+        if entry.get("lossless_rule", "exact") == "exact"
+        else f"identical, or a near-tie flipped within evaluate.bf16_tie_margin={params.bf16_tie_margin}"
+    )
     raise EaglenestError(
         f"lossless_fraction = {summary['lossless_fraction']} < 1.0 at temperature 0 (evaluate.backend: {backend}, "
         f"set {set_name}, rule: {rule}): greedy speculative decoding left plain greedy decoding on some of "
@@ -171,18 +219,23 @@ def _require_lossless(params: EvaluateParams, entry: dict[str, Any], backend: st
 class EvaluatePaths(DraftInput):
     """Where dvc.yaml puts the evaluate stage's inputs and outputs."""
 
-    ngram: Path = path_arg("the ngram_sweep stage's record: the n-gram baseline's window and K "
-                           "(metrics/ngram_sweep.json)")
+    ngram: Path = path_arg(
+        "the ngram_sweep stage's record: the n-gram baseline's window and K (metrics/ngram_sweep.json)"
+    )
     metrics: Path = path_arg("the headline metrics JSON (metrics/eval.json)")
     out: Path = path_arg("folder for the records, details and plot table (metrics/eval)")
 
 
 def run(params: EvaluateStageParams, paths: EvaluatePaths) -> dict[str, Any]:
     """The evaluate stage."""
-    return evaluate(params.evaluate, paths.verifier, paths.prepared, paths.draft, paths.metrics, paths.out,
-                    paths.ngram)
+    return evaluate(params.evaluate, paths.verifier, paths.prepared, paths.draft, paths.metrics, paths.out, paths.ngram)
 
 
-STAGE = Stage("evaluate", "The draft in real speculative decoding on fixed sets: tau and speed-up with 95% intervals, "
-              "lossless check, vLLM n-gram baseline.",
-              EvaluateStageParams, EvaluatePaths, run)
+STAGE = Stage(
+    "evaluate",
+    "The draft in real speculative decoding on fixed sets: tau and speed-up with 95% intervals, "
+    "lossless check, vLLM n-gram baseline.",
+    EvaluateStageParams,
+    EvaluatePaths,
+    run,
+)

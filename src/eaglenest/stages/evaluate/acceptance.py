@@ -51,9 +51,13 @@ class Acceptance:
         """The counts of both decodings (a set's total is the sum over its prompts)."""
         if other.k != self.k:
             raise ValueError(f"cannot add acceptance counts for K = {self.k} and K = {other.k}")
-        return Acceptance(self.k, self.steps + other.steps, self.drafted + other.drafted,
-                          self.accepted + other.accepted,
-                          [a + b for a, b in zip(self.per_position, other.per_position, strict=True)])
+        return Acceptance(
+            self.k,
+            self.steps + other.steps,
+            self.drafted + other.drafted,
+            self.accepted + other.accepted,
+            [a + b for a, b in zip(self.per_position, other.per_position, strict=True)],
+        )
 
     @property
     def tau(self) -> float:

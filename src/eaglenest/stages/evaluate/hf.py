@@ -38,13 +38,22 @@ def evaluate_draft_hf(job: EvaluationJob) -> dict[str, Any]:
     info, model_dir = load_verifier_info(verifier_dir)
     tokenizer = load_tokenizer(verifier_dir)
     draft = load_draft(draft_dir, model_dir, info.trust_remote_code)
-    k = requested_k(params.num_speculative_tokens, int(draft.config.speculators_config.proposal_methods[0]
-                                                       .speculative_tokens), "evaluate.num_speculative_tokens")
-    verifier_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                          trust_remote_code=info.trust_remote_code).eval()
-    decoder = ReferenceDecoder(VerifierRunner(verifier_model, info.aux_layers), verifier_model,
-                               EagleDrafter(draft, info.vocab_size), tokenizer, end_of_turn_ids(tokenizer, model_dir),
-                               k)
+    k = requested_k(
+        params.num_speculative_tokens,
+        int(draft.config.speculators_config.proposal_methods[0].speculative_tokens),
+        "evaluate.num_speculative_tokens",
+    )
+    verifier_model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, trust_remote_code=info.trust_remote_code
+    ).eval()
+    decoder = ReferenceDecoder(
+        VerifierRunner(verifier_model, info.aux_layers),
+        verifier_model,
+        EagleDrafter(draft, info.vocab_size),
+        tokenizer,
+        end_of_turn_ids(tokenizer, model_dir),
+        k,
+    )
 
     # Warm-up: the first forward passes allocate and pick kernels; keep them out of every timing.
     first = job.sets[0].render(job.sets[0].conversations[0], 0, [], tokenizer)
@@ -58,36 +67,54 @@ def evaluate_draft_hf(job: EvaluationJob) -> dict[str, Any]:
         started = time.perf_counter()
         sets[eval_set.name] = _evaluate_set_hf(eval_set, decoder, limit, params.seed)
         phases["sets"][eval_set.name] = round(time.perf_counter() - started, 3)
-        log.info("hf, %s: %d turns, plain and speculative, in %.0f s", eval_set.name,
-                 len(sets[eval_set.name]["records"]), time.perf_counter() - started)
+        log.info(
+            "hf, %s: %d turns, plain and speculative, in %.0f s",
+            eval_set.name,
+            len(sets[eval_set.name]["records"]),
+            time.perf_counter() - started,
+        )
     return {"dtype": "float32", "num_speculative_tokens": k, "phases": phases, "sets": sets}
 
 
 class ReferenceDecoder:
     """transformers' ``generate`` (plain) and the reference speculative decoder, on one verifier."""
 
-    def __init__(self, verifier: VerifierRunner, model: Any, drafter: EagleDrafter, tokenizer: Any, eos: set[int],
-                 k: int) -> None:
+    def __init__(
+        self, verifier: VerifierRunner, model: Any, drafter: EagleDrafter, tokenizer: Any, eos: set[int], k: int
+    ) -> None:
         self.verifier, self.model, self.drafter, self.tokenizer, self.eos, self.k = (
-            verifier, model, drafter, tokenizer, eos, k)
+            verifier,
+            model,
+            drafter,
+            tokenizer,
+            eos,
+            k,
+        )
 
     def plain(self, prompt: list[int], max_new_tokens: int, temperature: float) -> tuple[list[int], float]:
         """transformers' own ``generate()``, one prompt: (tokens up to the first end-of-turn, seconds)."""
         started = time.perf_counter()
         with torch.inference_mode():
             output = self.model.generate(
-                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=max_new_tokens, do_sample=temperature > 0,
-                temperature=temperature if temperature > 0 else None, top_k=None, top_p=None,
-                eos_token_id=sorted(self.eos), pad_token_id=self.tokenizer.pad_token_id or sorted(self.eos)[0],
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=max_new_tokens,
+                do_sample=temperature > 0,
+                temperature=temperature if temperature > 0 else None,
+                top_k=None,
+                top_p=None,
+                eos_token_id=sorted(self.eos),
+                pad_token_id=self.tokenizer.pad_token_id or sorted(self.eos)[0],
             )
         seconds = time.perf_counter() - started
-        return cut_after_end_of_turn(output[0, len(prompt):].tolist(), self.eos), seconds
+        return cut_after_end_of_turn(output[0, len(prompt) :].tolist(), self.eos), seconds
 
-    def speculative(self, prompt: list[int], max_new_tokens: int, temperature: float, generator: torch.Generator
-                    ) -> Any:
-        return speculative_decode(self.verifier, self.drafter, prompt, self.k, max_new_tokens, self.eos, temperature,
-                                  generator)
+    def speculative(
+        self, prompt: list[int], max_new_tokens: int, temperature: float, generator: torch.Generator
+    ) -> Any:
+        return speculative_decode(
+            self.verifier, self.drafter, prompt, self.k, max_new_tokens, self.eos, temperature, generator
+        )
 
 
 def _evaluate_set_hf(eval_set: EvalSet, decoder: ReferenceDecoder, limit: int | None, seed: int) -> dict[str, Any]:
@@ -95,13 +122,17 @@ def _evaluate_set_hf(eval_set: EvalSet, decoder: ReferenceDecoder, limit: int | 
     follow its answers) and by speculative decoding."""
     params = eval_set.params
     generator = torch.Generator().manual_seed(seed)
-    turns, plains = ask_turns(eval_set, eval_set.conversations[:limit], decoder.tokenizer,
-                              lambda prompts: [decoder.plain(p, params.max_new_tokens, params.temperature)
-                                               for p in prompts],
-                              lambda output: output[0])
+    turns, plains = ask_turns(
+        eval_set,
+        eval_set.conversations[:limit],
+        decoder.tokenizer,
+        lambda prompts: [decoder.plain(p, params.max_new_tokens, params.temperature) for p in prompts],
+        lambda output: output[0],
+    )
     records = []
-    for item, (plain, plain_s) in progress(len(turns), f"hf speculative, {eval_set.name}", "turn",
-                                           iterable=zip(turns, plains, strict=True)):
+    for item, (plain, plain_s) in progress(
+        len(turns), f"hf speculative, {eval_set.name}", "turn", iterable=zip(turns, plains, strict=True)
+    ):
         spec = decoder.speculative(item.prompt, params.max_new_tokens, params.temperature, generator)
         # float32: the exact lossless rule
         record = turn_record(item, spec.acceptance, plain, spec.tokens, check_lossless=params.temperature == 0)

@@ -54,9 +54,13 @@ class Turn:
 Output = TypeVar("Output")
 
 
-def ask_turns(eval_set: EvalSet, conversations: list[EvalConversation], tokenizer: Any,
-              decode: Callable[[list[list[int]]], list[Output]], tokens_of: Callable[[Output], list[int]]
-              ) -> tuple[list[Turn], list[Output]]:
+def ask_turns(
+    eval_set: EvalSet,
+    conversations: list[EvalConversation],
+    tokenizer: Any,
+    decode: Callable[[list[list[int]]], list[Output]],
+    tokens_of: Callable[[Output], list[int]],
+) -> tuple[list[Turn], list[Output]]:
     """Every turn of ``conversations``, each later turn asked after the plain decoder's answer to the earlier ones.
 
     Turns are decoded round by round (all first turns in one ``decode`` call, then all second turns), so a
@@ -67,8 +71,9 @@ def ask_turns(eval_set: EvalSet, conversations: list[EvalConversation], tokenize
     decoded: dict[tuple[int, int], tuple[Turn, Output]] = {}
     for turn in range(max(len(c.turns) for c in conversations)):
         asked = [i for i, c in enumerate(conversations) if len(c.turns) > turn]
-        turns = [Turn(conversations[i], turn, eval_set.render(conversations[i], turn, answers[i], tokenizer))
-                 for i in asked]
+        turns = [
+            Turn(conversations[i], turn, eval_set.render(conversations[i], turn, answers[i], tokenizer)) for i in asked
+        ]
         for i, item, output in zip(asked, turns, decode([t.prompt for t in turns]), strict=True):
             answers[i].append(tokenizer.decode(tokens_of(output), skip_special_tokens=True))
             decoded[(i, turn)] = (item, output)
@@ -76,9 +81,16 @@ def ask_turns(eval_set: EvalSet, conversations: list[EvalConversation], tokenize
     return [t for t, _ in ordered], [o for _, o in ordered]
 
 
-def turn_record(item: Turn, acceptance: Acceptance, plain: list[int], spec: list[int], *,
-                plain_top: list[TopCandidates] | None = None, tie_margin: float | None = None,
-                check_lossless: bool = True) -> dict[str, Any]:
+def turn_record(
+    item: Turn,
+    acceptance: Acceptance,
+    plain: list[int],
+    spec: list[int],
+    *,
+    plain_top: list[TopCandidates] | None = None,
+    tie_margin: float | None = None,
+    check_lossless: bool = True,
+) -> dict[str, Any]:
     """One turn's record: the draft's counts, and whether speculation kept plain decoding's tokens.
 
     Args:
@@ -103,10 +115,22 @@ def turn_record(item: Turn, acceptance: Acceptance, plain: list[int], spec: list
         "per_position": list(acceptance.per_position[: acceptance.k]),
         "identical": divergence is None,
         "lossless": bool(lossless) if check_lossless else True,
-        **({"divergence": {"position": divergence.position, "plain_token": divergence.plain_token,
-                           "spec_token": divergence.spec_token, "gap": divergence.gap}}
-           if divergence is not None and check_lossless else {}),
-        "plain_tokens": None, "plain_s": None, "spec_tokens": None, "spec_s": None,
+        **(
+            {
+                "divergence": {
+                    "position": divergence.position,
+                    "plain_token": divergence.plain_token,
+                    "spec_token": divergence.spec_token,
+                    "gap": divergence.gap,
+                }
+            }
+            if divergence is not None and check_lossless
+            else {}
+        ),
+        "plain_tokens": None,
+        "plain_s": None,
+        "spec_tokens": None,
+        "spec_s": None,
     }
 
 
@@ -117,12 +141,21 @@ def add_timing(record: dict[str, Any], drafter: str, tokens: int, seconds: float
 
 def add_ngram(record: dict[str, Any], acceptance: Acceptance) -> None:
     """Records the n-gram baseline's counts on the turn."""
-    record.update(ngram_steps=acceptance.steps, ngram_accepted=acceptance.accepted, ngram_drafted=acceptance.drafted,
-                  ngram_per_position=list(acceptance.per_position[: acceptance.k]))
+    record.update(
+        ngram_steps=acceptance.steps,
+        ngram_accepted=acceptance.accepted,
+        ngram_drafted=acceptance.drafted,
+        ngram_per_position=list(acceptance.per_position[: acceptance.k]),
+    )
 
 
 def set_entry(eval_set: EvalSet, records: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
     """One set's entry in a back end's result: how it was decoded, and its records."""
-    return {"source": eval_set.params.source, "temperature": eval_set.params.temperature,
-            "max_new_tokens": eval_set.params.max_new_tokens, "chat_template": eval_set.params.chat_template,
-            **extra, "records": records}
+    return {
+        "source": eval_set.params.source,
+        "temperature": eval_set.params.temperature,
+        "max_new_tokens": eval_set.params.max_new_tokens,
+        "chat_template": eval_set.params.chat_template,
+        **extra,
+        "records": records,
+    }

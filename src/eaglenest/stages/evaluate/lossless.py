@@ -17,8 +17,12 @@ from eaglenest.core.lossless_rule import TIE_CANDIDATES, Divergence, TopCandidat
 __all__ = ["TIE_CANDIDATES", "Divergence", "TopCandidates", "first_divergence", "is_lossless", "lossless_counts"]
 
 
-def lossless_counts(plains: list[list[int]], specs: list[list[int]], plain_tops: list[list[TopCandidates]] | None,
-                    tie_margin: float | None) -> dict[str, Any]:
+def lossless_counts(
+    plains: list[list[int]],
+    specs: list[list[int]],
+    plain_tops: list[list[TopCandidates]] | None,
+    tie_margin: float | None,
+) -> dict[str, Any]:
     """identical_fraction, lossless_fraction and the divergences behind them (see the module docstring).
 
     Args:
@@ -28,8 +32,10 @@ def lossless_counts(plains: list[list[int]], specs: list[list[int]], plain_tops:
         tie_margin: None for the exact rule (float32); else the largest top-2 log-prob gap a flipped
             near-tie may have (``evaluate.bf16_tie_margin``).
     """
-    divergences = [first_divergence(p, s, plain_tops[i] if plain_tops is not None else None)
-                   for i, (p, s) in enumerate(zip(plains, specs, strict=True))]
+    divergences = [
+        first_divergence(p, s, plain_tops[i] if plain_tops is not None else None)
+        for i, (p, s) in enumerate(zip(plains, specs, strict=True))
+    ]
     identical = sum(d is None for d in divergences)
     lossless = sum(is_lossless(d, tie_margin) for d in divergences)
     return {

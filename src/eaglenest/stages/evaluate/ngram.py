@@ -20,8 +20,11 @@ def ngram_acceptance(prompt: list[int], output: list[int], k: int, max_ngram: in
     while position < len(output):
         proposal = _lookup(sequence + output[:position], k, max_ngram)
         accepted = 0
-        while accepted < len(proposal) and position + accepted < len(output) \
-                and proposal[accepted] == output[position + accepted]:
+        while (
+            accepted < len(proposal)
+            and position + accepted < len(output)
+            and proposal[accepted] == output[position + accepted]
+        ):
             accepted += 1
         counts.add_step(len(proposal), accepted)
         position += accepted + 1

@@ -71,8 +71,9 @@ class Drafter(Protocol):
     def start(self, prompt: list[int], aux: torch.Tensor, next_token: int) -> None:
         """A new sequence: the prompt, its aux states ``[n, n_aux, H]`` and the verifier's next token."""
 
-    def propose(self, k: int, temperature: float, generator: torch.Generator | None
-                ) -> tuple[list[int], list[torch.Tensor] | None]:
+    def propose(
+        self, k: int, temperature: float, generator: torch.Generator | None
+    ) -> tuple[list[int], list[torch.Tensor] | None]:
         """Up to ``k`` verifier-vocabulary tokens, with their proposal distributions when sampling."""
 
     def accept(self, tokens: list[int], aux: torch.Tensor, next_token: int) -> None:
@@ -101,8 +102,15 @@ class EagleDrafter:
         position_embeddings = self.model.rotary_emb(embeds_and_hidden, position_ids)
         hidden = embeds_and_hidden
         for layer in self.model.layers:
-            hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, past_key_values=self.cache,
-                           cache_position=cache_position, position_embeddings=position_embeddings, use_cache=True)
+            hidden = layer(
+                hidden,
+                attention_mask=mask,
+                position_ids=position_ids,
+                past_key_values=self.cache,
+                cache_position=cache_position,
+                position_embeddings=position_embeddings,
+                use_cache=True,
+            )
         return hidden
 
     def _output(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -128,8 +136,9 @@ class EagleDrafter:
         self.verified = 0
         self._feed_verified(prompt[1:] + [next_token], aux)
 
-    def propose(self, k: int, temperature: float, generator: torch.Generator | None
-                ) -> tuple[list[int], list[torch.Tensor] | None]:
+    def propose(
+        self, k: int, temperature: float, generator: torch.Generator | None
+    ) -> tuple[list[int], list[torch.Tensor] | None]:
         tokens: list[int] = []
         dists: list[torch.Tensor] = []
         hidden = self.last_hidden
@@ -137,10 +146,10 @@ class EagleDrafter:
             for step in range(k):
                 if step > 0:  # feed back [embed(d_step); h_step]
                     embeds = self.model.embed_tokens(torch.tensor([[tokens[-1]]]))
-                    hidden = self._output(self._layer_pass(torch.cat([embeds, hidden], dim=-1),
-                                                           self.verified + step))
-                logits = self.model.lm_head(hidden if self.model.config.norm_output
-                                            else self.model.norm(hidden))[0, -1].float()  # [draft_vocab]
+                    hidden = self._output(self._layer_pass(torch.cat([embeds, hidden], dim=-1), self.verified + step))
+                logits = self.model.lm_head(hidden if self.model.config.norm_output else self.model.norm(hidden))[
+                    0, -1
+                ].float()  # [draft_vocab]
                 if temperature == 0:
                     draft_id = int(torch.argmax(logits))
                 else:
@@ -171,9 +180,16 @@ def _sample(p: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(p, 1, generator=generator))
 
 
-def speculative_decode(verifier: VerifierRunner, drafter: Drafter, prompt: list[int], k: int,
-                       max_new_tokens: int, eos_ids: set[int], temperature: float = 0.0,
-                       generator: torch.Generator | None = None) -> DecodeResult:
+def speculative_decode(
+    verifier: VerifierRunner,
+    drafter: Drafter,
+    prompt: list[int],
+    k: int,
+    max_new_tokens: int,
+    eos_ids: set[int],
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> DecodeResult:
     """Generates up to ``max_new_tokens`` after ``prompt`` with chain speculative decoding."""
     started = time.perf_counter()
     verifier.reset()
@@ -212,8 +228,13 @@ def _choose(logits: torch.Tensor, temperature: float, generator: torch.Generator
     return _sample(torch.softmax(logits / temperature, dim=-1), generator)
 
 
-def _verify(drafts: list[int], q: list[torch.Tensor] | None, logits: torch.Tensor, temperature: float,
-            generator: torch.Generator | None) -> tuple[int, int]:
+def _verify(
+    drafts: list[int],
+    q: list[torch.Tensor] | None,
+    logits: torch.Tensor,
+    temperature: float,
+    generator: torch.Generator | None,
+) -> tuple[int, int]:
     """(number of drafts accepted, the verifier's token after them)."""
     if temperature == 0:
         targets = torch.argmax(logits, dim=-1).tolist()

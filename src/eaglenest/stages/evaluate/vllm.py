@@ -75,8 +75,11 @@ def check_counters(delta: SpecCounts, k: int) -> None:
     """
     problems = delta.problems(k)
     if delta.drafts <= 0:
-        problems.insert(0, f"{DRAFTS} did not grow ({delta.drafts}): vLLM proposed no drafts, so the draft never "
-                           "ran (is the counter still named so in this vLLM?)")
+        problems.insert(
+            0,
+            f"{DRAFTS} did not grow ({delta.drafts}): vLLM proposed no drafts, so the draft never "
+            "ran (is the counter still named so in this vLLM?)",
+        )
     if problems:
         raise EaglenestError(
             f"{PARAM}: vllm: vLLM's spec-decode counters are inconsistent: {problems[0]}; the figures cannot be "
@@ -86,8 +89,13 @@ def check_counters(delta: SpecCounts, k: int) -> None:
 
 def as_acceptance(counts: SpecCounts, k: int) -> Acceptance:
     """Spec-decode counts as evaluate's acceptance counts (a draft is one verify step)."""
-    return Acceptance(k, steps=counts.drafts, drafted=counts.draft_tokens, accepted=counts.accepted,
-                      per_position=counts.per_position[:k])
+    return Acceptance(
+        k,
+        steps=counts.drafts,
+        drafted=counts.draft_tokens,
+        accepted=counts.accepted,
+        per_position=counts.per_position[:k],
+    )
 
 
 def top_candidates(position_logprobs: dict[int, Any]) -> list[tuple[int, float]]:
@@ -95,8 +103,7 @@ def top_candidates(position_logprobs: dict[int, Any]) -> list[tuple[int, float]]
 
     vLLM returns the sampled token plus the top ``logprobs`` ones, so the sampled token is dropped when it
     is not among them (it is, at temperature 0)."""
-    ranked = sorted(((token, float(lp.logprob)) for token, lp in position_logprobs.items()),
-                    key=lambda item: -item[1])
+    ranked = sorted(((token, float(lp.logprob)) for token, lp in position_logprobs.items()), key=lambda item: -item[1])
     return ranked[:TIE_CANDIDATES]
 
 
@@ -110,8 +117,9 @@ def request_acceptance(output: Any, k: int) -> Acceptance | None:
     return None if counts is None else as_acceptance(counts, k)
 
 
-def decode_with_counts(llm: Any, prompts: list[list[int]], sampling: Any, k: int, progress_desc: str | None = None
-                       ) -> tuple[list[Any], list[Acceptance]]:
+def decode_with_counts(
+    llm: Any, prompts: list[list[int]], sampling: Any, k: int, progress_desc: str | None = None
+) -> tuple[list[Any], list[Acceptance]]:
     """All prompts in one call, with each request's acceptance counts, checked against the engine's counters.
 
     Where the build reports no per-request counts, each prompt is decoded alone between counter snapshots.
@@ -127,7 +135,8 @@ def decode_with_counts(llm: Any, prompts: list[list[int]], sampling: Any, k: int
             raise EaglenestError(
                 f"{PARAM}: vllm: per-request spec-decode counts ({summed.steps} steps, {summed.accepted} accepted) "
                 f"disagree with the engine's counters ({delta.drafts}, {delta.accepted}); the figures cannot "
-                "be trusted, use evaluate.backend: hf")
+                "be trusted, use evaluate.backend: hf"
+            )
         return outputs, counts  # type: ignore[return-value]
     log.warning("this vLLM reports no per-request spec-decode counts: decoding %d prompts one at a time", len(prompts))
     outputs, counts = [], []
@@ -155,14 +164,18 @@ def conversation_requests(job: EvaluationJob, tokenizer: Any, k: int) -> list[li
     return requests
 
 
-def engine_kwargs(base: EngineBase, requests: list[list[int]], draft_config: dict[str, Any], ngram: NgramSetting
-                  ) -> dict[str, dict[str, Any]]:
+def engine_kwargs(
+    base: EngineBase, requests: list[list[int]], draft_config: dict[str, Any], ngram: NgramSetting
+) -> dict[str, dict[str, Any]]:
     """The three engines' ``vllm.LLM(**kwargs)``: one set sized for the batched passes (``requests``: per set, the
     most tokens each conversation's turns reach at the largest K of the two drafters), to which the draft's and the
     n-gram engine add only their ``speculative_config`` (:func:`~eaglenest.core.measure.engines.drafting`)."""
     common = base.kwargs([tokens for in_set in requests for tokens in in_set], BATCH_IN_FLIGHT, batches=requests)
-    return {"plain": drafting(common, None), "spec": drafting(common, draft_config),
-            "ngram": drafting(common, ngram.speculative_config())}
+    return {
+        "plain": drafting(common, None),
+        "spec": drafting(common, draft_config),
+        "ngram": drafting(common, ngram.speculative_config()),
+    }
 
 
 def evaluate_draft_vllm(job: EvaluationJob) -> dict[str, Any]:
@@ -181,8 +194,10 @@ def evaluate_draft_vllm(job: EvaluationJob) -> dict[str, Any]:
     if run.interleaved:
         run.time_held_engines()
     run.log_timed()
-    sets = {eval_set.name: run.set_entry(eval_set, plain[eval_set.name], spec[eval_set.name], dtype)
-            for eval_set in job.sets}
+    sets = {
+        eval_set.name: run.set_entry(eval_set, plain[eval_set.name], spec[eval_set.name], dtype)
+        for eval_set in job.sets
+    }
     return {"dtype": dtype, "num_speculative_tokens": run.k, "phases": run.phases, "sets": sets}
 
 
@@ -241,7 +256,8 @@ class VllmEvaluation:
             return
         self.timed[drafter] = {
             eval_set.name: decode_alone(llm, self.timed_prompts[eval_set.name], self.sampling(eval_set), PARAM)
-            for eval_set in self.job.sets}
+            for eval_set in self.job.sets
+        }
         stop_engine(llm)
 
     def decode_plain(self) -> tuple[dict[str, Any], str]:
@@ -259,12 +275,16 @@ class VllmEvaluation:
             # the vocabulary per token, small next to a verifier forward.
             reference = self.sampling(eval_set, logprobs=TIE_CANDIDATES if greedy else None)
             started = time.perf_counter()
-            turns, outputs = ask_turns(eval_set, eval_set.conversations, self.tokenizer,
-                                       lambda prompts, s=reference, d=f"vllm plain, {eval_set.name}":
-                                       _generate(plain_llm, prompts, s, d), output_tokens)
+            turns, outputs = ask_turns(
+                eval_set,
+                eval_set.conversations,
+                self.tokenizer,
+                lambda prompts, s=reference, d=f"vllm plain, {eval_set.name}": _generate(plain_llm, prompts, s, d),
+                output_tokens,
+            )
             plain[eval_set.name] = (turns, outputs, time.perf_counter() - started)
             log.info("vllm plain, %s: %d turns together in %.0f s", eval_set.name, len(turns), plain[eval_set.name][2])
-            self.timed_prompts[eval_set.name] = [t.prompt for t in turns[:_timed_count(eval_set, self.params)]]
+            self.timed_prompts[eval_set.name] = [t.prompt for t in turns[: _timed_count(eval_set, self.params)]]
         self.done_batching("plain", plain_llm)
         return plain, dtype
 
@@ -276,17 +296,25 @@ class VllmEvaluation:
             per set (outputs, acceptance per turn, seconds).
         """
         draft_dir = self.job.draft_dir
-        spec_llm = self.start(self.kwargs["spec"],
-                              f"the verifier with the {draft_algorithm(draft_dir, 'the draft')} draft {draft_dir}",
-                              "spec")
+        spec_llm = self.start(
+            self.kwargs["spec"],
+            f"the verifier with the {draft_algorithm(draft_dir, 'the draft')} draft {draft_dir}",
+            "spec",
+        )
         spec: dict[str, Any] = {}
         for eval_set in self.job.sets:
             started = time.perf_counter()
-            outputs, counts = decode_with_counts(spec_llm, [t.prompt for t in plain[eval_set.name][0]],
-                                                 self.sampling(eval_set), self.k, f"vllm draft, {eval_set.name}")
+            outputs, counts = decode_with_counts(
+                spec_llm,
+                [t.prompt for t in plain[eval_set.name][0]],
+                self.sampling(eval_set),
+                self.k,
+                f"vllm draft, {eval_set.name}",
+            )
             spec[eval_set.name] = (outputs, counts, time.perf_counter() - started)
-            log.info("vllm eagle3, %s: %d turns together in %.0f s", eval_set.name, len(outputs),
-                     spec[eval_set.name][2])
+            log.info(
+                "vllm eagle3, %s: %d turns together in %.0f s", eval_set.name, len(outputs), spec[eval_set.name][2]
+            )
         self.done_batching("spec", spec_llm)
         return spec
 
@@ -294,9 +322,12 @@ class VllmEvaluation:
         """Starts the n-gram engine where there are timed turns: it decodes only these (it is the speed-ups'
         baseline: without timed turns, nothing to do)."""
         if self.every_timed:
-            self.done_batching("ngram", self.start(self.kwargs["ngram"],
-                                                   f"the verifier with n-gram drafting at {self.ngram.setting.label}",
-                                                   "ngram"))
+            self.done_batching(
+                "ngram",
+                self.start(
+                    self.kwargs["ngram"], f"the verifier with n-gram drafting at {self.ngram.setting.label}", "ngram"
+                ),
+            )
 
     def time_held_engines(self) -> None:
         """Interleaved: the held engines take turns on each set's timed prompts, then stop."""
@@ -304,8 +335,13 @@ class VllmEvaluation:
             self.timed[drafter] = {}
         for eval_set in self.job.sets:
             started = time.perf_counter()
-            pairs_of = time_interleaved(self.held, self.timed_prompts[eval_set.name], self.sampling(eval_set), PARAM,
-                                        f"timed turns, {eval_set.name}")
+            pairs_of = time_interleaved(
+                self.held,
+                self.timed_prompts[eval_set.name],
+                self.sampling(eval_set),
+                PARAM,
+                f"timed turns, {eval_set.name}",
+            )
             self.phases["timed"][eval_set.name] = round(time.perf_counter() - started, 3)
             for drafter, pairs in pairs_of.items():
                 self.timed[drafter][eval_set.name] = pairs
@@ -317,12 +353,24 @@ class VllmEvaluation:
         for eval_set in self.job.sets:
             prompts = self.timed_prompts[eval_set.name]
             if prompts:
-                log.info("vllm %s, %s: %d turns alone, %s", self.params.timing, eval_set.name, len(prompts),
-                         ", ".join(f"{drafter} {sum(s for _, s in self.timed[drafter][eval_set.name]):.0f} s"
-                                   for drafter in ("plain", "spec", "ngram")))
+                log.info(
+                    "vllm %s, %s: %d turns alone, %s",
+                    self.params.timing,
+                    eval_set.name,
+                    len(prompts),
+                    ", ".join(
+                        f"{drafter} {sum(s for _, s in self.timed[drafter][eval_set.name]):.0f} s"
+                        for drafter in ("plain", "spec", "ngram")
+                    ),
+                )
 
-    def set_entry(self, eval_set: Any, plain: tuple[list[Any], list[Any], float],
-                  spec: tuple[list[Any], list[Acceptance], float], dtype: str) -> dict[str, Any]:
+    def set_entry(
+        self,
+        eval_set: Any,
+        plain: tuple[list[Any], list[Any], float],
+        spec: tuple[list[Any], list[Acceptance], float],
+        dtype: str,
+    ) -> dict[str, Any]:
         """One set's entry of the evaluation: a record per turn (lossless check, acceptance, the timed figures)."""
         greedy = eval_set.params.temperature == 0
         # float32 is held to exact equality; below it a flipped near-tie is allowed (the stage's docstring).
@@ -332,21 +380,39 @@ class VllmEvaluation:
         timed_count = len(self.timed_prompts[eval_set.name])
         records = []
         for i, (item, plain_output, spec_output) in enumerate(zip(turns, plain_outputs, spec_outputs, strict=True)):
-            plain_top = ([top_candidates(position) for position in (plain_output.outputs[0].logprobs or [])]
-                         if greedy else None)
-            record = turn_record(item, spec_counts[i], output_tokens(plain_output), output_tokens(spec_output),
-                                 plain_top=plain_top, tie_margin=tie_margin, check_lossless=greedy)
+            plain_top = (
+                [top_candidates(position) for position in (plain_output.outputs[0].logprobs or [])] if greedy else None
+            )
+            record = turn_record(
+                item,
+                spec_counts[i],
+                output_tokens(plain_output),
+                output_tokens(spec_output),
+                plain_top=plain_top,
+                tie_margin=tie_margin,
+                check_lossless=greedy,
+            )
             if i < timed_count:
-                add_timed(record, {drafter: self.timed[drafter][eval_set.name][i]
-                                   for drafter in ("plain", "spec", "ngram")}, self.k, self.ngram.setting.k)
+                add_timed(
+                    record,
+                    {drafter: self.timed[drafter][eval_set.name][i] for drafter in ("plain", "spec", "ngram")},
+                    self.k,
+                    self.ngram.setting.k,
+                )
             records.append(record)
         setting = self.ngram.setting
         return set_entry(
-            eval_set, records, ngram={"window": [setting.prompt_lookup_min, setting.prompt_lookup_max],
-                                      "num_speculative_tokens": setting.k, "why": self.ngram.why},
+            eval_set,
+            records,
+            ngram={
+                "window": [setting.prompt_lookup_min, setting.prompt_lookup_max],
+                "num_speculative_tokens": setting.k,
+                "why": self.ngram.why,
+            },
             lossless_rule="exact" if tie_margin is None else f"near_tie (bf16_tie_margin {tie_margin})",
             batched_seconds={"plain": round(plain_batched_s, 3), "spec": round(spec_batched_s, 3)},
-            timing=self.params.timing)
+            timing=self.params.timing,
+        )
 
 
 def add_timed(record: dict[str, Any], timed: dict[str, tuple[Any, float]], k: int, ngram_k: int) -> None:

@@ -90,8 +90,11 @@ def _check_rows(input_ids: list[list[int]], verifier: VerifierInfo) -> None:
             f"prepared row {row} has {length} tokens, more than the verifier's context of {limit} "
             f"({len(too_long)} rows in all); set prepare.max_len <= {limit}"
         )
-    outside = [(row, max(ids)) for row, ids in enumerate(input_ids) if ids and not 0 <= min(ids) <= max(ids) <
-               verifier.vocab_size]
+    outside = [
+        (row, max(ids))
+        for row, ids in enumerate(input_ids)
+        if ids and not 0 <= min(ids) <= max(ids) < verifier.vocab_size
+    ]
     if outside:
         row, token = outside[0]
         raise EaglenestError(
@@ -135,14 +138,27 @@ def plan_extraction(params: ExtractParams, verifier_dir: Path, prepared_dir: Pat
     verifier, model_dir = load_verifier_info(verifier_dir)
     input_ids = load_input_ids(prepared_dir)
     _check_rows(input_ids, verifier)
-    hidden_states = HiddenStatePlan(input_ids, params.rows_per_shard, verifier.layer_ids, verifier.hidden_size,
-                                    verifier.fingerprint, params.dtype, params.backend)
+    hidden_states = HiddenStatePlan(
+        input_ids,
+        params.rows_per_shard,
+        verifier.layer_ids,
+        verifier.hidden_size,
+        verifier.fingerprint,
+        params.dtype,
+        params.backend,
+    )
     if params.store == "online":
         return ExtractionPlan(params, verifier, model_dir, hidden_states)
     extraction = Extraction(out_dir, hidden_states)
     todo = extraction.collect()
-    log.info("%d rows in %d files: %d files already finished, %d to write; %d stale files removed", len(input_ids),
-             len(hidden_states.files), len(hidden_states.files) - len(todo), len(todo), extraction.removed)
+    log.info(
+        "%d rows in %d files: %d files already finished, %d to write; %d stale files removed",
+        len(input_ids),
+        len(hidden_states.files),
+        len(hidden_states.files) - len(todo),
+        len(todo),
+        extraction.removed,
+    )
     return ExtractionPlan(params, verifier, model_dir, hidden_states, extraction, tuple(todo))
 
 
@@ -179,14 +195,17 @@ def compute_hidden_states(plan: ExtractionPlan, cluster: ClusterParams) -> Compu
         else:
             to_compute.append(spec)
     if len(to_compute) < len(plan.todo):
-        log.info("%d files assembled from the rows of earlier files, nothing computed", len(plan.todo) -
-                 len(to_compute))
+        log.info(
+            "%d files assembled from the rows of earlier files, nothing computed", len(plan.todo) - len(to_compute)
+        )
     if params.backend == "import":
         cluster = in_this_process(cluster, "extract.backend: import copies files on this machine")
     specs = {spec.name: spec for spec in to_compute}
-    computed = Computed(rows=sum(len(spec.rows) for spec in to_compute),
-                        tokens=sum(len(plan.input_ids[row]) for spec in to_compute for row in spec.rows),
-                        executor=cluster.executor)
+    computed = Computed(
+        rows=sum(len(spec.rows) for spec in to_compute),
+        tokens=sum(len(plan.input_ids[row]) for spec in to_compute for row in spec.rows),
+        executor=cluster.executor,
+    )
     if not to_compute:
         computed.seconds = time.perf_counter() - started
         return computed
@@ -203,12 +222,19 @@ def compute_hidden_states(plan: ExtractionPlan, cluster: ClusterParams) -> Compu
         with open_executor(cluster, engine_needs(params)) as executor:
             computed.engines = executor.workers
             destination = executor.results_folder(extraction.dir)
-            tasks = [ExtractTask(tuple(plan.layout(spec) for spec in group), params.dtype, destination)
-                     for group in task_groups(to_compute)]
+            tasks = [
+                ExtractTask(tuple(plan.layout(spec) for spec in group), params.dtype, destination)
+                for group in task_groups(to_compute)
+            ]
             # A staging folder beside the output only where the engine runs on this machine.
             staging = staging_dir_for(extraction.out_dir) if executor.runs_in_driver else None
-            settings = EngineSettings(plan.verifier, plan.model_dir.resolve(), params,
-                                      max(len(ids) for ids in plan.input_ids), staging=staging)
+            settings = EngineSettings(
+                plan.verifier,
+                plan.model_dir.resolve(),
+                params,
+                max(len(ids) for ids in plan.input_ids),
+                staging=staging,
+            )
             executor.run(functools.partial(make_engine, settings), run_extract_task, tasks, on_result)
     computed.seconds = time.perf_counter() - started
     return computed
@@ -263,8 +289,14 @@ def finish_extraction(plan: ExtractionPlan, computed: Computed, metrics_path: Pa
     return metrics
 
 
-def extract_hidden_states(params: ExtractParams, verifier_dir: Path, prepared_dir: Path, out_dir: Path,
-                          metrics_path: Path, cluster: ClusterParams | None = None) -> dict[str, Any]:
+def extract_hidden_states(
+    params: ExtractParams,
+    verifier_dir: Path,
+    prepared_dir: Path,
+    out_dir: Path,
+    metrics_path: Path,
+    cluster: ClusterParams | None = None,
+) -> dict[str, Any]:
     """The extract stage's work: plan, compute what is missing, finish; returns the metrics it writes.
 
     Args:
@@ -287,8 +319,9 @@ def extract_hidden_states(params: ExtractParams, verifier_dir: Path, prepared_di
         return finish_extraction(plan, computed, metrics_path)
 
 
-def _write_online_manifest(params: ExtractParams, verifier: VerifierInfo, input_ids: list[list[int]], out_dir: Path,
-                           metrics_path: Path) -> dict[str, Any]:
+def _write_online_manifest(
+    params: ExtractParams, verifier: VerifierInfo, input_ids: list[list[int]], out_dir: Path, metrics_path: Path
+) -> dict[str, Any]:
     """``extract.store: online``: no hidden states, only the manifest the train stage computes them against.
 
     Files of an earlier ``store: files`` run, finished or not, are deleted: keeping them would keep their terabytes
@@ -302,8 +335,12 @@ def _write_online_manifest(params: ExtractParams, verifier: VerifierInfo, input_
     shutil.rmtree(unfinished_dir(out_dir), ignore_errors=True)
     manifest = online_manifest(verifier, params.dtype, input_ids)
     atomic_write_json(out_dir / MANIFEST_FILE, manifest)
-    log.info("extract.store: online: %d rows (%d tokens) will be computed by the train stage; %d stored files "
-             "removed", manifest["rows"], manifest["tokens"], removed)
+    log.info(
+        "extract.store: online: %d rows (%d tokens) will be computed by the train stage; %d stored files removed",
+        manifest["rows"],
+        manifest["tokens"],
+        removed,
+    )
     size = (out_dir / MANIFEST_FILE).stat().st_size
     metrics = {
         "store": "online",
@@ -332,9 +369,11 @@ class ExtractPaths(PreparedInput):
 
 def run(params: ExtractStageParams, paths: ExtractPaths) -> dict[str, Any]:
     """The extract stage, on ``cluster.executor``."""
-    return extract_hidden_states(params.extract, paths.verifier, paths.prepared, paths.out, paths.metrics,
-                                 params.cluster)
+    return extract_hidden_states(
+        params.extract, paths.verifier, paths.prepared, paths.out, paths.metrics, params.cluster
+    )
 
 
-STAGE = Stage("extract", "The verifier's hidden states for every prepared row (resumable).", ExtractStageParams,
-              ExtractPaths, run)
+STAGE = Stage(
+    "extract", "The verifier's hidden states for every prepared row (resumable).", ExtractStageParams, ExtractPaths, run
+)

@@ -20,8 +20,9 @@ from eaglenest.stages.extract.job import EngineSettings, RowWriter
 log = logging.getLogger(__name__)
 
 
-def length_sorted_batches(rows: list[int], lengths: Mapping[int, int] | list[int], batch_tokens: int
-                          ) -> list[list[int]]:
+def length_sorted_batches(
+    rows: list[int], lengths: Mapping[int, int] | list[int], batch_tokens: int
+) -> list[list[int]]:
     """Rows grouped longest first so that ``len(batch) * longest <= batch_tokens`` (padding stays small).
 
     A row longer than ``batch_tokens`` gets a batch of its own.
@@ -59,9 +60,15 @@ class HfEngine:
         lengths = {row: len(ids) for row, ids in input_ids.items()}
         with torch.inference_mode():
             for batch in length_sorted_batches(rows, lengths, params.batch_tokens):
-                hidden = hidden_states_of_rows(self.model, self.captured, self.settings.verifier.layer_ids,
-                                               [input_ids[row] for row in batch], self.pad_id, self.device,
-                                               f"lower extract.batch_tokens (now {params.batch_tokens})")
+                hidden = hidden_states_of_rows(
+                    self.model,
+                    self.captured,
+                    self.settings.verifier.layer_ids,
+                    [input_ids[row] for row in batch],
+                    self.pad_id,
+                    self.device,
+                    f"lower extract.batch_tokens (now {params.batch_tokens})",
+                )
                 for i, row in enumerate(batch):
                     write(row, hidden[i, : lengths[row]])  # [seq, n_aux + 1, hidden]
 

@@ -70,7 +70,7 @@ class ExtractTask:
 
     @property
     def label(self) -> str:
-        """"shard 3 (rows 12..15)", or "rows 64..127 (row files)"."""
+        """ "shard 3 (rows 12..15)", or "rows 64..127 (row files)"."""
         if len(self.layouts) == 1:
             return self.layouts[0].spec.label
         return f"rows {self.layouts[0].spec.rows.start}..{self.layouts[-1].spec.rows.stop - 1} (row files)"
@@ -86,8 +86,10 @@ def checked_row(row: int, hidden: torch.Tensor, layout: FileLayout, backend: str
     place = layout.places["hidden_states"]
     expected = (len(layout.input_ids[row - layout.spec.rows.start]), *place.shape[1:])
     if tuple(hidden.shape) != expected:
-        raise EaglenestError(f"the {backend} back end returned hidden states of shape {tuple(hidden.shape)} for row "
-                             f"{row}, expected {expected}")
+        raise EaglenestError(
+            f"the {backend} back end returned hidden states of shape {tuple(hidden.shape)} for row "
+            f"{row}, expected {expected}"
+        )
     hidden = hidden.to(device="cpu")
     finite = torch.isfinite(hidden)
     if not bool(finite.all()):
@@ -123,8 +125,9 @@ def run_extract_task(engine: Engine, task: ExtractTask) -> list[tuple[str, Any]]
     done = False
     try:
         if owner:
-            ids = {row: list(writer.layout.input_ids[row - writer.layout.spec.rows.start])
-                   for row, writer in owner.items()}
+            ids = {
+                row: list(writer.layout.input_ids[row - writer.layout.spec.rows.start]) for row, writer in owner.items()
+            }
             engine.compute(sorted(owner), ids, write)
         results += [(writer.layout.spec.name, writer.finish()) for writer in writers]
         done = True

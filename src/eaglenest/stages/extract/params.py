@@ -22,9 +22,13 @@ class ExtractParams(StrictModel):
     """``extract:`` — the verifier's hidden states for every prepared row."""
 
     moved_keys: ClassVar[dict[str, str]] = {
-        old: f"extract.vllm.{new}" for old, new in (("vllm_dtype", "dtype"),
-                                                    ("gpu_memory_utilization", "gpu_memory_utilization"),
-                                                    ("tensor_parallel_size", "tensor_parallel_size"))}
+        old: f"extract.vllm.{new}"
+        for old, new in (
+            ("vllm_dtype", "dtype"),
+            ("gpu_memory_utilization", "gpu_memory_utilization"),
+            ("tensor_parallel_size", "tensor_parallel_size"),
+        )
+    }
     removed_keys: ClassVar[dict[str, str]] = dict.fromkeys(
         ("rank", "world_size"),
         "removed; use cluster.executor: ray, which shares the shards over the nodes of a Ray cluster "

@@ -174,7 +174,7 @@ class VllmExtractEngine:
         per_call = WAVES_PER_CALL * self.settings.params.max_num_seqs
         started, tokens = time.perf_counter(), 0
         for start in range(0, len(rows), per_call):
-            batch = rows[start: start + per_call]
+            batch = rows[start : start + per_call]
             files = self.engine.hidden_state_files([input_ids[row] for row in batch])
             if len(files) != len(batch):
                 raise EaglenestError(f"vLLM returned {len(files)} results for {len(batch)} prompts")

@@ -74,8 +74,9 @@ def sweep_ks(asked: list[int] | None, own_k: int) -> list[int]:
     return sorted(set(asked)) if asked else list(range(1, own_k + 1))
 
 
-def sweep(params: KSweepStageParams, paths: KSweepPaths, ks: list[int] | None = None, repeats: int | None = None
-          ) -> dict[str, Any]:
+def sweep(
+    params: KSweepStageParams, paths: KSweepPaths, ks: list[int] | None = None, repeats: int | None = None
+) -> dict[str, Any]:
     """Times the draft at each K and writes the record to ``paths.out``; returns it.
 
     Args:
@@ -90,18 +91,23 @@ def sweep(params: KSweepStageParams, paths: KSweepPaths, ks: list[int] | None = 
     algorithm = draft_algorithm(paths.draft, "the draft")
     ks = sweep_ks(ks or own.ks, trained_k)
     if min(ks) < 1 or repeats < 1:
-        raise EaglenestError(f"k_sweep.ks and k_sweep.repeats (or --ks, --repeats): every K and the rounds must be at "
-                             f"least 1 (Ks {ks}, repeats {repeats})")
+        raise EaglenestError(
+            f"k_sweep.ks and k_sweep.repeats (or --ks, --repeats): every K and the rounds must be at "
+            f"least 1 (Ks {ks}, repeats {repeats})"
+        )
     if "vllm" not in params.evaluate.backend:
-        reason = ("evaluate.backend lists no vllm: the K served is vLLM's, and the sweep times vLLM's engines; list "
-                  "vllm in evaluate.backend to measure it")
+        reason = (
+            "evaluate.backend lists no vllm: the K served is vLLM's, and the sweep times vLLM's engines; list "
+            "vllm in evaluate.backend to measure it"
+        )
         log.info("no K measured: %s", reason)
         return write_k_record(paths.out, paths.draft, algorithm, trained_k, None, {"ks": ks}, not_measured=reason)
     return _measure(params, paths, ks, repeats, trained_k, algorithm)
 
 
-def _measure(params: KSweepStageParams, paths: KSweepPaths, ks: list[int], repeats: int, trained_k: int, algorithm: str
-             ) -> dict[str, Any]:
+def _measure(
+    params: KSweepStageParams, paths: KSweepPaths, ks: list[int], repeats: int, trained_k: int, algorithm: str
+) -> dict[str, Any]:
     """The timing: the plain engine up throughout, the speculative engines two at a time beside it; the record."""
     evaluate, own = params.evaluate, params.k_sweep
     began = time.perf_counter()
@@ -110,22 +116,28 @@ def _measure(params: KSweepStageParams, paths: KSweepPaths, ks: list[int], repea
     # one prompt at a time (the KV cache holds one request); up to three engines hold GPU memory at once
     base = EngineBase(model_dir, info, evaluate.vllm, evaluate.seed, at_once=SPECULATIVE_PER_GROUP + 1)
     common = base.kwargs(turns.requests)
-    groups = [ks[i:i + SPECULATIVE_PER_GROUP] for i in range(0, len(ks), SPECULATIVE_PER_GROUP)]
+    groups = [ks[i : i + SPECULATIVE_PER_GROUP] for i in range(0, len(ks), SPECULATIVE_PER_GROUP)]
     seconds: dict[str, Any] = {"start": {}, "timed": {}}
     rounds: list[dict[str, Any]] = [{"draft": {str(k): {} for k in ks}} for _ in range(repeats)]
 
     plain = None
     try:
-        plain, seconds["start"]["plain"] = kit_engines.start_engine(common, PARAM, "the verifier", turns.warm_up,
-                                                                    evaluate.seed, turns.every_prompt)
+        plain, seconds["start"]["plain"] = kit_engines.start_engine(
+            common, PARAM, "the verifier", turns.warm_up, evaluate.seed, turns.every_prompt
+        )
         for group in groups:
             engines: dict[str, Any] = {}
             try:
                 for k in group:
                     name = f"draft K={k}"
                     engines[name], seconds["start"][name] = kit_engines.start_engine(
-                        drafting(common, vllm_speculative_config(paths.draft, k)), PARAM,
-                        f"the {algorithm} draft at K={k}", turns.warm_up, evaluate.seed, turns.every_prompt)
+                        drafting(common, vllm_speculative_config(paths.draft, k)),
+                        PARAM,
+                        f"the {algorithm} draft at K={k}",
+                        turns.warm_up,
+                        evaluate.seed,
+                        turns.every_prompt,
+                    )
                 label = ", ".join(engines)
                 for round_number, measured in enumerate(rounds):
                     started = time.perf_counter()
@@ -133,8 +145,15 @@ def _measure(params: KSweepStageParams, paths: KSweepPaths, ks: list[int], repea
                     seconds["timed"][f"round {round_number}: {label}"] = round(time.perf_counter() - started, 3)
                     for k in group:
                         measured["draft"][str(k)] = timed[f"draft K={k}"]
-                        log.info("round %d, draft K=%d: %s", round_number, k, ", ".join(
-                            f"{n} x{e['speedup']} ± {e['speedup_ci95']}" for n, e in measured["draft"][str(k)].items()))
+                        log.info(
+                            "round %d, draft K=%d: %s",
+                            round_number,
+                            k,
+                            ", ".join(
+                                f"{n} x{e['speedup']} ± {e['speedup_ci95']}"
+                                for n, e in measured["draft"][str(k)].items()
+                            ),
+                        )
             finally:
                 for llm in engines.values():
                     kit_engines.stop_engine(llm)
@@ -145,13 +164,23 @@ def _measure(params: KSweepStageParams, paths: KSweepPaths, ks: list[int], repea
     names = [s.name for s in turns.sets]
     k_best, speedup, ci95 = serve_k(rounds, names, ks, evaluate.bootstrap_samples, evaluate.seed)
     seconds["total"] = round(time.perf_counter() - began, 3)
-    log.info("serve K=%d: x%.2f ± %.2f over %s (the draft's own K is %d)", k_best, speedup, ci95, ", ".join(names),
-             trained_k)
-    details = {"commit": short_commit(), "host": host_record(common["dtype"]), "ks": ks, "repeats": repeats,
-               "timed_prompts": own.timed_prompts, "drafters": ["draft"],
-               "best": best_ks(rounds, names, ks, ["draft"]), "seconds": seconds, "rounds": rounds}
-    return write_k_record(paths.out, paths.draft, algorithm, trained_k, ServedFigure(k_best, speedup, ci95, names),
-                          details)
+    log.info(
+        "serve K=%d: x%.2f ± %.2f over %s (the draft's own K is %d)", k_best, speedup, ci95, ", ".join(names), trained_k
+    )
+    details = {
+        "commit": short_commit(),
+        "host": host_record(common["dtype"]),
+        "ks": ks,
+        "repeats": repeats,
+        "timed_prompts": own.timed_prompts,
+        "drafters": ["draft"],
+        "best": best_ks(rounds, names, ks, ["draft"]),
+        "seconds": seconds,
+        "rounds": rounds,
+    }
+    return write_k_record(
+        paths.out, paths.draft, algorithm, trained_k, ServedFigure(k_best, speedup, ci95, names), details
+    )
 
 
 def run(params: KSweepStageParams, paths: KSweepPaths) -> dict[str, Any]:
@@ -159,5 +188,11 @@ def run(params: KSweepStageParams, paths: KSweepPaths) -> dict[str, Any]:
     return sweep(params, paths)
 
 
-STAGE = Stage("k_sweep", "K, the drafts per verify step, timed for the trained draft at each K on the headline sets "
-              "(plain and draft interleaved): the K eaglenest serve uses for it.", KSweepStageParams, KSweepPaths, run)
+STAGE = Stage(
+    "k_sweep",
+    "K, the drafts per verify step, timed for the trained draft at each K on the headline sets "
+    "(plain and draft interleaved): the K eaglenest serve uses for it.",
+    KSweepStageParams,
+    KSweepPaths,
+    run,
+)

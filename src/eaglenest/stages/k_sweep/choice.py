@@ -10,8 +10,7 @@ from typing import Any
 from eaglenest.core.measure.beside_plain import pooled_speedup
 
 
-def best_ks(rounds: list[dict[str, Any]], set_names: list[str], ks: list[int], drafters: list[str]
-            ) -> dict[str, Any]:
+def best_ks(rounds: list[dict[str, Any]], set_names: list[str], ks: list[int], drafters: list[str]) -> dict[str, Any]:
     """Per set and drafter, the K with the best mean speed-up over rounds (ties: the smaller K, the cheaper step).
 
     Returns:
@@ -23,16 +22,21 @@ def best_ks(rounds: list[dict[str, Any]], set_names: list[str], ks: list[int], d
         for drafter in drafters:
             per_k = {k: statistics.mean(r[drafter][str(k)][name]["speedup"] for r in rounds) for k in ks}
             k_best = max(ks, key=lambda k, per_k=per_k: (per_k[k], -k))
-            best[name][drafter] = {"k": k_best, "mean_speedup": round(per_k[k_best], 3),
-                                   "mean_speedup_per_k": {str(k): round(v, 3) for k, v in per_k.items()}}
+            best[name][drafter] = {
+                "k": k_best,
+                "mean_speedup": round(per_k[k_best], 3),
+                "mean_speedup_per_k": {str(k): round(v, 3) for k, v in per_k.items()},
+            }
     return best
 
 
-def serve_k(rounds: list[dict[str, Any]], set_names: list[str], ks: list[int], samples: int, seed: int
-            ) -> tuple[int, float, float]:
+def serve_k(
+    rounds: list[dict[str, Any]], set_names: list[str], ks: list[int], samples: int, seed: int
+) -> tuple[int, float, float]:
     """The K to serve the draft at: the best speed-up over every headline set's timed turns of every round,
     pooled (ties: the smaller K); with that speed-up and half its 95% interval's width."""
-    pooled = {k: pooled_speedup([r["draft"][str(k)][name] for r in rounds for name in set_names], samples, seed)
-              for k in ks}
+    pooled = {
+        k: pooled_speedup([r["draft"][str(k)][name] for r in rounds for name in set_names], samples, seed) for k in ks
+    }
     k_best = max(ks, key=lambda k: (pooled[k][0], -k))
     return k_best, *pooled[k_best]

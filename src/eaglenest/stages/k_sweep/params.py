@@ -16,23 +16,28 @@ class KSweepParams(StrictModel):
     ``evaluate:``."""
 
     removed_keys: ClassVar[dict[str, str]] = {
-        "ngram": "n-gram drafting is timed at each window and K by the ngram_sweep stage (params ngram_sweep.*)"}
+        "ngram": "n-gram drafting is timed at each window and K by the ngram_sweep stage (params ngram_sweep.*)"
+    }
 
     ks: list[int] | None = Field(
-        default=None, min_length=1,
+        default=None,
+        min_length=1,
         description="The Ks timed, each at least 1; null: 1 to the draft's own K (train.ttt_steps). Each K is an "
         "engine, timed two at a time beside the plain one.",
     )
     timed_prompts: int = Field(
-        default=4, ge=1,
+        default=4,
+        ge=1,
         description="Turns of each headline set decoded one at a time per engine and round, fewer than "
         "evaluate.timed_prompts: the sweep chooses between Ks, evaluate measures the chosen one. Each turn costs "
         "about 1.5 to 3.5 s per engine on an idle 2-core EPYC for SmolLM2-135M (docs/experiments.md).",
     )
     repeats: int = Field(
-        default=1, ge=1,
+        default=1,
+        ge=1,
         description="Rounds of timing on the same engines; the spread between rounds shows the timing noise.",
     )
+
     @field_validator("ks")
     @classmethod
     def _ks_at_least_one(cls, value: list[int] | None) -> list[int] | None:
@@ -51,4 +56,5 @@ class KSweepStageParams(StageParams):
     evaluate: EvalSetsAndEngines = Field(
         default_factory=EvalSetsAndEngines,
         description="The evaluate stage's sets and engines, which the sweep times (not its timed_prompts, timing, "
-        "reference or K).")
+        "reference or K).",
+    )

@@ -75,8 +75,9 @@ def tuning_turns(params: NgramSweepStageParams, paths: NgramSweepPaths, max_k: i
         raise EaglenestError(
             f"evaluate.sets: no headline set has a conversation after the first evaluate.timed_prompts = {start}, so "
             "the n-gram baseline has no turns to be tuned on that the headline speed-ups do not use; raise a headline "
-            "set's num_prompts or lower evaluate.timed_prompts")
-    prompts = {s.name: [s.render(c, 0, [], tokenizer) for c in s.conversations[start:start + count]] for s in tuned}
+            "set's num_prompts or lower evaluate.timed_prompts"
+        )
+    prompts = {s.name: [s.render(c, 0, [], tokenizer) for c in s.conversations[start : start + count]] for s in tuned}
     # a turn the headline times, never one this stage times: the warm-up's figures are not kept
     warm_up = sets[0].render(sets[0].conversations[0], 0, [], tokenizer)
     requests = [request_tokens(len(warm_up), kit_engines.WARM_UP_TOKENS, max_k)]
@@ -90,23 +91,30 @@ def sweep(params: NgramSweepStageParams, paths: NgramSweepPaths) -> dict[str, An
     info, model_dir = load_verifier_info(paths.verifier)
     verifier = {"name": info.name, "fingerprint": info.fingerprint}
     if "vllm" not in params.evaluate.backend:
-        reason = ("evaluate.backend lists no vllm: n-gram drafting is vLLM's, and the sweep times vLLM's engines; "
-                  "list vllm in evaluate.backend to measure it")
+        reason = (
+            "evaluate.backend lists no vllm: n-gram drafting is vLLM's, and the sweep times vLLM's engines; "
+            "list vllm in evaluate.backend to measure it"
+        )
         log.info("nothing measured: %s", reason)
         return write_ngram_record(paths.out, verifier, None, None, {}, not_measured=reason)
     return _measure(params, paths, model_dir, info, verifier)
 
 
-def _measure(params: NgramSweepStageParams, paths: NgramSweepPaths, model_dir: Path, info: Any,
-             verifier: dict[str, str]) -> dict[str, Any]:
+def _measure(
+    params: NgramSweepStageParams, paths: NgramSweepPaths, model_dir: Path, info: Any, verifier: dict[str, str]
+) -> dict[str, Any]:
     """The replay and the timing; the record."""
     own, evaluate = params.ngram_sweep, params.evaluate
     began = time.perf_counter()
     ks = sorted(own.ks)
     turns, skipped = tuning_turns(params, paths, max(ks))
     if skipped:
-        log.info("%s: no conversation after evaluate's %d timed ones; tuned on %s", ", ".join(skipped),
-                 evaluate.timed_prompts, ", ".join(s.name for s in turns.sets))
+        log.info(
+            "%s: no conversation after evaluate's %d timed ones; tuned on %s",
+            ", ".join(skipped),
+            evaluate.timed_prompts,
+            ", ".join(s.name for s in turns.sets),
+        )
     # every engine holds every prompt at once (the plain engine decodes them together for the replay), and every
     # engine is up at once
     base = EngineBase(model_dir, info, evaluate.vllm, evaluate.seed, at_once=1 + len(ks))
@@ -115,16 +123,22 @@ def _measure(params: NgramSweepStageParams, paths: NgramSweepPaths, model_dir: P
     engines: dict[str, Any] = {}
     plain = None
     try:
-        plain, seconds["start"]["plain"] = kit_engines.start_engine(common, PARAM, "the verifier", turns.warm_up,
-                                                                    evaluate.seed, turns.every_prompt)
+        plain, seconds["start"]["plain"] = kit_engines.start_engine(
+            common, PARAM, "the verifier", turns.warm_up, evaluate.seed, turns.every_prompt
+        )
         started = time.perf_counter()
         replayed = replay_settings(plain, turns, evaluate.seed, own.lookup_min, own.lookup_max, ks)
         seconds["replay"] = round(time.perf_counter() - started, 3)
         candidates = best_window_per_k({s: sum(per_set.values(), Replayed()) for s, per_set in replayed.items()}, ks)
         for setting in candidates.values():
             engines[setting.label], seconds["start"][setting.label] = kit_engines.start_engine(
-                drafting(common, setting.speculative_config()), PARAM, f"n-gram drafting at {setting.label}",
-                turns.warm_up, evaluate.seed, turns.every_prompt)
+                drafting(common, setting.speculative_config()),
+                PARAM,
+                f"n-gram drafting at {setting.label}",
+                turns.warm_up,
+                evaluate.seed,
+                turns.every_prompt,
+            )
         started = time.perf_counter()
         timed = time_beside_plain(turns, plain, engines, evaluate, PARAM, "timed turns")
         seconds["timed"] = round(time.perf_counter() - started, 3)
@@ -133,33 +147,56 @@ def _measure(params: NgramSweepStageParams, paths: NgramSweepPaths, model_dir: P
             kit_engines.stop_engine(llm)
 
     names = [s.name for s in turns.sets]
-    pooled = {setting: pooled_speedup(list(timed[setting.label].values()), evaluate.bootstrap_samples, evaluate.seed)
-              for setting in candidates.values()}
+    pooled = {
+        setting: pooled_speedup(list(timed[setting.label].values()), evaluate.bootstrap_samples, evaluate.seed)
+        for setting in candidates.values()
+    }
     chosen = max(pooled, key=lambda s: (pooled[s][0], -s.k))
     for setting, (speedup, ci95) in pooled.items():
-        log.info("%s: x%.3f ± %.3f over plain decoding%s", setting.label, speedup, ci95,
-                 " (chosen)" if setting == chosen else "")
+        log.info(
+            "%s: x%.3f ± %.3f over plain decoding%s",
+            setting.label,
+            speedup,
+            ci95,
+            " (chosen)" if setting == chosen else "",
+        )
     seconds["total"] = round(time.perf_counter() - began, 3)
-    details = {"commit": short_commit(), "host": host_record(common["dtype"]), "ks": ks,
-               "windows": [list(w) for w in windows(own.lookup_min, own.lookup_max)],
-               "turns": {name: {"conversations": [evaluate.timed_prompts,
-                                                  evaluate.timed_prompts + len(turns.prompts[name])]}
-                         for name in names},
-               "skipped_sets": skipped,
-               "replayed": [{"window": [s.prompt_lookup_min, s.prompt_lookup_max], "k": s.k,
-                             "sets": {name: vars(counts) for name, counts in per_set.items()}}
-                            for s, per_set in replayed.items()],
-               "timed": {setting.label: {"k": setting.k, "window": [setting.prompt_lookup_min,
-                                                                      setting.prompt_lookup_max],
-                                         "speedup": pooled[setting][0], "speedup_ci95": pooled[setting][1],
-                                         "sets": timed[setting.label]}
-                         for setting in candidates.values()},
-               "seconds": seconds}
+    details = {
+        "commit": short_commit(),
+        "host": host_record(common["dtype"]),
+        "ks": ks,
+        "windows": [list(w) for w in windows(own.lookup_min, own.lookup_max)],
+        "turns": {
+            name: {"conversations": [evaluate.timed_prompts, evaluate.timed_prompts + len(turns.prompts[name])]}
+            for name in names
+        },
+        "skipped_sets": skipped,
+        "replayed": [
+            {
+                "window": [s.prompt_lookup_min, s.prompt_lookup_max],
+                "k": s.k,
+                "sets": {name: vars(counts) for name, counts in per_set.items()},
+            }
+            for s, per_set in replayed.items()
+        ],
+        "timed": {
+            setting.label: {
+                "k": setting.k,
+                "window": [setting.prompt_lookup_min, setting.prompt_lookup_max],
+                "speedup": pooled[setting][0],
+                "speedup_ci95": pooled[setting][1],
+                "sets": timed[setting.label],
+            }
+            for setting in candidates.values()
+        },
+        "seconds": seconds,
+    }
     return write_ngram_record(paths.out, verifier, chosen, NgramFigure(*pooled[chosen], names), details)
 
 
-def replay_settings(plain: Any, turns: TimedTurns, seed: int, lookup_min: int, lookup_max: int, ks: list[int]
-                    ) -> dict[NgramSetting, dict[str, Replayed]]:
+def replay_settings(
+    plain: Any, turns: TimedTurns, seed: int, lookup_min: int, lookup_max: int, ks: list[int]
+) -> dict[NgramSetting, dict[str, Replayed]]:
     """The plain engine's outputs on every set's turns (decoded together, with the set's sampling), and every window
     at every K replayed on them: per setting, its counts per set."""
     propose = vllm_proposer()
@@ -173,8 +210,10 @@ def replay_settings(plain: Any, turns: TimedTurns, seed: int, lookup_min: int, l
     for low, high in windows(lookup_min, lookup_max):
         for k in ks:
             setting = NgramSetting(low, high, k)
-            replayed[setting] = {name: sum((replay(propose, prompt, output, setting) for prompt, output in pairs),
-                                           Replayed()) for name, pairs in outputs.items()}
+            replayed[setting] = {
+                name: sum((replay(propose, prompt, output, setting) for prompt, output in pairs), Replayed())
+                for name, pairs in outputs.items()
+            }
     return replayed
 
 
@@ -183,6 +222,11 @@ def run(params: NgramSweepStageParams, paths: NgramSweepPaths) -> dict[str, Any]
     return sweep(params, paths)
 
 
-STAGE = Stage("ngram_sweep", "vLLM's n-gram drafting at the lookup window and K measured fastest (replayed, then "
-              "timed beside plain decoding on turns the headline does not time): the baseline evaluate runs.",
-              NgramSweepStageParams, NgramSweepPaths, run)
+STAGE = Stage(
+    "ngram_sweep",
+    "vLLM's n-gram drafting at the lookup window and K measured fastest (replayed, then "
+    "timed beside plain decoding on turns the headline does not time): the baseline evaluate runs.",
+    NgramSweepStageParams,
+    NgramSweepPaths,
+    run,
+)

@@ -14,23 +14,27 @@ class NgramSweepParams(StrictModel):
     Reads the headline sets, their sampling, the engine settings and the turns evaluate times from ``evaluate:``."""
 
     ks: list[int] = Field(
-        default_factory=lambda: [3, 4, 5], min_length=1,
+        default_factory=lambda: [3, 4, 5],
+        min_length=1,
         description="The Ks timed, each with the lookup window that accepts the most at that K: one engine each, "
         "all taking turns with the plain one. One K with lookup_min = lookup_max fixes the setting: it is still "
         "timed, and recorded.",
     )
     lookup_min: int = Field(
-        default=1, ge=1,
+        default=1,
+        ge=1,
         description="The shortest lookup windows considered: every prompt_lookup_min from this to lookup_max.",
     )
     lookup_max: int = Field(
-        default=5, ge=1,
+        default=5,
+        ge=1,
         description="The longest: every window prompt_lookup_min <= prompt_lookup_max <= this is replayed on the "
         "plain engine's greedy outputs with vLLM's own proposer (exact at temperature 0, and costs no engine), "
         "and the window needing the fewest verify steps at each K is the one timed.",
     )
     timed_prompts: int = Field(
-        default=4, ge=1,
+        default=4,
+        ge=1,
         description="Turns of each headline set decoded one at a time per engine: the first turns of the "
         "conversations after evaluate.timed_prompts, which the headline speed-ups never use (a setting chosen on "
         "the turns it is then measured on would be flattered by the choice). Each turn costs about 1.5 to 3.5 s "
@@ -50,8 +54,10 @@ class NgramSweepParams(StrictModel):
     def consistency_problems(values: dict[str, object]) -> list[str]:
         low, high = values.get("lookup_min"), values.get("lookup_max")
         if isinstance(low, int) and isinstance(high, int) and low > high:
-            return [f"ngram_sweep.lookup_min = {low} > ngram_sweep.lookup_max = {high}: the shortest window cannot "
-                    "exceed the longest"]
+            return [
+                f"ngram_sweep.lookup_min = {low} > ngram_sweep.lookup_max = {high}: the shortest window cannot "
+                "exceed the longest"
+            ]
         return []
 
 
@@ -62,4 +68,5 @@ class NgramSweepStageParams(StageParams):
     ngram_sweep: NgramSweepParams = Field(default_factory=NgramSweepParams, description="The ngram_sweep stage.")
     evaluate: EvalTimedSets = Field(
         default_factory=EvalTimedSets,
-        description="The evaluate stage's sets, engines and timed turns: the sweep times the turns after them.")
+        description="The evaluate stage's sets, engines and timed turns: the sweep times the turns after them.",
+    )

@@ -35,9 +35,11 @@ def vllm_proposer() -> Proposer:
     try:
         return getattr(__import__(module, fromlist=[name]), name)
     except (ImportError, AttributeError) as err:
-        raise EaglenestError(f"ngram_sweep: this vLLM has no {PROPOSER} ({type(err).__name__}: {err}), which the "
-                             "sweep replays n-gram drafting with; list one window (ngram_sweep.lookup_min = "
-                             "lookup_max) to time it without the replay") from None
+        raise EaglenestError(
+            f"ngram_sweep: this vLLM has no {PROPOSER} ({type(err).__name__}: {err}), which the "
+            "sweep replays n-gram drafting with; list one window (ngram_sweep.lookup_min = "
+            "lookup_max) to time it without the replay"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -65,11 +67,15 @@ def replay(propose: Proposer, prompt: Sequence[int], output: Sequence[int], sett
     emitted, steps, drafted, accepted = min(1, len(output)), min(1, len(output)), 0, 0
     no_limit = len(tokens) + setting.k + 1  # the engine's max_model_len holds every draft of the run
     while emitted < len(output):
-        proposal = propose(tokens[:len(prompt) + emitted], setting.prompt_lookup_min, setting.prompt_lookup_max,
-                           no_limit, setting.k)
+        proposal = propose(
+            tokens[: len(prompt) + emitted], setting.prompt_lookup_min, setting.prompt_lookup_max, no_limit, setting.k
+        )
         matched = 0
-        while matched < len(proposal) and emitted + matched < len(output) \
-                and int(proposal[matched]) == output[emitted + matched]:
+        while (
+            matched < len(proposal)
+            and emitted + matched < len(output)
+            and int(proposal[matched]) == output[emitted + matched]
+        ):
             matched += 1
         steps, drafted, accepted = steps + 1, drafted + len(proposal), accepted + matched
         emitted += matched + 1
@@ -87,6 +93,7 @@ def best_window_per_k(counts: dict[NgramSetting, Replayed], ks: list[int]) -> di
     best = {}
     for k in ks:
         at_k = [setting for setting in counts if setting.k == k]
-        best[k] = min(at_k, key=lambda s: (counts[s].steps, s.prompt_lookup_max - s.prompt_lookup_min,
-                                           s.prompt_lookup_min))
+        best[k] = min(
+            at_k, key=lambda s: (counts[s].steps, s.prompt_lookup_max - s.prompt_lookup_min, s.prompt_lookup_min)
+        )
     return best

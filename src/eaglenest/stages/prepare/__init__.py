@@ -53,14 +53,21 @@ class PreparedRow:
     truncated: bool
 
 
-def _render(tokenizer: Any, messages: list[dict[str, str]], *, generation_prompt: bool,
-            chat_kwargs: dict[str, Any] | None = None) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
-                                         **(chat_kwargs or {}))
+def _render(
+    tokenizer: Any,
+    messages: list[dict[str, str]],
+    *,
+    generation_prompt: bool,
+    chat_kwargs: dict[str, Any] | None = None,
+) -> str:
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=generation_prompt, **(chat_kwargs or {})
+    )
 
 
-def assistant_turn_spans(tokenizer: Any, messages: list[dict[str, str]], chat_kwargs: dict[str, Any] | None = None
-                         ) -> list[tuple[str, int, int]]:
+def assistant_turn_spans(
+    tokenizer: Any, messages: list[dict[str, str]], chat_kwargs: dict[str, Any] | None = None
+) -> list[tuple[str, int, int]]:
     """Each assistant reply rendered against exactly the context the model saw when it wrote it.
 
     For assistant turn ``j``: ``before`` is ``messages[:j]`` rendered *with* the generation prompt (what the
@@ -90,8 +97,9 @@ def assistant_turn_spans(tokenizer: Any, messages: list[dict[str, str]], chat_kw
     return turns
 
 
-def _tokens_with_mask(tokenizer: Any, text: str, spans: list[tuple[int, int]], max_len: int, eot_ids: set[int]
-                      ) -> PreparedRow:
+def _tokens_with_mask(
+    tokenizer: Any, text: str, spans: list[tuple[int, int]], max_len: int, eot_ids: set[int]
+) -> PreparedRow:
     """Tokenises ``text``; a token is an assistant token when it lies wholly inside one of ``spans``, and within
     each span tokens after the last end-of-turn token (template text such as a trailing newline) are not."""
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -114,8 +122,13 @@ def _tokens_with_mask(tokenizer: Any, text: str, spans: list[tuple[int, int]], m
     return PreparedRow(input_ids[:max_len], loss_mask[:max_len], truncated)
 
 
-def render_rows(tokenizer: Any, messages: list[dict[str, str]], max_len: int, eot_ids: set[int],
-                chat_kwargs: dict[str, Any] | None = None) -> list[PreparedRow]:
+def render_rows(
+    tokenizer: Any,
+    messages: list[dict[str, str]],
+    max_len: int,
+    eot_ids: set[int],
+    chat_kwargs: dict[str, Any] | None = None,
+) -> list[PreparedRow]:
     """One conversation as training rows, with the loss mask on exactly the tokens the model generated.
 
     A template that renders history unchanged (each turn's rendering is a prefix of the whole conversation's)
@@ -196,8 +209,9 @@ class PickStats:
     prompts: Any = None
 
 
-def pick_conversations(params: PrepareParams, prompt_writer: PromptWriter | None
-                       ) -> tuple[list[Conversation], PickStats]:
+def pick_conversations(
+    params: PrepareParams, prompt_writer: PromptWriter | None
+) -> tuple[list[Conversation], PickStats]:
     """The conversations of the mix, in training order, each trimmed to its kept replies.
 
     Each source is shuffled with ``prepare.seed`` and gives its first ``quota`` conversations that have a
@@ -214,17 +228,25 @@ def pick_conversations(params: PrepareParams, prompt_writer: PromptWriter | None
                 raise ParamsError(f"prepare.source {name} needs the verifier (prepare.regenerate: true)")
             texts, stats.prompts = prompt_writer(quota or 0)
             stats.records_read += len(texts)
-            chosen = [Conversation(origin=f"{name}:{i}", messages=[{"role": "user", "content": text},
-                                                                   {"role": "assistant", "content": ""}])
-                      for i, text in enumerate(texts)]
+            chosen = [
+                Conversation(
+                    origin=f"{name}:{i}",
+                    messages=[{"role": "user", "content": text}, {"role": "assistant", "content": ""}],
+                )
+                for i, text in enumerate(texts)
+            ]
         else:
             if name in PROMPT_ONLY_SOURCES and not params.regenerate:
-                raise ParamsError(f"prepare.source {name} has prompts only, no replies: it needs the verifier to "
-                                  "write them (prepare.regenerate: true), or set its weight to 0")
+                raise ParamsError(
+                    f"prepare.source {name} has prompts only, no replies: it needs the verifier to "
+                    "write them (prepare.regenerate: true), or set its weight to 0"
+                )
             if params.max_len < LONG_ROW_SOURCES.get(name, 0):
-                raise ParamsError(f"prepare.source {name} holds prompts of up to 2,000 tokens: it needs "
-                                  f"prepare.max_len >= {LONG_ROW_SOURCES[name]} (now {params.max_len}), and "
-                                  "train.total_seq_len at least as long, or set its weight to 0")
+                raise ParamsError(
+                    f"prepare.source {name} holds prompts of up to 2,000 tokens: it needs "
+                    f"prepare.max_len >= {LONG_ROW_SOURCES[name]} (now {params.max_len}), and "
+                    "train.total_seq_len at least as long, or set its weight to 0"
+                )
             conversations = read_source(name)
             stats.records_read += len(conversations)
             order = list(range(len(conversations)))
@@ -285,8 +307,9 @@ def collect_mix(params: PrepareParams, regenerator: Regenerator | None, prompt_w
     if regenerator is not None:
         # Regenerate exactly the conversations that will be kept, before rendering, so no original reply slips in.
         regenerated, regeneration = regenerator([c.messages for c in conversations])
-        conversations = [Conversation(origin=c.origin, messages=m)
-                         for c, m in zip(conversations, regenerated, strict=True)]
+        conversations = [
+            Conversation(origin=c.origin, messages=m) for c, m in zip(conversations, regenerated, strict=True)
+        ]
     return Mix(conversations, picks, regeneration)
 
 
@@ -300,8 +323,11 @@ def render_mix(params: PrepareParams, tokenizer: Any, mix: Mix, eot_ids: set[int
     dropped["no_assistant_turn"] = mix.picks.no_reply
     kept: list[tuple[list[PreparedRow], Conversation]] = []
     for conversation in progress(len(mix.conversations), "rendering", "conv", iterable=mix.conversations):
-        rows_of_conversation = [row for row in render_rows(tokenizer, conversation.messages, params.max_len, eot_ids,
-                                                           chat_kwargs) if sum(row.loss_mask) > 0]
+        rows_of_conversation = [
+            row
+            for row in render_rows(tokenizer, conversation.messages, params.max_len, eot_ids, chat_kwargs)
+            if sum(row.loss_mask) > 0
+        ]
         if not rows_of_conversation:
             dropped["no_assistant_tokens_after_truncation"] += 1
             continue
@@ -314,8 +340,9 @@ def render_mix(params: PrepareParams, tokenizer: Any, mix: Mix, eot_ids: set[int
     return Rendered(kept, dropped, len(mix.conversations))
 
 
-def write_dataset(params: PrepareParams, mix: Mix, rendered: Rendered, out_dir: Path, metrics_path: Path,
-                  seconds: float) -> dict[str, Any]:
+def write_dataset(
+    params: PrepareParams, mix: Mix, rendered: Rendered, out_dir: Path, metrics_path: Path, seconds: float
+) -> dict[str, Any]:
     """Phase 3: split by conversation, write the prepared dataset and the metrics; returns the metrics."""
     # Split by conversation: the rows of one conversation (one per reply, for templates that rewrite history)
     # must not land on both sides.
@@ -323,10 +350,17 @@ def write_dataset(params: PrepareParams, mix: Mix, rendered: Rendered, out_dir: 
     train_conversations = _train_rows(len(kept), params.val_fraction)
     rows = [row for rows_of_conversation, _ in kept for row in rows_of_conversation]
     train_rows = sum(len(rows_of_conversation) for rows_of_conversation, _ in kept[:train_conversations])
-    prompts = [{"messages": first_user_turn(conv.messages), "origin": conv.origin}
-               for _, conv in kept[train_conversations:]]
-    write_prepared(out_dir, [r.input_ids for r in rows], [r.loss_mask for r in rows], train_rows, prompts,
-                   chat_template_kwargs(params.reasoning))
+    prompts = [
+        {"messages": first_user_turn(conv.messages), "origin": conv.origin} for _, conv in kept[train_conversations:]
+    ]
+    write_prepared(
+        out_dir,
+        [r.input_ids for r in rows],
+        [r.loss_mask for r in rows],
+        train_rows,
+        prompts,
+        chat_template_kwargs(params.reasoning),
+    )
     regeneration, prompt_stats = mix.regeneration, mix.picks.prompts
     metrics = {
         "records_read": mix.picks.records_read,
@@ -343,27 +377,43 @@ def write_dataset(params: PrepareParams, mix: Mix, rendered: Rendered, out_dir: 
         "regenerated_turns": regeneration.turns if regeneration else 0,
         "regenerated_tokens": regeneration.tokens if regeneration else 0,
         "regenerate_cache_hits": regeneration.cache_hits if regeneration else 0,
-        "regenerate_tokens_per_s": (round(regeneration.tokens / regeneration.seconds, 1)
-                                    if regeneration and regeneration.tokens else None),
+        "regenerate_tokens_per_s": (
+            round(regeneration.tokens / regeneration.seconds, 1) if regeneration and regeneration.tokens else None
+        ),
         "prompts_written": prompt_stats.written if prompt_stats else 0,
         "prompts_tried": prompt_stats.tried if prompt_stats else 0,
         "prompts_unfinished": prompt_stats.unfinished if prompt_stats else 0,
         "prompts_duplicate": prompt_stats.duplicates if prompt_stats else 0,
         "prompt_cache_hits": prompt_stats.cache_hits if prompt_stats else 0,
-        "prompt_tokens_per_s": (round(prompt_stats.tokens / prompt_stats.seconds, 1)
-                                if prompt_stats and prompt_stats.tokens and prompt_stats.seconds else None),
+        "prompt_tokens_per_s": (
+            round(prompt_stats.tokens / prompt_stats.seconds, 1)
+            if prompt_stats and prompt_stats.tokens and prompt_stats.seconds
+            else None
+        ),
         # regenerated replies depend on the kernels of the host kind (the engines' dtype is in params)
         "host": host_record(),
     }
     atomic_write_json(metrics_path, metrics)
-    log.info("kept %d of %d conversations (%d tokens, %d loss tokens) -> %s",
-             len(rows), rendered.rendered, metrics["tokens"], metrics["loss_tokens"], out_dir)
+    log.info(
+        "kept %d of %d conversations (%d tokens, %d loss tokens) -> %s",
+        len(rows),
+        rendered.rendered,
+        metrics["tokens"],
+        metrics["loss_tokens"],
+        out_dir,
+    )
     return metrics
 
 
-def prepare_dataset(params: PrepareParams, tokenizer: Any, out_dir: Path, metrics_path: Path,
-                    eot_ids: set[int], regenerator: Regenerator | None = None,
-                    prompt_writer: PromptWriter | None = None) -> dict[str, Any]:
+def prepare_dataset(
+    params: PrepareParams,
+    tokenizer: Any,
+    out_dir: Path,
+    metrics_path: Path,
+    eot_ids: set[int],
+    regenerator: Regenerator | None = None,
+    prompt_writer: PromptWriter | None = None,
+) -> dict[str, Any]:
     """The prepare stage's work: collect the mix (and regenerate it), render and mask it, split and write it.
 
     Returns:
@@ -394,8 +444,11 @@ def _train_rows(kept: int, val_fraction: float) -> int:
 
 def _token_counts(input_ids: list[list[int]], loss_mask: list[list[int]]) -> dict[str, Any]:
     tokens = sum(len(ids) for ids in input_ids)
-    return {"tokens": tokens, "loss_tokens": sum(sum(m) for m in loss_mask),
-            "mean_seq_len": round(tokens / len(input_ids), 2)}
+    return {
+        "tokens": tokens,
+        "loss_tokens": sum(sum(m) for m in loss_mask),
+        "mean_seq_len": round(tokens / len(input_ids), 2),
+    }
 
 
 def prepare_imported(params: PrepareParams, source: Path, out_dir: Path, metrics_path: Path) -> dict[str, Any]:
@@ -446,8 +499,6 @@ def prepare_imported(params: PrepareParams, source: Path, out_dir: Path, metrics
     return metrics
 
 
-
-
 @dataclass(frozen=True)
 class PreparePaths(VerifierInput):
     """Where dvc.yaml puts the prepare stage's input and outputs."""
@@ -466,13 +517,24 @@ def run(params: PrepareStageParams, paths: PreparePaths) -> dict[str, Any]:
     info, model_dir = load_verifier_info(paths.verifier)
     tokenizer = load_tokenizer(paths.verifier)
     eot = end_of_turn_ids(tokenizer, model_dir)
-    generator = (verifier_generator(prepare, info, model_dir, tokenizer, eot, params.cluster)
-                 if prepare.regenerate else None)
-    return prepare_dataset(prepare, tokenizer, paths.out, paths.metrics, eot,
-                           regenerator=generator.regenerate if generator else None,
-                           prompt_writer=self_instruct_writer(prepare, info, generator, tokenizer, eot)
-                           if generator else None)
+    generator = (
+        verifier_generator(prepare, info, model_dir, tokenizer, eot, params.cluster) if prepare.regenerate else None
+    )
+    return prepare_dataset(
+        prepare,
+        tokenizer,
+        paths.out,
+        paths.metrics,
+        eot,
+        regenerator=generator.regenerate if generator else None,
+        prompt_writer=self_instruct_writer(prepare, info, generator, tokenizer, eot) if generator else None,
+    )
 
 
-STAGE = Stage("prepare", "Render conversations with the verifier's chat template into training rows.",
-              PrepareStageParams, PreparePaths, run)
+STAGE = Stage(
+    "prepare",
+    "Render conversations with the verifier's chat template into training rows.",
+    PrepareStageParams,
+    PreparePaths,
+    run,
+)

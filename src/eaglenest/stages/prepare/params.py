@@ -19,7 +19,6 @@ from eaglenest.core.params import (
 SELF_INSTRUCT_SOURCE = BUILTIN_PREFIX + "self-instruct"
 
 
-
 class SourceEntry(StrictModel):
     """One entry of ``prepare.source``: where conversations come from, and its share of the mix."""
 
@@ -51,9 +50,11 @@ class PrepareParams(StrictModel):
     }
 
     source: list[SourceEntry] = Field(
-        default_factory=lambda: [SourceEntry(source=SELF_INSTRUCT_SOURCE, weight=2.0),
-                                 SourceEntry(source="builtin:python-functions", weight=1.0),
-                                 SourceEntry(source="builtin:chitchat", weight=1.0)],
+        default_factory=lambda: [
+            SourceEntry(source=SELF_INSTRUCT_SOURCE, weight=2.0),
+            SourceEntry(source="builtin:python-functions", weight=1.0),
+            SourceEntry(source="builtin:chitchat", weight=1.0),
+        ],
         min_length=1,
         description=(
             "The mix of conversation sources: each entry a string (weight 1) or {source, weight}. Sources: "
@@ -71,15 +72,9 @@ class PrepareParams(StrictModel):
         description="Conversations to keep, split across prepare.source by weight (each source shuffled with "
         "seed); null keeps every conversation of every file or built-in data set.",
     )
-    max_len: int = Field(
-        default=512,
-        ge=16,
-        description="Truncate each rendered conversation to this many tokens.",
-    )
+    max_len: int = Field(default=512, ge=16, description="Truncate each rendered conversation to this many tokens.")
     max_assistant_turns: int | None = Field(
-        default=1,
-        ge=1,
-        description="Keep each conversation up to its N-th assistant reply; null keeps every reply.",
+        default=1, ge=1, description="Keep each conversation up to its N-th assistant reply; null keeps every reply."
     )
     reasoning: Literal["keep", "strip"] | None = Field(
         default=None,
@@ -119,11 +114,13 @@ class PrepareParams(StrictModel):
     )
 
     prompt_temperature: float = Field(
-        default=1.0, gt=0.0,
+        default=1.0,
+        gt=0.0,
         description="builtin:self-instruct: sampling temperature of the user prompts the verifier writes.",
     )
     prompt_max_new_tokens: int = Field(
-        default=64, ge=4,
+        default=64,
+        ge=4,
         description="builtin:self-instruct: longest prompt; one still unfinished at this length is discarded.",
     )
     prompt_hints: list[str] | None = Field(

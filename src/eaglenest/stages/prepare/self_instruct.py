@@ -110,9 +110,20 @@ def next_batch_size(batch_size: int, needed: int, written: int, tried: int) -> i
     return max(1, min(batch_size, math.ceil(1.25 * needed * tried / written)))
 
 
-def write_prompts(count: int, generate: ReplyGenerator, tokenizer: Any, eot_ids: set[int], *, fingerprint: str,
-                  generator: str, sampling: Sampling, hints: list[str], seed: int, batch_size: int,
-                  cache_dir: Path = CACHE_ROOT) -> tuple[list[str], PromptStats]:
+def write_prompts(
+    count: int,
+    generate: ReplyGenerator,
+    tokenizer: Any,
+    eot_ids: set[int],
+    *,
+    fingerprint: str,
+    generator: str,
+    sampling: Sampling,
+    hints: list[str],
+    seed: int,
+    batch_size: int,
+    cache_dir: Path = CACHE_ROOT,
+) -> tuple[list[str], PromptStats]:
     """``count`` distinct user prompts written by the verifier, in a reproducible order.
 
     Raises:
@@ -166,16 +177,25 @@ def write_prompts(count: int, generate: ReplyGenerator, tokenizer: Any, eot_ids:
     return prompts, stats
 
 
-def self_instruct_writer(params: PrepareParams, info: VerifierInfo, generator: VerifierGenerator, tokenizer: Any,
-                         eot_ids: set[int]) -> Callable[[int], tuple[list[str], PromptStats]]:
+def self_instruct_writer(
+    params: PrepareParams, info: VerifierInfo, generator: VerifierGenerator, tokenizer: Any, eot_ids: set[int]
+) -> Callable[[int], tuple[list[str], PromptStats]]:
     """The prepare stage's :data:`~eaglenest.stages.prepare.PromptWriter`: ``count`` -> prompts, with the stage's
     params, written by ``generator`` (the regeneration back end, on ``prepare.regenerate_vllm`` for vllm)."""
 
     def write(count: int) -> tuple[list[str], PromptStats]:
         hints = list(DEFAULT_HINTS) if params.prompt_hints is None else params.prompt_hints
-        return write_prompts(count, generator.generate, tokenizer, eot_ids, fingerprint=info.fingerprint,
-                             generator=generator.name,
-                             sampling=Sampling(params.prompt_temperature, params.prompt_max_new_tokens),
-                             hints=hints, seed=params.seed, batch_size=params.regenerate_batch_size)
+        return write_prompts(
+            count,
+            generator.generate,
+            tokenizer,
+            eot_ids,
+            fingerprint=info.fingerprint,
+            generator=generator.name,
+            sampling=Sampling(params.prompt_temperature, params.prompt_max_new_tokens),
+            hints=hints,
+            seed=params.seed,
+            batch_size=params.regenerate_batch_size,
+        )
 
     return write

@@ -88,8 +88,10 @@ def _prompts(path: Path, name: str, script: str) -> Iterator[Conversation]:
         prompt = record.get("prompt") if isinstance(record, dict) else None
         if not isinstance(prompt, str) or not prompt.strip():
             raise InputFileError(f"{path}: {label}: expected {{'prompt': '...'}}; rerun scripts/{script}")
-        yield Conversation(origin=f"{BUILTIN_PREFIX}{name}: {label}",
-                           messages=[{"role": "user", "content": prompt}, {"role": "assistant", "content": ""}])
+        yield Conversation(
+            origin=f"{BUILTIN_PREFIX}{name}: {label}",
+            messages=[{"role": "user", "content": prompt}, {"role": "assistant", "content": ""}],
+        )
 
 
 def _package_docs() -> Iterator[Conversation]:
@@ -107,8 +109,10 @@ def _math_problems() -> Iterator[Conversation]:
     from eaglenest.stages.prepare.math_problems import math_problems
 
     for number, problem in enumerate(math_problems()):
-        yield Conversation(origin=f"builtin:math-problems:{number}",
-                           messages=[{"role": "user", "content": problem}, {"role": "assistant", "content": ""}])
+        yield Conversation(
+            origin=f"builtin:math-problems:{number}",
+            messages=[{"role": "user", "content": problem}, {"role": "assistant", "content": ""}],
+        )
 
 
 BUILTIN_SOURCES: Registry[Callable[[], Iterator[Conversation]]] = Registry("built-in conversation source")
@@ -135,9 +139,7 @@ def _normalise_turn(turn: Any, where: str, index: int) -> dict[str, str]:
     raw_role = turn[role_key]
     role = ROLE_ALIASES.get(str(raw_role).lower()) if isinstance(raw_role, str) else None
     if role is None:
-        raise InputFileError(
-            f"{where}: turn {index} has role {raw_role!r}; allowed: {', '.join(sorted(ROLE_ALIASES))}"
-        )
+        raise InputFileError(f"{where}: turn {index} has role {raw_role!r}; allowed: {', '.join(sorted(ROLE_ALIASES))}")
     content = turn.get(content_key)
     if not isinstance(content, str):
         raise InputFileError(

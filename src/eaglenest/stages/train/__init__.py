@@ -64,6 +64,7 @@ from eaglenest.stages.train.validation import validate_draft
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class TrainPaths(VocabInput):
     """Where dvc.yaml puts the train stage's inputs and outputs; resumable checkpoints live outside them."""
@@ -139,11 +140,21 @@ def setup_training(params: TrainParams, paths: TrainPaths, held: contextlib.Exit
     vocab, d2t, t2d = load_vocab(paths.vocab)
     dist, device = init_distributed(pick_device(params.device, "train.device"))
     if params.nproc % dist.world_size:
-        raise EaglenestError(f"train.nproc = {params.nproc} (the global batch) is not a multiple of the "
-                             f"{dist.world_size} training processes; launch a number of them that divides it")
+        raise EaglenestError(
+            f"train.nproc = {params.nproc} (the global batch) is not a multiple of the "
+            f"{dist.world_size} training processes; launch a number of them that divides it"
+        )
     runtime = draft_runtime(params, device)
-    data = load_training_data(params, verifier, paths.prepared, paths.hidden_states, paths.vocab, runtime.hs_dtype,
-                              model_dir=model_dir, device=device)
+    data = load_training_data(
+        params,
+        verifier,
+        paths.prepared,
+        paths.hidden_states,
+        paths.vocab,
+        runtime.hs_dtype,
+        model_dir=model_dir,
+        device=device,
+    )
     model = build_draft(verifier, model_dir, params, vocab["draft_vocab_size"], d2t, t2d, runtime.attention)
     model = model.to(device)
     model.train()
@@ -163,11 +174,29 @@ def setup_training(params: TrainParams, paths: TrainPaths, held: contextlib.Exit
     rows, lengths = data.rows, data.lengths
     val_batches = pack_batches(rows["val"], lengths, params.total_seq_len, params.seed, epoch=0)
     train_batches = PackedBatches(rows["train"], lengths, params.total_seq_len, params.seed).from_step(
-        start_step * params.nproc)
-    network = (torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda"
-                                                         else None) if dist.world_size > 1 else model)
-    return TrainSession(params, paths, verifier, dist, runtime, data, model, network, optimization, checkpoint_path,
-                        start_step, val_batches, train_batches, curves)
+        start_step * params.nproc
+    )
+    network = (
+        torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+        if dist.world_size > 1
+        else model
+    )
+    return TrainSession(
+        params,
+        paths,
+        verifier,
+        dist,
+        runtime,
+        data,
+        model,
+        network,
+        optimization,
+        checkpoint_path,
+        start_step,
+        val_batches,
+        train_batches,
+        curves,
+    )
 
 
 def _validate(session: TrainSession, step: int) -> dict[str, Any]:
@@ -200,8 +229,9 @@ def fit(session: TrainSession) -> FitResult:
             # Seeded by the sequence's place in the global batch, not the process: the same draws for any W.
             seed_torch(params.seed, "train", step, index)
             batch = session.data.batch(sequences[index], device, training=True)
-            losses.append(backward(session.network, batch, session.runtime, params, share=len(mine),
-                                   sync=i == len(mine) - 1))
+            losses.append(
+                backward(session.network, batch, session.runtime, params, share=len(mine), sync=i == len(mine) - 1)
+            )
             my_tokens += sum(session.data.lengths[r] for r in sequences[index])
         optimizer_step(session.optimization, params)
         done = step + 1
@@ -211,21 +241,29 @@ def fit(session: TrainSession) -> FitResult:
         result.train_loss = dist.mean(sum(losses) / len(losses))
         if not math.isfinite(result.train_loss):
             raise EaglenestError(
-                f"training loss became {result.train_loss} at step {done}; lower train.lr ({params.lr})")
+                f"training loss became {result.train_loss} at step {done}; lower train.lr ({params.lr})"
+            )
         if curves is not None:
             curves.log(done, "train/loss", result.train_loss)
             for name, rate in session.optimization.learning_rates().items():  # train/lr, and Muon's
                 curves.log(done, name, rate)
             curves.log(done, "train/tokens_per_s", tokens / (time.perf_counter() - step_started))
         meter.update(1)
-        meter.set_postfix(loss=f"{result.train_loss:.3f}", tok_s=f"{result.trained_tokens / result.step_seconds:.0f}",
-                          refresh=False)
+        meter.set_postfix(
+            loss=f"{result.train_loss:.3f}", tok_s=f"{result.trained_tokens / result.step_seconds:.0f}", refresh=False
+        )
         if done % params.eval_every == 0 or done == params.steps:
             result.validation = _validate(session, done)
         if done % params.checkpoint_every == 0 and done < params.steps:
             if curves is not None:
-                save_checkpoint(session.checkpoint_path, session.model, session.optimization.optimizers,
-                                session.optimization.schedulers, done, curves.logged)
+                save_checkpoint(
+                    session.checkpoint_path,
+                    session.model,
+                    session.optimization.optimizers,
+                    session.optimization.schedulers,
+                    done,
+                    curves.logged,
+                )
             dist.barrier()
     meter.close()
     result.seconds = time.perf_counter() - started
@@ -301,8 +339,13 @@ def _log_validation(curves: Curves, step: int, result: dict[str, Any]) -> None:
     for i, cond in enumerate(result["val_cond_acc"]):  # eagle3 only
         curves.log(step, f"val/cond_acc_{i}", cond)
     curves.log(step, "val/tau_sim", result["tau_sim"])
-    log.info("step %d: val loss %.4f, acc %s, tau_sim %.3f", step, result["val_loss"],
-             [round(a, 3) for a in result["val_acc"]], result["tau_sim"])
+    log.info(
+        "step %d: val loss %.4f, acc %s, tau_sim %.3f",
+        step,
+        result["val_loss"],
+        [round(a, 3) for a in result["val_acc"]],
+        result["tau_sim"],
+    )
 
 
 def check_inputs(params: TrainParams, paths: TrainPaths) -> None:
@@ -332,6 +375,10 @@ def run(params: TrainStageParams, paths: TrainPaths) -> dict[str, Any]:
     return train_draft(train, paths)
 
 
-STAGE = Stage("train", "The draft (EAGLE-3, P-EAGLE or DFlash), trained on the hidden states, logged with "
-              "dvclive, resumable.",
-              TrainStageParams, TrainPaths, run)
+STAGE = Stage(
+    "train",
+    "The draft (EAGLE-3, P-EAGLE or DFlash), trained on the hidden states, logged with dvclive, resumable.",
+    TrainStageParams,
+    TrainPaths,
+    run,
+)

@@ -66,8 +66,9 @@ def _hash_files(paths: list[Path], digest: Any, full: bool) -> None:
                 digest.update(fh.read(4096))  # the safetensors header (shapes, eaglenest config)
 
 
-def run_fingerprint(params: TrainParams, verifier: VerifierInfo, prepared: Path, vocab: Path, hidden_states: Path
-                    ) -> str:
+def run_fingerprint(
+    params: TrainParams, verifier: VerifierInfo, prepared: Path, vocab: Path, hidden_states: Path
+) -> str:
     """Identifies a training run: params and the content of every input (the prepared data, the vocabulary and
     the hidden-state files' headers)."""
     digest = hashlib.sha256(params.model_dump_json().encode())
@@ -151,7 +152,8 @@ def resume(checkpoint_path: Path, model: Any, optimizers: list[Any], schedulers:
     if saved_kinds != kinds or len(saved_optimizers) != len(optimizers) or len(saved_schedulers) != len(schedulers):
         raise EaglenestError(
             f"{path}: a checkpoint of a run with the optimizers {'+'.join(saved_kinds)}, and this run "
-            f"trains with {'+'.join(kinds)} (train.optimizer); delete {path.parent} to start afresh")
+            f"trains with {'+'.join(kinds)} (train.optimizer); delete {path.parent} to start afresh"
+        )
     try:
         model.load_state_dict(state["model"])
         for optimizer, saved in zip(optimizers, saved_optimizers, strict=True):
@@ -160,21 +162,27 @@ def resume(checkpoint_path: Path, model: Any, optimizers: list[Any], schedulers:
             scheduler.load_state_dict(saved)
     except (RuntimeError, ValueError, KeyError) as err:
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise EaglenestError(f"{path}: does not fit this run's draft and optimizers ({reason}); delete "
-                             f"{path.parent} to start afresh") from None
+        raise EaglenestError(
+            f"{path}: does not fit this run's draft and optimizers ({reason}); delete {path.parent} to start afresh"
+        ) from None
     # A checkpoint from before curves were kept resumes with the curves from its step on.
     curves = state.get("curves", [])
     return int(state["step"]), [(int(step), str(name), float(value)) for step, name, value in curves]
 
 
-def save_checkpoint(path: Path, model: Any, optimizers: list[Any], schedulers: list[Any], step: int,
-                    curves: Logged) -> None:
+def save_checkpoint(
+    path: Path, model: Any, optimizers: list[Any], schedulers: list[Any], step: int, curves: Logged
+) -> None:
     """Writes everything a resumed run needs: the model, every optimizer and its schedule, the step and the curves;
     atomically and fsync'd, the checkpoint it replaces kept as the previous one (:func:`load_state`)."""
-    state = {"model": model.state_dict(), "optimizers": [optimizer.state_dict() for optimizer in optimizers],
-             "optimizer_kinds": optimizer_kinds(optimizers),
-             "schedulers": [scheduler.state_dict() for scheduler in schedulers], "step": step,
-             "curves": [list(entry) for entry in curves]}
+    state = {
+        "model": model.state_dict(),
+        "optimizers": [optimizer.state_dict() for optimizer in optimizers],
+        "optimizer_kinds": optimizer_kinds(optimizers),
+        "schedulers": [scheduler.state_dict() for scheduler in schedulers],
+        "step": step,
+        "curves": [list(entry) for entry in curves],
+    }
     try:
         with atomic_open(path) as fh:
             torch.save(state, fh)
@@ -236,8 +244,11 @@ def check_shared(run_dir: Path, dist: Distributed) -> None:
     except OSError:
         seen = False
     if not dist.all(seen):
-        who = "another training process (its own line names it)" if seen else (
-            f"rank {dist.rank} of {dist.world_size}, on {socket.gethostname()},")
+        who = (
+            "another training process (its own line names it)"
+            if seen
+            else (f"rank {dist.rank} of {dist.world_size}, on {socket.gethostname()},")
+        )
         raise EaglenestError(
             f"{run_dir}: {who} cannot read what rank 0 wrote there, so it would not resume from rank 0's "
             "checkpoints; point cluster.torchrun.checkpoint_dir at storage every node mounts at the same path"

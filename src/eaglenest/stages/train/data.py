@@ -74,9 +74,16 @@ def every_token_mask(loss_mask: torch.Tensor, ttt_steps: int) -> torch.Tensor:
     return mask
 
 
-def load_training_data(params: TrainParams, verifier: VerifierInfo, prepared: Path, hidden_states: Path, vocab: Path,
-                       hs_dtype: torch.dtype, model_dir: Path | None = None, device: torch.device | None = None
-                       ) -> TrainingData:
+def load_training_data(
+    params: TrainParams,
+    verifier: VerifierInfo,
+    prepared: Path,
+    hidden_states: Path,
+    vocab: Path,
+    hs_dtype: torch.dtype,
+    model_dir: Path | None = None,
+    device: torch.device | None = None,
+) -> TrainingData:
     """Opens the data; refuses a prepared row longer than ``train.total_seq_len`` (one line, with the fix).
 
     Args:
@@ -106,14 +113,31 @@ def load_training_data(params: TrainParams, verifier: VerifierInfo, prepared: Pa
         transfer: Any = online
     else:
         transfer = stored_transfer(hidden_states, len(lengths), hs_dtype)
-    dataset = ArrowDataset(max_len=params.total_seq_len, datapath=prepared, transfer=transfer, on_missing="raise",
-                           hidden_states_dtype=hs_dtype)
+    dataset = ArrowDataset(
+        max_len=params.total_seq_len,
+        datapath=prepared,
+        transfer=transfer,
+        on_missing="raise",
+        hidden_states_dtype=hs_dtype,
+    )
     # EAGLE-3 and P-EAGLE pair the state at t with the token at t + 1 (shift_batch); DFlash reads rows unshifted.
     shift = shift_batch if ALGORITHMS.get(params.algorithm).shifts_rows else None
-    collate = CollateFn(max_len=params.total_seq_len, hidden_size=verifier.hidden_size,
-                        num_target_layers=len(verifier.aux_layers), dtype=hs_dtype, preprocess=shift)
-    return TrainingData(dataset, collate, rows, lengths, online, loss_on_every_token=params.loss_tokens == "all",
-                        ttt_steps=params.ttt_steps)
+    collate = CollateFn(
+        max_len=params.total_seq_len,
+        hidden_size=verifier.hidden_size,
+        num_target_layers=len(verifier.aux_layers),
+        dtype=hs_dtype,
+        preprocess=shift,
+    )
+    return TrainingData(
+        dataset,
+        collate,
+        rows,
+        lengths,
+        online,
+        loss_on_every_token=params.loss_tokens == "all",
+        ttt_steps=params.ttt_steps,
+    )
 
 
 def checked_rows(params: TrainParams, vocab: Path, lengths: list[int]) -> dict[str, list[int]]:

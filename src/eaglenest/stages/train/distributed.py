@@ -56,9 +56,14 @@ class Launch:
 
     def flags(self) -> list[str]:
         """torchrun's flags for this launch."""
-        flags = [f"--nnodes={self.min_nodes}:{self.max_nodes}", f"--nproc-per-node={self.nproc_per_node}",
-                 f"--max-restarts={self.max_restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint={self.rdzv_endpoint}",
-                 f"--rdzv-id={self.rdzv_id}"]
+        flags = [
+            f"--nnodes={self.min_nodes}:{self.max_nodes}",
+            f"--nproc-per-node={self.nproc_per_node}",
+            f"--max-restarts={self.max_restarts}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={self.rdzv_endpoint}",
+            f"--rdzv-id={self.rdzv_id}",
+        ]
         return flags + ([f"--local-addr={self.local_addr}"] if self.local_addr else [])
 
     def shell_line(self, script: str, argv: list[str]) -> str:
@@ -88,8 +93,10 @@ def cluster_launch(nproc: int, torchrun: TorchrunParams, rdzv_endpoint: str | No
             raise EaglenestError(f"--rdzv-endpoint {rdzv_endpoint!r}: {err}") from None
     endpoint = rdzv_endpoint or torchrun.rdzv_endpoint
     if endpoint is None:
-        raise EaglenestError("no rendezvous endpoint: give --rdzv-endpoint HOST:PORT (the first node, where its "
-                             "launcher hosts the rendezvous) or set cluster.torchrun.rdzv_endpoint")
+        raise EaglenestError(
+            "no rendezvous endpoint: give --rdzv-endpoint HOST:PORT (the first node, where its "
+            "launcher hosts the rendezvous) or set cluster.torchrun.rdzv_endpoint"
+        )
     low, high, per_node = torchrun.plan(nproc)
     assert per_node is not None, "train params' world_size_problems refuses bounds that do not divide train.nproc"
     return Launch(low, high, per_node, torchrun.max_restarts, endpoint, rdzv_id or torchrun.rdzv_id)
@@ -114,8 +121,11 @@ def run_launcher(launch: Launch, script: str, argv: list[str]) -> None:
         run(args)
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
-        how = (f"was killed by {signal.Signals(-failure.exitcode).name}" if failure.exitcode < 0
-               else f"exited with status {failure.exitcode}")
+        how = (
+            f"was killed by {signal.Signals(-failure.exitcode).name}"
+            if failure.exitcode < 0
+            else f"exited with status {failure.exitcode}"
+        )
         raise EaglenestError(
             f"training process rank {rank} {how} and the launcher has no restart left (cluster.torchrun.max_restarts "
             f"= {launch.max_restarts}); its own output is above; a rerun resumes from the last checkpoint"

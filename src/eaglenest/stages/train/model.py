@@ -79,30 +79,59 @@ def dflash_params(params: TrainParams) -> DFlashParams:
 
 
 ALGORITHMS: Registry[DraftAlgorithm] = Registry("draft algorithm")
-ALGORITHMS.register("eagle3", DraftAlgorithm(
-    model_class=_eagle3_class, shifts_rows=True,
-    build_kwargs=lambda p, _mask: {"norm_before_residual": p.norm_before_residual,
-                                   "norm_before_fc": p.norm_before_fc, "norm_output": p.norm_output,
-                                   "ttt_steps": p.ttt_steps},
-    forward_kwargs=lambda p, loss: {"ttt_steps": p.ttt_steps, "ttt_step_loss_decay": p.ttt_step_loss_decay,
-                                    "loss_config": loss},
-))
-ALGORITHMS.register("peagle", DraftAlgorithm(
-    model_class=_peagle_class, shifts_rows=True, needs_mask_token=True,
-    build_kwargs=lambda p, mask: {"norm_before_residual": p.norm_before_residual,
-                                  "norm_before_fc": p.norm_before_fc, "mask_token_id": mask,
-                                  "num_depths": p.ttt_steps},
-    forward_kwargs=lambda p, loss: {"loss_config": loss, "num_depths": p.ttt_steps,
-                                    "max_anchors": peagle_params(p).max_anchors,
-                                    "down_sample_ratio": peagle_params(p).down_sample_ratio,
-                                    "down_sample_ratio_min": peagle_params(p).down_sample_ratio_min},
-))
-ALGORITHMS.register("dflash", DraftAlgorithm(
-    model_class=_dflash_class, shifts_rows=False, needs_mask_token=True,
-    build_kwargs=lambda p, mask: {"mask_token_id": mask, "block_size": p.ttt_steps + 1},
-    forward_kwargs=lambda p, loss: {"loss_config": loss, "max_anchors": dflash_params(p).max_anchors,
-                                    "gamma": dflash_params(p).decay_gamma},
-))
+ALGORITHMS.register(
+    "eagle3",
+    DraftAlgorithm(
+        model_class=_eagle3_class,
+        shifts_rows=True,
+        build_kwargs=lambda p, _mask: {
+            "norm_before_residual": p.norm_before_residual,
+            "norm_before_fc": p.norm_before_fc,
+            "norm_output": p.norm_output,
+            "ttt_steps": p.ttt_steps,
+        },
+        forward_kwargs=lambda p, loss: {
+            "ttt_steps": p.ttt_steps,
+            "ttt_step_loss_decay": p.ttt_step_loss_decay,
+            "loss_config": loss,
+        },
+    ),
+)
+ALGORITHMS.register(
+    "peagle",
+    DraftAlgorithm(
+        model_class=_peagle_class,
+        shifts_rows=True,
+        needs_mask_token=True,
+        build_kwargs=lambda p, mask: {
+            "norm_before_residual": p.norm_before_residual,
+            "norm_before_fc": p.norm_before_fc,
+            "mask_token_id": mask,
+            "num_depths": p.ttt_steps,
+        },
+        forward_kwargs=lambda p, loss: {
+            "loss_config": loss,
+            "num_depths": p.ttt_steps,
+            "max_anchors": peagle_params(p).max_anchors,
+            "down_sample_ratio": peagle_params(p).down_sample_ratio,
+            "down_sample_ratio_min": peagle_params(p).down_sample_ratio_min,
+        },
+    ),
+)
+ALGORITHMS.register(
+    "dflash",
+    DraftAlgorithm(
+        model_class=_dflash_class,
+        shifts_rows=False,
+        needs_mask_token=True,
+        build_kwargs=lambda p, mask: {"mask_token_id": mask, "block_size": p.ttt_steps + 1},
+        forward_kwargs=lambda p, loss: {
+            "loss_config": loss,
+            "max_anchors": dflash_params(p).max_anchors,
+            "gamma": dflash_params(p).decay_gamma,
+        },
+    ),
+)
 
 
 @dataclass(frozen=True)
@@ -152,8 +181,9 @@ def separate_fused_loss_configs() -> None:
     from speculators.losses import fused
 
     forward, backward = fused.loss_forward_kernel, fused.loss_backward_kernel
-    if backward.configs is forward.configs or any(b is f for b, f in zip(backward.configs, forward.configs,
-                                                                          strict=False)):
+    if backward.configs is forward.configs or any(
+        b is f for b, f in zip(backward.configs, forward.configs, strict=False)
+    ):
         backward.configs = copy.deepcopy(backward.configs)
 
 
@@ -166,14 +196,22 @@ def draft_runtime(params: TrainParams, device: torch.device) -> Runtime:
     loss_config = resolve_loss_config(params.loss, "fused" if cuda else "eager")
     if cuda:
         separate_fused_loss_configs()
-    precision = params.precision if params.precision != "auto" else (
-        "bfloat16" if cuda or cpu_has_native_bf16() else "float32")
+    precision = (
+        params.precision if params.precision != "auto" else ("bfloat16" if cuda or cpu_has_native_bf16() else "float32")
+    )
     # Hidden states come in bf16 only where the GPU computes in bf16: a float32 draft on CUDA needs float32
     # inputs, and on a CPU autocast casts them per matmul anyway.
     hs_dtype = torch.bfloat16 if cuda and precision == "bfloat16" else torch.float32
     forward_kwargs = ALGORITHMS.get(params.algorithm).forward_kwargs(params, loss_config)
-    return Runtime(device=device, attention=attention, hs_dtype=hs_dtype, precision=precision,
-                   ttt_steps=params.ttt_steps, algorithm=params.algorithm, forward_kwargs=forward_kwargs)
+    return Runtime(
+        device=device,
+        attention=attention,
+        hs_dtype=hs_dtype,
+        precision=precision,
+        ttt_steps=params.ttt_steps,
+        algorithm=params.algorithm,
+        forward_kwargs=forward_kwargs,
+    )
 
 
 def mask_token_id(params: TrainParams, model_dir: Path, vocab_size: int, trust_remote_code: bool) -> int | None:
@@ -189,13 +227,23 @@ def mask_token_id(params: TrainParams, model_dir: Path, vocab_size: int, trust_r
     return resolve_mask_token_id(str(model_dir), vocab_size, trust_remote_code=trust_remote_code)
 
 
-def build_draft(verifier: VerifierInfo, model_dir: Path, params: TrainParams, draft_vocab_size: int,
-                d2t: torch.Tensor | None, t2d: torch.Tensor | None, attention: str) -> Any:
+def build_draft(
+    verifier: VerifierInfo,
+    model_dir: Path,
+    params: TrainParams,
+    draft_vocab_size: int,
+    d2t: torch.Tensor | None,
+    t2d: torch.Tensor | None,
+    attention: str,
+) -> Any:
     """speculators' draft of ``train.algorithm`` for this verifier, its frozen parts loaded from the verifier."""
     from speculators.train.cli import create_transformer_layer_config
 
     layer_config = create_transformer_layer_config(
-        str(model_dir), num_layers=params.num_layers, draft_arch=params.draft_layer, hidden_act=None,
+        str(model_dir),
+        num_layers=params.num_layers,
+        draft_arch=params.draft_layer,
+        hidden_act=None,
         sliding_window=verifier.max_position_embeddings or 4096,
         full_attention_indices=list(range(params.num_layers)),  # plain causal attention, as vLLM serves it
         trust_remote_code=verifier.trust_remote_code,
@@ -206,8 +254,13 @@ def build_draft(verifier: VerifierInfo, model_dir: Path, params: TrainParams, dr
     mask = mask_token_id(params, model_dir, layer_config.vocab_size, verifier.trust_remote_code)
     torch.manual_seed(params.seed)
     return algorithm.model_class().from_training_args(
-        verifier_config=layer_config, t2d=t2d, d2t=d2t, draft_vocab_size=draft_vocab_size,
-        verifier_name_or_path=str(model_dir), target_layer_ids=list(verifier.aux_layers),
-        draft_attn_impl=attention, trust_remote_code=verifier.trust_remote_code,
+        verifier_config=layer_config,
+        t2d=t2d,
+        d2t=d2t,
+        draft_vocab_size=draft_vocab_size,
+        verifier_name_or_path=str(model_dir),
+        target_layer_ids=list(verifier.aux_layers),
+        draft_attn_impl=attention,
+        trust_remote_code=verifier.trust_remote_code,
         **algorithm.build_kwargs(params, mask),
     )

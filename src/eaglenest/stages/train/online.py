@@ -83,8 +83,15 @@ class OnlineTransfer(HiddenStatesTransfer):
     computed in advance.
     """
 
-    def __init__(self, model_dir: Path, verifier: VerifierInfo, input_ids: list[list[int]], dtype: str,
-                 device: torch.device, dequantize_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        verifier: VerifierInfo,
+        input_ids: list[list[int]],
+        dtype: str,
+        device: torch.device,
+        dequantize_dtype: torch.dtype,
+    ) -> None:
         check_verifier_fits(model_dir, device)
         try:
             self.model = load_decoder(model_dir, verifier.trust_remote_code, device)
@@ -105,9 +112,15 @@ class OnlineTransfer(HiddenStatesTransfer):
         if not rows:
             return
         with torch.no_grad():  # not inference_mode: the draft's autograd graph takes these as inputs
-            hidden = hidden_states_of_rows(self.model, self._captured, self.verifier.layer_ids,
-                                           [self.input_ids[row] for row in rows], self.pad_id, self.device,
-                                           "lower train.total_seq_len or use extract.store: files")
+            hidden = hidden_states_of_rows(
+                self.model,
+                self._captured,
+                self.verifier.layer_ids,
+                [self.input_ids[row] for row in rows],
+                self.pad_id,
+                self.device,
+                "lower train.total_seq_len or use extract.store: files",
+            )
         # hidden: [rows, longest, slots, hidden]
         for i, row in enumerate(rows):
             row_hidden = hidden[i, : len(self.input_ids[row])]

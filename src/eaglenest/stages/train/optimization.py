@@ -65,9 +65,16 @@ class OptimizerConfig:
     def of(cls, params: TrainParams) -> OptimizerConfig:
         """The train params' optimizer settings (speculators' Muon defaults where ``train.muon`` is null)."""
         muon = params.muon_settings
-        return cls(optimizer=params.optimizer, lr=params.lr, weight_decay=params.weight_decay, muon_lr=muon.lr,
-                   muon_momentum=muon.momentum, muon_weight_decay=muon.weight_decay, muon_ns_steps=muon.ns_steps,
-                   muon_adjust_lr_fn=muon.adjust_lr_fn)
+        return cls(
+            optimizer=params.optimizer,
+            lr=params.lr,
+            weight_decay=params.weight_decay,
+            muon_lr=muon.lr,
+            muon_momentum=muon.momentum,
+            muon_weight_decay=muon.weight_decay,
+            muon_ns_steps=muon.ns_steps,
+            muon_adjust_lr_fn=muon.adjust_lr_fn,
+        )
 
 
 def lr_factor(params: TrainParams) -> Callable[[int], float]:
@@ -101,8 +108,9 @@ def build_optimization(model: Any, params: TrainParams) -> Optimization:
     return Optimization(trainable, optimizers, schedulers)
 
 
-def train_step(network: Any, batch: dict[str, Any], runtime: Runtime, optimization: Optimization,
-               params: TrainParams) -> float:
+def train_step(
+    network: Any, batch: dict[str, Any], runtime: Runtime, optimization: Optimization, params: TrainParams
+) -> float:
     """One optimizer step on one packed batch: :func:`backward`, then :func:`optimizer_step`.
 
     Returns:
@@ -113,8 +121,9 @@ def train_step(network: Any, batch: dict[str, Any], runtime: Runtime, optimizati
     return loss
 
 
-def backward(network: Any, batch: dict[str, Any], runtime: Runtime, params: TrainParams, share: int = 1,
-             sync: bool = True) -> float:
+def backward(
+    network: Any, batch: dict[str, Any], runtime: Runtime, params: TrainParams, share: int = 1, sync: bool = True
+) -> float:
     """Forward and backward of one packed batch, its gradients added to those already accumulated.
 
     Args:

@@ -21,17 +21,23 @@ class PEagleParams(StrictModel):
     """``train.peagle:`` — P-EAGLE's knobs (speculators' PEagleDraftModel); only with ``train.algorithm: peagle``."""
 
     down_sample_ratio: float = Field(
-        default=0.7, gt=0.0, lt=1.0,
+        default=0.7,
+        gt=0.0,
+        lt=1.0,
         description="COD sampling: depth d of a parallel group trains on this ratio to the power d of the "
         "positions (speculators' default).",
     )
     down_sample_ratio_min: float = Field(
-        default=0.2, ge=0.0, le=1.0, description="COD sampling: the smallest share of positions any depth keeps.")
+        default=0.2, ge=0.0, le=1.0, description="COD sampling: the smallest share of positions any depth keeps."
+    )
     max_anchors: int | None = Field(
-        default=None, ge=1,
-        description="At most this many anchor positions per packed batch; null: every position with loss.")
+        default=None,
+        ge=1,
+        description="At most this many anchor positions per packed batch; null: every position with loss.",
+    )
     mask_token_id: int | None = Field(
-        default=None, ge=0,
+        default=None,
+        ge=0,
         description="The token id the parallel positions carry (vLLM's pard_token); null: the tokenizer's mask "
         "token, else its pad, eos or unk token (speculators' resolve_mask_token_id).",
     )
@@ -44,17 +50,20 @@ class DFlashParams(StrictModel):
     """
 
     max_anchors: int = Field(
-        default=512, ge=1,
+        default=512,
+        ge=1,
         description="Blocks per packed batch, anchored at positions sampled from those with loss (speculators' "
         "default).",
     )
     decay_gamma: float = Field(
-        default=4.0, gt=0.0,
+        default=4.0,
+        gt=0.0,
         description="Loss weight over a block's positions, exp(-(k - 1) / gamma) at position k (speculators' "
         "dflash_decay_gamma).",
     )
     mask_token_id: int | None = Field(
-        default=None, ge=0,
+        default=None,
+        ge=0,
         description="The token id the drafted positions of a block carry; null: the tokenizer's mask token, else "
         "its pad, eos or unk token (speculators' resolve_mask_token_id).",
     )
@@ -65,17 +74,24 @@ class MuonParams(StrictModel):
     ``build_optimizers`` splits them); only with ``train.optimizer: muon``. The defaults are speculators'."""
 
     lr: float = Field(
-        default=0.02, gt=0.0, le=1.0,
+        default=0.02,
+        gt=0.0,
+        le=1.0,
         description="Peak Muon learning rate (speculators' muon_lr), warmed up and decayed as train.lr is, then "
         "scaled per matrix by adjust_lr_fn.",
     )
     momentum: float = Field(default=0.95, ge=0.0, lt=1.0, description="Muon's (Nesterov) momentum.")
     weight_decay: float = Field(
-        default=0.1, ge=0.0, description="Muon's decoupled weight decay on the matrices (train.weight_decay stays "
-        "AdamW's, on the rest).")
+        default=0.1,
+        ge=0.0,
+        description="Muon's decoupled weight decay on the matrices (train.weight_decay stays AdamW's, on the rest).",
+    )
     ns_steps: int = Field(
-        default=5, ge=1, lt=100,
-        description="Newton-Schulz iterations that orthogonalize each matrix's update (torch allows fewer than 100).")
+        default=5,
+        ge=1,
+        lt=100,
+        description="Newton-Schulz iterations that orthogonalize each matrix's update (torch allows fewer than 100).",
+    )
     adjust_lr_fn: Literal["match_rms_adamw", "original"] = Field(
         default="match_rms_adamw",
         description="How torch scales the learning rate of an A x B matrix: match_rms_adamw (x 0.2 * sqrt(max(A, "
@@ -98,9 +114,11 @@ class TrainParams(StrictModel):
         "measures the others through vLLM (docs/draft-architecture.md).",
     )
     peagle: PEagleParams | None = Field(
-        default=None, description="P-EAGLE's knobs (only with algorithm: peagle); null: speculators' defaults.")
+        default=None, description="P-EAGLE's knobs (only with algorithm: peagle); null: speculators' defaults."
+    )
     dflash: DFlashParams | None = Field(
-        default=None, description="DFlash's knobs (only with algorithm: dflash); null: speculators' defaults.")
+        default=None, description="DFlash's knobs (only with algorithm: dflash); null: speculators' defaults."
+    )
     num_layers: int = Field(default=1, ge=1, description="Draft decoder layers.")
     draft_arch: Literal["auto", "llama", "qwen3"] = Field(
         default="auto",
@@ -111,10 +129,12 @@ class TrainParams(StrictModel):
         "speculators 0.9 (docs/draft-architecture.md).",
     )
     ttt_steps: int = Field(
-        default=2, ge=1, description="K, the tokens the draft proposes per step: eagle3's training-time-test "
+        default=2,
+        ge=1,
+        description="K, the tokens the draft proposes per step: eagle3's training-time-test "
         "unroll depth, peagle's parallel depths, dflash's block less its anchor. It is the draft's "
         "speculative_tokens: the K evaluate uses unless evaluate.num_speculative_tokens says otherwise, and "
-        "`eaglenest serve` unless the k_sweep stage measured another K for this draft (metrics/k_sweep.json)."
+        "`eaglenest serve` unless the k_sweep stage measured another K for this draft (metrics/k_sweep.json).",
     )
     ttt_step_loss_decay: float = Field(default=1.0, gt=0.0, description="Loss weight factor per TTT step.")
     total_seq_len: int = Field(
@@ -129,7 +149,8 @@ class TrainParams(StrictModel):
         "train.muon (docs/training.md).",
     )
     muon: MuonParams | None = Field(
-        default=None, description="Muon's knobs (only with optimizer: muon); null: speculators' defaults.")
+        default=None, description="Muon's knobs (only with optimizer: muon); null: speculators' defaults."
+    )
     lr: float = Field(default=1e-3, gt=0.0, le=1.0, description="Peak AdamW learning rate.")
     weight_decay: float = Field(default=0.0, ge=0.0, description="AdamW weight decay.")
     warmup_steps: int = Field(default=10, ge=0, description="Linear warm-up steps before the cosine decay.")
@@ -160,7 +181,8 @@ class TrainParams(StrictModel):
         "measurement).",
     )
     nproc: int = Field(
-        default=1, ge=1,
+        default=1,
+        ge=1,
         description="The global batch: packed sequences of total_seq_len per optimizer step, trained data-parallel "
         "(DDP: gloo on CPU, NCCL on GPU). On one machine the stage starts this many processes under torchrun's "
         "elastic launcher when > 1 (cluster.torchrun); on several nodes (eaglenest train-launch) every world size "
@@ -201,23 +223,31 @@ class TrainParams(StrictModel):
         problems = []
         optimizer = values.get("optimizer", "adamw")
         if values.get("muon") is not None and isinstance(optimizer, str) and optimizer != "muon":
-            problems.append(f"train.muon: only with train.optimizer: muon (it is {optimizer}); remove train.muon "
-                            "or set train.optimizer: muon")
+            problems.append(
+                f"train.muon: only with train.optimizer: muon (it is {optimizer}); remove train.muon "
+                "or set train.optimizer: muon"
+            )
         algorithm = values.get("algorithm", "eagle3")
         if not isinstance(algorithm, str):
             return problems  # the field's own error names the value; nothing here can be checked against it
         for section in ("peagle", "dflash"):
             if values.get(section) is not None and algorithm != section:
-                problems.append(f"train.{section}: only with train.algorithm: {section} (it is {algorithm}); "
-                                f"remove train.{section} or set train.algorithm: {section}")
+                problems.append(
+                    f"train.{section}: only with train.algorithm: {section} (it is {algorithm}); "
+                    f"remove train.{section} or set train.algorithm: {section}"
+                )
         if algorithm == "dflash" and values.get("draft_arch", "auto") not in ("auto", "qwen3"):
-            problems.append(f"train.draft_arch = {values.get('draft_arch')!r}: a dflash draft has Qwen3-style "
-                            "layers (what vLLM's DFlash serves); set train.draft_arch: qwen3 (or auto)")
+            problems.append(
+                f"train.draft_arch = {values.get('draft_arch')!r}: a dflash draft has Qwen3-style "
+                "layers (what vLLM's DFlash serves); set train.draft_arch: qwen3 (or auto)"
+            )
         unread = {"dflash": ("norm_before_fc", "norm_output"), "peagle": ("norm_output",)}.get(algorithm, ())
         for name in unread:
             if values.get(name):
-                problems.append(f"train.{name}: not an option of train.algorithm: {algorithm} (vLLM would not "
-                                f"read it from the draft); set train.{name}: false")
+                problems.append(
+                    f"train.{name}: not an option of train.algorithm: {algorithm} (vLLM would not "
+                    f"read it from the draft); set train.{name}: false"
+                )
         return problems
 
 
@@ -226,21 +256,28 @@ def world_size_problems(nproc: Any, torchrun: dict[str, Any]) -> list[str]:
 
     ``torchrun`` holds ``cluster.torchrun``'s values (defaults where missing); values of a wrong type are skipped.
     """
-    values = {name: torchrun.get(name, TorchrunParams.model_fields[name].default)
-              for name in ("min_nodes", "max_nodes", "nproc_per_node")}
+    values = {
+        name: torchrun.get(name, TorchrunParams.model_fields[name].default)
+        for name in ("min_nodes", "max_nodes", "nproc_per_node")
+    }
     if not all(isinstance(value, int) and value >= 1 for value in (nproc, values["min_nodes"])) or not all(
-            value is None or isinstance(value, int) and value >= 1 for value in values.values()):
+        value is None or isinstance(value, int) and value >= 1 for value in values.values()
+    ):
         return []
     low, high, per_node = node_plan(nproc, **values)
     if per_node is None:
-        return [f"cluster.torchrun.nproc_per_node: null means train.nproc / cluster.torchrun.max_nodes = {nproc} / "
-                f"{high}, not a whole number; set cluster.torchrun.nproc_per_node"]
+        return [
+            f"cluster.torchrun.nproc_per_node: null means train.nproc / cluster.torchrun.max_nodes = {nproc} / "
+            f"{high}, not a whole number; set cluster.torchrun.nproc_per_node"
+        ]
     bad = [nodes for nodes in range(low, high + 1) if nproc % (nodes * per_node)]
     if bad:
-        return [f"train.nproc = {nproc} (the global batch, in packed sequences) is not a multiple of the world size "
-                f"{bad[0] * per_node} ({bad[0]} node(s) x {per_node} processes per node) that cluster.torchrun's node "
-                f"bounds {low}..{high} allow; every world size must divide it: change the bounds, "
-                "cluster.torchrun.nproc_per_node or train.nproc"]
+        return [
+            f"train.nproc = {nproc} (the global batch, in packed sequences) is not a multiple of the world size "
+            f"{bad[0] * per_node} ({bad[0]} node(s) x {per_node} processes per node) that cluster.torchrun's node "
+            f"bounds {low}..{high} allow; every world size must divide it: change the bounds, "
+            "cluster.torchrun.nproc_per_node or train.nproc"
+        ]
     return []
 
 

@@ -141,8 +141,9 @@ def fingerprint_model_dir(path: Path, cache_file: Path | None = None, remember: 
             digest.update(name.encode() + b"\0" + file.read_bytes())
     files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES)
     # The first read of a verifier's weights (a terabyte for the largest) shows its rate and ETA.
-    with progress(sum(f.stat().st_size for f in files), "hashing the weights", "B", unit_scale=True,
-                  unit_divisor=1024) as meter:
+    with progress(
+        sum(f.stat().st_size for f in files), "hashing the weights", "B", unit_scale=True, unit_divisor=1024
+    ) as meter:
         for weights in files:
             digest.update(weights.name.encode() + b"\0" + content_hash(weights, cache_file, remember, meter).encode())
     return digest.hexdigest()
@@ -184,8 +185,9 @@ def _read_config(path: Path, source: str, trust_remote_code: bool) -> Any:
     return config.get_text_config()
 
 
-def _info_from_config(config: Any, *, params: VerifierParams, kind: str, path: str, name: str,
-                      fingerprint: str) -> VerifierInfo:
+def _info_from_config(
+    config: Any, *, params: VerifierParams, kind: str, path: str, name: str, fingerprint: str
+) -> VerifierInfo:
     num_layers = int(config.num_hidden_layers)
     explicit = params.aux_layers is not None
     aux = check_aux_layers(
@@ -236,7 +238,11 @@ def materialise_builtin(spec: BuiltinVerifier, out_dir: Path, params: VerifierPa
     plain.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     return _info_from_config(
-        plain.config.get_text_config(), params=params, kind="builtin", path=".", name=params.name or spec.hub_id,
+        plain.config.get_text_config(),
+        params=params,
+        kind="builtin",
+        path=".",
+        name=params.name or spec.hub_id,
         fingerprint=fingerprint_model_dir(out_dir, remember=False),  # a temporary folder: nothing to remember
     )
 
@@ -264,7 +270,11 @@ def record_external(params: VerifierParams) -> VerifierInfo:
         )
     config = _read_config(path, source, params.trust_remote_code)
     return _info_from_config(
-        config, params=params, kind=kind, path=source, name=params.name or default_name,
+        config,
+        params=params,
+        kind=kind,
+        path=source,
+        name=params.name or default_name,
         fingerprint=fingerprint_model_dir(path),
     )
 
@@ -301,7 +311,10 @@ def run(params: VerifierStageParams, paths: VerifierPaths) -> dict[str, Any]:
     return build_verifier(params.verifier, paths.out).model_dump()
 
 
-STAGE = Stage("verifier", "Resolve verifier.model and record N, hidden size, vocab and aux layers.",
-              VerifierStageParams, VerifierPaths, run)
-
-
+STAGE = Stage(
+    "verifier",
+    "Resolve verifier.model and record N, hidden size, vocab and aux layers.",
+    VerifierStageParams,
+    VerifierPaths,
+    run,
+)

@@ -62,15 +62,21 @@ class RegenerationStats:
 Regenerator = Callable[[list[list[dict[str, str]]]], tuple[list[list[dict[str, str]]], RegenerationStats]]
 
 
-def cache_key(messages: list[dict[str, str]], fingerprint: str, temperature: float, max_new_tokens: int,
-              max_len: int, seed: int, generator: str) -> str:
+def cache_key(
+    messages: list[dict[str, str]],
+    fingerprint: str,
+    temperature: float,
+    max_new_tokens: int,
+    max_len: int,
+    seed: int,
+    generator: str,
+) -> str:
     """The cache file name of one conversation's regeneration.
 
     ``generator`` names the back end and its dtype (``hf-float32``, ``vllm-bfloat16``): a bf16 engine
     writes different replies from an fp32 one, so switching back end or dtype must not reuse them.
     """
-    payload = json.dumps([fingerprint, temperature, max_new_tokens, max_len, seed, generator, messages],
-                         sort_keys=True)
+    payload = json.dumps([fingerprint, temperature, max_new_tokens, max_len, seed, generator, messages], sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:32]
 
 
@@ -121,8 +127,9 @@ def regenerate_batch(engine: ReplyEngine, task: RegenerationTask) -> BatchResult
         rows = [b for b, h in enumerate(histories) if turn < len(h) and h[turn]["role"] == "assistant"]
         prompts = []
         for b in rows:
-            text = tokenizer.apply_chat_template(histories[b][:turn], tokenize=False, add_generation_prompt=True,
-                                                 **chat_kwargs)
+            text = tokenizer.apply_chat_template(
+                histories[b][:turn], tokenize=False, add_generation_prompt=True, **chat_kwargs
+            )
             prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
         # A turn whose context already fills max_len would be truncated away: keep it as it is.
         pairs = [(b, p) for b, p in zip(rows, prompts, strict=True) if len(p) < params.max_len]
@@ -172,9 +179,17 @@ class Pool:
     settings: ReplySettings
 
 
-def regenerate(conversations: list[list[dict[str, str]]], generate_replies: ReplyGenerator | None, tokenizer: Any,
-               params: PrepareParams, *, fingerprint: str, generator: str = "hf-float32", cache_dir: Path = CACHE_ROOT,
-               pool: Pool | None = None) -> tuple[list[list[dict[str, str]]], RegenerationStats]:
+def regenerate(
+    conversations: list[list[dict[str, str]]],
+    generate_replies: ReplyGenerator | None,
+    tokenizer: Any,
+    params: PrepareParams,
+    *,
+    fingerprint: str,
+    generator: str = "hf-float32",
+    cache_dir: Path = CACHE_ROOT,
+    pool: Pool | None = None,
+) -> tuple[list[list[dict[str, str]]], RegenerationStats]:
     """The conversations with every assistant turn (after the first message) rewritten by the verifier.
 
     Args:
@@ -198,8 +213,10 @@ def regenerate(conversations: list[list[dict[str, str]]], generate_replies: Repl
     stats = RegenerationStats()
     started = time.perf_counter()
     results: list[list[dict[str, str]] | None] = [None] * len(conversations)
-    keys = [cache_key(c, fingerprint, temperature, max_new_tokens, params.max_len, params.seed, generator)
-            for c in conversations]
+    keys = [
+        cache_key(c, fingerprint, temperature, max_new_tokens, params.max_len, params.seed, generator)
+        for c in conversations
+    ]
     todo = []
     for i, key in enumerate(keys):
         cached = cache_dir / f"{key}.json"
@@ -214,7 +231,7 @@ def regenerate(conversations: list[list[dict[str, str]]], generate_replies: Repl
     # among short ones makes every row of its batch pay for the padding.
     todo.sort(key=lambda i: sum(len(m["content"]) for m in conversations[i][:-1]))
     size = params.regenerate_batch_size
-    batches = {start: todo[start: start + size] for start in range(0, len(todo), size)}
+    batches = {start: todo[start : start + size] for start in range(0, len(todo), size)}
     tasks = [RegenerationTask(start, [conversations[i] for i in batch], params) for start, batch in batches.items()]
     meter = progress(len(todo), "regenerated", "conv")  # per batch: the overall rate and ETA
 
@@ -236,8 +253,9 @@ def regenerate(conversations: list[list[dict[str, str]]], generate_replies: Repl
     return [r for r in results if r is not None], stats
 
 
-def reply_engine_maker(executor: Executor[Any, Any, Any], generate_replies: ReplyGenerator | None, tokenizer: Any,
-                       pool: Pool | None) -> Callable[[], ReplyEngine]:
+def reply_engine_maker(
+    executor: Executor[Any, Any, Any], generate_replies: ReplyGenerator | None, tokenizer: Any, pool: Pool | None
+) -> Callable[[], ReplyEngine]:
     """How ``executor``'s engines come to be: in this process, the verifier the stage loads (once, also for the
     prompts of ``builtin:self-instruct``); elsewhere, each engine loads its own from ``pool.settings``."""
     if executor.runs_in_driver:
@@ -289,12 +307,20 @@ def _load_vllm(job: GeneratorJob) -> ReplyGenerator:
 
 
 BACKENDS.register("hf", ReplyBackend(dtype=lambda job: "float32", load=_load_hf))
-BACKENDS.register("vllm", ReplyBackend(
-    dtype=lambda job: serving_dtype(job.model_dir, job.params.regenerate_vllm.dtype), load=_load_vllm))
+BACKENDS.register(
+    "vllm",
+    ReplyBackend(dtype=lambda job: serving_dtype(job.model_dir, job.params.regenerate_vllm.dtype), load=_load_vllm),
+)
 
 
-def verifier_generator(params: PrepareParams, info: VerifierInfo, model_dir: Path, tokenizer: Any, eos_ids: set[int],
-                       cluster: ClusterParams | None = None) -> VerifierGenerator:
+def verifier_generator(
+    params: PrepareParams,
+    info: VerifierInfo,
+    model_dir: Path,
+    tokenizer: Any,
+    eos_ids: set[int],
+    cluster: ClusterParams | None = None,
+) -> VerifierGenerator:
     """The prepare stage's generator on ``prepare.regenerate_backend``: it loads the verifier only when some
     conversation or prompt is not cached; regeneration runs where ``cluster.executor`` says (the prompts of
     ``builtin:self-instruct`` are always written in this process)."""
@@ -312,7 +338,14 @@ def verifier_generator(params: PrepareParams, info: VerifierInfo, model_dir: Pat
         pool = Pool(cluster, ReplySettings(params, info, Path(model_dir).resolve(), frozenset(eos_ids)))
 
     def run(conversations: list[list[dict[str, str]]]) -> tuple[list[list[dict[str, str]]], RegenerationStats]:
-        return regenerate(conversations, generate_replies, tokenizer, params, fingerprint=info.fingerprint,
-                          generator=generator, pool=pool)
+        return regenerate(
+            conversations,
+            generate_replies,
+            tokenizer,
+            params,
+            fingerprint=info.fingerprint,
+            generator=generator,
+            pool=pool,
+        )
 
     return VerifierGenerator(generate=generate_replies, name=generator, regenerate=run)

