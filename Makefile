@@ -73,8 +73,12 @@ test: setup
 test-fast: setup
 	scripts/offline.sh $(PY) -m pytest -q -m "not slow" $(XDIST)
 
+# The style the code keeps without a reviewer: the formatter's layout, ruff's rules (pyproject.toml) and mypy on the
+# floors every stage stands on (core, artifacts). .pre-commit-config.yaml runs the same three before each commit.
 lint: setup
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 doctor: setup
 	$(VENV)/bin/eaglenest doctor
