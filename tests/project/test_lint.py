@@ -43,6 +43,7 @@ def test_each_check_fails_on_what_it_is_for(tmp_path: Path):
     package = tmp_path / "src" / "eaglenest" / "core"
     package.mkdir(parents=True)
     (tmp_path / "src" / "eaglenest" / "artifacts").mkdir()
+    (tmp_path / "src" / "eaglenest" / "artifacts" / "good.py").write_text("y: int = 1\n")
     (package / "bad.py").write_text("import os\nx: int = 'a'\ndef f( a ):\n    return a\n")
     ruff, mypy = str(VENV_BIN / "ruff"), str(VENV_BIN / "mypy")
     for command, said in (
