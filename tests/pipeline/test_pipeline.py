@@ -272,7 +272,7 @@ def test_an_edit_re_runs_only_the_stages_that_run_the_edited_code(tiny_pipeline:
     assert changed_stages(repo) == set()
     code = repo / "src" / "eaglenest"
 
-    for command in ("report/__init__.py", "serve.py", "inspect.py", "cli.py", "importer.py", "doctor.py"):
+    for command in ("report/__init__.py", "serve/__init__.py", "inspect.py", "cli.py", "importer.py", "doctor.py"):
         append_comment(code / "commands" / command)
     assert changed_stages(repo) == set()
 
