@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from eaglenest.core.errors import EaglenestError
-from eaglenest.core.params import check_endpoint
+from eaglenest.core.params import check_endpoint, is_loopback
 
 if TYPE_CHECKING:
     from eaglenest.core.params import ClusterParams
@@ -457,10 +457,6 @@ def plan_engines(
     return options, wanted, f"{per_engine}, on {len(nodes)} nodes"
 
 
-def _is_loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
-
-
 def _probe(address: str) -> str:
     """Refuses a host:port where nothing answers (``ray.init`` would retry it for minutes); returns its host."""
     try:
@@ -529,7 +525,7 @@ def connect(cluster: ClusterParams) -> Iterator[None]:
         env |= SINGLE_MACHINE_ENV | OWN_CLUSTER_ENV
         kwargs["include_dashboard"] = False
     elif address != "auto":
-        if _is_loopback(_probe(address)):
+        if is_loopback(_probe(address)):
             env |= SINGLE_MACHINE_ENV
         if any(os.environ.get(name) for name in TOKEN_SOURCES) or (Path.home() / ".ray" / "auth_token").is_file():
             env |= OWN_CLUSTER_ENV  # a RAY_AUTH_MODE the user set keeps theirs

@@ -15,6 +15,7 @@ all, each naming the key, the value given and what is allowed.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, TypeVar, get_args, get_origin
@@ -157,6 +158,17 @@ def check_endpoint(value: str) -> tuple[str, int]:
         raise ValueError("must be HOST:PORT: a host name or IPv4 address, and a port in 1..65535")
     host, _, port = value.rpartition(":")
     return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is this machine only (``localhost``, 127.0.0.0/8, ``::1``); a name other than localhost
+    may resolve to any interface, so it is not."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class TorchrunParams(StrictModel):

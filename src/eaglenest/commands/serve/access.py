@@ -4,13 +4,13 @@ loopback refused without an API key."""
 
 from __future__ import annotations
 
-import ipaddress
 import itertools
 import os
 import socket
 import sys
 
 from eaglenest.core.errors import EaglenestError
+from eaglenest.core.params import is_loopback
 
 # vLLM flags whose value is a secret, and the environment variable that carries the same secret: moved there, the
 # secret is in neither vLLM's argv (``ps`` shows it to every user), its log of its arguments, nor the command
@@ -86,7 +86,7 @@ def check_exposure(host: str, port: int, env: dict[str, str], no_api_key: bool) 
     Raises:
         EaglenestError: ``host`` is not a loopback address and no key is set (one line saying how to give one).
     """
-    if _is_loopback(host) or env.get(API_KEY_ENV) or os.environ.get(API_KEY_ENV):
+    if is_loopback(host) or env.get(API_KEY_ENV) or os.environ.get(API_KEY_ENV):
         return
     exposed = (
         f"--host {host}: vLLM would answer at {host}:{port} without an API key, so anyone who reaches it "
@@ -97,12 +97,3 @@ def check_exposure(host: str, port: int, env: dict[str, str], no_api_key: bool) 
             f"{exposed}; export {API_KEY_ENV}=<key> (or pass --api-key after --), or pass --no-api-key to serve it open"
         )
     print(f"eaglenest serve: WARNING: {exposed} (--no-api-key)", file=sys.stderr, flush=True)
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a name: it may resolve to any interface
-        return False
