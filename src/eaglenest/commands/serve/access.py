@@ -10,7 +10,6 @@ import socket
 import sys
 
 from eaglenest.core.errors import EaglenestError
-from eaglenest.core.params import is_loopback
 
 # vLLM flags whose value is a secret, and the environment variable that carries the same secret: moved there, the
 # secret is in neither vLLM's argv (``ps`` shows it to every user), its log of its arguments, nor the command
@@ -86,6 +85,8 @@ def check_exposure(host: str, port: int, env: dict[str, str], no_api_key: bool) 
     Raises:
         EaglenestError: ``host`` is not a loopback address and no key is set (one line saying how to give one).
     """
+    from eaglenest.core.params import is_loopback  # pydantic: not where the parser is built (eaglenest --help)
+
     if is_loopback(host) or env.get(API_KEY_ENV) or os.environ.get(API_KEY_ENV):
         return
     exposed = (
