@@ -29,12 +29,12 @@ import torch
 
 from eaglenest.artifacts.eval_params import EvalSetParams
 from eaglenest.artifacts.eval_sets import load_eval_set
+from eaglenest.artifacts.hidden_states.engines.hf import length_sorted_batches
 from eaglenest.artifacts.verifier import load_verifier_info
 from eaglenest.artifacts.vocab import load_rows, load_vocab
 from eaglenest.commands.params_file import load_params
 from eaglenest.core.chat import cut_after_end_of_turn, end_of_turn_ids
 from eaglenest.core.decoder import capture_residual_stream, hidden_states_of_rows, load_decoder
-from eaglenest.stages.extract.hf import length_sorted_batches
 from eaglenest.stages.train.data import PackedBatches, TrainingData, every_token_mask, pack_batches
 from eaglenest.stages.train.model import build_draft, draft_runtime
 from eaglenest.stages.train.optimization import build_optimization, train_step

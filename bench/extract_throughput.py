@@ -19,13 +19,14 @@ from pathlib import Path
 import torch
 from datasets import load_from_disk
 
+from eaglenest.artifacts.hidden_states.engines.contract import EngineSettings
+from eaglenest.artifacts.hidden_states.engines.hf import HfEngine, length_sorted_batches
 from eaglenest.artifacts.hidden_states.format import extraction_fingerprint, file_metadata
 from eaglenest.artifacts.hidden_states.layout import ShardSpec, file_layout
 from eaglenest.artifacts.verifier import load_verifier_info
 from eaglenest.commands.params_file import load_params
 from eaglenest.core.decoder import load_decoder, pad_batch
-from eaglenest.stages.extract.hf import HfEngine, length_sorted_batches
-from eaglenest.stages.extract.job import EngineSettings, ExtractTask, run_extract_task
+from eaglenest.stages.extract.job import ExtractTask, run_extract_task
 
 
 def bare_forward(model: torch.nn.Module, batches: list[list[int]], input_ids: list[list[int]]) -> float:

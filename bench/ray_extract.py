@@ -38,12 +38,12 @@ import numpy as np
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
+from eaglenest.artifacts.hidden_states.extract_params import ExtractParams  # noqa: E402
 from eaglenest.artifacts.prepared import write_prepared  # noqa: E402
 from eaglenest.core.atomic import atomic_write_bytes  # noqa: E402
 from eaglenest.core.executor import EngineNeeds, open_executor  # noqa: E402
 from eaglenest.core.params import ClusterParams  # noqa: E402
 from eaglenest.stages.extract import extract_hidden_states  # noqa: E402
-from eaglenest.stages.extract.params import ExtractParams  # noqa: E402
 from eaglenest.stages.verifier import build_verifier  # noqa: E402
 from eaglenest.stages.verifier.params import VerifierParams  # noqa: E402
 

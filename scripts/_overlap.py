@@ -11,13 +11,16 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
+from eaglenest.stages.prepare.self_instruct import normalised as prompt_key
+
 STRETCH = 50
 
 
 def normalised(text: str) -> str:
-    """Lower case, whitespace collapsed, and a run of one punctuation character (an underline, a table border)
-    as one: formatting is not text, and documents on both sides have tables and headings."""
-    return re.sub(r"([^\w\s])\1+", r"\1", " ".join(text.lower().split()))
+    """The prepare stage's prompt key (lower case, whitespace collapsed), with a run of one punctuation character
+    (an underline, a table border) as one: formatting is not text, and documents on both sides have tables and
+    headings."""
+    return re.sub(r"([^\w\s])\1+", r"\1", prompt_key(text))
 
 
 def stretches(text: str) -> set[str]:

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from eaglenest.artifacts.hidden_states.extract_params import ExtractParams
 from eaglenest.artifacts.hidden_states.format import HIDDEN_KEY, SCALES_KEY, TOKENS_KEY, decode_hidden_states, hs_path
 from eaglenest.commands.importer import import_dump
 from eaglenest.commands.inspect import inspect_path
@@ -18,7 +19,6 @@ from eaglenest.core.errors import InputFileError
 from eaglenest.stages.convert import convert
 from eaglenest.stages.convert.params import ConvertParams
 from eaglenest.stages.extract import extract_hidden_states
-from eaglenest.stages.extract.params import ExtractParams
 from eaglenest.stages.train import TrainPaths, train_draft
 from eaglenest.stages.train.params import TrainParams
 from tests.fixtures.pipeline import pipeline_until_prepare, stored_row

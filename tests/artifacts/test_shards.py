@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from eaglenest.artifacts.hidden_states.extract_params import ExtractParams
 from eaglenest.artifacts.hidden_states.format import (
     CHECKSUM_FIELD,
     HIDDEN_KEY,
@@ -34,7 +35,6 @@ from eaglenest.core.safetensors_header import tensor_extents
 from eaglenest.stages.convert import convert
 from eaglenest.stages.convert.params import ConvertParams
 from eaglenest.stages.extract import extract_hidden_states
-from eaglenest.stages.extract.params import ExtractParams
 from eaglenest.stages.train.params import TrainParams
 from tests.fixtures.fsync import record_fsyncs
 from tests.fixtures.pipeline import pipeline_until_prepare
@@ -344,8 +344,8 @@ def test_rows_finishing_out_of_order_go_straight_to_their_place(
 ):
     """As vLLM's requests finish: each row is written at its offset when it arrives, and the shard appears under its
     name only once its last row is in; the bytes are those of rows written in order."""
-    import eaglenest.stages.extract as extract_stage
-    from eaglenest.stages.extract.hf import HfEngine
+    from eaglenest.artifacts.hidden_states import engines
+    from eaglenest.artifacts.hidden_states.engines.hf import HfEngine
 
     in_order = tmp_path / "in-order"
     extract(prepared, in_order, rows_per_shard=4)
@@ -365,7 +365,7 @@ def test_rows_finishing_out_of_order_go_straight_to_their_place(
                 # the task (this shard) is not finished yet: no file under its name, only the preallocated temporary
                 assert not (unfinished_dir(out) / shard_path(Path(), shard).name).exists()
 
-    monkeypatch.setitem(extract_stage.BACKENDS._items, "hf", OutOfOrder)
+    monkeypatch.setitem(engines.BACKENDS._items, "hf", OutOfOrder)
     metrics = extract(prepared, out, rows_per_shard=4)
     assert metrics["rows_computed"] == ROWS and sorted(seen) == list(range(ROWS)) and seen != sorted(seen)
     assert folder(out) == folder(in_order)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from eaglenest.artifacts.hidden_states.extract_params import ExtractParams
 from eaglenest.commands.params_file import SECTIONS, STAGE_PARAMS, Params, parse_params
 from eaglenest.core.errors import ParamsError
 from eaglenest.core.params import HiddenStateStorage, StrictModel, TorchrunParams, parse_sections
 from eaglenest.core.registry import Registry
 from eaglenest.stages.convert.params import ConvertStageParams
-from eaglenest.stages.extract.params import ExtractParams
 from eaglenest.stages.train.params import TrainParams, TrainStageParams
 
 

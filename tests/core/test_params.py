@@ -9,10 +9,10 @@ import pytest
 import yaml
 
 from eaglenest.artifacts.eval_params import EvalSetsAndEngines, EvaluateParams
+from eaglenest.artifacts.hidden_states.extract_params import ExtractParams
 from eaglenest.commands.params_file import MOVED_KEYS, Params, load_params, parse_params
 from eaglenest.core.errors import ParamsError
 from eaglenest.core.params import VllmEngineParams, parse_sections
-from eaglenest.stages.extract.params import ExtractParams
 from eaglenest.stages.k_sweep.params import KSweepStageParams
 from eaglenest.stages.prepare.params import PrepareParams
 from eaglenest.stages.verifier import check_aux_layers, default_aux_layers

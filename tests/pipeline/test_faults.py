@@ -144,9 +144,9 @@ def test_disk_full_during_extraction_then_rerun(
     """The disk fills up while shard 3 is written: one line naming it, no temporary left, shards 0-2 kept for the
     rerun, which computes only the rest."""
     from eaglenest.artifacts.hidden_states import layout
+    from eaglenest.artifacts.hidden_states.extract_params import ExtractParams
     from eaglenest.artifacts.hidden_states.resume import unfinished_dir
     from eaglenest.stages.extract import extract_hidden_states
-    from eaglenest.stages.extract.params import ExtractParams
     from tests.fixtures.pipeline import pipeline_until_prepare
 
     verifier_dir, prepared = pipeline_until_prepare(tmp_path, tiny_verifier_dir, rows=10)
@@ -181,8 +181,8 @@ def test_out_of_memory_says_which_param_to_lower(
     tmp_path: Path, tiny_verifier_dir: Path, monkeypatch: pytest.MonkeyPatch
 ):
     import eaglenest.core.decoder as decoder
+    from eaglenest.artifacts.hidden_states.extract_params import ExtractParams
     from eaglenest.stages.extract import extract_hidden_states
-    from eaglenest.stages.extract.params import ExtractParams
     from tests.fixtures.pipeline import pipeline_until_prepare
 
     verifier_dir, prepared = pipeline_until_prepare(tmp_path, tiny_verifier_dir, rows=4)
@@ -193,6 +193,12 @@ def test_out_of_memory_says_which_param_to_lower(
     monkeypatch.setattr(decoder, "forward_hidden_states", out_of_memory)
     with pytest.raises(EaglenestError, match=r"out of memory on cpu .* lower extract.batch_tokens \(now 8192\)"):
         extract_hidden_states(ExtractParams(), verifier_dir, prepared, tmp_path / "hs", tmp_path / "m.json")
+    with pytest.raises(
+        EaglenestError, match=r"out of memory on cpu .*; a row alone does not fit \(extract.batch_tokens: 0\)"
+    ):
+        extract_hidden_states(
+            ExtractParams(batch_tokens=0), verifier_dir, prepared, tmp_path / "hs", tmp_path / "m.json"
+        )
 
 
 # ------------------------------------------------------------------------------------ corrupt artefacts
@@ -200,10 +206,10 @@ def test_out_of_memory_says_which_param_to_lower(
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory, tiny_verifier_dir: Path) -> dict[str, Path]:
+    from eaglenest.artifacts.hidden_states.extract_params import ExtractParams
     from eaglenest.stages.convert import convert
     from eaglenest.stages.convert.params import ConvertParams
     from eaglenest.stages.extract import extract_hidden_states
-    from eaglenest.stages.extract.params import ExtractParams
     from eaglenest.stages.train import TrainPaths, train_draft
     from eaglenest.stages.train.params import TrainParams
     from tests.fixtures.pipeline import pipeline_until_prepare

@@ -20,8 +20,8 @@ from tests.fixtures.pipeline import REPO
 PACKAGE = REPO / "src" / "eaglenest"
 VLLM_MODULES = {
     "eaglenest.core.vllm_support",
-    "eaglenest.stages.extract.vllm",
-    "eaglenest.stages.extract.vllm_connector",
+    "eaglenest.artifacts.hidden_states.engines.vllm",
+    "eaglenest.artifacts.hidden_states.engines.vllm_connector",
     "eaglenest.stages.evaluate.vllm",
     "eaglenest.stages.prepare.regenerate.vllm",
     "eaglenest.core.measure.engines",
@@ -152,7 +152,7 @@ def test_only_the_vllm_back_ends_import_vllm():
 
 
 def test_back_ends_import_their_contract_not_their_dispatcher():
-    for family in ("stages.extract", "stages.evaluate", "stages.prepare.regenerate"):
+    for family in ("artifacts.hidden_states.engines", "stages.extract", "stages.evaluate", "stages.prepare.regenerate"):
         for name, targets in import_graph().items():
             if name.startswith(f"eaglenest.{family}."):
                 assert f"eaglenest.{family}" not in targets, f"{name} imports its dispatcher eaglenest.{family}"

@@ -9,7 +9,6 @@ EAGLE-3).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ import torch
 from eaglenest.artifacts.verifier import register_remote_config
 from eaglenest.core.atomic import atomic_directory
 from eaglenest.core.errors import EaglenestError, InputFileError
+from eaglenest.core.json_file import read_json
 from eaglenest.core.safetensors_header import read_header
 
 
@@ -73,12 +73,12 @@ def draft_tokens(draft_dir: Path, name: str) -> int:
 def _read_config(draft_dir: Path, name: str) -> dict[str, Any]:
     """The draft's config.json, checked to be a speculators checkpoint of a kind vLLM serves, with weights."""
     config_file = draft_dir / "config.json"
-    try:
-        config = json.loads(config_file.read_text())
-    except FileNotFoundError:
-        raise EaglenestError(f"{name} {draft_dir}: no config.json, not a speculators checkpoint; {DRAFT_FIX}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise EaglenestError(f"{name} {config_file}: not readable JSON ({err}); {DRAFT_FIX}") from None
+    config = read_json(
+        config_file,
+        f"{name} {draft_dir}: no config.json, not a speculators checkpoint; {DRAFT_FIX}",
+        DRAFT_FIX,
+        named=f"{name} {config_file}",
+    )
     kind = config.get("speculators_model_type") if isinstance(config, dict) else None
     if kind not in VLLM_METHODS:
         raise EaglenestError(

@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, field_validator
 
-from eaglenest.core.params import BUILTIN_PREFIX, StrictModel, VllmEngineParams, width_needs_vllm
+from eaglenest.core.params import BUILTIN_PREFIX, StrictModel, VllmEngineParams, engine_keys_moved, width_needs_vllm
 
 EVAL_SET_SOURCES = ("builtin:general", "builtin:humaneval", "builtin:long", "val")
 
@@ -183,14 +183,7 @@ class EvaluateParams(EvalTimedSets):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     moved_keys: ClassVar[dict[str, str]] = {
-        **{
-            old: f"evaluate.vllm.{new}"
-            for old, new in (
-                ("vllm_dtype", "dtype"),
-                ("gpu_memory_utilization", "gpu_memory_utilization"),
-                ("tensor_parallel_size", "tensor_parallel_size"),
-            )
-        },
+        **engine_keys_moved("evaluate.vllm"),
         "prompts": "evaluate.sets (an entry with source: <your file>)",
         "general_prompts": "evaluate.sets (an entry with source: builtin:general or your file)",
         "num_prompts": "evaluate.sets (each set's num_prompts)",

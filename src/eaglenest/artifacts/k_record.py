@@ -18,13 +18,13 @@ measurement kit's rule (:func:`eaglenest.core.measure.engines.requested_k`).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eaglenest.core.atomic import atomic_write_json
+from eaglenest.artifacts.sweep_record import read_sweep_record, write_sweep_record
 from eaglenest.core.errors import InputFileError
 from eaglenest.core.measure.engines import requested_k
 
@@ -69,23 +69,16 @@ def write_k_record(
     not_measured: str | None = None,
 ) -> dict[str, Any]:
     """Writes the record atomically (``served`` None: nothing measured, ``not_measured`` says why); returns it."""
-    record = {
-        "draft": {
-            "path": str(draft_dir),
-            "sha256": draft_fingerprint(draft_dir),
-            "algorithm": algorithm,
-            "trained_k": trained_k,
-        },
-        "serve_k": served.k if served else None,
-        "serve": None
-        if served is None
-        else {"k": served.k, "speedup": served.speedup, "speedup_ci95": served.speedup_ci95, "sets": served.sets},
-        "not_measured": not_measured,
-        **details,
+    draft = {
+        "path": str(draft_dir),
+        "sha256": draft_fingerprint(draft_dir),
+        "algorithm": algorithm,
+        "trained_k": trained_k,
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(path, record)
-    return record
+    serve = None if served is None else dataclasses.asdict(served)
+    return write_sweep_record(
+        path, {"draft": draft, "serve_k": served.k if served else None, "serve": serve}, not_measured, details
+    )
 
 
 @dataclass(frozen=True)
@@ -103,26 +96,24 @@ def read_k_record(path: Path) -> KRecord | None:
     Raises:
         InputFileError: the file is not a k_sweep record (one line naming it).
     """
-    if not path.is_file():
-        return None
-    try:
-        document = json.loads(path.read_text())
-        sha256 = str(document["draft"]["sha256"])
-        serve = document["serve"]
-        served = (
-            None
-            if serve is None
-            else ServedFigure(
-                int(serve["k"]), float(serve["speedup"]), float(serve["speedup_ci95"]), [str(s) for s in serve["sets"]]
-            )
+    record = read_sweep_record(
+        path, _parse_k_record, "a k_sweep stage record", f"{MEASURE_HINT} again, or pass --num-speculative-tokens K"
+    )
+    if record is not None and record.served is not None and record.served.k < 1:
+        raise InputFileError(f"{path}: serve.k is {record.served.k}; {MEASURE_HINT} again")
+    return record
+
+
+def _parse_k_record(document: dict[str, Any]) -> KRecord:
+    sha256 = str(document["draft"]["sha256"])
+    serve = document["serve"]
+    served = (
+        None
+        if serve is None
+        else ServedFigure(
+            int(serve["k"]), float(serve["speedup"]), float(serve["speedup_ci95"]), [str(s) for s in serve["sets"]]
         )
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
-        raise InputFileError(
-            f"{path}: not a k_sweep stage record ({type(err).__name__}: {err}); "
-            f"{MEASURE_HINT} again, or pass --num-speculative-tokens K"
-        ) from None
-    if served is not None and served.k < 1:
-        raise InputFileError(f"{path}: serve.k is {served.k}; {MEASURE_HINT} again")
+    )
     return KRecord(sha256, served, document.get("not_measured"))
 
 

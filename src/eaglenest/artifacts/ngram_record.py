@@ -17,12 +17,12 @@ is the one rule that picks the setting run (evaluate's baseline, ``eaglenest ser
 
 from __future__ import annotations
 
-import json
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eaglenest.core.atomic import atomic_write_json
+from eaglenest.artifacts.sweep_record import read_sweep_record, write_sweep_record
 from eaglenest.core.errors import InputFileError
 from eaglenest.core.measure.engines import NgramSetting
 
@@ -63,24 +63,17 @@ def write_ngram_record(
         details: The stage's own details, kept beside (candidates, timing, seconds, host).
         not_measured: Why nothing was measured.
     """
-    record = {
-        "verifier": verifier,
-        "setting": None
+    chosen = (
+        None
         if setting is None
         else {
             "prompt_lookup_min": setting.prompt_lookup_min,
             "prompt_lookup_max": setting.prompt_lookup_max,
             "num_speculative_tokens": setting.k,
-        },
-        "serve": None
-        if figure is None
-        else {"speedup": figure.speedup, "speedup_ci95": figure.speedup_ci95, "sets": figure.sets},
-        "not_measured": not_measured,
-        **details,
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(path, record)
-    return record
+        }
+    )
+    serve = None if figure is None else dataclasses.asdict(figure)
+    return write_sweep_record(path, {"verifier": verifier, "setting": chosen, "serve": serve}, not_measured, details)
 
 
 @dataclass(frozen=True)
@@ -99,35 +92,31 @@ def read_ngram_record(path: Path) -> NgramRecord | None:
     Raises:
         InputFileError: the file is not an ngram_sweep record (one line naming it).
     """
-    if not path.is_file():
-        return None
-    try:
-        document = json.loads(path.read_text())
-        fingerprint = str(document["verifier"]["fingerprint"])
-        chosen, serve = document["setting"], document["serve"]
-        setting = (
-            None
-            if chosen is None
-            else NgramSetting(
-                int(chosen["prompt_lookup_min"]),
-                int(chosen["prompt_lookup_max"]),
-                int(chosen["num_speculative_tokens"]),
-            )
-        )
-        figure = (
-            None
-            if serve is None
-            else NgramFigure(float(serve["speedup"]), float(serve["speedup_ci95"]), [str(s) for s in serve["sets"]])
-        )
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
-        raise InputFileError(
-            f"{path}: not an ngram_sweep stage record ({type(err).__name__}: {err}); {MEASURE_HINT} again"
-        ) from None
+    record = read_sweep_record(path, _parse_ngram_record, "an ngram_sweep stage record", f"{MEASURE_HINT} again")
+    setting = None if record is None else record.setting
     if setting is not None and (not 1 <= setting.prompt_lookup_min <= setting.prompt_lookup_max or setting.k < 1):
         raise InputFileError(
             f"{path}: setting {setting.label} is not one vLLM runs (1 <= prompt_lookup_min <= "
             f"prompt_lookup_max, K >= 1); {MEASURE_HINT} again"
         )
+    return record
+
+
+def _parse_ngram_record(document: dict[str, Any]) -> NgramRecord:
+    fingerprint = str(document["verifier"]["fingerprint"])
+    chosen, serve = document["setting"], document["serve"]
+    setting = (
+        None
+        if chosen is None
+        else NgramSetting(
+            int(chosen["prompt_lookup_min"]), int(chosen["prompt_lookup_max"]), int(chosen["num_speculative_tokens"])
+        )
+    )
+    figure = (
+        None
+        if serve is None
+        else NgramFigure(float(serve["speedup"]), float(serve["speedup_ci95"]), [str(s) for s in serve["sets"]])
+    )
     return NgramRecord(fingerprint, setting, figure, document.get("not_measured"))
 
 

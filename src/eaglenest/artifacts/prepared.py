@@ -10,6 +10,7 @@ its prompts the same way).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -35,50 +36,52 @@ def write_prepared(
     train_rows: int,
     val_prompts: list[dict[str, Any]],
     chat_kwargs: dict[str, Any] | None = None,
+    in_place: bool = False,
 ) -> None:
     """Writes the prepared dataset (speculators' schema, torch format), split.json and val_prompts.jsonl, and
-    the chat-template arguments when there are any."""
-    with atomic_directory(out_dir) as tmp:
-        write_prepared_into(tmp, input_ids, loss_mask, train_rows, val_prompts)
+    the chat-template arguments when there are any.
+
+    Args:
+        out_dir: The dataset's folder: replaced whole, or left as it was where writing fails.
+        input_ids: Token ids of every row, train rows first.
+        loss_mask: 1 where a row's token carries the loss, row by row.
+        train_rows: How many of the rows are train rows; the rest are validation rows.
+        val_prompts: The validation conversations up to their first user turn, one record each.
+        chat_kwargs: The chat-template arguments the rows were rendered with (``prepare.reasoning``), if any.
+        in_place: Write into ``out_dir`` as it is, a folder the caller fills further and renames itself
+            (``eaglenest import`` stores the hidden states beside the rows).
+    """
+    from datasets import Dataset, Features, Sequence, Value
+
+    with contextlib.nullcontext(Path(out_dir)) if in_place else atomic_directory(out_dir) as directory:
+        features = Features(
+            {"input_ids": Sequence(Value("int64")), "loss_mask": Sequence(Value("int64")), "seq_len": Value("int64")}
+        )
+        dataset = Dataset.from_dict(
+            {"input_ids": input_ids, "loss_mask": loss_mask, "seq_len": [len(ids) for ids in input_ids]},
+            features=features,
+        )
+        dataset.set_format(type="torch")  # speculators' ArrowDataset indexes rows as tensors
+        dataset.save_to_disk(str(directory))
+        # speculators splits with split_idx = int(len * train_ratio); the +0.5 keeps float error out.
+        atomic_write_json(
+            directory / SPLIT_FILE,
+            {
+                "train_rows": train_rows,
+                "val_rows": len(input_ids) - train_rows,
+                "train_ratio": (train_rows + 0.5) / len(input_ids),
+            },
+        )
+        lines = "".join(json.dumps(prompt) + "\n" for prompt in val_prompts)
+        atomic_write_bytes(directory / VAL_PROMPTS_FILE, lines.encode())
         if chat_kwargs:
-            atomic_write_json(tmp / CHAT_FILE, chat_kwargs)
+            atomic_write_json(directory / CHAT_FILE, chat_kwargs)
 
 
 def load_chat_kwargs(prepared_dir: Path) -> dict[str, Any]:
     """The chat-template arguments prepare rendered with (``prepare.reasoning``), or none."""
     path = Path(prepared_dir) / CHAT_FILE
     return json.loads(path.read_text()) if path.is_file() else {}
-
-
-def write_prepared_into(
-    directory: Path,
-    input_ids: list[list[int]],
-    loss_mask: list[list[int]],
-    train_rows: int,
-    val_prompts: list[dict[str, Any]],
-) -> None:
-    """:func:`write_prepared` into an existing folder (for callers that add files and rename it themselves)."""
-    from datasets import Dataset, Features, Sequence, Value
-
-    features = Features(
-        {"input_ids": Sequence(Value("int64")), "loss_mask": Sequence(Value("int64")), "seq_len": Value("int64")}
-    )
-    dataset = Dataset.from_dict(
-        {"input_ids": input_ids, "loss_mask": loss_mask, "seq_len": [len(ids) for ids in input_ids]}, features=features
-    )
-    dataset.set_format(type="torch")  # speculators' ArrowDataset indexes rows as tensors
-    dataset.save_to_disk(str(directory))
-    # speculators splits with split_idx = int(len * train_ratio); the +0.5 keeps float error out.
-    atomic_write_json(
-        directory / SPLIT_FILE,
-        {
-            "train_rows": train_rows,
-            "val_rows": len(input_ids) - train_rows,
-            "train_ratio": (train_rows + 0.5) / len(input_ids),
-        },
-    )
-    lines = "".join(json.dumps(prompt) + "\n" for prompt in val_prompts)
-    atomic_write_bytes(directory / VAL_PROMPTS_FILE, lines.encode())
 
 
 def load_split(prepared_dir: Path) -> dict[str, Any]:

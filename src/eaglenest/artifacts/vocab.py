@@ -17,6 +17,7 @@ import torch
 
 from eaglenest.core.atomic import atomic_write_json
 from eaglenest.core.errors import EaglenestError, InputFileError
+from eaglenest.core.json_file import read_json
 
 ROWS_FILE = "rows.json"
 
@@ -83,12 +84,7 @@ def write_vocab(
 def load_rows(vocab_dir: Path) -> dict[str, list[int]]:
     """``{"train": [...], "val": [...]}``: the rows the convert stage found usable."""
     path = Path(vocab_dir) / ROWS_FILE
-    try:
-        rows = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise EaglenestError(f"{path} does not exist; run `dvc repro convert` first") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise InputFileError(f"{path}: not readable JSON ({err}); run `dvc repro convert`") from None
+    rows = read_json(path, f"{path} does not exist; run `dvc repro convert` first", "run `dvc repro convert`")
     if not isinstance(rows, dict) or not all(isinstance(rows.get(k), list) for k in ("train", "val")):
         raise InputFileError(f"{path}: expected lists 'train' and 'val'; run `dvc repro convert`")
     return rows

@@ -146,7 +146,7 @@ def import_dump(fmt: str, source: Path, out: Path, val_fraction: float = 0.05, f
 
     from eaglenest.artifacts.hidden_states.format import HIDDEN_KEY, decode_hidden_states, hs_path
     from eaglenest.artifacts.hidden_states.layout import write_hidden_states
-    from eaglenest.artifacts.prepared import write_prepared_into
+    from eaglenest.artifacts.prepared import write_prepared
 
     if fmt not in IMPORT_FORMATS:
         raise InputFileError(f"unknown format {fmt!r}; known: {', '.join(IMPORT_FORMATS.names())}")
@@ -174,7 +174,7 @@ def import_dump(fmt: str, source: Path, out: Path, val_fraction: float = 0.05, f
         if len(all_ids) < 2:
             raise InputFileError(f"{source}: {len(all_ids)} samples; need at least 2")
         train_rows = max(1, len(all_ids) - max(1, round(len(all_ids) * val_fraction)))
-        write_prepared_into(tmp, all_ids, all_masks, train_rows, [])
+        write_prepared(tmp, all_ids, all_masks, train_rows, [], in_place=True)
         mark_written_by(tmp, COMMAND_NAME)
     return {"samples": len(all_ids), "layers": int(slots or 0), "hidden_size": int(hidden or 0)}
 

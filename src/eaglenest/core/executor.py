@@ -23,20 +23,34 @@ workers share, or back to ``on_result``).
   checked problem of its data, which another try would meet again) stops it at once. Results that arrived
   before are kept by ``on_result``, so the next run continues.
 
+Both also *stream* (:meth:`Executor.stream`): the results of an endless, lazily planned sequence of tasks, handed
+back in the plan's order whatever engine finished first, with at most a window of tasks taken ahead of the consumer
+(its pace is the backpressure: memory stays flat however long the plan). ``extract.store: stream`` trains on such
+a stream. The local executor streams from engine *processes* (a :class:`concurrent.futures.ProcessPoolExecutor`,
+rebuilt and its unfinished tasks run again when one of them dies); the Ray executor from its actors, with the same
+dispatcher as :meth:`Executor.run`.
+
 Ray is imported only here and only when ``cluster.executor`` is ``ray``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import enum
 import importlib.util
 import logging
+import multiprocessing
+import multiprocessing.util
 import os
+import signal
 import socket
+import sys
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
@@ -69,6 +83,7 @@ OWN_CLUSTER_ENV = {"RAY_AUTH_MODE": "token"}
 # the user has a token (scripts/cluster/ starts every cluster with one).
 TOKEN_SOURCES = ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 CONNECT_TIMEOUT_S = 5.0
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent dies
 # An actor that died is asked again whether its engine is up after this many seconds, doubling up to the cap: a
 # restarted actor loads its model again, which takes from seconds to many minutes.
 RETRY_FIRST_S, RETRY_CAP_S = 1.0, 30.0
@@ -96,14 +111,20 @@ class EngineNeeds:
 
 
 class Executor(Generic[E, T, R]):
-    """Runs ``run_task`` over ``tasks`` with engines from ``make_engine``; :meth:`run` returns once every task has
-    a result (``on_result`` has run for each) or raises :class:`EaglenestError` naming the task that failed."""
+    """Runs ``run_task`` over tasks with engines from ``make_engine``: :meth:`run` returns once every task has a
+    result (``on_result`` has run for each), :meth:`stream` hands them back in order; both raise
+    :class:`EaglenestError` naming the task that failed."""
 
     kind = "executor"
     workers = 1
     # The engines run in the stage's own process: they may be an engine the stage has already loaded, and they
     # see this machine's folders (a staging folder beside the output).
     runs_in_driver = False
+
+    def __init__(self, max_task_retries: int = 3) -> None:
+        self.max_task_retries = max_task_retries
+        # A stream's buffer fill: results finished ahead of their turn when the last one was handed back.
+        self.finished_ahead = 0
 
     def results_folder(self, folder: Path) -> Path | None:
         """Where tasks write their results: ``folder`` (absolute) where every engine can write into it, None where
@@ -117,7 +138,30 @@ class Executor(Generic[E, T, R]):
         tasks: Sequence[T],
         on_result: Callable[[T, R], None],
     ) -> None:
+        if tasks:
+            for task, result in self.finished(make_engine, run_task, tasks):
+                on_result(task, result)
+
+    def finished(
+        self, make_engine: Callable[[], E], run_task: Callable[[E, T], R], tasks: Sequence[T]
+    ) -> Iterator[tuple[T, R]]:
+        """``(task, result)`` of every task (at least one) as each finishes."""
         raise NotImplementedError
+
+    def stream(
+        self, make_engine: Callable[[], E], run_task: Callable[[E, T], R], tasks: Iterable[T], window: int
+    ) -> Iterator[tuple[T, R]]:
+        """``(task, result)`` of each of ``tasks`` in their order, whichever engine finished first; at most
+        ``window`` tasks are taken from ``tasks`` and not yet handed back (queued, running, or finished ahead of
+        their turn). ``tasks`` is read lazily and may be endless: the consumer stops when it has had enough."""
+        raise NotImplementedError
+
+    def check_tries(self, label: str, tries: int, why: str) -> None:
+        """Stops the stage once a task has failed ``cluster.max_task_retries`` times (``why``: the last failure)."""
+        if tries >= self.max_task_retries:
+            raise EaglenestError(
+                f"{label} failed {tries} times (cluster.max_task_retries = {self.max_task_retries}); the last: {why}"
+            )
 
 
 def close_if_closable(engine: Any) -> None:
@@ -128,30 +172,129 @@ def close_if_closable(engine: Any) -> None:
         close()
 
 
+# The engine of a local stream's engine process (one per process, built by its pool's initializer).
+_process_engine: Any = None
+
+
+def _start_process_engine(make_engine: Callable[[], Any], parent: int) -> None:
+    """A local stream's engine process: dies with the process it serves, then builds its engine once, closed when
+    the pool ends the process."""
+    global _process_engine
+    _die_with(parent)
+    _process_engine = make_engine()
+    multiprocessing.util.Finalize(None, close_if_closable, args=(_process_engine,), exitpriority=10)
+
+
+def _die_with(parent: int) -> None:
+    """Linux: this process is killed when ``parent`` dies, however it dies (a trainer killed with SIGKILL cannot
+    stop its engines, and an orphaned engine would hold a verifier's memory for ever)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # it died before the line above took effect
+        os._exit(1)
+
+
+def _run_in_process_engine(run_task: Callable[[Any, Any], Any], task: Any) -> Any:
+    return run_task(_process_engine, task)
+
+
+def _submit(pool: ProcessPoolExecutor, run_task: Callable[[Any, Any], Any], task: Any) -> Future[Any]:
+    """``task`` submitted to ``pool``; where a process of it has died already, a future holding that failure (the
+    stream meets it in order, and starts a new pool then)."""
+    try:
+        return pool.submit(_run_in_process_engine, run_task, task)
+    except BrokenProcessPool as err:
+        failed: Future[Any] = Future()
+        failed.set_exception(err)
+        return failed
+
+
+def _succeeded(future: Future[Any]) -> bool:
+    """A task that finished before its pool broke: its result stands."""
+    return future.done() and not future.cancelled() and future.exception() is None
+
+
 class LocalExecutor(Executor[E, T, R]):
-    """One engine in this process; the tasks in order (``cluster.executor: local``)."""
+    """This machine only (``cluster.executor: local``): :meth:`run` loads one engine in this process and runs the
+    tasks in order; :meth:`stream` runs ``engines`` engine processes beside this one.
+
+    Args:
+        engines: Engine processes of a stream (``cluster.workers``; 'auto' is 1).
+        max_task_retries: Tries per streamed task (an engine process that dies, or an error).
+    """
 
     kind = "local"
     runs_in_driver = True
 
+    def __init__(self, engines: int = 1, max_task_retries: int = 3) -> None:
+        super().__init__(max_task_retries)
+        self.workers = engines
+
     def results_folder(self, folder: Path) -> Path | None:
         return folder.resolve()
 
-    def run(
-        self,
-        make_engine: Callable[[], E],
-        run_task: Callable[[E, T], R],
-        tasks: Sequence[T],
-        on_result: Callable[[T, R], None],
-    ) -> None:
-        if not tasks:
-            return
+    def finished(
+        self, make_engine: Callable[[], E], run_task: Callable[[E, T], R], tasks: Sequence[T]
+    ) -> Iterator[tuple[T, R]]:
         engine = make_engine()
         try:
             for task in tasks:
-                on_result(task, run_task(engine, task))
+                yield task, run_task(engine, task)
         finally:
             close_if_closable(engine)
+
+    def stream(
+        self, make_engine: Callable[[], E], run_task: Callable[[E, T], R], tasks: Iterable[T], window: int
+    ) -> Iterator[tuple[T, R]]:
+        """As :meth:`Executor.stream`, from engine processes (spawned: a CUDA or vLLM engine cannot be forked). A
+        process that dies breaks the pool: a new pool starts and every task not handed back yet runs again."""
+        plan = iter(tasks)
+        taken: deque[tuple[T, Future[R]]] = deque()
+        tries = 0  # failed tries of the task at the head of the queue
+        pool = self._pool(make_engine)
+        try:
+            while True:
+                while len(taken) < window and (task := next(plan, None)) is not None:
+                    taken.append((task, _submit(pool, run_task, task)))
+                if not taken:
+                    return
+                task, future = taken[0]
+                try:
+                    result = future.result()
+                except EaglenestError:
+                    raise  # a checked problem of the task's data: another try would meet it again
+                except BrokenProcessPool as err:
+                    tries += 1
+                    why = f"its engine process died, or its engine failed to start (its log is above): {err}"
+                    self.check_tries(task.label, tries, why)
+                    rerun = sum(1 for _, kept in taken if not _succeeded(kept))
+                    log.warning("%s: an engine process died; %d tasks run again", task.label, rerun)
+                    pool.shutdown(wait=True, cancel_futures=True)
+                    pool = self._pool(make_engine)
+                    taken = deque(
+                        (again, kept if _succeeded(kept) else _submit(pool, run_task, again)) for again, kept in taken
+                    )
+                    continue
+                except Exception as err:  # counted: the stage stops with it after the last try
+                    tries += 1
+                    self.check_tries(task.label, tries, error_line(err))
+                    log.warning("%s failed: %s; it runs again", task.label, error_line(err))
+                    taken[0] = (task, _submit(pool, run_task, task))
+                    continue
+                taken.popleft()
+                tries = 0
+                self.finished_ahead = sum(1 for _, ahead in taken if _succeeded(ahead))
+                yield task, result
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _pool(self, make_engine: Callable[[], E]) -> ProcessPoolExecutor:
+        return ProcessPoolExecutor(
+            self.workers,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_start_process_engine,
+            initargs=(make_engine, os.getpid()),
+        )
 
 
 class EngineHost:
@@ -209,15 +352,57 @@ class _Actor:
 
 
 @dataclass
-class _Dispatch(Generic[T]):
-    """What is queued and in flight, and how often each task failed."""
+class _Dispatch(Generic[T, R]):
+    """What is planned, queued, in flight and finished, and how often each task failed; tasks are known by their
+    place in the plan.
 
-    pending: deque[T]
-    inflight: dict[Any, tuple[int, T | None]] = field(default_factory=dict)  # ref -> (actor, task or start call)
-    tries: dict[int, int] = field(default_factory=dict)  # id(task) -> failed tries
+    Attributes:
+        plan: The tasks not taken yet, with their places.
+        window: At most this many tasks taken and not yet handed back; None: every task at once.
+        ordered: Results are handed back in the plan's order (a stream), else as they finish.
+    """
+
+    plan: Iterator[tuple[int, T]]
+    window: int | None
+    ordered: bool
+    pending: deque[tuple[int, T]] = field(default_factory=deque)
+    inflight: dict[Any, tuple[int, tuple[int, T] | None]] = field(default_factory=dict)  # ref -> (actor, task)
+    tries: dict[int, int] = field(default_factory=dict)  # place -> failed tries
+    finished: dict[int, tuple[T, R]] = field(default_factory=dict)  # results waiting for their turn
+    next_place: int = 0  # the next result to hand back (ordered)
+    taken: int = 0
+    exhausted: bool = False
+
+    def take(self) -> None:
+        """Queues tasks from the plan while the window has room."""
+        while not self.exhausted and (self.window is None or self.taken - self.next_place < self.window):
+            item = next(self.plan, None)
+            if item is None:
+                self.exhausted = True
+            else:
+                self.pending.append(item)
+                self.taken += 1
+
+    def unfinished(self) -> bool:
+        return bool(self.pending) or self.tasks_in_flight() or not self.exhausted
 
     def tasks_in_flight(self) -> bool:
         return any(task is not None for _, task in self.inflight.values())
+
+    def handed_back(self, place: int, task: T, result: R) -> Iterator[tuple[T, R]]:
+        """The results that may go to the consumer now that ``place`` has finished."""
+        if not self.ordered:
+            self.next_place += 1
+            yield task, result
+            return
+        self.finished[place] = (task, result)
+        while self.next_place in self.finished:
+            done = self.finished.pop(self.next_place)
+            self.next_place += 1
+            yield done
+
+    def finished_ahead(self) -> int:
+        return len(self.finished)
 
 
 def error_line(err: BaseException) -> str:
@@ -237,6 +422,7 @@ class RayExecutor(Executor[E, T, R]):
     kind = "ray"
 
     def __init__(self, cluster: ClusterParams, needs: EngineNeeds) -> None:
+        super().__init__(cluster.max_task_retries)
         self.cluster, self.needs = cluster, needs
         self.options, self.workers, self.description = plan_engines(cluster, needs, alive_nodes())
 
@@ -244,26 +430,35 @@ class RayExecutor(Executor[E, T, R]):
         """``folder`` with ``cluster.output: shared`` (every node mounts it at the same path); else None."""
         return folder.resolve() if self.cluster.output == "shared" else None
 
-    def run(
-        self,
-        make_engine: Callable[[], E],
-        run_task: Callable[[E, T], R],
-        tasks: Sequence[T],
-        on_result: Callable[[T, R], None],
-    ) -> None:
-        if not tasks:
-            return
+    def finished(
+        self, make_engine: Callable[[], E], run_task: Callable[[E, T], R], tasks: Sequence[T]
+    ) -> Iterator[tuple[T, R]]:
+        dispatch: _Dispatch[T, R] = _Dispatch(enumerate(tasks), window=None, ordered=False)
+        count = min(self.workers, len(tasks))
+        log.info("ray: %d engines (%s) for %d tasks", count, self.description, len(tasks))
+        return self._dispatched(make_engine, run_task, dispatch, count)
+
+    def stream(
+        self, make_engine: Callable[[], E], run_task: Callable[[E, T], R], tasks: Iterable[T], window: int
+    ) -> Iterator[tuple[T, R]]:
+        dispatch: _Dispatch[T, R] = _Dispatch(enumerate(tasks), window=window, ordered=True)
+        log.info("ray: %d engines (%s) streaming, %d tasks ahead at most", self.workers, self.description, window)
+        yield from self._dispatched(make_engine, run_task, dispatch, self.workers)
+
+    def _dispatched(
+        self, make_engine: Callable[[], E], run_task: Callable[[E, T], R], dispatch: _Dispatch[T, R], count: int
+    ) -> Iterator[tuple[T, R]]:
+        """The dispatcher: ``count`` actors, each idle one handed the next queued task, results handed back as
+        ``dispatch`` says; the actors end with it (also when the consumer stops early)."""
         import ray
 
         host = ray.remote(max_restarts=-1, max_task_retries=0)(EngineHost)
-        count = min(self.workers, len(tasks))
-        log.info("ray: %d engines (%s) for %d tasks", count, self.description, len(tasks))
         actors = [_Actor(host.options(**self.actor_options()).remote(make_engine, run_task)) for _ in range(count)]
-        dispatch: _Dispatch[T] = _Dispatch(deque(tasks))
         try:
             for index, actor in enumerate(actors):
                 dispatch.inflight[actor.handle.start.remote()] = (index, None)
-            while dispatch.pending or dispatch.tasks_in_flight():
+            dispatch.take()
+            while dispatch.unfinished():
                 self._assign(actors, dispatch)
                 self._revive(actors, dispatch)
                 if not dispatch.inflight:
@@ -272,7 +467,12 @@ class RayExecutor(Executor[E, T, R]):
                     continue
                 ready, _ = ray.wait(list(dispatch.inflight), num_returns=1, timeout=self._next_retry(actors))
                 for ref in ready:
-                    self._collect(ref, actors, dispatch, on_result)
+                    finished = self._collect(ref, actors, dispatch)
+                    if finished is not None:
+                        for handed in dispatch.handed_back(*finished):
+                            self.finished_ahead = dispatch.finished_ahead()
+                            yield handed
+                        dispatch.take()
                 if not ready:  # a wait ran out: every engine may be gone with the nodes that held it
                     self._check_capacity(actors)
         finally:
@@ -293,14 +493,14 @@ class RayExecutor(Executor[E, T, R]):
             "scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_capture_child_tasks=True),
         }
 
-    def _assign(self, actors: list[_Actor], dispatch: _Dispatch[T]) -> None:
+    def _assign(self, actors: list[_Actor], dispatch: _Dispatch[T, R]) -> None:
         for index, actor in enumerate(actors):
             if actor.state is ActorState.IDLE and dispatch.pending:
-                task = dispatch.pending.popleft()
-                dispatch.inflight[actor.handle.run.remote(task)] = (index, task)
+                item = dispatch.pending.popleft()
+                dispatch.inflight[actor.handle.run.remote(item[1])] = (index, item)
                 actor.state = ActorState.BUSY
 
-    def _revive(self, actors: list[_Actor], dispatch: _Dispatch[T]) -> None:
+    def _revive(self, actors: list[_Actor], dispatch: _Dispatch[T, R]) -> None:
         """Asks each actor that died, once its wait is over, to start again (Ray restarts its process)."""
         now = time.monotonic()
         for index, actor in enumerate(actors):
@@ -324,56 +524,52 @@ class RayExecutor(Executor[E, T, R]):
         except EaglenestError as err:
             raise EaglenestError(f"every engine was lost and the cluster cannot start another: {err}") from None
 
-    def _collect(
-        self, ref: Any, actors: list[_Actor], dispatch: _Dispatch[T], on_result: Callable[[T, R], None]
-    ) -> None:
+    def _collect(self, ref: Any, actors: list[_Actor], dispatch: _Dispatch[T, R]) -> tuple[int, T, R] | None:
+        """One call's outcome: a finished task as ``(place, task, result)``; None for a start call, or a task that
+        failed (queued again, or the stage stops)."""
         import ray
         from ray.exceptions import RayActorError, RayTaskError
 
-        index, task = dispatch.inflight.pop(ref)
+        index, item = dispatch.inflight.pop(ref)
         actor = actors[index]
         try:
             value = ray.get(ref)
         except RayActorError as err:  # the actor's process or node died: its task (if any) goes back in the queue
-            if task is not None:
+            if item is not None:
                 log.warning(
                     "ray: %s: its engine (%s) was lost (%s); it runs again",
-                    task.label,
+                    item[1].label,
                     actor.where or "?",
                     type(err).__name__,
                 )
-                self._failed(task, dispatch, f"its engine was lost ({type(err).__name__})")
+                self._failed(item, dispatch, f"its engine was lost ({type(err).__name__})")
             if err.actor_init_failed:  # the worker could not even create the actor (an import failed there)
                 self._start_failed(actor, actors, err)
             else:
                 self._down(actor)
-            return
+            return None
         except RayTaskError as err:
             cause = err.cause if err.cause is not None else err
             if isinstance(cause, EaglenestError):  # checked, so another try would meet it again
-                raise EaglenestError(f"{task.label}: {cause}" if task is not None else str(cause)) from None
-            if task is None:
+                raise EaglenestError(f"{item[1].label}: {cause}" if item is not None else str(cause)) from None
+            if item is None:
                 self._start_failed(actor, actors, cause)
-                return
+                return None
             actor.state = ActorState.IDLE
-            log.warning("ray: %s failed on %s: %s", task.label, actor.where, error_line(cause))
-            self._failed(task, dispatch, error_line(cause))
-            return
-        if task is None:
+            log.warning("ray: %s failed on %s: %s", item[1].label, actor.where, error_line(cause))
+            self._failed(item, dispatch, error_line(cause))
+            return None
+        if item is None:
             actor.state, actor.where, actor.backoff = ActorState.IDLE, str(value), RETRY_FIRST_S
             log.info("ray: engine %d ready (%s)", index, actor.where)
-            return
+            return None
         actor.state = ActorState.IDLE
-        on_result(task, value)
+        return item[0], item[1], value
 
-    def _failed(self, task: T, dispatch: _Dispatch[T], why: str) -> None:
-        tries = dispatch.tries[id(task)] = dispatch.tries.get(id(task), 0) + 1
-        if tries >= self.cluster.max_task_retries:
-            raise EaglenestError(
-                f"{task.label} failed {tries} times (cluster.max_task_retries = "
-                f"{self.cluster.max_task_retries}); the last: {why}"
-            )
-        dispatch.pending.appendleft(task)
+    def _failed(self, item: tuple[int, T], dispatch: _Dispatch[T, R], why: str) -> None:
+        tries = dispatch.tries[item[0]] = dispatch.tries.get(item[0], 0) + 1
+        self.check_tries(item[1].label, tries, why)
+        dispatch.pending.appendleft(item)
 
     def _start_failed(self, actor: _Actor, actors: list[_Actor], cause: BaseException) -> None:
         actor.start_failures += 1
@@ -560,7 +756,7 @@ def open_executor(cluster: ClusterParams, needs: EngineNeeds) -> Iterator[Execut
         EaglenestError: as :func:`connect`, or no node holds one engine (:func:`plan_engines`); before any work.
     """
     if cluster.executor == "local":
-        yield LocalExecutor()
+        yield LocalExecutor(1 if cluster.workers == "auto" else cluster.workers, cluster.max_task_retries)
         return
     with connect(cluster):
         yield RayExecutor(cluster, needs)

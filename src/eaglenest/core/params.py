@@ -81,6 +81,29 @@ class VllmEngineParams(StrictModel):
     )
 
 
+# The engine's keys as they were before each stage's engine got a section of its own: (old flat key, its key in the
+# section). Regeneration's old keys carry a 'regenerate_' prefix besides.
+_FLAT_ENGINE_KEYS = (
+    ("vllm_dtype", "dtype"),
+    ("gpu_memory_utilization", "gpu_memory_utilization"),
+    ("tensor_parallel_size", "tensor_parallel_size"),
+)
+
+
+def engine_keys_moved(engine_key: str, flat_prefix: str = "") -> dict[str, str]:
+    """``moved_keys`` of a section whose flat vLLM keys moved into its :class:`VllmEngineParams`.
+
+    Args:
+        engine_key: The engine's full key (``extract.vllm``).
+        flat_prefix: What the section's old flat keys began with (``regenerate_`` for
+            ``regenerate_vllm_dtype``); none for most.
+
+    Returns:
+        Each old key, mapped to the full key it became (``vllm_dtype`` -> ``extract.vllm.dtype``).
+    """
+    return {flat_prefix + old: f"{engine_key}.{new}" for old, new in _FLAT_ENGINE_KEYS}
+
+
 def width_needs_vllm(values: dict[str, Any], section: str, engine_key: str, backend_key: str) -> list[str]:
     """A tensor-parallel width above 1 (``<section>.<engine_key>.tensor_parallel_size``) without the vllm back
     end, the only one that spreads the verifier over GPUs; the hf back end loads it on one device.
@@ -110,13 +133,16 @@ def width_needs_vllm(values: dict[str, Any], section: str, engine_key: str, back
 
 
 HiddenStateStore = Annotated[
-    Literal["files", "online"],
+    Literal["files", "online", "stream"],
     Field(
         description=(
             "'files': the hidden states of every row in data/hidden_states, in shards of extract.rows_per_shard "
             "rows (DVC-tracked, reused by every training run); 'online': nothing stored, the train stage computes "
             "each batch's hidden states from the verifier (hf back end, on train.device) and extract writes only "
-            "data/hidden_states/manifest.json."
+            "data/hidden_states/manifest.json; 'stream': nothing stored, a pool of engines of extract.backend on "
+            "cluster.executor (local: cluster.workers engine processes beside the trainer; ray: actors) computes "
+            "the next batches while the trainer trains, handed to it in the plan's order (docs/scale.md: when "
+            "streaming beats storing)."
         )
     ),
 ]
@@ -279,8 +305,8 @@ class ClusterParams(StrictModel):
     executor: Literal["local", "ray"] = Field(
         default="local",
         description="'local': one process on this machine runs every task in turn; 'ray': a pool of Ray actors, "
-        "each holding one engine (an hf model or a vLLM engine), runs the tasks (extract: one shard each; "
-        "regeneration: one batch each), and a task of an actor that dies is run again by another.",
+        "each holding one engine (an hf model or a vLLM engine), runs the tasks (extract: about 64 rows of a shard "
+        "each; regeneration: one batch each), and a task of an actor that dies is run again by another.",
     )
     address: str = Field(
         default="local",
@@ -292,7 +318,8 @@ class ClusterParams(StrictModel):
         default="auto",
         description="executor: ray: engines (actors) to start; 'auto' is as many as the cluster's nodes hold: "
         "per node its GPUs // the engine's tensor_parallel_size, or on nodes without GPUs its CPUs // "
-        "cluster.cpus_per_worker.",
+        "cluster.cpus_per_worker. executor: local with extract.store: stream: engine processes beside each "
+        "training process ('auto': 1).",
     )
     cpus_per_worker: int = Field(
         default=1,
@@ -303,17 +330,17 @@ class ClusterParams(StrictModel):
     max_task_retries: int = Field(
         default=3,
         ge=1,
-        description="executor: ray: tries per task (an actor that dies, or an error) before the stage stops, naming "
-        "the task and the error; a problem of the data itself (a checked error) stops it at once. Finished tasks "
-        "are kept, and the next run continues.",
+        description="executor: ray (and a local stream's engine processes): tries per task (an actor that dies, "
+        "or an error) before the stage stops, naming the task and the error; a problem of the data itself (a "
+        "checked error) stops it at once. Finished tasks are kept, and the next run continues.",
     )
     output: Literal["driver", "shared"] = Field(
         default="driver",
-        description="executor: ray, extract: how finished shards reach data/hidden_states. 'driver': returned "
-        "through Ray to this process, which writes them (no shared filesystem needed; the head holds a shard in "
-        "memory while it writes it). 'shared': each worker writes its shards straight into the output's "
-        "unfinished folder, which must be on a filesystem every node mounts at the same path (terabyte jobs, "
-        "where shards are tens of GB).",
+        description="executor: ray, extract: how finished shards reach data/hidden_states. 'driver': each task's "
+        "rows (about 64 of a shard) are returned through Ray to this process, which writes them into their shard "
+        "(no shared filesystem needed; the head holds a task's rows in memory while it writes them). 'shared': "
+        "each worker computes whole shards and writes them straight into the output's unfinished folder, which "
+        "must be on a filesystem every node mounts at the same path (terabyte jobs, where shards are tens of GB).",
     )
 
     torchrun: TorchrunParams = Field(

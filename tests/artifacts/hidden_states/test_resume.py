@@ -51,3 +51,40 @@ def test_a_plan_of_another_dtype_recomputes_every_file(tmp_path: Path):
     write_every_file(PLAN, unfinished_dir(out))
     other = dataclasses.replace(PLAN, dtype="bfloat16")
     assert Extraction(out, other).collect() == other.files
+
+
+def row_values(plan: HiddenStatePlan, row: int) -> dict[str, torch.Tensor]:
+    """Row ``row``'s stored tensors, distinct per row."""
+    values = torch.full((len(plan.input_ids[row]), plan.num_slots, plan.hidden_size), float(row + 1))
+    return encode_hidden_states(values, plan.dtype)
+
+
+def test_a_shard_written_from_its_rows_in_parts_is_the_whole_file(tmp_path: Path):
+    """Rows of a shard arriving in several parts, in any order, make the file one writer of all its rows makes; the
+    file appears under its name only once its last row is in."""
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    spec = PLAN.files[0]
+    layout = PLAN.layout(spec)
+    writer = FileWriter(layout, FileSink(layout, whole / spec.name))
+    for row in spec.rows:
+        writer.write_row(row, row_values(PLAN, row))
+    writer.finish()
+
+    extraction = Extraction(tmp_path / "hidden_states", PLAN)
+    extraction.collect()
+    assert not extraction.accept_rows(spec, [(1, row_values(PLAN, 1))])
+    assert not extraction.path(spec).exists() and spec.name not in extraction.finished
+    assert extraction.accept_rows(spec, [(0, row_values(PLAN, 0))])
+    assert extraction.path(spec).read_bytes() == (whole / spec.name).read_bytes()
+    assert spec.name in extraction.finished and not extraction.writing
+
+
+def test_a_stopped_run_leaves_nothing_of_a_shard_whose_rows_did_not_all_arrive(tmp_path: Path):
+    extraction = Extraction(tmp_path / "hidden_states", PLAN)
+    extraction.collect()
+    extraction.accept_rows(PLAN.files[0], [(0, row_values(PLAN, 0))])
+    assert len([path for path in extraction.dir.iterdir() if path.is_file()]) == 1  # its temporary file
+    extraction.abort_unfinished()
+    assert [path.name for path in extraction.dir.iterdir()] == ["earlier"]
+    assert extraction.collect() == PLAN.files  # computed again

@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from eaglenest.artifacts.hidden_states.extract_params import ExtractParams
 from eaglenest.artifacts.hidden_states.format import hs_path
 from eaglenest.artifacts.vocab import load_vocab
 from eaglenest.commands.cli import main as cli_main
@@ -19,7 +20,6 @@ from eaglenest.core.safetensors_header import tensor_extents
 from eaglenest.stages.convert import convert
 from eaglenest.stages.convert.params import ConvertParams
 from eaglenest.stages.extract import extract_hidden_states
-from eaglenest.stages.extract.params import ExtractParams
 from eaglenest.stages.prepare import prepare_dataset
 from eaglenest.stages.prepare.params import PrepareParams
 from tests.fixtures.pipeline import pipeline_until_prepare, stored_row

@@ -137,10 +137,10 @@ def test_trained_draft_is_lossless_at_temperature_zero(
     verifier: VerifierRunner, tmp_path: Path, tiny_verifier_dir: Path
 ):
     from eaglenest.artifacts.draft import load_draft
+    from eaglenest.artifacts.hidden_states.extract_params import ExtractParams
     from eaglenest.stages.convert import convert
     from eaglenest.stages.convert.params import ConvertParams
     from eaglenest.stages.extract import extract_hidden_states
-    from eaglenest.stages.extract.params import ExtractParams
     from eaglenest.stages.train import TrainPaths, train_draft
     from eaglenest.stages.train.params import TrainParams
     from tests.fixtures.pipeline import pipeline_until_prepare

@@ -27,10 +27,10 @@ import torch
 from safetensors.torch import load_file
 
 from eaglenest.artifacts.draft import draft_tokens, vllm_speculative_config
+from eaglenest.artifacts.hidden_states.extract_params import ExtractParams
 from eaglenest.stages.convert import convert
 from eaglenest.stages.convert.params import ConvertParams
 from eaglenest.stages.extract import extract_hidden_states
-from eaglenest.stages.extract.params import ExtractParams
 from eaglenest.stages.train import TrainPaths, train_draft
 from eaglenest.stages.train.params import TrainParams
 from tests.conftest import requires_vllm

@@ -4,22 +4,28 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import signal
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from eaglenest.artifacts.hidden_states.engines.contract import length_sorted_batches
+from eaglenest.artifacts.hidden_states.extract_params import ExtractParams
 from eaglenest.artifacts.hidden_states.format import check_header, hs_path
+from eaglenest.artifacts.hidden_states.layout import ShardSpec, file_layout
 from eaglenest.artifacts.hidden_states.resume import unfinished_dir
 from eaglenest.artifacts.prepared import load_split
 from eaglenest.commands.params_file import parse_params
 from eaglenest.core.errors import EaglenestError, ParamsError
 from eaglenest.core.lock import lock_file_for
-from eaglenest.stages.extract import extract_hidden_states
-from eaglenest.stages.extract.hf import length_sorted_batches
-from eaglenest.stages.extract.params import ExtractParams
+from eaglenest.stages.extract import extract_hidden_states, job
+from eaglenest.stages.extract.job import row_tasks
 from tests.fixtures.lock import held_by_another_process
 from tests.fixtures.models import build_tiny_tokenizer, build_tiny_verifier
 from tests.fixtures.pipeline import pipeline_until_prepare, stored_row
@@ -245,6 +251,106 @@ def test_batches_are_length_sorted_and_bounded():
     assert sorted(sum(batches, [])) == list(range(6))
     for batch in batches[1:]:
         assert len(batch) * max(lengths[r] for r in batch) <= 100
+
+
+def test_consecutive_whole_batches_are_packed_again_into_the_same_batches():
+    """What cutting a shard into tasks rests on: the rows of any run of a shard's length-sorted batches, batched on
+    their own, fall into the very same batches (so a row's padding and batch shape, hence its bytes, stay)."""
+    rng = random.Random(0)
+    for _ in range(50):
+        lengths = {row: rng.randrange(1, 120) for row in range(rng.randrange(1, 80))}
+        budget = rng.randrange(16, 400)
+        batches = length_sorted_batches(list(lengths), lengths, budget)
+        for first in range(len(batches)):
+            for last in range(first + 1, len(batches) + 1):
+                rows = [row for batch in batches[first:last] for row in batch]
+                rng.shuffle(rows)
+                assert length_sorted_batches(rows, lengths, budget) == batches[first:last]
+
+
+def test_a_shard_is_cut_into_tasks_of_whole_batches(monkeypatch: pytest.MonkeyPatch):
+    rng = random.Random(1)
+    spec = ShardSpec(2, range(60, 90), 30)
+    input_ids = [[5] * rng.randrange(1, 50) for _ in spec.rows]
+    layout = file_layout(spec, input_ids, 4, 8, "bfloat16", {})
+    monkeypatch.setattr(job, "ROWS_PER_TASK", 7)
+    params = ExtractParams(batch_tokens=100)
+    tasks = row_tasks(layout, params)
+    batches = length_sorted_batches(
+        list(spec.rows), {row: len(ids) for row, ids in zip(spec.rows, input_ids, strict=True)}, 100
+    )
+    assert sorted(row for task in tasks for row in task.rows) == list(spec.rows)
+    for task in tasks:
+        assert all(len(ids) == len(input_ids[row - 60]) for row, ids in zip(task.rows, task.input_ids, strict=True))
+        assert [batch for batch in batches if set(batch) & set(task.rows)] == length_sorted_batches(
+            list(task.rows), {row: len(input_ids[row - 60]) for row in task.rows}, 100
+        )  # whole batches of the shard's plan
+    assert all(len(task.rows) >= 7 for task in tasks[:-1]) and len(tasks) > 1
+    assert tasks[1].label == f"shard 2 (rows 60..89), task 2 of {len(tasks)}" and tasks[0].row_shape == (4, 8)
+    vllm = row_tasks(layout, ExtractParams(backend="vllm", batch_tokens=100))  # consecutive rows
+    assert [task.rows for task in vllm] == [tuple(range(start, min(start + 7, 90))) for start in range(60, 90, 7)]
+
+
+def folder_bytes(path: Path) -> dict[str, bytes]:
+    return {file.name: file.read_bytes() for file in sorted(path.iterdir())}
+
+
+def test_a_shard_computed_in_several_tasks_is_its_whole_computation(
+    tmp_path: Path, tiny_verifier_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+):
+    """Bit for bit: shards of 8 rows in several batches, cut into tasks of 2 rows at least, and each in one task."""
+    verifier_dir, prepared = pipeline_until_prepare(tmp_path, tiny_verifier_dir)
+    params = ExtractParams(rows_per_shard=8, batch_tokens=64)
+    monkeypatch.setattr(job, "ROWS_PER_TASK", 10**6)
+    with caplog.at_level("INFO", logger="eaglenest"):
+        extract_hidden_states(params, verifier_dir, prepared, tmp_path / "whole", tmp_path / "whole.json")
+    assert "2 files to compute in 2 tasks (local executor)" in caplog.text
+    monkeypatch.setattr(job, "ROWS_PER_TASK", 2)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="eaglenest"):
+        metrics = extract_hidden_states(params, verifier_dir, prepared, tmp_path / "cut", tmp_path / "cut.json")
+    tasks = int(caplog.text.split("2 files to compute in ")[1].split(" tasks")[0])
+    assert tasks >= 4 and metrics["rows_computed"] == 10
+    assert folder_bytes(tmp_path / "cut") == folder_bytes(tmp_path / "whole")
+
+
+KILLED_MID_SHARD = """
+import os, signal, sys
+from pathlib import Path
+import eaglenest.stages.extract as stage
+from eaglenest.stages.extract import job
+from eaglenest.artifacts.hidden_states.extract_params import ExtractParams
+
+job.ROWS_PER_TASK = 1
+
+def run_then_die(engine, task):
+    if (task.spec.number, task.part) == (1, 1):  # shard 0 is finished, shard 1 has its first task's rows
+        os.kill(os.getpid(), signal.SIGKILL)
+    return job.run_row_task(engine, task)
+
+stage.run_row_task = run_then_die
+root = Path(sys.argv[1])
+params = ExtractParams(rows_per_shard=4, batch_tokens=16)
+stage.extract_hidden_states(params, root / "verifier", root / "prepared", root / "hs", root / "m.json")
+"""
+
+
+def test_a_run_killed_mid_shard_computes_that_shard_again(tmp_path: Path, tiny_verifier_dir: Path):
+    verifier_dir, prepared = pipeline_until_prepare(tmp_path, tiny_verifier_dir)
+    params = ExtractParams(rows_per_shard=4, batch_tokens=16)
+    extract_hidden_states(params, verifier_dir, prepared, tmp_path / "reference", tmp_path / "reference.json")
+    (tmp_path / "verifier").symlink_to(verifier_dir)
+    (tmp_path / "prepared").symlink_to(prepared)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    killed = subprocess.run([sys.executable, "-c", KILLED_MID_SHARD, str(tmp_path)], env=env, capture_output=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-2000:]
+    unfinished = unfinished_dir(tmp_path / "hs")
+    left = sorted(path.name for path in unfinished.iterdir() if path.is_file())
+    # shard 0 finished; shard 1 only as the temporary its first task's rows went into
+    assert left[0].startswith(".shard_1.safetensors.tmp-") and left[1:] == ["shard_0.safetensors"]
+    metrics = extract_hidden_states(params, verifier_dir, prepared, tmp_path / "hs", tmp_path / "m.json")
+    assert metrics["rows_computed"] == 6  # shards 1 and 2: shard 1's rows computed again
+    assert folder_bytes(tmp_path / "hs") == folder_bytes(tmp_path / "reference")
 
 
 def test_bad_flag_combinations_are_refused():

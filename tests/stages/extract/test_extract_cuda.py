@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from eaglenest.artifacts.hidden_states.extract_params import ExtractParams
 from eaglenest.stages.extract import extract_hidden_states
-from eaglenest.stages.extract.params import ExtractParams
 from tests.fixtures.pipeline import pipeline_until_prepare, stored_row
 
 pytestmark = pytest.mark.skipif(

@@ -11,6 +11,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from eaglenest.artifacts.hidden_states.engines.contract import EngineSettings
+from eaglenest.artifacts.hidden_states.engines.vllm import (
+    WAVES_PER_CALL,
+    VllmExtractEngine,
+    build_llm_kwargs,
+    read_staged,
+    staging_dir_for,
+)
+from eaglenest.artifacts.hidden_states.extract_params import ExtractParams
 from eaglenest.artifacts.hidden_states.format import file_metadata, hs_path
 from eaglenest.artifacts.hidden_states.layout import file_layout, shard_plan
 from eaglenest.artifacts.verifier import load_verifier_info
@@ -18,15 +27,7 @@ from eaglenest.core.errors import EaglenestError
 from eaglenest.core.params import VllmEngineParams
 from eaglenest.core.vllm_support import VllmBuild
 from eaglenest.stages.extract import extract_hidden_states
-from eaglenest.stages.extract.job import EngineSettings, ExtractTask, run_extract_task
-from eaglenest.stages.extract.params import ExtractParams
-from eaglenest.stages.extract.vllm import (
-    WAVES_PER_CALL,
-    VllmExtractEngine,
-    build_llm_kwargs,
-    read_staged,
-    staging_dir_for,
-)
+from eaglenest.stages.extract.job import ExtractTask, run_extract_task
 from tests.conftest import requires_vllm
 from tests.fixtures.pipeline import pipeline_until_prepare
 
@@ -114,7 +115,7 @@ def test_llm_arguments(
     }
     assert kwargs["kv_transfer_config"] == {
         "kv_connector": "EaglenestHiddenStatesConnector",
-        "kv_connector_module_path": "eaglenest.stages.extract.vllm_connector",
+        "kv_connector_module_path": "eaglenest.artifacts.hidden_states.engines.vllm_connector",
         "kv_role": "kv_producer",
         "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "stage")},
     }
@@ -198,7 +199,7 @@ def test_vllm_backend_without_vllm_says_how_to_install(
 def test_vllm_is_never_imported_by_the_base_package():
     # A fresh interpreter: other tests of the same pytest run may have imported vllm already.
     code = (
-        "import sys, eaglenest.commands.cli, eaglenest.stages.extract, eaglenest.stages.extract.vllm; "
+        "import sys, eaglenest.commands.cli, eaglenest.stages.extract, eaglenest.artifacts.hidden_states.engines.vllm; "
         "print('vllm' in sys.modules)"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -211,9 +212,9 @@ def test_connector_writes_a_cpu_buffer_in_block_order(tmp_path: Path):
     import fcntl
     from concurrent.futures import ThreadPoolExecutor
 
-    from eaglenest.stages.extract import vllm as extract_vllm
-    from eaglenest.stages.extract import vllm_connector
-    from eaglenest.stages.extract.vllm_connector import EaglenestHiddenStatesConnector, PendingSave
+    from eaglenest.artifacts.hidden_states.engines import vllm as extract_vllm
+    from eaglenest.artifacts.hidden_states.engines import vllm_connector
+    from eaglenest.artifacts.hidden_states.engines.vllm_connector import EaglenestHiddenStatesConnector, PendingSave
 
     # extract_vllm names the connector by strings (importing it would import vllm): they must find it
     assert getattr(vllm_connector, extract_vllm.CONNECTOR_NAME) is EaglenestHiddenStatesConnector

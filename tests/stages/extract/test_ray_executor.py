@@ -21,12 +21,12 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
+from eaglenest.artifacts.hidden_states.extract_params import ExtractParams
 from eaglenest.artifacts.hidden_states.format import stored_files
 from eaglenest.artifacts.hidden_states.resume import Extraction, unfinished_dir
 from eaglenest.artifacts.prepared import write_prepared
 from eaglenest.core.params import ClusterParams
-from eaglenest.stages.extract import extract_hidden_states
-from eaglenest.stages.extract.params import ExtractParams
+from eaglenest.stages.extract import extract_hidden_states, job
 from eaglenest.stages.verifier import build_verifier
 from eaglenest.stages.verifier.params import VerifierParams
 from tests.conftest import requires_vllm
@@ -34,7 +34,7 @@ from tests.fixtures.cluster import TokenHead, engine_processes, ray_free_env, wa
 from tests.fixtures.models import build_tiny_verifier
 from tests.fixtures.pipeline import REPO, project_env, stored_row
 
-ROWS, ROWS_PER_SHARD = 48, 2  # 24 shards, one task each
+ROWS, ROWS_PER_SHARD = 48, 2  # 24 shards, one task each (a shard is cut into tasks of ROWS_PER_TASK rows)
 POISON = 299  # a token id whose embedding is NaN in the poisoned verifier
 
 
@@ -73,23 +73,31 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 class Writes:
-    """Counts the finished shards the driver writes, and those a worker wrote that the driver checks, by name (spies
-    on the one place each happens)."""
+    """Counts, by name, the finished shards the driver writes (whole, or from the rows of their tasks, and the tasks
+    whose rows it wrote), and those a worker wrote that the driver checks (spies on the one place each happens)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.names: Counter[str] = Counter()
+        self.tasks: Counter[str] = Counter()
         self.checked: Counter[str] = Counter()
-        accept_bytes, accept_file = Extraction.accept_bytes, Extraction.accept_file
+        accept_bytes, accept_rows, accept_file = Extraction.accept_bytes, Extraction.accept_rows, Extraction.accept_file
 
         def written(extraction: Extraction, spec: Any, data: Any) -> None:
             self.names[spec.name] += 1
             accept_bytes(extraction, spec, data)
+
+        def rows_written(extraction: Extraction, spec: Any, rows: Any) -> bool:
+            self.tasks[spec.name] += 1
+            finished = accept_rows(extraction, spec, rows)
+            self.names[spec.name] += finished
+            return finished
 
         def checked(extraction: Extraction, spec: Any) -> None:
             self.checked[spec.name] += 1
             accept_file(extraction, spec)
 
         monkeypatch.setattr(Extraction, "accept_bytes", written)
+        monkeypatch.setattr(Extraction, "accept_rows", rows_written)
         monkeypatch.setattr(Extraction, "accept_file", checked)
 
 
@@ -205,6 +213,31 @@ def test_workers_write_their_shards_themselves_with_output_shared(
     assert folder(tmp_path / "hs") == folder(data["local"])
     assert not writes.names and sorted(writes.checked) == sorted(folder(data["local"]))
     assert set(writes.checked.values()) == {1} and wait_until_gone(engine_processes()) == []
+
+
+@pytest.mark.slow  # a Ray cluster of 3 nodes (tests/fixtures/cluster.py) and engines that load a model
+def test_shards_cut_into_tasks_on_ray_are_the_bytes_of_whole_shard_tasks(
+    data: dict[str, Path], ray_cluster: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Shards of 16 rows cut into tasks of at least 4 rows (whole batches of 2 or 3 rows), spread over 3 engines: the
+    bytes of the local executor computing each shard in one task; each shard written once, from several tasks."""
+    params = ExtractParams(rows_per_shard=16, batch_tokens=480)
+    monkeypatch.setattr(job, "ROWS_PER_TASK", 10**6)
+    extract_hidden_states(params, data["verifier"], data["prepared"], tmp_path / "local", tmp_path / "local.json")
+    monkeypatch.setattr(job, "ROWS_PER_TASK", 4)
+    writes = Writes(monkeypatch)
+    metrics = extract_hidden_states(
+        params,
+        data["verifier"],
+        data["prepared"],
+        tmp_path / "hs",
+        tmp_path / "m.json",
+        ClusterParams(executor="ray", address=ray_cluster.address),
+    )
+    assert (metrics["engines"], metrics["rows_computed"]) == (3, ROWS)
+    assert folder(tmp_path / "hs") == folder(tmp_path / "local")
+    assert writes.names == dict.fromkeys(folder(tmp_path / "local"), 1) and min(writes.tasks.values()) >= 2
+    assert wait_until_gone(engine_processes()) == []
 
 
 def poison_embedding(model: Path, dest: Path) -> Path:
@@ -372,8 +405,10 @@ def test_a_gpu_engine_wider_than_every_node_is_refused():
 
 def test_rows_of_a_shard_come_back_as_the_file_a_worker_would_write(data: dict[str, Path]):
     """The two sinks of a task (a buffer for the driver, a file for cluster.output: shared) give the same bytes."""
-    from eaglenest.stages.extract import ExtractionPlan, make_engine, plan_extraction
-    from eaglenest.stages.extract.job import EngineSettings, ExtractTask, run_extract_task
+    from eaglenest.artifacts.hidden_states.engines import make_engine
+    from eaglenest.artifacts.hidden_states.engines.contract import EngineSettings
+    from eaglenest.stages.extract import ExtractionPlan, plan_extraction
+    from eaglenest.stages.extract.job import ExtractTask, run_extract_task
 
     plan: ExtractionPlan = plan_extraction(
         ExtractParams(rows_per_shard=ROWS_PER_SHARD), data["verifier"], data["prepared"], data["root"] / "sinks"

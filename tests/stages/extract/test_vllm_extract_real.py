@@ -25,9 +25,9 @@ import pytest
 import torch
 import yaml
 
+from eaglenest.artifacts.hidden_states.engines.vllm import staging_dir_for
 from eaglenest.artifacts.hidden_states.format import HIDDEN_KEY, TOKENS_KEY, shard_number, shard_path, stored_files
 from eaglenest.artifacts.hidden_states.resume import unfinished_dir
-from eaglenest.stages.extract.vllm import staging_dir_for
 from tests.conftest import requires_vllm
 from tests.fixtures.pipeline import VENV_BIN, SharedPipeline, dvc, make_pipeline_repo, project_env, run, stored_row
 
@@ -160,8 +160,8 @@ def vllm_run(repo: Path) -> dict[str, Any]:
 def hf_rows(repo: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The hf reference over the same rows, in float32 (transformers' fp32 on the CPU), by the stage's code in this
     process (no Python to start)."""
+    from eaglenest.artifacts.hidden_states.extract_params import ExtractParams
     from eaglenest.stages.extract import extract_hidden_states
-    from eaglenest.stages.extract.params import ExtractParams
 
     out = tmp_path_factory.mktemp("hf") / "hidden_states"
     params = yaml.safe_load((repo / "params.yaml").read_text())["extract"]

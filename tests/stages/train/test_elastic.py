@@ -19,9 +19,11 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from eaglenest.artifacts.hidden_states.extract_params import ExtractParams
 from eaglenest.commands.cli import main
 from eaglenest.commands.params_file import parse_params
 from eaglenest.core.errors import ParamsError
+from eaglenest.stages.extract import extract_hidden_states
 from eaglenest.stages.train import TrainPaths, train_draft
 from eaglenest.stages.train.checkpoint import CHECKPOINT_ROOT
 from eaglenest.stages.train.params import TrainParams
@@ -93,6 +95,17 @@ def uninterrupted(data: Path) -> Callable[[str], Path]:
         return runs[algorithm]
 
     return run
+
+
+@pytest.fixture(scope="module")
+def streamed(data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same rows, vocabulary and verifier as ``data``, with ``extract.store: stream``'s manifest for hs."""
+    root = tmp_path_factory.mktemp("elastic-stream")
+    for name in ("verifier", "prepared", "vocab"):
+        (root / name).symlink_to(data / name)
+    params = ExtractParams(store="stream", dtype="float32")
+    extract_hidden_states(params, root / "verifier", root / "prepared", root / "hs", root / "extract.json")
+    return root
 
 
 def assert_same_training(
@@ -402,3 +415,20 @@ def test_bad_launcher_settings_are_one_line_each(
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith(f"eaglenest train-launch: error: {message}"), err
     assert not (root / "models" / "draft").exists()
+
+
+@pytest.mark.slow
+def test_a_streamed_run_on_two_processes_restarted_after_a_kill_trains_the_stored_draft(
+    streamed: Path, uninterrupted, tmp_path: Path
+):
+    """extract.store: stream under torchrun's elastic launcher: each process streams its own sequences from its own
+    engine; a worker killed after the step-3 checkpoint (its engine dies with it) is restarted, both resume and
+    stream from step 3, and the draft and curves are the stored run's."""
+    wrapper = tmp_path / "kill_after_checkpoint.py"
+    wrapper.write_text(KILL_AFTER_CHECKPOINT.format(rank=1))
+    result = run_train_stage(tmp_path, streamed, TRAIN, script=wrapper)
+    assert result.returncode == 0, result.stdout + result.stderr
+    details = json.loads((tmp_path / "train_details.json").read_text())
+    assert (details["processes"], details["launcher_restarts"], details["resumed_from_step"]) == (2, 1, 3)
+    assert details["hidden_states"] == "stream" and details["stream"]["engines"] == 1
+    assert_same_training(tmp_path, uninterrupted("eagle3"))

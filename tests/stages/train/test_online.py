@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import eaglenest.stages.train.online as online_module
+from eaglenest.artifacts.hidden_states.extract_params import ExtractParams
 from eaglenest.artifacts.hidden_states.format import shard_path
 from eaglenest.artifacts.hidden_states.online import MANIFEST_FILE
 from eaglenest.artifacts.prepared import write_prepared
@@ -18,10 +19,10 @@ from eaglenest.artifacts.verifier import load_verifier_info
 from eaglenest.commands.inspect import inspect_path
 from eaglenest.commands.params_file import parse_params
 from eaglenest.core.errors import EaglenestError, InputFileError, ParamsError
+from eaglenest.core.params import ClusterParams
 from eaglenest.stages.convert import convert
 from eaglenest.stages.convert.params import ConvertParams
 from eaglenest.stages.extract import extract_hidden_states
-from eaglenest.stages.extract.params import ExtractParams
 from eaglenest.stages.train import TrainPaths, train_draft
 from eaglenest.stages.train.data import load_training_data
 from eaglenest.stages.train.online import OnlineTransfer
@@ -41,24 +42,20 @@ FAST = {
 }
 
 
-def extract_and_convert(root: Path, store: str, dtype: str = "bfloat16") -> dict[str, Path]:
+def extract_and_convert(root: Path, store: str, dtype: str = "bfloat16", **extract: object) -> dict[str, Path]:
     """extract (files or manifest) and convert into ``root/<store>-<dtype>/``, from ``root``'s prepared rows."""
     out = root / f"{store}-{dtype}"
     verifier, prepared = root / "models" / "verifier", root / "data" / "prepared"
-    extract_hidden_states(ExtractParams(store=store, dtype=dtype), verifier, prepared, out / "hs", out / "extract.json")
+    params = ExtractParams(store=store, dtype=dtype, **extract)
+    extract_hidden_states(params, verifier, prepared, out / "hs", out / "extract.json")
     convert(
-        ConvertParams(draft_vocab_size=64),
-        ExtractParams(store=store, dtype=dtype),
-        verifier,
-        prepared,
-        out / "hs",
-        out / "vocab",
-        out / "data.json",
+        ConvertParams(draft_vocab_size=64), params, verifier, prepared, out / "hs", out / "vocab", out / "data.json"
     )
     return {"verifier": verifier, "prepared": prepared, "hs": out / "hs", "vocab": out / "vocab", "out": out}
 
 
-def train_in(paths: dict[str, Path], name: str, **params: object) -> dict:
+def train_in(paths: dict[str, Path], name: str, cluster: ClusterParams | None = None, **params: object) -> dict:
+    """The draft trained on ``paths`` into ``paths["out"]/name`` (a stream's engines on ``cluster``)."""
     out = paths["out"] / name
     inputs = TrainPaths(
         verifier=paths["verifier"],
@@ -71,7 +68,7 @@ def train_in(paths: dict[str, Path], name: str, **params: object) -> dict:
         live_dir=out / "dvclive",
         checkpoints=out / "checkpoints",
     )
-    return train_draft(TrainParams(**{**FAST, **params}), inputs)
+    return train_draft(TrainParams(**{**FAST, **params}), inputs, cluster)
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +154,7 @@ def test_online_manifest_switches_back_and_forth(prepared: Path):
     extract_hidden_states(ExtractParams(store="online"), verifier, prepared_dir, hs, prepared / "e3.json")
     assert (hs / MANIFEST_FILE).read_bytes() == before
     # convert with store: files refuses the manifest; back to files, the manifest goes and the files return.
-    with pytest.raises(InputFileError, match="an online extraction, but extract.store is files"):
+    with pytest.raises(InputFileError, match="an extraction that stored nothing, but extract.store is files"):
         convert(
             ConvertParams(draft_vocab_size=64),
             ExtractParams(dtype="bfloat16"),
@@ -189,7 +186,7 @@ def test_a_manifest_for_other_rows_is_refused(prepared: Path, tmp_path: Path):
         )
     empty = tmp_path / "no-manifest"
     empty.mkdir()
-    with pytest.raises(InputFileError, match="manifest.json: missing, but extract.store is online"):
+    with pytest.raises(InputFileError, match="manifest.json: missing, but extract.store keeps no hidden states"):
         convert(
             ConvertParams(draft_vocab_size=64),
             ExtractParams(store="online"),

@@ -14,13 +14,13 @@ import yaml
 from safetensors.torch import load_file
 
 import eaglenest.stages.train as train_module
+from eaglenest.artifacts.hidden_states.extract_params import ExtractParams
 from eaglenest.commands.params_file import parse_params
 from eaglenest.core.errors import EaglenestError, ParamsError
 from eaglenest.core.lock import LOCK_NAME
 from eaglenest.stages.convert import convert
 from eaglenest.stages.convert.params import ConvertParams
 from eaglenest.stages.extract import extract_hidden_states
-from eaglenest.stages.extract.params import ExtractParams
 from eaglenest.stages.train import TrainPaths, train_draft
 from eaglenest.stages.train.data import pack_batches
 from eaglenest.stages.train.params import TrainParams

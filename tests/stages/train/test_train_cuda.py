@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from eaglenest.artifacts.hidden_states.extract_params import ExtractParams
 from eaglenest.stages.convert import convert
 from eaglenest.stages.convert.params import ConvertParams
 from eaglenest.stages.extract import extract_hidden_states
-from eaglenest.stages.extract.params import ExtractParams
 from eaglenest.stages.train import TrainPaths, finish_training, fit, setup_training, train_draft
 from eaglenest.stages.train.params import TrainParams
 from tests.fixtures.models import build_tiny_verifier

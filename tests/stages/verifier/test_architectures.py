@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from eaglenest.artifacts.hidden_states.extract_params import ExtractParams
 from eaglenest.artifacts.prepared import load_chat_kwargs
 from eaglenest.stages.convert import convert
 from eaglenest.stages.convert.params import ConvertParams
 from eaglenest.stages.extract import extract_hidden_states
-from eaglenest.stages.extract.params import ExtractParams
 from eaglenest.stages.train import TrainPaths, train_draft
 from eaglenest.stages.train.params import TrainParams
 from tests.fixtures.models import NUM_LAYERS, QWEN3_LIKE, build_tiny_tokenizer, build_verifier_folder

@@ -50,8 +50,10 @@ from eaglenest.artifacts.hidden_states.format import (
 from eaglenest.core.atomic import atomic_open
 from eaglenest.core.errors import EaglenestError
 
-# A task of row files (rows_per_shard 1) holds this many consecutive rows, so that rows are still batched.
-ROW_FILES_PER_TASK = 64
+# Rows of one task of the extract stage: small enough that every engine stays busy to the end of a run, large
+# enough that rows are still batched. A task of row files (rows_per_shard 1) holds this many consecutive files; a
+# shard is cut into tasks of about this many rows (eaglenest.stages.extract.job.row_tasks).
+ROWS_PER_TASK = 64
 ITEM_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "I64": 8}
 # Holds the checksum's place in a header written before any row is computed: as long as a sha256 in hex, and
 # never one, so a header that somehow kept it fails its check.
@@ -102,14 +104,15 @@ def shard_plan(num_rows: int, rows_per_shard: int) -> list[ShardSpec]:
 
 
 def task_groups(specs: list[ShardSpec]) -> list[list[ShardSpec]]:
-    """The files to compute, grouped into tasks: a shard each, or ``ROW_FILES_PER_TASK`` consecutive row files.
+    """The files to compute, grouped into tasks that write whole files: a shard each, or ``ROWS_PER_TASK``
+    consecutive row files.
 
-    A group is cut by the plan (row ``r``'s file belongs to group ``r // ROW_FILES_PER_TASK``), not by what is left
+    A group is cut by the plan (row ``r``'s file belongs to group ``r // ROWS_PER_TASK``), not by what is left
     to compute, so both executors cut the same tasks.
     """
     groups: dict[int, list[ShardSpec]] = {}
     for spec in specs:
-        key = spec.number // ROW_FILES_PER_TASK if spec.row_files else spec.number
+        key = spec.number // ROWS_PER_TASK if spec.row_files else spec.number
         groups.setdefault(key, []).append(spec)
     return [groups[key] for key in sorted(groups)]
 

@@ -7,6 +7,11 @@ there complete or not at all, and when every file of the layout is there, they a
 the folder is removed. A run killed at any moment (even between the two) loses no finished file: the next run
 finds them there, checks each one, and computes only the rest.
 
+A shard computed in several tasks is written by the stage's own process as their rows arrive, into a preallocated
+temporary file renamed into place once its last row is in (:meth:`Extraction.accept_rows`): it too appears complete
+or not at all, and a run killed mid-shard leaves only the temporary, which the next run deletes before it computes
+that shard's rows again.
+
 A file counts as finished only if it is exactly the file of the layout: its header, shapes and dtype, its length
 on disk, the extraction's fingerprint (verifier, layers, dtype), every row's token ids and its data against its
 checksum (a file renamed into place just before a power loss can hold zeros under a good header). Files of the same
@@ -117,6 +122,7 @@ class Extraction:
         self.finished: set[str] = set()
         self.sources: dict[int, RowSource] = {}
         self.removed = 0
+        self.writing: dict[str, FileWriter] = {}  # shards whose rows are arriving (accept_rows), by name
 
     def collect(self) -> list[ShardSpec]:
         """Keeps every finished file (from an interrupted run, or an output already there), sets aside the files
@@ -213,6 +219,34 @@ class Extraction:
             raise EaglenestError(f"{spec.label}: finished twice")  # the dispatcher hands out each task once
         atomic_write_bytes(self.path(spec), data)  # fsync'd: see FileSink
         self.finished.add(spec.name)
+
+    def accept_rows(self, spec: ShardSpec, rows: list[tuple[int, dict[str, Any]]]) -> bool:
+        """Rows of ``spec``'s file computed elsewhere (a task of some of its rows), as stored, written at their
+        places in its preallocated temporary file; the file is renamed into place (its checksum from the rows'
+        digests) once its last row is in. Returns whether it is finished. Memory stays at the rows given.
+
+        A run that stops before the last row leaves no file under the name: the next run computes its rows again.
+        """
+        writer = self.writing.get(spec.name)
+        if writer is None:
+            if spec.name in self.finished:
+                raise EaglenestError(f"{spec.label}: finished twice")  # the dispatcher hands out each task once
+            layout = self.plan.layout(spec)
+            writer = self.writing[spec.name] = FileWriter(layout, FileSink(layout, self.path(spec)))
+        for row, stored in rows:
+            writer.write_row(row, stored)
+        if writer.missing:
+            return False
+        del self.writing[spec.name]
+        writer.finish()
+        self.finished.add(spec.name)
+        return True
+
+    def abort_unfinished(self) -> None:
+        """Deletes the temporary files of shards whose rows did not all arrive (the run stops)."""
+        for writer in self.writing.values():
+            writer.abort()
+        self.writing.clear()
 
     def accept_file(self, spec: ShardSpec) -> None:
         """A finished file a worker wrote into this folder itself (``cluster.output: shared``), checked."""

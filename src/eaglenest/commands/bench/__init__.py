@@ -29,6 +29,7 @@ from eaglenest.commands.bench.config import (
 )
 from eaglenest.commands.command import Command
 from eaglenest.core.errors import EaglenestError
+from eaglenest.core.vllm_support import VLLM_DTYPES
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,7 +78,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype",
         default=None,
-        choices=["auto", "float32", "bfloat16", "float16"],
+        choices=VLLM_DTYPES,
         help="with --serve: the servers' compute dtype, as eaglenest serve's (default: auto)",
     )
     parser.add_argument(

@@ -34,7 +34,7 @@ def server_command(serve: ServeSetup, model: str | None, baseline: str | None, c
         A :class:`eaglenest.commands.serve.command.ServeCommand`.
     """
     from eaglenest.commands.serve.access import API_KEY_ENV
-    from eaglenest.commands.serve.command import OWN_FLAGS, build_command
+    from eaglenest.commands.serve.command import OWN_FLAGS, ServeOptions, build_command
 
     for arg in serve.vllm_args:
         flag = arg.split("=", 1)[0]
@@ -55,17 +55,19 @@ def server_command(serve: ServeSetup, model: str | None, baseline: str | None, c
             raise EaglenestError(f"{flag} after --: eaglenest bench --serve sets it; use {instead} (before --)")
     # the record is passed over, not refused, where it is of another draft or K: this bench then measures anew
     command = build_command(
-        serve.verifier,
-        serve.draft,
-        SERVER_HOST,
-        serve.port,
-        serve.dtype,
+        ServeOptions(
+            serve.verifier,
+            serve.draft,
+            SERVER_HOST,
+            serve.port,
+            serve.dtype,
+            num_speculative_tokens=serve.num_speculative_tokens,
+            served_model_name=model,
+            vllm_args=serve.vllm_args,
+            baseline=baseline,
+            schedule_file=None if serve.measure_schedule else serve.schedule,
+        ),
         cpu_build=cpu_build,
-        num_speculative_tokens=serve.num_speculative_tokens,
-        served_model_name=model,
-        vllm_args=list(serve.vllm_args),
-        baseline=baseline,
-        schedule_file=None if serve.measure_schedule else serve.schedule,
     )
     if baseline is None and serve.measure_schedule:
         command = dataclasses.replace(

@@ -44,31 +44,21 @@ from eaglenest.artifacts.ngram_record import NGRAM_RECORD_FILE
 from eaglenest.artifacts.serve_schedule import SCHEDULE_FILE
 from eaglenest.commands.command import Command
 from eaglenest.commands.serve.access import API_KEY_ENV, check_exposure, check_port_free
-from eaglenest.commands.serve.command import build_command
+from eaglenest.commands.serve.command import ServeOptions, build_command
 from eaglenest.commands.supervised import run_in_foreground
+from eaglenest.core.vllm_support import VLLM_DTYPES
 
 
-def serve(
-    verifier_dir: Path,
-    draft_dir: Path,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    dtype: str = "auto",
-    print_only: bool = False,
-    num_speculative_tokens: int | None = None,
-    k_sweep_file: Path | None = K_RECORD_FILE,
-    served_model_name: str | None = None,
-    vllm_args: list[str] | None = None,
-    baseline: str | None = None,
-    ngram_file: Path | None = NGRAM_RECORD_FILE,
-    schedule_file: Path | None = SCHEDULE_FILE,
-    schedule_explicit: bool = False,
-    no_api_key: bool = False,
-) -> int:
+def serve(options: ServeOptions, print_only: bool = False, no_api_key: bool = False) -> int:
     """Checks, then runs (or with ``print_only`` prints) vLLM's OpenAI server for verifier and draft.
 
     A ``host`` other than loopback needs an API key (``VLLM_API_KEY``, or ``--api-key`` in ``vllm_args``) unless
     ``no_api_key``.
+
+    Args:
+        options: What to serve and how.
+        print_only: Print the command instead of running it.
+        no_api_key: Serve beyond loopback without an API key.
 
     Returns:
         0 after printing; else the server's exit status (128 + N when a signal N ended it), once no process of
@@ -77,29 +67,14 @@ def serve(
     from eaglenest.core.vllm_support import require_vllm
 
     if not print_only:
-        check_port_free(host, port)
+        check_port_free(options.host, options.port)
         build = require_vllm("serve")
     else:
         from eaglenest.core.vllm_support import installed_build
 
         build = installed_build()
-    command = build_command(
-        verifier_dir,
-        draft_dir,
-        host,
-        port,
-        dtype,
-        cpu_build=build is not None and build.kind == "cpu",
-        num_speculative_tokens=num_speculative_tokens,
-        k_sweep_file=k_sweep_file,
-        served_model_name=served_model_name,
-        vllm_args=vllm_args,
-        baseline=baseline,
-        ngram_file=ngram_file,
-        schedule_file=schedule_file,
-        schedule_explicit=schedule_explicit,
-    )
-    check_exposure(host, port, command.env, no_api_key)
+    command = build_command(options, cpu_build=build is not None and build.kind == "cpu")
+    check_exposure(options.host, options.port, command.env, no_api_key)
     print(f"eaglenest serve: {command.k_reason}", file=sys.stderr, flush=True)
     if command.schedule_reason:
         print(f"eaglenest serve: {command.schedule_reason}", file=sys.stderr, flush=True)
@@ -125,7 +100,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype",
         default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
+        choices=VLLM_DTYPES,
         help="compute dtype; auto serves an fp32 checkpoint in bfloat16 (default: auto)",
     )
     parser.add_argument(
@@ -182,24 +157,22 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    schedule_file = None if args.no_schedule else Path(args.schedule or SCHEDULE_FILE)
-    return serve(
+    options = ServeOptions(
         Path(args.verifier),
         Path(args.draft),
         args.host,
         args.port,
         args.dtype,
-        args.print_command,
         args.num_speculative_tokens,
         Path(args.k_sweep),
         args.served_model_name,
-        args.passthrough_args,
+        tuple(args.passthrough_args),
         args.baseline,
         Path(args.ngram_sweep),
-        schedule_file,
+        None if args.no_schedule else Path(args.schedule or SCHEDULE_FILE),
         schedule_explicit=args.schedule is not None,
-        no_api_key=args.no_api_key,
     )
+    return serve(options, args.print_command, args.no_api_key)
 
 
 COMMAND = Command(

@@ -109,31 +109,16 @@ def _schedule_for(
     return ScheduleChoice(schedule, choice.why)
 
 
-def build_command(
-    verifier_dir: Path,
-    draft_dir: Path,
-    host: str,
-    port: int,
-    dtype: str = "auto",
-    cpu_build: bool = True,
-    num_speculative_tokens: int | None = None,
-    k_sweep_file: Path | None = K_RECORD_FILE,
-    served_model_name: str | None = None,
-    vllm_args: list[str] | None = None,
-    baseline: str | None = None,
-    ngram_file: Path | None = NGRAM_RECORD_FILE,
-    schedule_file: Path | None = SCHEDULE_FILE,
-    schedule_explicit: bool = False,
-) -> ServeCommand:
-    """The vLLM server command for the verifier stage's folder and the draft (or a baseline without it).
+@dataclass(frozen=True)
+class ServeOptions:
+    """What the server serves and how: ``eaglenest serve``'s flags, which ``eaglenest bench --serve`` sets too.
 
-    Args:
+    Attributes:
         verifier_dir: The verifier stage's output (``models/verifier``, with verifier.json).
         draft_dir: The EAGLE-3 draft (``models/draft``).
         host: Address to listen on.
         port: Port to listen on.
         dtype: ``auto`` (an fp32 checkpoint is served in bfloat16), float32, bfloat16 or float16.
-        cpu_build: vLLM's CPU build: eager mode and a KV cache size, as the vllm back ends use.
         num_speculative_tokens: K, the drafts per verify step; None: the fastest K the k_sweep stage measured
             for this draft (``k_sweep_file``), else the draft's own (``train.ttt_steps``):
             :func:`eaglenest.artifacts.k_record.served_k`.
@@ -150,26 +135,50 @@ def build_command(
         schedule_explicit: The user named ``schedule_file``: refuse it, rather than pass it over, where it is
             missing or was measured on another draft or at another K.
     """
+
+    verifier_dir: Path
+    draft_dir: Path
+    host: str = "127.0.0.1"
+    port: int = 8000
+    dtype: str = "auto"
+    num_speculative_tokens: int | None = None
+    k_sweep_file: Path | None = K_RECORD_FILE
+    served_model_name: str | None = None
+    vllm_args: tuple[str, ...] = ()
+    baseline: str | None = None
+    ngram_file: Path | None = NGRAM_RECORD_FILE
+    schedule_file: Path | None = SCHEDULE_FILE
+    schedule_explicit: bool = False
+
+
+def build_command(options: ServeOptions, cpu_build: bool = True) -> ServeCommand:
+    """The vLLM server command for the verifier stage's folder and the draft (or a baseline without it).
+
+    Args:
+        options: What to serve and how.
+        cpu_build: vLLM's CPU build: eager mode and a KV cache size, as the vllm back ends use.
+    """
     # Here, not at the top: the draft's module imports torch, which building the parser must not.
     from eaglenest.artifacts.draft import vllm_speculative_config
     from eaglenest.artifacts.verifier import load_verifier_info
 
-    for arg in vllm_args or []:
+    baseline = options.baseline
+    for arg in options.vllm_args:
         flag = arg.split("=", 1)[0]
         if flag in OWN_FLAGS:
             raise EaglenestError(
                 f"{flag} after --: eaglenest serve sets it; use eaglenest serve's own {OWN_FLAGS[flag]} (before --)"
             )
 
-    if dtype not in VLLM_DTYPES:
-        raise EaglenestError(f"--dtype {dtype}: expected one of {', '.join(VLLM_DTYPES)}")
-    info, model_dir = load_verifier_info(verifier_dir)
-    choice = served_k(draft_dir, num_speculative_tokens, k_sweep_file)
+    if options.dtype not in VLLM_DTYPES:
+        raise EaglenestError(f"--dtype {options.dtype}: expected one of {', '.join(VLLM_DTYPES)}")
+    info, model_dir = load_verifier_info(options.verifier_dir)
+    choice = served_k(options.draft_dir, options.num_speculative_tokens, options.k_sweep_file)
     k = choice.k
     if baseline not in BASELINES:
         raise EaglenestError(f"--baseline {baseline}: expected one of {', '.join(b for b in BASELINES if b)}")
-    served_name = served_model_name or info.name
-    vllm_args, secret_env = secrets_to_env(vllm_args or [])
+    served_name = options.served_model_name or info.name
+    vllm_args, secret_env = secrets_to_env(list(options.vllm_args))
     argv = [
         sys.executable,
         "-m",
@@ -182,16 +191,16 @@ def build_command(
     ]
     scheduled = ScheduleChoice(None, "")
     if baseline is None:
-        scheduled = _schedule_for(draft_dir, k, schedule_file, schedule_explicit, vllm_args or [])
-        speculative = vllm_speculative_config(draft_dir.resolve(), k)
+        scheduled = _schedule_for(options.draft_dir, k, options.schedule_file, options.schedule_explicit, vllm_args)
+        speculative = vllm_speculative_config(options.draft_dir.resolve(), k)
         if scheduled.schedule is not None:
             speculative["num_speculative_tokens_per_batch_size"] = [list(entry) for entry in scheduled.schedule]
         argv += ["--speculative-config", json.dumps(speculative)]
     elif baseline == "ngram":
-        ngram = measured_ngram(info.fingerprint, k, ngram_file)
+        ngram = measured_ngram(info.fingerprint, k, options.ngram_file)
         argv += ["--speculative-config", json.dumps(ngram.setting.speculative_config())]
-    computed_in = serving_dtype(model_dir, dtype)
-    argv += ["--host", host, "--port", str(port), "--dtype", computed_in]
+    computed_in = serving_dtype(model_dir, options.dtype)
+    argv += ["--host", options.host, "--port", str(options.port), "--dtype", computed_in]
     if info.trust_remote_code:
         argv.append("--trust-remote-code")
     env: dict[str, str] = {"VLLM_NO_USAGE_STATS": "1", **secret_env}  # nothing leaves the machine
@@ -200,7 +209,7 @@ def build_command(
         # for small verifiers; the CPU KV cache needs a size.
         argv.append("--enforce-eager")
         env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KVCACHE_GIB)
-    argv += vllm_args or []
+    argv += vllm_args
     reason = {
         None: f"the draft, {choice.line()}",
         "none": "baseline: no drafting",

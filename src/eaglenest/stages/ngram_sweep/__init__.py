@@ -217,16 +217,11 @@ def replay_settings(
     return replayed
 
 
-def run(params: NgramSweepStageParams, paths: NgramSweepPaths) -> dict[str, Any]:
-    """The ngram_sweep stage."""
-    return sweep(params, paths)
-
-
 STAGE = Stage(
     "ngram_sweep",
     "vLLM's n-gram drafting at the lookup window and K measured fastest (replayed, then "
     "timed beside plain decoding on turns the headline does not time): the baseline evaluate runs.",
     NgramSweepStageParams,
     NgramSweepPaths,
-    run,
+    sweep,
 )

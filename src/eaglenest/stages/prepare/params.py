@@ -13,6 +13,7 @@ from eaglenest.core.params import (
     StageParams,
     StrictModel,
     VllmEngineParams,
+    engine_keys_moved,
     width_needs_vllm,
 )
 
@@ -43,11 +44,7 @@ class SourceEntry(StrictModel):
 class PrepareParams(StrictModel):
     """``prepare:`` — conversations in, tokenised training rows out."""
 
-    moved_keys: ClassVar[dict[str, str]] = {
-        "regenerate_vllm_dtype": "prepare.regenerate_vllm.dtype",
-        "regenerate_gpu_memory_utilization": "prepare.regenerate_vllm.gpu_memory_utilization",
-        "regenerate_tensor_parallel_size": "prepare.regenerate_vllm.tensor_parallel_size",
-    }
+    moved_keys: ClassVar[dict[str, str]] = engine_keys_moved("prepare.regenerate_vllm", flat_prefix="regenerate_")
 
     source: list[SourceEntry] = Field(
         default_factory=lambda: [

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -34,6 +35,7 @@ from typing import Any
 import torch
 
 from eaglenest.artifacts.draft import save_draft
+from eaglenest.artifacts.hidden_states.stream import StreamMeter
 from eaglenest.artifacts.prepared import load_split, load_table
 from eaglenest.artifacts.verifier import VerifierInfo, load_verifier_info
 from eaglenest.artifacts.vocab import load_vocab
@@ -42,6 +44,7 @@ from eaglenest.core.checkout import checkout_path
 from eaglenest.core.device import pick_device
 from eaglenest.core.errors import EaglenestError
 from eaglenest.core.host import host_record
+from eaglenest.core.params import ClusterParams
 from eaglenest.core.progress import progress
 from eaglenest.core.stage import Stage, VocabInput, path_arg
 from eaglenest.stages.train.checkpoint import (
@@ -60,6 +63,7 @@ from eaglenest.stages.train.distributed import Distributed, init_distributed, lo
 from eaglenest.stages.train.model import Runtime, build_draft, draft_runtime
 from eaglenest.stages.train.optimization import Optimization, backward, build_optimization, optimizer_step
 from eaglenest.stages.train.params import TrainParams, TrainStageParams
+from eaglenest.stages.train.stream import StreamTransfer, planned_batches
 from eaglenest.stages.train.validation import validate_draft
 
 log = logging.getLogger(__name__)
@@ -133,9 +137,12 @@ class FitResult:
     trained_tokens: float
 
 
-def setup_training(params: TrainParams, paths: TrainPaths, held: contextlib.ExitStack) -> TrainSession:
+def setup_training(
+    params: TrainParams, paths: TrainPaths, held: contextlib.ExitStack, cluster: ClusterParams | None = None
+) -> TrainSession:
     """Phase 1: data, draft, optimizer and the resumed state, on every process; the lock of the run's checkpoint
-    folder taken into ``held`` (rank 0's, for as long as the caller keeps it)."""
+    folder taken into ``held`` (rank 0's, for as long as the caller keeps it); with ``extract.store: stream``, the
+    engines started on ``cluster`` (until ``held`` closes)."""
     verifier, model_dir = load_verifier_info(paths.verifier)
     vocab, d2t, t2d = load_vocab(paths.vocab)
     dist, device = init_distributed(pick_device(params.device, "train.device"))
@@ -154,7 +161,10 @@ def setup_training(params: TrainParams, paths: TrainPaths, held: contextlib.Exit
         runtime.hs_dtype,
         model_dir=model_dir,
         device=device,
+        cluster=cluster,
     )
+    if data.online is not None:
+        held.callback(data.online.close)
     model = build_draft(verifier, model_dir, params, vocab["draft_vocab_size"], d2t, t2d, runtime.attention)
     model = model.to(device)
     model.train()
@@ -173,9 +183,19 @@ def setup_training(params: TrainParams, paths: TrainPaths, held: contextlib.Exit
     dist.barrier()
     rows, lengths = data.rows, data.lengths
     val_batches = pack_batches(rows["val"], lengths, params.total_seq_len, params.seed, epoch=0)
-    train_batches = PackedBatches(rows["train"], lengths, params.total_seq_len, params.seed).from_step(
-        start_step * params.nproc
-    )
+    packed = PackedBatches(rows["train"], lengths, params.total_seq_len, params.seed)
+    train_batches = packed.from_step(start_step * params.nproc)
+    if isinstance(data.online, StreamTransfer):  # the engines start on this process's plan
+        data.online.stream.start(
+            planned_batches(
+                packed.from_step(start_step * params.nproc),
+                params.nproc,
+                range(dist.rank, params.nproc, dist.world_size),
+                range(start_step, params.steps),
+                val_batches if dist.is_main else None,
+                functools.partial(validates_after, params),
+            )
+        )
     network = (
         torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
         if dist.world_size > 1
@@ -208,6 +228,11 @@ def _validate(session: TrainSession, step: int) -> dict[str, Any]:
         _log_validation(session.curves, step, result)
     session.dist.barrier()
     return result
+
+
+def validates_after(params: TrainParams, done: int) -> bool:
+    """Whether training validates after step ``done`` (counted from 1): every ``train.eval_every``, and the last."""
+    return done % params.eval_every == 0 or done == params.steps
 
 
 def fit(session: TrainSession) -> FitResult:
@@ -250,9 +275,12 @@ def fit(session: TrainSession) -> FitResult:
             curves.log(done, "train/tokens_per_s", tokens / (time.perf_counter() - step_started))
         meter.update(1)
         meter.set_postfix(
-            loss=f"{result.train_loss:.3f}", tok_s=f"{result.trained_tokens / result.step_seconds:.0f}", refresh=False
+            loss=f"{result.train_loss:.3f}",
+            tok_s=f"{result.trained_tokens / result.step_seconds:.0f}",
+            **stream_postfix(session.data),
+            refresh=False,
         )
-        if done % params.eval_every == 0 or done == params.steps:
+        if validates_after(params, done):
             result.validation = _validate(session, done)
         if done % params.checkpoint_every == 0 and done < params.steps:
             if curves is not None:
@@ -299,7 +327,8 @@ def finish_training(session: TrainSession, result: FitResult) -> dict[str, Any]:
             "loss_tokens": params.loss_tokens,
             "processes": dist.world_size,
             "launcher_restarts": dist.restarts,
-            "hidden_states": "online" if data.online is not None else "files",
+            "hidden_states": hidden_state_source(data),
+            **stream_figures(data),
             "train_rows": len(data.rows["train"]),
             "val_rows": len(data.rows["val"]),
             "split_train_rows": load_split(paths.prepared)["train_rows"],
@@ -313,6 +342,38 @@ def finish_training(session: TrainSession, result: FitResult) -> dict[str, Any]:
     return metrics
 
 
+def hidden_state_source(data: TrainingData) -> str:
+    """Where training's hidden states came from: files, online (the verifier in this process) or stream."""
+    if data.online is None:
+        return "files"
+    return "stream" if isinstance(data.online, StreamTransfer) else "online"
+
+
+def stream_meter(data: TrainingData) -> StreamMeter | None:
+    """The meter of a started stream (``extract.store: stream``), else None."""
+    return data.online.stream.meter if isinstance(data.online, StreamTransfer) else None
+
+
+def stream_figures(data: TrainingData) -> dict[str, Any]:
+    """A stream's figures (``{"stream": {...}}``): engines, rows/s, the trainer's wait; nothing for other stores."""
+    meter = stream_meter(data)
+    return {} if meter is None else {"stream": meter.figures()}
+
+
+def stream_postfix(data: TrainingData) -> dict[str, str]:
+    """The progress line's stream figures: engine rows/s, batches ready ahead of the trainer out of the buffer, and
+    the share of time the trainer waited for them (the figure that says to add engines)."""
+    meter = stream_meter(data)
+    if meter is None:
+        return {}
+    figures = meter.figures()
+    return {
+        "rows_s": f"{figures['engine_rows_per_s']:.1f}",
+        "buffer": f"{meter.ready}/{meter.window}",
+        "waited": f"{figures['wait_share']:.0%}",
+    }
+
+
 # The validation loss is averaged over the tokens train.loss_tokens selects; its name says which.
 VAL_LOSS_NAMES = {"all": "val_loss_all_tokens", "replies": "val_loss_reply_tokens"}
 
@@ -324,10 +385,11 @@ def headline_metrics(details: dict[str, Any]) -> dict[str, Any]:
     return {"tau_sim": details["tau_sim"], VAL_LOSS_NAMES[details["loss_tokens"]]: details["val_loss"]}
 
 
-def train_draft(params: TrainParams, paths: TrainPaths) -> dict[str, Any]:
-    """The train stage's work: set up, fit, finish; returns the metrics it writes (empty on other processes)."""
+def train_draft(params: TrainParams, paths: TrainPaths, cluster: ClusterParams | None = None) -> dict[str, Any]:
+    """The train stage's work: set up, fit, finish; returns the metrics it writes (empty on other processes).
+    ``cluster``: where the engines of ``extract.store: stream`` run (None: engine processes on this machine)."""
     with contextlib.ExitStack() as held:  # the checkpoint folder's lock, until the finished run has removed it
-        session = setup_training(params, paths, held)
+        session = setup_training(params, paths, held, cluster)
         return finish_training(session, fit(session))
 
 
@@ -372,7 +434,7 @@ def run(params: TrainStageParams, paths: TrainPaths) -> dict[str, Any]:
         check_inputs(train, paths)
         run_launcher(local_launch(train.nproc, params.cluster.torchrun), sys.argv[0], sys.argv[1:])
         return {}
-    return train_draft(train, paths)
+    return train_draft(train, paths, params.cluster)
 
 
 STAGE = Stage(

@@ -22,8 +22,9 @@ from eaglenest.artifacts.prepared import load_table
 from eaglenest.artifacts.verifier import VerifierInfo
 from eaglenest.artifacts.vocab import load_rows
 from eaglenest.core.errors import EaglenestError
+from eaglenest.core.params import ClusterParams
 from eaglenest.stages.train.model import ALGORITHMS
-from eaglenest.stages.train.online import OnlineTransfer
+from eaglenest.stages.train.online import ComputedTransfer, OnlineTransfer
 from eaglenest.stages.train.params import TrainParams
 
 
@@ -36,7 +37,8 @@ class TrainingData:
         collate: speculators' CollateFn: a list of rows -> one packed ``[1, total_seq_len]`` batch.
         rows: ``{"train": [...], "val": [...]}`` from the convert stage (bad rows already left out).
         lengths: Tokens of every prepared row.
-        online: The verifier computing hidden states per batch (``extract.store: online``), else None.
+        online: Where each batch's hidden states are computed (``extract.store: online``: the verifier in this
+            process; ``stream``: a pool of engines), else None (stored files).
         loss_on_every_token: ``train.loss_tokens: all``: training batches carry the loss at every position
             (``every_token_mask``).
         ttt_steps: ``train.ttt_steps``: how far speculators shifts targets, so how many positions stay unscored.
@@ -46,13 +48,13 @@ class TrainingData:
     collate: Any
     rows: dict[str, list[int]]
     lengths: list[int]
-    online: OnlineTransfer | None
+    online: ComputedTransfer | None
     loss_on_every_token: bool
     ttt_steps: int
 
     def batch(self, rows: list[int], device: torch.device, *, training: bool = False) -> dict[str, Any]:
         """The packed model inputs of ``rows`` on ``device``; validation batches keep the replies' loss mask."""
-        if self.online is not None:  # one verifier forward for the whole batch, not one per row
+        if self.online is not None:  # the whole batch at once: one forward, or the stream's next batch
             self.online.compute(rows)
         items = [self.dataset[i] for i in rows]
         if training and self.loss_on_every_token:
@@ -83,6 +85,7 @@ def load_training_data(
     hs_dtype: torch.dtype,
     model_dir: Path | None = None,
     device: torch.device | None = None,
+    cluster: ClusterParams | None = None,
 ) -> TrainingData:
     """Opens the data; refuses a prepared row longer than ``train.total_seq_len`` (one line, with the fix).
 
@@ -94,8 +97,10 @@ def load_training_data(
             ``extract.store: online``, whose rows are then computed from the verifier as they are batched.
         vocab: The convert stage's folder (its ``rows.json``).
         hs_dtype: The dtype hidden states are loaded in (bf16 on GPU, fp32 on CPU).
-        model_dir: The verifier's weights (online only).
+        model_dir: The verifier's weights (online and stream only).
         device: Where the verifier runs (online only): the training device.
+        cluster: Where a stream's engines run (stream only; None: engine processes on this machine). The stream
+            starts when the train stage knows its plan (:meth:`StreamTransfer.stream`'s ``start``).
     """
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.data import ArrowDataset, CollateFn
@@ -103,13 +108,20 @@ def load_training_data(
     table = load_table(prepared)
     lengths = table.column("seq_len").to_pylist()
     rows = checked_rows(params, vocab, lengths)
-    online = None
+    online: ComputedTransfer | None = None
     if (hidden_states / MANIFEST_FILE).is_file():
         if model_dir is None or device is None:
             raise EaglenestError(f"{hidden_states} is an online extraction: its hidden states need the verifier")
         input_ids = table.column("input_ids").to_pylist()
         manifest = read_online_manifest(hidden_states, verifier, input_ids)
-        online = OnlineTransfer(model_dir, verifier, input_ids, str(manifest["dtype"]), device, hs_dtype)
+        if manifest["store"] == "stream":
+            from eaglenest.artifacts.hidden_states.stream import HiddenStateStream
+            from eaglenest.stages.train.stream import StreamTransfer
+
+            stream = HiddenStateStream(manifest, verifier, model_dir, input_ids, cluster or ClusterParams())
+            online = StreamTransfer(stream, hs_dtype)
+        else:
+            online = OnlineTransfer(model_dir, verifier, input_ids, str(manifest["dtype"]), device, hs_dtype)
         transfer: Any = online
     else:
         transfer = stored_transfer(hidden_states, len(lengths), hs_dtype)

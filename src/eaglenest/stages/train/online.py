@@ -75,13 +75,44 @@ def check_verifier_fits(model_dir: Path, device: torch.device) -> None:
         )
 
 
-class OnlineTransfer(HiddenStatesTransfer):
-    """speculators' hidden-state transfer, computed by the verifier instead of read from files.
+class ComputedTransfer(HiddenStatesTransfer):
+    """speculators' hidden-state transfer over rows computed ahead (by :meth:`compute`), never read from files.
 
-    :meth:`compute` runs one padded forward over several rows (the train loop calls it with a packed batch's
-    rows before collating them); :meth:`get_cached` hands out one row, computing it alone if it was not
-    computed in advance.
+    The train loop calls :meth:`compute` with a packed batch's rows before collating them; :meth:`get_cached`
+    hands out one of them (computing it alone if it was not computed in advance), dequantized as speculators'
+    ``FP8Transfer`` dequantizes a stored fp8 file.
     """
+
+    def __init__(self, dequantize_dtype: torch.dtype) -> None:
+        self._ready: dict[int, dict[str, torch.Tensor]] = {}
+        self.dequantize_dtype = dequantize_dtype
+
+    def compute(self, rows: list[int]) -> None:
+        """Makes ``rows`` ready, each as the extract stage would store it."""
+        raise NotImplementedError
+
+    def get_cached(self, file_idx: int) -> dict[str, torch.Tensor]:
+        """Row ``file_idx``'s ``{"hidden_states": [seq, slots, hidden], "token_ids": [seq]}``."""
+        if file_idx not in self._ready:
+            self.compute([file_idx])
+        sample = self._ready.pop(file_idx)
+        hidden = sample[HIDDEN_KEY]
+        if SCALES_KEY in sample:  # what speculators' FP8Transfer does with a stored fp8 file
+            hidden = dequantize_fp8_tensor(hidden, sample[SCALES_KEY], dtype=self.dequantize_dtype)
+        return {HIDDEN_KEY: hidden, TOKENS_KEY: sample[TOKENS_KEY]}
+
+    def get_generated(self, hs_transfer_params: dict[str, Any]) -> None:
+        """Part of speculators' transfer interface; never called (every row is "cached")."""
+        return None
+
+    def close(self) -> None:
+        """Drops the rows computed and not used."""
+        self._ready.clear()
+
+
+class OnlineTransfer(ComputedTransfer):
+    """Rows computed by the verifier's decoder in this process, on the training device (``extract.store:
+    online``): one padded forward over each packed batch's rows."""
 
     def __init__(
         self,
@@ -92,6 +123,7 @@ class OnlineTransfer(HiddenStatesTransfer):
         device: torch.device,
         dequantize_dtype: torch.dtype,
     ) -> None:
+        super().__init__(dequantize_dtype)
         check_verifier_fits(model_dir, device)
         try:
             self.model = load_decoder(model_dir, verifier.trust_remote_code, device)
@@ -103,8 +135,6 @@ class OnlineTransfer(HiddenStatesTransfer):
         self.pad_id = getattr(self.model.config, "pad_token_id", None) or 0
         self._hooks = ExitStack()
         self._captured = self._hooks.enter_context(capture_residual_stream(self.model, verifier.layer_ids))
-        self._ready: dict[int, dict[str, torch.Tensor]] = {}
-        self.dequantize_dtype = dequantize_dtype
 
     def compute(self, rows: list[int]) -> None:
         """One decoder forward over ``rows``, each kept as the extract stage would store it."""
@@ -129,20 +159,7 @@ class OnlineTransfer(HiddenStatesTransfer):
             stored = encode_hidden_states(row_hidden, self.dtype)
             self._ready[row] = {**stored, TOKENS_KEY: torch.tensor(self.input_ids[row], dtype=torch.int64)}
 
-    def get_cached(self, file_idx: int) -> dict[str, torch.Tensor]:
-        """Row ``file_idx``'s ``{"hidden_states": [seq, slots, hidden], "token_ids": [seq]}``."""
-        self.compute([file_idx])
-        sample = self._ready.pop(file_idx)
-        hidden = sample[HIDDEN_KEY]
-        if SCALES_KEY in sample:  # what speculators' FP8Transfer does with a stored fp8 file
-            hidden = dequantize_fp8_tensor(hidden, sample[SCALES_KEY], dtype=self.dequantize_dtype)
-        return {HIDDEN_KEY: hidden, TOKENS_KEY: sample[TOKENS_KEY]}
-
-    def get_generated(self, hs_transfer_params: dict[str, Any]) -> None:
-        """Part of speculators' transfer interface; never called (every row is "cached")."""
-        return None
-
     def close(self) -> None:
         """Removes the hooks and drops the verifier."""
         self._hooks.close()
-        self._ready.clear()
+        super().close()

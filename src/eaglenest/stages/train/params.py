@@ -17,6 +17,24 @@ from eaglenest.core.params import (
 )
 
 
+def mask_token_field(positions: str) -> Any:
+    """The ``mask_token_id`` field of an algorithm that drafts positions in parallel (P-EAGLE, DFlash).
+
+    Both fill those positions with one token, resolved the same way where the field is null
+    (:func:`eaglenest.stages.train.model.mask_token_id`), so the field is declared once.
+
+    Args:
+        positions: The description's words for the positions that carry the token, verb included ("the
+            drafted positions of a block carry").
+    """
+    return Field(
+        default=None,
+        ge=0,
+        description=f"The token id {positions}; null: the tokenizer's mask token, else its pad, eos or unk token "
+        "(speculators' resolve_mask_token_id).",
+    )
+
+
 class PEagleParams(StrictModel):
     """``train.peagle:`` — P-EAGLE's knobs (speculators' PEagleDraftModel); only with ``train.algorithm: peagle``."""
 
@@ -35,12 +53,7 @@ class PEagleParams(StrictModel):
         ge=1,
         description="At most this many anchor positions per packed batch; null: every position with loss.",
     )
-    mask_token_id: int | None = Field(
-        default=None,
-        ge=0,
-        description="The token id the parallel positions carry (vLLM's pard_token); null: the tokenizer's mask "
-        "token, else its pad, eos or unk token (speculators' resolve_mask_token_id).",
-    )
+    mask_token_id: int | None = mask_token_field("the parallel positions carry (vLLM's pard_token)")
 
 
 class DFlashParams(StrictModel):
@@ -61,12 +74,7 @@ class DFlashParams(StrictModel):
         description="Loss weight over a block's positions, exp(-(k - 1) / gamma) at position k (speculators' "
         "dflash_decay_gamma).",
     )
-    mask_token_id: int | None = Field(
-        default=None,
-        ge=0,
-        description="The token id the drafted positions of a block carry; null: the tokenizer's mask token, else "
-        "its pad, eos or unk token (speculators' resolve_mask_token_id).",
-    )
+    mask_token_id: int | None = mask_token_field("the drafted positions of a block carry")
 
 
 class MuonParams(StrictModel):

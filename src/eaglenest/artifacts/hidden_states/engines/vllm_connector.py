@@ -10,8 +10,8 @@ CUDA or other accelerator backend").
 the CPU: the rows are gathered with the same slot mapping and cloned (the buffer's blocks are freed and
 reused once the request is reported finished), and the write thread gets an already-completed event. On a
 GPU it defers to the parent unchanged. The extract back end selects it with
-``kv_transfer_config={"kv_connector": "EaglenestHiddenStatesConnector",
-"kv_connector_module_path": "eaglenest.stages.extract.vllm_connector", ...}``; speculators' ``hs_connectors`` package
+``kv_transfer_config={"kv_connector": "EaglenestHiddenStatesConnector", "kv_connector_module_path":
+"eaglenest.artifacts.hidden_states.engines.vllm_connector", ...}``; speculators' ``hs_connectors`` package
 extends the same parent the same way. This module imports vllm, so only vLLM's engine imports it.
 """
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 import fcntl
 import os
 from functools import partial
+from typing import Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
@@ -66,7 +67,7 @@ class EaglenestHiddenStatesConnector(ExampleHiddenStatesConnector):
         if lock_fd is None and self.use_lock:
             lock_fd = os.open(pending.filename + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
-        done = CompletedEvent()
+        done: Any = CompletedEvent()  # stands in for the torch Event the parent waits on
         future = self._executor.submit(self._write_tensors, tensors, done, pending.filename, lock_fd)
         self._req_copy_events[pending.req_id] = done
         self._req_futures[pending.req_id] = future

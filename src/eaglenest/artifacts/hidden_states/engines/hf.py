@@ -2,42 +2,29 @@
 
 Runs only the verifier's decoder over length-sorted batches of a task's rows, with :mod:`eaglenest.core.decoder`'s
 hooks on the aux layers and on the final norm's input (the same code online training runs). Batches are planned
-within a task (a shard), so the local executor and every Ray actor batch a shard's rows the same way.
+within a task, whose rows are whole batches of its shard's plan (:func:`~eaglenest.stages.extract.job.row_tasks`),
+so the local executor and every Ray actor batch a shard's rows the same way, however it is cut into tasks.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Mapping
 
 import torch
 
+from eaglenest.artifacts.hidden_states.engines.contract import EngineSettings, RowWriter, length_sorted_batches
 from eaglenest.core.decoder import capture_residual_stream, hidden_states_of_rows, load_decoder
 from eaglenest.core.device import pick_device
-from eaglenest.stages.extract.job import EngineSettings, RowWriter
 
 log = logging.getLogger(__name__)
 
 
-def length_sorted_batches(
-    rows: list[int], lengths: Mapping[int, int] | list[int], batch_tokens: int
-) -> list[list[int]]:
-    """Rows grouped longest first so that ``len(batch) * longest <= batch_tokens`` (padding stays small).
-
-    A row longer than ``batch_tokens`` gets a batch of its own.
-    """
-    batches: list[list[int]] = []
-    current: list[int] = []
-    for row in sorted(rows, key=lambda r: (-lengths[r], r)):
-        longest = lengths[current[0]] if current else lengths[row]
-        if current and (len(current) + 1) * longest > batch_tokens:
-            batches.append(current)
-            current = []
-        current.append(row)
-    if current:
-        batches.append(current)
-    return batches
+def out_of_memory_fix(batch_tokens: int) -> str:
+    """What to change when a batch does not fit: the batch, or (a row alone) the rows or the device."""
+    if batch_tokens:
+        return f"lower extract.batch_tokens (now {batch_tokens})"
+    return "a row alone does not fit (extract.batch_tokens: 0): lower prepare.max_len, or use a larger device"
 
 
 class HfEngine:
@@ -55,7 +42,8 @@ class HfEngine:
         log.info("hf back end on %s", self.device)
 
     def compute(self, rows: list[int], input_ids: dict[int, list[int]], write: RowWriter) -> None:
-        """Every row of ``rows`` through the decoder, in length-sorted batches of at most ``extract.batch_tokens``."""
+        """Every row of ``rows`` through the decoder: a forward each (``extract.batch_tokens`` 0), or in length-sorted
+        batches of at most ``extract.batch_tokens`` tokens."""
         params = self.settings.params
         lengths = {row: len(ids) for row, ids in input_ids.items()}
         with torch.inference_mode():
@@ -67,7 +55,7 @@ class HfEngine:
                     [input_ids[row] for row in batch],
                     self.pad_id,
                     self.device,
-                    f"lower extract.batch_tokens (now {params.batch_tokens})",
+                    out_of_memory_fix(params.batch_tokens),
                 )
                 for i, row in enumerate(batch):
                     write(row, hidden[i, : lengths[row]])  # [seq, n_aux + 1, hidden]

@@ -4,7 +4,8 @@ vLLM computes hidden states with its ``extract_hidden_states`` speculative metho
 hidden-states connector into a staging folder, one ``{request_id}.safetensors`` per prompt
 (``hidden_states [seq, n_layers, hidden]``, ``token_ids [seq]``), guarded by a ``.lock`` file until the
 asynchronous write ends; the path comes back in ``RequestOutput.kv_transfer_params["hidden_states_path"]``.
-The connector is ours, :class:`eaglenest.stages.extract.vllm_connector.EaglenestHiddenStatesConnector`, loaded through
+The connector is ours,
+:class:`eaglenest.artifacts.hidden_states.engines.vllm_connector.EaglenestHiddenStatesConnector`, loaded through
 ``kv_connector_module_path``: vLLM's own ``ExampleHiddenStatesConnector`` on a GPU, plus a CPU write path.
 Each staged file is checked against the prepared row, and its hidden states go to the row's place in its shard,
 in ``extract.dtype`` (vLLM stages float32 on the CPU whatever it computes in); the staged file is then deleted.
@@ -29,15 +30,16 @@ from typing import Any, Protocol
 
 from safetensors.torch import load_file
 
+from eaglenest.artifacts.hidden_states.engines.contract import EngineSettings, RowWriter
 from eaglenest.artifacts.hidden_states.format import HIDDEN_KEY, TOKENS_KEY
 from eaglenest.core.errors import EaglenestError
 from eaglenest.core.vllm_support import create_llm, engine_kwargs, generate, require_vllm
-from eaglenest.stages.extract.job import EngineSettings, RowWriter
 
-# Where vLLM finds our connector: a class name and the module it lives in (eaglenest.stages.extract.vllm_connector,
-# which imports vllm at module level and so is named here as a string, not imported).
+# Where vLLM finds our connector: a class name and the module it lives in
+# (eaglenest.artifacts.hidden_states.engines.vllm_connector, which imports vllm at module level and so is named here
+# as a string, not imported).
 CONNECTOR_NAME = "EaglenestHiddenStatesConnector"
-CONNECTOR_MODULE = "eaglenest.stages.extract.vllm_connector"
+CONNECTOR_MODULE = "eaglenest.artifacts.hidden_states.engines.vllm_connector"
 
 log = logging.getLogger(__name__)
 
@@ -184,5 +186,5 @@ class VllmExtractEngine:
         log.info("vLLM extracted %d rows, %d tokens in %.1f s", len(rows), tokens, time.perf_counter() - started)
 
     def close(self) -> None:
-        self.engine = None  # vLLM's engine (and its processes) goes with its last reference
+        self.engine = None  # type: ignore[assignment]  # vLLM's engine (and its processes) goes with its last reference
         shutil.rmtree(self.staging, ignore_errors=True)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from eaglenest.artifacts.hidden_states.engines.contract import EngineSettings, RowWriter
 from eaglenest.artifacts.hidden_states.format import HIDDEN_KEY, hs_path, read_hidden_state_file
 from eaglenest.core.errors import EaglenestError
-from eaglenest.stages.extract.job import EngineSettings, RowWriter
 
 
 class ImportEngine:
