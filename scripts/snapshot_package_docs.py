@@ -114,7 +114,7 @@ def package_records(
             described.setdefault(name.lower(), (description, licence))
     from _overlap import StretchIndex  # scripts/, next to this file
 
-    from eaglenest.artifacts.eval_sets import shipped_evaluation_prompts
+    from eaglenest.artifacts.eval_prompts import shipped_evaluation_prompts
 
     evaluation = StretchIndex(shipped_evaluation_prompts())
     chosen: list[dict[str, str]] = []

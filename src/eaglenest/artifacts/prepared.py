@@ -3,7 +3,8 @@
 A ``datasets`` ``save_to_disk`` folder in speculators' ``prepare-data`` schema (``input_ids``, ``loss_mask``
 int64 lists, ``seq_len``), train rows first and validation rows last, so speculators' ``ArrowDataset`` opens it;
 beside it ``split.json`` (row counts and the ``train_ratio`` that reproduces the split in speculators),
-``val_prompts.jsonl`` (each validation conversation up to its first user turn, for evaluation prompts) and, only
+``val_prompts.jsonl`` (each validation conversation up to its first user turn, for evaluation prompts), only with a
+``traffic:<dir>`` source ``traffic_held_out.jsonl`` (its held-out requests, never trained on) and, only
 with ``prepare.reasoning`` set, ``chat_template_kwargs.json`` (how the rows were rendered, so evaluation renders
 its prompts the same way).
 """
@@ -24,6 +25,10 @@ SPLIT_FILE = "split.json"
 VAL_PROMPTS_FILE = "val_prompts.jsonl"
 
 
+# Written only with a traffic:<dir> source: its held-out slice, the evaluate set source: traffic.
+TRAFFIC_HELD_OUT_FILE = "traffic_held_out.jsonl"
+
+
 # Written only with prepare.reasoning set: the chat-template arguments the rows were rendered with, so the
 # evaluate stage renders its prompts the same way.
 CHAT_FILE = "chat_template_kwargs.json"
@@ -37,6 +42,7 @@ def write_prepared(
     val_prompts: list[dict[str, Any]],
     chat_kwargs: dict[str, Any] | None = None,
     in_place: bool = False,
+    traffic_held_out: list[dict[str, Any]] | None = None,
 ) -> None:
     """Writes the prepared dataset (speculators' schema, torch format), split.json and val_prompts.jsonl, and
     the chat-template arguments when there are any.
@@ -50,6 +56,7 @@ def write_prepared(
         chat_kwargs: The chat-template arguments the rows were rendered with (``prepare.reasoning``), if any.
         in_place: Write into ``out_dir`` as it is, a folder the caller fills further and renames itself
             (``eaglenest import`` stores the hidden states beside the rows).
+        traffic_held_out: The traffic source's held-out requests as evaluation records, if it has one.
     """
     from datasets import Dataset, Features, Sequence, Value
 
@@ -76,6 +83,9 @@ def write_prepared(
         atomic_write_bytes(directory / VAL_PROMPTS_FILE, lines.encode())
         if chat_kwargs:
             atomic_write_json(directory / CHAT_FILE, chat_kwargs)
+        if traffic_held_out is not None:
+            held = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in traffic_held_out)
+            atomic_write_bytes(directory / TRAFFIC_HELD_OUT_FILE, held.encode())
 
 
 def load_chat_kwargs(prepared_dir: Path) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from eaglenest.artifacts.eval_sets import shipped_evaluation_prompts
+from eaglenest.artifacts.eval_prompts import shipped_evaluation_prompts
 from tests.fixtures.pipeline import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))

@@ -42,10 +42,12 @@ from pathlib import Path
 from eaglenest.artifacts.k_record import K_RECORD_FILE
 from eaglenest.artifacts.ngram_record import NGRAM_RECORD_FILE
 from eaglenest.artifacts.serve_schedule import SCHEDULE_FILE
+from eaglenest.artifacts.traffic import DEFAULT_MAX_FILE_BYTES
 from eaglenest.commands.command import Command
 from eaglenest.commands.serve.access import API_KEY_ENV, check_exposure, check_port_free
 from eaglenest.commands.serve.command import ServeOptions, build_command
 from eaglenest.commands.supervised import run_in_foreground
+from eaglenest.core.errors import EaglenestError
 from eaglenest.core.vllm_support import VLLM_DTYPES
 
 
@@ -68,6 +70,8 @@ def serve(options: ServeOptions, print_only: bool = False, no_api_key: bool = Fa
 
     if not print_only:
         check_port_free(options.host, options.port)
+        if options.record_dir is not None:
+            check_record_dir(options.record_dir)
         build = require_vllm("serve")
     else:
         from eaglenest.core.vllm_support import installed_build
@@ -78,12 +82,46 @@ def serve(options: ServeOptions, print_only: bool = False, no_api_key: bool = Fa
     print(f"eaglenest serve: {command.k_reason}", file=sys.stderr, flush=True)
     if command.schedule_reason:
         print(f"eaglenest serve: {command.schedule_reason}", file=sys.stderr, flush=True)
+    if options.record_dir is not None:
+        print(
+            f"eaglenest serve: RECORDING: every answered chat and completion request (its messages, the reply and its "
+            f"acceptance) is kept in {options.record_dir}/ (files 0600, this machine only); serve without --record to "
+            "keep nothing",
+            file=sys.stderr,
+            flush=True,
+        )
     if print_only:
         print(command.shell())
         return 0
     print(f"eaglenest serve: {command.shell()}", file=sys.stderr, flush=True)
     # A supervised child, not an exec: vLLM's engine processes end with this one, even when it is killed with SIGKILL.
     return run_in_foreground(command.argv, {**os.environ, **command.env})
+
+
+def check_record_dir(directory: Path) -> None:
+    """Creates the traffic folder (0700), or checks it can be written and makes it 0700 where this user owns it,
+    before a model loads.
+
+    Raises:
+        EaglenestError: the folder cannot be created or written (one line).
+    """
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as err:
+        raise EaglenestError(f"--record {directory}: cannot create the folder ({err.strerror})") from None
+    if not directory.is_dir() or not os.access(directory, os.W_OK | os.X_OK):
+        raise EaglenestError(f"--record {directory}: not a folder this user can write to")
+    mode = directory.stat().st_mode & 0o777
+    if mode & 0o077 and directory.stat().st_uid == os.getuid():
+        directory.chmod(0o700)  # the users' words: nobody else lists, reads or adds to them
+        print(f"eaglenest serve: --record {directory}: mode {mode:04o} -> 0700", file=sys.stderr, flush=True)
+    elif mode & 0o077:
+        print(
+            f"eaglenest serve: WARNING: --record {directory} is another user's folder open to others (mode "
+            f"{mode:04o}); the files are 0600, but their names are visible",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -152,6 +190,22 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: the draft)",
     )
     parser.add_argument(
+        "--record",
+        default=None,
+        metavar="DIR",
+        help="keep every answered chat and completion request (its messages, the reply and its per-request "
+        "acceptance) as JSONL lines in DIR, files 0600 on this machine only; prepare reads DIR as the source "
+        "traffic:DIR (default: record nothing)",
+    )
+    parser.add_argument(
+        "--record-max-mb",
+        type=float,
+        default=DEFAULT_MAX_FILE_BYTES / 2**20,
+        metavar="MB",
+        help=f"with --record: start a new file once the newest would grow past MB MiB "
+        f"(default: {DEFAULT_MAX_FILE_BYTES >> 20})",
+    )
+    parser.add_argument(
         "--print-command", action="store_true", help="print the exact server command instead of running it"
     )
 
@@ -171,6 +225,8 @@ def _run(args: argparse.Namespace) -> int:
         Path(args.ngram_sweep),
         None if args.no_schedule else Path(args.schedule or SCHEDULE_FILE),
         schedule_explicit=args.schedule is not None,
+        record_dir=Path(args.record) if args.record else None,
+        record_max_bytes=int(args.record_max_mb * 2**20),
     )
     return serve(options, args.print_command, args.no_api_key)
 

@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from eaglenest.artifacts.k_record import K_RECORD_FILE, served_k
+from eaglenest.artifacts.k_record import K_RECORD_FILE, draft_fingerprint, served_k
 from eaglenest.artifacts.ngram_record import NGRAM_RECORD_FILE, measured_ngram
 from eaglenest.artifacts.serve_schedule import (
     SCHEDULE_FILE,
@@ -20,7 +20,15 @@ from eaglenest.artifacts.serve_schedule import (
     schedule_text,
     served_schedule,
 )
+from eaglenest.artifacts.traffic import DEFAULT_MAX_FILE_BYTES
 from eaglenest.commands.serve.access import REDACTED, SECRET_ENV, flag_value, secrets_to_env
+from eaglenest.commands.serve.record import (
+    MIDDLEWARE,
+    RECORD_DIR_ENV,
+    RECORD_DRAFT_ENV,
+    RECORD_K_ENV,
+    RECORD_MAX_BYTES_ENV,
+)
 from eaglenest.core.errors import EaglenestError, InputFileError
 from eaglenest.core.vllm_support import DEFAULT_CPU_KVCACHE_GIB, VLLM_DTYPES, serving_dtype
 
@@ -134,6 +142,8 @@ class ServeOptions:
             batch size. Baselines never take one.
         schedule_explicit: The user named ``schedule_file``: refuse it, rather than pass it over, where it is
             missing or was measured on another draft or at another K.
+        record_dir: Record every answered chat and completion request there (:mod:`.record`); None: record nothing.
+        record_max_bytes: With ``record_dir``: start a new traffic file once the newest would grow past this.
     """
 
     verifier_dir: Path
@@ -149,6 +159,27 @@ class ServeOptions:
     ngram_file: Path | None = NGRAM_RECORD_FILE
     schedule_file: Path | None = SCHEDULE_FILE
     schedule_explicit: bool = False
+    record_dir: Path | None = None
+    record_max_bytes: int = DEFAULT_MAX_FILE_BYTES
+
+
+def _recording(options: ServeOptions, argv: list[str], vllm_args: list[str], served_k: int | None) -> dict[str, str]:
+    """Adds the recording middleware to ``argv`` (and, for a drafting server, vLLM's per-request acceptance in each
+    answer, unless the flags after ``--`` choose a level); returns the environment that configures it."""
+    assert options.record_dir is not None
+    if options.record_max_bytes < 1:
+        raise EaglenestError(f"--record-max-mb: expected more than 0 (got {options.record_max_bytes / 2**20:g})")
+    argv += ["--middleware", MIDDLEWARE]
+    drafting = "--speculative-config" in argv
+    chosen = flag_value(vllm_args, "--per-request-spec-decode-metrics", "--per_request_spec_decode_metrics")
+    if drafting and chosen is None:
+        argv += ["--per-request-spec-decode-metrics", "summary"]
+    env = {RECORD_DIR_ENV: str(options.record_dir.resolve()), RECORD_MAX_BYTES_ENV: str(options.record_max_bytes)}
+    if options.baseline is None:  # the draft: its fingerprint says which draft the acceptance is of
+        env[RECORD_DRAFT_ENV] = draft_fingerprint(options.draft_dir)
+    if served_k is not None:
+        env[RECORD_K_ENV] = str(served_k)
+    return env
 
 
 def build_command(options: ServeOptions, cpu_build: bool = True) -> ServeCommand:
@@ -216,6 +247,8 @@ def build_command(options: ServeOptions, cpu_build: bool = True) -> ServeCommand
         "ngram": f"baseline: {ngram.line()}" if baseline == "ngram" else "",
     }[baseline]
     served_k_of = {None: k, "none": None, "ngram": ngram.setting.k if baseline == "ngram" else None}[baseline]
+    if options.record_dir is not None:
+        env.update(_recording(options, argv, vllm_args, served_k_of))
     return ServeCommand(
         argv,
         env,

@@ -23,14 +23,16 @@ from pathlib import Path
 from typing import Any
 
 from eaglenest.artifacts.prepared import write_prepared
+from eaglenest.artifacts.traffic import TRAFFIC_PREFIX
 from eaglenest.artifacts.verifier import load_tokenizer, load_verifier_info
 from eaglenest.core.atomic import atomic_write_json
 from eaglenest.core.chat import chat_template_kwargs, end_of_turn_ids, template_handles_reasoning, without_reasoning
 from eaglenest.core.errors import EaglenestError, InputFileError, ParamsError, TemplateError
 from eaglenest.core.host import host_record
 from eaglenest.core.stage import Stage, VerifierInput, path_arg
-from eaglenest.stages.prepare.params import SELF_INSTRUCT_SOURCE, PrepareParams, PrepareStageParams
+from eaglenest.stages.prepare.params import DEFAULT_HELD_OUT, SELF_INSTRUCT_SOURCE, PrepareParams, PrepareStageParams
 from eaglenest.stages.prepare.sources import LONG_ROW_SOURCES, PROMPT_ONLY_SOURCES, Conversation, read_source
+from eaglenest.stages.prepare.traffic import TrafficSplit, split_traffic, weighted_order
 
 log = logging.getLogger(__name__)
 
@@ -207,6 +209,7 @@ class PickStats:
     no_reply: int = 0
     per_source: dict[str, int] = field(default_factory=dict)
     prompts: Any = None
+    traffic: TrafficSplit | None = None
 
 
 def pick_conversations(
@@ -220,10 +223,21 @@ def pick_conversations(
     """
     quotas = source_quotas(params.source, params.max_conversations)
     picked: list[Conversation] = []
-    stats = PickStats()
+    stats = PickStats(traffic=_split_traffic(params))  # at weight 0 too: its held-out slice is still evaluated
     for name, quota in quotas.items():
         chosen: list[Conversation] = []
-        if name == SELF_INSTRUCT_SOURCE:
+        if name.startswith(TRAFFIC_PREFIX):
+            assert stats.traffic is not None
+            conversations = stats.traffic.train
+            stats.records_read += len(conversations)
+            if stats.traffic.weights is not None:
+                order = weighted_order(stats.traffic.weights, params.seed)
+            else:
+                order = list(range(len(conversations)))
+                random.Random(params.seed).shuffle(order)
+            chosen = [conversations[i] for i in order[:quota]]
+            chosen = [Conversation(c.origin, trim_conversation(c.messages, params.max_assistant_turns)) for c in chosen]
+        elif name == SELF_INSTRUCT_SOURCE:
             if prompt_writer is None:
                 raise ParamsError(f"prepare.source {name} needs the verifier (prepare.regenerate: true)")
             texts, stats.prompts = prompt_writer(quota or 0)
@@ -266,6 +280,21 @@ def pick_conversations(
     if len(quotas) > 1:
         random.Random(params.seed).shuffle(picked)
     return picked, stats
+
+
+def _split_traffic(params: PrepareParams) -> TrafficSplit | None:
+    """The traffic source's split (None without one), against the shipped evaluation sets' prompts."""
+    from eaglenest.artifacts.eval_prompts import shipped_evaluation_prompts
+
+    entry = next((e for e in params.source if e.source.startswith(TRAFFIC_PREFIX)), None)
+    if entry is None:
+        return None
+    return split_traffic(
+        Path(entry.source.removeprefix(TRAFFIC_PREFIX)),
+        DEFAULT_HELD_OUT if entry.held_out is None else entry.held_out,
+        entry.weight_by,
+        [text for _, text in shipped_evaluation_prompts()],
+    )
 
 
 @dataclass
@@ -360,6 +389,7 @@ def write_dataset(
         train_rows,
         prompts,
         chat_template_kwargs(params.reasoning),
+        traffic_held_out=mix.picks.traffic.held_out if mix.picks.traffic else None,
     )
     regeneration, prompt_stats = mix.regeneration, mix.picks.prompts
     metrics = {
@@ -385,6 +415,7 @@ def write_dataset(
         "prompts_unfinished": prompt_stats.unfinished if prompt_stats else 0,
         "prompts_duplicate": prompt_stats.duplicates if prompt_stats else 0,
         "prompt_cache_hits": prompt_stats.cache_hits if prompt_stats else 0,
+        "traffic": mix.picks.traffic.counts if mix.picks.traffic else None,
         "prompt_tokens_per_s": (
             round(prompt_stats.tokens / prompt_stats.seconds, 1)
             if prompt_stats and prompt_stats.tokens and prompt_stats.seconds

@@ -6,6 +6,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
 
+from eaglenest.artifacts.traffic import TRAFFIC_PREFIX
 from eaglenest.core.params import (
     BUILTIN_PREFIX,
     CLUSTER_DESCRIPTION,
@@ -18,6 +19,8 @@ from eaglenest.core.params import (
 )
 
 SELF_INSTRUCT_SOURCE = BUILTIN_PREFIX + "self-instruct"
+# The share of a traffic source held out where its entry names none.
+DEFAULT_HELD_OUT = 0.2
 
 
 class SourceEntry(StrictModel):
@@ -30,14 +33,29 @@ class SourceEntry(StrictModel):
             "writes itself; replies come from regeneration), 'builtin:python-functions' (600 functions of "
             "Python's standard library to complete from their signature and docstring: "
             "data/conversations/python-functions.jsonl), a .json/.jsonl/.parquet file of ShareGPT or "
-            "OpenAI-style records, or 'import:<dir>' (alone)."
+            "OpenAI-style records, 'traffic:<dir>' (the chat requests `eaglenest serve --record <dir>` kept; "
+            "its latest held_out share is held out for the evaluate set source: traffic), or 'import:<dir>' "
+            "(alone)."
         ),
     )
     weight: float = Field(
         default=1.0,
         ge=0.0,
         description="This source's share of prepare.max_conversations, relative to the other entries' weights; "
-        "0 leaves it out.",
+        "0 leaves it out (a traffic source still writes its held-out slice).",
+    )
+    held_out: float | None = Field(
+        default=None,
+        ge=0.0,
+        lt=1.0,
+        description=f"traffic:<dir> only: the latest share of its requests (by time) held out for evaluation, "
+        f"never trained on; null = {DEFAULT_HELD_OUT}.",
+    )
+    weight_by: Literal["acceptance"] | None = Field(
+        default=None,
+        description="traffic:<dir> only: 'acceptance' picks the requests the served draft accepted least "
+        "first (a weighted draw by 1 - draft acceptance rate, where the source's quota is smaller than its "
+        "requests); null picks uniformly.",
     )
 
 
@@ -170,6 +188,7 @@ class PrepareParams(StrictModel):
                     "end: set prepare.max_conversations (it is split across prepare.source by weight)"
                 )
         problems += width_needs_vllm(values, "prepare", "regenerate_vllm", "regenerate_backend")
+        problems += _traffic_problems(entries)
         duplicates = sorted({n for n in names if isinstance(n, str) and names.count(n) > 1})
         if duplicates:
             problems.append(
@@ -181,6 +200,30 @@ class PrepareParams(StrictModel):
     def source_names(self) -> list[str]:
         """The sources of the mix, in order (weights aside)."""
         return [entry.source for entry in self.source]
+
+
+def _traffic_problems(entries: list[Any]) -> list[str]:
+    """held_out and weight_by outside a traffic source, and more than one traffic source."""
+    problems = []
+    traffic = []
+    for entry in entries:
+        entry = entry.model_dump() if isinstance(entry, SourceEntry) else entry
+        if not isinstance(entry, dict) or not isinstance(entry.get("source"), str):
+            continue
+        if entry["source"].startswith(TRAFFIC_PREFIX):
+            traffic.append(entry["source"])
+            continue
+        for key in ("held_out", "weight_by"):
+            if entry.get(key) is not None:
+                problems.append(
+                    f"prepare.source {entry['source']}: {key} applies to a {TRAFFIC_PREFIX}<dir> source only; drop it"
+                )
+    if len(traffic) > 1:
+        problems.append(
+            f"prepare.source lists {len(traffic)} traffic sources ({', '.join(traffic)}): one holds out the "
+            "evaluation slice; record into one folder, or list one"
+        )
+    return problems
 
 
 class PrepareStageParams(StageParams):
