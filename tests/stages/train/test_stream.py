@@ -20,6 +20,7 @@ from eaglenest.artifacts.hidden_states.stream import HiddenStateStream
 from eaglenest.commands.params_file import parse_params
 from eaglenest.core.errors import EaglenestError, ParamsError
 from eaglenest.core.params import ClusterParams
+from tests.conftest import requires_vllm
 from tests.fixtures.cluster import command_line, descendants, engine_processes, wait_until_gone
 from tests.fixtures.pipeline import pipeline_until_prepare
 from tests.stages.train.test_online import FAST, extract_and_convert, train_in
@@ -152,3 +153,50 @@ def test_stream_params_refuse_what_cannot_work():
     assert "extract.backend: import only copies stored files (set extract.backend: hf or vllm" in message
     assert "extract.stream_buffer" in message  # at least one batch ahead
     parse_params({"extract": {"store": "stream", "backend": "vllm"}})  # vLLM engines stream too
+
+
+def _shapes(engine: Any, task: list[int]) -> dict[int, tuple[int, ...]]:
+    """A stream task for the vLLM engine test: its rows' hidden-state shapes (module level: engine processes pickle
+    it)."""
+    rows: dict[int, tuple[int, ...]] = {}
+    input_ids = {row: list(range(100 + row, 140 + 7 * row)) for row in task}
+    engine.compute(task, input_ids, lambda row, stored: rows.__setitem__(row, tuple(stored.shape)))
+    return rows
+
+
+@pytest.mark.slow
+@requires_vllm
+def test_a_local_stream_of_vllm_engines_ends_with_its_engine_processes(tmp_path: Path):
+    """extract.backend vllm in a local stream's engine process: every task's hidden states come back, and the stream
+    ends (its pool shut down) within a minute, vLLM's engine core with it. A process pool's worker exits without
+    atexit hooks and joins its children, so an engine closed only by dropping its reference kept the pool's shutdown
+    waiting for ever."""
+    import functools
+    import threading
+
+    from eaglenest.artifacts.hidden_states.engines import make_engine
+    from eaglenest.artifacts.hidden_states.engines.contract import EngineSettings
+    from eaglenest.artifacts.hidden_states.extract_params import ExtractParams
+    from eaglenest.artifacts.verifier import load_verifier_info
+    from eaglenest.core.executor import LocalExecutor
+    from eaglenest.stages.verifier import build_verifier
+    from eaglenest.stages.verifier.params import VerifierParams
+    from tests.fixtures.models import build_tiny_verifier
+
+    model = build_tiny_verifier(tmp_path / "model32", hidden_size=128, num_heads=4)  # heads vLLM's CPU build runs
+    build_verifier(VerifierParams(model=str(model), aux_layers=[1, 3, 5]), tmp_path / "verifier")
+    info, model_dir = load_verifier_info(tmp_path / "verifier")
+    settings = EngineSettings(info, model_dir.resolve(), ExtractParams(backend="vllm", dtype="float32"), 96)
+    results: list[dict[int, tuple[int, ...]]] = []
+
+    def consume() -> None:
+        stream = LocalExecutor(1).stream(functools.partial(make_engine, settings), _shapes, [[0, 1], [2, 3]], 2)
+        results.extend(result for _, result in stream)
+
+    consumer = threading.Thread(target=consume, daemon=True)
+    consumer.start()
+    consumer.join(timeout=300)
+    assert not consumer.is_alive(), f"the stream did not end; results so far: {results}"
+    assert results == [{0: (40, 4, 128), 1: (46, 4, 128)}, {2: (52, 4, 128), 3: (58, 4, 128)}]
+    left = [pid for pid in descendants(os.getpid()) if "EngineCore" in command_line(pid)]
+    assert wait_until_gone(left) == []

@@ -33,6 +33,7 @@ from safetensors.torch import load_file
 from eaglenest.artifacts.hidden_states.engines.contract import EngineSettings, RowWriter
 from eaglenest.artifacts.hidden_states.format import HIDDEN_KEY, TOKENS_KEY
 from eaglenest.core.errors import EaglenestError
+from eaglenest.core.executor import close_if_closable
 from eaglenest.core.vllm_support import create_llm, engine_kwargs, generate, require_vllm
 
 # Where vLLM finds our connector: a class name and the module it lives in
@@ -107,6 +108,13 @@ class VllmEngine:
                 )
             files.append(Path(params["hidden_states_path"]))
         return files
+
+    def close(self) -> None:
+        # Explicitly, not when collected: a local stream's engine process exits through multiprocessing, which runs
+        # no atexit hook (vLLM's shutdown is one) and joins the engine core's process, which would wait for ever.
+        client = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if client is not None:
+            client.shutdown()
 
 
 def read_staged(path: Path) -> dict[str, Any]:
@@ -186,5 +194,6 @@ class VllmExtractEngine:
         log.info("vLLM extracted %d rows, %d tokens in %.1f s", len(rows), tokens, time.perf_counter() - started)
 
     def close(self) -> None:
-        self.engine = None  # type: ignore[assignment]  # vLLM's engine (and its processes) goes with its last reference
+        close_if_closable(self.engine)  # vLLM's engine core and its processes stop here, not when collected
+        self.engine = None  # type: ignore[assignment]
         shutil.rmtree(self.staging, ignore_errors=True)
