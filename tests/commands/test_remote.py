@@ -486,6 +486,13 @@ def test_a_second_start_of_one_store_is_refused_while_the_first_runs(tmp_path: P
     assert not weeds_on(directory)
 
 
+def _as_from_a_terminal() -> None:
+    """SIGINT as a shell started from a terminal leaves it (default action, not blocked): a test worker's process may
+    have inherited it blocked or ignored from a library run earlier in it, and a child inherits both."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sent", [signal.SIGKILL, signal.SIGINT])
 def test_a_start_killed_while_weed_starts_leaves_nothing_running(tmp_path: Path, sent: signal.Signals) -> None:
     """The signal reaches the start between weed's launch and its first answer; where the start wins that race on a
@@ -500,6 +507,7 @@ def test_a_start_killed_while_weed_starts_leaves_nothing_running(tmp_path: Path,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
                 text=True,
+                preexec_fn=_as_from_a_terminal,
             )
             deadline = time.monotonic() + 60
             while not weeds_on(directory) and starting.poll() is None and time.monotonic() < deadline:
