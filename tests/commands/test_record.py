@@ -36,7 +36,7 @@ from eaglenest.commands.serve.record import (
     TrafficRecorder,
     read_answer,
 )
-from tests.commands.test_serve import free_port, no_exec  # noqa: F401 (no_exec: a fixture)
+from tests.commands.test_serve import answers_or_exited, free_port, no_exec  # noqa: F401 (no_exec: a fixture)
 from tests.conftest import requires_vllm
 from tests.fixtures.pipeline import project_env
 
@@ -377,7 +377,6 @@ def test_the_real_server_records_every_replayed_request_across_a_restart(tmp_pat
     (K = 2), records each of 48 requests ``eaglenest replay`` sends 16 at a time exactly once, with the draft's
     acceptance; stopped (SIGTERM) and started again on the same folder, it adds 16 more lines and leaves the first
     48 as they were."""
-    import urllib.request
 
     from tests.commands.test_supervised import descendants, wait_for
     from tests.core.test_measure_agreement import tiny_verifier_and_draft
@@ -403,15 +402,8 @@ def test_the_real_server_records_every_replayed_request_across_a_restart(tmp_pat
         )
         servers.append(server)
 
-        def answers() -> bool:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as response:
-                    return response.status == 200
-            except OSError:
-                return server.poll() is not None  # stop waiting on a server that exited
-
         begun = time.monotonic()
-        assert wait_for(answers, timeout_s=300) and server.poll() is None, (
+        assert wait_for(lambda: answers_or_exited(server, port), timeout_s=300) and server.poll() is None, (
             tmp_path / f"serve-{label}.log"
         ).read_text()[-3000:]
         timings[f"start {label}"] = time.monotonic() - begun

@@ -27,6 +27,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def answers_or_exited(server: subprocess.Popen, port: int) -> bool:
+    """Whether the server on ``port`` answers ``/v1/models``, or has exited (a waiter then stops waiting)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as response:
+            return response.status == 200
+    except OSError:
+        return server.poll() is not None
+
+
 @pytest.fixture
 def no_exec(monkeypatch: pytest.MonkeyPatch) -> list:
     """Records what would have been run instead of starting a server."""
@@ -303,7 +314,6 @@ def test_a_killed_serve_leaves_no_vllm_process(pipeline_folders, tmp_path: Path)
     """`kill -9` of `eaglenest serve` takes vLLM's API server and its engine processes with it. The tiny verifier
     with heads of 32 (a size vLLM's CPU build has kernels for), served alone (--baseline none: no draft to load)."""
     import time
-    import urllib.request
 
     from tests.commands.test_supervised import alive, descendants, wait_for
     from tests.fixtures.models import build_tiny_verifier
@@ -341,15 +351,10 @@ def test_a_killed_serve_leaves_no_vllm_process(pipeline_folders, tmp_path: Path)
         stderr=(tmp_path / "serve.log").open("wb"),
     )
 
-    def answers() -> bool:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as response:
-                return response.status == 200
-        except OSError:
-            return server.poll() is not None  # stop waiting on a server that exited
-
     try:
-        assert wait_for(answers, timeout_s=600) and server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+        assert wait_for(lambda: answers_or_exited(server, port), timeout_s=600) and server.poll() is None, (
+            tmp_path / "serve.log"
+        ).read_text()[-3000:]
         tree = descendants(server.pid)
         engines = [
             pid
