@@ -22,7 +22,7 @@ from eaglenest.core.errors import EaglenestError, ParamsError
 from eaglenest.core.params import ClusterParams
 from tests.conftest import requires_vllm
 from tests.fixtures.cluster import command_line, descendants, engine_processes, wait_until_gone
-from tests.fixtures.pipeline import pipeline_until_prepare
+from tests.fixtures.pipeline import pipeline_until_prepare, run_train_stage
 from tests.stages.train.test_online import FAST, extract_and_convert, train_in
 
 ROWS = 24
@@ -121,6 +121,59 @@ def test_a_stream_refuses_a_batch_its_plan_does_not_hold(pipeline: dict):
             stream.next_batch([3])
     finally:
         stream.close()
+
+
+# The train stage, killed with SIGKILL as soon as it has written its first checkpoint (step 4 of FAST's 8).
+SIGKILL_AFTER_CHECKPOINT = """\
+import os
+import runpy
+import signal
+import sys
+
+import eaglenest.stages.train as train
+
+save = train.save_checkpoint
+
+
+def save_then_die(*args):
+    save(*args)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+train.save_checkpoint = save_then_die
+stage = sys.argv.pop(1)
+sys.path.insert(0, os.path.dirname(stage))  # the stage imports _guard from its own folder
+runpy.run_path(stage, run_name="__main__")
+"""
+
+
+@pytest.mark.slow  # a Ray cluster of 3 nodes (tests/fixtures/cluster.py), and the stage run twice in a process
+def test_a_trainer_killed_while_ray_engines_stream_takes_them_with_it_and_resumes_to_the_stored_draft(
+    pipeline: dict, ray_cluster: Any, tmp_path: Path
+):
+    """The train stage streaming from the cluster's actors is SIGKILLed after its step-4 checkpoint: its actors
+    die with it (Ray's owner fate-sharing), and the stage run again resumes at step 4, streams from there and
+    ends with the stored draft bit for bit."""
+    streamed, data = pipeline["streamed"], tmp_path / "data"
+    data.mkdir()
+    for name in ("verifier", "prepared", "hs", "vocab"):
+        (data / name).symlink_to(streamed[name])
+    wrapper = tmp_path / "die_after_checkpoint.py"
+    wrapper.write_text(SIGKILL_AFTER_CHECKPOINT)
+    sections = {
+        "cluster": {"executor": "ray", "address": ray_cluster.address},
+        "extract": {"store": "stream", "dtype": "bfloat16", **ROW_BY_ROW},
+    }
+    run = tmp_path / "run"
+
+    killed = run_train_stage(run, data, FAST, script=wrapper, **sections)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert wait_until_gone(engine_processes()) == [], "the killed trainer's actors outlived it"
+    resumed = run_train_stage(run, data, FAST, **sections)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    details = json.loads((run / "train_details.json").read_text())
+    assert (details["resumed_from_step"], details["stream"]["executor"]) == (4, "ray")
+    assert_same_draft(weights(pipeline["stored"], "reference"), load_file(run / "draft" / "model.safetensors"))
 
 
 @pytest.mark.slow  # a Ray cluster of 3 nodes (tests/fixtures/cluster.py) and engines that load a model

@@ -252,7 +252,8 @@ def headline_clause(record: ServeRecord | None) -> str:
     ]
     served = f" with its K per batch size ({record.schedule})" if record.schedule else ""
     return (
-        f"Served by `eaglenest serve`{served} and measured by `eaglenest bench` against {record.baseline}: "
+        f"Served by `eaglenest serve`{served} and measured by `eaglenest bench` against {record.baseline}, "
+        f"with the draft of {record.commit.split()[0]}: "
         f"{', '.join(parts)} ({record.requests} requests per concurrency, "
         f"{'one run' if record.rounds == 1 else f'{record.rounds} rounds'}, on {record.host}; "
         f"{SERVE_RECORD})."
