@@ -124,6 +124,7 @@ def test_engine_widths_follow_the_gpus():
     # Three interleaved engines of 640 GiB do not fit on 8 x 141 GiB: evaluate times them one after another.
     assert values["evaluate.timing"] == "sequential"
     assert values["convert.draft_vocab_size"] == 32_000
+    assert values["extract.batch_tokens"] == 8192  # a CPU keeps the default, a forward per row
     values, why = choose(big, Gpus(8, 80))
     assert "does not fit" in why["extract.vllm.tensor_parallel_size"]
     assert init_aux_layers(61) == [2, 30, 58] and init_aux_layers(2) == [1]

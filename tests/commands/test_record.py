@@ -377,7 +377,6 @@ def test_the_real_server_records_every_replayed_request_across_a_restart(tmp_pat
     (K = 2), records each of 48 requests ``eaglenest replay`` sends 16 at a time exactly once, with the draft's
     acceptance; stopped (SIGTERM) and started again on the same folder, it adds 16 more lines and leaves the first
     48 as they were."""
-
     from tests.commands.test_supervised import descendants, wait_for
     from tests.core.test_measure_agreement import tiny_verifier_and_draft
 

@@ -192,7 +192,9 @@ def test_out_of_memory_says_which_param_to_lower(
 
     monkeypatch.setattr(decoder, "forward_hidden_states", out_of_memory)
     with pytest.raises(EaglenestError, match=r"out of memory on cpu .* lower extract.batch_tokens \(now 8192\)"):
-        extract_hidden_states(ExtractParams(), verifier_dir, prepared, tmp_path / "hs", tmp_path / "m.json")
+        extract_hidden_states(
+            ExtractParams(batch_tokens=8192), verifier_dir, prepared, tmp_path / "hs", tmp_path / "m.json"
+        )
     with pytest.raises(
         EaglenestError, match=r"out of memory on cpu .*; a row alone does not fit \(extract.batch_tokens: 0\)"
     ):

@@ -28,6 +28,9 @@ from eaglenest.core.params import BUILTIN_PREFIX
 # faster on a CPU, where the draft's LM head is most of a step (docs/defaults.md).
 GPU_DRAFT_VOCAB = 32_000
 CPU_DRAFT_VOCAB = 4_096
+# The hf extraction back end on a GPU: rows length-sorted into batches of this many tokens keep it busy; on a CPU a
+# forward per row (extract.batch_tokens' default, 0) is as fast and needs less memory (docs/defaults.md).
+GPU_BATCH_TOKENS = 8192
 # The weights may take this share of the GPU memory an engine is given: the rest is KV cache and activations.
 WEIGHTS_SHARE = 0.75
 # vLLM's engines in evaluate: three at once when timing is interleaved (a third of the memory each), else two.
@@ -246,6 +249,11 @@ def choose(facts: VerifierFacts, gpus: Gpus) -> tuple[dict[str, Any], dict[str, 
     if not gpus.count:
         return values, why
     seen = f"{gpus.count} GPU(s) of {gpus.memory_gib:.0f} GiB"
+    pick(
+        "extract.batch_tokens",
+        GPU_BATCH_TOKENS,
+        "hf back end: length-sorted batches keep a GPU busy (0, a forward per row, is the CPU's choice)",
+    )
     for section in ("prepare.regenerate_vllm", "extract.vllm"):
         width = tensor_parallel(facts, gpus, 1, 0.85)
         pick(

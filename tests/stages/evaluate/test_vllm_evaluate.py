@@ -23,7 +23,7 @@ from eaglenest.core.vllm_support import VllmBuild
 from eaglenest.stages.evaluate.lossless import TIE_CANDIDATES, first_divergence, lossless_counts
 from eaglenest.stages.evaluate.vllm import as_acceptance, check_counters, engine_kwargs, top_candidates
 from tests.conftest import requires_vllm
-from tests.fixtures.pipeline import REPO, SharedPipeline, run_evaluate, run_train
+from tests.fixtures.pipeline import REPO, SharedPipeline, run_evaluate, run_train, stage_wrapper
 
 
 class Counter:
@@ -305,12 +305,9 @@ def test_vllm_bf16_passes_on_near_ties(bf16_runs):
         pytest.skip("no near-tie flipped on this draft and CPU: bf16 was lossless, but the rule did no work")
 
 
-ACCEPT_ALL = '''\
+ACCEPT_ALL = stage_wrapper(
+    '''\
 """evaluate with vLLM's acceptance rule broken: every draft token is accepted."""
-import os
-import runpy
-import sys
-
 import torch
 import vllm.v1.sample.rejection_sampler as rs
 
@@ -329,10 +326,8 @@ def accept_everything(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_dr
 
 # RejectionSampler.forward looks rejection_sample up in its module at call time.
 rs.rejection_sample = accept_everything
-stage = sys.argv.pop(1)
-sys.path.insert(0, os.path.dirname(stage))  # the stage imports _guard from its own folder
-runpy.run_path(stage, run_name="__main__")
 '''
+)
 
 
 @pytest.fixture(scope="module")

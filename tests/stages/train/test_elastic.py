@@ -27,7 +27,14 @@ from eaglenest.stages.extract import extract_hidden_states
 from eaglenest.stages.train import TrainPaths, train_draft
 from eaglenest.stages.train.checkpoint import CHECKPOINT_ROOT
 from eaglenest.stages.train.params import TrainParams
-from tests.fixtures.pipeline import REPO, equal_length_training_data, project_env, read_curves, run_train_stage
+from tests.fixtures.pipeline import (
+    REPO,
+    equal_length_training_data,
+    project_env,
+    read_curves,
+    run_train_stage,
+    stage_wrapper,
+)
 
 # The tiny data's 8 training rows of 24 tokens make 2 sequences of 96 per epoch: the global batch of 2 is every
 # row, as one sequence of 192 is. float32: bf16 rounds differently for different batch shapes, and these tests
@@ -46,11 +53,9 @@ ALGORITHMS = {"eagle3": {}, "peagle": {"algorithm": "peagle"}, "dflash": {"algor
 
 # The stage, of which the process of rank {rank} is killed with SIGKILL as it starts the first step after the
 # step-3 checkpoint, on the launcher's first attempt only: a worker lost mid-run.
-KILL_AFTER_CHECKPOINT = """\
-import os
-import runpy
+KILL_AFTER_CHECKPOINT = stage_wrapper(
+    """\
 import signal
-import sys
 
 import eaglenest.stages.train as train
 
@@ -68,10 +73,8 @@ train.seed_torch = seed_or_die
 # The stage runs the launcher on itself: every process runs this wrapper around it.
 launch = train.run_launcher
 train.run_launcher = lambda plan, script, argv: launch(plan, __file__, [script, *argv])
-stage = sys.argv.pop(1)
-sys.path.insert(0, os.path.dirname(stage))  # the stage imports _guard from its own folder
-runpy.run_path(stage, run_name="__main__")
 """
+)
 
 
 @pytest.fixture(scope="module")

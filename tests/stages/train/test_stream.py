@@ -22,7 +22,7 @@ from eaglenest.core.errors import EaglenestError, ParamsError
 from eaglenest.core.params import ClusterParams
 from tests.conftest import requires_vllm
 from tests.fixtures.cluster import command_line, descendants, engine_processes, wait_until_gone
-from tests.fixtures.pipeline import pipeline_until_prepare, run_train_stage
+from tests.fixtures.pipeline import pipeline_until_prepare, run_train_stage, stage_wrapper
 from tests.stages.train.test_online import FAST, extract_and_convert, train_in
 
 ROWS = 24
@@ -124,11 +124,9 @@ def test_a_stream_refuses_a_batch_its_plan_does_not_hold(pipeline: dict):
 
 
 # The train stage, killed with SIGKILL as soon as it has written its first checkpoint (step 4 of FAST's 8).
-SIGKILL_AFTER_CHECKPOINT = """\
-import os
-import runpy
+SIGKILL_AFTER_CHECKPOINT = stage_wrapper(
+    """\
 import signal
-import sys
 
 import eaglenest.stages.train as train
 
@@ -141,10 +139,8 @@ def save_then_die(*args):
 
 
 train.save_checkpoint = save_then_die
-stage = sys.argv.pop(1)
-sys.path.insert(0, os.path.dirname(stage))  # the stage imports _guard from its own folder
-runpy.run_path(stage, run_name="__main__")
 """
+)
 
 
 @pytest.mark.slow  # a Ray cluster of 3 nodes (tests/fixtures/cluster.py), and the stage run twice in a process
