@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from eaglenest.artifacts.hidden_states.extract_params import GPU_BATCH_TOKENS
 from eaglenest.commands.params_file import parse_params
 from eaglenest.core.atomic import atomic_write_bytes
 from eaglenest.core.chat import REASONING_MARKERS
@@ -28,9 +29,6 @@ from eaglenest.core.params import BUILTIN_PREFIX
 # faster on a CPU, where the draft's LM head is most of a step (docs/defaults.md).
 GPU_DRAFT_VOCAB = 32_000
 CPU_DRAFT_VOCAB = 4_096
-# The hf extraction back end on a GPU: rows length-sorted into batches of this many tokens keep it busy; on a CPU a
-# forward per row (extract.batch_tokens' default, 0) is as fast and needs less memory (docs/defaults.md).
-GPU_BATCH_TOKENS = 8192
 # The weights may take this share of the GPU memory an engine is given: the rest is KV cache and activations.
 WEIGHTS_SHARE = 0.75
 # vLLM's engines in evaluate: three at once when timing is interleaved (a third of the memory each), else two.

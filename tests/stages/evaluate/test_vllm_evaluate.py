@@ -305,9 +305,9 @@ def test_vllm_bf16_passes_on_near_ties(bf16_runs):
         pytest.skip("no near-tie flipped on this draft and CPU: bf16 was lossless, but the rule did no work")
 
 
+# The evaluate stage with vLLM's acceptance rule broken: every draft token is accepted.
 ACCEPT_ALL = stage_wrapper(
-    '''\
-"""evaluate with vLLM's acceptance rule broken: every draft token is accepted."""
+    """\
 import torch
 import vllm.v1.sample.rejection_sampler as rs
 
@@ -326,7 +326,7 @@ def accept_everything(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_dr
 
 # RejectionSampler.forward looks rejection_sample up in its module at call time.
 rs.rejection_sample = accept_everything
-'''
+"""
 )
 
 

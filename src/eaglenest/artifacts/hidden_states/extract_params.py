@@ -17,6 +17,10 @@ from eaglenest.core.params import (
     width_needs_vllm,
 )
 
+# extract.batch_tokens on a GPU (`eaglenest init` writes it where it sees one): length-sorted batches of this many
+# tokens keep it busy, where a CPU is as fast with a forward per row, the default.
+GPU_BATCH_TOKENS = 8192
+
 
 class ExtractParams(StrictModel):
     """``extract:`` — the verifier's hidden states for every prepared row."""
@@ -45,11 +49,11 @@ class ExtractParams(StrictModel):
     batch_tokens: int = Field(
         default=0,
         ge=0,
-        description="hf back end: 0 (the CPU demo's; `eaglenest init` writes 8192 where it sees GPUs): a forward per "
-        "row, so a row's hidden states never depend on the rows computed beside it (stored and streamed states agree "
-        "bit for bit on the same kind of engine and threads), and a CPU pays no padding (the demo's extraction: "
-        "157.5 s against 157.0 s batched by 8192 tokens, peak memory 1.15 GiB against 1.76 GiB); > 0: rows "
-        "length-sorted and batched so that rows x longest row <= this (a GPU's throughput).",
+        description="hf back end: 0 (the CPU demo's): a forward per row, so a row's hidden states never depend on the "
+        "rows computed beside it (stored and streamed states agree bit for bit on the same kind of engine and "
+        "threads), and a CPU is as fast as batched in less memory (docs/defaults.md); > 0: rows length-sorted and "
+        f"batched so that rows x longest row <= this (a GPU's throughput: `eaglenest init` writes {GPU_BATCH_TOKENS} "
+        "where it sees GPUs).",
     )
     rows_per_shard: int = Field(
         default=256,
