@@ -16,6 +16,7 @@ import pytest
 
 from eaglenest.artifacts.prepared import VAL_PROMPTS_FILE
 from eaglenest.commands import cli
+from eaglenest.core.errors import EaglenestError
 from tests.conftest import requires_vllm
 from tests.fixtures.bench import schedule_record
 from tests.fixtures.pipeline import SharedPipeline, project_env
@@ -115,6 +116,26 @@ def test_flags_after_the_separator_go_to_vllm_and_its_own_flags_are_refused(caps
     with pytest.raises(SystemExit):
         cli.main(["summary", "--", "--x"])
     assert "only `eaglenest serve -- FLAGS`" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("execution", "cpu_build", "eager"),
+    [("auto", True, True), ("compiled", True, False), ("auto", False, False), ("eager", False, True)],
+)
+def test_the_server_runs_eager_or_compiled_as_asked(pipeline_folders, monkeypatch, execution, cpu_build, eager):
+    """``--execution``: auto is eager on vLLM's CPU build (as the pipeline's engines run) and compiled on GPUs;
+    compiled on the CPU build turns vLLM's ahead-of-time compile cache off, which does not load there."""
+    from eaglenest.commands.serve.command import ServeOptions, build_command
+    from eaglenest.core.vllm_support import AOT_COMPILE_ENV
+
+    monkeypatch.setenv(AOT_COMPILE_ENV, "unset")  # recorded, so that what the code under test sets is undone
+    monkeypatch.delenv(AOT_COMPILE_ENV)
+    verifier, draft = pipeline_folders
+    command = build_command(ServeOptions(verifier, draft, execution=execution), cpu_build=cpu_build)
+    assert ("--enforce-eager" in command.argv) is eager
+    assert command.env.get(AOT_COMPILE_ENV) == ("0" if cpu_build and not eager else None)
+    with pytest.raises(EaglenestError, match=r"^--execution lazy: expected one of auto, eager, compiled$"):
+        build_command(ServeOptions(verifier, draft, execution="lazy"), cpu_build=cpu_build)
 
 
 def test_version_names_the_installed_distribution(capsys):

@@ -96,6 +96,38 @@ def test_engine_kwargs_per_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
     assert shared["gpu_memory_utilization"] == pytest.approx(0.25)  # one of two engines sharing the memory
 
 
+@pytest.mark.parametrize(
+    ("build", "execution", "eager"),
+    [
+        ("cpu", "auto", True),
+        ("cpu", "compiled", False),
+        ("cpu", "eager", True),
+        ("gpu", "auto", False),
+        ("gpu", "eager", True),
+        ("gpu", "compiled", False),
+    ],
+)
+def test_engine_kwargs_run_eager_or_compiled(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, native_bf16: None, build: str, execution: str, eager: bool
+):
+    """``execution``: auto is eager on vLLM's CPU build and vLLM's compiled default on GPUs; compiling on the CPU
+    build turns the ahead-of-time compile cache off, unless the user set it."""
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": "float32"}))
+    monkeypatch.setenv(
+        vllm_support.AOT_COMPILE_ENV, "unset"
+    )  # recorded, so that what the code under test sets is undone
+    monkeypatch.delenv(vllm_support.AOT_COMPILE_ENV)
+    monkeypatch.setattr(vllm_support, "installed_build", lambda: VllmBuild(build, "vllm-" + build, "0.32.0"))
+    engine = VllmEngineParams(execution=execution)
+    kwargs = vllm_support.engine_kwargs(tmp_path, _verifier(), engine, context_tokens=100)
+    assert kwargs.get("enforce_eager", False) is eager
+    aot = os.environ.get(vllm_support.AOT_COMPILE_ENV)
+    assert aot == ("0" if build == "cpu" and not eager else None)
+    monkeypatch.setenv(vllm_support.AOT_COMPILE_ENV, "1")  # the user's choice stands
+    vllm_support.engine_kwargs(tmp_path, _verifier(), engine, context_tokens=100)
+    assert os.environ[vllm_support.AOT_COMPILE_ENV] == "1"
+
+
 # SmolLM2-135M's attention: 30 layers, 3 key/value heads of 64 values.
 SMOLLM2_ATTENTION = {
     "dtype": "float32",

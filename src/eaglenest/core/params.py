@@ -56,6 +56,7 @@ class StrictModel(BaseModel):
 
 
 VllmDtype = Literal["auto", "float32", "bfloat16", "float16"]
+VllmExecution = Literal["auto", "eager", "compiled"]
 
 
 class VllmEngineParams(StrictModel):
@@ -78,6 +79,13 @@ class VllmEngineParams(StrictModel):
     )
     tensor_parallel_size: int = Field(
         default=1, ge=1, description="GPUs the engine spreads the verifier over, for a verifier one GPU cannot hold."
+    )
+    execution: VllmExecution = Field(
+        default="auto",
+        description="How the engine runs the models: compiled (vLLM's default: torch.compile, and CUDA graphs on "
+        "GPUs) or eager; 'auto' is compiled on GPUs and eager on vLLM's CPU build, where each engine would pay "
+        "its compilation at start (the CPU demo starts a dozen engines; docs/vllm.md has what compiling costs "
+        "and gains there).",
     )
 
 

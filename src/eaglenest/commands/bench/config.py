@@ -31,6 +31,7 @@ class ServeSetup:
     """How ``--serve`` starts the servers (``eaglenest serve``'s flags, and vLLM's after ``--``).
 
     Attributes:
+        execution: The servers' models compiled or eager (``eaglenest serve --execution``).
         schedule: The K-per-batch-size record: the draft server is served with it where it is of this draft at the
             K served (the figures then check it); else the draft is served at one K at every batch size and the
             schedule read from the figures is written there.
@@ -42,6 +43,7 @@ class ServeSetup:
     verifier: Path = Path("models/verifier")
     draft: Path = Path("models/draft")
     dtype: str = "auto"
+    execution: str = "auto"
     num_speculative_tokens: int | None = None
     timeout_s: float = DEFAULT_SERVER_TIMEOUT_S
     vllm_args: tuple[str, ...] = ()

@@ -62,6 +62,7 @@ def server_command(serve: ServeSetup, model: str | None, baseline: str | None, c
             serve.port,
             serve.dtype,
             num_speculative_tokens=serve.num_speculative_tokens,
+            execution=serve.execution,
             served_model_name=model,
             vllm_args=serve.vllm_args,
             baseline=baseline,

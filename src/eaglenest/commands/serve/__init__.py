@@ -48,7 +48,7 @@ from eaglenest.commands.serve.access import API_KEY_ENV, check_exposure, check_p
 from eaglenest.commands.serve.command import ServeOptions, build_command
 from eaglenest.commands.supervised import run_in_foreground
 from eaglenest.core.errors import EaglenestError
-from eaglenest.core.vllm_support import VLLM_DTYPES
+from eaglenest.core.vllm_support import VLLM_DTYPES, VLLM_EXECUTIONS
 
 
 def serve(options: ServeOptions, print_only: bool = False, no_api_key: bool = False) -> int:
@@ -142,6 +142,13 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         help="compute dtype; auto serves an fp32 checkpoint in bfloat16 (default: auto)",
     )
     parser.add_argument(
+        "--execution",
+        default="auto",
+        choices=VLLM_EXECUTIONS,
+        help="run the models compiled (vLLM's default) or eager; auto is eager on vLLM's CPU build, as the "
+        "pipeline's engines run, and compiled on GPUs (default: auto)",
+    )
+    parser.add_argument(
         "--num-speculative-tokens",
         type=int,
         default=None,
@@ -227,6 +234,7 @@ def _run(args: argparse.Namespace) -> int:
         schedule_explicit=args.schedule is not None,
         record_dir=Path(args.record) if args.record else None,
         record_max_bytes=int(args.record_max_mb * 2**20),
+        execution=args.execution,
     )
     return serve(options, args.print_command, args.no_api_key)
 

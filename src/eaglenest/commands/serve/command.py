@@ -30,7 +30,14 @@ from eaglenest.commands.serve.record import (
     RECORD_MAX_BYTES_ENV,
 )
 from eaglenest.core.errors import EaglenestError, InputFileError
-from eaglenest.core.vllm_support import DEFAULT_CPU_KVCACHE_GIB, VLLM_DTYPES, serving_dtype
+from eaglenest.core.vllm_support import (
+    DEFAULT_CPU_KVCACHE_GIB,
+    VLLM_DTYPES,
+    VLLM_EXECUTIONS,
+    compile_env,
+    runs_eagerly,
+    serving_dtype,
+)
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 # What `--baseline` serves instead of the draft (None: the draft itself).
@@ -144,6 +151,8 @@ class ServeOptions:
             missing or was measured on another draft or at another K.
         record_dir: Record every answered chat and completion request there (:mod:`.record`); None: record nothing.
         record_max_bytes: With ``record_dir``: start a new traffic file once the newest would grow past this.
+        execution: ``auto`` (eager on vLLM's CPU build, compiled on GPUs), eager or compiled
+            (:func:`eaglenest.core.vllm_support.runs_eagerly`).
     """
 
     verifier_dir: Path
@@ -161,6 +170,7 @@ class ServeOptions:
     schedule_explicit: bool = False
     record_dir: Path | None = None
     record_max_bytes: int = DEFAULT_MAX_FILE_BYTES
+    execution: str = "auto"
 
 
 def _recording(options: ServeOptions, argv: list[str], vllm_args: list[str], served_k: int | None) -> dict[str, str]:
@@ -187,7 +197,8 @@ def build_command(options: ServeOptions, cpu_build: bool = True) -> ServeCommand
 
     Args:
         options: What to serve and how.
-        cpu_build: vLLM's CPU build: eager mode and a KV cache size, as the vllm back ends use.
+        cpu_build: vLLM's CPU build: a KV cache size, and eager unless ``options.execution`` is compiled, as the
+            vllm back ends run.
     """
     # Here, not at the top: the draft's module imports torch, which building the parser must not.
     from eaglenest.artifacts.draft import vllm_speculative_config
@@ -203,6 +214,8 @@ def build_command(options: ServeOptions, cpu_build: bool = True) -> ServeCommand
 
     if options.dtype not in VLLM_DTYPES:
         raise EaglenestError(f"--dtype {options.dtype}: expected one of {', '.join(VLLM_DTYPES)}")
+    if options.execution not in VLLM_EXECUTIONS:
+        raise EaglenestError(f"--execution {options.execution}: expected one of {', '.join(VLLM_EXECUTIONS)}")
     info, model_dir = load_verifier_info(options.verifier_dir)
     choice = served_k(options.draft_dir, options.num_speculative_tokens, options.k_sweep_file)
     k = choice.k
@@ -235,11 +248,12 @@ def build_command(options: ServeOptions, cpu_build: bool = True) -> ServeCommand
     if info.trust_remote_code:
         argv.append("--trust-remote-code")
     env: dict[str, str] = {"VLLM_NO_USAGE_STATS": "1", **secret_env}  # nothing leaves the machine
-    if cpu_build:
-        # As in vllm_support.engine_kwargs: graph compilation costs minutes on a few cores and gains little
-        # for small verifiers; the CPU KV cache needs a size.
-        argv.append("--enforce-eager")
+    if cpu_build:  # the CPU KV cache needs a size, as in vllm_support.engine_kwargs
         env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KVCACHE_GIB)
+    if runs_eagerly(options.execution, cpu_build):
+        argv.append("--enforce-eager")
+    else:
+        env.update(compile_env(cpu_build))
     argv += vllm_args
     reason = {
         None: f"the draft, {choice.line()}",
