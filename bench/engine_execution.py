@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -36,9 +37,14 @@ def main() -> None:
     from eaglenest.core.host import host_record, short_commit
     from eaglenest.core.measure.engines import EngineBase, sampling_params, start_engine, stop_engine
     from eaglenest.core.measure.single_stream import decode_alone
+    from eaglenest.core.vllm_support import compile_env, installed_build
     from eaglenest.stages.evaluate.job import EvaluationJob
     from eaglenest.stages.evaluate.vllm import conversation_requests, engine_kwargs
 
+    # vLLM reads its environment once, when the first engine of a process starts: a compiled engine's settings
+    # must be in place before it, even where an eager engine comes first.
+    build = installed_build()
+    os.environ.update(compile_env(build is not None and build.kind == "cpu"))
     params = load_params("params.yaml").evaluate
     verifier, draft = Path("models/verifier"), Path("models/draft")
     tokenizer = load_tokenizer(verifier)

