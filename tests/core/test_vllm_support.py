@@ -73,6 +73,17 @@ def test_serving_dtype(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, native_b
     assert vllm_support.serving_dtype(tmp_path) == "auto"
 
 
+def test_the_choices_the_commands_offer_are_the_params_own():
+    """The command-line parsers take their choices from vllm_support, which imports no third-party package; the
+    params' Literals are the same lists."""
+    from typing import get_args
+
+    from eaglenest.core.params import VllmDtype, VllmExecution
+
+    assert get_args(VllmDtype) == vllm_support.VLLM_DTYPES
+    assert get_args(VllmExecution) == vllm_support.VLLM_EXECUTIONS
+
+
 HALF = VllmEngineParams(gpu_memory_utilization=0.5)
 
 

@@ -27,10 +27,9 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, get_args
+from typing import TYPE_CHECKING, Any, Protocol
 
 from eaglenest.core.errors import EaglenestError
-from eaglenest.core.params import VllmDtype, VllmExecution
 
 if TYPE_CHECKING:
     from eaglenest.core.params import VllmEngineParams
@@ -50,11 +49,12 @@ VLLM_NGRAM_WINDOW = (5, 5)
 SMALL_MACHINE_CORES = 4
 # vLLM's switch between an engine core in its own process (1, the default) and in the caller's (0).
 IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
-# The dtypes the vllm back ends accept (``VllmEngineParams.dtype``); "auto" is :func:`serving_dtype`.
-VLLM_DTYPES: tuple[str, ...] = get_args(VllmDtype)
-# How an engine runs the models (``VllmEngineParams.execution``, ``eaglenest serve --execution``); "auto" is
-# :func:`runs_eagerly`'s choice.
-VLLM_EXECUTIONS: tuple[str, ...] = get_args(VllmExecution)
+# The dtypes the vllm back ends accept (``VllmEngineParams.dtype``, whose Literal a test holds equal to this: the
+# command-line parsers import this module without pydantic); "auto" is :func:`serving_dtype`.
+VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# How an engine runs the models (``VllmEngineParams.execution``, likewise, and ``eaglenest serve --execution``);
+# "auto" is :func:`runs_eagerly`'s choice.
+VLLM_EXECUTIONS = ("auto", "eager", "compiled")
 # vLLM's switch for its ahead-of-time compile cache. On the CPU build 0.32 with torch 2.13 that cache is written
 # but never loads ("'function' object has no attribute 'finalize_loading'"), so every compiled engine compiled anew
 # (about 40 s for SmolLM2-135M on 2 cores); with it off, Inductor's own cache serves the engines after the first
