@@ -14,7 +14,6 @@ speed-up over the plain engine of its own kind, the figure evaluate reports.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -30,6 +29,7 @@ def main() -> None:
     from eaglenest.artifacts.ngram_record import measured_ngram
     from eaglenest.artifacts.verifier import load_tokenizer, load_verifier_info
     from eaglenest.commands.params_file import load_params
+    from eaglenest.core.atomic import atomic_write_json
     from eaglenest.core.host import host_record, short_commit
     from eaglenest.core.measure.beside_plain import pooled_speedup
     from eaglenest.core.measure.engines import (
@@ -118,7 +118,7 @@ def main() -> None:
     print(record["host"]["key"])
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(record, indent=1) + "\n")
+        atomic_write_json(args.out, record)
 
 
 if __name__ == "__main__":

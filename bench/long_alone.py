@@ -17,7 +17,6 @@ Writes one JSON record (the host kind, the options, per prompt and group size th
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -45,6 +44,7 @@ def main() -> None:
     from eaglenest.artifacts.eval_sets import load_eval_sets
     from eaglenest.artifacts.verifier import load_tokenizer, load_verifier_info
     from eaglenest.commands.params_file import load_params
+    from eaglenest.core.atomic import atomic_write_json
     from eaglenest.core.host import host_record
     from eaglenest.core.measure.engines import EngineBase, NgramSetting, sampling_params, start_engine, stop_engine
     from eaglenest.core.measure.spec_counters import request_counts
@@ -118,7 +118,7 @@ def main() -> None:
     print("tau            " + "  ".join(f"{record['tau'][n]:>14.4f}" for n in runs))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(record, indent=1) + "\n")
+        atomic_write_json(args.out, record)
 
 
 if __name__ == "__main__":

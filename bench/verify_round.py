@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import re
 import subprocess
@@ -111,6 +110,7 @@ def main() -> None:
     from eaglenest.artifacts.ngram_record import measured_ngram
     from eaglenest.artifacts.verifier import load_tokenizer, load_verifier_info
     from eaglenest.commands.params_file import load_params
+    from eaglenest.core.atomic import atomic_write_json
     from eaglenest.core.host import host_record, short_commit
     from eaglenest.core.measure.engines import EngineBase, sampling_params, start_engine, stop_engine
     from eaglenest.core.measure.single_stream import decode_alone
@@ -196,7 +196,7 @@ def main() -> None:
     print(record["host"]["key"])
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(record, indent=1) + "\n")
+        atomic_write_json(args.out, record)
 
 
 if __name__ == "__main__":

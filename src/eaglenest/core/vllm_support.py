@@ -290,7 +290,8 @@ def engine_kwargs(
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("DO_NOT_TRACK", "1")
     build = installed_build()
-    if build is not None and build.kind == "cpu":
+    cpu_build = build is not None and build.kind == "cpu"
+    if cpu_build:
         sized = None
         if kv_tokens is not None and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
             sized = kv_cache_bytes(model_dir, kwargs["dtype"], max(kv_tokens, kwargs["max_model_len"]))
@@ -309,7 +310,6 @@ def engine_kwargs(
             os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     else:
         kwargs["gpu_memory_utilization"] = engine.gpu_memory_utilization * gpu_memory_share
-    cpu_build = build is not None and build.kind == "cpu"
     if runs_eagerly(engine.execution, cpu_build):
         kwargs["enforce_eager"] = True
     else:
