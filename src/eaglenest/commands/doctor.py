@@ -47,6 +47,22 @@ def doctor_vllm() -> str | None:
     return None
 
 
+def doctor_suffix_decoding() -> str | None:
+    """Prints whether suffix decoding (``arctic_inference.suffix_decoding``: vLLM's ``method: suffix`` and the hybrid
+    drafter) is installed; returns a problem where vLLM is and it is not (evaluate measures both), else None."""
+    from eaglenest.core.vllm_support import installed_build
+
+    version = package_version("arctic-inference")
+    found = version is not None and importlib.util.find_spec("arctic_inference.suffix_decoding") is not None
+    if found:
+        print(f"suffix decoding: arctic-inference {version}")
+        return None
+    print("suffix decoding: not installed")
+    if installed_build() is None:
+        return None
+    return "vLLM is installed without suffix decoding (arctic-inference), which evaluate measures; fix: make setup"
+
+
 def doctor_cluster(params_file: Path | None) -> str | None:
     """Prints where ``cluster.executor`` would run the row-parallel work (a Ray cluster: its nodes, CPUs and GPUs,
     asked of the cluster itself); returns why it cannot, or None."""
@@ -108,7 +124,7 @@ def doctor(params_file: Path | None = None) -> int:
 
         # What the figures a run measures here depend on (docs/defaults.md: the demo's time per host kind).
         print(f"host kind: {host_kind().label}")
-        problem = doctor_vllm()
+        problem = doctor_vllm() or doctor_suffix_decoding()
         if problem:
             print(f"error: {problem}", file=sys.stderr)
             return 1

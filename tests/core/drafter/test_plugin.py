@@ -9,16 +9,17 @@ import types
 import pytest
 from pydantic import ValidationError
 
-from eaglenest import drafter
-from eaglenest.drafter import CONFIG_KEY, PINNED_VLLM, DrafterConfig, SuffixConfig, speculative_config
+from eaglenest.core.drafter import config as drafter_config
+from eaglenest.core.drafter import plugin
+from eaglenest.core.drafter.config import CONFIG_KEY, PINNED_VLLM, DrafterConfig, SuffixConfig, speculative_config
 
 
 def test_another_vllm_version_is_refused_in_one_line_naming_both():
     with pytest.raises(RuntimeError) as err:
-        drafter.require_pinned_vllm("0.33.0")
+        drafter_config.require_pinned_vllm("0.33.0")
     line = str(err.value)
     assert "\n" not in line and PINNED_VLLM in line and "0.33.0" in line
-    drafter.require_pinned_vllm(PINNED_VLLM)  # the pinned one passes
+    drafter_config.require_pinned_vllm(PINNED_VLLM)  # the pinned one passes
 
 
 def _fake_runner_module() -> types.ModuleType:
@@ -34,8 +35,8 @@ def _fake_runner_module() -> types.ModuleType:
 
 def test_an_engine_configured_for_the_drafter_stops_on_an_unpinned_vllm(monkeypatch: pytest.MonkeyPatch):
     module = _fake_runner_module()
-    drafter._wrap_runner(module)
-    monkeypatch.setattr(drafter, "installed_vllm_version", lambda: "0.31.1")
+    plugin._wrap_runner(module)
+    monkeypatch.setattr(drafter_config, "installed_vllm_version", lambda: "0.31.1")
     config = types.SimpleNamespace(additional_config={CONFIG_KEY: DrafterConfig(draft_k=2).model_dump()})
     with pytest.raises(RuntimeError, match=f"patches vLLM {PINNED_VLLM}.*vLLM 0.31.1 is installed"):
         module.GPUModelRunner(config, "cpu")
@@ -49,17 +50,17 @@ def test_the_runner_is_wrapped_once_and_only_after_its_module_is_imported(monkey
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "later_runner", raising=False)
     seen = []
-    drafter._when_imported("later_runner", seen.append)
-    drafter._when_imported("later_runner", seen.append)  # a second registration waits for the same import
+    plugin._when_imported("later_runner", seen.append)
+    plugin._when_imported("later_runner", seen.append)  # a second registration waits for the same import
     assert seen == [] and "later_runner" not in sys.modules
     import later_runner  # noqa: F401
 
     assert [m.__name__ for m in seen] == ["later_runner"]
-    assert not any(isinstance(f, drafter._AfterImport) and f.name == "later_runner" for f in sys.meta_path)
+    assert not any(isinstance(f, plugin._AfterImport) and f.name == "later_runner" for f in sys.meta_path)
     module = sys.modules["later_runner"]
-    drafter._wrap_runner(module)
+    plugin._wrap_runner(module)
     wrapped = module.GPUModelRunner.__init__
-    drafter._wrap_runner(module)
+    plugin._wrap_runner(module)
     assert module.GPUModelRunner.__init__ is wrapped
 
 
@@ -79,14 +80,14 @@ def test_the_configuration_is_strict_and_knows_its_largest_k():
         0,
     ]
     assert (
-        drafter.engine_drafter_config(types.SimpleNamespace(additional_config={CONFIG_KEY: config.model_dump()}))
+        drafter_config.engine_drafter_config(types.SimpleNamespace(additional_config={CONFIG_KEY: config.model_dump()}))
         == config
     )
-    assert drafter.engine_drafter_config(types.SimpleNamespace(additional_config={})) is None
+    assert drafter_config.engine_drafter_config(types.SimpleNamespace(additional_config={})) is None
 
 
 def test_a_hybrid_without_suffix_decoding_installed_stops_in_one_line(monkeypatch: pytest.MonkeyPatch):
-    from eaglenest.drafter.runner import SUFFIX_MISSING, Drafter
+    from eaglenest.core.drafter.runner import SUFFIX_MISSING, Drafter
 
     monkeypatch.setitem(sys.modules, "arctic_inference.suffix_decoding", None)  # import fails
     runner = types.SimpleNamespace(num_spec_tokens=4)

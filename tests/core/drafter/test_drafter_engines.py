@@ -1,7 +1,7 @@
 """The drafter in real vLLM engines (the CPU build, float32) on a tiny random verifier and draft: lossless, the
 draft's KV cache exact across suffix runs and K = 0 steps, the draft alone equal to vLLM's own EAGLE-3, retirement.
 
-One process of its own runs every engine (tests/drafter/engines.py): vLLM reads its environment once per process.
+One process of its own runs every engine (tests/core/drafter/engines.py): vLLM reads its environment once per process.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def decoded(tiny_draft_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPat
     verifier, draft = tiny_draft_pair
     out = tmp_path_factory.mktemp("drafter-engines") / "out.json"
     result = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "drafter" / "engines.py"), str(verifier), str(draft), str(out)],
+        [sys.executable, str(REPO / "tests" / "core" / "drafter" / "engines.py"), str(verifier), str(draft), str(out)],
         env=project_env(),
         capture_output=True,
         text=True,

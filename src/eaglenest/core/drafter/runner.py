@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from eaglenest.drafter import DrafterConfig
+from eaglenest.core.drafter.config import DrafterConfig
 
 TRACE_ENV = "EAGLENEST_DRAFTER_TRACE"  # a file: one JSON line per proposal (tests and benchmarks read it)
 
@@ -159,7 +159,7 @@ class Drafter:
             # a partial prefill proposes nothing; nor a request whose proposal would pass the context
             if not sampled or k_step == 0 or num_tokens + config.max_k + 1 > max_model_len:
                 continue
-            if self.suffix_cache is not None:
+            if self.suffix_cache is not None and config.suffix is not None:
                 suffix = self._suffix_speculate(row, req_id, num_tokens, min(config.suffix.k, k_step))
                 if suffix is not None:
                     proposals[row] = suffix
@@ -167,7 +167,8 @@ class Drafter:
             if req_id not in self.retired:
                 wants_draft.append(row)
         draft_k = min(config.draft_k, k_step)
-        feeds, overfull = [], []
+        feeds: list[tuple[int, str]] = []
+        overfull: list[tuple[int, str]] = []
         for row, req_id in enumerate(req_ids):
             if req_id in self.retired:
                 self.unseen.pop(req_id, None)
@@ -225,9 +226,9 @@ class Drafter:
         """The request's kept entries; dropped first where this step starts at or before the last kept position
         (the request was preempted and is computed again from its start)."""
         unseen = self.unseen.get(req_id)
-        restarted = unseen is not None and unseen.count and positions.numel()
-        if restarted and int(positions[0]) <= int(unseen.positions[-1][-1]):
-            unseen = None
+        if unseen is not None and unseen.count and positions.numel():
+            if int(positions[0]) <= int(unseen.positions[-1][-1]):  # restarted
+                unseen = None
         if unseen is None:
             unseen = self.unseen[req_id] = Unseen()
         return unseen
@@ -334,7 +335,8 @@ class Drafter:
     # --- suffix decoding (as vLLM's SuffixDecodingProposer feeds Arctic Inference's cache) ----------------------
     def _suffix_add(self, row: int, req_id: str, sampled: list[int]) -> None:
         """This step's accepted tokens into the request's suffix tree (started from its prompt when new)."""
-        cache, batch = self.suffix_cache, self.runner.input_batch
+        cache: Any = self.suffix_cache
+        batch = self.runner.input_batch
         if req_id not in cache.active_requests:
             if req_id in cache.cached_requests:
                 cache.evict_cached_response(req_id)
@@ -345,8 +347,10 @@ class Drafter:
     def _suffix_speculate(self, row: int, req_id: str, num_tokens: int, k: int) -> list[int] | None:
         """The suffix continuation of the request's last tokens where its score reaches the threshold, else None."""
         suffix, batch = self.config.suffix, self.runner.input_batch
+        cache: Any = self.suffix_cache
+        assert suffix is not None  # called only in a hybrid
         pattern = batch.token_ids_cpu[row, max(0, num_tokens - suffix.max_tree_depth) : num_tokens]
-        draft = self.suffix_cache.speculate(
+        draft = cache.speculate(
             req_id,
             pattern,
             max_spec_tokens=min(k, self.runner.max_model_len - num_tokens - 1),
@@ -360,6 +364,7 @@ class Drafter:
 
     def _trace(self, req_ids: list[str], proposals: list[list[int]], drafted: list[int], batch: Any) -> None:
         """One JSON line per proposal: the request, its length so far, who proposed, the tokens."""
+        assert self.trace_path is not None  # called only where tracing is on
         with open(self.trace_path, "a", encoding="utf-8") as f:
             for row, req_id in enumerate(req_ids):
                 if proposals[row]:
