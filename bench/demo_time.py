@@ -67,8 +67,8 @@ def stage_phases(clone: Path, stage: str) -> dict:
         return {backend: run.get("phases", {}) for backend, run in details.get("runs", {}).items()}
     if stage == "k_sweep":
         return read("metrics/k_sweep.json").get("seconds", {})
-    if stage == "ngram_sweep":
-        return read("metrics/ngram_sweep.json").get("seconds", {})
+    if stage == "free_sweep":
+        return read("metrics/free_sweep.json").get("seconds", {})
     return {}
 
 

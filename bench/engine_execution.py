@@ -5,7 +5,7 @@ first turns of each headline set one at a time: how long each engine takes to st
         [--prompts 4] [--out bench/results/engine_execution.json]
 
 Run in a checkout whose pipeline is up to date (``models/verifier``, ``models/draft``, ``data/prepared``,
-``metrics/ngram_sweep.json``). The engines are evaluate's (:func:`eaglenest.stages.evaluate.vllm.engine_kwargs`),
+``metrics/free_sweep.json``). The engines are evaluate's (:func:`eaglenest.stages.evaluate.vllm.engine_kwargs`),
 with ``evaluate.vllm.execution`` replaced by each of ``--executions`` in turn, one engine at a time in this process.
 Each decodes every turn twice and the second pass is timed. Start seconds are the first engine's of its graph unless
 vLLM's compile cache (``VLLM_CACHE_ROOT``) already holds it: point that at an empty folder to time a first compile.
@@ -51,7 +51,7 @@ def main() -> None:
     sets = [s for s in load_eval_sets(params.sets, Path("data/prepared"), tokenizer) if s.params.headline]
     info, model_dir = load_verifier_info(verifier)
     k = draft_tokens(draft, "the draft")
-    ngram = measured_ngram(info.fingerprint, k, Path("metrics/ngram_sweep.json")).setting
+    ngram = measured_ngram(info.fingerprint, k, Path("metrics/free_sweep.json")).setting
     job = EvaluationJob(params, verifier, sets, draft)
     turns = [(s, s.render(c, 0, [], tokenizer)) for s in sets for c in s.conversations[: args.prompts]]
     warm_up = sets[0].render(sets[0].conversations[-1], 0, [], tokenizer)

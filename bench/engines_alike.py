@@ -6,7 +6,7 @@ vllm.engine_kwargs`), all four taking turns prompt by prompt on evaluate's timed
     .venv/bin/python bench/engines_alike.py [--prompts 8] [--out bench/results/engines_alike.json]
 
 Run in a checkout whose pipeline is up to date (``models/verifier``, ``models/draft``, ``data/prepared``,
-``metrics/ngram_sweep.json``). The figures are each new engine's tokens/s over its old twin's, paired turn by turn,
+``metrics/free_sweep.json``). The figures are each new engine's tokens/s over its old twin's, paired turn by turn,
 with a 95% interval (the measurement kit's speed-up statistic), per headline set and pooled; and each n-gram engine's
 speed-up over the plain engine of its own kind, the figure evaluate reports.
 """
@@ -50,7 +50,7 @@ def main() -> None:
     sets = [s for s in load_eval_sets(params.sets, Path("data/prepared"), tokenizer) if s.params.headline]
     info, model_dir = load_verifier_info(verifier)
     k = draft_tokens(draft, "the draft")
-    ngram = measured_ngram(info.fingerprint, k, Path("metrics/ngram_sweep.json")).setting
+    ngram = measured_ngram(info.fingerprint, k, Path("metrics/free_sweep.json")).setting
     base = EngineBase(model_dir, info, params.vllm, params.seed, at_once=4)
     job = EvaluationJob(params, verifier, sets, draft)
     alike = engine_kwargs(

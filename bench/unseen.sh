@@ -15,6 +15,6 @@ params["evaluate"].update({"sets": [{"name": "unseen", "source": "bench/prompts/
 yaml.safe_dump(params, open(sys.argv[1], "w"), sort_keys=False)
 PY
 PATH="$PWD/.venv/bin:$PATH" python stages/evaluate.py --params "$out/params.yaml" --verifier models/verifier \
-  --prepared data/prepared --draft models/draft --ngram metrics/ngram_sweep.json --metrics "$out/eval.json" \
+  --prepared data/prepared --draft models/draft --ngram metrics/free_sweep.json --metrics "$out/eval.json" \
   --out "$out/eval"
 cat "$out/eval.json"

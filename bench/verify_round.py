@@ -5,8 +5,8 @@ engine, by sampling the engine with py-spy while it decodes evaluate's timed tur
         [--env KEY=VALUE] [--out bench/results/verify_round.json]
 
 Run in a checkout whose pipeline is up to date (``models/verifier``, ``models/draft``, ``data/prepared``,
-``metrics/ngram_sweep.json``). The three engines are evaluate's (:func:`eaglenest.stages.evaluate.vllm.
-engine_kwargs`: one set of kwargs, the draft at its own K and n-gram at the ngram_sweep stage's setting), each
+``metrics/free_sweep.json``). The three engines are evaluate's (:func:`eaglenest.stages.evaluate.vllm.
+engine_kwargs`: one set of kwargs, the draft at its own K and n-gram at the free_sweep stage's setting), each
 with its engine core in this process, so py-spy (``--nonblocking``, ``--rate`` samples a second) sees the engine's
 step in this process's main thread. Each engine decodes the first ``--prompts`` turns of each set alone, twice:
 once timed without the sampler attached (the seconds and verify rounds a round's cost is computed from), once
@@ -124,7 +124,7 @@ def main() -> None:
     sets = [s for s in load_eval_sets(params.sets, Path("data/prepared"), tokenizer) if s.name in args.sets]
     info, model_dir = load_verifier_info(verifier)
     k = draft_tokens(draft, "the draft")
-    ngram = measured_ngram(info.fingerprint, k, Path("metrics/ngram_sweep.json")).setting
+    ngram = measured_ngram(info.fingerprint, k, Path("metrics/free_sweep.json")).setting
     base = EngineBase(model_dir, info, params.vllm, params.seed, at_once=3)
     job = EvaluationJob(params, verifier, sets, draft)
     kwargs = engine_kwargs(

@@ -26,7 +26,7 @@ def test_the_file_is_every_stages_own_section_then_cluster_in_pipeline_order():
         "extract",
         "convert",
         "train",
-        "ngram_sweep",
+        "free_sweep",
         "evaluate",
         "k_sweep",
         "cluster",

@@ -330,7 +330,7 @@ def test_record_on_a_baseline_asks_no_acceptance_of_a_server_that_does_not_draft
     assert status == 0 and MIDDLEWARE in argv and "--per-request-spec-decode-metrics" not in argv
     assert RECORD_DIR_ENV in env and RECORD_DRAFT_ENV not in env and RECORD_K_ENV not in env
     status, argv, env, _ = print_command(
-        capsys, verifier, draft, "--baseline", "ngram", "--ngram-sweep", str(tmp_path / "absent.json"), "--record", "t"
+        capsys, verifier, draft, "--baseline", "ngram", "--free-sweep", str(tmp_path / "absent.json"), "--record", "t"
     )
     assert status == 0 and argv[argv.index("--per-request-spec-decode-metrics") + 1] == "summary"
     assert RECORD_DRAFT_ENV not in env and env[RECORD_K_ENV] == "3"

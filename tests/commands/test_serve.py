@@ -185,7 +185,7 @@ def test_k_can_be_served_below_the_drafts_own(capsys, no_exec, pipeline_folders)
 
 def test_a_baseline_server_for_bench_serves_ngram_or_no_drafting(capsys, no_exec, pipeline_folders, tmp_path: Path):
     """``--baseline``: the server ``eaglenest bench --baseline-url`` compares the draft's against, on the same
-    verifier, name and flags: n-gram drafting at the setting the ngram_sweep stage measured (without its record,
+    verifier, name and flags: n-gram drafting at the setting the free_sweep stage measured (without its record,
     vLLM's default window at the draft's K), or no drafting at all."""
     verifier, draft = pipeline_folders
     assert (
@@ -198,7 +198,7 @@ def test_a_baseline_server_for_bench_serves_ngram_or_no_drafting(capsys, no_exec
                 str(draft),
                 "--baseline",
                 "ngram",
-                "--ngram-sweep",
+                "--free-sweep",
                 str(tmp_path / "absent.json"),
                 "--print-command",
             ]

@@ -36,7 +36,7 @@ def test_empty_file_means_defaults():
 def test_unknown_top_level_and_nested_keys_are_errors_listing_allowed_keys():
     lines = problems({"verifer": {}, "prepare": {"maxlen": 5}})
     assert lines[0] == "params.yaml: 2 invalid params values"
-    allowed = "verifier, prepare, extract, convert, train, ngram_sweep, evaluate, k_sweep, cluster"
+    allowed = "verifier, prepare, extract, convert, train, free_sweep, evaluate, k_sweep, cluster"
     assert any(f"verifer: unknown key (allowed: {allowed})" in line for line in lines)
     assert any(line.strip().startswith("- prepare.maxlen: unknown key (allowed: source,") for line in lines)
 

@@ -62,13 +62,13 @@ def test_evaluate_only_change_reruns_only_evaluate(tiny_repo: Path):
     the n-gram sweep (it tunes on the turns after them), the bootstrap both."""
     result = dvc(["exp", "run", "-S", "evaluate.bf16_tie_margin=0.4"], tiny_repo)
     assert "Running stage 'evaluate'" in result.stdout
-    for stage in ("verifier", "prepare", "extract", "convert", "train", "ngram_sweep", "k_sweep"):
+    for stage in ("verifier", "prepare", "extract", "convert", "train", "free_sweep", "k_sweep"):
         assert f"Running stage '{stage}'" not in result.stdout
     timed = dvc(["exp", "run", "-S", "evaluate.timed_prompts=4"], tiny_repo)
-    assert "Running stage 'evaluate'" in timed.stdout and "Running stage 'ngram_sweep'" in timed.stdout
+    assert "Running stage 'evaluate'" in timed.stdout and "Running stage 'free_sweep'" in timed.stdout
     assert "Running stage 'k_sweep'" not in timed.stdout
     shared = dvc(["exp", "run", "-S", "evaluate.bootstrap_samples=500"], tiny_repo)
-    for stage in ("evaluate", "ngram_sweep", "k_sweep"):
+    for stage in ("evaluate", "free_sweep", "k_sweep"):
         assert f"Running stage '{stage}'" in shared.stdout
     assert "Running stage 'train'" not in shared.stdout
 

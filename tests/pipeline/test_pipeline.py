@@ -158,7 +158,7 @@ def test_own_verifier_and_conversations(tmp_path: Path, tiny_verifier_dir: Path)
     again = dvc(["repro"], repo)
     assert "Stage 'verifier' didn't change, skipping" in again.stdout
     assert "Running stage 'prepare'" in again.stdout
-    for stage in ("extract", "convert", "train", "ngram_sweep", "evaluate", "k_sweep"):
+    for stage in ("extract", "convert", "train", "free_sweep", "evaluate", "k_sweep"):
         assert f"Running stage '{stage}'" in again.stdout, stage
     assert json.loads((repo / "metrics/prepare.json").read_text())["kept"] == 12
     assert_all_skipped(dvc(["repro"], repo).stdout)
@@ -287,7 +287,7 @@ def test_an_edit_re_runs_only_the_stages_that_run_the_edited_code(tiny_pipeline:
     assert draft_hash(repo) == draft_before
     assert "Stage 'evaluate' didn't change, skipping" in rerun.stdout
     assert "Stage 'k_sweep' didn't change, skipping" in rerun.stdout
-    assert "Stage 'ngram_sweep' didn't change, skipping" in rerun.stdout  # it reads no draft
+    assert "Stage 'free_sweep' didn't change, skipping" in rerun.stdout  # it reads no draft
     # the K record's format and rule: the stage that writes it (serve and summary read it: commands re-run nothing)
     record_code = (code / "artifacts" / "k_record.py").read_text()
     append_comment(code / "artifacts" / "k_record.py")

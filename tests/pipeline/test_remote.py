@@ -141,6 +141,6 @@ def test_a_pulled_run_cache_restores_every_stage_but_the_timed_ones(
     repro = dvc(["repro", "--pull"], clone)
     for stage in ("verifier", "prepare", "extract", "convert", "train"):
         assert f"Stage '{stage}' is cached - skipping run" in repro.stdout, repro.stdout
-    for stage in ("ngram_sweep", "evaluate", "k_sweep"):  # measured on the host that runs them (dvc.yaml)
+    for stage in ("free_sweep", "evaluate", "k_sweep"):  # measured on the host that runs them (dvc.yaml)
         assert f"Running stage '{stage}'" in repro.stdout
     assert out_hashes(clone, ("extract", "train")) == out_hashes(origin, ("extract", "train"))

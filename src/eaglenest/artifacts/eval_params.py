@@ -1,7 +1,7 @@
 """``evaluate:`` in params.yaml: the evaluation sets and the evaluate section's schema.
 
 Among the artifacts rather than beside the evaluate stage because more than that stage reads the section: the
-k_sweep and ngram_sweep stages time the headline sets' turns with its engine settings, artifacts/eval_sets.py reads
+k_sweep and free_sweep stages time the headline sets' turns with its engine settings, artifacts/eval_sets.py reads
 each set's source and ``eaglenest bench`` its sets. An edit here re-runs those three stages only (each stage's
 params module says what else it reads); core's measurement kit takes a set's sampling and the section's seed and
 bootstrap as protocols (core/measure/beside_plain.py), so no stage below them depends on this file.
@@ -166,7 +166,7 @@ class EvalSetsAndEngines(StrictModel):
 
 
 class EvalTimedSets(EvalSetsAndEngines):
-    """What the ngram_sweep stage reads of ``evaluate:``: the sets and engines, and the turns evaluate times
+    """What the free_sweep stage reads of ``evaluate:``: the sets and engines, and the turns evaluate times
     (``timed_prompts``), so that it tunes n-gram drafting on the turns after them."""
 
     timed_prompts: int = Field(
@@ -175,7 +175,7 @@ class EvalTimedSets(EvalSetsAndEngines):
         description="vllm: turns of each headline set decoded one at a time (single stream, as a chat user sees "
         "it) by the plain, EAGLE-3 and n-gram engines, for the speed-ups; acceptance is read on every turn of "
         "every set, decoded together. 0: no speed-ups, and no n-gram engine starts (a check of decoding alone). "
-        "The ngram_sweep stage tunes the n-gram baseline on the turns after these.",
+        "The free_sweep stage tunes the n-gram baseline on the turns after these.",
     )
 
 
@@ -194,7 +194,7 @@ class EvaluateParams(EvalTimedSets):
     }
     removed_keys: ClassVar[dict[str, str]] = dict.fromkeys(
         ("ngram_prompt_lookup_min", "ngram_prompt_lookup_max"),
-        "the n-gram baseline's window and K are measured by the ngram_sweep stage (params ngram_sweep.*: list one K "
+        "the n-gram baseline's window and K are measured by the free_sweep stage (params free_sweep.*: list one K "
         "and one window there to fix them)",
     )
 

@@ -8,7 +8,7 @@ be recomputed, resampled and paired between revisions (``eaglenest report BASE H
                                                     "ngram", "records": [record, ...]}}}}}
 
 ``ngram`` (vllm) is the n-gram baseline's setting: its lookup ``window``, its ``num_speculative_tokens`` and why
-(the ngram_sweep stage's measurement, or vLLM's default where there is none).
+(the free_sweep stage's measurement, or vLLM's default where there is none).
 
 A record (one prompt turn):
 
@@ -151,7 +151,7 @@ def summarize(records: list[dict[str, Any]], k: int, samples: int, seed: int) ->
 
 
 def _ngram_per_position(records: list[dict[str, Any]]) -> list[float]:
-    """The baseline's acceptance per draft position, at its own K (the ngram_sweep stage's, not the draft's)."""
+    """The baseline's acceptance per draft position, at its own K (the free_sweep stage's, not the draft's)."""
     steps = sum(r.get("ngram_steps") or 0 for r in records)
     k = max(len(r.get("ngram_per_position") or []) for r in records)
     counts = [sum((r.get("ngram_per_position") or [0] * k)[i] for r in records) for i in range(k)]

@@ -1,8 +1,8 @@
 """The n-gram record: the window and K at which vLLM's n-gram drafting served fastest for one verifier, as the
-ngram_sweep stage measured them, and the rule that picks the n-gram setting a measurement or a server runs.
+free_sweep stage measured them, and the rule that picks the n-gram setting a measurement or a server runs.
 
 n-gram drafting (prompt lookup) is the free baseline every draft is judged against, so it runs at its strongest: the
-setting a user would serve. The ngram_sweep stage writes ``metrics/ngram_sweep.json`` (kept in git)::
+setting a user would serve. The free_sweep stage writes ``metrics/free_sweep.json`` (kept in git)::
 
     {"verifier": {"name", "fingerprint"},
      "setting": {"prompt_lookup_min": 2, "prompt_lookup_max": 4, "num_speculative_tokens": 4},  # null: not measured
@@ -26,8 +26,8 @@ from eaglenest.artifacts.sweep_record import read_sweep_record, write_sweep_reco
 from eaglenest.core.errors import InputFileError
 from eaglenest.core.measure.engines import NgramSetting
 
-NGRAM_RECORD_FILE = Path("metrics/ngram_sweep.json")
-MEASURE_HINT = "`dvc repro ngram_sweep` measures it"
+NGRAM_RECORD_FILE = Path("metrics/free_sweep.json")
+MEASURE_HINT = "`dvc repro free_sweep` measures it"
 
 
 @dataclass(frozen=True)
@@ -90,9 +90,9 @@ def read_ngram_record(path: Path) -> NgramRecord | None:
     """The record at ``path``; None where there is no file.
 
     Raises:
-        InputFileError: the file is not an ngram_sweep record (one line naming it).
+        InputFileError: the file is not an free_sweep record (one line naming it).
     """
-    record = read_sweep_record(path, _parse_ngram_record, "an ngram_sweep stage record", f"{MEASURE_HINT} again")
+    record = read_sweep_record(path, _parse_ngram_record, "an free_sweep stage record", f"{MEASURE_HINT} again")
     setting = None if record is None else record.setting
     if setting is not None and (not 1 <= setting.prompt_lookup_min <= setting.prompt_lookup_max or setting.k < 1):
         raise InputFileError(
@@ -134,7 +134,7 @@ class NgramChoice:
 def measured_ngram(
     verifier_fingerprint: str, fallback_k: int, record_file: Path | None = NGRAM_RECORD_FILE
 ) -> NgramChoice:
-    """The n-gram setting to run for the verifier ``verifier_fingerprint``: the one the ngram_sweep stage measured
+    """The n-gram setting to run for the verifier ``verifier_fingerprint``: the one the free_sweep stage measured
     fastest for it (``record_file``), else vLLM's default window at K = ``fallback_k`` (what naming the method
     gives).
 
@@ -160,4 +160,4 @@ def measured_ngram(
         if figure is None
         else (f": x{figure.speedup:.2f} ± {figure.speedup_ci95:.2f} over plain decoding on {', '.join(figure.sets)}")
     )
-    return NgramChoice(record.setting, f"measured fastest by the ngram_sweep stage{measured}")
+    return NgramChoice(record.setting, f"measured fastest by the free_sweep stage{measured}")

@@ -31,7 +31,7 @@ from eaglenest.stages.convert.params import ConvertStageParams
 from eaglenest.stages.evaluate.params import EvaluateStageParams
 from eaglenest.stages.extract.params import ExtractStageParams
 from eaglenest.stages.k_sweep.params import KSweepStageParams
-from eaglenest.stages.ngram_sweep.params import NgramSweepStageParams
+from eaglenest.stages.free_sweep.params import FreeSweepStageParams
 from eaglenest.stages.prepare.params import PrepareStageParams
 from eaglenest.stages.train.params import TrainStageParams
 from eaglenest.stages.verifier.params import VerifierStageParams
@@ -58,7 +58,7 @@ for _name, _model in (
     ("extract", ExtractStageParams),
     ("convert", ConvertStageParams),
     ("train", TrainStageParams),
-    ("ngram_sweep", NgramSweepStageParams),
+    ("free_sweep", FreeSweepStageParams),
     ("evaluate", EvaluateStageParams),
     ("k_sweep", KSweepStageParams),
 ):

@@ -167,7 +167,7 @@ def test_n_gram_is_no_longer_the_sweeps_and_its_old_switch_says_where_it_went():
     with pytest.raises(
         ParamsError,
         match=r"k_sweep.ngram: n-gram drafting is timed at each window and K by the "
-        r"ngram_sweep stage",
+        r"free_sweep stage",
     ):
         parse_params({"k_sweep": {"ngram": True}})
 

@@ -165,7 +165,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"the K record the default K is read from (default: {K_RECORD_FILE})",
     )
     parser.add_argument(
-        "--ngram-sweep",
+        "--free-sweep",
         default=str(NGRAM_RECORD_FILE),
         metavar="FILE",
         help=f"with --baseline ngram: the n-gram record its window and K are read from (default: {NGRAM_RECORD_FILE})",
@@ -194,7 +194,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["ngram", "none"],
         default=None,
         help="serve a baseline instead of the draft, for eaglenest bench --baseline-url: vLLM's "
-        "n-gram drafting at the setting the ngram_sweep stage measured fastest, or the verifier alone "
+        "n-gram drafting at the setting the free_sweep stage measured fastest, or the verifier alone "
         "(default: the draft)",
     )
     parser.add_argument(
@@ -230,7 +230,7 @@ def _run(args: argparse.Namespace) -> int:
         args.served_model_name,
         tuple(args.passthrough_args),
         args.baseline,
-        Path(args.ngram_sweep),
+        Path(args.free_sweep),
         None if args.no_schedule else Path(args.schedule or SCHEDULE_FILE),
         schedule_explicit=args.schedule is not None,
         record_dir=Path(args.record) if args.record else None,

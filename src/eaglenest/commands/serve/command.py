@@ -142,7 +142,7 @@ class ServeOptions:
         vllm_args: Further vLLM server flags, appended as given; none of ``OWN_FLAGS``. The value of each of
             ``SECRET_FLAGS`` goes to the server in its environment variable instead (:func:`secrets_to_env`).
         baseline: None serves the draft; ``"none"`` the verifier alone, ``"ngram"`` with vLLM's n-gram drafting
-            at the window and K the ngram_sweep stage measured fastest for this verifier (``ngram_file``), else
+            at the window and K the free_sweep stage measured fastest for this verifier (``ngram_file``), else
             vLLM's default window at the draft's K: what ``eaglenest bench --baseline-url`` compares against.
         ngram_file: The n-gram record; None: not consulted.
         schedule_file: The schedule record the draft's K per batch size is read from; None: the same K at every

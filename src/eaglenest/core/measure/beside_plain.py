@@ -1,7 +1,7 @@
 """Speculative engines timed beside the plain one: the turns of each headline set decoded alone by every engine, the
 engines taking turns prompt by prompt (:func:`~eaglenest.core.measure.single_stream.time_interleaved`), and each
 engine's speed-up over the plain engine timed moments apart, with its 95% interval. The k_sweep stage (the draft at
-each K) and the ngram_sweep stage (n-gram drafting at each K) time their candidates so.
+each K) and the free_sweep stage (n-gram drafting at each K) time their candidates so.
 
 A timed entry is ``{"turns": [[tokens, seconds], ...], "plain_turns": [[tokens, seconds], ...], ...}``: turn i
 of both is the same prompt, decoded moments apart, so turns are resampled in pairs.

@@ -26,7 +26,7 @@ Definitions:
 * ``speedup`` — single-stream tokens/s of speculative over plain decoding, each turn decoded alone, same
   engine, same process, after a warm-up (vllm: the first ``evaluate.timed_prompts`` turns of each set; hf:
   every turn it decodes). The n-gram baseline is vLLM's own ``ngram`` method at the lookup window and K the
-  ngram_sweep stage measured fastest (``--ngram``; vLLM's default window at the draft's K without one), timed the
+  free_sweep stage measured fastest (``--ngram``; vLLM's default window at the draft's K without one), timed the
   same way; its tau is conditional on a match (vLLM counts only steps where it proposed), so compare it by speed.
 * ``identical`` — the speculative output equals plain decoding of the same engine token for token.
 * ``lossless`` — at temperature 0 anything below 1.0 fails the stage. ``hf`` (float32) and ``vllm`` in float32
@@ -142,7 +142,7 @@ def evaluate(
     ngram_record: Path | None = None,
 ) -> dict[str, Any]:
     """The evaluate stage: every back end of evaluate.backend on every set of evaluate.sets, the vllm back end's
-    n-gram baseline at the setting ``ngram_record`` holds (the ngram_sweep stage's)."""
+    n-gram baseline at the setting ``ngram_record`` holds (the free_sweep stage's)."""
     algorithm = draft_algorithm(draft_dir, "the draft")
     backends = decoding_backends(params, algorithm)
     tokenizer = load_tokenizer(verifier_dir)
@@ -220,7 +220,7 @@ class EvaluatePaths(DraftInput):
     """Where dvc.yaml puts the evaluate stage's inputs and outputs."""
 
     ngram: Path = path_arg(
-        "the ngram_sweep stage's record: the n-gram baseline's window and K (metrics/ngram_sweep.json)"
+        "the free_sweep stage's record: the n-gram baseline's window and K (metrics/free_sweep.json)"
     )
     metrics: Path = path_arg("the headline metrics JSON (metrics/eval.json)")
     out: Path = path_arg("folder for the records, details and plot table (metrics/eval)")

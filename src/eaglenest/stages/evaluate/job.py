@@ -27,7 +27,7 @@ class EvaluationJob:
         verifier_dir: The verifier stage's output folder.
         sets: The evaluation sets, loaded.
         draft_dir: The train stage's speculators checkpoint.
-        ngram_record: The ngram_sweep stage's record: the n-gram baseline's window and K (vllm); None, or no file:
+        ngram_record: The free_sweep stage's record: the n-gram baseline's window and K (vllm); None, or no file:
             vLLM's default window at the draft's K.
     """
 

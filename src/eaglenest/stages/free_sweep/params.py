@@ -1,4 +1,4 @@
-"""``ngram_sweep:`` in params.yaml: the ngram_sweep stage's params, and what the stage reads of the file."""
+"""``free_sweep:`` in params.yaml: the free_sweep stage's params, and what the stage reads of the file."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from eaglenest.artifacts.eval_params import EvalTimedSets
 from eaglenest.core.params import StageParams, StrictModel
 
 
-class NgramSweepParams(StrictModel):
-    """``ngram_sweep:`` — vLLM's n-gram drafting (prompt lookup) at the lookup window and K that serve it fastest:
+class FreeSweepParams(StrictModel):
+    """``free_sweep:`` — vLLM's n-gram drafting (prompt lookup) at the lookup window and K that serve it fastest:
     the free baseline evaluate judges the draft against, and what ``eaglenest serve --baseline ngram`` serves.
     Reads the headline sets, their sampling, the engine settings and the turns evaluate times from ``evaluate:``."""
 
@@ -55,17 +55,17 @@ class NgramSweepParams(StrictModel):
         low, high = values.get("lookup_min"), values.get("lookup_max")
         if isinstance(low, int) and isinstance(high, int) and low > high:
             return [
-                f"ngram_sweep.lookup_min = {low} > ngram_sweep.lookup_max = {high}: the shortest window cannot "
+                f"free_sweep.lookup_min = {low} > free_sweep.lookup_max = {high}: the shortest window cannot "
                 "exceed the longest"
             ]
         return []
 
 
-class NgramSweepStageParams(StageParams):
-    """What the ngram_sweep stage reads of params.yaml: its own section and what it shares of evaluate's (the headline
+class FreeSweepStageParams(StageParams):
+    """What the free_sweep stage reads of params.yaml: its own section and what it shares of evaluate's (the headline
     sets, their sampling, the engines, the seed, the bootstrap and the turns evaluate times), nothing else of it."""
 
-    ngram_sweep: NgramSweepParams = Field(default_factory=NgramSweepParams, description="The ngram_sweep stage.")
+    free_sweep: FreeSweepParams = Field(default_factory=FreeSweepParams, description="The free_sweep stage.")
     evaluate: EvalTimedSets = Field(
         default_factory=EvalTimedSets,
         description="The evaluate stage's sets, engines and timed turns: the sweep times the turns after them.",

@@ -36,8 +36,8 @@ def vllm_proposer() -> Proposer:
         return getattr(__import__(module, fromlist=[name]), name)
     except (ImportError, AttributeError) as err:
         raise EaglenestError(
-            f"ngram_sweep: this vLLM has no {PROPOSER} ({type(err).__name__}: {err}), which the "
-            "sweep replays n-gram drafting with; list one window (ngram_sweep.lookup_min = "
+            f"free_sweep: this vLLM has no {PROPOSER} ({type(err).__name__}: {err}), which the "
+            "sweep replays n-gram drafting with; list one window (free_sweep.lookup_min = "
             "lookup_max) to time it without the replay"
         ) from None
 

@@ -1,15 +1,15 @@
-"""The ngram_sweep stage: vLLM's n-gram drafting (prompt lookup) at the lookup window and K that serve it fastest,
+"""The free_sweep stage: vLLM's n-gram drafting (prompt lookup) at the lookup window and K that serve it fastest,
 measured, so that the draft is judged against the strongest free baseline a user would serve.
 
 n-gram drafting has no weights: its setting depends on the verifier, the prompts and the machine, not on the draft,
 so the stage runs once per verifier and evaluation sets, and an experiment on the draft never re-runs it. On the
-headline sets of ``evaluate.sets`` it takes the first turns of the ``ngram_sweep.timed_prompts`` conversations after
+headline sets of ``evaluate.sets`` it takes the first turns of the ``free_sweep.timed_prompts`` conversations after
 the first ``evaluate.timed_prompts`` (turns the headline speed-ups never use: a setting chosen on the turns it is
 then measured on would be flattered by the choice), and:
 
-1. the plain engine decodes them together; every lookup window from ``ngram_sweep.lookup_min`` to ``lookup_max`` at
-   every K of ``ngram_sweep.ks`` is replayed on its outputs with vLLM's own proposer
-   (:mod:`~eaglenest.stages.ngram_sweep.replay`: exact at temperature 0, and no engine), and at each K the window
+1. the plain engine decodes them together; every lookup window from ``free_sweep.lookup_min`` to ``lookup_max`` at
+   every K of ``free_sweep.ks`` is replayed on its outputs with vLLM's own proposer
+   (:mod:`~eaglenest.stages.free_sweep.replay`: exact at temperature 0, and no engine), and at each K the window
    that needs the fewest verify steps is kept: which window accepts the most is a question of tokens, which
    the replay answers exactly;
 2. at each K that window's engine is timed beside the plain engine, turn by turn, the engines taking turns prompt
@@ -18,7 +18,7 @@ then measured on would be flattered by the choice), and:
    from one set of kwargs that differ only in ``speculative_config`` (:mod:`eaglenest.core.measure.engines`).
 
 The setting with the best speed-up over the plain engine, every set's turns pooled (ties: the smaller K), is the
-one evaluate runs and ``eaglenest serve --baseline ngram`` serves. Output ``metrics/ngram_sweep.json``
+one evaluate runs and ``eaglenest serve --baseline ngram`` serves. Output ``metrics/free_sweep.json``
 (:mod:`eaglenest.artifacts.ngram_record`, kept in git): the verifier's fingerprint, the setting and its speed-up
 with its 95% interval; every replayed setting's counts per set; every timed engine's turns and speed-up per set;
 where the stage's seconds went; the host kind. Where ``evaluate.backend`` lists no vllm, nothing is measured and the
@@ -44,23 +44,23 @@ from eaglenest.core.measure.engines import EngineBase, NgramSetting, drafting, r
 from eaglenest.core.measure.single_stream import output_tokens
 from eaglenest.core.stage import PreparedInput, Stage, path_arg
 from eaglenest.core.vllm_support import generate
-from eaglenest.stages.ngram_sweep.params import NgramSweepStageParams
-from eaglenest.stages.ngram_sweep.replay import Replayed, best_window_per_k, replay, vllm_proposer, windows
+from eaglenest.stages.free_sweep.params import FreeSweepStageParams
+from eaglenest.stages.free_sweep.replay import Replayed, best_window_per_k, replay, vllm_proposer, windows
 
 log = logging.getLogger(__name__)
 
-PARAM = "ngram_sweep"  # the params section named in vLLM's errors
+PARAM = "free_sweep"  # the params section named in vLLM's errors
 
 
 @dataclass(frozen=True)
-class NgramSweepPaths(PreparedInput):
-    """Where dvc.yaml puts the ngram_sweep stage's inputs and output."""
+class FreeSweepPaths(PreparedInput):
+    """Where dvc.yaml puts the free_sweep stage's inputs and output."""
 
-    out: Path = path_arg("the n-gram record (metrics/ngram_sweep.json)")
+    out: Path = path_arg("the n-gram record (metrics/free_sweep.json)")
 
 
-def tuning_turns(params: NgramSweepStageParams, paths: NgramSweepPaths, max_k: int) -> tuple[TimedTurns, list[str]]:
-    """The turns the sweep times: per headline set, the first turns of the ``ngram_sweep.timed_prompts``
+def tuning_turns(params: FreeSweepStageParams, paths: FreeSweepPaths, max_k: int) -> tuple[TimedTurns, list[str]]:
+    """The turns the sweep times: per headline set, the first turns of the ``free_sweep.timed_prompts``
     conversations after the first ``evaluate.timed_prompts``; and the headline sets that have none.
 
     Raises:
@@ -68,7 +68,7 @@ def tuning_turns(params: NgramSweepStageParams, paths: NgramSweepPaths, max_k: i
     """
     tokenizer = load_tokenizer(paths.verifier)
     sets = [s for s in load_eval_sets(params.evaluate.sets, paths.prepared, tokenizer) if s.params.headline]
-    start, count = params.evaluate.timed_prompts, params.ngram_sweep.timed_prompts
+    start, count = params.evaluate.timed_prompts, params.free_sweep.timed_prompts
     tuned = [s for s in sets if len(s.conversations) > start]
     skipped = [s.name for s in sets if len(s.conversations) <= start]
     if not tuned:
@@ -85,7 +85,7 @@ def tuning_turns(params: NgramSweepStageParams, paths: NgramSweepPaths, max_k: i
     return TimedTurns(tuned, prompts, warm_up, requests), skipped
 
 
-def sweep(params: NgramSweepStageParams, paths: NgramSweepPaths) -> dict[str, Any]:
+def sweep(params: FreeSweepStageParams, paths: FreeSweepPaths) -> dict[str, Any]:
     """Replays every window at every K, times the best window at each K beside the plain engine, and writes the
     record to ``paths.out``; returns it."""
     info, model_dir = load_verifier_info(paths.verifier)
@@ -101,10 +101,10 @@ def sweep(params: NgramSweepStageParams, paths: NgramSweepPaths) -> dict[str, An
 
 
 def _measure(
-    params: NgramSweepStageParams, paths: NgramSweepPaths, model_dir: Path, info: Any, verifier: dict[str, str]
+    params: FreeSweepStageParams, paths: FreeSweepPaths, model_dir: Path, info: Any, verifier: dict[str, str]
 ) -> dict[str, Any]:
     """The replay and the timing; the record."""
-    own, evaluate = params.ngram_sweep, params.evaluate
+    own, evaluate = params.free_sweep, params.evaluate
     began = time.perf_counter()
     ks = sorted(own.ks)
     turns, skipped = tuning_turns(params, paths, max(ks))
@@ -218,10 +218,10 @@ def replay_settings(
 
 
 STAGE = Stage(
-    "ngram_sweep",
+    "free_sweep",
     "vLLM's n-gram drafting at the lookup window and K measured fastest (replayed, then "
     "timed beside plain decoding on turns the headline does not time): the baseline evaluate runs.",
-    NgramSweepStageParams,
-    NgramSweepPaths,
+    FreeSweepStageParams,
+    FreeSweepPaths,
     sweep,
 )

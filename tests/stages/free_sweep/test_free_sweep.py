@@ -1,4 +1,4 @@
-"""The ngram_sweep stage: n-gram drafting replayed with vLLM's own proposer, the best window per K timed beside the
+"""The free_sweep stage: n-gram drafting replayed with vLLM's own proposer, the best window per K timed beside the
 plain engine (engines that differ only in speculative_config), the fastest recorded, and evaluate and serve running
 what it recorded. Fast: the replay, the choice and the record, on engines that are only names; slow: the real stage
 in the shared pipeline."""
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import yaml
 
-import eaglenest.stages.ngram_sweep as ngram_stage
+import eaglenest.stages.free_sweep as ngram_stage
 from eaglenest.artifacts.ngram_record import measured_ngram, read_ngram_record
 from eaglenest.commands import cli
 from eaglenest.commands.params_file import parse_params
@@ -22,8 +22,8 @@ from eaglenest.core.errors import EaglenestError, ParamsError
 from eaglenest.core.measure import engines, single_stream
 from eaglenest.core.measure.beside_plain import TimedTurns
 from eaglenest.core.measure.engines import DRAFTING_KEYS, NgramSetting
-from eaglenest.stages.ngram_sweep import NgramSweepPaths, sweep, tuning_turns
-from eaglenest.stages.ngram_sweep.replay import Replayed, best_window_per_k, replay, vllm_proposer, windows
+from eaglenest.stages.free_sweep import FreeSweepPaths, sweep, tuning_turns
+from eaglenest.stages.free_sweep.replay import Replayed, best_window_per_k, replay, vllm_proposer, windows
 from tests.conftest import requires_vllm
 from tests.fixtures.pipeline import SharedPipeline, pipeline_until_prepare
 
@@ -77,18 +77,18 @@ def test_every_window_is_replayed_and_the_fewest_steps_win_per_k():
 
 def test_params_problems_are_one_line_each_and_the_old_window_keys_say_where_they_went():
     with pytest.raises(ParamsError) as err:
-        parse_params({"ngram_sweep": {"ks": [2, 2], "lookup_min": 4, "lookup_max": 3, "timed_prompts": 0}})
+        parse_params({"free_sweep": {"ks": [2, 2], "lookup_min": 4, "lookup_max": 3, "timed_prompts": 0}})
     lines = str(err.value).splitlines()[1:]
-    assert any("ngram_sweep.ks" in line and "lists a K twice" in line for line in lines)
-    assert any("ngram_sweep.lookup_min = 4 > ngram_sweep.lookup_max = 3" in line for line in lines)
-    assert any(line.startswith("  - ngram_sweep.timed_prompts = 0:") for line in lines)
+    assert any("free_sweep.ks" in line and "lists a K twice" in line for line in lines)
+    assert any("free_sweep.lookup_min = 4 > free_sweep.lookup_max = 3" in line for line in lines)
+    assert any(line.startswith("  - free_sweep.timed_prompts = 0:") for line in lines)
     with pytest.raises(
         ParamsError,
         match=r"evaluate.ngram_prompt_lookup_max: the n-gram baseline's window and K are "
-        r"measured by the ngram_sweep stage",
+        r"measured by the free_sweep stage",
     ):
         parse_params({"evaluate": {"ngram_prompt_lookup_max": 3}})
-    defaults = parse_params({}).ngram_sweep
+    defaults = parse_params({}).free_sweep
     assert (defaults.ks, defaults.lookup_min, defaults.lookup_max, defaults.timed_prompts) == ([3, 4, 5], 1, 5, 4)
 
 
@@ -107,7 +107,7 @@ def test_the_turns_tuned_on_are_those_after_evaluates_timed_ones(tiny_verifier_d
             }
         }
     )  # not a headline set
-    turns, skipped = tuning_turns(params, NgramSweepPaths(verifier, prepared, tmp_path / "n.json"), max_k=4)
+    turns, skipped = tuning_turns(params, FreeSweepPaths(verifier, prepared, tmp_path / "n.json"), max_k=4)
     assert [s.name for s in turns.sets] == ["general", "code"] and skipped == ["few"]
     assert [len(turns.prompts[name]) for name in ("general", "code")] == [2, 4]
     general = turns.sets[0]
@@ -126,7 +126,7 @@ def test_the_turns_tuned_on_are_those_after_evaluates_timed_ones(tiny_verifier_d
         match=r"^evaluate.sets: no headline set has a conversation after the first "
         r"evaluate.timed_prompts = 40",
     ):
-        tuning_turns(none_after, NgramSweepPaths(verifier, prepared, tmp_path / "n.json"), max_k=4)
+        tuning_turns(none_after, FreeSweepPaths(verifier, prepared, tmp_path / "n.json"), max_k=4)
 
 
 def _tokenizer(verifier: Path):
@@ -192,9 +192,9 @@ def test_the_stage_times_the_best_window_at_each_k_and_records_the_fastest(
     fake = FakeNgramEngines({"code": [OUTPUT, [8, 7, 7, 8]], "chat": [[23, 24, 25]]}, rates={2: 12.0, 3: 14.0, 4: 13.0})
     fake.prompts_of = prompts
     fake.install(monkeypatch, prompts)
-    out = tmp_path / "metrics" / "ngram_sweep.json"
-    params = parse_params({"ngram_sweep": {"ks": [4, 2, 3], "lookup_max": 3}})
-    record = sweep(params, NgramSweepPaths(verifier, tmp_path, out))
+    out = tmp_path / "metrics" / "free_sweep.json"
+    params = parse_params({"free_sweep": {"ks": [4, 2, 3], "lookup_max": 3}})
+    record = sweep(params, FreeSweepPaths(verifier, tmp_path, out))
 
     # every window at every K replayed; at each K the one needing fewest steps started, beside the plain engine
     assert len(record["replayed"]) == len(windows(1, 3)) * 3
@@ -215,9 +215,9 @@ def test_the_stage_times_the_best_window_at_each_k_and_records_the_fastest(
     # evaluate and serve run it for this verifier, and say so; another verifier gets vLLM's default window
     setting = read_ngram_record(out).setting
     choice = measured_ngram("0" * 64, 2, out)
-    assert choice.setting == setting and "measured fastest by the ngram_sweep stage: x1.40 ± 0.00" in choice.why
+    assert choice.setting == setting and "measured fastest by the free_sweep stage: x1.40 ± 0.00" in choice.why
     assert measured_ngram("f" * 64, 2, out).setting == NgramSetting(5, 5, 2)
-    monkeypatch.chdir(tmp_path)  # serve reads metrics/ngram_sweep.json where it runs, by default
+    monkeypatch.chdir(tmp_path)  # serve reads metrics/free_sweep.json where it runs, by default
     assert (
         cli.main(
             ["serve", "--verifier", str(verifier), "--draft", str(draft), "--print-command", "--baseline", "ngram"]
@@ -232,8 +232,8 @@ def test_the_stage_times_the_best_window_at_each_k_and_records_the_fastest(
 
 def test_without_vllm_in_evaluate_nothing_is_measured_and_the_default_window_runs(tmp_path: Path, pipeline_folders):
     verifier, _ = pipeline_folders
-    out = tmp_path / "ngram_sweep.json"
-    sweep(parse_params({"evaluate": {"backend": "hf"}}), NgramSweepPaths(verifier, tmp_path, out))
+    out = tmp_path / "free_sweep.json"
+    sweep(parse_params({"evaluate": {"backend": "hf"}}), FreeSweepPaths(verifier, tmp_path, out))
     assert read_ngram_record(out).setting is None
     choice = measured_ngram("0" * 64, 2, out)
     assert choice.setting == NgramSetting(5, 5, 2) and "measured none (evaluate.backend lists no vllm" in choice.why
@@ -254,23 +254,23 @@ def test_without_vllm_in_evaluate_nothing_is_measured_and_the_default_window_run
     ],
 )
 def test_a_broken_record_is_refused_in_one_line(tmp_path: Path, content: str):
-    record = tmp_path / "ngram_sweep.json"
+    record = tmp_path / "free_sweep.json"
     record.write_text(content)
     with pytest.raises(EaglenestError) as err:
         measured_ngram("0" * 64, 2, record)
-    assert str(err.value).count("\n") == 0 and str(record) in str(err.value) and "ngram_sweep" in str(err.value)
+    assert str(err.value).count("\n") == 0 and str(record) in str(err.value) and "free_sweep" in str(err.value)
 
 
 @pytest.mark.slow
 @requires_vllm
 def test_the_real_sweep_in_the_shared_pipeline(shared_pipeline: SharedPipeline):
-    """The shared pipeline's `dvc repro` ran the stage with vLLM's CPU build (SHARED_PARAMS' ngram_sweep): the windows
+    """The shared pipeline's `dvc repro` ran the stage with vLLM's CPU build (SHARED_PARAMS' free_sweep): the windows
     replayed on the turns after evaluate's timed ones, one engine per K timed, and evaluate ran the chosen one."""
     repo = shared_pipeline.repo
-    assert "Running stage 'ngram_sweep'" in shared_pipeline.first_repro
+    assert "Running stage 'free_sweep'" in shared_pipeline.first_repro
     params = yaml.safe_load((repo / "params.yaml").read_text())
-    record = json.loads((repo / "metrics" / "ngram_sweep.json").read_text())
-    own = params["ngram_sweep"]
+    record = json.loads((repo / "metrics" / "free_sweep.json").read_text())
+    own = params["free_sweep"]
     assert record["ks"] == sorted(own["ks"]) and len(record["timed"]) == len(own["ks"])
     chosen = record["setting"]
     assert chosen["num_speculative_tokens"] in own["ks"] and record["serve"]["speedup"] > 0
