@@ -30,8 +30,8 @@ from eaglenest.core.registry import Registry
 from eaglenest.stages.convert.params import ConvertStageParams
 from eaglenest.stages.evaluate.params import EvaluateStageParams
 from eaglenest.stages.extract.params import ExtractStageParams
-from eaglenest.stages.k_sweep.params import KSweepStageParams
 from eaglenest.stages.free_sweep.params import FreeSweepStageParams
+from eaglenest.stages.k_sweep.params import KSweepStageParams
 from eaglenest.stages.prepare.params import PrepareStageParams
 from eaglenest.stages.train.params import TrainStageParams
 from eaglenest.stages.verifier.params import VerifierStageParams

@@ -226,9 +226,9 @@ class Drafter:
         """The request's kept entries; dropped first where this step starts at or before the last kept position
         (the request was preempted and is computed again from its start)."""
         unseen = self.unseen.get(req_id)
-        if unseen is not None and unseen.count and positions.numel():
-            if int(positions[0]) <= int(unseen.positions[-1][-1]):  # restarted
-                unseen = None
+        restarted = unseen is not None and unseen.count and positions.numel()
+        if restarted and unseen is not None and int(positions[0]) <= int(unseen.positions[-1][-1]):
+            unseen = None
         if unseen is None:
             unseen = self.unseen[req_id] = Unseen()
         return unseen
