@@ -26,7 +26,7 @@ def main() -> None:
 
     from eaglenest.artifacts.draft import draft_tokens, vllm_speculative_config
     from eaglenest.artifacts.eval_sets import load_eval_sets
-    from eaglenest.artifacts.ngram_record import measured_ngram
+    from eaglenest.artifacts.free_record import measured_ngram
     from eaglenest.artifacts.verifier import load_tokenizer, load_verifier_info
     from eaglenest.commands.params_file import load_params
     from eaglenest.core.atomic import atomic_write_json

@@ -105,7 +105,7 @@ def figures_table(base: Revision, head: Revision) -> list[str]:
         f"**Figures** ({backend}{f', K = {k}' if k else ''}; 95% intervals over prompts; "
         f"{short(base)} → {short(head)}):",
         "",
-        "| set | tau | speed-up | draft / n-gram |",
+        "| set | tau | speed-up | draft / fastest free drafter |",
         "|---|---|---|---|",
     ]
     for name, now in metrics.items():
@@ -113,7 +113,7 @@ def figures_table(base: Revision, head: Revision) -> list[str]:
             continue
         then = before.get(name) if isinstance(before.get(name), dict) else None
         cells = []
-        for key, prefix in ((f"{backend}_tau", ""), (f"{backend}_speedup", "x"), (f"{backend}_vs_ngram", "x")):
+        for key, prefix in ((f"{backend}_tau", ""), (f"{backend}_speedup", "x"), (f"{backend}_vs_free", "x")):
             value = figure(now, key, prefix)
             cells.append(f"{figure(then, key, prefix)} → {value}" if then is not None else value)
         lines.append(f"| `{name}` | " + " | ".join(cells) + " |")

@@ -20,8 +20,8 @@ def test_summary_is_one_row_per_headline_set(tmp_path: Path, capsys: pytest.Capt
                     "vllm_tau_ci95": 0.03,
                     "vllm_speedup": 1.2,
                     "vllm_speedup_ci95": 0.05,
-                    "vllm_vs_ngram": 1.333,
-                    "vllm_vs_ngram_ci95": 0.06,
+                    "vllm_vs_free": 1.333,
+                    "vllm_vs_free_ci95": 0.06,
                 },
                 "general": {"vllm_tau": 1.5, "vllm_tau_ci95": 0.07},
                 "lossless": 1.0,
@@ -32,7 +32,12 @@ def test_summary_is_one_row_per_headline_set(tmp_path: Path, capsys: pytest.Capt
     host = {"cpu": "AMD EPYC", "aten_capability": "AVX2", "bf16_native": False, "gpu": None, "compute_dtype": "float32"}
     sets = {
         "val": {"summary": {"tau": {"value": 1.9, "ci95": 0.08}}},
-        "humaneval": {"summary": {"ngram_speedup": {"value": 0.9, "ci95": 0.04}, "vs_ngram": {"verdict": "ahead"}}},
+        "humaneval": {
+            "summary": {
+                "ngram_speedup": {"value": 0.9, "ci95": 0.04},
+                "vs_free": {"verdict": "ahead", "drafter": "suffix"},
+            }
+        },
     }
     details = {"headline_backend": "vllm", "host": host, "runs": {"vllm": {"sets": sets}}}
     (tmp_path / "metrics" / "eval" / "details.json").write_text(json.dumps(details))
@@ -48,9 +53,13 @@ def test_summary_is_one_row_per_headline_set(tmp_path: Path, capsys: pytest.Capt
         "n-gram",
         "speed-up",
         "(95%)",
+        "suffix",
+        "speed-up",
+        "(95%)",
         "draft",
         "/",
-        "n-gram",
+        "fastest",
+        "free",
         "(95%)",
     ]
     assert lines[1].split() == [
@@ -64,12 +73,14 @@ def test_summary_is_one_row_per_headline_set(tmp_path: Path, capsys: pytest.Capt
         "x0.900",
         "±",
         "0.040",
+        "—",
         "x1.333",
         "±",
         "0.060",
         "ahead",
+        "(suffix)",
     ]
-    assert lines[2].split() == ["general", "1.500", "±", "0.070", "—", "—", "—"]
+    assert lines[2].split() == ["general", "1.500", "±", "0.070", "—", "—", "—", "—"]
     assert lines[3] == "lossless: 1.0"
     assert "tau_sim 2.040" in lines[4] and "decoded tau of the same split (vllm): 1.900 ± 0.080" in lines[4]
     assert lines[5] == "measured on: AMD EPYC, AVX2 (no native bf16), computing in float32"

@@ -80,8 +80,9 @@ def test_default_verifier_and_mix_through_dvc_repro(shared_pipeline: SharedPipel
             "vllm_tau_ci95",
             "vllm_speedup",
             "vllm_speedup_ci95",
-            "vllm_vs_ngram",
-            "vllm_vs_ngram_ci95",
+            "vllm_vs_free",
+            "vllm_vs_free_ci95",
+            "vllm_free",
             "vllm_tau_timed",
         }, figures
         assert 1.0 <= figures["vllm_tau"] <= 4.0 and figures["vllm_tau_ci95"] >= 0 and figures["vllm_speedup"] > 0

@@ -8,7 +8,9 @@ be recomputed, resampled and paired between revisions (``eaglenest report BASE H
                                                     "ngram", "records": [record, ...]}}}}}
 
 ``ngram`` (vllm) is the n-gram baseline's setting: its lookup ``window``, its ``num_speculative_tokens`` and why
-(the free_sweep stage's measurement, or vLLM's default where there is none).
+(the free_sweep stage's measurement, or vLLM's default where there is none); ``suffix`` (vllm) suffix decoding's
+(tree depth, spec factor, least token probability, K, why); ``free_drafter`` the one of the two the free_sweep stage
+measured fastest, the baseline the verdict is against (``ngram`` where nothing was measured).
 
 A record (one prompt turn):
 
@@ -16,12 +18,15 @@ A record (one prompt turn):
 * ``steps``, ``accepted``, ``drafted``, ``per_position`` — the draft's acceptance counts on this turn;
 * ``identical``, ``lossless`` — against plain decoding of the same engine (see the evaluate stage);
 * ``plain_tokens``/``plain_s``, ``spec_tokens``/``spec_s`` — the turn decoded alone (single stream), where it
-  was timed, else null; ``ngram_tokens``/``ngram_s`` the same for the n-gram baseline (vllm);
+  was timed, else null; ``ngram_tokens``/``ngram_s`` and ``suffix_tokens``/``suffix_s`` the same for the free
+  drafters (vllm);
 * ``alone_steps``, ``alone_accepted`` — vllm, timed turns: the draft's counts when the turn was decoded alone,
   beside ``steps``/``accepted`` from the batched pass (batching changes the numerics, and with them acceptance);
 * ``ngram_steps``, ``ngram_accepted``, ``ngram_drafted``, ``ngram_per_position`` — the n-gram baseline's counts
   (at its own K): vLLM's own on the timed turns (it counts only steps where the lookup proposed, so its tau is
-  conditional on a match) or, for hf, replayed on the plain output; absent where not measured.
+  conditional on a match) or, for hf, replayed on the plain output; absent where not measured;
+* ``suffix_steps``, ``suffix_accepted``, ``suffix_drafted``, ``suffix_per_position`` — suffix decoding's (vllm, the
+  timed turns; its steps too are those where it proposed).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from eaglenest.artifacts.free_record import FREE_DRAFTERS
 from eaglenest.core.bootstrap import Interval, bootstrap, tau_statistic
 from eaglenest.core.errors import InputFileError
 from eaglenest.core.measure.speedup import speedup_interval as paired_speedup
@@ -72,17 +78,18 @@ def speedup_interval(records: list[dict[str, Any]], samples: int, seed: int, dra
     return paired_speedup(cluster_sums(chosen, fields), samples, seed)
 
 
-def draft_vs_ngram(records: list[dict[str, Any]], samples: int, seed: int) -> Interval | None:
-    """The draft's single-stream tokens/s over the n-gram baseline's on the turns both decoded alone, paired
-    conversation by conversation (the measurement kit's speed-up statistic with n-gram in plain's place), with its
-    95% interval; None where the baseline was not timed.
+def draft_vs_free(records: list[dict[str, Any]], samples: int, seed: int, free: str = "ngram") -> Interval | None:
+    """The draft's single-stream tokens/s over the free drafter ``free``'s (``ngram`` or ``suffix``) on the turns
+    both decoded alone, paired conversation by conversation (the measurement kit's speed-up statistic with the free
+    drafter in plain's place), with its 95% interval; None where that drafter was not timed.
 
     A ratio of the two speed-ups would carry both engines' spread against plain decoding; pairing the draft with
-    n-gram directly cancels what the two share on each prompt (its length, what the machine was doing)."""
-    chosen = [r for r in timed(records, "spec") if r.get("ngram_s") is not None]
+    the free drafter directly cancels what the two share on each prompt (its length, what the machine was doing)."""
+    chosen = [r for r in timed(records, "spec") if r.get(f"{free}_s") is not None]
     if not chosen:
         return None
-    return paired_speedup(cluster_sums(chosen, ("spec_tokens", "spec_s", "ngram_tokens", "ngram_s")), samples, seed)
+    fields = ("spec_tokens", "spec_s", f"{free}_tokens", f"{free}_s")
+    return paired_speedup(cluster_sums(chosen, fields), samples, seed)
 
 
 def verdict(versus: Interval) -> str:
@@ -95,13 +102,13 @@ def verdict(versus: Interval) -> str:
     return "tie"
 
 
-def summarize(records: list[dict[str, Any]], k: int, samples: int, seed: int) -> dict[str, Any]:
-    """One back end's figures on one set: tau and speed-up with intervals, acceptance per position, the
-    n-gram baseline, lossless counts and tau per category."""
+def summarize(records: list[dict[str, Any]], k: int, samples: int, seed: int, free: str = "ngram") -> dict[str, Any]:
+    """One back end's figures on one set: tau and speed-up with intervals, acceptance per position, the free
+    drafters (each one's tau and speed-up, the draft's speed over each, and ``vs_free``: over ``free``, the one the
+    free_sweep stage measured fastest), lossless counts and tau per category."""
     steps = sum(r["steps"] for r in records)
     per_position = [sum(r["per_position"][i] for r in records) for i in range(k)]
     drafted = sum(r["drafted"] for r in records)
-    ngram_steps = sum(r.get("ngram_steps") or 0 for r in records)
     summary: dict[str, Any] = {
         "tau": tau_interval(records, samples, seed).as_dict(),
         "per_position_acceptance": [round(c / steps, 4) if steps else 0.0 for c in per_position],
@@ -112,12 +119,13 @@ def summarize(records: list[dict[str, Any]], k: int, samples: int, seed: int) ->
         "identical_fraction": round(sum(bool(r["identical"]) for r in records) / len(records), 4),
         "lossless_fraction": round(sum(bool(r["lossless"]) for r in records) / len(records), 4),
     }
-    if ngram_steps:
-        # vllm decodes the baseline on the timed turns only: its counts are theirs
-        with_ngram = [r for r in records if r.get("ngram_steps") is not None]
-        summary["ngram_tau"] = tau_interval(with_ngram, samples, seed, prefix="ngram_").as_dict()
-        summary["ngram_per_position_acceptance"] = _ngram_per_position(with_ngram)
-    for drafter, name in (("spec", "speedup"), ("ngram", "ngram_speedup")):
+    for drafter in FREE_DRAFTERS:
+        if sum(r.get(f"{drafter}_steps") or 0 for r in records):
+            # vllm decodes the free drafters on the timed turns only: their counts are theirs
+            measured = [r for r in records if r.get(f"{drafter}_steps") is not None]
+            summary[f"{drafter}_tau"] = tau_interval(measured, samples, seed, prefix=f"{drafter}_").as_dict()
+            summary[f"{drafter}_per_position_acceptance"] = _free_per_position(measured, drafter)
+    for drafter, name in (("spec", "speedup"), *((d, f"{d}_speedup") for d in FREE_DRAFTERS)):
         interval = speedup_interval(records, samples, seed, drafter)
         if interval is not None:
             chosen = timed(records, drafter)
@@ -129,9 +137,12 @@ def summarize(records: list[dict[str, Any]], k: int, samples: int, seed: int) ->
                 sum(r["plain_tokens"] for r in chosen) / sum(r["plain_s"] for r in chosen), 2
             )
             summary["timed_turns"] = len(chosen)
-    versus = draft_vs_ngram(records, samples, seed)
-    if versus is not None:
-        summary["vs_ngram"] = versus.as_dict() | {"verdict": verdict(versus)}
+    for drafter in FREE_DRAFTERS:
+        versus = draft_vs_free(records, samples, seed, drafter)
+        if versus is not None:
+            summary[f"vs_{drafter}"] = versus.as_dict() | {"verdict": verdict(versus)}
+    if f"vs_{free}" in summary:
+        summary["vs_free"] = summary[f"vs_{free}"] | {"drafter": free}
     alone = [r for r in records if r.get("alone_steps") is not None]
     if alone:
         # the same turns' tau decoded together and decoded alone; alone is the tau the timed speed-ups decoded at
@@ -150,21 +161,22 @@ def summarize(records: list[dict[str, Any]], k: int, samples: int, seed: int) ->
     return summary
 
 
-def _ngram_per_position(records: list[dict[str, Any]]) -> list[float]:
-    """The baseline's acceptance per draft position, at its own K (the free_sweep stage's, not the draft's)."""
-    steps = sum(r.get("ngram_steps") or 0 for r in records)
-    k = max(len(r.get("ngram_per_position") or []) for r in records)
-    counts = [sum((r.get("ngram_per_position") or [0] * k)[i] for r in records) for i in range(k)]
+def _free_per_position(records: list[dict[str, Any]], drafter: str) -> list[float]:
+    """A free drafter's acceptance per draft position, at its own K (the free_sweep stage's, not the draft's)."""
+    steps = sum(r.get(f"{drafter}_steps") or 0 for r in records)
+    k = max(len(r.get(f"{drafter}_per_position") or []) for r in records)
+    counts = [sum((r.get(f"{drafter}_per_position") or [0] * k)[i] for r in records) for i in range(k)]
     return [round(c / steps, 4) if steps else 0.0 for c in counts]
 
 
 def headline(details: dict[str, Any], headline_sets: list[str], backend: str) -> dict[str, Any]:
     """The few figures ``metrics/eval.json`` holds (``dvc metrics show`` stays within 25 numbers): per headline
     set, the serving back end's tau and speed-up (each with its 95% half-width), tau on the timed turns as they were
-    decoded (``_tau_timed``, beside tau on the whole set) and the verdict's figure (``_vs_ngram``: the draft's speed
-    over n-gram's, paired, with its half-width); ``lossless``, the smallest lossless fraction of any greedy set and
-    back end. The n-gram baseline's own speed-up over plain decoding stays in the set's summary
-    (``metrics/eval/details.json``): the verdict is the comparison a diff reads."""
+    decoded (``_tau_timed``, beside tau on the whole set) and the verdict's figure (``_vs_free``: the draft's speed
+    over the fastest free drafter's, paired, with its half-width; ``_free`` names that drafter); ``lossless``, the
+    smallest lossless fraction of any greedy set and back end. The free drafters' own speed-ups over plain decoding
+    and the draft over each stay in the set's summary (``metrics/eval/details.json``): the verdict is the comparison
+    a diff reads."""
     figures: dict[str, Any] = {}
     for name in headline_sets:
         summary = details["runs"][backend]["sets"][name]["summary"]
@@ -172,9 +184,10 @@ def headline(details: dict[str, Any], headline_sets: list[str], backend: str) ->
         if "speedup" in summary:
             entry[f"{backend}_speedup"] = summary["speedup"]["value"]
             entry[f"{backend}_speedup_ci95"] = summary["speedup"]["ci95"]
-        if "vs_ngram" in summary:
-            entry[f"{backend}_vs_ngram"] = summary["vs_ngram"]["value"]
-            entry[f"{backend}_vs_ngram_ci95"] = summary["vs_ngram"]["ci95"]
+        if "vs_free" in summary:
+            entry[f"{backend}_vs_free"] = summary["vs_free"]["value"]
+            entry[f"{backend}_vs_free_ci95"] = summary["vs_free"]["ci95"]
+            entry[f"{backend}_free"] = summary["vs_free"]["drafter"]
         if "tau_batched_vs_alone" in summary:
             entry[f"{backend}_tau_timed"] = summary["tau_batched_vs_alone"]["alone"]["value"]
         figures[name] = entry

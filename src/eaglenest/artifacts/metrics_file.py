@@ -42,9 +42,12 @@ def summary_figure_text(summary: dict[str, Any], key: str, prefix: str = "") -> 
 
 
 def versus_text(figures: dict[str, Any], backend: str, summary: dict[str, Any]) -> str:
-    """The verdict of one set, as the tables print it: the draft's speed over the n-gram baseline's with its 95%
+    """The verdict of one set, as the tables print it: the draft's speed over the fastest free drafter's with its 95%
     half-width (``metrics/eval.json``) and the word the interval gives (``ahead``, ``tie``, ``behind``: the set's
     summary in ``metrics/eval/details.json``, whose interval is the asymmetric one)."""
-    said = (summary.get("vs_ngram") or {}).get("verdict")
-    text = figure_text(figures, f"{backend}_vs_ngram", "x")
+    versus = summary.get("vs_free") or {}
+    said = versus.get("verdict")
+    text = figure_text(figures, f"{backend}_vs_free", "x")
+    if said and text != "—" and versus.get("drafter"):
+        return f"{text} {said} ({versus['drafter']})"
     return f"{text} {said}" if said and text != "—" else text

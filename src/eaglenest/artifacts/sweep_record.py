@@ -1,4 +1,4 @@
-"""What the sweep stages' records (:mod:`eaglenest.artifacts.k_record`, :mod:`eaglenest.artifacts.ngram_record`)
+"""What the sweep stages' records (:mod:`eaglenest.artifacts.k_record`, :mod:`eaglenest.artifacts.free_record`)
 share: one JSON file, kept in git, that says what was measured on, the setting chosen with its speed-up (or why
 nothing was measured) and the stage's own details; written atomically, read back or refused with one line."""
 

@@ -30,7 +30,16 @@ def summary_lines(repo: Path) -> list[str]:
     details = read_metrics(details_path) if details_path.exists() else {}
     backend = details.get("headline_backend", "vllm")
     sets = details.get("runs", {}).get(backend, {}).get("sets", {})
-    rows = [("set", f"{backend} tau (95%)", "speed-up (95%)", "n-gram speed-up (95%)", "draft / n-gram (95%)")]
+    rows = [
+        (
+            "set",
+            f"{backend} tau (95%)",
+            "speed-up (95%)",
+            "n-gram speed-up (95%)",
+            "suffix speed-up (95%)",
+            "draft / fastest free (95%)",
+        )
+    ]
     for name, figures in headline.items():
         if not isinstance(figures, dict):
             continue
@@ -41,6 +50,7 @@ def summary_lines(repo: Path) -> list[str]:
                 figure_text(figures, f"{backend}_tau"),
                 figure_text(figures, f"{backend}_speedup", "x"),
                 summary_figure_text(summary, "ngram_speedup", "x"),
+                summary_figure_text(summary, "suffix_speedup", "x"),
                 versus_text(figures, backend, summary),
             )
         )

@@ -12,7 +12,7 @@ import pytest
 
 from eaglenest.artifacts.eval_params import EvalSetParams, EvaluateParams
 from eaglenest.artifacts.eval_sets import GENERAL_SET_FILE, LONG_SET_FILE, load_eval_set
-from eaglenest.artifacts.evaluation import draft_vs_ngram, headline, summarize, tau_interval, verdict
+from eaglenest.artifacts.evaluation import draft_vs_free, headline, summarize, tau_interval, verdict
 from eaglenest.artifacts.prepared import write_prepared
 from eaglenest.commands.params_file import parse_params
 from eaglenest.core.bootstrap import bootstrap, difference, tau_statistic
@@ -259,14 +259,17 @@ def test_headline_is_a_few_named_numbers(tmp_path: Path):
         "vllm_tau_ci95",
         "vllm_speedup",
         "vllm_speedup_ci95",
-        "vllm_vs_ngram",
-        "vllm_vs_ngram_ci95",
+        "vllm_vs_free",
+        "vllm_vs_free_ci95",
+        "vllm_free",
         "vllm_tau_timed",
     }
     summary = details["runs"]["vllm"]["sets"]["humaneval"]["summary"]
-    # n-gram decoded each turn as fast as plain decoding here: the draft's speed over n-gram's is its speed-up
-    assert figures["humaneval"]["vllm_vs_ngram"] == pytest.approx(figures["humaneval"]["vllm_speedup"], abs=1e-4)
-    assert summary["vs_ngram"]["verdict"] == "ahead"
+    # n-gram decoded each turn as fast as plain decoding here: the draft's speed over n-gram's is its speed-up; with
+    # no free_sweep record naming another, n-gram drafting is the free drafter the verdict is against
+    assert figures["humaneval"]["vllm_vs_free"] == pytest.approx(figures["humaneval"]["vllm_speedup"], abs=1e-4)
+    assert figures["humaneval"]["vllm_free"] == "ngram" and summary["vs_free"]["verdict"] == "ahead"
+    assert summary["vs_free"] == summary["vs_ngram"] | {"drafter": "ngram"}
     assert figures["humaneval"]["vllm_tau_timed"] == summary["tau_batched_vs_alone"]["alone"]["value"]
     assert figures["humaneval"]["vllm_tau"] == summary["tau"]["value"] and set(summary["categories"]) == {"a", "b"}
     moved = summary["tau_batched_vs_alone"]  # one accepted token fewer per turn when decoded alone
@@ -307,8 +310,13 @@ def test_the_verdict_pairs_the_draft_with_n_gram_turn_by_turn(draft_s: float | N
         record["ngram_s"] = round(float(rng.uniform(0.8, 1.2)), 6)
         # a tie: the draft a tenth faster on half the conversations, a tenth slower on the others
         record["spec_s"] = record["ngram_s"] * (draft_s if draft_s is not None else (0.9 if i % 2 else 1.1))
-    versus = draft_vs_ngram(records, 1000, 0)
+    versus = draft_vs_free(records, 1000, 0)
     assert verdict(versus) == verdict_said
     assert summarize(records, 3, 1000, 0)["vs_ngram"] == versus.as_dict() | {"verdict": verdict_said}
     untimed = [{**r, "ngram_s": None} for r in records]
-    assert draft_vs_ngram(untimed, 1000, 0) is None and "vs_ngram" not in summarize(untimed, 3, 1000, 0)
+    assert draft_vs_free(untimed, 1000, 0) is None and "vs_ngram" not in summarize(untimed, 3, 1000, 0)
+    # the same turns as suffix decoding's: the verdict is against the free drafter named fastest
+    as_suffix = [{**r, "suffix_tokens": r["ngram_tokens"], "suffix_s": r["ngram_s"], "ngram_s": None} for r in records]
+    summary = summarize(as_suffix, 3, 1000, 0, free="suffix")
+    assert summary["vs_free"] == versus.as_dict() | {"verdict": verdict_said, "drafter": "suffix"}
+    assert "vs_free" not in summarize(as_suffix, 3, 1000, 0, free="ngram")

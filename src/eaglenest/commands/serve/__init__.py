@@ -39,8 +39,8 @@ import os
 import sys
 from pathlib import Path
 
+from eaglenest.artifacts.free_record import FREE_RECORD_FILE
 from eaglenest.artifacts.k_record import K_RECORD_FILE
-from eaglenest.artifacts.ngram_record import NGRAM_RECORD_FILE
 from eaglenest.artifacts.serve_schedule import SCHEDULE_FILE
 from eaglenest.artifacts.traffic import DEFAULT_MAX_FILE_BYTES
 from eaglenest.commands.command import Command
@@ -166,9 +166,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--free-sweep",
-        default=str(NGRAM_RECORD_FILE),
+        default=str(FREE_RECORD_FILE),
         metavar="FILE",
-        help=f"with --baseline ngram: the n-gram record its window and K are read from (default: {NGRAM_RECORD_FILE})",
+        help=f"with --baseline ngram: the n-gram record its window and K are read from (default: {FREE_RECORD_FILE})",
     )
     schedule = parser.add_mutually_exclusive_group()
     schedule.add_argument(

@@ -10,8 +10,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from eaglenest.artifacts.free_record import FREE_RECORD_FILE, measured_ngram
 from eaglenest.artifacts.k_record import K_RECORD_FILE, draft_fingerprint, served_k
-from eaglenest.artifacts.ngram_record import NGRAM_RECORD_FILE, measured_ngram
 from eaglenest.artifacts.serve_schedule import (
     SCHEDULE_FILE,
     Schedule,
@@ -165,7 +165,7 @@ class ServeOptions:
     served_model_name: str | None = None
     vllm_args: tuple[str, ...] = ()
     baseline: str | None = None
-    ngram_file: Path | None = NGRAM_RECORD_FILE
+    ngram_file: Path | None = FREE_RECORD_FILE
     schedule_file: Path | None = SCHEDULE_FILE
     schedule_explicit: bool = False
     record_dir: Path | None = None

@@ -1,6 +1,6 @@
 """The engines a measurement times: plain, the draft (EAGLE-3 and the other methods vLLM serves a speculators
-checkpoint with) and vLLM's n-gram drafting, built from one engine params section, started, warmed and stopped; and
-the K they run at.
+checkpoint with) and vLLM's free drafters (n-gram drafting, suffix decoding), built from one engine params section,
+started, warmed and stopped; and the K they run at.
 
 The engines of one measurement start from one set of kwargs (:meth:`EngineBase.kwargs`) and differ only in what
 drafting adds (:func:`drafting`: ``speculative_config`` and the per-request counts vLLM gives only with it): the
@@ -158,6 +158,41 @@ class NgramSetting:
     def label(self) -> str:
         """``window min:max, K = k``, as records and logs name it."""
         return f"window {self.prompt_lookup_min}:{self.prompt_lookup_max}, K = {self.k}"
+
+
+@dataclass(frozen=True)
+class SuffixSetting:
+    """vLLM's suffix decoding (``method: suffix``, Arctic Inference's suffix trees over the request's prompt and
+    output and over earlier requests' outputs) as one engine runs it.
+
+    Attributes:
+        max_tree_depth: The longest suffix of the sequence so far that is matched (and the trees' depth).
+        max_spec_factor: Tokens proposed per matched token at most (a longer match proposes more).
+        min_token_prob: The least estimated probability of a proposed token; the proposal stops before one below.
+        k: The most tokens proposed per verify step.
+    """
+
+    max_tree_depth: int
+    max_spec_factor: float
+    min_token_prob: float
+    k: int
+
+    def speculative_config(self) -> dict[str, Any]:
+        """vLLM's ``speculative_config`` for it."""
+        return {
+            "method": "suffix",
+            "num_speculative_tokens": self.k,
+            "suffix_decoding_max_tree_depth": self.max_tree_depth,
+            "suffix_decoding_max_spec_factor": self.max_spec_factor,
+            "suffix_decoding_min_token_prob": self.min_token_prob,
+        }
+
+    @property
+    def label(self) -> str:
+        """``depth d, factor f, min p, K = k``, as records and logs name it."""
+        return (
+            f"depth {self.max_tree_depth}, factor {self.max_spec_factor:g}, min p {self.min_token_prob:g}, K = {self.k}"
+        )
 
 
 def start_engine(

