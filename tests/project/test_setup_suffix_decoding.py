@@ -62,9 +62,13 @@ def test_a_build_that_fails_stops_with_one_line_and_caches_nothing(tmp_path: Pat
     result = _run(cache, "arctic-inference==9.9.9")  # a version no source holds
     assert result.returncode == 1
     log = cache / "suffix-decoding-build.log"
-    assert result.stderr.strip().splitlines() == [
-        f"suffix_decoding.py: building arctic-inference==9.9.9 from its sdist failed; see {log}"
-    ], result.stderr
-    assert "arctic-inference==9.9.9" in log.read_text()
+    # offline, in a venv that installed suffix decoding from the cache, the build tools are the step that fails;
+    # where they are installed, the build itself: either way one line naming the step and the log
+    lines = result.stderr.strip().splitlines()
+    assert lines in (
+        [f"suffix_decoding.py: building arctic-inference==9.9.9 from its sdist failed; see {log}"],
+        [f"suffix_decoding.py: could not install the build tools nanobind==2.9.2 wheel setuptools>=61.0; see {log}"],
+    ), result.stderr
+    assert "$ pip " in log.read_text()
     assert not list(cache.rglob("*.whl")), "a failed build leaves no wheel a rerun would trust"
     assert (cache.stat().st_mode & 0o777) == 0o700, "a wheel another user could replace would run here"
