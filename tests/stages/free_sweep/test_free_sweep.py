@@ -347,6 +347,13 @@ def test_the_stage_times_the_best_window_at_each_k_and_records_the_fastest(
     argv = shlex.split(captured.out.strip())
     assert json.loads(argv[argv.index("--speculative-config") + 1]) == setting.speculative_config()
     assert f"n-gram drafting at {setting.label} (measured fastest" in captured.err
+    suffix = ["serve", "--verifier", str(verifier), "--draft", str(draft), "--print-command", "--baseline", "suffix"]
+    assert cli.main(suffix) == 0
+    captured = capsys.readouterr()
+    argv = shlex.split(captured.out.strip())
+    served = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert served == read_free_record(out).suffix.speculative_config() and served["method"] == "suffix"
+    assert "suffix decoding at depth" in captured.err and "(measured fastest" in captured.err
 
 
 def test_without_vllm_in_evaluate_nothing_is_measured_and_the_default_window_runs(tmp_path: Path, pipeline_folders):

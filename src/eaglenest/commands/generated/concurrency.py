@@ -25,7 +25,7 @@ BENCH_COMMAND = (
     "eaglenest bench --serve --prompts data/eval/general.jsonl --concurrency 1 4 16 --out bench/results/serve"
 )
 RECORD_COMMAND = f"python scripts/record_serve_bench.py bench/results/serve/bench.json --command '{BENCH_COMMAND}'"
-BASELINES = {"none": "plain decoding", "ngram": "n-gram drafting"}
+BASELINES = {"none": "plain decoding", "ngram": "n-gram drafting", "suffix": "suffix decoding"}
 
 
 @dataclass(frozen=True)

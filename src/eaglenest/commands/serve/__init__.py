@@ -168,7 +168,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "--free-sweep",
         default=str(FREE_RECORD_FILE),
         metavar="FILE",
-        help=f"with --baseline ngram: the n-gram record its window and K are read from (default: {FREE_RECORD_FILE})",
+        help=f"with --baseline ngram or suffix: the free drafters' record their settings are read from "
+        f"(default: {FREE_RECORD_FILE})",
     )
     schedule = parser.add_mutually_exclusive_group()
     schedule.add_argument(
@@ -191,11 +192,11 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--baseline",
-        choices=["ngram", "none"],
+        choices=["ngram", "suffix", "none"],
         default=None,
         help="serve a baseline instead of the draft, for eaglenest bench --baseline-url: vLLM's "
-        "n-gram drafting at the setting the free_sweep stage measured fastest, or the verifier alone "
-        "(default: the draft)",
+        "n-gram drafting or suffix decoding at the setting the free_sweep stage measured fastest, or the verifier "
+        "alone (default: the draft)",
     )
     parser.add_argument(
         "--record",

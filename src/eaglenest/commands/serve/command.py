@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from eaglenest.artifacts.free_record import FREE_RECORD_FILE, measured_ngram
+from eaglenest.artifacts.free_record import FREE_RECORD_FILE, measured_ngram, measured_suffix
 from eaglenest.artifacts.k_record import K_RECORD_FILE, draft_fingerprint, served_k
 from eaglenest.artifacts.serve_schedule import (
     SCHEDULE_FILE,
@@ -41,7 +41,7 @@ from eaglenest.core.vllm_support import (
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 # What `--baseline` serves instead of the draft (None: the draft itself).
-BASELINES = (None, "ngram", "none")
+BASELINES = (None, "ngram", "suffix", "none")
 # vLLM flags the command sets from eaglenest's own: passed after ``--`` they would contradict them.
 OWN_FLAGS = {
     "--model": "--verifier",
@@ -142,9 +142,10 @@ class ServeOptions:
         vllm_args: Further vLLM server flags, appended as given; none of ``OWN_FLAGS``. The value of each of
             ``SECRET_FLAGS`` goes to the server in its environment variable instead (:func:`secrets_to_env`).
         baseline: None serves the draft; ``"none"`` the verifier alone, ``"ngram"`` with vLLM's n-gram drafting
-            at the window and K the free_sweep stage measured fastest for this verifier (``ngram_file``), else
-            vLLM's default window at the draft's K: what ``eaglenest bench --baseline-url`` compares against.
-        ngram_file: The n-gram record; None: not consulted.
+            and ``"suffix"`` with its suffix decoding, each at the setting the free_sweep stage measured fastest for
+            this verifier (``ngram_file``), else vLLM's defaults at the draft's K: what ``eaglenest bench
+            --baseline-url`` compares against.
+        ngram_file: The free drafters' record (free_sweep's); None: not consulted.
         schedule_file: The schedule record the draft's K per batch size is read from; None: the same K at every
             batch size. Baselines never take one.
         schedule_explicit: The user named ``schedule_file``: refuse it, rather than pass it over, where it is
@@ -240,9 +241,9 @@ def build_command(options: ServeOptions, cpu_build: bool = True) -> ServeCommand
         if scheduled.schedule is not None:
             speculative["num_speculative_tokens_per_batch_size"] = [list(entry) for entry in scheduled.schedule]
         argv += ["--speculative-config", json.dumps(speculative)]
-    elif baseline == "ngram":
-        ngram = measured_ngram(info.fingerprint, k, options.ngram_file)
-        argv += ["--speculative-config", json.dumps(ngram.setting.speculative_config())]
+    elif baseline in ("ngram", "suffix"):
+        free = (measured_ngram if baseline == "ngram" else measured_suffix)(info.fingerprint, k, options.ngram_file)
+        argv += ["--speculative-config", json.dumps(free.setting.speculative_config())]
     computed_in = serving_dtype(model_dir, options.dtype)
     argv += ["--host", options.host, "--port", str(options.port), "--dtype", computed_in]
     if info.trust_remote_code:
@@ -255,12 +256,12 @@ def build_command(options: ServeOptions, cpu_build: bool = True) -> ServeCommand
     else:
         env.update(compile_env(cpu_build))
     argv += vllm_args
-    reason = {
-        None: f"the draft, {choice.line()}",
-        "none": "baseline: no drafting",
-        "ngram": f"baseline: {ngram.line()}" if baseline == "ngram" else "",
-    }[baseline]
-    served_k_of = {None: k, "none": None, "ngram": ngram.setting.k if baseline == "ngram" else None}[baseline]
+    if baseline is None:
+        reason, served_k_of = f"the draft, {choice.line()}", k
+    elif baseline == "none":
+        reason, served_k_of = "baseline: no drafting", None
+    else:
+        reason, served_k_of = f"baseline: {free.line()}", free.setting.k
     if options.record_dir is not None:
         env.update(_recording(options, argv, vllm_args, served_k_of))
     return ServeCommand(
