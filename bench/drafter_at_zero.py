@@ -5,6 +5,9 @@ feed the skipped positions when the request drafts again: exact) and ``retire`` 
     .venv/bin/python bench/drafter_at_zero.py [--in-flight 4 16] [--requests 32] [--max-new-tokens 64] \\
         [--rounds 5] [--out bench/results/drafter_at_zero.json]
 
+Each load runs in a process of its own (this script again, with ``--one-load``): vLLM's CPU build cannot start an
+engine in a process whose earlier in-process engines were stopped (its parallel state is torn down with them).
+
 Run in a checkout whose pipeline is up to date (``models/verifier``, ``models/draft``). Every engine is the same
 engine but for its drafting: the verifier in evaluate's dtype, no prefix cache, ``max_num_seqs`` = the requests in
 flight, and the drafting engines at the draft's own K with the schedule ``[[1, 1, K], [2, N, 0]]`` (K alone, none
@@ -17,10 +20,13 @@ is each engine's tokens/s over the plain engine's in the same round, its mean ov
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -79,7 +85,10 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("bench/results/drafter_at_zero.json"))
+    parser.add_argument("--one-load", type=Path, default=None, help=argparse.SUPPRESS)  # a child's output file
     args = parser.parse_args()
+    if args.one_load is None and len(args.in_flight) > 1:
+        return each_load_alone(args)
     # four engines up at once on the CPU build: a GiB of KV cache each holds every request in flight
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from eaglenest.artifacts.eval_sets import load_eval_sets
@@ -130,9 +139,27 @@ def main() -> int:
         for name in llms:
             figure = record["loads"][str(in_flight)][name]["over_plain"]
             print(f"{in_flight} in flight, {name}: x{figure['value']:.3f} ± {figure['ci95']:.3f} over plain")
-        del llms
+    out = args.one_load or args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out, record)
+    return 0
+
+
+def each_load_alone(args: argparse.Namespace) -> int:
+    """Runs each load in a child process and writes one record of them all."""
+    merged: dict = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for in_flight in args.in_flight:
+            part = Path(scratch) / f"{in_flight}.json"
+            common = ["--requests", str(args.requests), "--max-new-tokens", str(args.max_new_tokens)]
+            child = [sys.executable, __file__, "--in-flight", str(in_flight), *common, "--rounds", str(args.rounds)]
+            if subprocess.run([*child, "--one-load", str(part)]).returncode != 0:
+                return 1
+            record = json.loads(part.read_text())
+            merged = {**record, "loads": {**merged.get("loads", {}), **record["loads"]}}
+    merged["command"] = " ".join(["bench/drafter_at_zero.py", *sys.argv[1:]])
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(args.out, record)
+    atomic_write_json(args.out, merged)
     return 0
 
 
