@@ -109,7 +109,7 @@ def evaluate_records(timed: dict[str, list], k: int) -> list[dict]:
     records = []
     for i in range(len(timed["plain"])):
         record = {"id": str(i)}
-        add_timed(record, {drafter: turns[i] for drafter, turns in timed.items()}, k, k)
+        add_timed(record, {drafter: turns[i] for drafter, turns in timed.items()}, k, {"ngram": k})
         records.append(record)
     return records
 

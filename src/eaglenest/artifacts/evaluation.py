@@ -78,17 +78,20 @@ def speedup_interval(records: list[dict[str, Any]], samples: int, seed: int, dra
     return paired_speedup(cluster_sums(chosen, fields), samples, seed)
 
 
-def draft_vs_free(records: list[dict[str, Any]], samples: int, seed: int, free: str = "ngram") -> Interval | None:
-    """The draft's single-stream tokens/s over the free drafter ``free``'s (``ngram`` or ``suffix``) on the turns
-    both decoded alone, paired conversation by conversation (the measurement kit's speed-up statistic with the free
-    drafter in plain's place), with its 95% interval; None where that drafter was not timed.
+def draft_vs_free(
+    records: list[dict[str, Any]], samples: int, seed: int, free: str = "ngram", drafter: str = "spec"
+) -> Interval | None:
+    """``drafter``'s (the draft, ``spec``, or the ``hybrid``) single-stream tokens/s over the free drafter ``free``'s
+    (``ngram``, ``suffix``; or the draft, ``spec``) on the turns both decoded alone, paired conversation by
+    conversation (the measurement kit's speed-up statistic with the free drafter in plain's place), with its 95%
+    interval; None where either was not timed.
 
     A ratio of the two speed-ups would carry both engines' spread against plain decoding; pairing the draft with
     the free drafter directly cancels what the two share on each prompt (its length, what the machine was doing)."""
-    chosen = [r for r in timed(records, "spec") if r.get(f"{free}_s") is not None]
+    chosen = [r for r in timed(records, drafter) if r.get(f"{free}_s") is not None]
     if not chosen:
         return None
-    fields = ("spec_tokens", "spec_s", f"{free}_tokens", f"{free}_s")
+    fields = (f"{drafter}_tokens", f"{drafter}_s", f"{free}_tokens", f"{free}_s")
     return paired_speedup(cluster_sums(chosen, fields), samples, seed)
 
 
@@ -125,7 +128,7 @@ def summarize(records: list[dict[str, Any]], k: int, samples: int, seed: int, fr
             measured = [r for r in records if r.get(f"{drafter}_steps") is not None]
             summary[f"{drafter}_tau"] = tau_interval(measured, samples, seed, prefix=f"{drafter}_").as_dict()
             summary[f"{drafter}_per_position_acceptance"] = _free_per_position(measured, drafter)
-    for drafter, name in (("spec", "speedup"), *((d, f"{d}_speedup") for d in FREE_DRAFTERS)):
+    for drafter, name in (("spec", "speedup"), *((d, f"{d}_speedup") for d in (*FREE_DRAFTERS, "hybrid"))):
         interval = speedup_interval(records, samples, seed, drafter)
         if interval is not None:
             chosen = timed(records, drafter)
@@ -143,6 +146,7 @@ def summarize(records: list[dict[str, Any]], k: int, samples: int, seed: int, fr
             summary[f"vs_{drafter}"] = versus.as_dict() | {"verdict": verdict(versus)}
     if f"vs_{free}" in summary:
         summary["vs_free"] = summary[f"vs_{free}"] | {"drafter": free}
+    summary.update(_hybrid_summary(records, samples, seed, free))
     alone = [r for r in records if r.get("alone_steps") is not None]
     if alone:
         # the same turns' tau decoded together and decoded alone; alone is the tau the timed speed-ups decoded at
@@ -161,6 +165,30 @@ def summarize(records: list[dict[str, Any]], k: int, samples: int, seed: int, fr
     return summary
 
 
+def _hybrid_summary(records: list[dict[str, Any]], samples: int, seed: int, free: str) -> dict[str, Any]:
+    """The hybrid's figures on a set it decoded (greedy sets): tau, lossless and identical fractions over the batched
+    pass, whether each timed turn decoded alone emitted plain's tokens decoded alone, and its speed over the free
+    drafter ``free`` (``hybrid_vs_free``) and over the draft alone (``hybrid_vs_spec``), paired."""
+    decoded = [r for r in records if r.get("hybrid_steps") is not None]
+    if not decoded:
+        return {}
+    summary: dict[str, Any] = {
+        "hybrid_tau": tau_interval(decoded, samples, seed, prefix="hybrid_").as_dict(),
+        "hybrid_identical_fraction": round(sum(bool(r["hybrid_identical"]) for r in decoded) / len(decoded), 4),
+        "hybrid_lossless_fraction": round(sum(bool(r["hybrid_lossless"]) for r in decoded) / len(decoded), 4),
+    }
+    alone = [r for r in decoded if r.get("hybrid_timed_identical") is not None]
+    if alone:
+        summary["hybrid_timed_identical_fraction"] = round(
+            sum(bool(r["hybrid_timed_identical"]) for r in alone) / len(alone), 4
+        )
+    for baseline, name in ((free, "hybrid_vs_free"), ("spec", "hybrid_vs_spec")):
+        versus = draft_vs_free(records, samples, seed, baseline, drafter="hybrid")
+        if versus is not None:
+            summary[name] = versus.as_dict() | {"verdict": verdict(versus), "drafter": baseline}
+    return summary
+
+
 def _free_per_position(records: list[dict[str, Any]], drafter: str) -> list[float]:
     """A free drafter's acceptance per draft position, at its own K (the free_sweep stage's, not the draft's)."""
     steps = sum(r.get(f"{drafter}_steps") or 0 for r in records)
@@ -170,13 +198,14 @@ def _free_per_position(records: list[dict[str, Any]], drafter: str) -> list[floa
 
 
 def headline(details: dict[str, Any], headline_sets: list[str], backend: str) -> dict[str, Any]:
-    """The few figures ``metrics/eval.json`` holds (``dvc metrics show`` stays within 25 numbers): per headline
-    set, the serving back end's tau and speed-up (each with its 95% half-width), tau on the timed turns as they were
-    decoded (``_tau_timed``, beside tau on the whole set) and the verdict's figure (``_vs_free``: the draft's speed
-    over the fastest free drafter's, paired, with its half-width; ``_free`` names that drafter); ``lossless``, the
-    smallest lossless fraction of any greedy set and back end. The free drafters' own speed-ups over plain decoding
-    and the draft over each stay in the set's summary (``metrics/eval/details.json``): the verdict is the comparison
-    a diff reads."""
+    """The figures ``metrics/eval.json`` holds: per headline set, the serving back end's tau and speed-up (each with
+    its 95% half-width), tau on the timed turns as they were decoded (``_tau_timed``, beside tau on the whole set),
+    the verdict's figure (``_vs_free``: the draft's speed over the fastest free drafter's, paired, with its
+    half-width; ``_free`` names that drafter), each free drafter's speed-up over plain decoding (``_ngram_speedup``,
+    ``_suffix_speedup``), and the hybrid's speed-up and its speed over the fastest free drafter, paired
+    (``_hybrid_speedup``, ``_hybrid_vs_free``, each with its half-width); ``lossless``, the smallest lossless
+    fraction of any greedy set, back end and drafter (the hybrid's included). The rest (the draft over each free
+    drafter, the hybrid over the draft, taus per drafter) stays in the set's summary (``metrics/eval/details.json``)."""
     figures: dict[str, Any] = {}
     for name in headline_sets:
         summary = details["runs"][backend]["sets"][name]["summary"]
@@ -190,12 +219,17 @@ def headline(details: dict[str, Any], headline_sets: list[str], backend: str) ->
             entry[f"{backend}_free"] = summary["vs_free"]["drafter"]
         if "tau_batched_vs_alone" in summary:
             entry[f"{backend}_tau_timed"] = summary["tau_batched_vs_alone"]["alone"]["value"]
+        for figure in (*(f"{d}_speedup" for d in FREE_DRAFTERS), "hybrid_speedup", "hybrid_vs_free"):
+            if figure in summary:
+                entry[f"{backend}_{figure}"] = summary[figure]["value"]
+                entry[f"{backend}_{figure}_ci95"] = summary[figure]["ci95"]
         figures[name] = entry
     greedy = [
-        s["summary"]["lossless_fraction"]
+        fraction
         for run in details["runs"].values()
         for s in run["sets"].values()
         if s["temperature"] == 0
+        for fraction in (s["summary"]["lossless_fraction"], s["summary"].get("hybrid_lossless_fraction", 1.0))
     ]
     if greedy:
         figures["lossless"] = min(greedy)

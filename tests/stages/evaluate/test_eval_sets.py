@@ -17,7 +17,7 @@ from eaglenest.artifacts.prepared import write_prepared
 from eaglenest.commands.params_file import parse_params
 from eaglenest.core.bootstrap import bootstrap, difference, tau_statistic
 from eaglenest.core.errors import EaglenestError, InputFileError, ParamsError
-from eaglenest.stages.evaluate import decoding_backends, write_eval_outputs
+from eaglenest.stages.evaluate import _require_lossless, decoding_backends, write_eval_outputs
 from eaglenest.stages.evaluate.job import ask_turns
 from tests.fixtures.models import write_jsonl
 from tests.fixtures.pipeline import REPO
@@ -229,6 +229,45 @@ def test_the_interval_covers_the_figure_and_narrows_with_more_prompts():
     assert same.value == same.low == same.high == 0.0 and not same.excludes_zero()
 
 
+def test_the_hybrid_is_paired_against_the_free_drafter_and_the_draft_and_a_lost_token_fails_the_stage(tmp_path: Path):
+    rng = np.random.default_rng(2)
+    records = _records(12, 1.2, rng)
+    for record in records:
+        # the hybrid decodes each timed turn in half the draft's seconds, and emitted plain's tokens
+        record.update(
+            hybrid_steps=record["steps"] - 2,
+            hybrid_accepted=record["accepted"] + 2,
+            hybrid_drafted=record["drafted"],
+            hybrid_identical=True,
+            hybrid_lossless=True,
+            hybrid_tokens=32,
+            hybrid_s=record["spec_s"] / 2,
+            hybrid_timed_identical=True,
+        )
+    summary = summarize(records, 3, 200, 0, "ngram")
+    assert summary["hybrid_vs_spec"]["value"] == pytest.approx(2.0) and summary["hybrid_vs_spec"]["verdict"] == "ahead"
+    assert summary["hybrid_vs_free"]["drafter"] == "ngram" and summary["hybrid_vs_free"]["value"] == pytest.approx(
+        2 * summary["vs_ngram"]["value"], rel=1e-3
+    )
+    assert summary["hybrid_lossless_fraction"] == summary["hybrid_timed_identical_fraction"] == 1.0
+    params = EvaluateParams(sets=[EvalSetParams(name="humaneval", source="builtin:humaneval", headline=True)])
+    run = {"dtype": "float32", "num_speculative_tokens": 3, "hybrid": {"measured": True, "why": "t"}}
+    entry = {"source": "x", "temperature": 0.0, "max_new_tokens": 32, "records": records}
+    details = write_eval_outputs(params, {"vllm": run | {"sets": {"humaneval": entry}}}, tmp_path / "e.json", tmp_path)
+    figures = json.loads((tmp_path / "e.json").read_text())["humaneval"]
+    assert (
+        figures["vllm_hybrid_vs_free"] == summary["hybrid_vs_free"]["value"] and "vllm_hybrid_speedup_ci95" in figures
+    )
+    assert details["runs"]["vllm"]["hybrid"] == {"measured": True, "why": "t"}
+    records[3]["hybrid_lossless"] = False
+    with pytest.raises(
+        EaglenestError, match="^lossless fraction of the hybrid = 0.9167 < 1.0 .*hybrid_lossless: false"
+    ):
+        _require_lossless(
+            params, {"temperature": 0.0, "summary": summarize(records, 3, 200, 0)}, "vllm", "he", tmp_path
+        )
+
+
 def test_headline_is_a_few_named_numbers(tmp_path: Path):
     rng = np.random.default_rng(1)
     params = EvaluateParams(
@@ -263,6 +302,8 @@ def test_headline_is_a_few_named_numbers(tmp_path: Path):
         "vllm_vs_free_ci95",
         "vllm_free",
         "vllm_tau_timed",
+        "vllm_ngram_speedup",
+        "vllm_ngram_speedup_ci95",
     }
     summary = details["runs"]["vllm"]["sets"]["humaneval"]["summary"]
     # n-gram decoded each turn as fast as plain decoding here: the draft's speed over n-gram's is its speed-up; with

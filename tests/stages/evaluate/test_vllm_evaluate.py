@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from eaglenest.artifacts.k_record import draft_fingerprint
 from eaglenest.artifacts.prepared import VAL_PROMPTS_FILE
 from eaglenest.core.errors import EaglenestError
 from eaglenest.core.measure.engines import DRAFTING_KEYS, EngineBase, NgramSetting
@@ -384,7 +385,7 @@ def test_a_broken_acceptance_rule_fails_the_stage(bf16_runs):
     print(result.stderr[-2000:])
     assert result.returncode == 2
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("eaglenest evaluate: error: lossless_fraction = ") and "< 1.0 at temperature 0" in last
+    assert last.startswith("eaglenest evaluate: error: lossless fraction of the ") and "< 1.0 at temperature 0" in last
     assert "Traceback" not in result.stderr
     assert metrics["lossless_fraction"] < 1.0
 
@@ -501,3 +502,40 @@ def test_long_prompts_accept_as_much_alone_as_in_a_batch(shared_pipeline: Shared
         f"{tau_statistic(rows[:, 2:].sum(0)):.4f}, alone minus together {moved.as_dict()}"
     )
     assert moved.low <= 0 <= moved.high, f"long prompts decoded alone accept less than together: {moved.as_dict()}"
+
+
+@pytest.mark.slow
+@requires_vllm
+def test_the_hybrid_decodes_every_greedy_set_as_plain_and_is_timed_beside_the_others(shared_pipeline: SharedPipeline):
+    """The shared pipeline's evaluate ran the hybrid: its threshold is the draft's accepted tokens per step on the
+    validation set, recorded with the draft's sha256; on every greedy set its output equals plain's (float32: exact),
+    batched and on every timed turn decoded alone; both of its drafters proposed; and it is paired against the
+    fastest free drafter and the draft alone."""
+    details = shared_pipeline.details()
+    run = details["runs"]["vllm"]
+    hybrid = run["hybrid"]
+    assert hybrid["measured"], hybrid["why"]
+    assert hybrid["draft_sha256"] == draft_fingerprint(shared_pipeline.repo / "models" / "draft")
+    records = json.loads((shared_pipeline.repo / "metrics" / "eval" / "records.json").read_text())
+    val = records["runs"]["vllm"]["sets"]["val"]["records"]
+    threshold = round(sum(r["accepted"] for r in val) / sum(r["steps"] for r in val), 4)
+    assert (
+        hybrid["setting"]["suffix"]["threshold"] == threshold
+        and hybrid["setting"]["draft_k"] == details["num_speculative_tokens"]
+    )
+    proposals = {"draft_proposals": 0, "suffix_proposals": 0}
+    for name, entry in run["sets"].items():
+        summary = entry["summary"]
+        if entry["temperature"] > 0:
+            assert "hybrid_tau" not in summary  # sampled: not decoded by the hybrid
+            continue
+        assert summary["hybrid_identical_fraction"] == summary["hybrid_lossless_fraction"] == 1.0, name
+        assert summary["hybrid_timed_identical_fraction"] == 1.0, name
+        assert 1.0 <= summary["hybrid_tau"]["value"] <= hybrid["setting"]["suffix"]["k"] + 1
+        for figure in ("hybrid_speedup", "hybrid_vs_free", "hybrid_vs_spec"):
+            assert summary[figure]["value"] > 0, (name, figure)
+        for key in proposals:
+            proposals[key] += entry["hybrid_proposals"][key]
+    assert proposals["draft_proposals"] > 0 and proposals["suffix_proposals"] > 0, proposals
+    metrics = json.loads((shared_pipeline.repo / "metrics" / "eval.json").read_text())
+    assert {"vllm_hybrid_vs_free", "vllm_hybrid_vs_free_ci95", "vllm_hybrid_speedup"} <= set(metrics["val"])

@@ -19,13 +19,14 @@ from typing import Any
 from eaglenest.artifacts.metrics_file import figure_text as figure
 from eaglenest.artifacts.metrics_file import read_metrics, summary_figure_text, versus_text
 from eaglenest.commands.generated.concurrency import headline_clause, load_serve_record
-from eaglenest.commands.generated.svg import BLUE, ORANGE, label_bars, new_figure, page_style, svg_text
+from eaglenest.commands.generated.svg import BLUE, GREEN, ORANGE, label_bars, new_figure, page_style, svg_text
 from eaglenest.core.errors import InputFileError
 from eaglenest.core.host import HostKind
 
 README_COMMAND = "eaglenest report --readme"
 METRICS_SOURCE = "metrics/"
 HEADLINE_SVG = "docs/img/headline.svg"
+FREE_LABELS = {"ngram": "vLLM n-gram", "suffix": "vLLM suffix"}
 
 
 def _headline_figures(repo: Path) -> tuple[str, dict[str, Any], dict[str, Any]]:
@@ -101,6 +102,23 @@ def _verdicts(headline: dict[str, Any], runs: dict[str, Any], backend: str, sets
     return ", ".join(said) if said else "not measured (no timed turns)"
 
 
+def _hybrid_verdicts(headline: dict[str, Any], runs: dict[str, Any], backend: str, sets: list[str]) -> str:
+    """Per set, the hybrid over the fastest free drafter and over plain decoding, paired: ``ahead on `humaneval`
+    (x1.052 ± 0.041; x1.9 ± 0.2 over plain)``; "" where evaluate measured no hybrid."""
+    said = []
+    for name in sets:
+        summary = runs.get(name, {}).get("summary", {})
+        versus = summary.get("hybrid_vs_free") or {}
+        if "verdict" not in versus:
+            continue
+        word = {"ahead": "ahead on", "behind": "behind on", "tie": "a tie on"}[versus["verdict"]]
+        said.append(
+            f"{word} `{name}` ({figure(headline[name], f'{backend}_hybrid_vs_free', 'x')}; "
+            f"{figure(headline[name], f'{backend}_hybrid_speedup', 'x')} over plain decoding)"
+        )
+    return ", ".join(said)
+
+
 def headline_lines(repo: Path) -> list[str]:
     """The README's headline: the verdict per set, the first set's figures, lossless per set, host kind, the served
     draft under load."""
@@ -117,7 +135,17 @@ def headline_lines(repo: Path) -> list[str]:
         else ""
     )
     lossless = _lossless(headline, runs, list(sets))
-    return [
+    hybrid = _hybrid_verdicts(headline, runs, backend, list(sets))
+    hybrid_line = (
+        [
+            f"**The hybrid (the draft, and suffix decoding's continuation where it expects more tokens accepted) "
+            f"against the same free drafter: {hybrid}** (single stream, paired prompt by prompt, 95% intervals; "
+            f"{(run.get('hybrid') or {}).get('why', '')})."
+        ]
+        if hybrid
+        else []
+    )
+    return hybrid_line + [
         f"**Against the fastest free drafter vLLM offers, at its fastest measured setting ({_free_setting(runs)}): "
         f"{_verdicts(headline, runs, backend, list(sets))}** (the draft's single-stream tokens/s over the free "
         f"drafter's, paired prompt by prompt, 95% intervals). `{first}`: τ {figure(figures, f'{backend}_tau')} "
@@ -135,9 +163,9 @@ def demo_table(repo: Path) -> list[str]:
     runs = details.get("runs", {}).get(backend, {}).get("sets", {})
     table = [
         f"| set | prompts | timed turns | {backend} τ (95%) | τ, timed turns | speed-up (95%) | "
-        "n-gram speed-up (95%) | suffix speed-up (95%) | draft / fastest free (95%) | lossless | "
-        "identical to plain |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "n-gram speed-up (95%) | suffix speed-up (95%) | draft / fastest free (95%) | hybrid speed-up (95%) | "
+        "hybrid / fastest free (95%) | lossless | identical to plain |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, values in _sets(headline, repo).items():
         summary = runs.get(name, {}).get("summary", {})
@@ -152,6 +180,8 @@ def demo_table(repo: Path) -> list[str]:
             f"{summary_figure_text(summary, 'ngram_speedup', 'x')} | "
             f"{summary_figure_text(summary, 'suffix_speedup', 'x')} | "
             f"{versus_text(values, backend, summary)} | "
+            f"{figure(values, f'{backend}_hybrid_speedup', 'x')} | "
+            f"{summary_figure_text(summary, 'hybrid_vs_free', 'x')} | "
             f"{_fraction(summary, 'lossless_fraction')} | {_fraction(summary, 'identical_fraction')} |"
         )
     return table
@@ -199,15 +229,22 @@ def _summary_interval(runs: dict[str, Any], name: str, key: str, where: str) -> 
 
 
 def headline_svg(repo: Path) -> str:
-    """The README's figure as SVG text: per headline set, τ (left) and the single-stream speed-up of the draft and of
-    n-gram drafting (right), each with its 95% interval."""
+    """The README's figure as SVG text: per headline set, τ (left) and the single-stream speed-up of the draft, of the
+    fastest free drafter and, where evaluate measured it, of the hybrid (right), each with its 95% interval."""
     backend, headline, details = _headline_figures(repo)
     where = str(repo / "metrics" / "eval.json")
     sets = list(_sets(headline, repo))
     tau = [_with_interval(headline[name], f"{backend}_tau", where) for name in sets]
     draft = [_with_interval(headline[name], f"{backend}_speedup", where) for name in sets]
     runs = details.get("runs", {}).get(backend, {}).get("sets", {})
-    ngram = [_summary_interval(runs, name, "ngram_speedup", str(repo / "metrics/eval/details.json")) for name in sets]
+    details_path = str(repo / "metrics/eval/details.json")
+    free = next((entry.get("free_drafter") for entry in runs.values() if entry.get("free_drafter")), "ngram")
+    baseline = [_summary_interval(runs, name, f"{free}_speedup", details_path) for name in sets]
+    series = [(draft, "the draft", BLUE), (baseline, FREE_LABELS.get(free, free), ORANGE)]
+    if all("hybrid_speedup" in runs.get(name, {}).get("summary", {}) for name in sets):
+        series.append(
+            ([_summary_interval(runs, name, "hybrid_speedup", details_path) for name in sets], "hybrid", GREEN)
+        )
     with page_style():
         fig = new_figure(8, 2.8)  # 576 x 202 pt: readable at a page's width
         left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [2, 3]})
@@ -215,11 +252,9 @@ def headline_svg(repo: Path) -> str:
         left.bar(positions, [v for v, _ in tau], yerr=[h for _, h in tau], capsize=3, color=BLUE)
         left.set_ylim(1.0, max(v + h for v, h in tau) * 1.08)
         left.set_title(f"τ, tokens per verifier step (K = {details.get('num_speculative_tokens')})")
-        width = 0.38
-        for offset, values, label, colour in (
-            (-width / 2, draft, "the draft", BLUE),
-            (width / 2, ngram, "vLLM n-gram", ORANGE),
-        ):
+        width = 0.76 / len(series)
+        for i, (values, label, colour) in enumerate(series):
+            offset = (i - (len(series) - 1) / 2) * width
             right.bar(
                 [p + offset for p in positions],
                 [v for v, _ in values],
@@ -230,7 +265,7 @@ def headline_svg(repo: Path) -> str:
                 label=label,
             )
         right.axhline(1.0, color="black", linewidth=0.8)
-        speedups = draft + ngram
+        speedups = [pair for values, _, _ in series for pair in values]
         right.set_ylim(min(0.8, min(v - h for v, h in speedups) - 0.05), max(v + h for v, h in speedups) + 0.1)
         right.set_title("single-stream speed-up over plain decoding")
         right.legend(loc="upper right", frameon=False)

