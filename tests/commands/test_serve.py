@@ -225,6 +225,54 @@ def test_a_baseline_server_for_bench_serves_ngram_or_no_drafting(capsys, no_exec
     assert "--speculative-config" not in argv and argv[argv.index("--served-model-name") + 1] == "tiny/llama"
 
 
+def test_the_hybrid_is_served_at_the_setting_evaluate_measured_for_this_draft_alone(
+    capsys, no_exec, pipeline_folders, tmp_path: Path
+):
+    """``--hybrid``: the draft as EAGLE-3 at the hybrid's largest K, suffix decoding's settings in vLLM's own fields,
+    and the drafter's settings in ``--additional-config`` (what enables the plugin for this server), from evaluate's
+    record of this very draft; one measured on another draft, none measured, or a K or baseline beside it: one
+    line."""
+    from eaglenest.artifacts.k_record import draft_fingerprint
+    from eaglenest.core.drafter.config import CONFIG_KEY, DrafterConfig, SuffixConfig
+
+    verifier, draft = pipeline_folders
+    config = DrafterConfig(draft_k=2, suffix=SuffixConfig(k=8, threshold=0.43, max_tree_depth=12, max_spec_factor=2.0))
+    details = tmp_path / "details.json"
+    record = {"measured": True, "setting": config.model_dump(), "why": "threshold 0.43: on val"}
+    details.write_text(json.dumps({"runs": {"vllm": {"hybrid": record | {"draft_sha256": draft_fingerprint(draft)}}}}))
+    flags = ["serve", "--verifier", str(verifier), "--draft", str(draft), "--hybrid", str(details), "--print-command"]
+    assert cli.main(flags) == 0
+    captured = capsys.readouterr()
+    argv = shlex.split(captured.out.strip())
+    assert json.loads(argv[argv.index("--speculative-config") + 1]) == {
+        "method": "eagle3",
+        "model": str(draft.resolve()),
+        "num_speculative_tokens": 8,
+        "disable_padded_drafter_batch": True,
+        "suffix_decoding_max_tree_depth": 12,
+        "suffix_decoding_max_spec_factor": 2.0,
+        "suffix_decoding_min_token_prob": 0.1,
+        "suffix_decoding_max_cached_requests": 10000,
+    }
+    assert json.loads(argv[argv.index("--additional-config") + 1]) == {CONFIG_KEY: config.model_dump()}
+    assert "the hybrid: the draft at K = 2, suffix decoding K = 8, depth 12 (threshold 0.43: on val" in captured.err
+    refused = {
+        "another draft": (record | {"draft_sha256": "f" * 64}, [], "the hybrid was measured on another draft"),
+        "none measured": ({"measured": False, "why": "no val set"}, [], "evaluate measured no hybrid (no val set)"),
+        "a K beside it": (
+            record | {"draft_sha256": draft_fingerprint(draft)},
+            ["--num-speculative-tokens", "2"],
+            "--num-speculative-tokens with --hybrid",
+        ),
+        "a baseline": (record, ["--baseline", "suffix"], "--hybrid with --baseline suffix"),
+    }
+    for case, (hybrid, extra, message) in refused.items():
+        details.write_text(json.dumps({"runs": {"vllm": {"hybrid": hybrid}}}))
+        assert cli.main([*flags, *extra]) == 2, case
+        err = capsys.readouterr().err.strip()
+        assert message in err and "\n" not in err, (case, err)
+
+
 def print_command(capsys, *flags: str) -> tuple[int, dict | None, str]:
     """``eaglenest serve --print-command``: its status, the speculative config it passes, and its stderr."""
     status = cli.main(["serve", "--print-command", *flags])
@@ -610,3 +658,74 @@ def test_serving_on_loopback_needs_no_api_key(capsys, monkeypatch, no_exec, pipe
         cli.main(["serve", "--verifier", str(verifier), "--draft", str(draft), "--host", host, "--print-command"]) == 0
     )
     assert "WARNING" not in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@requires_vllm
+def test_the_served_hybrid_loads_the_drafter_in_vllms_server_and_drafts(shared_pipeline: SharedPipeline, tmp_path):
+    """`eaglenest serve --hybrid` on the shared pipeline: vLLM's own OpenAI server loads eaglenest's drafter plugin
+    (its entry point) with the setting evaluate measured, answers greedy completions, and its spec-decode counters
+    show drafts proposed and accepted."""
+    import time
+    import urllib.request
+
+    repo = shared_pipeline.repo
+    port = free_port()
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        server = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "eaglenest",
+                "serve",
+                "--verifier",
+                str(repo / "models" / "verifier"),
+                "--draft",
+                str(repo / "models" / "draft"),
+                "--hybrid",
+                str(repo / "metrics" / "eval" / "details.json"),
+                "--dtype",
+                "float32",
+                "--port",
+                str(port),
+                "--",
+                "--max-model-len",
+                "512",
+            ],
+            cwd=tmp_path,
+            env=project_env(VLLM_CPU_KVCACHE_SPACE="1"),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 600
+        while not answers_or_exited(server, port) and time.monotonic() < deadline:
+            time.sleep(2)
+        assert server.poll() is None, log.read_text()[-3000:]
+        # a text that repeats (suffix decoding's) and one that does not (the draft's)
+        fib = "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\n"
+        prompts = [fib * 3 + "def fib(n):", "Write one sentence about the sea."]
+        for prompt in prompts:
+            body = json.dumps({"model": str(repo / "models" / "verifier"), "prompt": prompt, "max_tokens": 24})
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{port}/v1/completions",
+                data=body.encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(request, timeout=120) as response:
+                assert json.loads(response.read())["choices"][0]["text"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
+            metrics = response.read().decode()
+        counters = {
+            line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+            for line in metrics.splitlines()
+            if line.startswith(("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens_total"))
+        }
+        assert counters.get("vllm:spec_decode_num_drafts_total", 0) > 0, counters
+        said = log.read_text()
+        assert "eaglenest serve: the hybrid: the draft at K =" in said
+    finally:
+        os.killpg(server.pid, 15)
+        server.wait(timeout=60)

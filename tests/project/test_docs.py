@@ -370,8 +370,7 @@ def test_the_headline_figure_shows_the_metrics_at_page_width_and_names_a_missing
     (tmp_path / "metrics" / "eval.json").write_text((REPO / "metrics" / "eval.json").read_text())
     (tmp_path / "metrics" / "eval" / "details.json").write_text(json.dumps(details))
     with pytest.raises(
-        InputFileError,
-        match=rf"metrics/eval/details.json \({first}\): no {free}_speedup with {free}_speedup_ci95",
+        InputFileError, match=rf"metrics/eval/details.json \({first}\): no {free}_speedup with {free}_speedup_ci95"
     ):
         headline_svg(tmp_path)
 

@@ -39,7 +39,9 @@ from typing import Any
 import numpy as np
 
 from eaglenest.artifacts.free_record import FREE_DRAFTERS
+from eaglenest.artifacts.metrics_file import read_metrics
 from eaglenest.core.bootstrap import Interval, bootstrap, tau_statistic
+from eaglenest.core.drafter.config import DrafterConfig
 from eaglenest.core.errors import InputFileError
 from eaglenest.core.measure.speedup import speedup_interval as paired_speedup
 
@@ -260,3 +262,27 @@ def load_records(text: str, where: str) -> dict[str, Any]:
 
 def records_path(eval_dir: Path) -> Path:
     return eval_dir / RECORDS_FILE
+
+
+def measured_hybrid(details_path: Path, draft_dir: Path) -> tuple[DrafterConfig, str]:
+    """The hybrid evaluate measured for the draft in ``draft_dir`` (``runs.vllm.hybrid`` of ``details_path``,
+    ``metrics/eval/details.json``): its setting, and why it is that setting.
+
+    Raises:
+        InputFileError: no such file, no hybrid measured there (with evaluate's reason), or one measured on another
+            draft (its sha256 differs): one line naming the file.
+    """
+    from eaglenest.artifacts.k_record import draft_fingerprint
+
+    details = read_metrics(details_path)
+    record = (details.get("runs", {}).get("vllm", {}) or {}).get("hybrid") or {}
+    if not record.get("measured"):
+        why = record.get("why", "the vllm back end did not run")
+        raise InputFileError(f"{details_path}: evaluate measured no hybrid ({why}); serve the draft alone")
+    sha256 = draft_fingerprint(draft_dir)
+    if record.get("draft_sha256") != sha256:
+        raise InputFileError(
+            f"{details_path}: the hybrid was measured on another draft (sha256 {str(record.get('draft_sha256'))[:12]}, "
+            f"{draft_dir} is {sha256[:12]}); run evaluate on this draft (dvc repro evaluate)"
+        )
+    return DrafterConfig.model_validate(record["setting"]), str(record.get("why", ""))

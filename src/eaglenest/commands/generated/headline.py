@@ -136,17 +136,16 @@ def headline_lines(repo: Path) -> list[str]:
     )
     lossless = _lossless(headline, runs, list(sets))
     hybrid = _hybrid_verdicts(headline, runs, backend, list(sets))
-    hybrid_line = (
-        [
-            f"**The hybrid (the draft, and suffix decoding's continuation where it expects more tokens accepted) "
-            f"against the same free drafter: {hybrid}** (single stream, paired prompt by prompt, 95% intervals; "
-            f"{(run.get('hybrid') or {}).get('why', '')})."
-        ]
+    hybrid_said = (
+        f"**The hybrid (the draft, and suffix decoding's continuation where it expects more tokens accepted) against "
+        f"the fastest free drafter: {hybrid}** (single stream, paired prompt by prompt, 95% intervals; "
+        f"{(run.get('hybrid') or {}).get('why', '')}). "
         if hybrid
-        else []
+        else ""
     )
-    return hybrid_line + [
-        f"**Against the fastest free drafter vLLM offers, at its fastest measured setting ({_free_setting(runs)}): "
+    return [
+        hybrid_said
+        + f"**Against the fastest free drafter vLLM offers, at its fastest measured setting ({_free_setting(runs)}): "
         f"{_verdicts(headline, runs, backend, list(sets))}** (the draft's single-stream tokens/s over the free "
         f"drafter's, paired prompt by prompt, 95% intervals). `{first}`: τ {figure(figures, f'{backend}_tau')} "
         f"tokens per verifier step at K = {details.get('num_speculative_tokens')} over the set{on_timed}, and "

@@ -50,6 +50,8 @@ from eaglenest.commands.supervised import run_in_foreground
 from eaglenest.core.errors import EaglenestError
 from eaglenest.core.vllm_support import VLLM_DTYPES, VLLM_EXECUTIONS
 
+EVAL_DETAILS = Path("metrics/eval/details.json")
+
 
 def serve(options: ServeOptions, print_only: bool = False, no_api_key: bool = False) -> int:
     """Checks, then runs (or with ``print_only`` prints) vLLM's OpenAI server for verifier and draft.
@@ -199,6 +201,16 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "alone (default: the draft)",
     )
     parser.add_argument(
+        "--hybrid",
+        nargs="?",
+        const=str(EVAL_DETAILS),
+        default=None,
+        metavar="FILE",
+        help="serve the hybrid of the draft with suffix decoding (eaglenest's drafter plugin: suffix decoding's "
+        "continuation where it expects more tokens accepted, else the draft's) at the setting evaluate measured "
+        f"for this draft (FILE, default: {EVAL_DETAILS}) (default: the draft alone)",
+    )
+    parser.add_argument(
         "--record",
         default=None,
         metavar="DIR",
@@ -237,6 +249,7 @@ def _run(args: argparse.Namespace) -> int:
         record_dir=Path(args.record) if args.record else None,
         record_max_bytes=int(args.record_max_mb * 2**20),
         execution=args.execution,
+        hybrid_file=Path(args.hybrid) if args.hybrid else None,
     )
     return serve(options, args.print_command, args.no_api_key)
 

@@ -154,6 +154,9 @@ class ServeOptions:
         record_max_bytes: With ``record_dir``: start a new traffic file once the newest would grow past this.
         execution: ``auto`` (eager on vLLM's CPU build, compiled on GPUs), eager or compiled
             (:func:`eaglenest.core.vllm_support.runs_eagerly`).
+        hybrid_file: Serve the hybrid of the draft with suffix decoding at the setting evaluate measured for this
+            draft (``metrics/eval/details.json``, :func:`eaglenest.artifacts.evaluation.measured_hybrid`); None: the
+            draft alone (or the baseline).
     """
 
     verifier_dir: Path
@@ -172,6 +175,7 @@ class ServeOptions:
     record_dir: Path | None = None
     record_max_bytes: int = DEFAULT_MAX_FILE_BYTES
     execution: str = "auto"
+    hybrid_file: Path | None = None
 
 
 def _recording(options: ServeOptions, argv: list[str], vllm_args: list[str], served_k: int | None) -> dict[str, str]:
@@ -191,6 +195,38 @@ def _recording(options: ServeOptions, argv: list[str], vllm_args: list[str], ser
     if served_k is not None:
         env[RECORD_K_ENV] = str(served_k)
     return env
+
+
+def _hybrid_flags(options: ServeOptions, argv: list[str], vllm_args: list[str]) -> tuple[str, int]:
+    """Adds the hybrid's ``--speculative-config`` and ``--additional-config`` (which enables eaglenest's drafter
+    plugin for this server alone) to ``argv``; returns where its setting came from, in words, and its largest K.
+
+    Raises:
+        EaglenestError: the hybrid asked for with a baseline, a K or ``--additional-config`` of the user's, or no
+            hybrid measured for this draft (one line).
+    """
+    from eaglenest.artifacts.evaluation import measured_hybrid
+    from eaglenest.core.drafter.config import CONFIG_KEY, speculative_config
+
+    assert options.hybrid_file is not None
+    if options.baseline is not None:
+        raise EaglenestError(f"--hybrid with --baseline {options.baseline}: serve one of them")
+    if options.num_speculative_tokens is not None:
+        raise EaglenestError(
+            "--num-speculative-tokens with --hybrid: the hybrid serves the Ks evaluate measured it at; drop one"
+        )
+    if flag_value(vllm_args, "--additional-config") is not None:
+        raise EaglenestError("--additional-config after --: --hybrid sets it (the drafter's settings)")
+    config, why = measured_hybrid(options.hybrid_file, options.draft_dir)
+    argv += [
+        "--speculative-config",
+        json.dumps(speculative_config(str(options.draft_dir.resolve()), config)),
+        "--additional-config",
+        json.dumps({CONFIG_KEY: config.model_dump()}),
+    ]
+    suffix = config.suffix
+    said = f"suffix decoding K = {suffix.k}, depth {suffix.max_tree_depth}" if suffix else "no suffix decoding"
+    return f"the hybrid: the draft at K = {config.draft_k}, {said} ({why}; {options.hybrid_file})", config.max_k
 
 
 def build_command(options: ServeOptions, cpu_build: bool = True) -> ServeCommand:
@@ -235,7 +271,10 @@ def build_command(options: ServeOptions, cpu_build: bool = True) -> ServeCommand
         str(model_dir.resolve()),
     ]
     scheduled = ScheduleChoice(None, "")
-    if baseline is None:
+    hybrid_reason = ""
+    if options.hybrid_file is not None:
+        hybrid_reason, k = _hybrid_flags(options, argv, vllm_args)
+    elif baseline is None:
         scheduled = _schedule_for(options.draft_dir, k, options.schedule_file, options.schedule_explicit, vllm_args)
         speculative = vllm_speculative_config(options.draft_dir.resolve(), k)
         if scheduled.schedule is not None:
@@ -256,7 +295,9 @@ def build_command(options: ServeOptions, cpu_build: bool = True) -> ServeCommand
     else:
         env.update(compile_env(cpu_build))
     argv += vllm_args
-    if baseline is None:
+    if hybrid_reason:
+        reason, served_k_of = hybrid_reason, k
+    elif baseline is None:
         reason, served_k_of = f"the draft, {choice.line()}", k
     elif baseline == "none":
         reason, served_k_of = "baseline: no drafting", None
