@@ -67,13 +67,24 @@ def test_best_k_per_set_and_the_k_to_serve_over_pooled_turns():
         "mean_speedup": 1.3,
         "mean_speedup_per_k": {"1": 1.3, "2": 1.225, "3": 1.0},
     }
-    k, speedup, ci95 = serve_k(rounds, ["code", "chat"], [1, 2, 3], 500, 0)
+    k, speedup, ci95, why = serve_k(rounds, ["code", "chat"], [1, 2, 3], 500, 0)
     # pooled over both sets and rounds: tokens over seconds of every turn, each set's turns equally long
     assert k == 2 and speedup == pytest.approx(1.33, abs=0.01) and ci95 > 0
+    assert why.startswith("K 2 was fastest (x1.3") and "no smaller K's interval reaches it" in why
 
 
 def test_a_tie_serves_the_smaller_k():
     assert serve_k([_round({"a": {1: 1.2, 2: 1.2}})], ["a"], [1, 2], 500, 0)[0] == 1
+
+
+def test_a_faster_k_within_a_smaller_ones_interval_does_not_displace_it():
+    # K 2 is faster on the pooled turns, by less than the turns' spread: K 1, the cheaper step, is served
+    noisy = [_round({"a": {1: 1.1 + 0.2 * (i % 2), 2: 1.15 + 0.2 * (i % 2)}, "b": {1: 1.0, 2: 1.05}}) for i in range(4)]
+    k, speedup, ci95, why = serve_k(noisy, ["a", "b"], [1, 2], 500, 0)
+    assert k == 1 and why.startswith("K 2 was fastest") and "the smaller K, the cheaper step, stands" in why
+    # far apart: the faster K stands
+    clear = [_round({"a": {1: 1.0, 2: 1.6}, "b": {1: 1.0, 2: 1.6}}) for _ in range(4)]
+    assert serve_k(clear, ["a", "b"], [1, 2], 500, 0)[0] == 2
 
 
 def test_speed_up_interval_over_paired_turns():

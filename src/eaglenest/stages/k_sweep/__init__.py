@@ -12,7 +12,8 @@ seconds measured moments apart; the plain engine stays up for every group of two
 time the same engines again. (n-gram drafting's window and K are the free_sweep stage's.)
 
 Output ``metrics/k_sweep.json`` (:mod:`eaglenest.artifacts.k_record`, kept in git): the draft's fingerprint,
-``serve_k`` (the K with the best speed-up over all headline sets' timed turns, pooled), its speed-up with the
+``serve_k`` (over all headline sets' timed turns, pooled: the smallest K whose speed-up's interval reaches the
+fastest K's, the cheaper step where timing cannot tell them apart; ``details.why`` says which), its speed-up with the
 95% interval; per round, drafter, K and set, tokens/s, the speed-up over the plain engine timed beside it with its
 interval, and tau over the steps that had a draft; per set the best K; and where the stage's seconds went. Where
 ``evaluate.backend`` lists no vllm (a verifier vLLM does not run), no K is measured and the record says so;
@@ -162,10 +163,16 @@ def _measure(
             kit_engines.stop_engine(plain)
 
     names = [s.name for s in turns.sets]
-    k_best, speedup, ci95 = serve_k(rounds, names, ks, evaluate.bootstrap_samples, evaluate.seed)
+    k_best, speedup, ci95, why = serve_k(rounds, names, ks, evaluate.bootstrap_samples, evaluate.seed)
     seconds["total"] = round(time.perf_counter() - began, 3)
     log.info(
-        "serve K=%d: x%.2f ± %.2f over %s (the draft's own K is %d)", k_best, speedup, ci95, ", ".join(names), trained_k
+        "serve K=%d: x%.2f ± %.2f over %s (the draft's own K is %d): %s",
+        k_best,
+        speedup,
+        ci95,
+        ", ".join(names),
+        trained_k,
+        why,
     )
     details = {
         "commit": short_commit(),
@@ -175,6 +182,7 @@ def _measure(
         "timed_prompts": own.timed_prompts,
         "drafters": ["draft"],
         "best": best_ks(rounds, names, ks, ["draft"]),
+        "why": why,
         "seconds": seconds,
         "rounds": rounds,
     }
