@@ -9,9 +9,11 @@ Outputs:
   half-width (``_ci95``), ``<backend>_tau_timed`` (tau on the timed turns as they were decoded alone, beside tau
   on the whole set) and the verdict's figure ``<backend>_vs_free`` (the draft's single-stream speed over the
   fastest free drafter's, ``<backend>_free``, paired conversation by conversation, with its half-width: ahead where
-  the interval lies above 1, behind where below, else a tie); ``lossless``, the smallest lossless fraction of any
-  greedy set and back end. At most 25 numbers with train's, so that ``dvc metrics diff`` stays a glance: the free
-  drafters' own speed-ups over plain decoding, and the draft over each, live in details.json.
+  the interval lies above 1, behind where below, else a tie); each free drafter's and the hybrid's speed-up
+  (``_ngram_speedup``, ``_suffix_speedup``, ``_hybrid_speedup``) and the hybrid's speed over the fastest free
+  drafter, paired, with its half-width (``_hybrid_vs_free``); ``lossless``, the smallest lossless fraction of any
+  greedy set, back end and drafter. At most a dozen numbers per headline set, so that ``dvc metrics diff`` stays a
+  glance: the intervals of the other speed-ups, and the draft over each free drafter, live in details.json.
 * ``metrics/eval/records.json`` — one record per decoded turn, per back end and set
   (:mod:`eaglenest.artifacts.evaluation`): what the report pairs between revisions.
 * ``metrics/eval/details.json`` — every figure, per back end and set: tau and speed-up with their intervals,
