@@ -273,6 +273,40 @@ def test_the_hybrid_is_served_at_the_setting_evaluate_measured_for_this_draft_al
         assert message in err and "\n" not in err, (case, err)
 
 
+def test_serve_follows_the_serving_plan_of_this_draft_where_no_flag_chooses(
+    capsys, monkeypatch, no_exec, pipeline_folders, tmp_path: Path
+):
+    """The plan stage's method is served where no flag chose one: a free drafter as its baseline, plain decoding as
+    no drafting; a plan of another draft is passed over in one line, and --no-plan or a flag of the user's wins."""
+    from eaglenest.artifacts.k_record import draft_fingerprint
+
+    verifier, draft = pipeline_folders
+    monkeypatch.chdir(tmp_path)
+    plan = tmp_path / "metrics" / "serving_plan.json"
+    plan.parent.mkdir(exist_ok=True)
+    folders = ["serve", "--verifier", str(verifier), "--draft", str(draft), "--print-command"]
+
+    def served(method: str, sha256: str, *flags: str) -> tuple[list[str], str]:
+        plan.write_text(json.dumps({"draft_sha256": sha256, "method": method, "why": "suffix was fastest"}))
+        assert cli.main([*folders, *flags]) == 0
+        captured = capsys.readouterr()
+        return shlex.split(captured.out.strip()), captured.err
+
+    argv, err = served("suffix", draft_fingerprint(draft))
+    assert json.loads(argv[argv.index("--speculative-config") + 1])["method"] == "suffix"
+    assert f"serving plan ({Path('metrics/serving_plan.json')}): suffix, suffix was fastest" in err
+    argv, _ = served("plain", draft_fingerprint(draft))
+    assert "--speculative-config" not in argv
+    for flags in (["--no-plan"], ["--num-speculative-tokens", "2"]):
+        argv, err = served("suffix", draft_fingerprint(draft), *flags)
+        assert (
+            json.loads(argv[argv.index("--speculative-config") + 1])["method"] == "eagle3" and "serving plan" not in err
+        )
+    argv, err = served("suffix", "f" * 64)
+    assert json.loads(argv[argv.index("--speculative-config") + 1])["method"] == "eagle3"
+    assert "serving plan passed over: metrics/serving_plan.json was made for another draft" in err
+
+
 def print_command(capsys, *flags: str) -> tuple[int, dict | None, str]:
     """``eaglenest serve --print-command``: its status, the speculative config it passes, and its stderr."""
     status = cli.main(["serve", "--print-command", *flags])

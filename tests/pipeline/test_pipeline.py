@@ -11,6 +11,7 @@ import yaml
 from datasets import load_from_disk
 from safetensors.torch import load_file, save_file
 
+from eaglenest.artifacts.k_record import draft_fingerprint
 from eaglenest.commands.params_file import parse_params
 from eaglenest.core.errors import ParamsError
 from eaglenest.core.params import parse_sections
@@ -107,6 +108,12 @@ def test_default_verifier_and_mix_through_dvc_repro(shared_pipeline: SharedPipel
     assert details["runs"]["vllm"]["sets"]["chat-t07"]["temperature"] == 0.7
     train = json.loads((repo / "metrics/train.json").read_text())
     assert set(train) == {"tau_sim", "val_loss_all_tokens"} and train["tau_sim"] >= 1.0
+    # the plan: one method for this very draft, chosen among the ones evaluate timed
+    plan = json.loads((repo / "metrics/serving_plan.json").read_text())
+    assert plan["draft_sha256"] == draft_fingerprint(repo / "models/draft") and plan["method"] in plan["pooled"] | {
+        "plain": 1
+    }
+    assert set(plan["pooled"]) == {"ngram", "suffix", "draft", "hybrid"} and plan["hybrid"]["suffix"]["threshold"] > 0
     shown = json.loads(dvc(["metrics", "show", "--json"], repo).stdout)
     numbers = [v for files in shown[""]["data"].values() for v in _leaves(files["data"])]
     # a dozen numbers per headline set (three here), lossless, train's two: a glance

@@ -32,6 +32,7 @@ from eaglenest.stages.evaluate.params import EvaluateStageParams
 from eaglenest.stages.extract.params import ExtractStageParams
 from eaglenest.stages.free_sweep.params import FreeSweepStageParams
 from eaglenest.stages.k_sweep.params import KSweepStageParams
+from eaglenest.stages.plan.params import PlanStageParams
 from eaglenest.stages.prepare.params import PrepareStageParams
 from eaglenest.stages.train.params import TrainStageParams
 from eaglenest.stages.verifier.params import VerifierStageParams
@@ -61,12 +62,15 @@ for _name, _model in (
     ("free_sweep", FreeSweepStageParams),
     ("evaluate", EvaluateStageParams),
     ("k_sweep", KSweepStageParams),
+    ("plan", PlanStageParams),
 ):
     STAGE_PARAMS.register(_name, _model)
 
 # The file's top-level keys, in the order the reference and `eaglenest init` write them.
 SECTIONS: Registry[Section] = Registry("params section")
 for _name, _model in STAGE_PARAMS.items():
+    if _name not in _model.model_fields:  # a stage without a section of its own (plan)
+        continue
     _own = _model.model_fields[_name]
     SECTIONS.register(_name, Section(_own.annotation, _own.description or ""))
 SECTIONS.register("cluster", Section(ClusterParams, CLUSTER_DESCRIPTION))

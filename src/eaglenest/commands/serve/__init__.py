@@ -42,6 +42,7 @@ from pathlib import Path
 from eaglenest.artifacts.free_record import FREE_RECORD_FILE
 from eaglenest.artifacts.k_record import K_RECORD_FILE
 from eaglenest.artifacts.serve_schedule import SCHEDULE_FILE
+from eaglenest.artifacts.serving_plan import PLAN_FILE
 from eaglenest.artifacts.traffic import DEFAULT_MAX_FILE_BYTES
 from eaglenest.commands.command import Command
 from eaglenest.commands.serve.access import API_KEY_ENV, check_exposure, check_port_free
@@ -211,6 +212,16 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         f"for this draft (FILE, default: {EVAL_DETAILS}) (default: the draft alone)",
     )
     parser.add_argument(
+        "--plan",
+        default=str(PLAN_FILE),
+        metavar="FILE",
+        help="the serving plan followed where no flag chooses what to serve: the method the plan stage chose for "
+        f"this draft (default: {PLAN_FILE})",
+    )
+    parser.add_argument(
+        "--no-plan", action="store_true", help="serve the draft as the flags say, whatever the serving plan chose"
+    )
+    parser.add_argument(
         "--record",
         default=None,
         metavar="DIR",
@@ -231,7 +242,33 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def follow_plan(args: argparse.Namespace) -> None:
+    """Where no flag chose what to serve, the serving plan's method for this draft (``--plan``; the plan stage's):
+    the hybrid, a free drafter, plain decoding or the draft; said in one line. A plan of another draft, or none, leaves
+    the draft served as the flags say."""
+    from eaglenest.artifacts.k_record import draft_fingerprint
+    from eaglenest.artifacts.serving_plan import planned_method
+
+    plan = Path(args.plan)
+    chosen = args.baseline or args.hybrid or args.num_speculative_tokens is not None
+    draft = Path(args.draft)
+    if args.no_plan or chosen or not plan.is_file() or not (draft / "model.safetensors").is_file():
+        return
+    method, why = planned_method(draft_fingerprint(draft), plan)
+    if method is None:
+        print(f"eaglenest serve: serving plan passed over: {why}", file=sys.stderr, flush=True)
+        return
+    print(f"eaglenest serve: serving plan ({plan}): {method}, {why}", file=sys.stderr, flush=True)
+    if method == "hybrid":
+        args.hybrid = str(EVAL_DETAILS)
+    elif method in ("ngram", "suffix"):
+        args.baseline = method
+    elif method == "plain":
+        args.baseline = "none"
+
+
 def _run(args: argparse.Namespace) -> int:
+    follow_plan(args)
     options = ServeOptions(
         Path(args.verifier),
         Path(args.draft),
