@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from eaglenest.artifacts.k_record import draft_fingerprint
+from eaglenest.artifacts.draft_hash import draft_fingerprint
 from eaglenest.artifacts.traffic import traffic_files
 from eaglenest.artifacts.traffic.records import TrafficRecord, read_traffic
 from eaglenest.commands import cli

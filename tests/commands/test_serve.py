@@ -232,7 +232,7 @@ def test_the_hybrid_is_served_at_the_setting_evaluate_measured_for_this_draft_al
     and the drafter's settings in ``--additional-config`` (what enables the plugin for this server), from evaluate's
     record of this very draft; one measured on another draft, none measured, or a K or baseline beside it: one
     line."""
-    from eaglenest.artifacts.k_record import draft_fingerprint
+    from eaglenest.artifacts.draft_hash import draft_fingerprint
     from eaglenest.core.drafter.config import CONFIG_KEY, DrafterConfig, SuffixConfig
 
     verifier, draft = pipeline_folders
@@ -278,7 +278,7 @@ def test_serve_follows_the_serving_plan_of_this_draft_where_no_flag_chooses(
 ):
     """The plan stage's method is served where no flag chose one: a free drafter as its baseline, plain decoding as
     no drafting; a plan of another draft is passed over in one line, and --no-plan or a flag of the user's wins."""
-    from eaglenest.artifacts.k_record import draft_fingerprint
+    from eaglenest.artifacts.draft_hash import draft_fingerprint
 
     verifier, draft = pipeline_folders
     monkeypatch.chdir(tmp_path)

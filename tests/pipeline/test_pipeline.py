@@ -11,7 +11,7 @@ import yaml
 from datasets import load_from_disk
 from safetensors.torch import load_file, save_file
 
-from eaglenest.artifacts.k_record import draft_fingerprint
+from eaglenest.artifacts.draft_hash import draft_fingerprint
 from eaglenest.commands.params_file import parse_params
 from eaglenest.core.errors import ParamsError
 from eaglenest.core.params import parse_sections
@@ -303,10 +303,11 @@ def test_an_edit_re_runs_only_the_stages_that_run_the_edited_code(tiny_pipeline:
     assert "Stage 'evaluate' didn't change, skipping" in rerun.stdout
     assert "Stage 'k_sweep' didn't change, skipping" in rerun.stdout
     assert "Stage 'free_sweep' didn't change, skipping" in rerun.stdout  # it reads no draft
-    # the K record's format and rule: the stage that writes it (serve and summary read it: commands re-run nothing)
+    # the K record's format and rule: the stage that writes it and the plan that reads its K (serve and summary read
+    # it too: commands re-run nothing)
     record_code = (code / "artifacts" / "k_record.py").read_text()
     append_comment(code / "artifacts" / "k_record.py")
-    assert changed_stages(repo) == {"k_sweep"}
+    assert changed_stages(repo) == {"k_sweep", "plan"}
     (code / "artifacts" / "k_record.py").write_text(record_code)
 
     # the resume state of a running extraction is the extract stage's alone; the file format every reader's

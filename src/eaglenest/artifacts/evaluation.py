@@ -277,7 +277,7 @@ def measured_hybrid(details_path: Path, draft_dir: Path) -> tuple[DrafterConfig,
         InputFileError: no such file, no hybrid measured there (with evaluate's reason), or one measured on another
             draft (its sha256 differs): one line naming the file.
     """
-    from eaglenest.artifacts.k_record import draft_fingerprint
+    from eaglenest.artifacts.draft_hash import draft_fingerprint
 
     details = read_metrics(details_path)
     record = (details.get("runs", {}).get("vllm", {}) or {}).get("hybrid") or {}

@@ -10,36 +10,26 @@ K is the drafts per verify step. A draft has its own K (``speculative_tokens`` i
      "not_measured": null,
      ...}                               # the stage's own details: Ks, rounds, per set and K, seconds
 
-``sha256`` (:func:`draft_fingerprint`) names the draft the K was measured on: a retrained draft has another, and
-is served at its own K until the stage runs for it. :func:`served_k` is the one rule that picks the K served
-(``eaglenest serve``, ``eaglenest bench --serve``, ``eaglenest summary``); a K told outright follows the
-measurement kit's rule (:func:`eaglenest.core.measure.engines.requested_k`).
+``sha256`` (:func:`eaglenest.artifacts.draft_hash.draft_fingerprint`) names the draft the K was measured on: a
+retrained draft has another, and is served at its own K until the stage runs for it. :func:`served_k` is the one rule
+that picks the K served (``eaglenest serve``, ``eaglenest bench --serve``, ``eaglenest summary``); a K told outright
+follows the measurement kit's rule (:func:`eaglenest.core.measure.engines.requested_k`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eaglenest.artifacts.draft_hash import draft_fingerprint
 from eaglenest.artifacts.sweep_record import read_sweep_record, write_sweep_record
 from eaglenest.core.errors import InputFileError
 from eaglenest.core.measure.engines import requested_k
 
 K_RECORD_FILE = Path("metrics/k_sweep.json")
 MEASURE_HINT = "`dvc repro k_sweep` measures it"
-
-
-def draft_fingerprint(draft_dir: Path) -> str:
-    """sha256 of the draft's config.json and weights: what a recorded K was measured on."""
-    digest = hashlib.sha256()
-    for name in ("config.json", "model.safetensors"):
-        with open(draft_dir / name, "rb") as f:
-            while block := f.read(1 << 20):
-                digest.update(block)
-    return digest.hexdigest()
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from eaglenest.artifacts.k_record import draft_fingerprint
+from eaglenest.artifacts.draft_hash import draft_fingerprint
 from eaglenest.core.atomic import atomic_write_json
 from eaglenest.core.errors import InputFileError
 

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from eaglenest.artifacts.k_record import draft_fingerprint
+from eaglenest.artifacts.draft_hash import draft_fingerprint
 from eaglenest.artifacts.prepared import VAL_PROMPTS_FILE
 from eaglenest.core.errors import EaglenestError
 from eaglenest.core.measure.engines import DRAFTING_KEYS, EngineBase, NgramSetting

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eaglenest.artifacts.k_record import draft_fingerprint, read_k_record, served_k
+from eaglenest.artifacts.draft_hash import draft_fingerprint
+from eaglenest.artifacts.k_record import read_k_record, served_k
 from eaglenest.commands import cli
 from eaglenest.commands.params_file import parse_params
 from eaglenest.core.errors import ParamsError

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from eaglenest.artifacts.draft_hash import draft_fingerprint
 from eaglenest.artifacts.eval_params import EvalSetParams, EvaluateParams
-from eaglenest.artifacts.k_record import draft_fingerprint
 from eaglenest.artifacts.serving_plan import choose_method, planned_method
 from eaglenest.core.errors import InputFileError
 from eaglenest.stages.evaluate import write_eval_outputs

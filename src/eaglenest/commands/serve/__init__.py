@@ -246,7 +246,7 @@ def follow_plan(args: argparse.Namespace) -> None:
     """Where no flag chose what to serve, the serving plan's method for this draft (``--plan``; the plan stage's):
     the hybrid, a free drafter, plain decoding or the draft; said in one line. A plan of another draft, or none, leaves
     the draft served as the flags say."""
-    from eaglenest.artifacts.k_record import draft_fingerprint
+    from eaglenest.artifacts.draft_hash import draft_fingerprint
     from eaglenest.artifacts.serving_plan import planned_method
 
     plan = Path(args.plan)

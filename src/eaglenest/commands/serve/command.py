@@ -10,8 +10,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from eaglenest.artifacts.draft_hash import draft_fingerprint
 from eaglenest.artifacts.free_record import FREE_RECORD_FILE, measured_ngram, measured_suffix
-from eaglenest.artifacts.k_record import K_RECORD_FILE, draft_fingerprint, served_k
+from eaglenest.artifacts.k_record import K_RECORD_FILE, served_k
 from eaglenest.artifacts.serve_schedule import (
     SCHEDULE_FILE,
     Schedule,

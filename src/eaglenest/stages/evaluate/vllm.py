@@ -45,9 +45,9 @@ import time
 from typing import Any
 
 from eaglenest.artifacts.draft import draft_algorithm, draft_tokens, vllm_speculative_config
+from eaglenest.artifacts.draft_hash import draft_fingerprint
 from eaglenest.artifacts.eval_params import EvaluateParams
 from eaglenest.artifacts.free_record import FREE_DRAFTERS, measured_ngram, measured_suffix, read_free_record
-from eaglenest.artifacts.k_record import draft_fingerprint
 from eaglenest.artifacts.verifier import load_tokenizer, load_verifier_info
 from eaglenest.core.drafter.config import (
     CONFIG_KEY,

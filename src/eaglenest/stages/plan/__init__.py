@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eaglenest.artifacts.draft_hash import draft_fingerprint
 from eaglenest.artifacts.evaluation import DETAILS_FILE, load_records, records_path, speedup_interval
-from eaglenest.artifacts.k_record import draft_fingerprint, served_k
+from eaglenest.artifacts.k_record import served_k
 from eaglenest.artifacts.metrics_file import read_metrics
 from eaglenest.artifacts.serving_plan import choose_method, write_serving_plan
 from eaglenest.core.stage import Stage, path_arg
