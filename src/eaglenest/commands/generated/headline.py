@@ -153,7 +153,19 @@ def headline_lines(repo: Path) -> list[str]:
         f"n-gram drafting {summary_figure_text(timed, 'ngram_speedup', 'x')}, suffix decoding "
         f"{summary_figure_text(timed, 'suffix_speedup', 'x')}); {lossless}"
         f"; {run.get('dtype', '—')}, on {host_label(details)}. {headline_clause(load_serve_record(repo))}"
+        f"{_plan_clause(repo)}"
     ]
+
+
+def _plan_clause(repo: Path) -> str:
+    """The serving plan's choice in one sentence (``metrics/serving_plan.json``); "" where there is none."""
+    path = repo / "metrics" / "serving_plan.json"
+    if not path.is_file():
+        return ""
+    plan = read_metrics(path)
+    return (
+        f" **Served by `eaglenest serve` (the plan stage's choice): {plan.get('method')}**, because {plan.get('why')}."
+    )
 
 
 def demo_table(repo: Path) -> list[str]:
