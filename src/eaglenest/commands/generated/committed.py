@@ -17,6 +17,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from eaglenest.artifacts.serving_plan import PLAN_FILE
 from eaglenest.commands.generated.blocks import Generated, stale, write
 from eaglenest.commands.generated.concurrency import SERVE_RECORD
 from eaglenest.commands.generated.training import CURVES_DIR, folder_md5, locked_md5
@@ -25,7 +26,7 @@ from eaglenest.core.errors import InputFileError
 
 LOCK_FILE = "dvc.lock"
 # The files git tracks that the generated files are drawn from (dvclive/train is DVC's, read by dvc.lock's md5).
-TRACKED_SOURCES = (EVAL_METRICS, DETAILS, SERVE_RECORD, LOCK_FILE)
+TRACKED_SOURCES = (EVAL_METRICS, DETAILS, SERVE_RECORD, PLAN_FILE.as_posix(), LOCK_FILE)
 
 
 def _git(repo: Path, *args: str) -> subprocess.CompletedProcess[bytes]:

@@ -18,6 +18,7 @@ from typing import Any
 
 from eaglenest.artifacts.metrics_file import figure_text as figure
 from eaglenest.artifacts.metrics_file import read_metrics, summary_figure_text, versus_text
+from eaglenest.artifacts.serving_plan import PLAN_FILE
 from eaglenest.commands.generated.concurrency import headline_clause, load_serve_record
 from eaglenest.commands.generated.svg import BLUE, GREEN, ORANGE, label_bars, new_figure, page_style, svg_text
 from eaglenest.core.errors import InputFileError
@@ -159,7 +160,7 @@ def headline_lines(repo: Path) -> list[str]:
 
 def _plan_clause(repo: Path) -> str:
     """The serving plan's choice in one sentence (``metrics/serving_plan.json``); "" where there is none."""
-    path = repo / "metrics" / "serving_plan.json"
+    path = repo / PLAN_FILE
     if not path.is_file():
         return ""
     plan = read_metrics(path)

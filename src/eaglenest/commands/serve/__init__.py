@@ -54,7 +54,7 @@ from eaglenest.core.vllm_support import VLLM_DTYPES, VLLM_EXECUTIONS
 EVAL_DETAILS = Path("metrics/eval/details.json")
 
 
-def serve(options: ServeOptions, print_only: bool = False, no_api_key: bool = False) -> int:
+def serve(options: ServeOptions, print_only: bool = False, no_api_key: bool = False, plan_note: str = "") -> int:
     """Checks, then runs (or with ``print_only`` prints) vLLM's OpenAI server for verifier and draft.
 
     A ``host`` other than loopback needs an API key (``VLLM_API_KEY``, or ``--api-key`` in ``vllm_args``) unless
@@ -64,6 +64,7 @@ def serve(options: ServeOptions, print_only: bool = False, no_api_key: bool = Fa
         options: What to serve and how.
         print_only: Print the command instead of running it.
         no_api_key: Serve beyond loopback without an API key.
+        plan_note: What the serving plan chose, in words (:func:`follow_plan`), said once the command is checked.
 
     Returns:
         0 after printing; else the server's exit status (128 + N when a signal N ended it), once no process of
@@ -82,6 +83,8 @@ def serve(options: ServeOptions, print_only: bool = False, no_api_key: bool = Fa
         build = installed_build()
     command = build_command(options, cpu_build=build is not None and build.kind == "cpu")
     check_exposure(options.host, options.port, command.env, no_api_key)
+    if plan_note:
+        print(f"eaglenest serve: {plan_note}", file=sys.stderr, flush=True)
     print(f"eaglenest serve: {command.k_reason}", file=sys.stderr, flush=True)
     if command.schedule_reason:
         print(f"eaglenest serve: {command.schedule_reason}", file=sys.stderr, flush=True)
@@ -242,33 +245,34 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def follow_plan(args: argparse.Namespace) -> None:
+def follow_plan(args: argparse.Namespace) -> str:
     """Where no flag chose what to serve, the serving plan's method for this draft (``--plan``; the plan stage's):
-    the hybrid, a free drafter, plain decoding or the draft; said in one line. A plan of another draft, or none, leaves
-    the draft served as the flags say."""
+    the hybrid, a free drafter, plain decoding or the draft. Returns what was done, in words ("" where no plan was
+    consulted), printed once the command is checked; a plan of another draft leaves the draft served as the flags
+    say."""
     from eaglenest.artifacts.draft_hash import draft_fingerprint
     from eaglenest.artifacts.serving_plan import planned_method
 
     plan = Path(args.plan)
     chosen = args.baseline or args.hybrid or args.num_speculative_tokens is not None
     draft = Path(args.draft)
-    if args.no_plan or chosen or not plan.is_file() or not (draft / "model.safetensors").is_file():
-        return
+    files = all((draft / name).is_file() for name in ("config.json", "model.safetensors"))
+    if args.no_plan or chosen or not plan.is_file() or not files:
+        return ""
     method, why = planned_method(draft_fingerprint(draft), plan)
     if method is None:
-        print(f"eaglenest serve: serving plan passed over: {why}", file=sys.stderr, flush=True)
-        return
-    print(f"eaglenest serve: serving plan ({plan}): {method}, {why}", file=sys.stderr, flush=True)
+        return f"serving plan passed over: {why}"
     if method == "hybrid":
         args.hybrid = str(EVAL_DETAILS)
     elif method in ("ngram", "suffix"):
         args.baseline = method
     elif method == "plain":
         args.baseline = "none"
+    return f"serving plan ({plan}): {method}, {why}"
 
 
 def _run(args: argparse.Namespace) -> int:
-    follow_plan(args)
+    plan_note = follow_plan(args)
     options = ServeOptions(
         Path(args.verifier),
         Path(args.draft),
@@ -288,7 +292,7 @@ def _run(args: argparse.Namespace) -> int:
         execution=args.execution,
         hybrid_file=Path(args.hybrid) if args.hybrid else None,
     )
-    return serve(options, args.print_command, args.no_api_key)
+    return serve(options, args.print_command, args.no_api_key, plan_note)
 
 
 COMMAND = Command(
