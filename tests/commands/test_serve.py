@@ -742,7 +742,15 @@ def test_the_served_hybrid_loads_the_drafter_in_vllms_server_and_drafts(shared_p
         fib = "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\n"
         prompts = [fib * 3 + "def fib(n):", "Write one sentence about the sea."]
         for prompt in prompts:
-            body = json.dumps({"model": str(repo / "models" / "verifier"), "prompt": prompt, "max_tokens": 24})
+            body = json.dumps(
+                {
+                    "model": str(repo / "models" / "verifier"),
+                    "prompt": prompt,
+                    "max_tokens": 24,
+                    "temperature": 0,
+                    "ignore_eos": True,  # every answer its 24 tokens: steps to draft for
+                }
+            )
             request = urllib.request.Request(
                 f"http://127.0.0.1:{port}/v1/completions",
                 data=body.encode(),

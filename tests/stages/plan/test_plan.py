@@ -89,3 +89,15 @@ def test_the_stage_plans_from_evaluates_timed_turns_for_this_draft_and_serve_rea
     paths.out.write_text(json.dumps({"method": "fastest"}))
     with pytest.raises(InputFileError, match="serving_plan.json: not a serving plan"):
         planned_method("0" * 64, paths.out)
+
+
+def test_a_run_without_the_vllm_back_end_plans_the_draft(tmp_path: Path):
+    rng = np.random.default_rng(1)
+    params = EvaluateParams(sets=[EvalSetParams(name="a", source="builtin:general", headline=True)], backend=["hf"])
+    entry = {"source": "x", "temperature": 0.0, "max_new_tokens": 32, "records": _records(rng, 0.5)}
+    run = {"dtype": "float32", "num_speculative_tokens": 2, "sets": {"a": entry}}
+    write_eval_outputs(params, {"hf": run}, tmp_path / "eval.json", tmp_path / "eval")
+    paths = PlanPaths(_draft(tmp_path / "draft"), tmp_path / "eval", tmp_path / "absent.json", tmp_path / "plan.json")
+    assert plan(PlanStageParams(evaluate=params), paths) == {"method": "draft"}
+    record = json.loads(paths.out.read_text())
+    assert record["pooled"] == {} and "no vllm back end" in record["why"] and record["hybrid"] is None

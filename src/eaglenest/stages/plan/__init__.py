@@ -48,8 +48,12 @@ def pooled_speedups(
     """Each method's single-stream speed-up over plain decoding on the headline sets' timed turns pooled, as
     ``(value, low, high)``; methods evaluate did not time are left out. A conversation of one set is never
     another's: ids are prefixed with the set."""
-    sets = records_doc["runs"][BACKEND]["sets"]
-    pooled = [record | {"id": f"{name}/{record['id']}"} for name in headline_sets for record in sets[name]["records"]]
+    sets = records_doc["runs"].get(BACKEND, {}).get("sets", {})
+    pooled = [
+        record | {"id": f"{name}/{record['id']}"}
+        for name in headline_sets
+        for record in sets.get(name, {}).get("records", [])
+    ]
     figures = {}
     for method, timed_as in TIMED_AS.items():
         interval = speedup_interval(pooled, samples, seed, timed_as)
@@ -64,9 +68,12 @@ def plan(params: PlanStageParams, paths: PlanPaths) -> dict[str, Any]:
     headline = [s.name for s in evaluate.sets if s.headline]
     records_doc = load_records(records_path(paths.eval).read_text(), str(records_path(paths.eval)))
     details = read_metrics(paths.eval / DETAILS_FILE)
-    run = details["runs"].get(BACKEND, {})
+    run = details.get("runs", {}).get(BACKEND, {})
     pooled = pooled_speedups(records_doc, headline, evaluate.bootstrap_samples, evaluate.seed)
-    method, why = choose_method(pooled)
+    if pooled:
+        method, why = choose_method(pooled)
+    else:  # nothing a server runs was timed (evaluate ran no vllm back end, or no timed turns)
+        method, why = "draft", "evaluate timed no method a vLLM server runs (no vllm back end or no timed turns)"
     k = served_k(paths.draft, None, paths.k_sweep)
     first = next(iter(run.get("sets", {}).values()), {})
     document = {
